@@ -1,0 +1,86 @@
+"""The agent's configuration: typed, validated, loaded once.
+
+Why: every setting the agent acts on is read, type-checked and
+cross-checked here *before anything starts*, so a typo in a 64-node job fails on the
+first node in under a second with one message that names the key, the value and
+the fix, instead of hours later on the first restart. This package is also the only code
+that looks at the environment; callers pass ``os.environ`` in.
+
+Precedence (later wins): built-in defaults < TOML file < ``ELASTICD_*`` environment
+< ``overrides`` (the CLI's flags).
+
+TOML layout (every key is documented with its default in docs/configuration.md)::
+
+    [job]        name, nnodes, checkpoint_url, standalone
+    [etcd]       endpoints, ca_file, cert_file, key_file, user, password,
+                 password_file, timeout_s, data_dir
+    [node]       id, local_addr, ttl_s
+    [workers]    command, nproc_per_node, workdir, monitor_interval_s,
+                 hang_timeout_s, and a [workers.env] table
+    [restart]    max_restarts, backoff_s, backoff_max_s
+    [drain]      grace_s
+    [preemption] provider, base_url, poll_interval_s
+    [logging]    format, level
+    [metrics]    port, addr
+
+Environment: ``ELASTICD_<SECTION>_<KEY>`` in upper case, e.g. ``ELASTICD_JOB_NAME``,
+``ELASTICD_ETCD_ENDPOINTS``, ``ELASTICD_NODE_TTL_S``. Values are text and are
+converted like flags (``"h1:2379,h2:2379"`` for lists, shell words for
+``workers.command``, ``true``/``false`` for booleans). An empty value counts as unset.
+Variables whose section part is not a section above (``ELASTICD_SOAK``,
+``ELASTICD_CONFIG``) are ignored; a misspelt key inside a known section is an error.
+``workers.env`` cannot come from the environment (workers inherit the agent's
+environment anyway, so export the variable itself).
+
+Override keys (the ``overrides`` mapping, one per CLI flag) are the dotted names::
+
+    job.name  job.nnodes  job.checkpoint_url  job.standalone
+    etcd.endpoints  etcd.ca_file  etcd.cert_file  etcd.key_file  etcd.user
+    etcd.password  etcd.password_file  etcd.timeout_s  etcd.data_dir
+    node.id  node.local_addr  node.ttl_s
+    workers.command  workers.nproc_per_node  workers.workdir  workers.env
+    workers.monitor_interval_s  workers.hang_timeout_s
+    restart.max_restarts  restart.backoff_s  restart.backoff_max_s
+    drain.grace_s
+    preemption.provider  preemption.base_url  preemption.poll_interval_s
+    logging.format  logging.level
+    metrics.port  metrics.addr
+
+An override value of ``None`` means "flag not given" and is skipped, so argparse
+results can be passed straight through. Values may be typed (``int``, ``list``) or
+text (converted as for the environment). ``workers.env`` overrides are a mapping
+merged variable by variable over the file's table.
+"""
+
+from elasticd.config.loader import ENV_PREFIX, RESERVED_WORKER_ENV, load_config, render_effective
+from elasticd.config.model import (
+    MASK,
+    AgentConfig,
+    DrainConfig,
+    EtcdConfig,
+    JobConfig,
+    LoggingConfig,
+    MetricsConfig,
+    NodeConfig,
+    PreemptionConfig,
+    RestartConfig,
+    WorkersConfig,
+)
+
+__all__ = [
+    "ENV_PREFIX",
+    "MASK",
+    "RESERVED_WORKER_ENV",
+    "AgentConfig",
+    "DrainConfig",
+    "EtcdConfig",
+    "JobConfig",
+    "LoggingConfig",
+    "MetricsConfig",
+    "NodeConfig",
+    "PreemptionConfig",
+    "RestartConfig",
+    "WorkersConfig",
+    "load_config",
+    "render_effective",
+]

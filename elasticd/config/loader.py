@@ -1,0 +1,461 @@
+"""Loading the agent configuration: merge file, environment and flags, then validate.
+
+See the package docstring (elasticd/config/__init__.py) for precedence, the
+environment mapping and the override key names.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import re
+import sys
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import Any
+
+from elasticd.config.model import (
+    MASK,
+    AgentConfig,
+    DrainConfig,
+    EtcdConfig,
+    JobConfig,
+    LoggingConfig,
+    MetricsConfig,
+    NodeConfig,
+    PreemptionConfig,
+    RestartConfig,
+    WorkersConfig,
+)
+from elasticd.config.schema import (
+    KEYS,
+    REQUIRED,
+    SECTIONS,
+    UNQUOTE,
+    Invalid,
+    Key,
+    format_value,
+    node_id_from_hostname,
+)
+from elasticd.errors import ConfigError
+from elasticd.keys import validate_job_name, validate_node_id
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on 3.10 only
+    import tomli as tomllib
+
+ENV_PREFIX = "ELASTICD_"
+# Variables the agent sets for every worker itself; a value from [workers.env] would
+# be silently overwritten, so it is refused up front.
+RESERVED_WORKER_ENV = frozenset(
+    {
+        "RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
+        "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT",
+        "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_USE_AGENT_STORE",
+    }
+)
+
+
+def load_config(
+    path: str | None,
+    env: Mapping[str, str],
+    overrides: Mapping[str, Any] | None = None,
+    *,
+    check_files: bool = True,
+    require_command: bool = True,
+    hostname: str | None = None,
+) -> AgentConfig:
+    """Load, merge and validate the agent configuration.
+
+    Args:
+        path: TOML file, or None for defaults + environment + overrides only.
+        env: the process environment (pass ``os.environ``); only ``ELASTICD_*`` is read.
+        overrides: dotted ``section.key`` -> value from the command line (see the
+            module docstring); ``None`` values are skipped.
+        check_files: check that TLS, password and workdir paths exist and are
+            readable. Turn off only to validate a config meant for another machine.
+        require_command: require ``workers.command`` (the agent needs it; read-only
+            tools such as ``elasticd status`` do not).
+        hostname: host name the default ``node.id`` is derived from; defaults to
+            ``socket.gethostname()``.
+
+    Returns:
+        The frozen, validated :class:`AgentConfig`.
+
+    Raises:
+        ConfigError: one message naming the key (``section.key``), its value and
+            where it came from, and how to fix it.
+    """
+    raw: dict[str, tuple[Any, str, bool]] = {}  # dotted -> (value, origin, is_text)
+    worker_env: dict[str, tuple[Any, str]] = {}
+    if path is not None:
+        _merge_file(path, raw, worker_env)
+    _merge_env(env, raw)
+    _merge_overrides(overrides or {}, raw, worker_env)
+
+    values: dict[str, Any] = {}
+    origins: dict[str, str] = {}
+    for key in KEYS.values():
+        if key.dotted == "workers.env":
+            continue
+        if key.dotted in raw:
+            value, origin, text = raw[key.dotted]
+            values[key.dotted] = _parse(key, value, origin, text)
+            origins[key.dotted] = origin
+        elif key.default is REQUIRED and (key.dotted != "workers.command" or require_command):
+            raise ConfigError(
+                f"{key.dotted} is required but not set: add `{key.example}` under "
+                f"[{key.section}] in the config file, or set {key.env_var}"
+            )
+        else:
+            values[key.dotted] = () if key.default is REQUIRED else key.default
+            origins[key.dotted] = "default"
+    values["workers.env"] = _parse_worker_env(worker_env, origins)
+    if values["node.id"] is None:
+        values["node.id"] = node_id_from_hostname(hostname)
+        origins["node.id"] = "default (host name)"
+    config = _build(values, origins, path)
+    https = "https://" in str(raw.get("etcd.endpoints", ("",))[0])
+    _validate(config, check_files=check_files, https=https)
+    return config
+
+
+def render_effective(config: AgentConfig) -> str:
+    """Render ``config`` as TOML (secrets masked) with the origin of every value.
+
+    The output loads back with :func:`load_config` (masked secrets aside), so an
+    operator can diff it against the file on disk or start from it.
+    """
+    masked = config.masked()
+    values = _flatten(masked)
+    where = f" from {config.path}" if config.path else ""
+    lines = [f"# effective elasticd configuration{where}; secrets shown as {MASK}"]
+    env_table = values.pop("workers.env")
+    for section in SECTIONS:
+        lines.append("")
+        lines.append(f"[{section}]")
+        for key in KEYS.values():
+            if key.section != section or key.dotted == "workers.env":
+                continue
+            value = values[key.dotted]
+            origin = _short(config.origins.get(key.dotted, "default"))
+            if value is None:
+                lines.append(f"# {key.name} = (unset)  # {origin}")
+            else:
+                lines.append(f"{key.name} = {format_value(value)}  # {origin}")
+        if section == "workers":
+            lines.append("")
+            lines.append("[workers.env]")
+            for name, value in sorted(env_table.items()):
+                origin = _short(config.origins.get(f"workers.env.{name}", "file"))
+                lines.append(f"{name} = {format_value(value)}  # {origin}")
+    return "\n".join(lines) + "\n"
+
+
+# --- merging ---------------------------------------------------------------------
+
+
+def _merge_file(
+    path: str, raw: dict[str, tuple[Any, str, bool]], worker_env: dict[str, tuple[Any, str]]
+) -> None:
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except FileNotFoundError as exc:
+        raise ConfigError(
+            f"config file {path!r} does not exist; pass the path of an existing TOML file "
+            "(examples in agents/), or leave --config out"
+        ) from exc
+    except OSError as exc:
+        raise ConfigError(
+            f"config file {path!r} cannot be read ({exc.strerror or exc}); make it a regular "
+            "file readable by the agent's user"
+        ) from exc
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(
+            f"config file {path!r} is not valid TOML: {exc}; fix the syntax there "
+            '(strings need quotes, e.g. name = "my-run"; sections look like [job])'
+        ) from exc
+    origin = f"file {path}"
+    for section, table in data.items():
+        if not isinstance(table, dict):
+            if section in SECTIONS:
+                raise ConfigError(
+                    f"{section} = {table!r} ({origin}): {section} must be a section; write "
+                    f"[{section}] on a line of its own with its keys below it"
+                )
+            raise ConfigError(_unknown_key("", section, origin))
+        if section not in SECTIONS:
+            hint = difflib.get_close_matches(section, SECTIONS, n=1)
+            did_you_mean = f"did you mean [{hint[0]}]? " if hint else ""
+            raise ConfigError(
+                f"[{section}] ({origin}): unknown section; {did_you_mean}"
+                f"the sections are {', '.join('[' + s + ']' for s in SECTIONS)}"
+            )
+        for name, value in table.items():
+            dotted = f"{section}.{name}"
+            if dotted == "workers.env":
+                if not isinstance(value, dict):
+                    raise ConfigError(
+                        f"workers.env = {value!r} ({origin}): must be a table of variables; "
+                        'write [workers.env] and then lines like OMP_NUM_THREADS = "4"'
+                    )
+                for var, var_value in value.items():
+                    worker_env[var] = (var_value, origin)
+                continue
+            if dotted not in KEYS:
+                raise ConfigError(_unknown_key(section, name, origin))
+            raw[dotted] = (value, origin, False)
+
+
+def _merge_env(env: Mapping[str, str], raw: dict[str, tuple[Any, str, bool]]) -> None:
+    for var in sorted(env):
+        if not var.startswith(ENV_PREFIX):
+            continue
+        section, _, name = var[len(ENV_PREFIX):].lower().partition("_")
+        if section not in SECTIONS or not name:
+            continue  # not ours (ELASTICD_SOAK, ELASTICD_CONFIG, worker-side variables)
+        value = env[var]
+        if value == "":
+            continue
+        dotted = f"{section}.{name}"
+        if dotted == "workers.env":
+            raise ConfigError(
+                f"{var} is set, but workers.env cannot come from the environment; workers "
+                "inherit the agent's environment, so export each variable itself instead"
+            )
+        if dotted not in KEYS:
+            raise ConfigError(_unknown_key(section, name, f"env {var}"))
+        raw[dotted] = (value, f"env {var}", True)
+
+
+def _merge_overrides(
+    overrides: Mapping[str, Any],
+    raw: dict[str, tuple[Any, str, bool]],
+    worker_env: dict[str, tuple[Any, str]],
+) -> None:
+    for dotted, value in overrides.items():
+        if value is None:
+            continue
+        if dotted == "workers.env":
+            if not isinstance(value, Mapping):
+                raise ConfigError(
+                    f"override workers.env = {value!r}: must be a mapping of variable names "
+                    "to values; pass e.g. {'OMP_NUM_THREADS': '4'}"
+                )
+            for var, var_value in value.items():
+                worker_env[var] = (var_value, "override")
+            continue
+        if dotted not in KEYS:
+            section, _, name = dotted.partition(".")
+            raise ConfigError(_unknown_key(section, name, "override"))
+        raw[dotted] = (value, "override", isinstance(value, str))
+
+
+def _unknown_key(section: str, name: str, origin: str) -> str:
+    """Say that ``section.name`` is unknown and suggest the closest real key."""
+    dotted = f"{section}.{name}" if section else name
+    in_section = [k.name for k in KEYS.values() if k.section == section]
+    close = [f"{section}.{n}" for n in difflib.get_close_matches(name, in_section, n=1)]
+    if not close:  # the right key in the wrong section?
+        close = [k.dotted for k in KEYS.values() if k.name == name]
+    if not close:
+        names = {k.name: k.dotted for k in KEYS.values()}
+        close = [names[n] for n in difflib.get_close_matches(name, list(names), n=1)]
+    head = f"{dotted} ({origin}): unknown key"
+    if not close:
+        where = f"[{section}] takes {', '.join(in_section)}" if section else "keys go in sections"
+        return f"{head}; {where} (see docs/configuration.md)"
+    target = KEYS[close[0]]
+    spelled = (
+        f"{target.env_var} ({target.dotted})" if origin.startswith("env ") else target.dotted
+    )
+    moved = f" (it goes under [{target.section}])" if target.section != section else ""
+    return f"{head}; did you mean {spelled}?{moved}"
+
+
+def _short(origin: str) -> str:
+    """``file /etc/x.toml`` -> ``file`` (the rendered header names the file)."""
+    return "file" if origin.startswith("file ") else origin
+
+
+# --- parsing and building --------------------------------------------------------
+
+
+def _parse(key: Key, value: Any, origin: str, text: bool) -> Any:
+    try:
+        return key.parse(value, text)
+    except Invalid as exc:
+        if exc.fix == UNQUOTE:
+            fix = f"write the number without quotes, e.g. `{key.example}`"
+        else:
+            fix = exc.fix or f"write e.g. `{key.example}`"
+        raise ConfigError(f"{key.dotted} = {value!r} ({origin}): {exc.problem}; {fix}") from None
+
+
+def _parse_worker_env(
+    worker_env: Mapping[str, tuple[Any, str]], origins: dict[str, str]
+) -> Mapping[str, str]:
+    out: dict[str, str] = {}
+    for name, (value, origin) in worker_env.items():
+        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", str(name)):
+            raise ConfigError(
+                f"workers.env.{name} ({origin}): not a valid environment variable name; "
+                "use letters, digits and '_' and do not start with a digit"
+            )
+        if name in RESERVED_WORKER_ENV:
+            raise ConfigError(
+                f"workers.env.{name} = {value!r} ({origin}): the agent sets {name} for each "
+                "worker itself; remove it from [workers.env]"
+            )
+        if isinstance(value, bool):
+            value = "1" if value else "0"
+        elif isinstance(value, (int, float)):
+            value = str(value)
+        elif not isinstance(value, str):
+            raise ConfigError(
+                f"workers.env.{name} = {value!r} ({origin}): must be a string or number; "
+                f'write {name} = "value"'
+            )
+        out[name] = value
+        origins[f"workers.env.{name}"] = origin
+    return MappingProxyType(out)
+
+
+def _build(values: Mapping[str, Any], origins: Mapping[str, str], path: str | None) -> AgentConfig:
+    def section(name: str) -> dict[str, Any]:
+        prefix = name + "."
+        return {k[len(prefix):]: v for k, v in values.items() if k.startswith(prefix)}
+
+    job = section("job")
+    min_nodes, max_nodes = job.pop("nnodes")
+    return AgentConfig(
+        job=JobConfig(min_nodes=min_nodes, max_nodes=max_nodes, **job),
+        etcd=EtcdConfig(**section("etcd")),
+        node=NodeConfig(**section("node")),
+        workers=WorkersConfig(**section("workers")),
+        restart=RestartConfig(**section("restart")),
+        drain=DrainConfig(**section("drain")),
+        preemption=PreemptionConfig(**section("preemption")),
+        logging=LoggingConfig(**section("logging")),
+        metrics=MetricsConfig(**section("metrics")),
+        origins=MappingProxyType(dict(origins)),
+        path=path,
+    )
+
+
+def _flatten(config: AgentConfig) -> dict[str, Any]:
+    """Inverse of :func:`_build`: dotted key -> value, as TOML would spell it."""
+    out: dict[str, Any] = {}
+    for section in SECTIONS:
+        obj = getattr(config, section)
+        for key in KEYS.values():
+            if key.section != section:
+                continue
+            if key.dotted == "job.nnodes":
+                out[key.dotted] = f"{obj.min_nodes}:{obj.max_nodes}"
+            else:
+                out[key.dotted] = getattr(obj, key.name)
+    return out
+
+
+# --- cross-key validation --------------------------------------------------------
+
+
+def _validate(config: AgentConfig, *, check_files: bool, https: bool) -> None:
+    """Checks that involve more than one key, or the file system.
+
+    ``https`` says whether an endpoint was written with ``https://`` (the parsed
+    endpoints no longer carry the scheme).
+    """
+    origins = config.origins
+
+    def bad(dotted: str, value: Any, problem_and_fix: str) -> ConfigError:
+        return ConfigError(
+            f"{dotted} = {value!r} ({origins.get(dotted, 'default')}): {problem_and_fix}"
+        )
+
+    job, etcd, node, workers = config.job, config.etcd, config.node, config.workers
+    try:
+        validate_job_name(job.name)
+    except ConfigError as exc:
+        raise bad("job.name", job.name, str(exc)) from None
+    try:
+        validate_node_id(node.id)
+    except ConfigError as exc:
+        raise bad("node.id", node.id, f"{exc}; set [node] id explicitly") from None
+    if job.standalone and etcd.endpoints:
+        raise bad(
+            "job.standalone", True,
+            "a standalone job uses an embedded etcd, but etcd.endpoints is set too; "
+            "remove etcd.endpoints, or set standalone = false for a multi-node job",
+        )
+    if job.standalone and job.max_nodes > 1:
+        raise bad(
+            "job.standalone", True,
+            f'a standalone job runs on one node, but job.nnodes allows {job.max_nodes}; '
+            'set nnodes = 1, or standalone = false with etcd.endpoints',
+        )
+    if config.restart.backoff_max_s < config.restart.backoff_s:
+        raise bad(
+            "restart.backoff_max_s", config.restart.backoff_max_s,
+            f"smaller than restart.backoff_s = {config.restart.backoff_s}; "
+            "make backoff_max_s >= backoff_s",
+        )
+    if etcd.password is not None and etcd.password_file is not None:
+        raise bad(
+            "etcd.password_file", etcd.password_file,
+            "etcd.password is set too; keep only one (password_file keeps the secret "
+            "out of the config and the environment)",
+        )
+    has_password = etcd.password is not None or etcd.password_file is not None
+    if has_password and etcd.user is None:
+        key = "etcd.password" if etcd.password is not None else "etcd.password_file"
+        raise bad(key, MASK if key == "etcd.password" else etcd.password_file,
+                  "a password needs a user; set etcd.user too")
+    if etcd.user is not None and not has_password:
+        raise bad("etcd.user", etcd.user,
+                  "a user needs a password; set etcd.password_file (or etcd.password)")
+    if (etcd.cert_file is None) != (etcd.key_file is None):
+        given, missing = (
+            ("etcd.cert_file", "etcd.key_file") if etcd.cert_file else
+            ("etcd.key_file", "etcd.cert_file")
+        )
+        raise bad(given, getattr(etcd, given.split(".")[1]),
+                  f"client TLS needs both a certificate and its key; set {missing} too")
+    if etcd.cert_file is not None and etcd.ca_file is None:
+        raise bad("etcd.cert_file", etcd.cert_file,
+                  "client certificates are only sent over TLS; set etcd.ca_file too")
+    if etcd.embedded:
+        for dotted in ("etcd.ca_file", "etcd.cert_file", "etcd.user"):
+            value = getattr(etcd, dotted.split(".")[1])
+            if value is not None:
+                raise bad(
+                    dotted, value,
+                    "etcd.endpoints is empty, so the agent starts a private embedded etcd "
+                    "(plain, no auth) and this would be ignored; set etcd.endpoints to "
+                    "your etcd cluster, or remove the key",
+                )
+    elif https and not etcd.tls:
+        raise bad("etcd.endpoints", list(etcd.endpoints),
+                  "https endpoints need the cluster's CA; set etcd.ca_file")
+    if check_files:
+        for dotted in ("etcd.ca_file", "etcd.cert_file", "etcd.key_file", "etcd.password_file"):
+            file_path = getattr(etcd, dotted.split(".")[1])
+            if file_path is not None and not (
+                os.path.isfile(file_path) and os.access(file_path, os.R_OK)
+            ):
+                raise bad(dotted, file_path,
+                          "no such readable file; fix the path or the file's permissions "
+                          "for the agent's user")
+        if etcd.password_file is not None:
+            try:
+                etcd.resolved_password()
+            except ConfigError as exc:
+                raise ConfigError(f"{exc} ({origins.get('etcd.password_file')})") from None
+        if workers.workdir is not None and not os.path.isdir(workers.workdir):
+            raise bad("workers.workdir", workers.workdir,
+                      "no such directory; create it or fix the path")
+
+

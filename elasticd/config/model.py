@@ -1,0 +1,234 @@
+"""The typed agent configuration: frozen dataclasses, one per TOML section.
+
+Built and validated by :func:`elasticd.config.load_config`; code that uses the
+configuration only reads these objects (they are immutable, so a config seen by one
+thread is the config seen by all).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
+from types import MappingProxyType
+from urllib.parse import urlsplit, urlunsplit
+
+from elasticd.errors import ConfigError
+
+MASK = "***"
+# Names of worker variables whose values --check-config hides.
+_SECRET_ENV_NAME = re.compile(r"PASS|SECRET|TOKEN|CREDENTIAL|PRIVATE|(^|_)KEY($|_)", re.I)
+
+
+@dataclass(frozen=True)
+class JobConfig:
+    """``[job]``: what is trained and by how many nodes."""
+
+    name: str
+    min_nodes: int = 1
+    max_nodes: int = 1
+    checkpoint_url: str | None = None
+    standalone: bool = False
+
+
+@dataclass(frozen=True)
+class EtcdConfig:
+    """``[etcd]``: the control plane. No endpoints means an embedded private etcd."""
+
+    endpoints: tuple[str, ...] = ()
+    ca_file: str | None = None
+    cert_file: str | None = None
+    key_file: str | None = None
+    user: str | None = None
+    password: str | None = field(default=None, repr=False)  # never in logs
+    password_file: str | None = None
+    timeout_s: float = 5.0
+    data_dir: str | None = None
+
+    @property
+    def embedded(self) -> bool:
+        """True when the agent must start its own etcd (no endpoints configured)."""
+        return not self.endpoints
+
+    @property
+    def tls(self) -> bool:
+        """True when connections to etcd use TLS (a CA file is configured)."""
+        return self.ca_file is not None
+
+    def host_ports(self) -> tuple[tuple[str, int], ...]:
+        """Return the endpoints as ``(host, port)`` pairs (IPv6 hosts without brackets)."""
+        out = []
+        for endpoint in self.endpoints:
+            host, _, port = endpoint.rpartition(":")
+            out.append((host.strip("[]"), int(port)))
+        return tuple(out)
+
+    def resolved_password(self) -> str | None:
+        """Return the etcd password, reading ``password_file`` if that is how it is given.
+
+        Returns:
+            The password with one trailing newline removed, or None without auth.
+
+        Raises:
+            ConfigError: the password file cannot be read or is empty.
+        """
+        if self.password_file is None:
+            return self.password
+        try:
+            with open(self.password_file, encoding="utf-8") as f:
+                secret = f.read()
+        except OSError as exc:
+            raise ConfigError(
+                f"etcd.password_file = {self.password_file!r}: cannot read it "
+                f"({exc.strerror or exc}); create it readable by the agent's user "
+                "(chmod 0600) or set etcd.password instead"
+            ) from exc
+        secret = secret[:-1] if secret.endswith("\n") else secret
+        if not secret:
+            raise ConfigError(
+                f"etcd.password_file = {self.password_file!r}: the file is empty; "
+                "write the etcd password into it"
+            )
+        return secret
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    """``[node]``: this node's identity and liveness lease."""
+
+    id: str
+    local_addr: str | None = None
+    ttl_s: int = 5
+
+
+@dataclass(frozen=True)
+class WorkersConfig:
+    """``[workers]``: the training processes this node runs."""
+
+    command: tuple[str, ...] = ()
+    nproc_per_node: int | str = 1
+    workdir: str | None = None
+    env: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+    monitor_interval_s: float = 0.5
+    hang_timeout_s: float = 0.0
+
+    def resolve_nproc_per_node(self, device_count: Callable[[], int] | None = None) -> int:
+        """Return the number of workers to start on this node.
+
+        ``"gpu"`` means one per visible GPU (an error without GPUs); ``"auto"`` means one
+        per visible GPU, or one on a machine without GPUs. torch is imported only here,
+        so loading a config stays fast.
+
+        Args:
+            device_count: returns the number of visible GPUs; defaults to
+                ``torch.cuda.device_count``.
+
+        Raises:
+            ConfigError: ``"gpu"`` was asked for and no GPU is visible.
+        """
+        if isinstance(self.nproc_per_node, int):
+            return self.nproc_per_node
+        if device_count is None:
+            import torch
+
+            device_count = torch.cuda.device_count
+        count = int(device_count())
+        if count > 0:
+            return count
+        if self.nproc_per_node == "auto":
+            return 1
+        raise ConfigError(
+            'workers.nproc_per_node = "gpu": torch sees no GPU (torch.cuda.device_count() '
+            "is 0); set nproc_per_node to a number of workers, or check the NVIDIA driver, "
+            "a CUDA build of torch and CUDA_VISIBLE_DEVICES"
+        )
+
+
+@dataclass(frozen=True)
+class RestartConfig:
+    """``[restart]``: the worker-failure budget. Membership changes never consume it."""
+
+    max_restarts: int = 3
+    backoff_s: float = 1.0
+    backoff_max_s: float = 60.0
+
+
+@dataclass(frozen=True)
+class DrainConfig:
+    """``[drain]``: graceful stop (SIGTERM, preemption notice)."""
+
+    grace_s: float = 60.0
+
+
+@dataclass(frozen=True)
+class PreemptionConfig:
+    """``[preemption]``: cloud spot/preemption notice watcher."""
+
+    provider: str = "none"
+    base_url: str | None = None
+    poll_interval_s: float = 2.0
+
+
+@dataclass(frozen=True)
+class LoggingConfig:
+    """``[logging]``: structlog output."""
+
+    format: str = "auto"
+    level: str = "info"
+
+
+@dataclass(frozen=True)
+class MetricsConfig:
+    """``[metrics]``: Prometheus exporter; port 0 turns it off."""
+
+    port: int = 0
+    addr: str = "0.0.0.0"
+
+    @property
+    def enabled(self) -> bool:
+        """True when the exporter should listen."""
+        return self.port != 0
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    """The whole, validated agent configuration. Build it with :func:`load_config`."""
+
+    job: JobConfig
+    etcd: EtcdConfig
+    node: NodeConfig
+    workers: WorkersConfig
+    restart: RestartConfig = RestartConfig()
+    drain: DrainConfig = DrainConfig()
+    preemption: PreemptionConfig = PreemptionConfig()
+    logging: LoggingConfig = LoggingConfig()
+    metrics: MetricsConfig = MetricsConfig()
+    # Where each dotted key's value came from: "default", "file", "env ELASTICD_...",
+    # "override". Shown by --check-config; not part of equality.
+    origins: Mapping[str, str] = field(
+        default_factory=lambda: MappingProxyType({}), compare=False, repr=False
+    )
+    path: str | None = field(default=None, compare=False)
+
+    def masked(self) -> AgentConfig:
+        """Return a copy safe to print: passwords, URL credentials and secret-looking
+        ``workers.env`` values replaced by ``***``."""
+        etcd = replace(self.etcd, password=MASK if self.etcd.password else None)
+        job = replace(self.job, checkpoint_url=_mask_url(self.job.checkpoint_url))
+        env = {
+            k: (MASK if _SECRET_ENV_NAME.search(k) else v) for k, v in self.workers.env.items()
+        }
+        workers = replace(self.workers, env=MappingProxyType(env))
+        return replace(self, etcd=etcd, job=job, workers=workers)
+
+
+def _mask_url(url: str | None) -> str | None:
+    """Replace the password in ``scheme://user:password@host/...`` with ``***``."""
+    if url is None:
+        return None
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    userinfo, _, hostport = parts.netloc.rpartition("@")
+    user = userinfo.partition(":")[0]
+    return urlunsplit(parts._replace(netloc=f"{user}:{MASK}@{hostport}"))

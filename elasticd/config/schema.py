@@ -1,0 +1,334 @@
+"""The table of configuration keys: name, type (a parser), default, example.
+
+One row per key keeps the loader, the environment mapping, ``--check-config`` output
+and docs/configuration.md (checked by a test) from drifting apart.
+
+A parser takes ``(value, text)``: ``text`` is True when the value is a string from the
+environment or a flag and may be converted (``"5"`` -> 5); TOML values are already
+typed and must have the right type (``ttl_s = "5"`` is an error, so a quoted number
+in the file is caught instead of silently accepted). Parsers raise :class:`Invalid`
+with the problem and, optionally, the fix; the loader adds the key, value and origin.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import shlex
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit
+
+SECTIONS = (
+    "job", "etcd", "node", "workers", "restart", "drain", "preemption", "logging", "metrics",
+)
+PROVIDERS = ("none", "aws", "gcp", "azure", "auto")
+LOG_FORMATS = ("auto", "json", "console")
+LOG_LEVELS = ("debug", "info", "warning", "error")
+DEFAULT_ETCD_PORT = 2379
+REQUIRED: Any = object()  # sentinel default of a key that must be set
+UNQUOTE = "unquote"  # Invalid.fix marker: a number was written as a TOML string
+
+Parser = Callable[[Any, bool], Any]
+
+
+class Invalid(Exception):
+    """A value is wrong. ``problem`` says what; ``fix`` (optional) says what to write."""
+
+    def __init__(self, problem: str, fix: str = "") -> None:
+        super().__init__(problem)
+        self.problem = problem
+        self.fix = fix
+
+
+@dataclass(frozen=True)
+class Key:
+    """One configuration key."""
+
+    section: str
+    name: str
+    parse: Parser
+    default: Any
+    example: str  # a valid TOML line, used in "write ..." fixes
+
+    @property
+    def dotted(self) -> str:
+        return f"{self.section}.{self.name}"
+
+    @property
+    def env_var(self) -> str:
+        return f"ELASTICD_{self.section.upper()}_{self.name.upper()}"
+
+
+def _kind(value: Any) -> str:
+    names = {bool: "a boolean", int: "a number", float: "a number", str: "a string",
+             list: "a list", dict: "a table"}
+    return names.get(type(value), type(value).__name__)
+
+
+def integer(lo: int, hi: int | None = None) -> Parser:
+    """A whole number in ``[lo, hi]``."""
+
+    def parse(value: Any, text: bool) -> int:
+        if text and isinstance(value, str):
+            try:
+                value = int(value.strip(), 10)
+            except ValueError:
+                raise Invalid("not a whole number") from None
+        elif isinstance(value, bool) or not isinstance(value, int):
+            fix = UNQUOTE if isinstance(value, str) else ""
+            raise Invalid(f"expected a whole number, got {_kind(value)}", fix)
+        if value < lo or (hi is not None and value > hi):
+            bound = f"between {lo} and {hi}" if hi is not None else f"at least {lo}"
+            raise Invalid(f"must be {bound}")
+        return value
+
+    return parse
+
+
+def number(lo: float, *, lo_open: bool = False, hi: float | None = None) -> Parser:
+    """A finite number of seconds (int or float) ``>= lo`` (``> lo`` if ``lo_open``)."""
+
+    def parse(value: Any, text: bool) -> float:
+        if text and isinstance(value, str):
+            try:
+                value = float(value.strip())
+            except ValueError:
+                raise Invalid("not a number") from None
+        elif isinstance(value, bool) or not isinstance(value, (int, float)):
+            fix = UNQUOTE if isinstance(value, str) else ""
+            raise Invalid(f"expected a number, got {_kind(value)}", fix)
+        if not math.isfinite(value):
+            raise Invalid("must be a finite number")
+        if value < lo or (lo_open and value == lo):
+            raise Invalid(f"must be {'greater than' if lo_open else 'at least'} {lo:g}")
+        if hi is not None and value > hi:
+            raise Invalid(f"must be at most {hi:g}")
+        return float(value)
+
+    return parse
+
+
+def boolean(value: Any, text: bool) -> bool:
+    """``true``/``false`` (TOML); from text also yes/no, on/off, 1/0."""
+    if text and isinstance(value, str):
+        word = value.strip().lower()
+        if word in ("true", "yes", "on", "1"):
+            return True
+        if word in ("false", "no", "off", "0"):
+            return False
+        raise Invalid("not a boolean", "write true or false")
+    if not isinstance(value, bool):
+        raise Invalid(f"expected true or false, got {_kind(value)}")
+    return value
+
+
+def string(value: Any, text: bool) -> str:
+    """A non-empty string."""
+    if not isinstance(value, str):
+        raise Invalid(f"expected a string, got {_kind(value)}")
+    if not value.strip():
+        raise Invalid("must not be empty")
+    return value
+
+
+def optional_string(value: Any, text: bool) -> str | None:
+    """A string; empty means unset (None)."""
+    if not isinstance(value, str):
+        raise Invalid(f"expected a string, got {_kind(value)}")
+    return value or None
+
+
+def choice(*options: str) -> Parser:
+    """One of ``options`` (case-insensitive)."""
+
+    def parse(value: Any, text: bool) -> str:
+        if not isinstance(value, str) or value.strip().lower() not in options:
+            raise Invalid(f"must be one of {', '.join(repr(o) for o in options)}")
+        return value.strip().lower()
+
+    return parse
+
+
+def nnodes(value: Any, text: bool) -> tuple[int, int]:
+    """``"min:max"`` or a single count -> ``(min, max)``, with ``1 <= min <= max``."""
+    fix = 'write nnodes = "<min>:<max>" with 1 <= min <= max, e.g. nnodes = "2:8", or nnodes = 4'
+    if isinstance(value, bool):
+        raise Invalid("expected a node count or \"min:max\", got a boolean", fix)
+    if isinstance(value, int):
+        lo = hi = value
+    elif isinstance(value, str):
+        head, sep, tail = value.strip().partition(":")
+        try:
+            lo = int(head, 10)
+            hi = int(tail, 10) if sep else lo
+        except ValueError:
+            raise Invalid("not a node count or \"min:max\" range", fix) from None
+    else:
+        raise Invalid(f"expected a node count or \"min:max\", got {_kind(value)}", fix)
+    if lo < 1:
+        raise Invalid(f"the minimum node count {lo} is below 1", fix)
+    if lo > hi:
+        raise Invalid(f"the minimum {lo} is larger than the maximum {hi}", fix)
+    return lo, hi
+
+
+def nproc(value: Any, text: bool) -> int | str:
+    """A worker count >= 1, ``"gpu"`` (one per GPU) or ``"auto"`` (GPUs, else 1)."""
+    fix = 'write nproc_per_node = 8, or "gpu" (one per visible GPU), or "auto"'
+    if isinstance(value, str):
+        word = value.strip().lower()
+        if word in ("gpu", "auto"):
+            return word
+        if not (text and word.isdigit()):
+            raise Invalid("not a worker count, \"gpu\" or \"auto\"", fix)
+        value = int(word)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise Invalid(f"expected a worker count, got {_kind(value)}", fix)
+    if value < 1:
+        raise Invalid("must be at least 1", fix)
+    return value
+
+
+def command(value: Any, text: bool) -> tuple[str, ...]:
+    """A list of strings, or one string split like a shell (quotes, no expansion)."""
+    fix = 'write command = ["python", "train.py", "--epochs", "10"]'
+    if isinstance(value, str):
+        try:
+            words = shlex.split(value)
+        except ValueError as exc:
+            raise Invalid(f"cannot be split into words ({exc})", fix) from None
+    elif isinstance(value, (list, tuple)):
+        if not all(isinstance(w, str) for w in value):
+            raise Invalid("every item must be a string", fix)
+        words = list(value)
+    else:
+        raise Invalid(f"expected a list of strings, got {_kind(value)}", fix)
+    if not words or not words[0].strip():
+        raise Invalid("must name a program to run", fix)
+    return tuple(words)
+
+
+def endpoints(value: Any, text: bool) -> tuple[str, ...]:
+    """etcd endpoints: a list or a comma-separated string of ``[scheme://]host[:port]``.
+
+    Returns ``"host:port"`` strings (port 2379 when left out; IPv6 in brackets). The
+    scheme is dropped: TLS is decided by ``etcd.ca_file`` (the loader refuses
+    ``https://`` without it). Empty means "start an embedded etcd".
+    """
+    fix = 'write endpoints = ["etcd-1:2379", "etcd-2:2379"] (or "h1:2379,h2:2379")'
+    if isinstance(value, str):
+        items = [s.strip() for s in value.split(",")]
+    elif isinstance(value, (list, tuple)) and all(isinstance(s, str) for s in value):
+        items = [s.strip() for s in value]
+    else:
+        raise Invalid(f"expected a list of \"host:port\" strings, got {_kind(value)}", fix)
+    out = []
+    for item in items:
+        if not item:
+            continue
+        scheme, sep, rest = item.partition("://")
+        if not sep:
+            scheme, rest = "", item
+        elif scheme not in ("http", "https"):
+            raise Invalid(f"endpoint {item!r} has scheme {scheme!r}; use http or https", fix)
+        try:
+            parts = urlsplit("//" + rest)
+            port = parts.port or DEFAULT_ETCD_PORT
+        except ValueError:
+            raise Invalid(f"endpoint {item!r} has an invalid port", fix) from None
+        host = parts.hostname
+        if not host or parts.path or parts.query or parts.username:
+            raise Invalid(f"endpoint {item!r} is not host:port", fix)
+        out.append(f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
+    return tuple(out)
+
+
+def http_url(value: Any, text: bool) -> str | None:
+    """An ``http(s)://host[:port]`` base URL, or empty for the provider default."""
+    value = optional_string(value, text)
+    if value is None:
+        return None
+    parts = urlsplit(value)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise Invalid("not an http(s) URL", 'write e.g. base_url = "http://169.254.169.254"')
+    return value.rstrip("/")
+
+
+def host_or_addr(value: Any, text: bool) -> str | None:
+    """A host name or IP address without spaces, or empty for "detect"."""
+    value = optional_string(value, text)
+    if value is not None and (any(c.isspace() for c in value) or "/" in value):
+        raise Invalid("not a host name or IP address")
+    return value
+
+
+KEYS: dict[str, Key] = {
+    k.dotted: k
+    for k in (
+        Key("job", "name", string, REQUIRED, 'name = "my-run"'),
+        Key("job", "nnodes", nnodes, (1, 1), 'nnodes = "2:8"'),
+        Key("job", "checkpoint_url", optional_string, None,
+            'checkpoint_url = "s3://bucket/my-run"'),
+        Key("job", "standalone", boolean, False, "standalone = true"),
+        Key("etcd", "endpoints", endpoints, (), 'endpoints = ["etcd-1:2379", "etcd-2:2379"]'),
+        Key("etcd", "ca_file", optional_string, None, 'ca_file = "/etc/elasticd/tls/ca.pem"'),
+        Key("etcd", "cert_file", optional_string, None,
+            'cert_file = "/etc/elasticd/tls/client.pem"'),
+        Key("etcd", "key_file", optional_string, None,
+            'key_file = "/etc/elasticd/tls/client-key.pem"'),
+        Key("etcd", "user", optional_string, None, 'user = "elasticd"'),
+        Key("etcd", "password", optional_string, None, 'password = "change-me"'),
+        Key("etcd", "password_file", optional_string, None,
+            'password_file = "/etc/elasticd/etcd.pw"'),
+        Key("etcd", "timeout_s", number(0, lo_open=True, hi=300), 5.0, "timeout_s = 5"),
+        Key("etcd", "data_dir", optional_string, None, 'data_dir = "/var/lib/elasticd/etcd"'),
+        Key("node", "id", optional_string, None, 'id = "gpu-node-07"'),
+        Key("node", "local_addr", host_or_addr, None, 'local_addr = "10.0.0.7"'),
+        Key("node", "ttl_s", integer(2, 3600), 5, "ttl_s = 5"),
+        Key("workers", "command", command, REQUIRED, 'command = ["python", "train.py"]'),
+        Key("workers", "nproc_per_node", nproc, 1, 'nproc_per_node = "gpu"'),
+        Key("workers", "workdir", optional_string, None, 'workdir = "/srv/train"'),
+        Key("workers", "env", lambda v, t: v, {}, 'OMP_NUM_THREADS = "4"'),
+        Key("workers", "monitor_interval_s", number(0, lo_open=True, hi=60), 0.5,
+            "monitor_interval_s = 0.5"),
+        Key("workers", "hang_timeout_s", number(0), 0.0, "hang_timeout_s = 1800"),
+        Key("restart", "max_restarts", integer(0), 3, "max_restarts = 3"),
+        Key("restart", "backoff_s", number(0), 1.0, "backoff_s = 1"),
+        Key("restart", "backoff_max_s", number(0), 60.0, "backoff_max_s = 60"),
+        Key("drain", "grace_s", number(0, lo_open=True), 60.0, "grace_s = 60"),
+        Key("preemption", "provider", choice(*PROVIDERS), "none", 'provider = "aws"'),
+        Key("preemption", "base_url", http_url, None, 'base_url = "http://169.254.169.254"'),
+        Key("preemption", "poll_interval_s", number(0, lo_open=True, hi=60), 2.0,
+            "poll_interval_s = 2"),
+        Key("logging", "format", choice(*LOG_FORMATS), "auto", 'format = "json"'),
+        Key("logging", "level", choice(*LOG_LEVELS), "info", 'level = "info"'),
+        Key("metrics", "port", integer(0, 65535), 0, "port = 9400"),
+        Key("metrics", "addr", string, "0.0.0.0", 'addr = "0.0.0.0"'),
+    )
+}
+
+
+def format_value(value: Any) -> str:
+    """Spell ``value`` as a TOML value."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        # JSON strings without \u escapes of non-ASCII are valid TOML basic strings.
+        return json.dumps(value, ensure_ascii=False)
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(format_value(v) for v in value) + "]"
+    raise TypeError(f"cannot render {value!r} as TOML")
+
+
+def node_id_from_hostname(hostname: str | None = None) -> str:
+    """Derive the default node id from the host name (characters outside
+    ``[A-Za-z0-9_.:-]`` become ``-``; at most 128 characters)."""
+    name = hostname if hostname is not None else socket.gethostname()
+    name = re.sub(r"[^A-Za-z0-9_.:-]", "-", name).strip("-.")[:128]
+    return name or "node"
