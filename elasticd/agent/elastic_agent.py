@@ -1,0 +1,428 @@
+"""``ElasticdAgent``: torch's ``LocalElasticAgent`` with elasticd's supervision loop.
+
+torch's agent starts, stops and monitors the workers (torchrun's environment contract,
+error files, log tee). We replace its ``_invoke_run`` loop, because torch's loop:
+
+- spends the restart budget when a worker fails because a *peer* died (survivors' gloo
+  collectives fail ~30 ms after a SIGKILL, long before any lease expires);
+- never looks at peers while its own workers look healthy, so a frozen peer leaves
+  survivors inside an all-reduce until the 30-minute process-group timeout;
+- treats SIGTERM as a crash (no drain, no explicit leave).
+
+The loop gathers facts each tick and asks ``policy.decide`` what to do. Signal handlers
+only bump counters; all work happens here, between ticks.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import structlog
+from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
+from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+from elasticd.agent.control import ControlChannel
+from elasticd.agent.policy import Decision, Facts, Verdict, decide
+from elasticd.agent.recorder import JobRecorder
+from elasticd.errors import LeaseLostError, TransientError
+from elasticd.rendezvous.etcd_handler import EtcdRendezvousHandler
+from elasticd.retry import restart_backoff_s
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class SupervisionSettings:
+    """The agent loop's knobs (seconds)."""
+
+    max_restarts: int = 3
+    restart_backoff_s: float = 1.0
+    restart_backoff_max_s: float = 30.0
+    drain_grace_s: float = 60.0
+    hang_timeout_s: float = 0.0  # 0 = off
+    attribution_window_s: float = 3.0
+    monitor_interval_s: float = 0.1
+    heartbeat_interval_s: float = 30.0
+    checkpoint_url: str | None = None
+    worker_env: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class Outcome:
+    """How the agent's run ended, for the exit code and the one-screen summary."""
+
+    kind: str = "running"  # finished | drained | failed | closed
+    reason: str = ""
+    failures: dict[int, Any] = field(default_factory=dict)  # global rank -> ProcessFailure
+
+    @property
+    def exit_code(self) -> int:
+        return 0 if self.kind in ("finished", "drained", "closed") else 1
+
+
+class ElasticdAgent(LocalElasticAgent):
+    """LocalElasticAgent driven by elasticd's policy (see module docstring)."""
+
+    def __init__(self, spec: Any, settings: SupervisionSettings, handler: EtcdRendezvousHandler,
+                 control: ControlChannel, recorder: JobRecorder, *, logs_specs: Any,
+                 metrics: Any = None, notifier: Any = None, exit_barrier_timeout: float = 60) -> None:
+        super().__init__(spec, logs_specs=logs_specs, start_method="spawn",
+                         exit_barrier_timeout=exit_barrier_timeout)
+        self.settings = settings
+        self.handler = handler
+        self.control = control
+        self.recorder = recorder
+        self.metrics = metrics
+        self.notifier = notifier
+        self.outcome = Outcome()
+        self.stop_signals = 0
+        self.notice: str | None = None
+        self._draining = False
+        self._drain_deadline = 0.0
+        self._groups_started = 0
+        self._failure_seen_at: float | None = None
+        self._fault_at: float | None = None  # when the current recovery began
+        self._last_heartbeat = 0.0
+        self._last_decision = ""
+        self._log = log.bind(job=handler.keys.job, node=handler.node_id)
+
+    # -- signals: flags only -------------------------------------------------------------
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        self.stop_signals += 1
+
+    def install_signal_handlers(self) -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._on_signal)
+
+    def request_drain(self, reason: str) -> None:
+        """Start a drain from another thread (a preemption notice)."""
+        self.notice = reason
+        self.stop_signals = max(self.stop_signals, 1)
+
+    # -- hooks into LocalElasticAgent ----------------------------------------------------
+    def _setup_local_watchdog(self, envs: dict[int, dict[str, str]]) -> None:
+        # Called by _start_workers with each worker's environment, just before spawning.
+        extra = {
+            "ELASTICD_JOB": self.handler.keys.job,
+            "ELASTICD_NODE": self.handler.node_id,
+            "ELASTICD_ROUND": str(self.handler.round),
+            "ELASTICD_AGENT_PID": str(os.getpid()),
+            "PYTHONUNBUFFERED": "1",
+            **self.control.env(),
+            **self.settings.worker_env,
+        }
+        if self.settings.checkpoint_url:
+            extra["ELASTICD_CHECKPOINT_URL"] = self.settings.checkpoint_url
+        for env in envs.values():
+            env.update(extra)
+        super()._setup_local_watchdog(envs)
+
+    def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
+        self.control.clear_round()
+        if not self._draining:
+            self.control.clear_drain()
+        pids = super()._start_workers(worker_group)
+        # torch's PContext.start() installs handlers that raise SignalException; a stop
+        # signal must start a drain instead.
+        self.install_signal_handlers()
+        self._groups_started += 1
+        self._failure_seen_at = None
+        return pids
+
+    def _rendezvous(self, worker_group: WorkerGroup) -> None:
+        self._set_state("joining")
+        super()._rendezvous(worker_group)
+        h = self.handler
+        ranks = [w.global_rank for w in worker_group.workers]
+        self._set_state("training", ranks=ranks)
+        self.recorder.event("round", f"round {h.round} formed with {worker_group.group_world_size} nodes",
+                            world_size=worker_group.group_world_size, ranks=ranks,
+                            rendezvous_s=round(h.rendezvous_s, 3))
+        if self.metrics is not None:
+            self.metrics.set_round(h.round)
+            self.metrics.set_world_size(worker_group.group_world_size * worker_group.spec.local_world_size)
+            self.metrics.observe_rendezvous_s(h.rendezvous_s)
+        if self.notifier is not None:
+            self.notifier.ready()
+            self.notifier.status(f"round {h.round}: {len(h.members)} nodes, ranks {ranks}")
+
+    # -- records -------------------------------------------------------------------------
+    def _set_state(self, state: str, **changes: Any) -> None:
+        try:
+            self.handler.update_record(state=state, round=self.handler.round if self.handler.round is not None else -1,
+                                       restarts=self._restarts_used(), **changes)
+            self._last_heartbeat = time.monotonic()
+        except (LeaseLostError, TransientError) as exc:
+            self._log.warning("node_record_not_updated", state=state, error=str(exc))
+
+    def _restarts_used(self) -> int:
+        return self._worker_group.spec.max_restarts - self._remaining_restarts
+
+    # -- the loop ------------------------------------------------------------------------
+    def _invoke_run(self, role: str = "default") -> RunResult:
+        wg = self._worker_group
+        self.install_signal_handlers()
+        self.recorder.event("join", f"node {self.handler.node_id} started")
+        self._initialize_workers(wg)
+        result = RunResult(state=WorkerState.HEALTHY)
+        while True:
+            time.sleep(self.settings.monitor_interval_s)
+            result = self._monitor_workers(wg)
+            wg.state = result.state
+            facts = self._facts(result)
+            decision = decide(facts)
+            if decision.reason != self._last_decision and decision.verdict is not Verdict.CONTINUE:
+                self._log.info("agent_decided", verdict=decision.verdict.value, reason=decision.reason,
+                               round=self.handler.round)
+            self._last_decision = decision.reason
+            done = self._act(decision, result)
+            if done:
+                return result
+
+    def _facts(self, result: RunResult) -> Facts:
+        now = time.monotonic()
+        state = result.state.name
+        attribution, window_passed = "", False
+        if state in ("FAILED", "UNHEALTHY") and not self._draining:
+            if self._failure_seen_at is None:
+                self._failure_seen_at = now
+                self._fault_at = self._fault_at or now
+                self._report_failure(result)
+            attribution, why = self._attribute()
+            window_passed = now - self._failure_seen_at >= self.settings.attribution_window_s
+        board = self.control.progress
+        hang = bool(self.settings.hang_timeout_s > 0 and board.last_advance > 0
+                    and now - board.last_advance > self.settings.hang_timeout_s)
+        codes = tuple(f.exitcode for f in result.failures.values()) if result.failures else ()
+        self._heartbeat(now)
+        return Facts(
+            group_state=state,
+            drain_signals=self.stop_signals,
+            draining=self._draining,
+            drain_deadline_passed=self._draining and now >= self._drain_deadline,
+            stopped_for_drain=bool(self.control.stopped_markers()) if state == "SUCCEEDED" else False,
+            lease_lost=self.handler.lease_lost.is_set(),
+            nodes_waiting=self.handler.num_nodes_waiting() if state == "HEALTHY" else 0,
+            hang=hang,
+            attribution=attribution,
+            attribution_window_passed=window_passed,
+            remaining_restarts=self._remaining_restarts,
+            exit_codes=codes,
+            first_start=self._groups_started <= 1,
+            any_progress=board.max_step() >= 0,
+        )
+
+    def _attribute(self) -> tuple[str, str]:
+        from elasticd.rendezvous.protocol import attribute_failure
+
+        rnd = self.handler.round if self.handler.round is not None else -1
+        return attribute_failure(self.handler.view(), rnd, self.handler.node_id)
+
+    def _report_failure(self, result: RunResult) -> None:
+        first = _first_failure(result)
+        detail = f"rank {first[0]}: {first[1]}" if first else "worker failure"
+        try:
+            self.handler.report_failure(detail)
+        except TransientError as exc:
+            self._log.warning("failure_report_not_written", error=str(exc))
+        self.recorder.event("failure", detail, exit_code=first[2] if first else None)
+
+    def _heartbeat(self, now: float) -> None:
+        board = self.control.progress
+        wg = self._worker_group
+        if wg.group_rank == 0 and board.max_step() >= 0:
+            snap = board.snapshot()
+            top = max(snap.values(), key=lambda p: p.step)
+            self.recorder.progress(top.step, top.epoch, top.samples_trained,
+                                   wg.group_world_size * wg.spec.local_world_size)
+            if self.metrics is not None:
+                self.metrics.set_step(top.step)
+        if self._fault_at is not None and board.max_step() >= 0 and wg.state == WorkerState.HEALTHY:
+            if self.metrics is not None:
+                self.metrics.observe_recovery_s(now - self._fault_at)
+            self._fault_at = None
+        if now - self._last_heartbeat >= self.settings.heartbeat_interval_s:
+            self._set_state("draining" if self._draining else "training")
+        if self.notifier is not None:
+            self.notifier.watchdog()
+
+    def _act(self, decision: Decision, result: RunResult) -> bool:
+        """Carry out one decision. Returns True when the run is over."""
+        v, wg = decision.verdict, self._worker_group
+        if v is Verdict.CONTINUE or v is Verdict.ATTRIBUTE:
+            return False
+        if v is Verdict.START_DRAIN:
+            self._start_drain(decision.reason)
+            return False
+        if v is Verdict.FENCE:
+            self._fence(decision.reason)
+            return False
+        if v is Verdict.RESTART_MEMBERSHIP:
+            self._fault_at = self._fault_at or time.monotonic()
+            self._restart("membership", decision.reason)
+            return False
+        if v is Verdict.RESTART_FAILURE:
+            cause = "hang" if result.state == WorkerState.HEALTHY else "failure"
+            if cause == "hang":
+                self._dump_stacks()
+                self.recorder.event("hang", f"no step for {self.settings.hang_timeout_s:.0f}s")
+            attempt = self._restarts_used() + 1
+            self._remaining_restarts -= 1
+            delay = restart_backoff_s(attempt, self.settings.restart_backoff_s,
+                                      self.settings.restart_backoff_max_s)
+            self._log.info("restart_backoff", seconds=delay, attempt=attempt, cause=cause)
+            self._stop_workers(wg)
+            self._sleep_interruptible(delay)
+            self._fault_at = self._fault_at or time.monotonic()
+            self._restart(cause, decision.reason)
+            return False
+        if v is Verdict.HARD_STOP:
+            self._log.warning("workers_stopped_hard", reason=decision.reason)
+            self._close_workers(signal.SIGTERM, timeout_s=5)
+            self._leave("drained", decision.reason)
+            return True
+        if v is Verdict.LEAVE:
+            self._leave("drained", decision.reason)
+            return True
+        if v is Verdict.FINISH:
+            self._set_state("stopped")
+            self.recorder.event("finished", "workers succeeded")
+            self._exit_barrier()
+            self.outcome = Outcome("finished", decision.reason)
+            return True
+        if v is Verdict.FAIL:
+            self._stop_workers(wg)
+            wg.state = WorkerState.FAILED
+            self._set_state("failed", last_exit=decision.reason)
+            self.recorder.event("failure", f"giving up: {decision.reason}")
+            self.outcome = Outcome("failed", decision.reason, dict(result.failures))
+            return True
+        raise AssertionError(f"unhandled verdict {v}")
+
+    def _restart(self, cause: str, reason: str) -> None:
+        self._set_state("restarting")
+        self.recorder.event("restart", reason, cause=cause)
+        if self.metrics is not None:
+            self.metrics.restart(cause)
+        self._restart_workers(self._worker_group)
+
+    def _start_drain(self, reason: str) -> None:
+        self._draining = True
+        self._drain_deadline = time.monotonic() + self.settings.drain_grace_s
+        why = self.notice or f"stop signal ({reason})"
+        self.control.request_drain(why)
+        self._set_state("draining")
+        self.recorder.event("drain", why, grace_s=self.settings.drain_grace_s)
+        if self.notifier is not None:
+            self.notifier.stopping()
+            self.notifier.status(f"draining: {why}")
+        self._log.info("drain_started", reason=why, grace_s=self.settings.drain_grace_s)
+
+    def _fence(self, reason: str) -> None:
+        """Our lease is gone: kill workers now (no step of theirs may write), rejoin fresh."""
+        old_round = self.handler.round
+        self._close_workers(signal.SIGKILL, timeout_s=5)
+        view = self.handler.view()
+        current = view.state.round if view.state else old_round
+        msg = f"lease lost; round {old_round} superseded by {current}; rejoining"
+        self._log.warning("lease_lost_rejoining", round=old_round, current_round=current)
+        self._fault_at = self._fault_at or time.monotonic()
+        self._worker_group.state = WorkerState.STOPPED
+        self._initialize_workers(self._worker_group)  # re-registers a new lease first
+        self.recorder.event("lease_lost", msg, old_round=old_round)
+
+    def _leave(self, kind: str, reason: str) -> None:
+        self._set_state("stopped")
+        self.recorder.event("leave", reason)
+        self.outcome = Outcome(kind, reason)
+        self.handler.shutdown()  # revoke the lease: peers re-form at once, no TTL wait
+
+    def _close_workers(self, sig: signal.Signals, timeout_s: float) -> None:
+        if self._pcontext is not None:
+            self._pcontext.close(death_sig=sig, timeout=int(max(timeout_s, 1)))
+
+    def _dump_stacks(self) -> None:
+        # worker_exec registered faulthandler on SIGUSR1: stacks go to the workers' stderr.
+        if self._pcontext is None:
+            return
+        for pid in self._pcontext.pids().values():
+            try:
+                os.kill(pid, signal.SIGUSR1)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.5)  # let faulthandler write before the workers are stopped
+
+    def _sleep_interruptible(self, seconds: float) -> None:
+        end = time.monotonic() + seconds
+        while time.monotonic() < end and not self.stop_signals:
+            time.sleep(min(0.1, end - time.monotonic()))
+
+
+def _first_failure(result: RunResult) -> tuple[int, str, int] | None:
+    """(global rank, description, exit code) of the earliest failure in ``result``."""
+    if not result.failures:
+        return None
+    rank, failure = min(result.failures.items(), key=lambda kv: (kv[1].timestamp, kv[0]))
+    code = failure.exitcode
+    if code is not None and code < 0:
+        try:
+            what = f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            what = f"killed by signal {-code}"
+    else:
+        what = f"exit code {code}"
+    return rank, what, code
+
+
+def failure_summary(outcome: Outcome, tail_lines: int = 15,
+                    read: Callable[[str], str] | None = None) -> str:
+    """The one-screen summary printed when the agent gives up."""
+    lines = [f"elasticd: giving up: {outcome.reason}"]
+    if outcome.failures:
+        rank, failure = min(outcome.failures.items(), key=lambda kv: (kv[1].timestamp, kv[0]))
+        code = failure.exitcode
+        how = (f"signal {signal.Signals(-code).name}" if code is not None and code < 0
+               else f"exit code {code}")
+        lines.append(f"first failure: rank {rank} (local rank {failure.local_rank}), {how}, "
+                     f"pid {failure.pid}")
+        msg = failure.message if isinstance(failure.message, str) else ""
+        if msg and msg != "To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html":
+            lines.append(f"error: {msg.strip()[:2000]}")
+        err_file = getattr(failure, "error_file", "")
+        text = ""
+        if err_file and os.path.exists(err_file):
+            text = (read or _read)(err_file)
+        stderr_log = _stderr_log_of(failure)
+        if stderr_log:
+            text = text or (read or _read)(stderr_log)
+            lines.append(f"stderr log: {stderr_log}")
+        if text:
+            tail = text.strip().splitlines()[-tail_lines:]
+            lines.append("last lines:")
+            lines.extend(f"  {ln}" for ln in tail)
+    return "\n".join(lines)
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path, errors="replace") as fh:
+            return fh.read()[-20000:]
+    except OSError:
+        return ""
+
+
+def _stderr_log_of(failure: Any) -> str:
+    err = getattr(failure, "error_file", "") or ""
+    # torch's DefaultLogsSpecs puts stderr.log next to error.json
+    candidate = os.path.join(os.path.dirname(err), "stderr.log") if err else ""
+    return candidate if candidate and os.path.exists(candidate) else ""
+
+
+def print_summary(outcome: Outcome) -> None:
+    sys.stderr.write(failure_summary(outcome) + "\n")

@@ -1,0 +1,132 @@
+"""What the agent writes into etcd besides the rendezvous: events, progress, the checkpoint
+pointer. Every write is fenced: it happens only while this node's incarnation (the
+create_revision of its leased node key) is still the live one, and the checkpoint
+pointer additionally only while our round is the job's current round.
+
+Writes here are best effort for the training: an unreachable etcd delays a record, never
+a training step (the agent retries briefly, then logs and moves on).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict
+from typing import Any
+
+import structlog
+
+from elasticd.errors import TransientError
+from elasticd.keys import JobKeys
+from elasticd.records import CheckpointPointer, Event, Progress
+from elasticd.rendezvous.etcd_handler import EtcdRendezvousHandler
+from elasticd.retry import call_with_retry
+
+log = structlog.get_logger(__name__)
+
+MAX_EVENTS = 256
+PRUNE_EVERY = 16
+PROGRESS_INTERVAL_S = 5.0
+
+
+class JobRecorder:
+    """Fenced writer of events, progress and the checkpoint pointer for one node."""
+
+    def __init__(self, handler: EtcdRendezvousHandler, *, max_events: int = MAX_EVENTS) -> None:
+        self.handler = handler
+        self.client = handler.client
+        self.keys: JobKeys = handler.keys
+        self.max_events = max_events
+        self._appended = 0
+        self._last_progress_at = 0.0
+        self._last_progress: Progress | None = None
+
+    def _fence(self, t: Any) -> list[Any]:
+        return [t.create(self.keys.node(self.handler.node_id)) == self.handler.incarnation]
+
+    def event(self, kind: str, message: str, **detail: Any) -> None:
+        """Append an event to the job's bounded history (dropped if etcd stays unreachable)."""
+        ev = Event(time=time.time(), kind=kind, node=self.handler.node_id,
+                   round=self.handler.round if self.handler.round is not None else -1,
+                   message=message, detail={k: v for k, v in detail.items() if v is not None})
+        key = f"{self.keys.event(time.time_ns() // 1000)}-{self.handler.node_id}"
+        try:
+            call_with_retry(lambda: self.client.txn(self._fence, lambda t: [t.put(key, ev.to_json())]),
+                            what="event", deadline=time.monotonic() + 3)
+        except TransientError as exc:
+            log.warning("event_dropped", kind=kind, error=str(exc))
+            return
+        self._appended += 1
+        if self._appended % PRUNE_EVERY == 0:
+            self.prune_events()
+
+    def prune_events(self) -> None:
+        """Delete the oldest events beyond ``max_events``."""
+        try:
+            kvs, _ = self.client.get_prefix(self.keys.events_prefix)
+            for kv in kvs[: max(len(kvs) - self.max_events, 0)]:
+                self.client.delete(kv.key)
+        except TransientError as exc:
+            log.warning("event_prune_failed", error=str(exc))
+
+    def progress(self, step: int, epoch: int, samples: int, world_size: int, *, force: bool = False) -> None:
+        """Publish job progress (rate-limited to one write per ``PROGRESS_INTERVAL_S``)."""
+        now = time.time()
+        last = self._last_progress
+        if not force and (now - self._last_progress_at < PROGRESS_INTERVAL_S
+                          or (last is not None and last.step == step)):
+            return
+        rate = 0.0
+        if last is not None and now > last.updated_at and samples >= last.samples_trained:
+            rate = (samples - last.samples_trained) / (now - last.updated_at)
+        rnd = self.handler.round if self.handler.round is not None else -1
+        prog = Progress(round=rnd, step=step, epoch=epoch, samples_trained=samples,
+                        samples_per_s=round(rate, 3), world_size=world_size, updated_at=now)
+        try:
+            ok, _ = self.client.txn(self._fence, lambda t: [t.put(self.keys.progress, prog.to_json())])
+        except TransientError as exc:
+            log.warning("progress_not_published", error=str(exc))
+            return
+        if ok:
+            self._last_progress, self._last_progress_at = prog, now
+
+    # -- checkpoint pointer (the fenced commit) ------------------------------------------
+    def latest_checkpoint(self) -> CheckpointPointer | None:
+        kv = self.client.get(self.keys.checkpoint_latest)
+        return CheckpointPointer.from_json(kv.value) if kv else None
+
+    def commit_checkpoint(self, step: int, manifest_url: str, world_size: int,
+                          round_: int) -> tuple[bool, str]:
+        """Point ``checkpoint/latest`` at a manifest if our round is current and the step newer.
+
+        One transaction compares: the round state key unchanged since our round completed
+        (so the job has not re-formed without us), our node key still our incarnation (our
+        lease is alive), and the pointer unchanged since we read it (no concurrent commit).
+
+        Returns:
+            (committed, reason).
+        """
+        h = self.handler
+        if h.round is None or round_ != h.round:
+            return False, f"stale round {round_} (agent is in round {h.round})"
+        state_rev = h.round_state_revision
+        current = self.client.get(self.keys.checkpoint_latest)
+        if current is not None:
+            cur = CheckpointPointer.from_json(current.value)
+            if cur.step >= step:
+                return False, f"step {step} is not newer than the committed step {cur.step}"
+        pointer = CheckpointPointer(step=step, round=round_, manifest_url=manifest_url,
+                                    committed_at=time.time(), world_size=world_size)
+        ok, _ = self.client.txn(
+            lambda t: [t.mod(self.keys.rdzv_state) == state_rev,
+                       t.mod(self.keys.checkpoint_latest) == (current.mod_revision if current else 0),
+                       *self._fence(t)],
+            lambda t: [t.put(self.keys.checkpoint_latest, pointer.to_json())],
+        )
+        if not ok:
+            return False, f"fenced: round {round_} is no longer current or the pointer moved"
+        log.info("checkpoint_committed", step=step, round=round_, url=manifest_url)
+        return True, "committed"
+
+
+def pointer_dict(p: CheckpointPointer | None) -> dict[str, Any] | None:
+    return asdict(p) if p else None

@@ -1,0 +1,188 @@
+"""Run one node: the engine behind ``elasticd run`` and ``elasticd agent``.
+
+Reads top to bottom: start (or connect to) etcd, build the rendezvous handler, the
+control channel and the recorder, start torch's agent with elasticd's loop, wait for the
+outcome, clean up on every path, and turn the outcome into an exit code.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import structlog
+from torch.distributed.elastic.agent.server.api import WorkerSpec
+from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
+from torch.distributed.elastic.rendezvous import RendezvousClosedError, RendezvousError
+
+from elasticd.agent.control import ControlChannel
+from elasticd.agent.elastic_agent import ElasticdAgent, SupervisionSettings, print_summary
+from elasticd.agent.recorder import JobRecorder
+from elasticd.errors import ConfigError, EtcdUnavailableError, TransientError
+from elasticd.etcd.client import EtcdClient, TLSFiles
+from elasticd.etcd.embedded import EmbeddedEtcd
+from elasticd.logs import configure_logging
+from elasticd.rendezvous.etcd_handler import EtcdRendezvousHandler, RendezvousSettings
+from elasticd.retry import call_with_retry
+
+log = structlog.get_logger(__name__)
+
+EX_ETCD_UNREACHABLE = 4
+
+
+@dataclass(frozen=True)
+class NodeSpec:
+    """Everything needed to run one node, already validated."""
+
+    job: str
+    command: tuple[str, ...]  # script [args...] or ("-m", module, args...)
+    nproc_per_node: int
+    min_nodes: int
+    max_nodes: int
+    etcd_endpoints: str | None = None  # None: embedded etcd (--standalone)
+    etcd_timeout_s: float = 3.0
+    etcd_connect_timeout_s: float = 30.0
+    tls: TLSFiles = field(default_factory=TLSFiles)
+    etcd_user: str | None = None
+    etcd_password: str | None = None
+    node_id: str | None = None
+    local_addr: str | None = None
+    node_ttl_s: int = 5
+    join_timeout_s: float = 600.0
+    last_call_timeout_s: float = 1.0
+    supervision: SupervisionSettings = field(default_factory=SupervisionSettings)
+    workdir: str | None = None
+    log_format: str = "auto"
+    log_dir: str | None = None
+    metrics_port: int | None = None
+    preemption: Any = None  # a started-on-demand PreemptionWatcher, or None
+    notify_socket: str | None = None
+    watchdog_usec: str | None = None
+
+
+def check_command(command: tuple[str, ...]) -> None:
+    """Fail early and clearly if the training command cannot run at all.
+
+    Raises:
+        ConfigError: no command, or the script does not exist.
+    """
+    if not command:
+        raise ConfigError("no training command: give a script, e.g. `elasticd run ... examples/train.py`")
+    if command[0] == "-m":
+        if len(command) < 2:
+            raise ConfigError("`-m` needs a module name, e.g. `-m mypkg.train`")
+        return
+    if not os.path.isfile(command[0]):
+        raise ConfigError(f"training script {command[0]!r} does not exist (cwd {os.getcwd()}); "
+                          "check the path or the working directory")
+
+
+def _make_notifier(spec: NodeSpec) -> Any:
+    if not spec.notify_socket:
+        return None
+    from elasticd.agent.sdnotify import SystemdNotifier
+
+    return SystemdNotifier(spec.notify_socket, spec.watchdog_usec)
+
+
+def _make_metrics(spec: NodeSpec) -> Any:
+    if not spec.metrics_port:
+        return None
+    from elasticd.status.metrics import AgentMetrics
+
+    metrics = AgentMetrics()
+    metrics.serve(spec.metrics_port)
+    return metrics
+
+
+def run_node(spec: NodeSpec) -> int:
+    """Run this node until the job finishes, this node drains, or it gives up.
+
+    Returns:
+        The process exit code: 0 finished/drained, 1 failed, 4 etcd unreachable,
+        78 configuration error.
+    """
+    configure_logging(spec.log_format)
+    if spec.workdir:
+        os.chdir(spec.workdir)
+    check_command(spec.command)
+    embedded: EmbeddedEtcd | None = None
+    client: EtcdClient | None = None
+    control: ControlChannel | None = None
+    handler: EtcdRendezvousHandler | None = None
+    try:
+        endpoints = spec.etcd_endpoints
+        if not endpoints:
+            embedded = EmbeddedEtcd().start()
+            endpoints = embedded.endpoint
+        client = EtcdClient(endpoints, timeout_s=spec.etcd_timeout_s, tls=spec.tls,
+                            user=spec.etcd_user, password=spec.etcd_password)
+        call_with_retry(lambda: client.get("/elasticd/"), what="connect to etcd",
+                        deadline=time.monotonic() + spec.etcd_connect_timeout_s)
+        handler = EtcdRendezvousHandler(
+            client, spec.job,
+            RendezvousSettings(min_nodes=spec.min_nodes, max_nodes=spec.max_nodes,
+                               node_ttl_s=spec.node_ttl_s, join_timeout_s=spec.join_timeout_s,
+                               last_call_timeout_s=spec.last_call_timeout_s,
+                               local_addr=spec.local_addr),
+            node_id=spec.node_id)
+        structlog.contextvars.bind_contextvars(job=spec.job, node=handler.node_id)
+        recorder = JobRecorder(handler)
+        control = ControlChannel(
+            on_commit=lambda m: recorder.commit_checkpoint(int(m["step"]), str(m["manifest_url"]),
+                                                           int(m.get("world_size", 0)),
+                                                           int(m.get("round", -1))),
+        ).start()
+        worker_spec = WorkerSpec(
+            role="default", local_world_size=spec.nproc_per_node, rdzv_handler=handler,
+            entrypoint=sys.executable, args=("-m", "elasticd.agent.worker_exec", *spec.command),
+            max_restarts=spec.supervision.max_restarts,
+            monitor_interval=spec.supervision.monitor_interval_s, local_addr=spec.local_addr,
+        )
+        logs = DefaultLogsSpecs(log_dir=spec.log_dir or str(control.dir / "logs"),
+                                redirects=Std.ALL, tee=Std.ALL)
+        agent = ElasticdAgent(worker_spec, spec.supervision, handler, control, recorder,
+                              logs_specs=logs, metrics=_make_metrics(spec),
+                              notifier=_make_notifier(spec))
+        agent.install_signal_handlers()
+        if spec.preemption is not None:
+            spec.preemption.start(lambda notice: _on_notice(agent, recorder, notice))
+        log.info("agent_started", endpoints=client.endpoint_label(), nproc_per_node=spec.nproc_per_node,
+                 nnodes=f"{spec.min_nodes}:{spec.max_nodes}", command=list(spec.command))
+        try:
+            agent.run()
+        except RendezvousClosedError:
+            log.info("job_closed")
+            return 0
+        outcome = agent.outcome
+        if outcome.kind == "failed":
+            print_summary(outcome)
+        log.info("agent_exited", outcome=outcome.kind, reason=outcome.reason, exit_code=outcome.exit_code)
+        if outcome.kind == "finished":
+            handler.set_closed()
+        return outcome.exit_code
+    except (EtcdUnavailableError, RendezvousError) as exc:
+        sys.stderr.write(f"elasticd: {exc}\n")
+        return EX_ETCD_UNREACHABLE if isinstance(exc, (TransientError,)) or "etcd" in str(exc) else 1
+    finally:
+        if spec.preemption is not None:
+            spec.preemption.stop()
+        if handler is not None:
+            handler.shutdown()
+        if control is not None:
+            control.close()
+        if client is not None:
+            client.close()
+        if embedded is not None:
+            embedded.stop()
+
+
+def _on_notice(agent: ElasticdAgent, recorder: JobRecorder, notice: Any) -> None:
+    deadline = getattr(notice, "deadline", None)
+    left = f", {deadline - time.time():.0f}s left" if deadline else ""
+    msg = f"{getattr(notice, 'provider', 'cloud')} preemption notice{left}"
+    recorder.event("notice", msg, detail=getattr(notice, "detail", ""))
+    agent.request_drain(msg)

@@ -1,0 +1,456 @@
+"""``EtcdRendezvousHandler``: torch elastic's rendezvous on etcd v3 primitives.
+
+- Liveness is a lease per node, kept alive by ``LeaseKeeper`` (O(1) per node per
+  keep-alive, no shared blob rewritten). The node key ``nodes/<node>`` sits on it; its
+  create_revision is this node's *incarnation*, the fencing token of every later write.
+- Every state change is a transaction comparing the state key's mod_revision; the
+  decisions are pure functions in ``protocol.py``.
+- Two watches (``nodes/`` and ``rdzv/``) keep a local view, so ``num_nodes_waiting()``
+  costs no etcd request and a dead peer is noticed when its lease expires, not when a
+  gloo/NCCL timeout fires minutes later.
+- An unreachable etcd is not a dead peer: while etcd is down the view does not change,
+  so healthy workers keep training; calls are retried with backoff.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+import structlog
+from torch.distributed.elastic.rendezvous import (
+    RendezvousClosedError,
+    RendezvousConnectionError,
+    RendezvousHandler,
+    RendezvousInfo,
+    RendezvousStoreInfo,
+    RendezvousTimeoutError,
+)
+
+from elasticd import __version__
+from elasticd.errors import EtcdUnavailableError, LeaseLostError, TransientError
+from elasticd.etcd.client import KV, EtcdClient, LeaseKeeper, PrefixWatch, WatchEvent
+from elasticd.keys import JobKeys, round_of_key
+from elasticd.records import NodeRecord, RoundState
+from elasticd.rendezvous.etcd_store import EtcdStore
+from elasticd.rendezvous.protocol import (
+    Action,
+    ActionKind,
+    JoinProgress,
+    RendezvousView,
+    decide_join,
+    nodes_waiting,
+)
+from elasticd.retry import call_with_retry
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class RendezvousSettings:
+    """Timing and size of the rendezvous (all durations in seconds)."""
+
+    min_nodes: int
+    max_nodes: int
+    node_ttl_s: int = 5
+    join_timeout_s: float = 600.0
+    last_call_timeout_s: float = 1.0
+    close_timeout_s: float = 30.0
+    store_timeout_s: float = 300.0
+    local_addr: str | None = None
+
+
+def default_node_id() -> str:
+    """``<host>-<pid>``: unique per agent process on a machine, readable in ``status``."""
+    host = socket.gethostname().split(".")[0] or "node"
+    return f"{host}-{os.getpid()}"
+
+
+def _in_order(table: dict[int, list[tuple[int, str]]]) -> dict[int, list[str]]:
+    return {r: [n for _, n in sorted(v)] for r, v in table.items()}
+
+
+class _View:
+    """Thread-safe cache of ``nodes/`` and ``rdzv/``, fed by two prefix watches."""
+
+    def __init__(self, keys: JobKeys) -> None:
+        self.keys = keys
+        self.cond = threading.Condition()
+        self.nodes: dict[str, KV] = {}
+        self.rdzv: dict[str, KV] = {}
+        self.version = 0
+
+    def _apply(self, table: dict[str, KV], events: list[WatchEvent]) -> None:
+        with self.cond:
+            for ev in events:
+                if ev.value is None:
+                    table.pop(ev.key, None)
+                else:
+                    old = table.get(ev.key)
+                    create = old.create_revision if old else ev.mod_revision
+                    table[ev.key] = KV(ev.key, ev.value, ev.mod_revision, create, 0)
+            self.version += 1
+            self.cond.notify_all()
+
+    def _reset(self, table: dict[str, KV], kvs: list[KV]) -> None:
+        with self.cond:
+            table.clear()
+            table.update({kv.key: kv for kv in kvs})
+            self.version += 1
+            self.cond.notify_all()
+
+    def on_nodes(self, events: list[WatchEvent]) -> None:
+        self._apply(self.nodes, events)
+
+    def on_nodes_resync(self, kvs: list[KV], rev: int) -> None:
+        self._reset(self.nodes, kvs)
+
+    def on_rdzv(self, events: list[WatchEvent]) -> None:
+        self._apply(self.rdzv, events)
+
+    def on_rdzv_resync(self, kvs: list[KV], rev: int) -> None:
+        self._reset(self.rdzv, kvs)
+
+    def snapshot(self) -> tuple[RendezvousView, int]:
+        """The protocol's view, plus the state key's mod_revision (0 if absent)."""
+        with self.cond:
+            state_kv = self.rdzv.get(self.keys.rdzv_state)
+            state = RoundState.from_json(state_kv.value) if state_kv else None
+            alive = frozenset(k[len(self.keys.nodes_prefix):] for k in self.nodes)
+            joins: dict[int, list[tuple[int, str]]] = {}
+            failures: dict[int, list[tuple[int, str]]] = {}
+            for key, kv in self.rdzv.items():
+                for root, table in ((self.keys.joins_root, joins),
+                                    (self.keys.failures_root, failures)):
+                    r = round_of_key(key, root)
+                    if r is not None:
+                        table.setdefault(r, []).append((kv.create_revision, key.rsplit("/", 1)[1]))
+            closed = self.keys.rdzv_closed in self.rdzv
+            return (RendezvousView(state, alive, _in_order(joins), closed, _in_order(failures)),
+                    state_kv.mod_revision if state_kv else 0)
+
+    def wait_change(self, version: int, timeout_s: float) -> None:
+        with self.cond:
+            if self.version == version:
+                self.cond.wait(max(timeout_s, 0.0))
+
+
+class EtcdRendezvousHandler(RendezvousHandler):
+    """A torch elastic ``RendezvousHandler`` on etcd v3 (backend name ``etcd-v3``).
+
+    Args:
+        client: etcd client (the handler closes it on ``shutdown``).
+        job: job name (the run id); keys live under ``/elasticd/<job>/``.
+        settings: sizes and timeouts.
+        node_id: this node's id; ``<host>-<pid>`` by default.
+        on_lease_lost: called (from the keep-alive thread) when this node's lease is found
+            expired, i.e. the node was frozen or cut off longer than its TTL.
+    """
+
+    def __init__(self, client: EtcdClient, job: str, settings: RendezvousSettings, *,
+                 node_id: str | None = None,
+                 on_lease_lost: Callable[[], None] | None = None) -> None:
+        self.client = client
+        self.keys = JobKeys(job)
+        self.settings = settings
+        self.node_id = node_id or default_node_id()
+        self.keys.node(self.node_id)  # validates the id
+        self._on_lease_lost = on_lease_lost
+        self._view = _View(self.keys)
+        self._watches: list[PrefixWatch] = []
+        self._keeper: LeaseKeeper | None = None
+        self._incarnation = 0  # create_revision of our node key
+        self._record: NodeRecord | None = None
+        self._round: int | None = None  # last round we completed
+        self._members: tuple[str, ...] = ()
+        self._state_rev = 0  # mod_revision of the state key when our round completed
+        self._store: EtcdStore | None = None
+        self._last_reason = ""
+        self._shutdown = False
+        self.lease_lost = threading.Event()
+        self.rendezvous_s = 0.0
+        self._log = log.bind(job=job, node=self.node_id)
+
+    # -- lifecycle ----------------------------------------------------------------------
+    def _retry(self, what: str, fn: Callable[[], Any], deadline: float) -> Any:
+        try:
+            return call_with_retry(fn, what=what, deadline=deadline)
+        except TransientError as exc:
+            raise RendezvousConnectionError(f"{what}: {exc}") from exc
+
+    def _ensure_started(self, deadline: float) -> None:
+        if not self._watches:
+            self._watches = [
+                self.client.watch_prefix(self.keys.nodes_prefix, self._view.on_nodes,
+                                         self._view.on_nodes_resync, name="nodes"),
+                self.client.watch_prefix(self.keys.rdzv_prefix, self._view.on_rdzv,
+                                         self._view.on_rdzv_resync, name="rdzv"),
+            ]
+            for w in self._watches:
+                if not w.connected.wait(max(deadline - time.monotonic(), 0.1)):
+                    raise RendezvousConnectionError(
+                        f"cannot watch etcd at {self.client.endpoint_label()}: is it running?"
+                    )
+        if self._keeper is None:
+            self._reopen_finished_job(deadline)
+        if self._keeper is None or self._keeper.lost.is_set():
+            self._register(deadline)
+
+    def _reopen_finished_job(self, deadline: float) -> None:
+        """A closed job with no live node is a finished run: start the job name afresh."""
+        view, _ = self._view.snapshot()
+        if view.closed and not view.alive:
+            self._retry("reopen job", lambda: self.client.delete_prefix(self.keys.rdzv_prefix), deadline)
+            self._retry("reopen job", lambda: self.client.delete_prefix(self.keys.store_root), deadline)
+            self._view.wait_change(self._view.version, 0.5)
+            self._log.info("finished_job_reopened")
+
+    def _register(self, deadline: float) -> None:
+        """Grant a fresh lease and put our node record on it (a new incarnation)."""
+        if self._keeper is not None:
+            self._keeper.stop()
+        lease = self._retry("lease grant", lambda: self.client.grant_lease(self.settings.node_ttl_s),
+                            deadline)
+        record = self._record or NodeRecord(
+            node=self.node_id, host=socket.gethostname(), pid=os.getpid(), version=__version__,
+            started_at=time.time(),
+        )
+        record = replace(record, state="joining", heartbeat_at=time.time())
+        key = self.keys.node(self.node_id)
+        self._retry("node record", lambda: self.client.put(key, record.to_json(), lease=lease), deadline)
+        kv = self._retry("node record", lambda: self.client.get(key), deadline)
+        self._incarnation = kv.create_revision if kv else 0
+        self._record = record
+        self.lease_lost.clear()
+        self._keeper = LeaseKeeper(self.client, lease, self.settings.node_ttl_s,
+                                   on_lost=self._lease_lost).start()
+        self._log.info("node_registered", lease=hex(lease), incarnation=self._incarnation)
+
+    def _lease_lost(self) -> None:
+        self.lease_lost.set()
+        with self._view.cond:
+            self._view.version += 1
+            self._view.cond.notify_all()
+        if self._on_lease_lost:
+            self._on_lease_lost()
+
+    @property
+    def lease_id(self) -> int:
+        return self._keeper.lease_id if self._keeper else 0
+
+    @property
+    def incarnation(self) -> int:
+        """create_revision of this node's key: the fencing token of its writes."""
+        return self._incarnation
+
+    @property
+    def round(self) -> int | None:
+        return self._round
+
+    @property
+    def round_state_revision(self) -> int:
+        """mod_revision of the round state key when our round completed (the round fence)."""
+        return self._state_rev
+
+    @property
+    def members(self) -> tuple[str, ...]:
+        return self._members
+
+    # -- RendezvousHandler API -----------------------------------------------------------
+    def get_backend(self) -> str:
+        return "etcd-v3"
+
+    @property
+    def use_agent_store(self) -> bool:
+        # Workers bootstrap from a fresh TCPStore hosted by their rank 0 each round.
+        return False
+
+    def get_run_id(self) -> str:
+        return self.keys.job
+
+    def next_rendezvous(self) -> RendezvousInfo:
+        """Block until this node is in a final round; see ``RendezvousHandler``.
+
+        Raises:
+            RendezvousClosedError: the job was closed.
+            RendezvousTimeoutError: no round completed within ``join_timeout_s``.
+            RendezvousConnectionError: etcd stayed unreachable until the deadline.
+        """
+        start = time.monotonic()
+        deadline = start + self.settings.join_timeout_s
+        self._ensure_started(deadline)
+        if self._store is not None:
+            self._store.close()
+            self._store = None
+        progress = JoinProgress(self.node_id, self._round, deadline)
+        while True:
+            if self.lease_lost.is_set():
+                self._register(deadline)
+            view, state_rev = self._view.snapshot()
+            version = self._view.version
+            action = decide_join(view, progress, min_nodes=self.settings.min_nodes,
+                                 max_nodes=self.settings.max_nodes,
+                                 last_call_timeout_s=self.settings.last_call_timeout_s,
+                                 now=time.monotonic())
+            if action.reason != self._last_reason:
+                self._log.info("rendezvous_step", action=action.kind.value, reason=action.reason)
+                self._last_reason = action.reason
+            if action.kind is ActionKind.DONE:
+                self._state_rev = state_rev
+                break
+            self._execute(action, view, state_rev, version, deadline)
+        rank = action.members.index(self.node_id)
+        self._round = action.round
+        self._members = action.members
+        store = EtcdStore(self.client, self.keys.store_prefix(action.round),
+                          timeout_s=self.settings.store_timeout_s)
+        self._store = store
+        bootstrap = RendezvousStoreInfo.build(rank, store, local_addr=self.settings.local_addr)
+        self.rendezvous_s = time.monotonic() - start
+        self._log.info("rendezvous_completed", round=action.round, rank=rank,
+                       world_size=len(action.members), members=list(action.members),
+                       seconds=round(self.rendezvous_s, 3))
+        return RendezvousInfo(store, rank, len(action.members), bootstrap)
+
+    def _execute(self, action: Action, view: RendezvousView, state_rev: int, version: int,
+                 deadline: float) -> None:
+        s, k = self.settings, self.keys
+        if action.kind is ActionKind.CLOSED:
+            raise RendezvousClosedError(f"job {k.job!r} is closed")
+        if action.kind is ActionKind.TIMEOUT:
+            raise RendezvousTimeoutError(
+                f"job {k.job!r}: no round with {s.min_nodes}..{s.max_nodes} nodes completed within "
+                f"join_timeout={s.join_timeout_s:.0f}s ({self._last_reason})"
+            )
+        now = time.time()
+        if action.kind is ActionKind.INIT:
+            state = RoundState(0, "open", [], s.min_nodes, s.max_nodes, opened_at=now)
+            self._retry("open round", lambda: self.client.put_if(k.rdzv_state, state.to_json(),
+                                                                 mod_revision=0), deadline)
+        elif action.kind is ActionKind.OPEN_NEXT:
+            assert view.state is not None
+            state = RoundState(action.round, "open", list(view.state.members), s.min_nodes,
+                               s.max_nodes, opened_at=now)
+            if self._retry("open round", lambda: self.client.put_if(
+                    k.rdzv_state, state.to_json(), mod_revision=state_rev), deadline):
+                self._log.info("round_opened", round=action.round, reason=action.reason)
+                self._gc_before(action.round)
+        elif action.kind is ActionKind.JOIN:
+            self._retry("join", lambda: self.client.put(k.join(action.round, self.node_id), b"1",
+                                                        lease=self.lease_id), deadline)
+        elif action.kind is ActionKind.FINALIZE:
+            assert view.state is not None
+            state = replace(view.state, phase="final", members=list(action.members),
+                            completed_at=now)
+            self._retry("finalize round", lambda: self.client.put_if(
+                k.rdzv_state, state.to_json(), mod_revision=state_rev), deadline)
+        elif action.kind is ActionKind.WAIT:
+            until = action.until if action.until is not None else deadline
+            self._view.wait_change(version, min(until - time.monotonic(), 1.0))
+            return
+        # A write happened (or lost a race): wait for the watch to show its effect.
+        self._view.wait_change(version, 0.5)
+
+    def _gc_before(self, round_: int) -> None:
+        """Delete per-round keys two or more rounds old (their rounds are superseded)."""
+        k = self.keys
+        try:
+            kvs, _ = self.client.get_prefix(k.store_root)
+            stale_store = {key[: len(k.store_root) + 11] for key in (kv.key for kv in kvs)
+                           if (r := round_of_key(key, k.store_root)) is not None and r < round_ - 1}
+            for prefix in stale_store:
+                self.client.delete_prefix(prefix)
+            with self._view.cond:
+                rdzv_keys = list(self._view.rdzv)
+            for key in rdzv_keys:
+                for root in (k.joins_root, k.failures_root):
+                    r = round_of_key(key, root)
+                    if r is not None and r < round_:
+                        self.client.delete(key)
+        except EtcdUnavailableError as exc:  # the next round's opener will retry
+            self._log.warning("round_gc_failed", error=str(exc))
+
+    def is_closed(self) -> bool:
+        view, _ = self._view.snapshot()
+        if view.closed:
+            return True
+        if not self._watches:
+            try:
+                return self.client.get(self.keys.rdzv_closed) is not None
+            except EtcdUnavailableError:
+                return False
+        return False
+
+    def set_closed(self) -> None:
+        self._retry("close", lambda: self.client.put(self.keys.rdzv_closed, b"1"),
+                    time.monotonic() + self.settings.close_timeout_s)
+
+    def num_nodes_waiting(self) -> int:
+        """Answered from the watch cache: no etcd request. See ``protocol.nodes_waiting``."""
+        if self.lease_lost.is_set():
+            return 1
+        if self._round is None:
+            return 0
+        view, _ = self._view.snapshot()
+        n, why = nodes_waiting(view, self._round, max_nodes=self.settings.max_nodes)
+        if n and why != self._last_reason:
+            self._log.info("membership_changed", reason=why, round=self._round)
+            self._last_reason = why
+        return n
+
+    def membership_reason(self) -> str:
+        """Why ``num_nodes_waiting`` is non-zero now ('' if it is zero)."""
+        if self.lease_lost.is_set():
+            return "this node's lease was lost"
+        if self._round is None:
+            return ""
+        view, _ = self._view.snapshot()
+        return nodes_waiting(view, self._round, max_nodes=self.settings.max_nodes)[1]
+
+    def report_failure(self, detail: str) -> None:
+        """Record that our workers failed in the current round (on our lease)."""
+        if self._round is None or self.lease_lost.is_set():
+            return
+        key = self.keys.failure(self._round, self.node_id)
+        call_with_retry(lambda: self.client.put(key, detail, lease=self.lease_id),
+                        what="failure report", deadline=time.monotonic() + 5)
+
+    def view(self) -> RendezvousView:
+        return self._view.snapshot()[0]
+
+    def update_record(self, **changes: Any) -> None:
+        """Rewrite our node record, fenced by our incarnation (no-op if the lease is gone).
+
+        Raises:
+            LeaseLostError: the node key is gone or belongs to a newer incarnation.
+        """
+        if self._record is None or self._keeper is None:
+            return
+        record = replace(self._record, heartbeat_at=time.time(), **changes)
+        key = self.keys.node(self.node_id)
+        ok, _ = self.client.txn(
+            lambda t: [t.create(key) == self._incarnation],
+            lambda t: [t.put(key, record.to_json(), lease=self.lease_id)],
+        )
+        if not ok:
+            raise LeaseLostError(f"node record {key} is gone: lease expired")
+        self._record = record
+
+    def shutdown(self) -> bool:
+        """Leave the job explicitly: revoke the lease so peers see us go at once."""
+        if self._shutdown:
+            return True
+        self._shutdown = True
+        if self._store is not None:
+            self._store.close()
+        if self._keeper is not None:
+            self._keeper.stop(revoke=True)
+        for w in self._watches:
+            w.stop()
+        self._log.info("rendezvous_left", round=self._round)
+        return True

@@ -1,0 +1,211 @@
+"""The round protocol as pure decisions: a view of etcd in, one action (and a reason) out.
+
+Modelled on torch's ``_RendezvousJoinOp`` -> ``_Action``: the executor
+(``EtcdRendezvousHandler``) reads a ``RendezvousView`` from its watch cache, asks
+``decide_join`` what to do, performs that one action as an etcd transaction guarded by
+the state key's mod_revision, and asks again. Because every state change is a
+compare-and-swap, any number of nodes can run this loop at once: the first write wins
+and the others see the new state on their next look.
+
+A round moves ``open`` -> ``final``:
+
+- ``open``: nodes put ``joins/<round>/<node>`` (on their lease, so a dead joiner
+  vanishes). Any joined node may finalize once ``max_nodes`` joined, or ``min_nodes``
+  joined and either every live node joined or ``last_call_timeout`` passed since the
+  minimum was reached.
+- ``final``: ``members`` lists nodes in rank order. Ranks are dense (0..n-1) and stable:
+  members of the previous round keep their relative order, newcomers follow in join
+  order.
+- A node that has used round r (its workers ran) and calls ``next_rendezvous`` again,
+  or any node that sees a member of the final round without a live lease, opens r+1.
+  A node that arrives late pre-registers for r+1 and waits; members see it through
+  ``num_nodes_waiting`` and re-rendezvous.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from elasticd.records import RoundState
+
+
+class ActionKind(enum.Enum):
+    INIT = "init"  # create the state key (round 0, open)
+    OPEN_NEXT = "open_next"  # CAS final(r) -> open(r+1)
+    JOIN = "join"  # put joins/<round>/<me>
+    FINALIZE = "finalize"  # CAS open(r) -> final(r, members)
+    WAIT = "wait"  # nothing to do until the view changes (or `until`)
+    DONE = "done"  # this node is in the final round
+    CLOSED = "closed"  # the job is closed
+    TIMEOUT = "timeout"  # join_timeout passed
+
+
+@dataclass(frozen=True)
+class Action:
+    """What to do next, and why (logged when the reason changes)."""
+
+    kind: ActionKind
+    reason: str
+    round: int = -1
+    members: tuple[str, ...] = ()
+    until: float | None = None  # for WAIT: wake up by then even if nothing changes
+
+
+@dataclass(frozen=True)
+class RendezvousView:
+    """What a node knows of etcd at one moment (from its watch cache)."""
+
+    state: RoundState | None
+    alive: frozenset[str]  # node ids with a live lease (node record present)
+    joins: Mapping[int, Sequence[str]] = field(default_factory=dict)  # round -> nodes in join order
+    closed: bool = False
+    failures: Mapping[int, Sequence[str]] = field(default_factory=dict)  # round -> reporters in order
+
+
+@dataclass
+class JoinProgress:
+    """Per-call memory of one ``next_rendezvous`` (not shared between nodes)."""
+
+    me: str
+    last_round: int | None  # round this node last completed (its workers ran in it)
+    deadline: float  # join_timeout
+    min_reached_at: dict[int, float] = field(default_factory=dict)
+
+
+def order_members(previous: Sequence[str], joined: Sequence[str], max_nodes: int) -> tuple[str, ...]:
+    """Rank order for a new round: previous members first (relative order kept), then newcomers.
+
+    Args:
+        previous: members of the last final round, in rank order.
+        joined: nodes joined to the new round, in join order.
+        max_nodes: at most this many are admitted; the rest wait for the next round.
+    """
+    joined_set = set(joined)
+    kept = [n for n in previous if n in joined_set]
+    kept_set = set(kept)
+    newcomers = [n for n in joined if n not in kept_set]
+    return tuple((kept + newcomers)[:max_nodes])
+
+
+def lost_members(state: RoundState, alive: frozenset[str]) -> list[str]:
+    """Members of a final round whose lease is gone."""
+    return [m for m in state.members if m not in alive]
+
+
+def decide_join(view: RendezvousView, progress: JoinProgress, *, min_nodes: int, max_nodes: int,
+                last_call_timeout_s: float, now: float) -> Action:
+    """Decide this node's next step towards being in a final round. Pure; see module doc."""
+    me = progress.me
+    if view.closed:
+        return Action(ActionKind.CLOSED, "the rendezvous is closed")
+    if now >= progress.deadline:
+        return Action(ActionKind.TIMEOUT, "join_timeout passed before a round completed")
+    state = view.state
+    if state is None:
+        return Action(ActionKind.INIT, "no round yet: opening round 0", round=0)
+    r = state.round
+
+    if state.phase == "final":
+        used = progress.last_round is not None and progress.last_round >= r
+        if me in state.members and not used:
+            return Action(ActionKind.DONE, f"member of final round {r}", round=r,
+                          members=tuple(state.members))
+        lost = lost_members(state, view.alive)
+        if used or lost:
+            why = (f"round {r} lost {','.join(lost)}" if lost else f"re-rendezvous after round {r}")
+            return Action(ActionKind.OPEN_NEXT, why + f": opening round {r + 1}", round=r + 1)
+        # Late arrival: pre-register for the next round and wait to be admitted.
+        if me not in view.joins.get(r + 1, ()):
+            return Action(ActionKind.JOIN, f"round {r} is final without us: waiting for round {r + 1}",
+                          round=r + 1)
+        return Action(ActionKind.WAIT, f"waiting for members of round {r} to admit us", round=r + 1,
+                      until=progress.deadline)
+
+    # open round
+    joined_all = list(view.joins.get(r, ()))
+    if me not in joined_all:
+        return Action(ActionKind.JOIN, f"joining open round {r}", round=r)
+    joined = [n for n in joined_all if n in view.alive]
+    if len(joined) >= max_nodes:
+        members = order_members(_previous_members(state), joined, max_nodes)
+        return Action(ActionKind.FINALIZE, f"round {r}: max_nodes={max_nodes} joined", round=r,
+                      members=members)
+    if len(joined) >= min_nodes:
+        first = progress.min_reached_at.setdefault(r, now)
+        stragglers = sorted(view.alive - set(joined))
+        if not stragglers:
+            members = order_members(_previous_members(state), joined, max_nodes)
+            return Action(ActionKind.FINALIZE, f"round {r}: all {len(joined)} live nodes joined",
+                          round=r, members=members)
+        last_call = first + last_call_timeout_s
+        if now >= last_call:
+            members = order_members(_previous_members(state), joined, max_nodes)
+            return Action(ActionKind.FINALIZE,
+                          f"round {r}: last call passed with {len(joined)} nodes "
+                          f"(not joined: {','.join(stragglers)})", round=r, members=members)
+        return Action(ActionKind.WAIT, f"round {r}: {len(joined)} joined, last call for "
+                      f"{','.join(stragglers)}", round=r, until=min(last_call, progress.deadline))
+    return Action(ActionKind.WAIT, f"round {r}: {len(joined)}/{min_nodes} nodes joined", round=r,
+                  until=progress.deadline)
+
+
+def _previous_members(state: RoundState) -> Sequence[str]:
+    # An open round carries the previous final round's members so ranks stay stable.
+    return state.members
+
+
+def nodes_waiting(view: RendezvousView, my_round: int, *, max_nodes: int) -> tuple[int, str]:
+    """How many nodes wait for this node to re-rendezvous, and why. Pure.
+
+    Counts as waiting (so torch's agent restarts the group without spending the restart
+    budget): a newer round opened by someone else, a member of our round whose lease is
+    gone, and late joiners for the next round while there is room for them.
+    """
+    state = view.state
+    if state is None or view.closed:
+        return 0, ""
+    if state.round > my_round:
+        return 1, f"round {state.round} opened while we are in round {my_round}"
+    if state.phase != "final":
+        return 0, ""
+    lost = lost_members(state, view.alive)
+    if lost:
+        return len(lost), f"members lost: {','.join(lost)}"
+    if len(state.members) < max_nodes:
+        waiting = [n for n in view.joins.get(my_round + 1, ()) if n in view.alive and n not in state.members]
+        if waiting:
+            return len(waiting), f"nodes waiting to join: {','.join(waiting)}"
+    return 0, ""
+
+
+def attribute_failure(view: RendezvousView, my_round: int, me: str) -> tuple[str, str]:
+    """Decide whether a local worker failure is this node's fault. Pure.
+
+    When one worker dies, its peers' collectives fail within milliseconds, so every node
+    sees a "failure". Only the root cause should spend its restart budget; a failure
+    that coincides with a peer leaving is a membership change and spends nothing.
+
+    Returns:
+        (verdict, reason) with verdict one of ``"membership"`` (a peer is gone or a newer
+        round exists), ``"root"`` (every live peer reported a failure too and ours was
+        first), ``"victim"`` (every live peer reported and another was first), or
+        ``"undecided"`` (wait for more reports; the caller treats it as ``"root"`` once
+        its attribution window passes).
+    """
+    state = view.state
+    if state is None:
+        return "undecided", "no round state"
+    if state.round > my_round:
+        return "membership", f"round {state.round} superseded our round {my_round}"
+    lost = lost_members(state, view.alive)
+    if lost:
+        return "membership", f"peer(s) {','.join(lost)} left round {my_round}"
+    reporters = list(view.failures.get(my_round, ()))
+    others = [m for m in state.members if m != me]
+    if me in reporters and all(m in reporters for m in others):
+        if reporters[0] == me:
+            return "root", f"first failure report of round {my_round}"
+        return "victim", f"{reporters[0]} failed first in round {my_round}"
+    return "undecided", f"waiting for failure reports of round {my_round}"

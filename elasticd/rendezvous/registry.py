@@ -1,0 +1,94 @@
+"""Registration of the ``etcd-v3`` backend with torch elastic.
+
+``torchrun --rdzv-backend etcd-v3 --rdzv-endpoint h1:2379,h2:2379 --rdzv-id JOB
+--rdzv-conf node_ttl=5,ca_file=...`` finds us through the ``torchrun.handlers`` entry
+point, which torch calls with no arguments and which must return the creator.
+
+Recognised ``--rdzv-conf`` keys: ``node_ttl`` (s), ``join_timeout``, ``last_call_timeout``,
+``close_timeout``, ``store_timeout``, ``etcd_timeout``, ``ca_file``, ``cert_file``,
+``key_file``, ``user``, ``password``, ``password_file``, ``node_id``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from torch.distributed.elastic.rendezvous import (
+    RendezvousHandler,
+    RendezvousParameters,
+    rendezvous_handler_registry,
+)
+
+from elasticd.errors import ConfigError
+from elasticd.etcd.client import EtcdClient, TLSFiles
+from elasticd.keys import validate_job_name
+from elasticd.rendezvous.etcd_handler import EtcdRendezvousHandler, RendezvousSettings
+
+BACKEND = "etcd-v3"
+_KNOWN = {"node_ttl", "join_timeout", "last_call_timeout", "close_timeout", "store_timeout",
+          "etcd_timeout", "ca_file", "cert_file", "key_file", "user", "password",
+          "password_file", "node_id", "timeout"}
+
+
+def _number(params: RendezvousParameters, key: str, default: float) -> float:
+    raw = params.get(key, default)
+    try:
+        value = float(raw)
+    except (TypeError, ValueError):
+        raise ConfigError(f"rendezvous option {key}={raw!r} is not a number of seconds") from None
+    if value <= 0:
+        raise ConfigError(f"rendezvous option {key}={raw!r} must be positive")
+    return value
+
+
+def create_handler(params: RendezvousParameters) -> RendezvousHandler:
+    """Build an ``EtcdRendezvousHandler`` from torch's ``RendezvousParameters``.
+
+    Raises:
+        ConfigError: unknown option, bad number, invalid job name, unreadable TLS files.
+    """
+    unknown = set(params.config) - _KNOWN - {"rank", "is_host", "local_addr"}
+    if unknown:
+        raise ConfigError(f"unknown etcd-v3 rendezvous option(s) {sorted(unknown)}; "
+                          f"known: {sorted(_KNOWN)}")
+    job = validate_job_name(params.run_id)
+    password = params.get("password")
+    if params.get("password_file"):
+        try:
+            password = Path(params.get("password_file")).read_text().strip()
+        except OSError as exc:
+            raise ConfigError(f"cannot read etcd password_file: {exc}") from exc
+    ttl = int(_number(params, "node_ttl", 5))
+    if ttl < 2:
+        raise ConfigError(f"node_ttl={ttl} is below etcd's minimum lease TTL of 2 s")
+    client = EtcdClient(
+        params.endpoint,
+        timeout_s=_number(params, "etcd_timeout", 3.0),
+        tls=TLSFiles(params.get("ca_file"), params.get("cert_file"), params.get("key_file")),
+        user=params.get("user"),
+        password=password,
+    )
+    settings = RendezvousSettings(
+        min_nodes=params.min_nodes,
+        max_nodes=params.max_nodes,
+        node_ttl_s=ttl,
+        join_timeout_s=_number(params, "join_timeout", 600.0),
+        last_call_timeout_s=_number(params, "last_call_timeout", 1.0),
+        close_timeout_s=_number(params, "close_timeout", 30.0),
+        store_timeout_s=_number(params, "store_timeout", 300.0),
+        local_addr=params.local_addr,
+    )
+    return EtcdRendezvousHandler(client, job, settings, node_id=params.get("node_id"))
+
+
+def register() -> None:
+    """Register ``etcd-v3`` in torch's handler registry (idempotent)."""
+    try:
+        rendezvous_handler_registry.register(BACKEND, create_handler)
+    except ValueError:
+        pass  # already registered with this creator (torchrun's entry-point loading)
+
+
+def torchrun_handler():
+    """Entry point for ``torchrun.handlers``: called with no arguments, returns the creator."""
+    return create_handler
