@@ -84,6 +84,7 @@ class EmbeddedEtcd:
         self.binary = binary or find_etcd_binary()
         self._own_dir = data_dir is None
         self.data_dir = data_dir or tempfile.mkdtemp(prefix="elasticd-etcd-")
+        os.makedirs(self.data_dir, exist_ok=True)
         self.tls = tls
         self.start_timeout_s = start_timeout_s
         self.client_port = free_port()

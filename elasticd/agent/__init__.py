@@ -1,0 +1,1 @@
+"""The node agent: supervision loop, control channel, records, preemption, sd_notify."""

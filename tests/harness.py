@@ -1,0 +1,132 @@
+"""Test harness: "nodes" as real agent processes on this machine, and real faults.
+
+A node is an ``elasticd run`` (or ``torchrun``) process started in a session of its own,
+plus every descendant (torch starts workers in sessions of their own). A fault must reach
+the whole node, so ``Node.signal`` walks the process tree from /proc.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PY = sys.executable
+
+
+def children_of(pid: int) -> list[int]:
+    """All descendants of ``pid`` (from /proc), deepest last."""
+    kids: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as fh:
+                fields = fh.read().rsplit(b")", 1)[1].split()
+            kids.setdefault(int(fields[1]), []).append(int(entry))
+        except (OSError, IndexError):
+            continue
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        for c in kids.get(p, []):
+            out.append(c)
+            todo.append(c)
+    return out
+
+
+def wait_until(pred: Callable[[], object], timeout_s: float, what: str, interval_s: float = 0.05):
+    """Poll ``pred`` until truthy; fail the test with ``what`` after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = pred()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what}")
+        time.sleep(interval_s)
+
+
+class Node:
+    """One agent process (and its workers) started with ``argv`` in its own session."""
+
+    def __init__(self, argv: list[str], env: dict[str, str], log_path: Path) -> None:
+        self.argv, self.log_path = argv, log_path
+        self._log = open(log_path, "ab")  # noqa: SIM115 - closed in cleanup()
+        full_env = {**os.environ, **env}
+        self.proc = subprocess.Popen(argv, env=full_env, stdout=self._log, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, start_new_session=True, cwd=str(ROOT))
+        self.pid = self.proc.pid
+
+    def tree(self) -> list[int]:
+        return [self.pid, *children_of(self.pid)]
+
+    def signal(self, sig: int) -> None:
+        """Deliver ``sig`` to the agent and every descendant (the whole node)."""
+        for pid in self.tree():
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def signal_agent(self, sig: int) -> None:
+        os.kill(self.pid, sig)
+
+    def wait(self, timeout_s: float) -> int:
+        return self.proc.wait(timeout=timeout_s)
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def cleanup(self) -> None:
+        """Kill whatever is left of the node (SIGCONT first, in case it is stopped)."""
+        pids = self.tree()
+        for pid in pids:
+            for sig in (signal.SIGCONT, signal.SIGKILL):
+                try:
+                    os.kill(pid, sig)
+                except ProcessLookupError:
+                    pass
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+        self._log.close()
+
+
+def elasticd_argv(etcd: str, job: str, script: str, *, nnodes: str = "1:3", nproc: int = 1,
+                  node_id: str | None = None, extra: list[str] | None = None) -> list[str]:
+    argv = [PY, "-m", "elasticd.cli", "run", "--etcd", etcd, "--job", job, "--nnodes", nnodes,
+            "--nproc-per-node", str(nproc), "--node-ttl", "2", "--local-addr", "127.0.0.1",
+            "--log-format", "json"]
+    if node_id:
+        argv += ["--node-id", node_id]
+    return argv + (extra or []) + [script]
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            continue  # a line torn by a kill
+    return out
+
+
+def no_leftovers(nodes: list[Node]) -> list[int]:
+    """PIDs of any node process still alive (should be empty after cleanup)."""
+    from elasticd.process import pid_alive
+
+    return [p for n in nodes for p in [n.pid, *children_of(n.pid)] if pid_alive(p)]

@@ -1,0 +1,43 @@
+"""Membership changes with real agents: SIGKILL, SIGSTOP and a joining node."""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+from harness import ROOT, read_jsonl, wait_until
+
+SCRIPT = str(ROOT / "tests" / "workers" / "allreduce.py")
+pytestmark = pytest.mark.timeout(150)
+
+
+def _steps_at(out, world):
+    return [r for r in read_jsonl(out) if r["world"] == world]
+
+
+def _env(out, steps=100000):
+    return {"OUT": str(out), "STEPS": str(steps), "STEP_S": "0.05"}
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP])
+def test_survivors_reach_world_two_after_node_fault(nodes, tmp_path, sig):
+    """A node killed or frozen mid-training: the other two train on at world size 2,
+    without spending their restart budget."""
+    out = tmp_path / "steps.jsonl"
+    ns = [nodes.start("j1", SCRIPT, env=_env(out), extra=["--max-restarts", "0"]) for _ in range(3)]
+    wait_until(lambda: len(_steps_at(out, 3)) >= 6, 60, "steps at world size 3")
+    ns[2].signal(sig)
+    wait_until(lambda: len(_steps_at(out, 2)) >= 6, 60, "steps at world size 2 after the fault")
+    assert ns[0].alive() and ns[1].alive(), "a survivor exited: the fault spent its restart budget"
+    if sig == signal.SIGSTOP:
+        ns[2].signal(signal.SIGCONT)
+
+
+def test_joining_node_is_admitted(nodes, tmp_path):
+    """A node started while a 2-node job trains is admitted at the next round."""
+    out = tmp_path / "steps.jsonl"
+    for _ in range(2):
+        nodes.start("j2", SCRIPT, env=_env(out), extra=["--max-restarts", "0"])
+    wait_until(lambda: len(_steps_at(out, 2)) >= 6, 60, "steps at world size 2")
+    nodes.start("j2", SCRIPT, env=_env(out), extra=["--max-restarts", "0"])
+    wait_until(lambda: len(_steps_at(out, 3)) >= 6, 60, "steps at world size 3 after the join")
