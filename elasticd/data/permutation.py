@@ -6,13 +6,16 @@ An elastic sampler only ever needs the positions of *its* share of the next few 
 batches, so we use a keyed bijection instead: ``index = P(position)`` costs O(1) memory and
 any rank can evaluate any position without materialising the rest.
 
-The bijection is a Feistel network over ``bits = bit_length(n - 1)`` bits (halves of
-``ceil(bits/2)`` and ``floor(bits/2)`` bits, swapping widths each round) with the
-``lowbias32`` integer hash as its round function, keyed by ``(seed, epoch, round)``. Feistel
-networks are bijections for any round function; values that land in ``[n, 2**bits)`` are
-walked through the network again ("cycle walking") until they fall inside ``[0, n)``,
-which keeps it a bijection on ``[0, n)``. Because ``2**bits < 2n`` the expected number of
-walks is below 2.
+The bijection is a Feistel network over a mixed-radix domain ``[0, a*b)`` with
+``a = ceil(sqrt(n))`` and ``b = ceil(n / a)``: a position is split into ``(L, R) = divmod(x,
+b)`` and each round maps ``(L mod a, R mod b)`` to ``(R, (L + F(R)) mod a)`` (the radices swap
+every round), with the ``lowbias32`` integer hash keyed by ``(seed, epoch, round)`` as ``F``.
+Such a round is invertible whatever ``F`` is, so the network is a bijection of ``[0, a*b)``;
+values that land in ``[n, a*b)`` are walked through it again ("cycle walking"), which
+keeps it a bijection on ``[0, n)``. Because ``a*b - n < a``, fewer than one position in
+``sqrt(n)`` needs a second pass (a power-of-two XOR Feistel would walk up to half of them,
+and measured 2-3x slower). ``F`` is a 32-bit hash scaled onto ``[0, a)``; for ``n`` up to 2**40 the
+scaling's bias is below 2**-12, beyond that the order is still a bijection but less uniform.
 
 All tensor arithmetic stays below ``2**63`` so int64 never overflows (torch has no portable
 wrapping unsigned 64-bit multiply); a pure-Python twin (:meth:`FeistelPermutation.index`)
@@ -25,17 +28,19 @@ checks on load.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
-PERMUTATION_ALGORITHM = "feistel6-lowbias32-v1"
+PERMUTATION_ALGORITHM = "feistel6-mixedradix-lowbias32-v1"
 """Name of the permutation function, stored in sampler state; bump it on any change."""
 
 MAX_DATASET_LEN = 1 << 62
 """Largest supported dataset: keeps every intermediate below 2**63 in int64 arithmetic."""
 
 _ROUNDS = 6
-# Below this many cycle-walking stragglers, walk them one by one in Python (measured).
-_SCALAR_WALK_BELOW = 64
+# Up to this many cycle-walking stragglers are walked one by one in Python (measured).
+_SCALAR_WALK_BELOW = 128
 _MASK32 = 0xFFFFFFFF
 _MASK64 = 0xFFFFFFFFFFFFFFFF
 # lowbias32 (Chris Wellons' hash-prospector) multiplies by 0x7FEB352D and 0x846CA68B modulo
@@ -82,11 +87,17 @@ def _lowbias32_int(x: int) -> int:
 
 
 def _lowbias32_tensor(x: torch.Tensor) -> torch.Tensor:
-    x = x ^ (x >> 16)
-    x = (x * _MUL1) & _MASK32
-    x = x ^ (x >> 15)
-    x = (x * _MUL2_LOW + ((x & 1) << 31)) & _MASK32
-    return x ^ (x >> 16)
+    """lowbias32 of a fresh 32-bit tensor, computed in place (``x`` is consumed)."""
+    x ^= x >> 16
+    x *= _MUL1
+    x &= _MASK32
+    x ^= x >> 15
+    high_bit = (x & 1) << 31
+    x *= _MUL2_LOW
+    x += high_bit
+    x &= _MASK32
+    x ^= x >> 16
+    return x
 
 
 class FeistelPermutation:
@@ -110,31 +121,39 @@ class FeistelPermutation:
         if not 1 <= n <= MAX_DATASET_LEN:
             raise ValueError(f"permutation size must be in [1, 2**62], got {n}")
         self.n = n
-        # At least 2 bits so both Feistel halves are non-empty; cycle walking absorbs the rest.
-        self._bits = max(2, (n - 1).bit_length())
+        # The two radices: a*b >= n with a*b - n < a, so cycle walking is rare.
+        self._a = max(1, math.isqrt(n - 1) + 1)
+        self._b = -(-n // self._a)
         self._keys = round_keys(seed, epoch)
 
     def _feistel_int(self, x: int) -> int:
-        left_w = self._bits - self._bits // 2
-        right_w = self._bits // 2
-        left, right = x >> right_w, x & ((1 << right_w) - 1)
+        p, q = self._a, self._b
+        left, right = divmod(x, q)
         for key in self._keys:
-            # (L[lw], R[rw]) -> (R[rw], L ^ F(R)[lw]): invertible whatever F is.
-            f = _lowbias32_int((right ^ key) & _MASK32) & ((1 << left_w) - 1)
-            left, right = right, left ^ f
-            left_w, right_w = right_w, left_w
-        return (left << right_w) | right
+            # (L mod p, R mod q) -> (R mod q, (L + F(R)) mod p): invertible whatever F is.
+            # F(R) = lowbias32(R ^ key) scaled onto [0, p) by its high bits.
+            f = (_lowbias32_int(right ^ key) * p) >> 32
+            left, right = right, (left + f) % p
+            p, q = q, p
+        return left * q + right
 
     def _feistel_tensor(self, x: torch.Tensor) -> torch.Tensor:
-        left_w = self._bits - self._bits // 2
-        right_w = self._bits // 2
-        left, right = x >> right_w, x & ((1 << right_w) - 1)
+        p, q = self._a, self._b
+        left, right = x // q, x % q
         for key in self._keys:
             # right < 2**31 and key < 2**32, so right ^ key is already a 32-bit value.
-            f = _lowbias32_tensor(right ^ key) & ((1 << left_w) - 1)
-            left, right = right, left ^ f
-            left_w, right_w = right_w, left_w
-        return (left << right_w) | right
+            f = _lowbias32_tensor(right ^ key)
+            # Map the 32-bit hash onto [0, p) by its high bits (Lemire's multiply-shift,
+            # cheaper than a division); h * p < 2**32 * 2**31 stays inside int64.
+            f *= p
+            f >>= 32
+            f += left
+            f.remainder_(p)
+            left, right = right, f
+            p, q = q, p
+        left *= q
+        left += right
+        return left
 
     def index(self, position: int) -> int:
         """Sample index at ``position`` (pure Python; the reference for :meth:`__call__`).
@@ -144,8 +163,6 @@ class FeistelPermutation:
         """
         if not 0 <= position < self.n:
             raise IndexError(f"position {position} outside [0, {self.n})")
-        if self.n == 1:
-            return 0
         x = self._feistel_int(position)
         while x >= self.n:
             x = self._feistel_int(x)
@@ -158,12 +175,10 @@ class FeistelPermutation:
             A new int64 tensor of the same shape. Positions are not range-checked here
             (callers compute them); out-of-range input gives unspecified output.
         """
-        if self.n == 1:
-            return torch.zeros_like(positions)
         out = self._feistel_tensor(positions.reshape(-1))
-        # Cycle walking: re-encrypt only the stragglers. Each pass leaves fewer than half of
-        # them outside on average, but a tensor pass costs ~100 small-op launches whatever
-        # its size, so the last few stragglers are cheaper to walk in plain Python.
+        # Cycle walking: re-encrypt only the stragglers (fewer than 1 in sqrt(n) per pass).
+        # A tensor pass costs ~100 small-op launches whatever its size, so a few stragglers
+        # are cheaper to walk in plain Python.
         pending = (out >= self.n).nonzero().reshape(-1)
         while pending.numel() > _SCALAR_WALK_BELOW:
             walked = self._feistel_tensor(out[pending])
