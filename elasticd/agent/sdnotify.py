@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
+from collections.abc import Callable
 
 import structlog
 
@@ -36,10 +38,29 @@ class SystemdNotifier:
 
     Args:
         socket_path: the value of ``$NOTIFY_SOCKET``, or None/"" when not under systemd.
+        watchdog_usec: ``$WATCHDOG_USEC``, if any; sets :attr:`watchdog_interval_s`.
+        watchdog_pid: ``$WATCHDOG_PID``, if any (see :func:`watchdog_interval_s`).
+        pid: this process's PID, to match ``watchdog_pid``.
+        clock: monotonic clock (tests).
+
+    Attributes:
+        watchdog_interval_s: how often to ping (half of ``WatchdogSec``), or None when
+            systemd expects no pings.
     """
 
-    def __init__(self, socket_path: str | None) -> None:
+    def __init__(
+        self,
+        socket_path: str | None,
+        watchdog_usec: str | None = None,
+        watchdog_pid: str | None = None,
+        *,
+        pid: int | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.socket_path = socket_path or None
+        self.watchdog_interval_s = watchdog_interval_s(watchdog_usec, watchdog_pid, pid=pid)
+        self._clock = clock
+        self._last_ping: float | None = None
         self._address: str | None = None
         if self.socket_path is not None:
             # "@name" is Linux's abstract namespace, spelled with a leading NUL byte.
@@ -88,8 +109,23 @@ class SystemdNotifier:
         return self.notify(*self._status(text))
 
     def watchdog(self) -> bool:
-        """Ping the watchdog (``WATCHDOG=1``); call every :func:`watchdog_interval_s`."""
-        return self.notify("WATCHDOG=1")
+        """Ping the watchdog (``WATCHDOG=1``).
+
+        Safe to call on every pass of a fast loop: when :attr:`watchdog_interval_s` is
+        known, pings closer together than a quarter of it are skipped (returns False),
+        so the loop's liveness still reaches systemd well within ``WatchdogSec``.
+        """
+        now = self._clock()
+        if (
+            self.watchdog_interval_s is not None
+            and self._last_ping is not None
+            and now - self._last_ping < self.watchdog_interval_s / 4
+        ):
+            return False
+        sent = self.notify("WATCHDOG=1")
+        if sent:
+            self._last_ping = now
+        return sent
 
     def stopping(self, status: str | None = None) -> bool:
         """Tell systemd a graceful stop has begun (``STOPPING=1``)."""

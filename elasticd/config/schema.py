@@ -194,8 +194,12 @@ def nproc(value: Any, text: bool) -> int | str:
 
 
 def command(value: Any, text: bool) -> tuple[str, ...]:
-    """A list of strings, or one string split like a shell (quotes, no expansion)."""
-    fix = 'write command = ["python", "train.py", "--epochs", "10"]'
+    """The training entry point, as torchrun takes it: a Python script and its
+    arguments, or ``-m module`` and its arguments; run with the agent's Python.
+
+    A list of strings, or one string split like a shell (quotes, no expansion).
+    """
+    fix = 'write command = ["train.py", "--epochs", "10"] or ["-m", "mypkg.train"]'
     if isinstance(value, str):
         try:
             words = shlex.split(value)
@@ -208,7 +212,9 @@ def command(value: Any, text: bool) -> tuple[str, ...]:
     else:
         raise Invalid(f"expected a list of strings, got {_kind(value)}", fix)
     if not words or not words[0].strip():
-        raise Invalid("must name a program to run", fix)
+        raise Invalid("must name a Python script or -m module to run", fix)
+    if words[0] == "-m" and (len(words) < 2 or not words[1].strip()):
+        raise Invalid("-m needs a module name", fix)
     return tuple(words)
 
 
@@ -289,7 +295,7 @@ KEYS: dict[str, Key] = {
         Key("node", "id", optional_string, None, 'id = "gpu-node-07"'),
         Key("node", "local_addr", host_or_addr, None, 'local_addr = "10.0.0.7"'),
         Key("node", "ttl_s", integer(2, 3600), 5, "ttl_s = 5"),
-        Key("workers", "command", command, REQUIRED, 'command = ["python", "train.py"]'),
+        Key("workers", "command", command, REQUIRED, 'command = ["train.py", "--epochs", "10"]'),
         Key("workers", "nproc_per_node", nproc, 1, 'nproc_per_node = "gpu"'),
         Key("workers", "workdir", optional_string, None, 'workdir = "/srv/train"'),
         Key("workers", "env", lambda v, t: v, {}, 'OMP_NUM_THREADS = "4"'),

@@ -23,7 +23,7 @@ MINIMAL = """
 [job]
 name = "demo"
 [workers]
-command = ["python", "train.py"]
+command = ["train.py"]
 """
 
 
@@ -57,7 +57,7 @@ def test_minimal_file_gets_documented_defaults(tmp_path):
     assert (config.job.min_nodes, config.job.max_nodes) == (1, 1)
     assert config.etcd.embedded and config.etcd.endpoints == ()
     assert config.node.id == "host-a" and config.node.ttl_s == 5
-    assert config.workers.command == ("python", "train.py")
+    assert config.workers.command == ("train.py",)
     assert config.workers.nproc_per_node == 1
     assert config.workers.hang_timeout_s == 0.0
     assert config.restart.max_restarts == 3
@@ -86,11 +86,11 @@ def test_config_without_file_comes_from_environment_and_overrides():
     config = load_config(
         None,
         {"ELASTICD_JOB_NAME": "envjob"},
-        {"workers.command": "python -m train --lr '0.1 0.2'"},
+        {"workers.command": "-m train --lr '0.1 0.2'"},
         hostname="h",
     )
     assert config.job.name == "envjob"
-    assert config.workers.command == ("python", "-m", "train", "--lr", "0.1 0.2")
+    assert config.workers.command == ("-m", "train", "--lr", "0.1 0.2")
     assert config.path is None
 
 
@@ -111,7 +111,7 @@ def test_environment_text_is_converted_per_key_type(tmp_path):
     """Env values are converted: lists from commas, shell words, booleans, numbers."""
     env = {
         "ELASTICD_ETCD_ENDPOINTS": "h1:2379, h2 ,[::1]:2380",
-        "ELASTICD_WORKERS_COMMAND": "torchrun-free 'a b' c",
+        "ELASTICD_WORKERS_COMMAND": "train.py 'a b' c",
         "ELASTICD_JOB_NNODES": "2:8",
         "ELASTICD_WORKERS_NPROC_PER_NODE": "4",
         "ELASTICD_METRICS_PORT": "9400",
@@ -121,7 +121,7 @@ def test_environment_text_is_converted_per_key_type(tmp_path):
     config = load(tmp_path, env=env)
     assert config.etcd.endpoints == ("h1:2379", "h2:2379", "[::1]:2380")
     assert config.etcd.host_ports() == (("h1", 2379), ("h2", 2379), ("::1", 2380))
-    assert config.workers.command == ("torchrun-free", "a b", "c")
+    assert config.workers.command == ("train.py", "a b", "c")
     assert (config.job.min_nodes, config.job.max_nodes) == (2, 8)
     assert config.workers.nproc_per_node == 4
     assert config.metrics.port == 9400 and config.metrics.enabled
@@ -235,7 +235,8 @@ def test_missing_required_keys_name_key_and_env_var(tmp_path, text, missing):
         ("", {"ELASTICD_METRICS_PORT": "70000"}, "metrics.port", "between 0 and 65535"),
         ("", {"ELASTICD_WORKERS_NPROC_PER_NODE": "0"}, "workers.nproc_per_node", "at least 1"),
         ("", {"ELASTICD_WORKERS_NPROC_PER_NODE": "cpu"}, "workers.nproc_per_node", '"gpu"'),
-        ("", {"ELASTICD_WORKERS_COMMAND": "python 'oops"}, "workers.command", "quotation"),
+        ("", {"ELASTICD_WORKERS_COMMAND": "train.py 'oops"}, "workers.command", "quotation"),
+        ("", {"ELASTICD_WORKERS_COMMAND": "-m"}, "workers.command", "module name"),
         ("", {"ELASTICD_LOGGING_FORMAT": "xml"}, "logging.format", "'json'"),
         ("", {"ELASTICD_DRAIN_GRACE_S": "0"}, "drain.grace_s", "greater than 0"),
         ("", {"ELASTICD_ETCD_TIMEOUT_S": "nan"}, "etcd.timeout_s", "finite"),
@@ -245,7 +246,7 @@ def test_missing_required_keys_name_key_and_env_var(tmp_path, text, missing):
         ("", {"ELASTICD_PREEMPTION_BASE_URL": "169.254.169.254"}, "preemption.base_url", "http"),
         ("", {"ELASTICD_JOB_STANDALONE": "maybe"}, "job.standalone", "true or false"),
         ('[job]\nnnodes = true\n', {}, "job.nnodes", "boolean"),
-        ("[workers]\ncommand = []\n", {}, "workers.command", "program"),
+        ("[workers]\ncommand = []\n", {}, "workers.command", "script"),
         ("[workers]\ncommand = [1]\n", {}, "workers.command", "string"),
     ],
 )

@@ -90,6 +90,21 @@ def test_unreachable_socket_never_raises_and_logs_once(tmp_path):
     assert [e["event"] for e in logs] == ["sd_notify_failed"]
 
 
+def test_fast_loop_watchdog_pings_are_rate_limited(listener):
+    """Pinging on every loop pass sends at most one WATCHDOG=1 per quarter interval."""
+    sock, path = listener
+    now = [100.0]
+    notifier = SystemdNotifier(path, "60000000", clock=lambda: now[0])
+    assert notifier.watchdog_interval_s == 30.0
+    sent = []
+    for _ in range(40):  # 40 passes of a 0.5 s loop = 20 s
+        sent.append(notifier.watchdog())
+        now[0] += 0.5
+    assert sent.count(True) == 3  # at 0 s, 7.5 s and 15 s
+    sock.settimeout(0.5)
+    assert [received(sock) for _ in range(3)] == [["WATCHDOG=1"]] * 3
+
+
 @pytest.mark.parametrize(
     ("usec", "wpid", "pid", "expected"),
     [
