@@ -14,7 +14,7 @@ A private runtime directory (mode 0700) per agent, passed to workers as
   ``{"op": "progress", ...}`` (no reply; feeds hang detection and status) and
   ``{"op": "commit", ...}`` (reply ``{"ok": bool, "reason": str}``: the fenced
   checkpoint commit, done by the agent because only it knows whether its round is
-  still current).
+  still current) and ``{"op": "latest"}`` (reply ``{"ok": true, "pointer": {...}|null}``).
 """
 
 from __future__ import annotations
@@ -83,6 +83,7 @@ class ProgressBoard:
 
 
 CommitHandler = Callable[[dict[str, Any]], tuple[bool, str]]
+QueryHandler = Callable[[dict[str, Any]], dict[str, Any]]
 
 
 class ControlChannel:
@@ -93,11 +94,13 @@ class ControlChannel:
         base_dir: parent of the runtime directory (``$XDG_RUNTIME_DIR`` or /tmp if None).
     """
 
-    def __init__(self, on_commit: CommitHandler | None = None, base_dir: str | None = None) -> None:
+    def __init__(self, on_commit: CommitHandler | None = None, base_dir: str | None = None,
+                 on_latest: QueryHandler | None = None) -> None:
         self.dir = Path(tempfile.mkdtemp(prefix="elasticd-", dir=base_dir))
         os.chmod(self.dir, 0o700)
         self.progress = ProgressBoard()
         self._on_commit = on_commit
+        self._on_latest = on_latest
         self._server: socketserver.ThreadingUnixStreamServer | None = None
         self._thread: threading.Thread | None = None
 
@@ -148,6 +151,13 @@ class ControlChannel:
                 log.warning("commit_request_failed", error=str(exc))
                 ok, reason = False, f"agent error: {exc}"
             return {"ok": ok, "reason": reason}
+        if op == "latest":
+            if self._on_latest is None:
+                return {"ok": True, "pointer": None}
+            try:
+                return {"ok": True, **self._on_latest(msg)}
+            except Exception as exc:  # etcd down: the worker falls back to listing
+                return {"ok": False, "reason": str(exc)}
         if op == "ping":
             return {"ok": True}
         return {"ok": False, "reason": f"unknown op {op!r}"}

@@ -152,6 +152,10 @@ class ElasticdAgent(LocalElasticAgent):
             self.notifier.ready()
             self.notifier.status(f"round {h.round}: {len(h.members)} nodes, ranks {ranks}")
 
+    def _record_worker_events(self, result: RunResult) -> None:
+        # torch's per-worker event records assume a finished group; ours are in etcd.
+        return
+
     # -- records -------------------------------------------------------------------------
     def _set_state(self, state: str, **changes: Any) -> None:
         try:

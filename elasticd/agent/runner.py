@@ -20,7 +20,7 @@ from torch.distributed.elastic.rendezvous import RendezvousClosedError, Rendezvo
 
 from elasticd.agent.control import ControlChannel
 from elasticd.agent.elastic_agent import ElasticdAgent, SupervisionSettings, print_summary
-from elasticd.agent.recorder import JobRecorder
+from elasticd.agent.recorder import JobRecorder, pointer_dict
 from elasticd.errors import ConfigError, EtcdUnavailableError, TransientError
 from elasticd.etcd.client import EtcdClient, TLSFiles
 from elasticd.etcd.embedded import EmbeddedEtcd
@@ -135,6 +135,7 @@ def run_node(spec: NodeSpec) -> int:
             on_commit=lambda m: recorder.commit_checkpoint(int(m["step"]), str(m["manifest_url"]),
                                                            int(m.get("world_size", 0)),
                                                            int(m.get("round", -1))),
+            on_latest=lambda m: {"pointer": pointer_dict(recorder.latest_checkpoint())},
         ).start()
         worker_spec = WorkerSpec(
             role="default", local_world_size=spec.nproc_per_node, rdzv_handler=handler,

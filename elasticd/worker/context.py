@@ -1,0 +1,203 @@
+"""The training-side API: ``init``, ``should_stop``, ``report_progress``, ``shutdown``.
+
+This is the one module (with ``elasticd.config``) that reads the environment: torchrun's
+contract (RANK, WORLD_SIZE, LOCAL_RANK, ...) and elasticd's (ELASTICD_JOB, ELASTICD_ROUND,
+ELASTICD_CHECKPOINT_URL, ELASTICD_CONTROL_DIR/SOCKET). Everything also works under plain
+torchrun (no agent: a SIGTERM asks for the stop instead of the drain file) and in a
+single process with no launcher at all (world size 1).
+
+Stop agreement: ``should_stop()`` checks the local drain flag (one ``stat``) and then
+all-reduces one integer (MAX) so that every rank of every node returns True at the same
+step, once any node was asked to drain. Cost: one tiny collective per call.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from elasticd.agent.control import DRAIN_FILE, STOPPED_PREFIX, ControlClient
+
+DEFAULT_COLLECTIVE_TIMEOUT_S = 300.0
+PROGRESS_MIN_INTERVAL_S = 0.2
+
+
+@dataclass(frozen=True)
+class WorkerContext:
+    """Who this worker is. Returned by ``init()``."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    device: torch.device
+    backend: str
+    restart_count: int
+    round: int | None
+    job: str | None
+    node: str | None
+    checkpoint_url: str | None
+    under_agent: bool  # started by an elasticd agent (drain file, fenced commits)
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+class _State:
+    ctx: WorkerContext | None = None
+    client: ControlClient | None = None
+    control_dir: Path | None = None
+    sigterm: bool = False
+    stopped: bool = False
+    last_progress_at: float = 0.0
+    flag: torch.Tensor | None = None
+
+
+_S = _State()
+
+
+def _env_int(name: str, default: int) -> int:
+    raw = os.environ.get(name)
+    return int(raw) if raw not in (None, "") else default
+
+
+def init(backend: str | None = None, *, timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S) -> WorkerContext:
+    """Set up the process group from torchrun's environment; idempotent.
+
+    Args:
+        backend: ``"nccl"`` or ``"gloo"``; default NCCL when CUDA is available, else gloo.
+        timeout_s: collective timeout. Bounded, so a peer that vanished is noticed even
+            without the agent (the agent usually restarts the group much sooner).
+
+    Returns:
+        The ``WorkerContext``.
+    """
+    if _S.ctx is not None:
+        return _S.ctx
+    world = _env_int("WORLD_SIZE", 1)
+    rank = _env_int("RANK", 0)
+    local_rank = _env_int("LOCAL_RANK", 0)
+    use_cuda = torch.cuda.is_available() and backend != "gloo"
+    backend = backend or ("nccl" if use_cuda else "gloo")
+    if use_cuda:
+        device = torch.device("cuda", local_rank % max(torch.cuda.device_count(), 1))
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    if world > 1 or "MASTER_ADDR" in os.environ:
+        if not dist.is_initialized():
+            kwargs: dict[str, Any] = {"backend": backend, "timeout": timedelta(seconds=timeout_s)}
+            if backend == "nccl":
+                kwargs["device_id"] = device
+            dist.init_process_group(**kwargs)
+    round_raw = os.environ.get("ELASTICD_ROUND")
+    control_dir = os.environ.get("ELASTICD_CONTROL_DIR")
+    socket_path = os.environ.get("ELASTICD_CONTROL_SOCKET")
+    _S.ctx = WorkerContext(
+        rank=rank, world_size=world, local_rank=local_rank,
+        local_world_size=_env_int("LOCAL_WORLD_SIZE", 1), device=device, backend=backend,
+        restart_count=_env_int("TORCHELASTIC_RESTART_COUNT", 0),
+        round=int(round_raw) if round_raw and round_raw.lstrip("-").isdigit() else None,
+        job=os.environ.get("ELASTICD_JOB"), node=os.environ.get("ELASTICD_NODE"),
+        checkpoint_url=os.environ.get("ELASTICD_CHECKPOINT_URL"),
+        under_agent=bool(control_dir),
+    )
+    _S.control_dir = Path(control_dir) if control_dir else None
+    _S.client = ControlClient(socket_path) if socket_path else None
+    if not control_dir:
+        # Under plain torchrun (or by hand) a SIGTERM asks for a graceful stop.
+        signal.signal(signal.SIGTERM, _on_sigterm)
+    _S.flag = torch.zeros(1, dtype=torch.int32, device=device)
+    return _S.ctx
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    _S.sigterm = True
+
+
+def context() -> WorkerContext:
+    """The context of ``init()`` (calls it with defaults if needed)."""
+    return _S.ctx or init()
+
+
+def stop_requested_locally() -> bool:
+    """True if this node's agent asked for a drain (or this process got SIGTERM). No collective."""
+    if _S.sigterm:
+        return True
+    return _S.control_dir is not None and (_S.control_dir / DRAIN_FILE).exists()
+
+
+def should_stop(step: int | None = None) -> bool:
+    """True on every rank at the same call once any node was asked to stop.
+
+    Call it once per step at the same point on every rank (it is a collective). When it
+    returns True, save a checkpoint and exit 0: the agent then knows the job is not
+    finished but drained, and survivors re-form without this node.
+
+    Args:
+        step: the last fully trained step, recorded for the agent.
+    """
+    ctx = context()
+    local = 1 if stop_requested_locally() else 0
+    if dist.is_initialized() and ctx.world_size > 1:
+        assert _S.flag is not None
+        _S.flag.fill_(local)
+        dist.all_reduce(_S.flag, op=dist.ReduceOp.MAX)
+        stop = int(_S.flag.item()) > 0
+    else:
+        stop = bool(local)
+    if stop and not _S.stopped:
+        _S.stopped = True
+        _mark_stopped(ctx, step)
+    return stop
+
+
+def _mark_stopped(ctx: WorkerContext, step: int | None) -> None:
+    if _S.control_dir is None:
+        return
+    marker = _S.control_dir / f"{STOPPED_PREFIX}{ctx.rank}"
+    tmp = marker.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"step": step, "time": time.time(), "round": ctx.round}))
+    tmp.rename(marker)
+
+
+def report_progress(step: int, *, epoch: int = 0, samples: int = 0, force: bool = False) -> None:
+    """Tell the agent the last completed step (hang detection, ``elasticd status``).
+
+    Non-blocking and rate-limited (at most every 0.2 s unless ``force``); a no-op without
+    an agent.
+    """
+    if _S.client is None:
+        return
+    now = time.monotonic()
+    if not force and now - _S.last_progress_at < PROGRESS_MIN_INTERVAL_S:
+        return
+    _S.last_progress_at = now
+    ctx = context()
+    _S.client.send({"op": "progress", "rank": ctx.local_rank, "step": step, "epoch": epoch,
+                    "samples": samples})
+
+
+def control_client() -> ControlClient | None:
+    """The agent's control channel client (None without an agent)."""
+    return _S.client
+
+
+def shutdown() -> None:
+    """Tear down the process group and the control connection; ``init()`` may be called again."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    if _S.client is not None:
+        _S.client.close()
+    _S.ctx, _S.client, _S.control_dir, _S.flag = None, None, None, None
+    _S.stopped = False

@@ -1,0 +1,60 @@
+"""Graceful drain with real agents: SIGTERM, second SIGTERM, grace period, stop agreement."""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+from harness import ROOT, read_jsonl, wait_until
+
+SCRIPT = str(ROOT / "tests" / "workers" / "drainable.py")
+pytestmark = pytest.mark.timeout(150)
+
+
+def _env(tmp_path, **extra):
+    return {"OUT": str(tmp_path / "steps.jsonl"), "CKPT": str(tmp_path / "ckpt.json"),
+            "STEP_S": "0.05", **extra}
+
+
+def test_sigterm_drain_loses_no_step(nodes, tmp_path):
+    """SIGTERM to one of two agents: both nodes stop after the same step, the drained agent
+    exits 0, and the survivor resumes at exactly the next step at world size 1."""
+    env = _env(tmp_path)
+    out = tmp_path / "steps.jsonl"
+    a = nodes.start("d1", SCRIPT, env=env, nnodes="1:2")
+    b = nodes.start("d1", SCRIPT, env=env, nnodes="1:2")
+    wait_until(lambda: len([r for r in read_jsonl(out) if r["world"] == 2]) >= 10, 60, "world 2 steps")
+    a.signal_agent(signal.SIGTERM)
+    assert a.wait(60) == 0, a.log()[-3000:]
+    wait_until(lambda: [r for r in read_jsonl(out) if r["world"] == 1], 60, "steps at world 1")
+    rows = read_jsonl(out)
+    last_w2 = max(r["step"] for r in rows if r["world"] == 2)
+    first_w1 = min(r["step"] for r in rows if r["world"] == 1)
+    assert first_w1 == last_w2 + 1, f"resumed at {first_w1}, last trained {last_w2}"
+    per_rank_last = {r["rank"]: r["step"] for r in rows if r["world"] == 2}
+    assert len(set(per_rank_last.values())) == 1, f"ranks stopped at different steps: {per_rank_last}"
+    assert b.alive()
+    b.signal_agent(signal.SIGTERM)
+    assert b.wait(60) == 0
+
+
+def test_worker_ignoring_stop_is_stopped_after_grace(nodes, tmp_path):
+    """A worker that never checks should_stop is stopped hard once the grace period ends."""
+    env = _env(tmp_path, IGNORE_STOP="1")
+    a = nodes.start("d2", SCRIPT, env=env, nnodes="1", extra=["--drain-grace", "2"])
+    wait_until(lambda: len(read_jsonl(tmp_path / "steps.jsonl")) >= 3, 60, "first steps")
+    a.signal_agent(signal.SIGTERM)
+    assert a.wait(30) == 0
+    assert "drain grace period over" in a.log()
+
+
+def test_second_sigterm_stops_hard(nodes, tmp_path):
+    """A second SIGTERM during a drain stops the workers at once."""
+    env = _env(tmp_path, IGNORE_STOP="1")
+    a = nodes.start("d3", SCRIPT, env=env, nnodes="1", extra=["--drain-grace", "120"])
+    wait_until(lambda: len(read_jsonl(tmp_path / "steps.jsonl")) >= 3, 60, "first steps")
+    a.signal_agent(signal.SIGTERM)
+    wait_until(lambda: "drain_started" in a.log(), 10, "drain start")
+    a.signal_agent(signal.SIGTERM)
+    assert a.wait(20) == 0
+    assert "second stop signal" in a.log()

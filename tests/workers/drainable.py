@@ -1,0 +1,55 @@
+"""Minimal elasticd-aware worker: resumes from a JSON "checkpoint", stops on should_stop().
+
+Env: OUT (per-step JSON lines), CKPT (JSON file with the last saved step), STEPS,
+STEP_S, IGNORE_STOP=1 (never checks should_stop: tests the hard stop), HANG_AT (rank 0
+sleeps forever at that step), EXIT_CODE_AT ("step:code" on rank 0 of the first start).
+"""
+
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from elasticd import worker
+
+
+def main() -> int:
+    ctx = worker.init()
+    out, ckpt = os.environ["OUT"], os.environ["CKPT"]
+    steps, step_s = int(os.environ.get("STEPS", "1000")), float(os.environ.get("STEP_S", "0.05"))
+    start = json.load(open(ckpt))["step"] + 1 if os.path.exists(ckpt) else 0
+    hang_at = int(os.environ.get("HANG_AT", "-1"))
+    crash = os.environ.get("EXIT_CODE_AT")
+    t = torch.ones(1)
+    for step in range(start, steps):
+        dist.all_reduce(t.fill_(1.0))
+        with open(out, "a") as fh:
+            fh.write(json.dumps({"step": step, "rank": ctx.rank, "world": int(t.item()),
+                                 "time": time.time(), "round": ctx.round,
+                                 "restart": ctx.restart_count}) + "\n")
+        worker.report_progress(step, force=True)
+        if ctx.rank == 0 and step == hang_at and ctx.restart_count == 0:
+            time.sleep(3600)
+        if crash and ctx.rank == 0 and ctx.restart_count == 0 and step == int(crash.split(":")[0]):
+            sys.exit(int(crash.split(":")[1]))
+        time.sleep(step_s)
+        if os.environ.get("IGNORE_STOP") != "1" and worker.should_stop(step):
+            if ctx.rank == 0:
+                tmp = ckpt + ".tmp"
+                json.dump({"step": step}, open(tmp, "w"))
+                os.replace(tmp, ckpt)
+            dist.barrier()
+            return 0
+        if ctx.rank == 0:
+            tmp = ckpt + ".tmp"
+            json.dump({"step": step}, open(tmp, "w"))
+            os.replace(tmp, ckpt)
+    worker.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
