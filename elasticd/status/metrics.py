@@ -1,0 +1,203 @@
+"""Prometheus metrics of one elasticd agent, served over HTTP when a port is configured.
+
+The agent calls the ``AgentMetrics`` methods at its state changes (never per poll); each
+is a few counter/gauge updates and never blocks on I/O, so they are safe to call from the
+agent's main loop. The metrics live in a registry of their own, so several agents in one
+process (tests) do not collide and nothing from the default process registry leaks in.
+
+Exposed series (all prefixed ``elasticd_``)::
+
+    round, world_size                          gauges of the current round
+    restarts_total{cause}                      cause in failure | membership | hang
+    rendezvous_duration_seconds                histogram: join -> round final
+    recovery_duration_seconds                  histogram: fault detected -> training again
+    training_step, training_steps_per_second, training_samples_per_second
+    checkpoint_save_duration_seconds, checkpoint_save_bytes_total, checkpoint_last_save_bytes
+    checkpoint_load_duration_seconds, checkpoint_load_bytes_total
+    last_checkpoint_step
+    agent_info{elasticd_job, node, version}    constant 1
+
+Binding: ``serve`` listens on ``0.0.0.0`` by default, because Prometheus scrapes from
+another machine; the metrics hold no secrets (no URLs, no credentials). Pass
+``addr="127.0.0.1"`` (agent config ``metrics_addr``) to keep them on the node.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Callable
+from http.server import ThreadingHTTPServer
+
+import structlog
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, MetricsHandler
+
+from elasticd.errors import ConfigError
+
+log = structlog.get_logger(__name__)
+
+RESTART_CAUSES = ("failure", "membership", "hang")
+DEFAULT_METRICS_ADDR = "0.0.0.0"
+# Rendezvous and recovery take from sub-second (graceful leave) to minutes (spot capacity).
+DURATION_BUCKETS_S = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+CHECKPOINT_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
+
+
+class MetricsServer:
+    """A running metrics endpoint. ``stop()`` closes the socket and joins the thread."""
+
+    def __init__(self, server: ThreadingHTTPServer, thread: threading.Thread) -> None:
+        self._server = server
+        self._thread = thread
+        self.addr, self.port = server.server_address[:2]
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.addr}]" if ":" in str(self.addr) else self.addr
+        return f"http://{host}:{self.port}/metrics"
+
+    def stop(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(timeout=5)
+
+
+class AgentMetrics:
+    """The agent's metrics, in a registry of their own.
+
+    Args:
+        registry: where to register; a fresh ``CollectorRegistry`` when None.
+        clock: monotonic clock for the step rate (tests inject one).
+        rate_interval_s: the step rate is averaged over at least this long, so a loop that
+            reports every step does not publish a jittery rate.
+    """
+
+    def __init__(self, registry: CollectorRegistry | None = None, *,
+                 clock: Callable[[], float] = time.monotonic, rate_interval_s: float = 5.0) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self._clock = clock
+        self._rate_interval_s = rate_interval_s
+        self._lock = threading.Lock()
+        self._anchor: tuple[int, float] | None = None  # (step, time) the rate is measured from
+
+        self.info = Info("elasticd_agent", "elasticd agent identity", registry=r)
+        self.round = Gauge("elasticd_round", "Current rendezvous round of this node", registry=r)
+        self.world_size = Gauge("elasticd_world_size",
+                                "Worker processes (ranks) in the current round", registry=r)
+        self.restarts = Counter("elasticd_restarts", "Worker-group restarts by cause",
+                                ["cause"], registry=r)
+        for cause in RESTART_CAUSES:
+            self.restarts.labels(cause=cause)  # export zeros: rate() needs the series to exist
+        self.rendezvous_s = Histogram("elasticd_rendezvous_duration_seconds",
+                                      "Time from joining a round until it was final",
+                                      buckets=DURATION_BUCKETS_S, registry=r)
+        self.recovery_s = Histogram("elasticd_recovery_duration_seconds",
+                                    "Time from a detected fault until workers trained again",
+                                    buckets=DURATION_BUCKETS_S, registry=r)
+        self.step = Gauge("elasticd_training_step", "Last training step reported", registry=r)
+        self.steps_per_s = Gauge("elasticd_training_steps_per_second",
+                                 "Training steps per second (averaged)", registry=r)
+        self.samples_per_s = Gauge("elasticd_training_samples_per_second",
+                                   "Samples per second, all ranks together", registry=r)
+        self.ckpt_save_s = Histogram("elasticd_checkpoint_save_duration_seconds",
+                                     "Checkpoint save duration", buckets=CHECKPOINT_BUCKETS_S,
+                                     registry=r)
+        self.ckpt_save_bytes = Counter("elasticd_checkpoint_save_bytes",
+                                       "Bytes written by checkpoint saves", registry=r)
+        self.ckpt_last_save_bytes = Gauge("elasticd_checkpoint_last_save_bytes",
+                                          "Size of the last checkpoint saved", registry=r)
+        self.ckpt_load_s = Histogram("elasticd_checkpoint_load_duration_seconds",
+                                     "Checkpoint load duration", buckets=CHECKPOINT_BUCKETS_S,
+                                     registry=r)
+        self.ckpt_load_bytes = Counter("elasticd_checkpoint_load_bytes",
+                                       "Bytes read by checkpoint loads", registry=r)
+        self.last_ckpt_step = Gauge("elasticd_last_checkpoint_step",
+                                    "Step of the newest committed checkpoint", registry=r)
+
+    # -- what the agent calls -----------------------------------------------------------
+    def set_identity(self, *, job: str, node: str, version: str) -> None:
+        """Label the agent (``elasticd_job`` avoids clashing with Prometheus' ``job``)."""
+        self.info.info({"elasticd_job": job, "node": node, "version": version})
+
+    def set_round(self, round_: int) -> None:
+        self.round.set(round_)
+
+    def set_world_size(self, n: int) -> None:
+        self.world_size.set(n)
+
+    def restart(self, cause: str) -> None:
+        """Count one worker-group restart.
+
+        Raises:
+            ValueError: ``cause`` is not one of ``RESTART_CAUSES`` (a bug in the caller).
+        """
+        if cause not in RESTART_CAUSES:
+            raise ValueError(f"restart cause {cause!r} is not one of {RESTART_CAUSES}")
+        self.restarts.labels(cause=cause).inc()
+
+    def observe_rendezvous_s(self, seconds: float) -> None:
+        self.rendezvous_s.observe(seconds)
+
+    def observe_recovery_s(self, seconds: float) -> None:
+        self.recovery_s.observe(seconds)
+
+    def set_step(self, step: int, samples_per_s: float | None = None) -> None:
+        """Report the current step; the step rate is derived from consecutive reports.
+
+        The rate is (steps advanced) / (time elapsed) since the last anchor, updated once
+        at least ``rate_interval_s`` has passed. A step lower than the anchor (workers
+        resumed from an older checkpoint) restarts the measurement.
+        """
+        now = self._clock()
+        with self._lock:
+            self.step.set(step)
+            if samples_per_s is not None:
+                self.samples_per_s.set(samples_per_s)
+            anchor = self._anchor
+            if anchor is None or step < anchor[0]:
+                self._anchor = (step, now)
+                return
+            dt = now - anchor[1]
+            if dt >= self._rate_interval_s and dt > 0:
+                self.steps_per_s.set((step - anchor[0]) / dt)
+                self._anchor = (step, now)
+
+    def observe_checkpoint_save(self, seconds: float, nbytes: int) -> None:
+        self.ckpt_save_s.observe(seconds)
+        self.ckpt_save_bytes.inc(max(nbytes, 0))
+        self.ckpt_last_save_bytes.set(nbytes)
+
+    def observe_checkpoint_load(self, seconds: float, nbytes: int) -> None:
+        self.ckpt_load_s.observe(seconds)
+        self.ckpt_load_bytes.inc(max(nbytes, 0))
+
+    def set_last_checkpoint_step(self, step: int) -> None:
+        self.last_ckpt_step.set(step)
+
+    # -- serving ------------------------------------------------------------------------
+    def serve(self, port: int, addr: str = DEFAULT_METRICS_ADDR) -> MetricsServer:
+        """Serve ``/metrics`` on ``addr:port`` from a daemon thread (``port=0``: any free).
+
+        Returns:
+            The running server; call ``stop()`` on shutdown.
+
+        Raises:
+            ConfigError: the address cannot be bound (port in use, bad address).
+        """
+
+        class _Server(ThreadingHTTPServer):
+            daemon_threads = True
+            address_family = socket.AF_INET6 if ":" in addr else socket.AF_INET
+
+        try:
+            server = _Server((addr, port), MetricsHandler.factory(self.registry))
+        except OSError as exc:
+            raise ConfigError(f"cannot serve metrics on {addr}:{port}: {exc.strerror}; set "
+                              "another metrics port or free this one") from exc
+        thread = threading.Thread(target=server.serve_forever, name="metrics-http", daemon=True)
+        thread.start()
+        running = MetricsServer(server, thread)
+        log.info("metrics_server_started", url=running.url)
+        return running

@@ -1,0 +1,99 @@
+"""Options of `elasticd status`: validated once, then passed around as a frozen value.
+
+Also the exact wording of the exit-3 and exit-4 lines, shared by the one-shot and the
+--watch paths.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from elasticd.errors import ConfigError
+from elasticd.etcd.client import EtcdClient, TLSFiles, parse_endpoints
+from elasticd.keys import JobKeys, validate_job_name
+from elasticd.status.model import DEFAULT_WINDOW_S
+
+DEFAULT_ETCD = "127.0.0.1:2379"
+DEFAULT_TIMEOUT_S = 3.0
+DEFAULT_EVENTS = 10
+PROG = "elasticd status"
+
+
+@dataclass(frozen=True)
+class StatusOptions:
+    """Validated options of one `elasticd status` invocation."""
+
+    endpoints: str = DEFAULT_ETCD
+    job: str | None = None
+    json: bool = False
+    watch: bool = False
+    events: int = DEFAULT_EVENTS
+    window_s: float = DEFAULT_WINDOW_S
+    timeout_s: float = DEFAULT_TIMEOUT_S
+    max_rows: int | None = None  # None: DEFAULT_MAX_ROWS, or what fits the terminal in --watch
+    tls: TLSFiles = field(default_factory=TLSFiles)
+    user: str | None = None
+    password: str | None = field(default=None, repr=False)  # never printed or logged
+
+    @property
+    def endpoint_list(self) -> list[str]:
+        return [f"{h}:{p}" for h, p in parse_endpoints(self.endpoints)]
+
+
+def _read_password(path: str) -> str:
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"cannot read --etcd-password-file {path!r}: {exc.strerror}; "
+                          "check the path and its permissions") from exc
+    return text.rstrip("\r\n")
+
+
+def options_from_args(args: argparse.Namespace) -> StatusOptions:
+    """Validate parsed flags into ``StatusOptions``.
+
+    Raises:
+        ConfigError: invalid job name or endpoints, unreadable password file, a user
+            without a password file (or the reverse).
+    """
+    job = getattr(args, "job", None)
+    if job is not None:
+        validate_job_name(job)
+    endpoints = getattr(args, "etcd", None) or DEFAULT_ETCD
+    parse_endpoints(endpoints)
+    user = getattr(args, "etcd_user", None)
+    pw_file = getattr(args, "etcd_password_file", None)
+    if bool(user) != bool(pw_file):
+        raise ConfigError("etcd auth needs both --etcd-user and --etcd-password-file")
+    return StatusOptions(
+        endpoints=endpoints, job=job, json=bool(getattr(args, "json", False)),
+        watch=bool(getattr(args, "watch", False)),
+        events=getattr(args, "events", DEFAULT_EVENTS),
+        window_s=getattr(args, "window", DEFAULT_WINDOW_S),
+        timeout_s=getattr(args, "timeout", DEFAULT_TIMEOUT_S),
+        max_rows=getattr(args, "max_rows", None),
+        tls=TLSFiles(getattr(args, "etcd_ca", None), getattr(args, "etcd_cert", None),
+                     getattr(args, "etcd_key", None)),
+        user=user or None, password=_read_password(pw_file) if pw_file else None,
+    )
+
+
+def make_client(opts: StatusOptions) -> EtcdClient:
+    """An etcd client whose every call gives up after ``opts.timeout_s``."""
+    return EtcdClient(opts.endpoints, timeout_s=opts.timeout_s, tls=opts.tls,
+                      user=opts.user, password=opts.password)
+
+
+def unreachable_message(opts: StatusOptions, exc: Exception) -> str:
+    """The exit-4 line: which endpoints, which bound, what to check."""
+    return (f"etcd unreachable at {opts.endpoints} within {opts.timeout_s:g}s ({exc}); "
+            "check --etcd, TLS/auth flags and that etcd is up")
+
+
+def unknown_job_message(opts: StatusOptions) -> str:
+    """The exit-3 line."""
+    assert opts.job is not None
+    return (f"job {opts.job!r} unknown: no keys under {JobKeys(opts.job).prefix} at "
+            f"{opts.endpoints}; check --job and --etcd (`{PROG}` without --job lists jobs)")

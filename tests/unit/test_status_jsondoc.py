@@ -1,0 +1,116 @@
+"""Unit tests of the --json documents: schema validity, exact field sets, times, redaction."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pytest
+
+from elasticd.records import CheckpointPointer, Event, NodeRecord, Progress, RoundState
+from elasticd.status import jsondoc
+from elasticd.status.model import JobSnapshot, SeqEvent, derive_status
+
+NOW = 1_750_000_000.0
+RFC3339_UTC = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z$")
+
+
+@pytest.fixture(scope="module")
+def schema():
+    s = jsondoc.load_schema()
+    jsonschema.Draft202012Validator.check_schema(s)
+    return s
+
+
+def validate(doc, schema):
+    jsonschema.Draft202012Validator(
+        schema, format_checker=jsonschema.Draft202012Validator.FORMAT_CHECKER).validate(doc)
+
+
+def full_snapshot() -> JobSnapshot:
+    rs = RoundState(round=3, phase="final", members=["a", "b"], min_nodes=1, max_nodes=2,
+                    opened_at=NOW - 20, completed_at=NOW - 10)
+    nodes = (NodeRecord(node="a", host="h-a", pid=1, version="0.1.0", started_at=NOW - 99,
+                        state="training", round=3, ranks=[0, 1], heartbeat_at=NOW - 1,
+                        local_world_size=2),)
+    events = (SeqEvent(1, Event(time=NOW - 5, kind="failure", node="b", round=3,
+                                message="worker exited",
+                                detail={"exit_code": 1, "aws_secret_access_key": "AKIA...",
+                                        "nested": {"password": "p"}, "rank": 3})),
+              SeqEvent(2, Event(time=NOW - 4, kind="lost", node="b", round=3,
+                                message="lease expired")))
+    return JobSnapshot(
+        job="demo", revision=77, round_state=rs, nodes=nodes, events=events,
+        progress=Progress(round=3, step=100, epoch=1, samples_trained=6400, samples_per_s=64.0,
+                          world_size=4, updated_at=NOW - 1),
+        checkpoint=CheckpointPointer(step=90, round=3, committed_at=NOW - 30, world_size=4,
+                                     manifest_url="https://u:pw@store.example/c/90/manifest.json"
+                                                  "?sig=s3cr3t&expires=1"))
+
+
+def keys_of(schema: dict, name: str) -> set[str]:
+    return set(schema["$defs"][name]["required"])
+
+
+def test_job_document_validates_and_has_exactly_the_documented_fields(schema):
+    """A job document passes the schema and carries no undocumented field."""
+    doc = jsondoc.job_document(derive_status(full_snapshot(), NOW), endpoints=["127.0.0.1:2379"])
+    validate(doc, schema)
+    assert set(doc) == keys_of(schema, "job_document")
+    assert set(doc["job"]) == keys_of(schema, "job")
+    assert set(doc["progress"]) == keys_of(schema, "progress")
+    assert set(doc["checkpoint"]) == keys_of(schema, "checkpoint")
+    assert all(set(n) == keys_of(schema, "node") for n in doc["nodes"])
+    assert all(set(e) == keys_of(schema, "event") for e in doc["events"])
+    assert doc["schema_version"] == 1 and doc["kind"] == "job"
+    assert doc["job"]["state"] == "rendezvous" and doc["job"]["exit_code"] == 2
+    assert [n["state"] for n in doc["nodes"]] == ["training", "lost"]
+    assert doc["nodes"][1]["lost_at"] == jsondoc.rfc3339(NOW - 4)
+
+
+def test_times_are_rfc3339_utc(schema):
+    """Every time field is an RFC 3339 UTC string with millisecond precision."""
+    doc = jsondoc.job_document(derive_status(full_snapshot(), NOW), endpoints=[])
+    times = [doc["generated_at"], doc["job"]["round_opened_at"], doc["job"]["round_completed_at"],
+             doc["progress"]["updated_at"], doc["checkpoint"]["committed_at"],
+             doc["nodes"][0]["heartbeat_at"], doc["nodes"][0]["started_at"],
+             *(e["time"] for e in doc["events"])]
+    assert all(RFC3339_UTC.match(t) for t in times), times
+    assert jsondoc.rfc3339(0.0) == "1970-01-01T00:00:00.000Z"
+    assert doc["checkpoint"]["age_s"] == 30.0
+
+
+def test_no_secrets_in_the_document():
+    """URL userinfo, query values and credential-named detail entries never appear."""
+    text = json.dumps(jsondoc.job_document(derive_status(full_snapshot(), NOW), endpoints=[]))
+    for secret in ("pw@", "s3cr3t", "AKIA", '"p"'):
+        assert secret not in text
+    doc = json.loads(text)
+    assert doc["checkpoint"]["url"] == ("https://***@store.example/c/90/manifest.json"
+                                        "?sig=<redacted>&expires=<redacted>")
+    assert doc["events"][0]["detail"]["rank"] == 3 and doc["events"][0]["exit"] == "exit 1"
+
+
+def test_empty_job_document_validates(schema):
+    """A job with no round, progress, checkpoint or events still validates (nulls, not gaps)."""
+    snap = JobSnapshot(job="j", revision=1, nodes=(NodeRecord(node="n", host="h", pid=1,
+                                                                 version="v", started_at=0.0),))
+    doc = jsondoc.job_document(derive_status(snap, NOW), endpoints=[])
+    validate(doc, schema)
+    assert doc["progress"] is None and doc["checkpoint"] is None and doc["job"]["round"] is None
+    assert doc["nodes"][0]["heartbeat_at"] is None
+
+
+def test_job_list_and_error_documents_validate(schema):
+    """The job-list and error documents pass the same schema."""
+    statuses = [derive_status(full_snapshot(), NOW)]
+    doc = jsondoc.job_list_document(statuses, endpoints=["e:1"], revision=5, now=NOW)
+    validate(doc, schema)
+    assert set(doc["jobs"][0]) == keys_of(schema, "job") | keys_of(schema, "job_list_entry")
+    assert doc["jobs"][0]["checkpoint_step"] == 90
+    err = jsondoc.error_document(4, "etcd unreachable", job="demo", endpoints=["e:1"], now=NOW)
+    validate(err, schema)
+    assert set(err) == keys_of(schema, "error_document")
+    with pytest.raises(jsonschema.ValidationError):
+        validate({**err, "exit_code": 0}, schema)

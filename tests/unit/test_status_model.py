@@ -1,0 +1,232 @@
+"""Unit tests of status derivation: key parsing, job state, degradation and exit codes."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from elasticd.etcd.client import KV
+from elasticd.keys import JobKeys
+from elasticd.records import CheckpointPointer, Event, NodeRecord, Progress, RoundState
+from elasticd.status.model import (
+    EXIT_DEGRADED,
+    EXIT_NOT_TRAINING,
+    EXIT_OK,
+    JobSnapshot,
+    SeqEvent,
+    derive_status,
+    format_age,
+    parse_all_kvs,
+    parse_job_kvs,
+    status_line,
+)
+
+NOW = 1_750_000_000.0
+K = JobKeys("demo")
+
+
+def node(name: str, *, state: str = "training", round_: int = 5, rank0: int = 0,
+         **kw) -> NodeRecord:
+    return NodeRecord(node=name, host=f"{name}.example", pid=100, version="0.1.0",
+                      started_at=NOW - 600, state=state, round=round_,
+                      ranks=[rank0, rank0 + 1], heartbeat_at=NOW - 1, local_world_size=2, **kw)
+
+
+def ev(seq: int, kind: str, node_: str = "a", *, age_s: float = 1000.0, **detail) -> SeqEvent:
+    return SeqEvent(seq, Event(time=NOW - age_s, kind=kind, node=node_, round=5,
+                               message=f"{kind} {node_}", detail=detail))
+
+
+def snap(members=("a", "b"), *, live=None, phase="final", max_nodes=2, min_nodes=1,
+         events=(), closed=False, joins=None, progress=None) -> JobSnapshot:
+    live = [node(m, rank0=2 * i) for i, m in enumerate(members)] if live is None else live
+    rs = RoundState(round=5, phase=phase, members=list(members), min_nodes=min_nodes,
+                    max_nodes=max_nodes, opened_at=NOW - 100, completed_at=NOW - 90)
+    return JobSnapshot(job="demo", revision=42, round_state=rs, closed=closed, nodes=tuple(live),
+                       events=tuple(events), joins=joins or {}, progress=progress)
+
+
+def kv(key: str, value: str | bytes) -> KV:
+    return KV(key, value.encode() if isinstance(value, str) else value, 1, 1, 0)
+
+
+# -- parsing -----------------------------------------------------------------------------
+def test_parse_decodes_records_and_skips_store_keys():
+    """Records decode by key; store keys are skipped and joins/failures counted per round."""
+    rs = RoundState(round=5, phase="final", members=["a"], max_nodes=1)
+    kvs = [
+        kv(K.rdzv_state, rs.to_json()),
+        kv(K.node("a"), node("a").to_json()),
+        kv(K.progress, Progress(round=5, step=10).to_json()),
+        kv(K.checkpoint_latest, CheckpointPointer(step=8, round=5, manifest_url="file:///c",
+                                                  committed_at=NOW).to_json()),
+        kv(K.event(2), ev(2, "join").event.to_json()),
+        kv(K.event(1), ev(1, "round").event.to_json()),
+        kv(K.join(5, "a"), "not json at all"),
+        kv(K.join(6, "c"), "{}"),
+        kv(K.join(6, "d"), "{}"),
+        kv(K.failure(5, "a"), "{}"),
+        kv(f"{K.store_prefix(5)}some/key", b"\x00\xff binary"),
+        kv(K.rdzv_closed, "1"),
+        kv(f"{K.prefix}future/key", "ignored"),
+    ]
+    s = parse_job_kvs("demo", kvs, 42)
+    assert s.round_state == rs and s.closed and s.revision == 42
+    assert [n.node for n in s.nodes] == ["a"]
+    assert s.progress.step == 10 and s.checkpoint.step == 8
+    assert [e.seq for e in s.events] == [1, 2]
+    assert s.joins == {5: 1, 6: 2} and s.failures == {5: ("a",)}
+    assert s.unreadable == ()
+
+
+def test_parse_collects_unreadable_records_instead_of_failing():
+    """A corrupt record is reported by key and the rest of the job still decodes."""
+    s = parse_job_kvs("demo", [kv(K.node("a"), "{oops"), kv(K.node("b"), node("b").to_json())], 1)
+    assert s.unreadable == (K.node("a"),)
+    assert [n.node for n in s.nodes] == ["b"]
+
+
+def test_parse_all_groups_by_job_and_ignores_other_jobs_keys():
+    """The job list splits one range read into one snapshot per job, by name."""
+    other = JobKeys("other")
+    kvs = [kv(K.progress, Progress(round=1, step=1).to_json()),
+           kv(f"{other.store_prefix(1)}x", "y"),
+           kv(other.progress, Progress(round=1, step=2).to_json())]
+    snaps = parse_all_kvs(kvs, 9)
+    assert [(s.job, s.progress.step) for s in snaps] == [("demo", 1), ("other", 2)]
+
+
+# -- state rules -------------------------------------------------------------------------
+def test_full_round_all_training_is_training_exit_0():
+    """Final round, every member live and training, max size, no failures: exit 0."""
+    st = derive_status(snap(), NOW)
+    assert (st.state, st.degraded, st.exit_code) == ("training", False, EXIT_OK)
+    assert st.world_size == 4 and st.nodes_in_round == 2
+
+
+def test_below_max_nodes_is_degraded_exit_1():
+    """Training with fewer members than max_nodes is degraded."""
+    st = derive_status(snap(max_nodes=4), NOW)
+    assert st.state == "training" and st.exit_code == EXIT_DEGRADED
+    assert st.degraded_reasons == ("2 of max 4 nodes",)
+
+
+@pytest.mark.parametrize("kind", ["failure", "lost", "hang", "lease_lost"])
+def test_recent_trouble_event_is_degraded_until_window_passes(kind):
+    """A failure-like event degrades a training job for exactly --window seconds."""
+    inside = derive_status(snap(events=[ev(1, kind, age_s=299)]), NOW, window_s=300)
+    outside = derive_status(snap(events=[ev(1, kind, age_s=301)]), NOW, window_s=300)
+    assert inside.exit_code == EXIT_DEGRADED and kind in inside.degraded_reasons[0]
+    assert outside.exit_code == EXIT_OK
+
+
+def test_benign_recent_events_do_not_degrade():
+    """Joins, rounds, restarts and notices are not failures."""
+    events = [ev(i, k, age_s=5) for i, k in enumerate(["join", "round", "restart", "notice"])]
+    assert derive_status(snap(events=events), NOW).exit_code == EXIT_OK
+
+
+def test_lost_member_is_rendezvous_with_lost_row():
+    """A member without a live record is shown as lost (with its lost time) and stops training."""
+    st = derive_status(snap(live=[node("a")], events=[ev(7, "lost", "b", age_s=12)]), NOW)
+    assert st.state == "rendezvous" and st.exit_code == EXIT_NOT_TRAINING
+    assert "lost: b" in st.reason
+    row = {n.node: n for n in st.nodes}["b"]
+    assert row.state == "lost" and row.member and row.lost_at == NOW - 12
+
+
+def test_open_round_is_rendezvous():
+    """An open round means rendezvous, with joined count and bounds in the reason."""
+    st = derive_status(snap(members=("a",), phase="open", min_nodes=2, max_nodes=4,
+                            joins={5: 1}), NOW)
+    assert st.state == "rendezvous" and "1 joined, needs 2..4" in st.reason
+
+
+def test_member_restarting_or_behind_is_rendezvous():
+    """A member restarting, or still in an older round, means the group is not training."""
+    restarting = derive_status(snap(live=[node("a"), node("b", state="restarting", rank0=2)]), NOW)
+    behind = derive_status(snap(live=[node("a"), node("b", round_=4, rank0=2)]), NOW)
+    assert restarting.state == behind.state == "rendezvous"
+    assert "b restarting" in restarting.reason and "round 4" in behind.reason
+
+
+def test_no_round_state_is_rendezvous():
+    """Agents alive but no round formed yet: rendezvous."""
+    s = replace(snap(), round_state=None)
+    st = derive_status(s, NOW)
+    assert st.state == "rendezvous" and st.round is None and st.exit_code == EXIT_NOT_TRAINING
+
+
+def test_draining_node_is_draining_exit_1():
+    """A node draining (graceful leave) keeps training until the step boundary: degraded."""
+    st = derive_status(snap(live=[node("a", state="draining"), node("b", rank0=2)]), NOW)
+    assert st.state == "draining" and st.exit_code == EXIT_DEGRADED
+    assert "a" in st.reason and st.degraded
+
+
+def test_closed_after_finish_is_stopped_and_after_failure_is_failed():
+    """A closed rendezvous is stopped when the job finished, failed when a failure came last."""
+    finished = derive_status(snap(closed=True, events=[ev(1, "failure"), ev(2, "finished")]), NOW)
+    failed = derive_status(snap(closed=True, events=[ev(1, "finished"),
+                                                     ev(2, "failure", signal="SIGKILL")]), NOW)
+    assert (finished.state, finished.exit_code) == ("stopped", EXIT_NOT_TRAINING)
+    assert (failed.state, failed.exit_code) == ("failed", EXIT_NOT_TRAINING)
+    assert "signal SIGKILL" in failed.reason
+
+
+def test_failed_node_record_means_failed():
+    """A live record in state failed (restart budget spent) makes the job failed."""
+    st = derive_status(snap(live=[node("a", state="failed", last_exit="exit 3"),
+                                  node("b", rank0=2)]), NOW)
+    assert st.state == "failed" and "exit 3" in st.reason
+
+
+def test_no_live_nodes_is_stopped_with_last_event_in_reason():
+    """With every lease gone the job is stopped, and the reason names the last event."""
+    st = derive_status(snap(live=[], events=[ev(1, "lost", "b", age_s=30)]), NOW)
+    assert st.state == "stopped" and "lost of b" in st.reason
+    done = derive_status(snap(live=[], events=[ev(1, "finished", age_s=30)]), NOW)
+    assert "finished" in done.reason
+
+
+def test_waiting_joiners_are_counted_for_later_rounds_only():
+    """Join keys for rounds after the current one count as waiting nodes."""
+    st = derive_status(snap(joins={4: 3, 5: 2, 6: 1, 7: 2}), NOW)
+    assert st.waiting_nodes == 3
+
+
+def test_world_size_falls_back_to_progress_when_a_member_is_lost():
+    """A lost member's ranks are only known from the progress record of the same round."""
+    st = derive_status(snap(live=[node("a")], progress=Progress(round=5, step=1, world_size=4)), NOW)
+    assert st.world_size == 4
+
+
+def test_node_rows_follow_rank_order_then_non_members():
+    """Members appear in round order (lost ones in their slot), then other agents by name."""
+    live = [node("z", rank0=0), node("b", rank0=4), node("spare", state="joining", round_=-1)]
+    st = derive_status(snap(members=("z", "a", "b"), live=live, max_nodes=3), NOW)
+    assert [(n.node, n.state) for n in st.nodes] == [
+        ("z", "training"), ("a", "lost"), ("b", "training"), ("spare", "joining")]
+
+
+def test_events_limit_keeps_newest_oldest_first():
+    """--events N keeps the newest N events, in time order."""
+    st = derive_status(snap(events=[ev(i, "join") for i in range(20)]), NOW, events_limit=3)
+    assert [e.seq for e in st.events] == [17, 18, 19]
+    assert derive_status(snap(events=[ev(1, "join")]), NOW, events_limit=0).events == ()
+
+
+def test_status_line_says_why():
+    """The stderr line names the job, the state and the reason."""
+    assert status_line(derive_status(snap(max_nodes=3), NOW)) == \
+        "job demo degraded: 2 of max 3 nodes"
+    line = status_line(derive_status(snap(phase="open"), NOW))
+    assert line.startswith("job demo not training: rendezvous (round 5 open")
+
+
+@pytest.mark.parametrize("seconds,text", [(-3, "0s"), (4.9, "4s"), (192, "3m12s"),
+                                          (7500, "2h05m"), (273600, "3d04h")])
+def test_format_age(seconds, text):
+    """Ages are compact and never negative."""
+    assert format_age(seconds) == text
