@@ -13,14 +13,15 @@ TOML layout (every key is documented with its default in docs/configuration.md):
 
     [job]        name, nnodes, checkpoint_url, standalone
     [etcd]       endpoints, ca_file, cert_file, key_file, user, password,
-                 password_file, timeout_s, data_dir
+                 password_file, timeout_s, connect_timeout_s, data_dir
     [node]       id, local_addr, ttl_s
+    [rendezvous] join_timeout_s, last_call_timeout_s
     [workers]    command, nproc_per_node, workdir, monitor_interval_s,
                  hang_timeout_s, and a [workers.env] table
     [restart]    max_restarts, backoff_s, backoff_max_s
     [drain]      grace_s
     [preemption] provider, base_url, poll_interval_s
-    [logging]    format, level
+    [logging]    format, level, worker_log_dir
     [metrics]    port, addr
 
 Environment: ``ELASTICD_<SECTION>_<KEY>`` in upper case, e.g. ``ELASTICD_JOB_NAME``,
@@ -36,14 +37,16 @@ Override keys (the ``overrides`` mapping, one per CLI flag) are the dotted names
 
     job.name  job.nnodes  job.checkpoint_url  job.standalone
     etcd.endpoints  etcd.ca_file  etcd.cert_file  etcd.key_file  etcd.user
-    etcd.password  etcd.password_file  etcd.timeout_s  etcd.data_dir
+    etcd.password  etcd.password_file  etcd.timeout_s  etcd.connect_timeout_s
+    etcd.data_dir
     node.id  node.local_addr  node.ttl_s
+    rendezvous.join_timeout_s  rendezvous.last_call_timeout_s
     workers.command  workers.nproc_per_node  workers.workdir  workers.env
     workers.monitor_interval_s  workers.hang_timeout_s
     restart.max_restarts  restart.backoff_s  restart.backoff_max_s
     drain.grace_s
     preemption.provider  preemption.base_url  preemption.poll_interval_s
-    logging.format  logging.level
+    logging.format  logging.level  logging.worker_log_dir
     metrics.port  metrics.addr
 
 An override value of ``None`` means "flag not given" and is skipped, so argparse
@@ -63,6 +66,7 @@ from elasticd.config.model import (
     MetricsConfig,
     NodeConfig,
     PreemptionConfig,
+    RendezvousConfig,
     RestartConfig,
     WorkersConfig,
 )
@@ -79,6 +83,7 @@ __all__ = [
     "MetricsConfig",
     "NodeConfig",
     "PreemptionConfig",
+    "RendezvousConfig",
     "RestartConfig",
     "WorkersConfig",
     "load_config",

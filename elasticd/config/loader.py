@@ -24,6 +24,7 @@ from elasticd.config.model import (
     MetricsConfig,
     NodeConfig,
     PreemptionConfig,
+    RendezvousConfig,
     RestartConfig,
     WorkersConfig,
 )
@@ -103,6 +104,9 @@ def load_config(
             value, origin, text = raw[key.dotted]
             values[key.dotted] = _parse(key, value, origin, text)
             origins[key.dotted] = origin
+        elif key.dotted == "job.name" and _standalone(raw):
+            values[key.dotted] = "local"  # one machine, one job: no name needed
+            origins[key.dotted] = "default (standalone)"
         elif key.default is REQUIRED and (key.dotted != "workers.command" or require_command):
             raise ConfigError(
                 f"{key.dotted} is required but not set: add `{key.example}` under "
@@ -112,6 +116,9 @@ def load_config(
             values[key.dotted] = () if key.default is REQUIRED else key.default
             origins[key.dotted] = "default"
     values["workers.env"] = _parse_worker_env(worker_env, origins)
+    if values["job.standalone"] and values["node.local_addr"] is None:
+        values["node.local_addr"] = "127.0.0.1"  # workers of one machine talk over loopback
+        origins["node.local_addr"] = "default (standalone)"
     if values["node.id"] is None:
         values["node.id"] = node_id_from_hostname(hostname)
         origins["node.id"] = "default (host name)"
@@ -154,6 +161,17 @@ def render_effective(config: AgentConfig) -> str:
 
 
 # --- merging ---------------------------------------------------------------------
+
+
+def _standalone(raw: Mapping[str, tuple[Any, str, bool]]) -> bool:
+    """Whether job.standalone is set (before full parsing, to pick job.name's default)."""
+    if "job.standalone" not in raw:
+        return False
+    value, _, text = raw["job.standalone"]
+    try:
+        return bool(KEYS["job.standalone"].parse(value, text))
+    except Invalid:
+        return False  # reported with the key's other errors later
 
 
 def _merge_file(
@@ -335,6 +353,7 @@ def _build(values: Mapping[str, Any], origins: Mapping[str, str], path: str | No
         etcd=EtcdConfig(**section("etcd")),
         node=NodeConfig(**section("node")),
         workers=WorkersConfig(**section("workers")),
+        rendezvous=RendezvousConfig(**section("rendezvous")),
         restart=RestartConfig(**section("restart")),
         drain=DrainConfig(**section("drain")),
         preemption=PreemptionConfig(**section("preemption")),
@@ -396,6 +415,13 @@ def _validate(config: AgentConfig, *, check_files: bool, https: bool) -> None:
             "job.standalone", True,
             f'a standalone job runs on one node, but job.nnodes allows {job.max_nodes}; '
             'set nnodes = 1, or standalone = false with etcd.endpoints',
+        )
+    if etcd.embedded and not job.standalone and job.max_nodes > 1:
+        raise bad(
+            "job.nnodes", f"{job.min_nodes}:{job.max_nodes}",
+            "etcd.endpoints is empty, so this agent starts a private etcd on 127.0.0.1 "
+            "that no other node can reach; set etcd.endpoints to an etcd all nodes share, "
+            "or nnodes = 1 for a one-machine job",
         )
     if config.restart.backoff_max_s < config.restart.backoff_s:
         raise bad(

@@ -42,7 +42,8 @@ class EtcdConfig:
     user: str | None = None
     password: str | None = field(default=None, repr=False)  # never in logs
     password_file: str | None = None
-    timeout_s: float = 5.0
+    timeout_s: float = 3.0
+    connect_timeout_s: float = 30.0
     data_dir: str | None = None
 
     @property
@@ -102,6 +103,14 @@ class NodeConfig:
 
 
 @dataclass(frozen=True)
+class RendezvousConfig:
+    """``[rendezvous]``: how rounds form."""
+
+    join_timeout_s: float = 600.0
+    last_call_timeout_s: float = 1.0
+
+
+@dataclass(frozen=True)
 class WorkersConfig:
     """``[workers]``: the training processes this node runs."""
 
@@ -109,7 +118,7 @@ class WorkersConfig:
     nproc_per_node: int | str = 1
     workdir: str | None = None
     env: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
-    monitor_interval_s: float = 0.5
+    monitor_interval_s: float = 0.1
     hang_timeout_s: float = 0.0
 
     def resolve_nproc_per_node(self, device_count: Callable[[], int] | None = None) -> int:
@@ -150,7 +159,7 @@ class RestartConfig:
 
     max_restarts: int = 3
     backoff_s: float = 1.0
-    backoff_max_s: float = 60.0
+    backoff_max_s: float = 30.0
 
 
 @dataclass(frozen=True)
@@ -175,6 +184,7 @@ class LoggingConfig:
 
     format: str = "auto"
     level: str = "info"
+    worker_log_dir: str | None = None
 
 
 @dataclass(frozen=True)
@@ -198,6 +208,7 @@ class AgentConfig:
     etcd: EtcdConfig
     node: NodeConfig
     workers: WorkersConfig
+    rendezvous: RendezvousConfig = RendezvousConfig()
     restart: RestartConfig = RestartConfig()
     drain: DrainConfig = DrainConfig()
     preemption: PreemptionConfig = PreemptionConfig()

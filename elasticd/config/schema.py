@@ -23,7 +23,8 @@ from typing import Any
 from urllib.parse import urlsplit
 
 SECTIONS = (
-    "job", "etcd", "node", "workers", "restart", "drain", "preemption", "logging", "metrics",
+    "job", "etcd", "node", "rendezvous", "workers", "restart", "drain", "preemption", "logging",
+    "metrics",
 )
 PROVIDERS = ("none", "aws", "gcp", "azure", "auto")
 LOG_FORMATS = ("auto", "json", "console")
@@ -290,21 +291,24 @@ KEYS: dict[str, Key] = {
         Key("etcd", "password", optional_string, None, 'password = "change-me"'),
         Key("etcd", "password_file", optional_string, None,
             'password_file = "/etc/elasticd/etcd.pw"'),
-        Key("etcd", "timeout_s", number(0, lo_open=True, hi=300), 5.0, "timeout_s = 5"),
+        Key("etcd", "timeout_s", number(0, lo_open=True, hi=300), 3.0, "timeout_s = 3"),
+        Key("etcd", "connect_timeout_s", number(0, lo_open=True), 30.0, "connect_timeout_s = 30"),
         Key("etcd", "data_dir", optional_string, None, 'data_dir = "/var/lib/elasticd/etcd"'),
         Key("node", "id", optional_string, None, 'id = "gpu-node-07"'),
         Key("node", "local_addr", host_or_addr, None, 'local_addr = "10.0.0.7"'),
         Key("node", "ttl_s", integer(2, 3600), 5, "ttl_s = 5"),
+        Key("rendezvous", "join_timeout_s", number(0, lo_open=True), 600.0, "join_timeout_s = 600"),
+        Key("rendezvous", "last_call_timeout_s", number(0), 1.0, "last_call_timeout_s = 1"),
         Key("workers", "command", command, REQUIRED, 'command = ["train.py", "--epochs", "10"]'),
         Key("workers", "nproc_per_node", nproc, 1, 'nproc_per_node = "gpu"'),
         Key("workers", "workdir", optional_string, None, 'workdir = "/srv/train"'),
         Key("workers", "env", lambda v, t: v, {}, 'OMP_NUM_THREADS = "4"'),
-        Key("workers", "monitor_interval_s", number(0, lo_open=True, hi=60), 0.5,
-            "monitor_interval_s = 0.5"),
+        Key("workers", "monitor_interval_s", number(0, lo_open=True, hi=60), 0.1,
+            "monitor_interval_s = 0.1"),
         Key("workers", "hang_timeout_s", number(0), 0.0, "hang_timeout_s = 1800"),
         Key("restart", "max_restarts", integer(0), 3, "max_restarts = 3"),
         Key("restart", "backoff_s", number(0), 1.0, "backoff_s = 1"),
-        Key("restart", "backoff_max_s", number(0), 60.0, "backoff_max_s = 60"),
+        Key("restart", "backoff_max_s", number(0), 30.0, "backoff_max_s = 30"),
         Key("drain", "grace_s", number(0, lo_open=True), 60.0, "grace_s = 60"),
         Key("preemption", "provider", choice(*PROVIDERS), "none", 'provider = "aws"'),
         Key("preemption", "base_url", http_url, None, 'base_url = "http://169.254.169.254"'),
@@ -312,6 +316,8 @@ KEYS: dict[str, Key] = {
             "poll_interval_s = 2"),
         Key("logging", "format", choice(*LOG_FORMATS), "auto", 'format = "json"'),
         Key("logging", "level", choice(*LOG_LEVELS), "info", 'level = "info"'),
+        Key("logging", "worker_log_dir", optional_string, None,
+            'worker_log_dir = "/var/log/elasticd/workers"'),
         Key("metrics", "port", integer(0, 65535), 0, "port = 9400"),
         Key("metrics", "addr", string, "0.0.0.0", 'addr = "0.0.0.0"'),
     )

@@ -61,7 +61,11 @@ def test_minimal_file_gets_documented_defaults(tmp_path):
     assert config.workers.nproc_per_node == 1
     assert config.workers.hang_timeout_s == 0.0
     assert config.restart.max_restarts == 3
-    assert (config.restart.backoff_s, config.restart.backoff_max_s) == (1.0, 60.0)
+    assert (config.restart.backoff_s, config.restart.backoff_max_s) == (1.0, 30.0)
+    assert config.rendezvous.join_timeout_s == 600.0
+    assert config.etcd.timeout_s == 3.0 and config.etcd.connect_timeout_s == 30.0
+    assert config.workers.monitor_interval_s == 0.1
+    assert config.logging.worker_log_dir is None
     assert config.drain.grace_s == 60.0
     assert config.preemption.provider == "none"
     assert config.logging.format == "auto" and not config.metrics.enabled
@@ -143,8 +147,9 @@ def test_unrelated_elasticd_variables_are_ignored(tmp_path):
 
 def test_nnodes_single_count_means_fixed_size(tmp_path):
     """nnodes = 4 (int) and "4" both mean exactly four nodes."""
-    assert load(tmp_path, MINIMAL.replace('"demo"', '"d"\nnnodes = 4')).job.max_nodes == 4
-    config = load(tmp_path, overrides={"job.nnodes": "3"})
+    shared = MINIMAL + '[etcd]\nendpoints = "etcd:2379"\n'
+    assert load(tmp_path, shared.replace('"demo"', '"d"\nnnodes = 4')).job.max_nodes == 4
+    config = load(tmp_path, shared, overrides={"job.nnodes": "3"})
     assert (config.job.min_nodes, config.job.max_nodes) == (3, 3)
 
 
@@ -162,6 +167,25 @@ def test_node_id_is_derived_from_hostname(tmp_path):
     assert load(tmp_path, hostname="gpu node#7.example").node.id == "gpu-node-7.example"
     config = load(tmp_path, env={"ELASTICD_NODE_ID": "n1"}, hostname="ignored")
     assert config.node.id == "n1"
+
+
+def test_standalone_defaults_job_name_and_loopback_address(tmp_path):
+    """A standalone job needs no name ("local") and its workers use 127.0.0.1."""
+    config = load(tmp_path, '[job]\nstandalone = true\n[workers]\ncommand = ["t.py"]\n')
+    assert config.job.name == "local" and config.etcd.embedded
+    assert config.node.local_addr == "127.0.0.1"
+    assert config.origins["job.name"] == "default (standalone)"
+
+
+def test_rendezvous_and_logging_keys_from_environment(tmp_path):
+    """[rendezvous] and logging.worker_log_dir map to ELASTICD_* like every key."""
+    env = {"ELASTICD_RENDEZVOUS_JOIN_TIMEOUT_S": "120",
+           "ELASTICD_RENDEZVOUS_LAST_CALL_TIMEOUT_S": "0",
+           "ELASTICD_LOGGING_WORKER_LOG_DIR": "/var/log/w"}
+    config = load(tmp_path, env=env)
+    assert config.rendezvous.join_timeout_s == 120.0
+    assert config.rendezvous.last_call_timeout_s == 0.0
+    assert config.logging.worker_log_dir == "/var/log/w"
 
 
 def test_command_is_optional_when_not_required(tmp_path):
@@ -282,6 +306,7 @@ def test_invalid_values_name_key_value_origin_and_fix(tmp_path, extra, env, key,
          "job.standalone", "etcd.endpoints"),
         ('[job]\nname = "d"\nstandalone = true\nnnodes = "1:4"\n', "job.standalone", "nnodes"),
         ("[restart]\nbackoff_s = 10\nbackoff_max_s = 5\n", "restart.backoff_max_s", ">="),
+        ('[job]\nname = "d"\nnnodes = "2:4"\n', "job.nnodes", "no other node can reach"),
     ],
 )
 def test_inconsistent_keys_are_rejected(tmp_path, text, key, fragment):
