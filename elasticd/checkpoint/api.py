@@ -1,0 +1,191 @@
+"""The checkpoint subsystem's contract: result records, errors and the commit-fence seam.
+
+A checkpoint is a directory ``<url>/<job>/step-<step:012d>/<save_id>/`` holding data
+files and a ``manifest.json`` written last. The manifest is the commit point on stores
+without atomic rename (S3, GCS); readers list, take the newest manifest that verifies and
+fall back to older ones. With a :class:`CommitFence` (etcd in production) a checkpoint
+becomes the job's newest only when the fence accepts a compare-and-swap of the ``latest``
+pointer, so a zombie from an old round can upload bytes that are never pointed to.
+
+This module holds no I/O; ``manager.py`` is the training-side implementation and
+``store.py`` the fsspec storage beneath it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+from elasticd.errors import ConfigError, ElasticdError, TransientError
+from elasticd.records import CheckpointPointer
+
+__all__ = [
+    "CheckpointCorruptError",
+    "CheckpointError",
+    "CheckpointInfo",
+    "CheckpointMismatchError",
+    "CheckpointPointer",
+    "CheckpointReadError",
+    "CheckpointSaveError",
+    "CommitFence",
+    "LoadedCheckpoint",
+    "SaveResult",
+    "SkippedCheckpoint",
+]
+
+
+class CheckpointError(ElasticdError):
+    """Base class of checkpoint errors."""
+
+
+class CheckpointCorruptError(CheckpointError):
+    """A stored checkpoint is torn, truncated, tampered with or unreadable.
+
+    Readers never raise this to the caller: they log it as the reason the checkpoint was
+    skipped and fall back to the one before it.
+    """
+
+
+class CheckpointMismatchError(CheckpointError, ConfigError):
+    """A valid checkpoint does not belong to this job or does not fit the model given.
+
+    An operator error (wrong URL or job, changed model), so it exits 78 like a bad config
+    instead of silently restarting training from scratch.
+    """
+
+
+class CheckpointSaveError(CheckpointError, TransientError):
+    """A background save failed; raised on the next call to the manager (or at close)."""
+
+
+class CheckpointReadError(CheckpointError, TransientError):
+    """Storage failed while reading (not a corrupt checkpoint: the bytes never arrived).
+
+    Raised rather than falling back, so a storage outage does not silently resume from
+    an older checkpoint; the worker fails and the agent retries.
+    """
+
+
+@runtime_checkable
+class CommitFence(Protocol):
+    """Decides whether a written checkpoint becomes the job's newest.
+
+    The etcd implementation (in the agent) does a compare-and-swap of
+    ``/elasticd/<job>/checkpoint/latest``; :class:`elasticd.checkpoint.MemoryCommitFence`
+    is the in-memory one for tests and single-process use.
+
+    Contract for implementations: ``commit`` succeeds only if the writer's round is the
+    current round and the pointer moves forward, where "forward" means a higher round, or
+    the same round and a higher step. (A new round may point at a lower step than the old
+    pointer: that is the live job resuming from an older checkpoint after the newest turned
+    out corrupt. Requiring a strictly higher step would refuse every save of that job.)
+    """
+
+    def commit(self, step: int, manifest_url: str, world_size: int) -> bool:
+        """Point ``latest`` at ``manifest_url``; False if refused (stale round, not newer)."""
+        ...
+
+    def latest(self) -> CheckpointPointer | None:
+        """The current pointer, or None when nothing was ever committed through the fence."""
+        ...
+
+
+@dataclass(frozen=True)
+class SaveResult:
+    """What one save wrote (returned by ``CheckpointManager.wait`` on the writing rank).
+
+    Attributes:
+        step: training step saved.
+        save_id: unique id of this save (``<unix ms>-<8 hex>``), the directory name.
+        manifest_url: URL of the manifest (what the fence points at).
+        nbytes: bytes of data written (manifest excluded).
+        blocked_s: seconds the caller of ``save`` was blocked (copying state, waiting for
+            the previous save).
+        write_s: seconds the background write took, manifest and fence commit included.
+        committed: True once the manifest is written and, with a fence, the fence accepted.
+    """
+
+    step: int
+    save_id: str
+    manifest_url: str
+    nbytes: int
+    blocked_s: float
+    write_s: float
+    committed: bool = True
+
+
+@dataclass(frozen=True)
+class SkippedCheckpoint:
+    """A checkpoint a reader passed over, and why (also logged as ``checkpoint_skipped``)."""
+
+    url: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class LoadedCheckpoint:
+    """The checkpoint ``load_latest`` restored.
+
+    Attributes:
+        step: training step of the checkpoint.
+        world_size: world size that saved it (not necessarily today's).
+        manifest_url: which checkpoint was loaded.
+        save_id: its save id.
+        created_at: Unix time the save started.
+        state: the loaded state by top-level key (CPU tensors); objects and dicts in the
+            template were also filled in place.
+        skipped: newer checkpoints passed over, newest first, with reasons.
+    """
+
+    step: int
+    world_size: int
+    manifest_url: str
+    save_id: str
+    created_at: float
+    state: dict[str, Any]
+    skipped: tuple[SkippedCheckpoint, ...] = field(default_factory=tuple)
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """One stored checkpoint as ``elasticd checkpoints`` and ``list_checkpoints`` see it.
+
+    Attributes:
+        job: job name.
+        step: step, from the directory name.
+        save_id: save id, from the directory name.
+        url: manifest URL.
+        created_at: Unix time the save started (from the save id, writer's clock).
+        committed_at: Unix time the manifest was written, None without a valid manifest.
+        world_size: saving world size, 0 when unknown.
+        size: bytes stored (data and manifest, from the listing).
+        valid: True if the manifest verifies and every listed file is present with its
+            size (and, after ``--verify``, its checksum).
+        reason: why it is not valid (None when valid).
+    """
+
+    job: str
+    step: int
+    save_id: str
+    url: str
+    created_at: float
+    committed_at: float | None
+    world_size: int
+    size: int
+    valid: bool
+    reason: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict (for ``--json``)."""
+        return {
+            "job": self.job,
+            "step": self.step,
+            "save_id": self.save_id,
+            "url": self.url,
+            "created_at": self.created_at,
+            "committed_at": self.committed_at,
+            "world_size": self.world_size,
+            "size": self.size,
+            "valid": self.valid,
+            "reason": self.reason,
+        }

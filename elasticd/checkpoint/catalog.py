@@ -1,0 +1,64 @@
+"""Listing and verifying stored checkpoints without a training process (for the CLI).
+
+Validity here is what a reader would decide: a manifest that verifies, belongs to the job
+and names files that are all present with their sizes; ``verify=True`` also reads every
+file and checks its CRC, which is what catches flipped bits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from elasticd.checkpoint.api import CheckpointCorruptError, CheckpointInfo
+from elasticd.checkpoint.store import FsspecCheckpointStore, ListedSave, list_jobs, listing_problem
+
+
+def list_checkpoints(
+    url: str,
+    job: str | None = None,
+    *,
+    storage_options: Mapping[str, Any] | None = None,
+    verify: bool = False,
+) -> list[CheckpointInfo]:
+    """Every checkpoint under ``url`` (of ``job``, or of every job found), newest first.
+
+    Args:
+        url: checkpoint root URL.
+        job: one job, or None for all job directories under ``url``.
+        storage_options: passed to fsspec.
+        verify: also read every data file and check its checksum.
+
+    Returns:
+        One entry per save directory, sorted by job, then newest step first.
+
+    Raises:
+        ConfigError: bad URL or job name.
+    """
+    jobs = [job] if job is not None else list_jobs(url, storage_options)
+    infos: list[CheckpointInfo] = []
+    for name in jobs:
+        store = FsspecCheckpointStore(url, name, storage_options)
+        infos.extend(_inspect(store, save, verify) for save in store.list_saves())
+    return infos
+
+
+def _inspect(store: FsspecCheckpointStore, save: ListedSave, verify: bool) -> CheckpointInfo:
+    base = {"job": store.job, "step": save.step, "save_id": save.save_id,
+            "url": store.manifest_url(save.step, save.save_id),
+            "created_at": save.created_at, "size": save.size}
+    try:
+        manifest = store.read_manifest(save.step, save.save_id)
+    except CheckpointCorruptError as exc:
+        return CheckpointInfo(**base, committed_at=None, world_size=0, valid=False, reason=str(exc))
+    reason = listing_problem(manifest, save)
+    if reason is None and manifest.job != store.job:
+        reason = f"belongs to job {manifest.job!r}"
+    if reason is None and verify:
+        try:
+            for entry in manifest.files:
+                store.read_verified(save.step, save.save_id, entry)
+        except CheckpointCorruptError as exc:
+            reason = str(exc)
+    return CheckpointInfo(**base, committed_at=manifest.committed_at,
+                          world_size=manifest.world_size, valid=reason is None, reason=reason)

@@ -1,0 +1,512 @@
+"""CheckpointManager: the training side of checkpoints (save, load the newest valid, prune).
+
+Design, in the order a save happens (docs/checkpoints.md has the full story):
+
+- **Rank-0 writer.** DDP state is replicated, so group rank 0 writes it all (one
+  ``torch.save`` file) while every rank's RNG state is gathered to it. We measured
+  torch.distributed.checkpoint too (benchmarks/checkpoint.py --compare-dcp): on one host
+  it is no faster, it cannot checksum while writing, and its loader unpickles ``.metadata``
+  and non-tensor values with plain pickle, which requirement "never unpickle arbitrary
+  objects from storage" rules out.
+- **Async.** ``save`` blocks only while tensors are copied into reusable host buffers
+  (``staging.py``); a background thread writes the data, then the manifest (the commit),
+  then asks the fence, then prunes. At most one save is in flight: the next ``save``
+  waits for it. Its error is raised by the next ``save``/``wait``/``load_latest``/``close``.
+- **Fencing.** With a fence, a written checkpoint counts only once ``fence.commit``
+  accepts it. A refusal means this worker is a zombie (its round is over) or not newer:
+  the save is deleted and :class:`elasticd.errors.FencedError` is raised on the next call.
+- **Load.** Group rank 0 picks candidates (the fence pointer first, else the listing,
+  newest first), broadcasts each; every rank reads and verifies it and reports back; the
+  first candidate every rank could read is applied on all ranks. Torn or corrupt ones are
+  skipped with a logged reason; a file pruned mid-read makes everyone list again.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Callable, Mapping, MutableMapping
+from dataclasses import dataclass
+from typing import Any
+
+import structlog
+import torch
+
+import elasticd
+from elasticd.checkpoint import rng
+from elasticd.checkpoint.api import (
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointMismatchError,
+    CheckpointReadError,
+    CheckpointSaveError,
+    CommitFence,
+    LoadedCheckpoint,
+    SaveResult,
+    SkippedCheckpoint,
+)
+from elasticd.checkpoint.group import make_group
+from elasticd.checkpoint.manifest import (
+    STATE_FILE,
+    Manifest,
+    new_save_id,
+    step_dir_name,
+)
+from elasticd.checkpoint.restore import apply, deserialize
+from elasticd.checkpoint.retention import PruneDecision, RetentionPolicy, StoredSave, plan_prune
+from elasticd.checkpoint.staging import RESERVED_KEY, StateStager, resolve
+from elasticd.checkpoint.store import (
+    CheckpointVanishedError,
+    FsspecCheckpointStore,
+    ListedSave,
+    listing_problem,
+)
+from elasticd.errors import ConfigError, FencedError
+
+log = structlog.get_logger(__name__)
+
+# Outcome of one rank reading one candidate; the worst over all ranks decides.
+_OK, _CORRUPT, _VANISHED, _FAILED = 0, 1, 2, 3
+# How often a load lists again when files vanish under it (a prune racing a slow reader).
+_MAX_LISTINGS = 3
+_RELIST = object()
+
+
+@dataclass
+class _InFlight:
+    """One save between ``save`` and its commit; the thread fills result or error."""
+
+    step: int
+    save_id: str
+    blocked_s: float
+    thread: threading.Thread | None = None
+    result: SaveResult | None = None
+    error: BaseException | None = None
+
+
+class CheckpointManager:
+    """Saves and loads one job's checkpoints; call every method on every rank.
+
+    Args:
+        url: fsspec URL of the checkpoint root (``file:///shared/ckpt``, ``s3://b/ckpt``,
+            ``memory://t``); checkpoints go to ``<url>/<job>/step-<step:012d>/<save_id>/``.
+        job: job name (validated: no ``/``, no ``..``).
+        rank: this process's rank; default: from the process group, else 0.
+        world_size: default: from the process group, else 1.
+        keep_last: newest checkpoints kept by pruning (>= 1).
+        keep_every: also keep steps that are multiples of this (None: off).
+        fence: optional :class:`CommitFence`; without one the listing decides.
+        process_group: group to coordinate over; default: the initialised default group,
+            or none (single process).
+        storage_options: passed to fsspec (e.g. ``{"endpoint_url": ...}`` for S3).
+        grace_s: age after which torn or never-committed saves are pruned.
+        clock: Unix-time source (tests inject one).
+
+    Raises:
+        ConfigError: bad URL, job, retention values, or rank/world_size disagreeing with
+            the process group.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        job: str,
+        rank: int | None = None,
+        world_size: int | None = None,
+        keep_last: int = 3,
+        keep_every: int | None = None,
+        fence: CommitFence | None = None,
+        process_group: Any = None,
+        storage_options: Mapping[str, Any] | None = None,
+        grace_s: float = 600.0,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        try:
+            self.policy = RetentionPolicy(keep_last=keep_last, keep_every=keep_every, grace_s=grace_s)
+        except ValueError as exc:
+            raise ConfigError(f"checkpoint retention: {exc}") from exc
+        self.store = FsspecCheckpointStore(url, job, storage_options)
+        self.job = job
+        self.fence = fence
+        self._group = make_group(process_group, rank, world_size)
+        self.rank = self._group.rank
+        self.world_size = self._group.size
+        self._clock = clock
+        self._stager = StateStager()
+        self._inflight: _InFlight | None = None
+        self._last_result: SaveResult | None = None
+        self._closed = False
+        # Never pruned by this process: what it last committed and what it loaded.
+        self._protect: dict[str, tuple[int, str]] = {}
+        self._manifests: dict[tuple[int, str], Manifest] = {}
+        self._log = log.bind(job=job, rank=self.rank)
+
+    @property
+    def is_writer(self) -> bool:
+        """True on the rank that writes checkpoints (group rank 0)."""
+        return self.rank == 0
+
+    # saving --------------------------------------------------------------------------
+    def save(self, step: int, state: Mapping[str, Any], *, blocking: bool = False) -> None:
+        """Save ``state`` as checkpoint ``step``; a collective: call it on every rank.
+
+        Values with ``state_dict()`` (modules, DDP, optimizers, schedulers, samplers)
+        are saved through it; RNG states are captured here. Returns once the tensors are
+        copied (async) or, with ``blocking=True``, once the checkpoint is committed.
+
+        Args:
+            step: training step (0 <= step < 10**12).
+            state: e.g. ``{"model": model, "optim": optim, "sampler": sampler,
+                "extra": {...}}``.
+            blocking: write on the caller's thread and wait for the commit.
+
+        Raises:
+            ConfigError: a value that safe loading could not read back (names it).
+            CheckpointSaveError: the previous background save failed.
+            FencedError: the previous save was refused by the fence (zombie worker).
+        """
+        t0 = time.perf_counter()
+        self._check_open()
+        try:
+            step_dir_name(step)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        self._finish_inflight()  # at most one in flight; raises its error
+        # Staging validates too; every rank does it before the collective, so a bad value
+        # fails everywhere instead of leaving the other ranks waiting in the gather.
+        # Only the writer copies.
+        staged, event = self._stager.stage(resolve(state), copy=self.is_writer and not blocking)
+        rng_states = self._group.gather(rng.capture())
+        if not self.is_writer:
+            return
+        created_at = self._clock()
+        save_id = new_save_id(created_at)
+        payload = dict(staged)
+        payload[RESERVED_KEY] = {"rng": rng_states}
+        inflight = _InFlight(step=step, save_id=save_id, blocked_s=time.perf_counter() - t0)
+        self._inflight = inflight
+        job = (inflight, payload, event, created_at)
+        if blocking:
+            self._write(*job)
+            self.wait()
+            return
+        # Not a daemon: if the program ends without close(), the interpreter still waits
+        # for the upload instead of leaving a torn checkpoint behind.
+        inflight.thread = threading.Thread(target=self._write, args=job,
+                                           name=f"elasticd-checkpoint-{step}", daemon=False)
+        inflight.thread.start()
+
+    def _write(self, inflight: _InFlight, payload: dict[str, Any], event: Any,
+               created_at: float) -> None:
+        """Background part of a save: data, manifest (commit), fence, prune."""
+        t0 = time.perf_counter()
+        step, save_id = inflight.step, inflight.save_id
+        url = self.store.manifest_url(step, save_id)
+        try:
+            if event is not None:
+                event.synchronize()  # device-to-host copies done
+            entry = self.store.write_file(step, save_id, STATE_FILE,
+                                          lambda w: torch.save(payload, w))
+            user = {k: v for k, v in payload.items() if k != RESERVED_KEY}
+            manifest = Manifest(
+                job=self.job, step=step, save_id=save_id, world_size=self.world_size,
+                created_at=created_at, committed_at=self._clock(), files=(entry,),
+                parts=tuple(user), sampler=_json_or_none(user.get("sampler")),
+                torch_version=torch.__version__, elasticd_version=elasticd.__version__)
+            self.store.write_manifest(manifest)
+            committed = self.fence is None or self.fence.commit(step, url, self.world_size)
+        except Exception as exc:  # noqa: BLE001 - surfaced on the next call
+            inflight.error = CheckpointSaveError(
+                f"saving checkpoint step {step} to {url} failed: {exc!r}; the previous "
+                "checkpoint is intact, check the storage and its credentials")
+            inflight.error.__cause__ = exc
+            self._log.error("checkpoint_save_failed", step=step, url=url, error=repr(exc))
+            return
+        write_s = time.perf_counter() - t0
+        inflight.result = SaveResult(step=step, save_id=save_id, manifest_url=url,
+                                     nbytes=entry.size, blocked_s=inflight.blocked_s,
+                                     write_s=write_s, committed=committed)
+        if not committed:
+            self._log.warning("checkpoint_commit_refused", step=step, url=url)
+            inflight.error = FencedError(
+                f"checkpoint step {step} was written but the commit fence refused it: this "
+                "worker's round is no longer current (or a newer checkpoint is committed). "
+                "This worker is a zombie and must stop; its upload was deleted")
+            self._delete(StoredSave(step, save_id, created_at, True), "refused by the commit fence")
+            return
+        self._manifests[(step, save_id)] = manifest
+        self._protect["saved"] = (step, save_id)
+        self._log.info("checkpoint_saved", step=step, url=url, bytes=entry.size,
+                       blocked_s=round(inflight.blocked_s, 4), write_s=round(write_s, 3),
+                       mb_per_s=round(entry.size / max(write_s, 1e-9) / 1e6, 1))
+        self.prune()
+
+    def wait(self) -> SaveResult | None:
+        """Block until the in-flight save is committed (the drain before exit).
+
+        Returns:
+            The last save's result on the writing rank; None on other ranks or before
+            any save.
+
+        Raises:
+            CheckpointSaveError: the save failed.
+            FencedError: the fence refused it.
+        """
+        self._finish_inflight()
+        return self._last_result
+
+    def _finish_inflight(self) -> None:
+        inflight, self._inflight = self._inflight, None
+        if inflight is None:
+            return
+        if inflight.thread is not None:
+            t0 = time.perf_counter()
+            inflight.thread.join()
+            waited = time.perf_counter() - t0
+            if waited > 0.01:
+                self._log.info("checkpoint_save_waited", step=inflight.step, waited_s=round(waited, 3))
+        if inflight.error is not None:
+            raise inflight.error
+        self._last_result = inflight.result
+
+    def close(self) -> None:
+        """Drain the in-flight save and free the staging buffers. Idempotent.
+
+        Raises:
+            CheckpointSaveError, FencedError: as :meth:`wait`.
+        """
+        if self._closed:
+            return
+        try:
+            self._finish_inflight()
+        finally:
+            self._closed = True
+            self._stager.release()
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is None:
+            self.close()
+            return
+        try:
+            self.close()
+        except Exception as close_exc:  # noqa: BLE001 - keep the original error on top
+            self._log.error("checkpoint_close_failed", error=repr(close_exc))
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise CheckpointError("CheckpointManager is closed; create a new one to save or load")
+
+    # loading -------------------------------------------------------------------------
+    def load_latest(self, template: MutableMapping[str, Any] | None = None) -> LoadedCheckpoint | None:
+        """Load the newest valid checkpoint into ``template``; a collective.
+
+        Args:
+            template: e.g. ``{"model": model, "optim": optim, "sampler": sampler,
+                "extra": extra_dict}``: objects get ``load_state_dict``, tensors and dicts
+                are filled in place. None: only return the state.
+
+        Returns:
+            The checkpoint loaded (the same on every rank), or None if there is none.
+            RNG states are restored (rank r gets saved rank r % saved world size).
+
+        Raises:
+            CheckpointMismatchError: the newest valid checkpoint is another job's or does
+                not fit the template (names the mismatch).
+            CheckpointReadError: storage failed while reading.
+        """
+        self._check_open()
+        self._finish_inflight()
+        t0 = time.perf_counter()
+        skipped: list[SkippedCheckpoint] = []
+        for _ in range(_MAX_LISTINGS):
+            loaded = self._load_once(template, skipped)
+            if loaded is not _RELIST:
+                if loaded is None:
+                    self._log.info("checkpoint_not_found", url=self.store.job_url,
+                                   skipped=len(skipped))
+                else:
+                    self._log.info("checkpoint_loaded", step=loaded.step, url=loaded.manifest_url,
+                                   saved_world_size=loaded.world_size, world_size=self.world_size,
+                                   skipped=len(skipped), seconds=round(time.perf_counter() - t0, 3))
+                return loaded
+        raise CheckpointReadError(
+            f"checkpoints under {self.store.job_url} kept disappearing while loading "
+            f"({_MAX_LISTINGS} listings); is another job pruning the same prefix?")
+
+    def _load_once(self, template: MutableMapping[str, Any] | None,
+                   skipped: list[SkippedCheckpoint]) -> Any:
+        candidates = self._candidates(skipped) if self.is_writer else None
+        while True:
+            msg: Any = None
+            if candidates is not None:
+                try:
+                    msg = next(candidates)
+                except StopIteration:
+                    msg = ("none",)
+                except CheckpointMismatchError as exc:
+                    msg = ("mismatch", str(exc))
+                except Exception as exc:  # noqa: BLE001 - every rank must leave the loop
+                    msg = ("failed", f"listing checkpoints under {self.store.job_url} failed: {exc!r}")
+            msg = self._group.broadcast(msg)
+            if msg[0] == "none":
+                return None
+            if msg[0] == "mismatch":
+                raise CheckpointMismatchError(msg[1])
+            if msg[0] == "failed":
+                raise CheckpointReadError(msg[1])
+            _, url, manifest = msg
+            status, reason, state = self._read(manifest)
+            reports = self._group.all_gather((status, reason))
+            worst = max(s for s, _ in reports)
+            if worst == _OK:
+                return self._apply(template, url, manifest, state, skipped)
+            why = next(r for s, r in reports if s == worst)
+            if worst == _FAILED:
+                raise CheckpointReadError(f"reading checkpoint {url} failed: {why}; "
+                                          "storage unreachable? the worker will be retried")
+            self._skip(skipped, url, why)
+            if worst == _VANISHED:
+                return _RELIST
+
+    def _candidates(self, skipped: list[SkippedCheckpoint]) -> Any:
+        """Yield ("try", url, manifest) newest first (rank 0 only), skipping what the
+        listing and the manifest alone show to be unusable."""
+        listed = {(s.step, s.save_id): s for s in self.store.list_saves()}
+        order = sorted(listed, key=lambda k: (k[0], listed[k].created_at, k[1]), reverse=True)
+        pointer = self.fence.latest() if self.fence is not None else None
+        if pointer is not None:
+            key = self.store.parse_manifest_url(pointer.manifest_url)
+            if key is None:
+                self._log.warning("checkpoint_pointer_ignored", pointer=pointer.manifest_url,
+                                  reason=f"not a checkpoint under {self.store.job_url}")
+            else:
+                for k in order:
+                    if k[0] > key[0] or (k[0] == key[0] and k != key):
+                        self._skip(skipped, self.store.manifest_url(*k),
+                                   f"not committed by the fence (pointer is step {key[0]}): "
+                                   "zombie or refused upload")
+                order = [key] + [k for k in order if k[0] < key[0]]
+        for step, save_id in order:
+            url = self.store.manifest_url(step, save_id)
+            save = listed.get((step, save_id))
+            if save is None:
+                self._skip(skipped, url, "pointed to by the fence but missing from storage")
+                continue
+            try:
+                manifest = self.store.read_manifest(step, save_id)
+                problem = listing_problem(manifest, save)
+                if problem:
+                    raise CheckpointCorruptError(problem)
+            except CheckpointCorruptError as exc:
+                self._skip(skipped, url, str(exc))
+                continue
+            if manifest.job != self.job:
+                raise CheckpointMismatchError(
+                    f"checkpoint {url} belongs to job {manifest.job!r}, not {self.job!r}: "
+                    "it was copied here or the job name changed; move it or load with "
+                    f"job={manifest.job!r}")
+            yield ("try", url, manifest)
+
+    def _read(self, manifest: Manifest) -> tuple[int, str | None, Any]:
+        """Read and verify every file of ``manifest``, deserialize the state."""
+        state = None
+        try:
+            for entry in manifest.files:
+                buf = self.store.read_verified(manifest.step, manifest.save_id, entry)
+                if entry.name == STATE_FILE:
+                    state = deserialize(buf, entry.name)
+            if not isinstance(state, dict) or not isinstance(state.get(RESERVED_KEY), dict):
+                raise CheckpointCorruptError(f"{STATE_FILE} is missing or is not a checkpoint state")
+        except CheckpointVanishedError as exc:
+            return _VANISHED, str(exc), None
+        except CheckpointCorruptError as exc:
+            return _CORRUPT, str(exc), None
+        except Exception as exc:  # noqa: BLE001 - storage errors: report, don't skip
+            return _FAILED, repr(exc), None
+        return _OK, None, state
+
+    def _apply(self, template: MutableMapping[str, Any] | None, url: str, manifest: Manifest,
+               state: dict[str, Any], skipped: list[SkippedCheckpoint]) -> LoadedCheckpoint:
+        internal = state.pop(RESERVED_KEY)
+        if template is not None:
+            apply(template, state, f"checkpoint step {manifest.step} ({url})")
+        source = rng.restore(list(internal.get("rng") or []), self.rank)
+        if source < 0:
+            self._log.warning("checkpoint_rng_not_restored", step=manifest.step)
+        self._protect["loaded"] = (manifest.step, manifest.save_id)
+        return LoadedCheckpoint(step=manifest.step, world_size=manifest.world_size,
+                                manifest_url=url, save_id=manifest.save_id,
+                                created_at=manifest.created_at, state=state,
+                                skipped=tuple(skipped))
+
+    def _skip(self, skipped: list[SkippedCheckpoint], url: str, reason: str) -> None:
+        skipped.append(SkippedCheckpoint(url, reason))
+        if self.is_writer:
+            self._log.warning("checkpoint_skipped", url=url, reason=reason)
+
+    # retention -----------------------------------------------------------------------
+    def prune(self) -> list[PruneDecision]:
+        """Delete checkpoints the retention policy no longer keeps (writer rank only).
+
+        Never raises: a failed prune is logged and retried after the next save.
+
+        Returns:
+            What was deleted, with reasons.
+        """
+        if not self.is_writer:
+            return []
+        try:
+            listed = self.store.list_saves()
+            saves = [StoredSave(s.step, s.save_id, s.created_at, self._committed(s)) for s in listed]
+            self._manifests = {k: v for k, v in self._manifests.items()
+                               if k in {(s.step, s.save_id) for s in listed}}
+            pointer = self.fence.latest() if self.fence is not None else None
+            pointed = self.store.parse_manifest_url(pointer.manifest_url) if pointer else None
+            decisions = plan_prune(saves, self.policy, now=self._clock(), pointer=pointed,
+                                   protect=frozenset(self._protect.values()))
+        except Exception as exc:  # noqa: BLE001 - retention must never stop training
+            self._log.warning("checkpoint_prune_failed", error=repr(exc))
+            return []
+        for decision in decisions:
+            self._delete(decision.save, decision.reason)
+        return decisions
+
+    def _committed(self, save: ListedSave) -> bool:
+        if not save.has_manifest:
+            return False
+        key = (save.step, save.save_id)
+        manifest = self._manifests.get(key)
+        if manifest is None:
+            # Verified manifests are cached (they never change); failures are not, since
+            # a local manifest can be caught half-written.
+            try:
+                manifest = self._manifests[key] = self.store.read_manifest(*key)
+            except CheckpointCorruptError:
+                return False
+        return listing_problem(manifest, save) is None
+
+    def _delete(self, save: StoredSave, reason: str) -> None:
+        try:
+            self.store.delete_save(save.step, save.save_id)
+        except Exception as exc:  # noqa: BLE001 - logged, retried at the next prune
+            self._log.warning("checkpoint_prune_failed", step=save.step, save_id=save.save_id,
+                              error=repr(exc))
+            return
+        self._manifests.pop((save.step, save.save_id), None)
+        self._log.info("checkpoint_pruned", step=save.step, save_id=save.save_id, reason=reason)
+
+
+def _json_or_none(value: Any) -> dict[str, Any] | None:
+    """``value`` if it is a JSON-serialisable dict (the sampler state shown in manifests)."""
+    if not isinstance(value, dict):
+        return None
+    try:
+        json.dumps(value)
+    except (TypeError, ValueError):
+        return None
+    return value

@@ -1,0 +1,221 @@
+"""Checkpoint names and the manifest record: the only things read from storage as JSON.
+
+Everything here treats storage as untrusted: directory names are parsed with strict
+regular expressions, file names in a manifest must be plain names (no ``/``, no ``..``),
+and a manifest carries a CRC of its own canonical JSON so a flipped byte that still parses
+is caught. Parsing never raises anything but :class:`CheckpointCorruptError` with a
+one-line reason, which readers log before falling back to an older checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+import zlib
+from dataclasses import dataclass
+from typing import Any
+
+from elasticd.checkpoint.api import CheckpointCorruptError
+
+FORMAT = "elasticd-checkpoint"
+FORMAT_VERSION = 1
+MANIFEST_NAME = "manifest.json"
+STATE_FILE = "state.pt"
+# A manifest is a few KiB; refusing big ones keeps a hostile store from exhausting memory.
+MAX_MANIFEST_BYTES = 1 << 20
+
+STEP_DIR_RE = re.compile(r"^step-(\d{12})$")
+SAVE_ID_RE = re.compile(r"^(\d{13})-([0-9a-f]{8})$")
+FILE_NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}$")
+MAX_STEP = 10**12 - 1
+
+
+def step_dir_name(step: int) -> str:
+    """``step-000000000100`` for step 100.
+
+    Raises:
+        ValueError: step is negative or has more than 12 digits.
+    """
+    if not isinstance(step, int) or isinstance(step, bool) or not 0 <= step <= MAX_STEP:
+        raise ValueError(f"checkpoint step must be an int in [0, {MAX_STEP}], got {step!r}")
+    return f"step-{step:012d}"
+
+
+def parse_step_dir(name: str) -> int | None:
+    """The step of a ``step-<12 digits>`` directory name, None for any other name."""
+    m = STEP_DIR_RE.match(name)
+    return int(m.group(1)) if m else None
+
+
+def new_save_id(now: float) -> str:
+    """A unique save id: ``<unix ms, 13 digits>-<8 random hex>``.
+
+    The time prefix lets retention age a torn save without a stat call (whose fields
+    differ between fsspec backends); the random suffix keeps two saves of one step (a
+    zombie and the live job) in different directories, so their files never interleave.
+    """
+    return f"{int(now * 1000):013d}-{secrets.token_hex(4)}"
+
+
+def parse_save_id(name: str) -> float | None:
+    """The creation time (Unix seconds) encoded in a save id, None if ``name`` is not one."""
+    m = SAVE_ID_RE.match(name)
+    return int(m.group(1)) / 1000.0 if m else None
+
+
+def checksum(data: Any, value: int = 0) -> int:
+    """Running CRC-32 (zlib) of ``data``; continue with the previous ``value``."""
+    return zlib.crc32(data, value)
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    """One data file of a checkpoint: plain name, size in bytes, CRC-32."""
+
+    name: str
+    size: int
+    crc32: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "size": self.size, "crc32": f"{self.crc32:08x}"}
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """``manifest.json``: what a checkpoint holds; written last, so it is the commit.
+
+    Attributes:
+        job: job name the checkpoint belongs to.
+        step: training step.
+        save_id: unique save id (equals the directory name).
+        world_size: world size that saved it.
+        created_at: Unix time the save started.
+        committed_at: Unix time the manifest was written.
+        files: every data file, exactly; nothing else in the directory is read.
+        parts: top-level keys of the saved state (``model``, ``optim``...).
+        sampler: the sampler state when it was JSON-serialisable (for inspection only;
+            loading uses the copy in the data file).
+        torch_version: torch that wrote it.
+        elasticd_version: elasticd that wrote it.
+    """
+
+    job: str
+    step: int
+    save_id: str
+    world_size: int
+    created_at: float
+    committed_at: float
+    files: tuple[FileEntry, ...]
+    parts: tuple[str, ...] = ()
+    sampler: dict[str, Any] | None = None
+    torch_version: str = ""
+    elasticd_version: str = ""
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes of data the manifest lists."""
+        return sum(f.size for f in self.files)
+
+    def _body(self) -> dict[str, Any]:
+        return {
+            "format": FORMAT,
+            "format_version": FORMAT_VERSION,
+            "job": self.job,
+            "step": self.step,
+            "save_id": self.save_id,
+            "world_size": self.world_size,
+            "created_at": self.created_at,
+            "committed_at": self.committed_at,
+            "files": [f.to_dict() for f in self.files],
+            "parts": list(self.parts),
+            "sampler": self.sampler,
+            "torch_version": self.torch_version,
+            "elasticd_version": self.elasticd_version,
+        }
+
+    def to_json(self) -> bytes:
+        """Canonical JSON with a ``manifest_crc32`` of the rest appended."""
+        body = self._body()
+        body["manifest_crc32"] = f"{checksum(_canonical(body)):08x}"
+        return json.dumps(body, indent=1, sort_keys=True).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes) -> Manifest:
+        """Parse and verify a manifest.
+
+        Raises:
+            CheckpointCorruptError: not JSON, wrong format or version, a field missing or
+                of the wrong type, an unsafe file name, or the self-checksum differs.
+        """
+        if len(data) > MAX_MANIFEST_BYTES:
+            raise CheckpointCorruptError(f"manifest is {len(data)} bytes, over the 1 MiB limit")
+        try:
+            raw = json.loads(data)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise CheckpointCorruptError(f"manifest is not valid JSON (truncated?): {exc}") from None
+        if not isinstance(raw, dict):
+            raise CheckpointCorruptError("manifest is not a JSON object")
+        if raw.get("format") != FORMAT:
+            raise CheckpointCorruptError(f"manifest format is {raw.get('format')!r}, not {FORMAT!r}")
+        version = raw.get("format_version")
+        if version != FORMAT_VERSION:
+            raise CheckpointCorruptError(
+                f"manifest format_version {version!r} is not supported by this elasticd "
+                f"(reads {FORMAT_VERSION}); load it with the elasticd that wrote it"
+            )
+        stored_crc = raw.pop("manifest_crc32", None)
+        if stored_crc != f"{checksum(_canonical(raw)):08x}":
+            raise CheckpointCorruptError("manifest self-checksum does not match its content")
+        try:
+            files = tuple(_file_entry(f) for f in _typed(raw, "files", list))
+            manifest = cls(
+                job=_typed(raw, "job", str),
+                step=_typed(raw, "step", int),
+                save_id=_typed(raw, "save_id", str),
+                world_size=_typed(raw, "world_size", int),
+                created_at=float(_typed(raw, "created_at", (int, float))),
+                committed_at=float(_typed(raw, "committed_at", (int, float))),
+                files=files,
+                parts=tuple(str(p) for p in _typed(raw, "parts", list)),
+                sampler=raw.get("sampler") if isinstance(raw.get("sampler"), dict) else None,
+                torch_version=str(raw.get("torch_version", "")),
+                elasticd_version=str(raw.get("elasticd_version", "")),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CheckpointCorruptError(f"manifest field invalid: {exc}") from None
+        if not SAVE_ID_RE.match(manifest.save_id):
+            raise CheckpointCorruptError(f"manifest save_id {manifest.save_id!r} is malformed")
+        names = [f.name for f in files]
+        if len(set(names)) != len(names) or MANIFEST_NAME in names:
+            raise CheckpointCorruptError("manifest lists a file twice or lists itself")
+        return manifest
+
+
+def _canonical(body: dict[str, Any]) -> bytes:
+    return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+
+
+def _typed(raw: dict[str, Any], key: str, kind: Any) -> Any:
+    value = raw[key]
+    # bool is an int in Python; a manifest saying "step": true is corrupt, not step 1.
+    if isinstance(value, bool) or not isinstance(value, kind):
+        raise TypeError(f"{key!r} has type {type(value).__name__}")
+    return value
+
+
+def _file_entry(raw: Any) -> FileEntry:
+    if not isinstance(raw, dict):
+        raise TypeError("a files entry is not an object")
+    name = _typed(raw, "name", str)
+    if not FILE_NAME_RE.match(name):
+        # Names come from storage: anything but a plain file name could escape the
+        # checkpoint directory (``../../other-job/...``) and is refused outright.
+        raise ValueError(f"file name {name!r} is not a plain file name")
+    size = _typed(raw, "size", int)
+    if size < 0:
+        raise ValueError(f"file {name!r} has negative size")
+    crc = _typed(raw, "crc32", str)
+    if not re.fullmatch(r"[0-9a-f]{8}", crc):
+        raise ValueError(f"file {name!r} has a malformed crc32 {crc!r}")
+    return FileEntry(name=name, size=size, crc32=int(crc, 16))

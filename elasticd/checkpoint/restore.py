@@ -1,0 +1,174 @@
+"""Turning verified bytes back into state, and state into the caller's objects.
+
+Deserialisation is ``torch.load(weights_only=True)``: storage is untrusted, and the
+weights-only unpickler builds tensors and plain containers and refuses everything else.
+Before any object is touched, the loaded state is checked against the template (keys and
+tensor shapes), so an incompatible model fails with one line naming the mismatch instead
+of a stack trace from inside ``load_state_dict``, and fails before half the state is
+overwritten.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Mapping, MutableMapping
+from typing import Any
+
+import torch
+
+from elasticd.checkpoint.api import CheckpointCorruptError, CheckpointMismatchError
+from elasticd.checkpoint.staging import unwrap
+from elasticd.errors import ElasticdError
+
+_SHOWN = 4  # mismatched names shown in an error; the count says how many more
+
+
+class _MemoryReader(io.RawIOBase):
+    """Seekable reader over a buffer without copying it (``BytesIO`` would copy)."""
+
+    def __init__(self, view: memoryview) -> None:
+        self._view = view
+        self._pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def readinto(self, b: Any) -> int:
+        n = max(0, min(len(b), len(self._view) - self._pos))
+        b[:n] = self._view[self._pos:self._pos + n]
+        self._pos += n
+        return n
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: len(self._view)}[whence]
+        self._pos = max(0, base + offset)
+        return self._pos
+
+    def tell(self) -> int:
+        return self._pos
+
+
+def deserialize(buf: bytearray, name: str) -> Any:
+    """Load a verified data file with ``torch.load(weights_only=True)`` onto the CPU.
+
+    Raises:
+        CheckpointCorruptError: the bytes are not a torch file, or hold anything but
+            tensors and plain containers.
+    """
+    reader = io.BufferedReader(_MemoryReader(memoryview(buf)), buffer_size=1 << 20)
+    try:
+        return torch.load(reader, map_location="cpu", weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - any failure on untrusted bytes means "corrupt"
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise CheckpointCorruptError(
+            f"{name} could not be read by weights_only loading: {first}") from None
+
+
+def _names(items: list[str]) -> str:
+    shown = ", ".join(items[:_SHOWN])
+    return shown + (f" and {len(items) - _SHOWN} more" if len(items) > _SHOWN else "")
+
+
+def _module_mismatch(module: torch.nn.Module, value: Any) -> str | None:
+    if not isinstance(value, Mapping):
+        return f"holds a {type(value).__name__}, not a state dict"
+    expected = module.state_dict()
+    missing = [k for k in expected if k not in value]
+    unexpected = [k for k in value if k not in expected]
+    shapes = [f"{k} (checkpoint {list(value[k].shape)} vs model {list(t.shape)})"
+              for k, t in expected.items()
+              if k in value and isinstance(value[k], torch.Tensor) and value[k].shape != t.shape]
+    problems = []
+    if missing:
+        problems.append(f"{len(missing)} missing keys: {_names(missing)}")
+    if unexpected:
+        problems.append(f"{len(unexpected)} unexpected keys: {_names(unexpected)}")
+    if shapes:
+        problems.append(f"{len(shapes)} shape mismatches: {_names(shapes)}")
+    return "; ".join(problems) or None
+
+
+def _tensor_mismatches(target: Any, value: Any, path: str, out: list[str]) -> None:
+    if isinstance(target, torch.Tensor):
+        if not isinstance(value, torch.Tensor):
+            out.append(f"{path} (checkpoint has a {type(value).__name__})")
+        elif value.shape != target.shape:
+            out.append(f"{path} (checkpoint {list(value.shape)} vs {list(target.shape)})")
+    elif isinstance(target, Mapping) and isinstance(value, Mapping):
+        for k, v in target.items():
+            if k in value:
+                _tensor_mismatches(v, value[k], f"{path}[{k!r}]", out)
+
+
+def check_fits(template: Mapping[str, Any], loaded: Mapping[str, Any], where: str) -> None:
+    """Raise if ``loaded`` cannot be applied to ``template``; touches nothing.
+
+    Raises:
+        CheckpointMismatchError: a template key is absent from the checkpoint, a module's
+            keys or shapes differ, or a tensor in a dict has another shape.
+    """
+    for key, target in template.items():
+        if key not in loaded:
+            raise CheckpointMismatchError(
+                f"{where} has no {key!r} (it holds {', '.join(sorted(loaded)) or 'nothing'}); "
+                "load with a template whose keys match what was saved"
+            )
+        target, value = unwrap(target), loaded[key]
+        if isinstance(target, torch.nn.Module):
+            problem = _module_mismatch(target, value)
+            if problem:
+                raise CheckpointMismatchError(
+                    f"{where} does not fit the model under {key!r}: {problem}. Was the "
+                    "model changed, or does the URL/job point at another run's checkpoints?"
+                )
+        elif isinstance(target, (torch.Tensor, Mapping)):
+            bad: list[str] = []
+            _tensor_mismatches(target, value, key, bad)
+            if bad:
+                raise CheckpointMismatchError(
+                    f"{where} does not fit {key!r}: {len(bad)} tensor mismatches: {_names(bad)}")
+
+
+def apply(template: MutableMapping[str, Any], loaded: Mapping[str, Any], where: str) -> None:
+    """Fill ``template`` in place from ``loaded`` (after :func:`check_fits`).
+
+    Objects with ``load_state_dict`` get it called; tensors are copied into; dicts are
+    merged (tensors copied into, other values replaced).
+
+    Raises:
+        CheckpointMismatchError: as :func:`check_fits`, or an object's
+            ``load_state_dict`` refused the state (message names the key and the object).
+    """
+    check_fits(template, loaded, where)
+    for key, target in template.items():
+        target, value = unwrap(target), loaded[key]
+        if isinstance(target, torch.Tensor):
+            with torch.no_grad():
+                target.copy_(value)
+        elif callable(getattr(target, "load_state_dict", None)):
+            try:
+                target.load_state_dict(value)
+            except ElasticdError:
+                raise  # already says what is wrong (e.g. the sampler's data order)
+            except Exception as exc:  # noqa: BLE001 - wrapped with the key named
+                first = str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)
+                raise CheckpointMismatchError(
+                    f"{where}: {key!r} does not fit the {type(target).__name__} given: {first}"
+                ) from exc
+        elif isinstance(target, MutableMapping) and isinstance(value, Mapping):
+            _merge(target, value)
+
+
+def _merge(target: MutableMapping[Any, Any], value: Mapping[Any, Any]) -> None:
+    for k, v in value.items():
+        current = target.get(k)
+        if isinstance(current, torch.Tensor) and isinstance(v, torch.Tensor):
+            with torch.no_grad():
+                current.copy_(v)
+        elif isinstance(current, MutableMapping) and isinstance(v, Mapping):
+            _merge(current, v)
+        else:
+            target[k] = v

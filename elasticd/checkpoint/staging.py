@@ -1,0 +1,164 @@
+"""Copying training state off the live tensors: the only part of a save the loop waits for.
+
+``save`` is asynchronous, so the state must be frozen before ``save`` returns: the next
+optimizer step rewrites the parameters in place. :class:`StateStager` copies every tensor
+into a host buffer it keeps between saves (pinned memory for CUDA tensors, so the
+device-to-host copies are asynchronous DMA ordered on the current stream; the writer
+thread waits on a CUDA event before reading them). Reusing buffers matters: allocating
+and faulting in fresh memory costs several times the copy itself.
+
+The same walk validates the state: only what ``torch.load(weights_only=True)`` can read
+back is accepted (tensors, numbers, strings, bytes, None, lists, tuples, dicts, and
+torch.Size/dtype/device), so an unloadable checkpoint is refused at save time with the
+path of the offending value instead of being discovered at resume time.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from elasticd.errors import ConfigError
+
+# Top-level key the manager keeps its own data under (per-rank RNG states).
+RESERVED_KEY = "__elasticd__"
+
+_SCALARS = (int, float, bool, str, bytes, complex, type(None), torch.Size, torch.dtype, torch.device)
+_KEY_TYPES = (int, float, bool, str, type(None))
+
+
+def unwrap(obj: Any) -> Any:
+    """The module inside DistributedDataParallel (and the like), so keys have no
+    ``module.`` prefix and a checkpoint saved with DDP loads into a bare model and back."""
+    if isinstance(obj, torch.nn.Module) and hasattr(obj, "module") and isinstance(
+            obj.module, torch.nn.Module) and type(obj).__name__ in (
+            "DistributedDataParallel", "DataParallel"):
+        return obj.module
+    return obj
+
+
+def resolve(state: Mapping[str, Any]) -> dict[str, Any]:
+    """Replace objects that have ``state_dict()`` (module, optimizer, scheduler, sampler)
+    by their state dicts.
+
+    Raises:
+        ConfigError: ``state`` is not a dict with string keys, or uses the reserved key.
+    """
+    if not isinstance(state, Mapping):
+        raise ConfigError(f"checkpoint state must be a dict like {{'model': model, 'optim': "
+                          f"optim}}, got {type(state).__name__}")
+    out: dict[str, Any] = {}
+    for key, value in state.items():
+        if not isinstance(key, str) or key.startswith("__elasticd"):
+            raise ConfigError(f"checkpoint state key {key!r} is not allowed: use a string not "
+                              "starting with '__elasticd'")
+        value = unwrap(value)
+        if not isinstance(value, torch.Tensor) and callable(getattr(value, "state_dict", None)):
+            value = value.state_dict()
+        out[key] = value
+    return out
+
+
+def _check_tensor(path: str, t: torch.Tensor) -> None:
+    if type(t) not in (torch.Tensor, torch.nn.Parameter):
+        raise ConfigError(
+            f"cannot checkpoint {path}: {type(t).__name__} is not a plain tensor; elasticd "
+            "checkpoints hold replicated (DDP) state, sharded DTensor state needs "
+            "torch.distributed.checkpoint"
+        )
+    if t.layout != torch.strided or t.is_quantized or t.is_nested or t.device.type == "meta":
+        raise ConfigError(f"cannot checkpoint {path}: only dense strided tensors are supported "
+                          f"(got layout={t.layout}, device={t.device})")
+
+
+class StateStager:
+    """Copies a state tree into host buffers it keeps for the next save (same paths,
+    shapes and dtypes reuse the same buffers)."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def stage(self, state: Mapping[str, Any], *, copy: bool = True) -> tuple[dict[str, Any], Any]:
+        """Validate ``state`` and copy its tensors.
+
+        Args:
+            state: resolved state (see :func:`resolve`).
+            copy: False skips the copies, for blocking saves: the caller waits for the
+                write, so the live tensors cannot change under it.
+
+        Returns:
+            (the staged tree, a CUDA event to wait on before reading it, or None).
+
+        Raises:
+            ConfigError: a value that weights_only loading could not read back (names it).
+        """
+        used: dict[str, torch.Tensor] = {}
+        # Tied weights appear under two keys as two views of one storage: stage them once
+        # so the checkpoint stores them once, as torch.save would.
+        memo: dict[tuple[Any, ...], torch.Tensor] = {}
+        cuda = [False]
+
+        def tensor(path: str, t: torch.Tensor) -> torch.Tensor:
+            _check_tensor(path, t)
+            t = t.detach()
+            if not copy:
+                return t
+            ident = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape),
+                     t.stride(), t.dtype, t.device)
+            if ident in memo:
+                return memo[ident]
+            buf = self._buffers.get(path)
+            if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
+                buf = torch.empty(t.shape, dtype=t.dtype, device="cpu",
+                                  pin_memory=t.is_cuda and torch.cuda.is_available())
+            buf.copy_(t, non_blocking=t.is_cuda)
+            cuda[0] = cuda[0] or t.is_cuda
+            used[path] = buf
+            memo[ident] = buf
+            return buf
+
+        staged = _walk(state, "state", tensor)
+        if copy:
+            self._buffers = used  # drop buffers of entries that went away
+        event = None
+        if cuda[0]:
+            # Copies are queued on the current stream, before any later in-place update
+            # of the parameters; the writer waits on this event, the loop does not.
+            event = torch.cuda.Event()
+            event.record()
+        return staged, event
+
+    def release(self) -> None:
+        """Free the buffers (pinned memory is scarce)."""
+        self._buffers = {}
+
+
+def _walk(obj: Any, path: str, tensor: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return tensor(path, obj)
+    if isinstance(obj, Mapping):
+        if type(obj) not in (dict, OrderedDict):
+            obj = dict(obj)
+        out = type(obj)()
+        for key, value in obj.items():
+            if not isinstance(key, _KEY_TYPES):
+                raise ConfigError(f"cannot checkpoint {path}: key {key!r} is a "
+                                  f"{type(key).__name__}; use str or int keys")
+            out[key] = _walk(value, f"{path}[{key!r}]", tensor)
+        # nn.Module.state_dict() keeps per-module versions here; load_state_dict uses them.
+        meta = getattr(obj, "_metadata", None)
+        if meta is not None:
+            out._metadata = _walk(meta, f"{path}._metadata", tensor)  # type: ignore[attr-defined]
+        return out
+    if type(obj) in (list, tuple):
+        return type(obj)(_walk(v, f"{path}[{i}]", tensor) for i, v in enumerate(obj))
+    if type(obj) in _SCALARS:  # exact: an IntEnum would pickle as its class
+        return obj
+    raise ConfigError(
+        f"cannot checkpoint {path}: a {type(obj).__module__}.{type(obj).__qualname__} is not "
+        "a tensor, number, string, bytes, None, list, tuple or dict, which is all that "
+        "safe (weights_only) loading reads back; convert it, e.g. to a dict"
+    )

@@ -1,0 +1,324 @@
+"""fsspec storage of one job's checkpoints: the thin I/O layer under the manager and the CLI.
+
+Layout (``<url>`` any fsspec URL)::
+
+    <url>/<job>/step-<step:012d>/<save_id>/state.pt        data (torch.save, weights_only-loadable)
+    <url>/<job>/step-<step:012d>/<save_id>/manifest.json   written last: the commit
+
+Only names that parse (``step-<12 digits>``, ``<13 digits>-<8 hex>``, plain file names
+listed in a verified manifest) are ever turned back into paths, and always below the
+job's directory, so nothing read from storage can point a read or a delete elsewhere.
+
+Object stores have no atomic rename, so there is none here: each save owns a fresh
+directory, the manifest is created with ``mode="xb"`` (create-only; S3 If-None-Match)
+after every data file, and a reader that finds no verifying manifest skips the directory.
+Checksums (CRC-32) are computed while writing and checked while reading, in one pass.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import fsspec
+from fsspec.implementations.local import LocalFileSystem
+
+from elasticd.checkpoint.api import CheckpointCorruptError
+from elasticd.checkpoint.manifest import (
+    MANIFEST_NAME,
+    FileEntry,
+    Manifest,
+    checksum,
+    parse_save_id,
+    parse_step_dir,
+    step_dir_name,
+)
+from elasticd.errors import ConfigError
+from elasticd.keys import JOB_NAME_RE, validate_job_name
+
+READ_CHUNK = 16 << 20
+
+
+class CheckpointVanishedError(CheckpointCorruptError):
+    """A file disappeared while being read: most likely pruned under a slow reader.
+
+    Readers list again instead of falling back, since a newer checkpoint exists.
+    """
+
+
+@dataclass(frozen=True)
+class ListedSave:
+    """A save directory as listed: names parsed, file sizes from the listing."""
+
+    step: int
+    save_id: str
+    created_at: float
+    files: Mapping[str, int]
+
+    @property
+    def has_manifest(self) -> bool:
+        return MANIFEST_NAME in self.files
+
+    @property
+    def size(self) -> int:
+        return sum(self.files.values())
+
+
+class _HashingWriter:
+    """File-like writer that counts and CRCs every byte on its way to ``f``.
+
+    ``torch.save`` writes each tensor's storage in one call, so the checksum costs one
+    pass over memory that is already in cache and never a re-read of the file.
+    """
+
+    def __init__(self, f: Any) -> None:
+        self._f = f
+        self.size = 0
+        self.crc = 0
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data)
+        self.crc = checksum(view, self.crc)
+        self._f.write(view)
+        self.size += view.nbytes
+        return view.nbytes
+
+    def flush(self) -> None:
+        self._f.flush()
+
+
+def open_filesystem(url: str, storage_options: Mapping[str, Any] | None = None) -> tuple[Any, str]:
+    """Open ``url`` with fsspec: (filesystem, root path without a trailing slash).
+
+    Raises:
+        ConfigError: unknown protocol, or its fsspec backend is not installed.
+    """
+    opts = dict(storage_options or {})
+    protocol = fsspec.utils.get_protocol(url)
+    if protocol in ("file", "local"):
+        # Local writes into a new directory need auto_mkdir, object stores have no dirs.
+        opts.setdefault("auto_mkdir", True)
+    try:
+        fs, root = fsspec.core.url_to_fs(url, **opts)
+    except (ImportError, ValueError) as exc:
+        raise ConfigError(
+            f"checkpoint URL {url!r} cannot be opened ({exc}); use file://, memory://, "
+            "s3:// (pip install 'elasticd[s3]') or gs:// (pip install gcsfs)"
+        ) from exc
+    return fs, root.rstrip("/")
+
+
+def list_jobs(url: str, storage_options: Mapping[str, Any] | None = None) -> list[str]:
+    """Names of the jobs with a directory under ``url`` (names that are valid job names)."""
+    fs, root = open_filesystem(url, storage_options)
+    fs.invalidate_cache(root)
+    try:
+        entries = fs.ls(root, detail=True)
+    except FileNotFoundError:
+        return []
+    names = (e["name"].rstrip("/").rsplit("/", 1)[-1] for e in entries if e.get("type") == "directory")
+    return sorted(n for n in names if JOB_NAME_RE.match(n) and n not in (".", ".."))
+
+
+class FsspecCheckpointStore:
+    """Reads, writes, lists and deletes the checkpoints of one job through fsspec.
+
+    Args:
+        url: root URL (``file:///shared/ckpt``, ``s3://bucket/ckpt``, ``memory://t``).
+        job: job name; checkpoints live under ``<url>/<job>/``.
+        storage_options: passed to the fsspec filesystem (e.g. ``endpoint_url``).
+
+    Raises:
+        ConfigError: bad job name or URL.
+    """
+
+    def __init__(self, url: str, job: str, storage_options: Mapping[str, Any] | None = None) -> None:
+        self.job = validate_job_name(job)
+        self.fs, self.root = open_filesystem(url, storage_options)
+        self.job_path = f"{self.root}/{job}"
+        # Canonical URLs (what the fence pointer holds) come from fsspec, so "/x" and
+        # "file:///x" name the same checkpoint.
+        self.job_url = f"{self.fs.unstrip_protocol(self.root).rstrip('/')}/{job}"
+        self.is_local = isinstance(self.fs, LocalFileSystem)
+
+    # names ---------------------------------------------------------------------------
+    def save_path(self, step: int, save_id: str) -> str:
+        return f"{self.job_path}/{step_dir_name(step)}/{save_id}"
+
+    def save_url(self, step: int, save_id: str) -> str:
+        return f"{self.job_url}/{step_dir_name(step)}/{save_id}"
+
+    def manifest_url(self, step: int, save_id: str) -> str:
+        return f"{self.save_url(step, save_id)}/{MANIFEST_NAME}"
+
+    def parse_manifest_url(self, url: str) -> tuple[int, str] | None:
+        """(step, save_id) of a manifest URL of this job, None for anything else."""
+        prefix = f"{self.job_url}/"
+        if not url.startswith(prefix):
+            return None
+        parts = url[len(prefix):].split("/")
+        if len(parts) != 3 or parts[2] != MANIFEST_NAME:
+            return None
+        step = parse_step_dir(parts[0])
+        if step is None or parse_save_id(parts[1]) is None:
+            return None
+        return step, parts[1]
+
+    # writing -------------------------------------------------------------------------
+    def write_file(self, step: int, save_id: str, name: str,
+                   write: Callable[[_HashingWriter], None]) -> FileEntry:
+        """Create ``name`` in the save's directory; ``write`` streams the bytes into it.
+
+        Returns:
+            The file's entry (size and CRC computed while writing).
+        """
+        path = f"{self.save_path(step, save_id)}/{name}"
+        with self.fs.open(path, "wb") as f:
+            writer = _HashingWriter(f)
+            write(writer)
+            if self.is_local:
+                f.flush()
+                os.fsync(f.fileno())
+        return FileEntry(name=name, size=writer.size, crc32=writer.crc)
+
+    def write_manifest(self, manifest: Manifest) -> str:
+        """Write the manifest (create-only) after all data: this commits the checkpoint.
+
+        Returns:
+            The manifest URL.
+
+        Raises:
+            FileExistsError: a manifest already exists for this save id (never by design).
+        """
+        save_path = self.save_path(manifest.step, manifest.save_id)
+        with self.fs.open(f"{save_path}/{MANIFEST_NAME}", "xb") as f:
+            f.write(manifest.to_json())
+            if self.is_local:
+                f.flush()
+                os.fsync(f.fileno())
+        if self.is_local:
+            # The directory entry must reach the disk too, or a crash could lose the
+            # manifest of a checkpoint the fence already points at.
+            fd = os.open(save_path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        return self.manifest_url(manifest.step, manifest.save_id)
+
+    # reading -------------------------------------------------------------------------
+    def list_saves(self) -> list[ListedSave]:
+        """Every save directory of the job, newest step first (one recursive listing).
+
+        Paths that do not parse as ``step-*/<save_id>/<file>`` are ignored.
+        """
+        self.fs.invalidate_cache(self.job_path)
+        try:
+            found = self.fs.find(self.job_path, detail=True)
+        except FileNotFoundError:
+            return []
+        groups: dict[tuple[int, str], dict[str, int]] = {}
+        prefix = f"{self.job_path}/"
+        for path, info in found.items():
+            if not path.startswith(prefix):
+                continue
+            parts = path[len(prefix):].split("/")
+            if len(parts) != 3:
+                continue
+            step = parse_step_dir(parts[0])
+            if step is None or parse_save_id(parts[1]) is None:
+                continue
+            groups.setdefault((step, parts[1]), {})[parts[2]] = int(info.get("size") or 0)
+        saves = [ListedSave(step, sid, parse_save_id(sid) or 0.0, files)
+                 for (step, sid), files in groups.items()]
+        saves.sort(key=lambda s: (s.step, s.created_at, s.save_id), reverse=True)
+        return saves
+
+    def read_manifest(self, step: int, save_id: str) -> Manifest:
+        """Read and verify one manifest, and check it names its own directory and job.
+
+        Raises:
+            CheckpointCorruptError: missing, unreadable, or not this directory's manifest.
+        """
+        path = f"{self.save_path(step, save_id)}/{MANIFEST_NAME}"
+        try:
+            data = self.fs.cat_file(path)
+        except FileNotFoundError:
+            raise CheckpointCorruptError("no manifest (save torn or still in flight)") from None
+        manifest = Manifest.from_json(data)
+        if manifest.step != step or manifest.save_id != save_id:
+            raise CheckpointCorruptError(
+                f"manifest is for step {manifest.step} save {manifest.save_id}, not its "
+                f"directory (step {step} save {save_id}): copied or tampered with"
+            )
+        return manifest
+
+    def read_verified(self, step: int, save_id: str, entry: FileEntry) -> bytearray:
+        """Read a data file whole, checking its size and CRC against the manifest entry.
+
+        Raises:
+            CheckpointVanishedError: the file is gone (pruned while we read).
+            CheckpointCorruptError: wrong size or checksum.
+        """
+        path = f"{self.save_path(step, save_id)}/{entry.name}"
+        buf = bytearray(entry.size)
+        view = memoryview(buf)
+        crc, pos, extra = 0, 0, b""
+        try:
+            with self.fs.open(path, "rb") as f:
+                while pos < entry.size:
+                    n = f.readinto(view[pos:pos + READ_CHUNK])
+                    if not n:
+                        break
+                    crc = checksum(view[pos:pos + n], crc)
+                    pos += n
+                extra = f.read(1)
+        except FileNotFoundError:
+            raise CheckpointVanishedError(f"data file {entry.name} disappeared while reading") from None
+        if pos != entry.size or extra:
+            actual = f"{pos}" if not extra else f"more than {entry.size}"
+            raise CheckpointCorruptError(
+                f"data file {entry.name} is {actual} bytes, manifest says {entry.size} (truncated?)"
+            )
+        if crc != entry.crc32:
+            raise CheckpointCorruptError(
+                f"data file {entry.name} checksum mismatch (crc32 {crc:08x}, manifest "
+                f"{entry.crc32:08x}): bytes changed after commit"
+            )
+        return buf
+
+    # deleting ------------------------------------------------------------------------
+    def delete_save(self, step: int, save_id: str) -> None:
+        """Delete a save: the manifest first (the checkpoint vanishes from readers at once),
+        then its data. Missing files are not an error (another pruner got there first)."""
+        save_path = self.save_path(step, save_id)
+        try:
+            self.fs.rm_file(f"{save_path}/{MANIFEST_NAME}")
+        except FileNotFoundError:
+            pass
+        try:
+            self.fs.rm(save_path, recursive=True)
+        except FileNotFoundError:
+            pass
+        if self.is_local:
+            try:
+                os.rmdir(f"{self.job_path}/{step_dir_name(step)}")
+            except OSError:
+                pass  # another save of this step still lives there
+
+
+def listing_problem(manifest: Manifest, listed: ListedSave) -> str | None:
+    """Why a committed manifest cannot be loaded judging by the listing alone, else None.
+
+    Catches deleted and truncated data files without reading them.
+    """
+    for entry in manifest.files:
+        size = listed.files.get(entry.name)
+        if size is None:
+            return f"data file {entry.name} is missing"
+        if size != entry.size:
+            return f"data file {entry.name} is {size} bytes, manifest says {entry.size} (truncated?)"
+    return None
+
