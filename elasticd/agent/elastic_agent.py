@@ -139,6 +139,10 @@ class ElasticdAgent(LocalElasticAgent):
         self._set_state("joining")
         super()._rendezvous(worker_group)
         h = self.handler
+        lost_round = h.pop_lease_loss()
+        if lost_round is not None:
+            self.recorder.event("lease_lost", f"lease lost; round {lost_round} superseded by "
+                                f"{h.round}; rejoined", old_round=lost_round)
         ranks = [w.global_rank for w in worker_group.workers]
         self._set_state("training", ranks=ranks)
         self.recorder.event("round", f"round {h.round} formed with {worker_group.group_world_size} nodes",
@@ -338,8 +342,8 @@ class ElasticdAgent(LocalElasticAgent):
         self._log.warning("lease_lost_rejoining", round=old_round, current_round=current)
         self._fault_at = self._fault_at or time.monotonic()
         self._worker_group.state = WorkerState.STOPPED
+        self._log.warning("lease_lost", message=msg)
         self._initialize_workers(self._worker_group)  # re-registers a new lease first
-        self.recorder.event("lease_lost", msg, old_round=old_round)
 
     def _leave(self, kind: str, reason: str) -> None:
         self._set_state("stopped")

@@ -169,6 +169,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
         self._round: int | None = None  # last round we completed
         self._members: tuple[str, ...] = ()
         self._state_rev = 0  # mod_revision of the state key when our round completed
+        self._lease_loss: int | None = None  # round we were in when our lease was lost
         self._store: EtcdStore | None = None
         self._last_reason = ""
         self._shutdown = False
@@ -198,6 +199,14 @@ class EtcdRendezvousHandler(RendezvousHandler):
                     )
         if self._keeper is None:
             self._reopen_finished_job(deadline)
+        elif not self._keeper.lost.is_set():
+            # Our keep-alive thread may not have noticed yet (we were frozen): ask etcd.
+            try:
+                if self.client.refresh_lease(self._keeper.lease_id) <= 0:
+                    self._keeper.lost.set()
+                    self.lease_lost.set()
+            except EtcdUnavailableError:
+                pass  # etcd down: the join below retries, and the keeper keeps trying
         if self._keeper is None or self._keeper.lost.is_set():
             self._register(deadline)
 
@@ -213,6 +222,9 @@ class EtcdRendezvousHandler(RendezvousHandler):
     def _register(self, deadline: float) -> None:
         """Grant a fresh lease and put our node record on it (a new incarnation)."""
         if self._keeper is not None:
+            if self._keeper.lost.is_set():
+                self._lease_loss = self._round
+                self._log.warning("lease_lost_rejoining", round=self._round)
             self._keeper.stop()
         lease = self._retry("lease grant", lambda: self.client.grant_lease(self.settings.node_ttl_s),
                             deadline)
@@ -419,6 +431,11 @@ class EtcdRendezvousHandler(RendezvousHandler):
         key = self.keys.failure(self._round, self.node_id)
         call_with_retry(lambda: self.client.put(key, detail, lease=self.lease_id),
                         what="failure report", deadline=time.monotonic() + 5)
+
+    def pop_lease_loss(self) -> int | None:
+        """The round we were in when our lease was found lost (once), or None."""
+        lost, self._lease_loss = self._lease_loss, None
+        return lost
 
     def view(self) -> RendezvousView:
         return self._view.snapshot()[0]

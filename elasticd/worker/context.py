@@ -94,12 +94,11 @@ def init(backend: str | None = None, *, timeout_s: float = DEFAULT_COLLECTIVE_TI
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
-    if world > 1 or "MASTER_ADDR" in os.environ:
-        if not dist.is_initialized():
-            kwargs: dict[str, Any] = {"backend": backend, "timeout": timedelta(seconds=timeout_s)}
-            if backend == "nccl":
-                kwargs["device_id"] = device
-            dist.init_process_group(**kwargs)
+    if (world > 1 or "MASTER_ADDR" in os.environ) and not dist.is_initialized():
+        kwargs: dict[str, Any] = {"backend": backend, "timeout": timedelta(seconds=timeout_s)}
+        if backend == "nccl":
+            kwargs["device_id"] = device
+        dist.init_process_group(**kwargs)
     round_raw = os.environ.get("ELASTICD_ROUND")
     control_dir = os.environ.get("ELASTICD_CONTROL_DIR")
     socket_path = os.environ.get("ELASTICD_CONTROL_SOCKET")

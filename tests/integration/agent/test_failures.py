@@ -1,0 +1,75 @@
+"""Worker failures with real agents: restart budget, summary, non-retryable, hangs, kill -9."""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+from harness import ROOT, read_jsonl, wait_until
+
+from elasticd.process import wait_gone
+
+SCRIPT = str(ROOT / "tests" / "workers" / "drainable.py")
+pytestmark = pytest.mark.timeout(120)
+
+
+def _env(tmp_path, **extra):
+    return {"OUT": str(tmp_path / "steps.jsonl"), "CKPT": str(tmp_path / "ckpt.json"),
+            "STEP_S": "0.02", **extra}
+
+
+def test_worker_crash_is_restarted_within_budget(nodes, tmp_path):
+    """A worker exiting 3 at step 5 is restarted (restart count 1) and the job finishes."""
+    a = nodes.start("f1", SCRIPT, env=_env(tmp_path, STEPS="15", EXIT_CODE_AT="5:3"), nnodes="1",
+                    extra=["--max-restarts", "2", "--restart-backoff", "0.1"])
+    assert a.wait(90) == 0, a.log()[-3000:]
+    rows = read_jsonl(tmp_path / "steps.jsonl")
+    assert max(r["restart"] for r in rows) == 1
+    assert max(r["step"] for r in rows) == 14
+
+
+def test_budget_exhausted_prints_summary(nodes, tmp_path):
+    """With no restarts left, the agent exits non-zero naming the failed rank and exit code."""
+    a = nodes.start("f2", SCRIPT, env=_env(tmp_path, EXIT_CODE_AT="2:7"), nnodes="1",
+                    extra=["--max-restarts", "0"])
+    assert a.wait(90) == 1
+    log = a.log()
+    assert "giving up" in log and "rank 0" in log and "exit code 7" in log, log[-3000:]
+
+
+def test_exit_code_2_on_first_start_is_not_retried(nodes, tmp_path):
+    """Exit code 2 before any step (argument parsing) ends the agent without retrying."""
+    bad = tmp_path / "badargs.py"
+    bad.write_text("import argparse\nargparse.ArgumentParser().parse_args(['--nope'])\n")
+    a = nodes.start("f3", str(bad), nnodes="1", extra=["--max-restarts", "5"])
+    assert a.wait(60) == 1
+    assert "exit code 2 on the first start" in a.log()
+
+
+def test_missing_script_is_a_config_error(nodes, tmp_path):
+    """A script that does not exist exits 78 with a message naming the path."""
+    a = nodes.start("f4", str(tmp_path / "nope.py"), nnodes="1")
+    assert a.wait(30) == 78
+    assert "does not exist" in a.log()
+
+
+def test_hung_worker_is_restarted(nodes, tmp_path):
+    """A rank that stops making progress is restarted after hang_timeout, with a stack dump."""
+    a = nodes.start("f5", SCRIPT, env=_env(tmp_path, STEPS="12", HANG_AT="4"), nnodes="1",
+                    extra=["--hang-timeout", "2", "--max-restarts", "1", "--restart-backoff", "0.1"])
+    assert a.wait(90) == 0, a.log()[-3000:]
+    rows = read_jsonl(tmp_path / "steps.jsonl")
+    assert max(r["restart"] for r in rows) == 1
+    log = a.log()
+    assert "workers hung" in log
+    assert "Thread 0x" in log or "Current thread" in log, "no faulthandler stack dump in the log"
+
+
+def test_kill_9_of_agent_leaves_no_worker(nodes, tmp_path):
+    """SIGKILL of the agent alone: its workers die with it (PR_SET_PDEATHSIG)."""
+    a = nodes.start("f6", SCRIPT, env=_env(tmp_path), nnodes="1", nproc=2)
+    wait_until(lambda: len(read_jsonl(tmp_path / "steps.jsonl")) >= 4, 60, "first steps")
+    workers = [p for p in a.tree() if p != a.pid]
+    assert workers
+    a.signal_agent(signal.SIGKILL)
+    assert wait_gone(workers, 10) == [], "workers outlived the agent"
