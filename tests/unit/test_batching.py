@@ -184,3 +184,61 @@ def test_batch_sampler_refuses_a_plan_for_another_world():
     with pytest.raises(ConfigError, match="same values"):
         ElasticBatchSampler(sampler, plan_global_batch(20, 2, 4))
     assert isinstance(plan_global_batch(20, 4, 5), BatchPlan)
+
+
+def _train(world_sizes_and_steps, *, n=90, global_batch=10, max_micro=3, epochs=2):
+    """Run the documented loop with simulated DDP (grads averaged over ranks) through resizes.
+
+    Each (world_size, steps) segment trains that many optimizer steps, then "checkpoints"
+    (model weight + sampler state) and the next segment resumes from it; the last segment
+    runs to the end. Returns the final weight.
+    """
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(n, 3, generator=gen, dtype=torch.float64)
+    y = torch.randn(n, generator=gen, dtype=torch.float64)
+    weight = torch.zeros(3, dtype=torch.float64)
+    state = None
+    for i, (world_size, budget) in enumerate(world_sizes_and_steps):
+        last = i == len(world_sizes_and_steps) - 1
+        plan = plan_global_batch(global_batch, world_size, max_micro, allow_uneven=True)
+        samplers = [
+            ElasticSampler(n, global_batch_size=global_batch, num_replicas=world_size, rank=r)
+            for r in range(world_size)
+        ]
+        for s in samplers:
+            if state is not None:
+                s.load_state_dict(state)
+        done = 0
+        for epoch in range(samplers[0].epoch, epochs):
+            for s in samplers:
+                s.set_epoch(epoch)
+            loaders = [iter(ElasticBatchSampler(s, plan)) for s in samplers]
+            for _ in range(samplers[0].steps_remaining):
+                if not last and done == budget:
+                    break
+                grads = []
+                for loader in loaders:  # each simulated rank
+                    w = weight.clone().requires_grad_(True)
+                    for ctx in accumulation_contexts(w, plan):
+                        idx = next(loader)
+                        with ctx:
+                            loss = ((x[idx] @ w - y[idx]) ** 2).mean()
+                            (loss * plan.loss_scale(len(idx))).backward()
+                    grads.append(w.grad)
+                weight = weight - 0.1 * torch.stack(grads).mean(0)  # all-reduce + SGD
+                for s in samplers:
+                    s.step()
+                done += 1
+            else:
+                continue
+            break
+        state = samplers[0].state_dict()
+    return weight
+
+
+def test_training_through_resizes_matches_an_uninterrupted_run():
+    """The documented loop, resized 1->3->4->2 ranks mid-epoch (uneven shares), ends at the 1-rank weights."""
+    reference = _train([(1, 0)])
+    resized = _train([(1, 4), (3, 5), (4, 2), (2, 0)])
+    torch.testing.assert_close(resized, reference)
+    assert not torch.equal(reference, torch.zeros(3, dtype=torch.float64))
