@@ -38,7 +38,7 @@ STATE_VERSION = 1
 
 # Indices computed per vectorised batch of work (whole steps of this rank's share, at least
 # one step). Large enough to amortise torch's per-op overhead (~80 ns/index at 32k versus
-# ~1 us/index at 1k, see benchmarks/sampler.py), small enough to be O(1) memory: 32k int64.
+# ~350 ns/index at 1k, see docs/benchmarks.md), small enough to be O(1) memory: 32k int64.
 _CHUNK_POSITIONS = 32768
 
 
@@ -62,11 +62,13 @@ class ElasticSampler(Sampler[int]):
 
         sampler = ElasticSampler(dataset, global_batch_size=256, seed=0)
         sampler.load_state_dict(ckpt["sampler"])              # if resuming
-        loader = DataLoader(dataset, sampler=sampler, batch_size=plan.micro_batch_size)
+        loader = DataLoader(dataset, batch_sampler=ElasticBatchSampler(sampler, plan))
         for epoch in range(sampler.epoch, num_epochs):
             sampler.set_epoch(epoch)                          # keeps a resumed position
-            for micro_batches in chunked(loader, plan.accumulation_steps):
-                ...                                           # forward/backward, optimizer.step()
+            micro_batches = iter(loader)
+            for _ in range(sampler.steps_remaining):
+                ...                                           # plan.accumulation_steps micro-batches
+                optimizer.step()
                 sampler.step()                                # this global batch is trained
 
     Iterating starts at the first untrained position; the iterator does not move the
@@ -310,6 +312,12 @@ class ElasticSampler(Sampler[int]):
             raise ConfigError(
                 f"sampler state version {state.get('version')!r} is not supported (this elasticd "
                 f"reads version {STATE_VERSION}); resume with the elasticd that wrote the checkpoint"
+            )
+        missing = sorted(set(self.state_dict()) - set(state))
+        if missing:
+            raise ConfigError(
+                f"sampler state lacks {', '.join(missing)}: it was not written by "
+                "ElasticSampler.state_dict(); check which checkpoint entry is passed in"
             )
         fix = (
             "restore the original setting, or start a new epoch without loading the sampler "

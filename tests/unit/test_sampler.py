@@ -208,6 +208,14 @@ def test_state_from_another_data_order_is_refused(key, value):
         ElasticSampler(50, global_batch_size=8).load_state_dict(state)
 
 
+def test_foreign_state_is_refused():
+    """A dict that is not a sampler state (missing keys) raises ConfigError naming them."""
+    state = ElasticSampler(50, global_batch_size=8).state_dict()
+    del state["samples_trained"]
+    with pytest.raises(ConfigError, match="samples_trained"):
+        ElasticSampler(50, global_batch_size=8).load_state_dict(state)
+
+
 def test_changed_global_batch_is_accepted_and_logged():
     """Resuming with another global batch continues from the same position and logs it."""
     old = ElasticSampler(100, global_batch_size=8)
