@@ -94,7 +94,7 @@ def _exit_78_on_bad_flags(p: argparse.ArgumentParser) -> None:
         p.print_usage(sys.stderr)
         p.exit(EX_CONFIG, f"{p.prog}: error: {message}\n")
 
-    p.error = error  # type: ignore[method-assign]
+    p.error = error  # type: ignore[method-assign,assignment]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

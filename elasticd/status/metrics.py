@@ -50,11 +50,13 @@ class MetricsServer:
     def __init__(self, server: ThreadingHTTPServer, thread: threading.Thread) -> None:
         self._server = server
         self._thread = thread
-        self.addr, self.port = server.server_address[:2]
+        addr, port = server.server_address[:2]
+        self.addr: str = addr.decode() if isinstance(addr, bytes) else str(addr)
+        self.port: int = int(port)
 
     @property
     def url(self) -> str:
-        host = f"[{self.addr}]" if ":" in str(self.addr) else self.addr
+        host = f"[{self.addr}]" if ":" in self.addr else self.addr
         return f"http://{host}:{self.port}/metrics"
 
     def stop(self) -> None:

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import structlog
 
-from elasticd.errors import ConfigError
+from elasticd.errors import ConfigError, EtcdUnavailableError
 from elasticd.etcd.client import KV, EtcdClient
 from elasticd.keys import ROOT, JobKeys, job_of_key, round_of_key
 from elasticd.records import CheckpointPointer, Event, NodeRecord, Progress, RoundState
@@ -204,6 +204,30 @@ def split_by_job(kvs: Iterable[KV]) -> dict[str, list[KV]]:
 
 
 # -- reading (thin I/O) ------------------------------------------------------------------
+def one_line(exc: BaseException, limit: int = 200) -> str:
+    """An exception as one short line (gRPC errors span several)."""
+    details = exc.details() if callable(getattr(exc, "details", None)) else None  # type: ignore[attr-defined]
+    text = " ".join(str(details or exc).split())
+    text = f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def read_prefix(client: EtcdClient, prefix: str) -> tuple[list[KV], int]:
+    """``client.get_prefix`` with every failure mapped to ConfigError or EtcdUnavailableError.
+
+    Why: the client translates the errors it expects; anything else (a web server on the
+    etcd port answers gRPC with HTTP 404 -> UNIMPLEMENTED) must still end as "etcd
+    unreachable" (exit 4), not as a traceback from a health check.
+    """
+    try:
+        return client.get_prefix(prefix)
+    except (EtcdUnavailableError, ConfigError):
+        raise
+    except Exception as exc:
+        raise EtcdUnavailableError(
+            f"{client.endpoint_label()} did not answer as etcd ({one_line(exc)})") from exc
+
+
 def read_job(client: EtcdClient, job: str) -> JobSnapshot | None:
     """Read one job with a single range request.
 
@@ -215,7 +239,7 @@ def read_job(client: EtcdClient, job: str) -> JobSnapshot | None:
         EtcdUnavailableError: etcd did not answer within the client's timeout.
     """
     keys = JobKeys(job)
-    kvs, revision = client.get_prefix(keys.prefix)
+    kvs, revision = read_prefix(client, keys.prefix)
     if not kvs:
         return None
     return parse_job_kvs(job, kvs, revision)
@@ -230,7 +254,7 @@ def read_all_jobs(client: EtcdClient) -> tuple[list[JobSnapshot], int]:
     Raises:
         ConfigError, EtcdUnavailableError: as ``read_job``.
     """
-    kvs, revision = client.get_prefix(ROOT)
+    kvs, revision = read_prefix(client, ROOT)
     return parse_all_kvs(kvs, revision), revision
 
 

@@ -87,9 +87,12 @@ def make_client(opts: StatusOptions) -> EtcdClient:
 
 
 def unreachable_message(opts: StatusOptions, exc: Exception) -> str:
-    """The exit-4 line: which endpoints, which bound, what to check."""
-    return (f"etcd unreachable at {opts.endpoints} within {opts.timeout_s:g}s ({exc}); "
-            "check --etcd, TLS/auth flags and that etcd is up")
+    """The exit-4 line: which endpoints, which bound, what went wrong, what to check."""
+    why = " ".join(str(exc).split())
+    prefix = f"etcd at {','.join(opts.endpoint_list)} unreachable: "
+    why = why[len(prefix):] if why.startswith(prefix) else why
+    return (f"etcd unreachable at {opts.endpoints} within {opts.timeout_s:g}s ({why}); "
+            "check --etcd, the TLS/auth flags and that etcd is up")
 
 
 def unknown_job_message(opts: StatusOptions) -> str:

@@ -9,7 +9,9 @@ job is written in about thirty requests.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from elasticd.etcd.client import EtcdClient
 from elasticd.keys import JobKeys
@@ -49,9 +51,11 @@ class SyntheticJob:
 
 
 def _put_all(client: EtcdClient, items: list[tuple[str, str, int | None]]) -> None:
+    def puts(chunk: list[tuple[str, str, int | None]]) -> Callable[[Any], list[Any]]:
+        return lambda t: [t.put(k, v, lease=lease) for k, v, lease in chunk]
+
     for start in range(0, len(items), BATCH):
-        chunk = items[start:start + BATCH]
-        client.txn(lambda t: [], lambda t, c=chunk: [t.put(k, v, lease=lease) for k, v, lease in c])
+        client.txn(lambda t: [], puts(items[start:start + BATCH]))
 
 
 def write_synthetic_job(client: EtcdClient, spec: SyntheticJob, *, now: float,

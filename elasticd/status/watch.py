@@ -30,6 +30,7 @@ from elasticd.status.model import (
     derive_status,
     parse_all_kvs,
     parse_job_kvs,
+    read_prefix,
 )
 from elasticd.status.options import StatusOptions, unknown_job_message
 from elasticd.status.output import emit_job, emit_job_list
@@ -121,13 +122,20 @@ def run_watch(client: EtcdClient, opts: StatusOptions, *, out: IO[str], err: IO[
     """
     stop = stop or threading.Event()
     prefix = JobKeys(opts.job).prefix if opts.job else ROOT
-    kvs, revision = client.get_prefix(prefix)
+    kvs, revision = read_prefix(client, prefix)
     if opts.job and not kvs:
         return fail(EXIT_UNKNOWN_JOB, unknown_job_message(opts), job=opts.job)
     mirror = PrefixMirror()
     mirror.on_resync(kvs, revision)
     frames = _Frames(opts, mirror, now)
     watch = client.watch_prefix(prefix, mirror.on_events, mirror.on_resync, name="status-watch")
+    # Wake the drawing loop at once when stop is set, instead of at its next tick.
+    def wake_on_stop() -> None:
+        stop.wait()
+        mirror.changed.set()
+
+    waker = threading.Thread(target=wake_on_stop, name="status-watch-stop", daemon=True)
+    waker.start()
     try:
         if opts.json:
             _loop_json(frames, opts, out, stop)
@@ -136,6 +144,7 @@ def run_watch(client: EtcdClient, opts: StatusOptions, *, out: IO[str], err: IO[
     except KeyboardInterrupt:
         pass
     finally:
+        stop.set()  # ends the waker too
         watch.stop()
     return EXIT_OK
 
@@ -144,9 +153,8 @@ def _loop_json(frames: _Frames, opts: StatusOptions, out: IO[str], stop: threadi
     """One compact document per line, printed on each change (ages do not trigger one)."""
     endpoints = opts.endpoint_list
     while not stop.is_set():
-        if not frames.mirror.changed.wait(TICK_S):
+        if not frames.mirror.changed.wait(TICK_S) or stop.wait(COALESCE_S):
             continue
-        stop.wait(COALESCE_S)
         frames.mirror.changed.clear()
         if opts.job:
             status, _ = frames.job()
@@ -205,5 +213,5 @@ def _loop_screen(frames: _Frames, opts: StatusOptions, out: IO[str], stop: threa
         console.print(draw())
         console.rule()
         while not stop.is_set() and not frames.mirror.changed.wait(TICK_S):
-            pass
+            pass  # a pipe gets a new screen per change only, not per tick
         stop.wait(COALESCE_S)

@@ -230,3 +230,21 @@ def test_status_line_says_why():
 def test_format_age(seconds, text):
     """Ages are compact and never negative."""
     assert format_age(seconds) == text
+
+
+class _WeirdClient:
+    def endpoint_label(self) -> str:
+        return "127.0.0.1:9"
+
+    def get_prefix(self, prefix):
+        raise RuntimeError("Received http2 header with status: 404\n  more")
+
+
+def test_unexpected_read_errors_become_etcd_unavailable():
+    """A non-etcd server on the port ends as 'etcd unreachable' (exit 4), in one line."""
+    from elasticd.errors import EtcdUnavailableError
+    from elasticd.status.model import read_prefix
+
+    with pytest.raises(EtcdUnavailableError, match="did not answer as etcd") as exc:
+        read_prefix(_WeirdClient(), "/elasticd/")  # type: ignore[arg-type]
+    assert "\n" not in str(exc.value)

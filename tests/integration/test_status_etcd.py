@@ -1,0 +1,257 @@
+"""`elasticd status` against a real etcd: exit codes, JSON schema, 1,000 nodes, outages, watch."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import jsonschema
+import pytest
+
+from elasticd.etcd.client import EtcdClient
+from elasticd.keys import JobKeys
+from elasticd.records import Event
+from elasticd.status import jsondoc
+from elasticd.status.cli import build_parser, run
+from elasticd.status.model import read_job
+from elasticd.status.synthetic import SyntheticJob, write_synthetic_job
+
+SCHEMA = jsondoc.load_schema()
+
+
+def status(endpoint: str, *argv: str, timeout: str = "2") -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    args = build_parser().parse_args(["status", "--etcd", endpoint, "--timeout", timeout, *argv])
+    code = run(args, out=out, err=err)
+    return code, out.getvalue(), err.getvalue()
+
+
+def status_json(endpoint: str, *argv: str) -> tuple[int, dict, str]:
+    code, out, err = status(endpoint, "--json", *argv)
+    doc = json.loads(out)
+    jsonschema.Draft202012Validator(SCHEMA).validate(doc)
+    return code, doc, err
+
+
+class CountingClient(EtcdClient):
+    """An EtcdClient that counts range reads."""
+
+    reads = 0
+
+    def get_prefix(self, prefix):
+        self.reads += 1
+        return super().get_prefix(prefix)
+
+
+@pytest.mark.timeout(60)
+def test_unknown_job_exits_3_with_one_line(etcd_server, etcd_client):
+    """A job with no keys exits 3, says so in one stderr line, and --json gives an error doc."""
+    write_synthetic_job(etcd_client, SyntheticJob("other", nodes=2, events=3), now=time.time())
+    code, out, err = status(etcd_server.endpoint, "--job", "nope")
+    assert code == 3 and out == ""
+    assert err.count("\n") == 1 and "job 'nope' unknown" in err
+    code, doc, _ = status_json(etcd_server.endpoint, "--job", "nope")
+    assert code == 3 and doc["kind"] == "error" and doc["exit_code"] == 3
+
+
+@pytest.mark.timeout(60)
+def test_thousand_node_job_is_one_range_read_and_right(etcd_server, etcd_client):
+    """1,000 nodes (2 lost, 3 waiting) are read in ONE range request and reported correctly."""
+    now = time.time()
+    write_synthetic_job(etcd_client, SyntheticJob("big", nodes=1000, lost=2, waiting=3), now=now)
+    counting = CountingClient(etcd_server.endpoint, timeout_s=5)
+    try:
+        snap = read_job(counting, "big")
+    finally:
+        counting.close()
+    assert counting.reads == 1
+    assert len(snap.nodes) == 998 + 3 and len(snap.events) == 258
+
+    code, doc, err = status_json(etcd_server.endpoint, "--job", "big", "--events", "5")
+    assert code == 2 and "not training: rendezvous" in err
+    job = doc["job"]
+    assert (job["state"], job["round"], job["nodes"], job["max_nodes"]) == ("rendezvous", 12, 1000, 1000)
+    assert job["world_size"] == 8000 and job["waiting_nodes"] == 3
+    assert job["reason"] == "2 member(s) of round 12 lost: node-0998, node-0999"
+    states = [n["state"] for n in doc["nodes"]]
+    assert len(states) == 1003 and states.count("lost") == 2 and states.count("joining") == 3
+    assert doc["nodes"][0]["ranks"] == list(range(8)) and doc["nodes"][0]["member"]
+    assert [e["kind"] for e in doc["events"]][-2:] == ["lost", "lost"] and len(doc["events"]) == 5
+    assert doc["progress"]["step"] == 123_456 and doc["progress"]["samples_per_s"] == 8192.5
+    assert doc["checkpoint"]["step"] == 123_000
+    assert doc["checkpoint"]["url"] == "s3://ckpt/big/step-123000/manifest.json"
+
+
+@pytest.mark.timeout(60)
+def test_exit_codes_follow_job_health(etcd_server, etcd_client):
+    """Full size -> 0, below max or recent failure -> 1, lost member -> 2 (one line each)."""
+    now = time.time()
+    write_synthetic_job(etcd_client, SyntheticJob("full", nodes=4, events=20), now=now)
+    write_synthetic_job(etcd_client, SyntheticJob("small", nodes=3, max_nodes=4, events=20), now=now)
+    write_synthetic_job(etcd_client, SyntheticJob("flaky", nodes=4, events=20, recent_failure=True),
+                        now=now)
+    write_synthetic_job(etcd_client, SyntheticJob("broken", nodes=4, lost=1, events=20), now=now)
+    ep = etcd_server.endpoint
+    assert status(ep, "--job", "full")[0] == 0 and status(ep, "--job", "full")[2] == ""
+    code, _, err = status(ep, "--job", "small")
+    assert code == 1 and err.strip().endswith("degraded: 3 of max 4 nodes")
+    code, _, err = status(ep, "--job", "flaky")
+    assert code == 1 and "exit 1" in err
+    assert status(ep, "--job", "flaky", "--window", "30")[0] == 0  # failure 60 s ago
+    code, _, err = status(ep, "--job", "broken")
+    assert code == 2 and err.count("\n") == 1
+
+
+@pytest.mark.timeout(60)
+def test_job_list_is_one_read_and_lists_every_job(etcd_server, etcd_client):
+    """Without --job every job is listed, as a table and as a valid job_list document."""
+    now = time.time()
+    write_synthetic_job(etcd_client, SyntheticJob("alpha", nodes=3, events=5), now=now)
+    write_synthetic_job(etcd_client, SyntheticJob("beta", nodes=3, lost=1, events=5), now=now)
+    code, out, _ = status(etcd_server.endpoint)
+    assert code == 0
+    lines = out.splitlines()
+    assert any(ln.startswith("alpha") and "training" in ln for ln in lines)
+    assert any(ln.startswith("beta") and "rendezvous" in ln for ln in lines)
+    code, doc, _ = status_json(etcd_server.endpoint)
+    assert [(j["name"], j["exit_code"]) for j in doc["jobs"]] == [("alpha", 0), ("beta", 2)]
+    assert doc["jobs"][0]["step"] == 123_456
+
+
+@pytest.mark.timeout(60)
+def test_expired_leases_turn_members_lost_then_job_stopped(etcd_server, etcd_client):
+    """Node records vanish with their lease: status shows the job stopped, last event named."""
+    lease = write_synthetic_job(etcd_client, SyntheticJob("gone", nodes=3, events=5), now=time.time())
+    assert status(etcd_server.endpoint, "--job", "gone")[0] == 0
+    etcd_client.revoke_lease(lease)  # what expiry does, without waiting a TTL
+    code, doc, _ = status_json(etcd_server.endpoint, "--job", "gone")
+    assert code == 2 and doc["job"]["state"] == "stopped"
+    assert doc["job"]["reason"].startswith("no live agents; last event:")
+    assert [n["state"] for n in doc["nodes"]] == ["lost"] * 3
+
+
+@pytest.mark.timeout(30)
+def test_stopped_etcd_exits_4_within_timeout(etcd_server):
+    """With etcd stopped, status answers 4 with one line, well within --timeout."""
+    etcd_server.stop()
+    t0 = time.monotonic()
+    code, out, err = status(etcd_server.endpoint, "--job", "x", timeout="1.5")
+    assert code == 4 and time.monotonic() - t0 < 1.5 + 1.0
+    assert err.count("\n") == 1 and "etcd unreachable" in err and out == ""
+
+
+@pytest.mark.timeout(30)
+def test_paused_etcd_exits_4_within_timeout(etcd_server, etcd_client):
+    """A frozen etcd (SIGSTOP) makes status exit 4 after --timeout, never hang."""
+    write_synthetic_job(etcd_client, SyntheticJob("j", nodes=2, events=2), now=time.time())
+    etcd_server.pause()
+    try:
+        t0 = time.monotonic()
+        code, doc, err = status_json(etcd_server.endpoint, "--job", "j", "--timeout", "1.5")
+        elapsed = time.monotonic() - t0
+    finally:
+        etcd_server.resume()
+    assert code == 4 and 1.0 <= elapsed < 1.5 + 1.0
+    assert doc["kind"] == "error" and doc["exit_code"] == 4 and "unreachable" in err
+
+
+class _Buffer(io.StringIO):
+    """A StringIO another thread can read while the watch loop writes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lock = threading.Lock()
+
+    def write(self, s: str) -> int:
+        with self.lock:
+            return super().write(s)
+
+    def lines(self) -> list[str]:
+        with self.lock:
+            return self.getvalue().splitlines()
+
+
+def wait_for(predicate, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.02)
+    return False
+
+
+@pytest.mark.timeout(60)
+def test_watch_json_prints_a_document_per_change(etcd_server, etcd_client):
+    """--watch --json prints the state, then a new document when a node's record vanishes."""
+    write_synthetic_job(etcd_client, SyntheticJob("w", nodes=3, events=5), now=time.time())
+    out, err, stop = _Buffer(), io.StringIO(), threading.Event()
+    args = build_parser().parse_args(["status", "--etcd", etcd_server.endpoint, "--job", "w",
+                                      "--json", "--watch"])
+    codes: list[int] = []
+    t = threading.Thread(target=lambda: codes.append(run(args, out=out, err=err, stop=stop)))
+    t.start()
+    try:
+        def states() -> list[str]:
+            return [json.loads(line)["job"]["state"] for line in out.lines()]
+
+        assert wait_for(lambda: states()[:1] == ["training"], 10)
+        keys = JobKeys("w")
+        etcd_client.delete(keys.node("node-0001"))  # its lease "expired"
+        etcd_client.put(keys.event(5000), Event(time=time.time(), kind="lost", node="node-0001",
+                                                round=12, message="lease expired").to_json())
+        assert wait_for(lambda: "rendezvous" in states(), 10), out.lines()
+        last = json.loads(out.lines()[-1])
+        jsonschema.Draft202012Validator(SCHEMA).validate(last)
+        assert {n["node"]: n["state"] for n in last["nodes"]}["node-0001"] == "lost"
+    finally:
+        stop.set()
+        t.join(timeout=10)
+    assert codes == [0] and not t.is_alive()
+
+
+@pytest.mark.timeout(60)
+def test_watch_table_redraws_when_not_a_terminal(etcd_server, etcd_client):
+    """--watch to a pipe prints a plain full screen per change (no cursor control)."""
+    write_synthetic_job(etcd_client, SyntheticJob("p", nodes=2, events=2), now=time.time())
+    out, stop = _Buffer(), threading.Event()
+    args = build_parser().parse_args(["status", "--etcd", etcd_server.endpoint, "--job", "p",
+                                      "--watch"])
+    t = threading.Thread(target=run, args=(args,), kwargs={"out": out, "err": io.StringIO(),
+                                                           "stop": stop})
+    t.start()
+    try:
+        assert wait_for(lambda: any("watching revision" in ln for ln in out.lines()), 10)
+        etcd_client.delete(JobKeys("p").node("node-0000"))
+        assert wait_for(lambda: any("RENDEZVOUS" in ln for ln in out.lines()), 10)
+    finally:
+        stop.set()
+        t.join(timeout=10)
+    assert "\x1b[" not in "".join(out.lines())
+
+
+@pytest.mark.timeout(30)
+def test_watch_unknown_job_exits_3(etcd_server):
+    """--watch on a job that does not exist exits 3 at once instead of waiting."""
+    assert status(etcd_server.endpoint, "--job", "nope", "--watch")[0] == 3
+
+
+@pytest.mark.timeout(60)
+def test_command_line_process_prints_80_column_table_and_exit_code(etcd_server, etcd_client):
+    """`python -m elasticd.status` in a pipe: plain 80-column text, exit 1, one stderr line."""
+    write_synthetic_job(etcd_client, SyntheticJob("cli", nodes=3, max_nodes=5, events=12),
+                        now=time.time())
+    env = {**os.environ, "COLUMNS": "80", "NO_COLOR": "1"}
+    env.pop("FORCE_COLOR", None)
+    proc = subprocess.run([sys.executable, "-m", "elasticd.status", "--etcd", etcd_server.endpoint,
+                           "--job", "cli"], capture_output=True, text=True, timeout=30, env=env)
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        "elasticd status: job cli degraded: 3 of max 5 nodes"]
+    lines = proc.stdout.splitlines()
+    assert max(len(ln) for ln in lines) <= 80 and "\x1b[" not in proc.stdout
+    assert sum(ln.startswith("node-000") for ln in lines) == 3
