@@ -25,6 +25,7 @@ import urllib.request
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timezone
+from email.message import Message
 from email.utils import parsedate_to_datetime
 from typing import Protocol
 
@@ -194,7 +195,7 @@ _OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 def _request(
     method: str, url: str, headers: Mapping[str, str], timeout_s: float
-) -> tuple[int, Mapping[str, str], bytes]:
+) -> tuple[int, Message, bytes]:
     """One HTTP request; HTTP error statuses are returned, not raised.
 
     Raises:
