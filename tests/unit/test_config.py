@@ -140,9 +140,15 @@ def test_boolean_from_environment(tmp_path):
 
 
 def test_unrelated_elasticd_variables_are_ignored(tmp_path):
-    """Variables whose section part is not a config section (ELASTICD_SOAK) are not errors."""
-    config = load(tmp_path, env={"ELASTICD_SOAK": "1", "ELASTICD_CONFIG": "/x", "PATH": "/bin"})
-    assert config.job.name == "demo"
+    """ELASTICD_SOAK and the variables the agent hands its workers are not config errors."""
+    worker_contract = {
+        "ELASTICD_JOB": "other", "ELASTICD_NODE": "n", "ELASTICD_ROUND": "3",
+        "ELASTICD_AGENT_PID": "1", "ELASTICD_CONTROL_DIR": "/run/x",
+        "ELASTICD_CONTROL_SOCKET": "/run/x/s", "ELASTICD_CHECKPOINT_URL": "memory://c",
+    }
+    env = {"ELASTICD_SOAK": "1", "ELASTICD_CONFIG": "/x", "PATH": "/bin", **worker_contract}
+    config = load(tmp_path, env=env)
+    assert config.job.name == "demo" and config.job.checkpoint_url is None
 
 
 def test_nnodes_single_count_means_fixed_size(tmp_path):
