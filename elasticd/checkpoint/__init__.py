@@ -28,7 +28,6 @@ from elasticd.checkpoint.api import (
 )
 from elasticd.checkpoint.catalog import list_checkpoints
 from elasticd.checkpoint.fence import MemoryCommitFence
-from elasticd.checkpoint.manager import CheckpointManager
 from elasticd.checkpoint.retention import RetentionPolicy
 
 __all__ = [
@@ -48,3 +47,12 @@ __all__ = [
     "SkippedCheckpoint",
     "list_checkpoints",
 ]
+
+
+def __getattr__(name: str) -> object:
+    # CheckpointManager needs torch (seconds to import); the CLI's listing does not.
+    if name == "CheckpointManager":
+        from elasticd.checkpoint.manager import CheckpointManager
+
+        return CheckpointManager
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

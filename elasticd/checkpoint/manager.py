@@ -69,7 +69,7 @@ log = structlog.get_logger(__name__)
 # Outcome of one rank reading one candidate; the worst over all ranks decides.
 _OK, _CORRUPT, _VANISHED, _FAILED = 0, 1, 2, 3
 # How often a load lists again when files vanish under it (a prune racing a slow reader).
-_MAX_LISTINGS = 3
+_MAX_LISTINGS = 5
 _RELIST = object()
 
 

@@ -1,0 +1,113 @@
+"""Retention policy: what pruning deletes, and what it must never delete."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from elasticd.checkpoint.retention import RetentionPolicy, StoredSave, plan_prune
+
+NOW = 10_000.0
+
+
+def _save(step: int, *, age: float = 3600.0, committed: bool = True, sid: str | None = None) -> StoredSave:
+    return StoredSave(step=step, save_id=sid or f"{step:013d}-00000000", created_at=NOW - age,
+                      committed=committed)
+
+
+def _deleted(decisions) -> list[int]:
+    return sorted(d.save.step for d in decisions)
+
+
+def test_keeps_newest_k_committed():
+    """keep_last=2 deletes every committed step but the two newest."""
+    saves = [_save(s) for s in (10, 20, 30, 40)]
+    assert _deleted(plan_prune(saves, RetentionPolicy(keep_last=2), now=NOW)) == [10, 20]
+
+
+def test_keep_every_spares_multiples():
+    """keep_every=20 keeps steps 20 and 40 beyond the newest K."""
+    saves = [_save(s) for s in (10, 20, 30, 40, 50)]
+    policy = RetentionPolicy(keep_last=1, keep_every=20)
+    assert _deleted(plan_prune(saves, policy, now=NOW)) == [10, 30]
+
+
+def test_torn_saves_wait_for_the_grace_period():
+    """A save without a manifest may be uploading: kept until older than grace_s."""
+    saves = [_save(30), _save(40, age=5, committed=False), _save(20, age=700, committed=False)]
+    decisions = plan_prune(saves, RetentionPolicy(keep_last=3, grace_s=600), now=NOW)
+    assert _deleted(decisions) == [20]
+    assert "no valid manifest" in decisions[0].reason
+
+
+def test_torn_saves_do_not_count_towards_keep_last():
+    """Corrupt newer saves never push the newest committed one out."""
+    saves = [_save(50, committed=False), _save(40, committed=False), _save(30), _save(20)]
+    decisions = plan_prune(saves, RetentionPolicy(keep_last=1, grace_s=60), now=NOW)
+    assert _deleted(decisions) == [20, 40, 50]
+
+
+def test_pointer_makes_newer_uploads_zombies_after_grace():
+    """With a fence pointer at 30, a committed step-40 upload is unreferenced: deleted once old."""
+    saves = [_save(40, age=5), _save(35, age=900), _save(30), _save(20), _save(10)]
+    decisions = plan_prune(saves, RetentionPolicy(keep_last=2, grace_s=600), now=NOW,
+                           pointer=(30, _save(30).save_id))
+    assert _deleted(decisions) == [10, 35]
+    assert any("never committed by the fence" in d.reason for d in decisions)
+
+
+def test_pointer_step_duplicate_from_a_zombie_is_removed():
+    """Another save of the pointed step (a zombie's) goes; the pointed one stays."""
+    live, zombie = _save(30, sid="0000000000030-aaaaaaaa"), _save(30, sid="0000000000031-bbbbbbbb")
+    decisions = plan_prune([live, zombie], RetentionPolicy(keep_last=1, grace_s=0), now=NOW,
+                           pointer=live.key)
+    assert [d.save for d in decisions] == [zombie]
+
+
+def test_same_step_older_copy_is_superseded():
+    """Without a fence, two committed saves of one step keep only the newer."""
+    old, new = _save(30, age=100, sid="0000000000001-aaaaaaaa"), _save(30, age=50, sid="0000000000002-bbbbbbbb")
+    decisions = plan_prune([old, new], RetentionPolicy(keep_last=3), now=NOW)
+    assert [d.save for d in decisions] == [old]
+    assert "superseded" in decisions[0].reason
+
+
+def test_protected_saves_survive():
+    """The save a process loaded is never deleted, however old."""
+    saves = [_save(s) for s in (10, 20, 30)]
+    decisions = plan_prune(saves, RetentionPolicy(keep_last=1), now=NOW, protect=frozenset({saves[0].key}))
+    assert _deleted(decisions) == [20]
+
+
+@pytest.mark.parametrize("kwargs", [{"keep_last": 0}, {"keep_every": 0}, {"grace_s": -1}])
+def test_bad_policy_values_are_refused(kwargs):
+    """keep_last < 1 (would delete the newest), keep_every < 1 and negative grace are errors."""
+    with pytest.raises(ValueError):
+        RetentionPolicy(**kwargs)
+
+
+_saves = st.lists(
+    st.builds(lambda step, age, committed, n: StoredSave(step, f"{int(NOW - age):013d}-{n:08x}",
+                                                         NOW - age, committed),
+              st.integers(0, 30), st.floats(0, 2000), st.booleans(), st.integers(0, 3)),
+    max_size=12, unique_by=lambda s: s.key)
+
+
+@settings(max_examples=200, deadline=None)
+@given(saves=_saves, keep_last=st.integers(1, 4), keep_every=st.none() | st.integers(1, 7),
+       use_pointer=st.booleans())
+def test_never_deletes_pointer_or_newest_committed(saves, keep_last, keep_every, use_pointer):
+    """For any listing: the pointer and the newest committed save it allows always survive."""
+    committed = [s for s in saves if s.committed]
+    pointer = max(committed, key=lambda s: (s.step, s.created_at)).key if use_pointer and committed else None
+    decisions = plan_prune(saves, RetentionPolicy(keep_last, keep_every, grace_s=600), now=NOW,
+                           pointer=pointer)
+    deleted = {d.save.key for d in decisions}
+    assert pointer not in deleted
+    allowed = [s for s in committed if pointer is None or s.step < pointer[0] or s.key == pointer]
+    if allowed:
+        newest = max(allowed, key=lambda s: (s.step, s.created_at, s.save_id))
+        assert newest.key not in deleted
+    young_torn = {s.key for s in saves if not s.committed and NOW - s.created_at <= 600}
+    assert not deleted & young_torn
