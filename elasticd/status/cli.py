@@ -24,6 +24,7 @@ from typing import IO, Any
 
 from elasticd.errors import EX_CONFIG, ConfigError, EtcdUnavailableError
 from elasticd.etcd.client import EtcdClient
+from elasticd.logs import ensure_configured
 from elasticd.status import jsondoc
 from elasticd.status.model import (
     DEFAULT_WINDOW_S,
@@ -154,6 +155,8 @@ def run(args: argparse.Namespace, *, out: IO[str] | None = None, err: IO[str] | 
         now: clock for ages (tests pin it).
         stop: ends --watch when set (tests; people press Ctrl-C).
     """
+    # stdout belongs to the answer (--json is parsed by scripts): logs go to stderr.
+    ensure_configured()
     io = _Io(out or sys.stdout, err or sys.stderr, now, json=bool(getattr(args, "json", False)),
              one_line=bool(getattr(args, "watch", False)))
     try:

@@ -126,8 +126,9 @@ def _decode(cls, kv: KV, unreadable: list[str]):  # type: ignore[no-untyped-def]
     try:
         return cls.from_json(kv.value)
     except (ValueError, TypeError) as exc:
-        # One corrupt record must not blind the operator to the rest of the job.
-        log.warning("status_record_unreadable", key=kv.key, error=str(exc))
+        # One corrupt record must not blind the operator to the rest of the job; the key
+        # is reported in the output ("warnings"), so the log line is only for debugging.
+        log.debug("status_record_unreadable", key=kv.key, error=str(exc))
         unreadable.append(kv.key)
         return None
 
@@ -229,7 +230,12 @@ def read_prefix(client: EtcdClient, prefix: str) -> tuple[list[KV], int]:
 
 
 def read_job(client: EtcdClient, job: str) -> JobSnapshot | None:
-    """Read one job with a single range request.
+    """Read one job, normally with a single range request.
+
+    If the job's keys exceed gRPC's 4 MB response limit (thousands of nodes plus a large
+    c10d store), the job is read again in five range requests that leave the store out:
+    nodes, rdzv, progress, checkpoint, events. That view is not one etcd revision, which
+    is fine for a status screen.
 
     Returns:
         The snapshot, or None when no key exists under ``/elasticd/<job>/``.
@@ -239,10 +245,31 @@ def read_job(client: EtcdClient, job: str) -> JobSnapshot | None:
         EtcdUnavailableError: etcd did not answer within the client's timeout.
     """
     keys = JobKeys(job)
-    kvs, revision = read_prefix(client, keys.prefix)
+    try:
+        kvs, revision = read_prefix(client, keys.prefix)
+    except EtcdUnavailableError as exc:
+        if not response_too_large(exc):
+            raise
+        log.debug("status_read_split", job=job, reason="response over the gRPC message limit")
+        kvs, revision = [], 0
+        for part in (keys.nodes_prefix, keys.rdzv_prefix, keys.progress,
+                     f"{keys.prefix}checkpoint/", keys.events_prefix):
+            part_kvs, part_rev = read_prefix(client, part)
+            kvs += part_kvs
+            revision = max(revision, part_rev)
     if not kvs:
         return None
     return parse_job_kvs(job, kvs, revision)
+
+
+def response_too_large(exc: BaseException) -> bool:
+    """True if etcd answered but the response exceeded the client's gRPC message limit."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if "larger than max" in str(seen):
+            return True
+        seen = seen.__cause__
+    return False
 
 
 def read_all_jobs(client: EtcdClient) -> tuple[list[JobSnapshot], int]:

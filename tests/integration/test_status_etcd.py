@@ -255,3 +255,19 @@ def test_command_line_process_prints_80_column_table_and_exit_code(etcd_server, 
     lines = proc.stdout.splitlines()
     assert max(len(ln) for ln in lines) <= 80 and "\x1b[" not in proc.stdout
     assert sum(ln.startswith("node-000") for ln in lines) == 3
+
+
+@pytest.mark.timeout(60)
+def test_job_over_grpc_message_limit_is_read_without_its_store(etcd_server, etcd_client):
+    """A job whose keys exceed gRPC's 4 MB response limit is still read (store left out)."""
+    write_synthetic_job(etcd_client, SyntheticJob("fat", nodes=4, events=5), now=time.time())
+    for i in range(4):  # 4 x 1.2 MB of c10d store: the one-read path would be refused
+        etcd_client.put(f"{JobKeys('fat').store_prefix(12)}blob{i}", b"x" * 1_200_000)
+    counting = CountingClient(etcd_server.endpoint, timeout_s=5)
+    try:
+        snap = read_job(counting, "fat")
+    finally:
+        counting.close()
+    assert counting.reads == 1 + 5 and len(snap.nodes) == 4
+    code, doc, err = status_json(etcd_server.endpoint, "--job", "fat")
+    assert code == 0 and doc["job"]["state"] == "training" and err == ""
