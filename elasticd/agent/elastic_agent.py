@@ -335,6 +335,11 @@ class ElasticdAgent(LocalElasticAgent):
     def _fence(self, reason: str) -> None:
         """Our lease is gone: kill workers now (no step of theirs may write), rejoin fresh."""
         old_round = self.handler.round
+        if self.handler.try_resurrect():
+            self.recorder.event("lease_lost", f"lease expired during an etcd outage; "
+                                f"re-registered in round {old_round}; workers kept", old_round=old_round)
+            self._set_state("training")
+            return
         self._close_workers(signal.SIGKILL, timeout_s=5)
         view = self.handler.view()
         current = view.state.round if view.state else old_round

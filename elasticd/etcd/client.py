@@ -58,6 +58,7 @@ _TRANSIENT_GRPC = {
     grpc.StatusCode.CANCELLED,
     grpc.StatusCode.RESOURCE_EXHAUSTED,
 }
+SLOW_CALL_S = 1.0
 _AUTH_GRPC = {grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED}
 
 
@@ -169,6 +170,10 @@ class EtcdClient:
         self._lock = threading.Lock()
         self._raw: etcd3.MultiEndpointEtcd3Client | None = None
         self._closed = False
+        # monotonic time of the last sign of etcd trouble: an error, or a call slower than
+        # SLOW_CALL_S (a frozen etcd answers late). Lets callers tell "etcd was away" from
+        # "we were away" when leases expire.
+        self.last_trouble_at = -1e9
 
     # -- plumbing ---------------------------------------------------------------------
     def _credentials(self) -> grpc.ChannelCredentials | None:
@@ -221,11 +226,22 @@ class EtcdClient:
 
     def call(self, fn: Callable[[etcd3.MultiEndpointEtcd3Client], Any]) -> Any:
         """Run ``fn(raw_client)`` and translate its errors (see module docstring)."""
-        raw = self.raw()
+        start = time.monotonic()
         try:
+            raw = self.raw()
             return fn(raw)
         except Exception as exc:
-            raise self._translate(exc) from exc
+            err = self._translate(exc)
+            if isinstance(err, EtcdUnavailableError):
+                self.last_trouble_at = time.monotonic()
+            raise err from exc
+        finally:
+            if time.monotonic() - start > SLOW_CALL_S:
+                self.last_trouble_at = time.monotonic()
+
+    def trouble_within(self, seconds: float) -> bool:
+        """True if etcd failed or answered slowly within the last ``seconds``."""
+        return time.monotonic() - self.last_trouble_at < seconds
 
     def close(self) -> None:
         with self._lock:

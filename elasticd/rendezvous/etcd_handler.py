@@ -44,6 +44,7 @@ from elasticd.rendezvous.protocol import (
     JoinProgress,
     RendezvousView,
     decide_join,
+    lost_members,
     nodes_waiting,
 )
 from elasticd.retry import call_with_retry
@@ -170,6 +171,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
         self._members: tuple[str, ...] = ()
         self._state_rev = 0  # mod_revision of the state key when our round completed
         self._lease_loss: int | None = None  # round we were in when our lease was lost
+        self._loss_seen_at: float | None = None  # first sight of lost members after an outage
         self._store: EtcdStore | None = None
         self._last_reason = ""
         self._shutdown = False
@@ -224,7 +226,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
         if self._keeper is not None:
             if self._keeper.lost.is_set():
                 self._lease_loss = self._round
-                self._log.warning("lease_lost_rejoining", round=self._round)
+                self._log.warning("lease_replaced", round=self._round)
             self._keeper.stop()
         lease = self._retry("lease grant", lambda: self.client.grant_lease(self.settings.node_ttl_s),
                             deadline)
@@ -402,14 +404,31 @@ class EtcdRendezvousHandler(RendezvousHandler):
         self._retry("close", lambda: self.client.put(self.keys.rdzv_closed, b"1"),
                     time.monotonic() + self.settings.close_timeout_s)
 
+    def _outage_grace_s(self) -> float:
+        return self.settings.node_ttl_s + 5.0
+
     def num_nodes_waiting(self) -> int:
-        """Answered from the watch cache: no etcd request. See ``protocol.nodes_waiting``."""
+        """Answered from the watch cache: no etcd request. See ``protocol.nodes_waiting``.
+
+        After an etcd outage every lease may expire at once (a frozen single-member etcd
+        revokes them all when it resumes). Members lost right after this node itself saw
+        etcd trouble get a grace period to re-register (``try_resurrect``) before the loss
+        counts as a membership change.
+        """
         if self.lease_lost.is_set():
             return 1
         if self._round is None:
             return 0
         view, _ = self._view.snapshot()
         n, why = nodes_waiting(view, self._round, max_nodes=self.settings.max_nodes)
+        lost = lost_members(view.state, view.alive) if view.state and view.state.round == self._round else []
+        if lost and self.client.trouble_within(self._outage_grace_s()):
+            now = time.monotonic()
+            self._loss_seen_at = self._loss_seen_at or now
+            if now - self._loss_seen_at < self.settings.node_ttl_s + 2.0:
+                return 0
+        elif not lost:
+            self._loss_seen_at = None
         if n and why != self._last_reason:
             self._log.info("membership_changed", reason=why, round=self._round)
             self._last_reason = why
@@ -431,6 +450,29 @@ class EtcdRendezvousHandler(RendezvousHandler):
         key = self.keys.failure(self._round, self.node_id)
         call_with_retry(lambda: self.client.put(key, detail, lease=self.lease_id),
                         what="failure report", deadline=time.monotonic() + 5)
+
+    def try_resurrect(self) -> bool:
+        """Re-register after our lease expired because *etcd* was away, keeping our round.
+
+        Allowed only if etcd failed or stalled recently as seen from here, and the job is
+        still in our final round with us as a member: then nobody moved on, and the new
+        lease (a new incarnation) simply replaces the old one. Otherwise we were the ones
+        away (frozen, partitioned) and must rejoin as a new member.
+        """
+        if not self.lease_lost.is_set() or self._round is None:
+            return False
+        if not self.client.trouble_within(self._outage_grace_s()):
+            return False
+        view, _ = self._view.snapshot()
+        state = view.state
+        if state is None or state.round != self._round or state.phase != "final" \
+                or self.node_id not in state.members:
+            return False
+        self._register(time.monotonic() + self.settings.join_timeout_s)
+        self._lease_loss = None
+        self._log.warning("lease_resurrected", round=self._round,
+                          reason="lease expired during an etcd outage; same round")
+        return True
 
     def pop_lease_loss(self) -> int | None:
         """The round we were in when our lease was found lost (once), or None."""
