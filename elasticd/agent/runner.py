@@ -149,6 +149,8 @@ def run_node(spec: NodeSpec) -> int:
                               logs_specs=logs, metrics=_make_metrics(spec),
                               notifier=_make_notifier(spec))
         agent.install_signal_handlers()
+        if agent.notifier is not None:
+            handler.on_wait = agent.notifier.watchdog
         if spec.preemption is not None:
             spec.preemption.start(lambda notice: _on_notice(agent, recorder, notice))
         log.info("agent_started", endpoints=client.endpoint_label(), nproc_per_node=spec.nproc_per_node,

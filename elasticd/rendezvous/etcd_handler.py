@@ -177,6 +177,8 @@ class EtcdRendezvousHandler(RendezvousHandler):
         self._shutdown = False
         self.lease_lost = threading.Event()
         self.rendezvous_s = 0.0
+        # Called while waiting for a round (e.g. the systemd watchdog ping of the agent).
+        self.on_wait: Callable[[], None] | None = None
         self._log = log.bind(job=job, node=self.node_id)
 
     # -- lifecycle ----------------------------------------------------------------------
@@ -364,6 +366,8 @@ class EtcdRendezvousHandler(RendezvousHandler):
             self._retry("finalize round", lambda: self.client.put_if(
                 k.rdzv_state, state.to_json(), mod_revision=state_rev), deadline)
         elif action.kind is ActionKind.WAIT:
+            if self.on_wait is not None:
+                self.on_wait()
             until = action.until if action.until is not None else deadline
             self._view.wait_change(version, min(until - time.monotonic(), 1.0))
             return
