@@ -112,8 +112,11 @@ class JobRecorder:
         current = self.client.get(self.keys.checkpoint_latest)
         if current is not None:
             cur = CheckpointPointer.from_json(current.value)
-            if cur.step >= step:
-                return False, f"step {step} is not newer than the committed step {cur.step}"
+            # Forward = a newer round, or the same round and a newer step. (A new round may
+            # resume from an older checkpoint when the newest turned out corrupt.)
+            if (cur.round, cur.step) >= (round_, step):
+                return False, (f"step {step} of round {round_} is not newer than the committed "
+                               f"step {cur.step} of round {cur.round}")
         pointer = CheckpointPointer(step=step, round=round_, manifest_url=manifest_url,
                                     committed_at=time.time(), world_size=world_size)
         ok, _ = self.client.txn(

@@ -6,6 +6,13 @@ stop at the same step on a drain; ``report_progress()`` feeds hang detection and
 ``CheckpointManager`` (elasticd.checkpoint) saves and resumes at any world size.
 """
 
+from elasticd.data import (
+    BatchPlan,
+    ElasticBatchSampler,
+    ElasticSampler,
+    accumulation_contexts,
+    plan_global_batch,
+)
 from elasticd.worker.context import (
     WorkerContext,
     context,
@@ -16,8 +23,16 @@ from elasticd.worker.context import (
     shutdown,
     stop_requested_locally,
 )
+from elasticd.worker.fence import AgentCommitFence, agent_fence
 
 __all__ = [
+    "AgentCommitFence",
+    "BatchPlan",
+    "ElasticBatchSampler",
+    "ElasticSampler",
+    "accumulation_contexts",
+    "agent_fence",
+    "plan_global_batch",
     "WorkerContext",
     "context",
     "control_client",

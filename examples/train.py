@@ -1,0 +1,143 @@
+"""elasticd's reference training script: copy it, replace the model and the data.
+
+A small regression model on synthetic data generated in process (no downloads), trained
+with DDP under ``elasticd run`` (or plain ``torchrun``, or ``python examples/train.py``):
+
+- resumes from the newest valid checkpoint at any world size (model, optimizer, sampler,
+  RNG), and the sampler continues with the next untrained global batch;
+- keeps the global batch constant through resizes (gradient accumulation with no_sync);
+- stops on a drain at the same step on every rank, saves, exits 0;
+- logs one JSON line per step: step, epoch, world_size, samples_trained, loss.
+
+Run it: ``elasticd run --standalone --nnodes 1 --nproc-per-node 2 examples/train.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from elasticd import worker
+from elasticd.checkpoint import CheckpointManager
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=200, help="optimizer steps to train in total")
+    p.add_argument("--dataset-size", type=int, default=4096)
+    p.add_argument("--global-batch", type=int, default=64, help="samples per optimizer step, all ranks")
+    p.add_argument("--micro-batch", type=int, default=32, help="max samples per forward pass")
+    p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", choices=["float32", "float64"], default="float32")
+    p.add_argument("--checkpoint-url", default=os.environ.get("ELASTICD_CHECKPOINT_URL"),
+                   help="fsspec URL (default: $ELASTICD_CHECKPOINT_URL, else file://./checkpoints)")
+    p.add_argument("--checkpoint-every", type=int, default=10, help="save every N steps (async)")
+    p.add_argument("--keep", type=int, default=3, help="checkpoints to keep")
+    p.add_argument("--step-sleep", type=float, default=0.0, help="extra seconds per step (demos)")
+    p.add_argument("--trace", help="append the sample indices each rank trains to this file (tests)")
+    p.add_argument("--final-params", help="rank 0 writes the final parameters here (tests)")
+    return p.parse_args(argv)
+
+
+def make_data(n: int, dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same synthetic dataset on every rank: y = tanh(x @ w / 4) + noise."""
+    g = torch.Generator().manual_seed(seed + 1)
+    x = torch.randn(n, 16, generator=g, dtype=dtype)
+    w = torch.randn(16, 1, generator=g, dtype=dtype)
+    y = torch.tanh(x @ w / 4) + 0.05 * torch.randn(n, 1, generator=g, dtype=dtype)
+    return x, y
+
+
+def make_model(dtype: torch.dtype, seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 1)).to(dtype)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    ctx = worker.init()
+    dtype = getattr(torch, args.dtype)
+    x, y = make_data(args.dataset_size, dtype, args.seed)
+    model = make_model(dtype, args.seed).to(ctx.device)
+    ddp = DDP(model) if dist.is_initialized() else model
+    optim = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    sampler = worker.ElasticSampler(args.dataset_size, global_batch_size=args.global_batch,
+                                    seed=args.seed)
+    plan = worker.plan_global_batch(args.global_batch, ctx.world_size, args.micro_batch,
+                                    allow_uneven=True)
+    url = args.checkpoint_url or "file://" + os.path.abspath("checkpoints")
+    ckpt = CheckpointManager(url, job=ctx.job or "local", keep_last=args.keep,
+                             fence=worker.agent_fence())
+    progress = {"step": 0}
+    state = {"model": model, "optim": optim, "sampler": sampler, "extra": progress}
+    loaded = ckpt.load_latest(state)
+    step = loaded.step + 1 if loaded else 0
+    log = lambda **kv: print(json.dumps(kv), flush=True)  # noqa: E731
+    if ctx.rank == 0:
+        log(event="started", resumed_from=loaded.step if loaded else None, world_size=ctx.world_size,
+            micro_batch=plan.micro_batch_size, accumulation=plan.accumulation_steps)
+    trace = open(args.trace, "a") if args.trace else None  # noqa: SIM115
+
+    while step < args.steps:
+        epoch = sampler.epoch
+        for share in sampler.iter_steps():
+            t0 = time.perf_counter()
+            sizes = plan.micro_batch_sizes(ctx.rank)
+            total, start = 0.0, 0
+            for size, sync_ctx in zip(sizes, worker.accumulation_contexts(ddp, plan), strict=True):
+                idx = torch.tensor(share[start:start + size], dtype=torch.long)
+                start += size
+                with sync_ctx:
+                    loss = nn.functional.mse_loss(ddp(x[idx].to(ctx.device)), y[idx].to(ctx.device))
+                    (loss * plan.loss_scale(size)).backward()
+                total += loss.item() * size
+            optim.step()
+            optim.zero_grad(set_to_none=True)
+            sampler.step()
+            if trace is not None:
+                trace.write(json.dumps({"step": step, "epoch": epoch, "rank": ctx.rank,
+                                        "idx": list(share)}) + "\n")
+                trace.flush()
+            if args.step_sleep:
+                time.sleep(args.step_sleep)
+            if ctx.rank == 0:
+                log(step=step, epoch=epoch, world_size=ctx.world_size,
+                    samples_trained=sampler.samples_trained, loss=round(total / max(len(share), 1), 6),
+                    step_s=round(time.perf_counter() - t0, 4), round=ctx.round)
+            worker.report_progress(step, epoch=epoch, samples=sampler.samples_trained)
+            progress["step"] = step
+            done = step + 1 >= args.steps
+            if worker.should_stop(step):
+                ckpt.save(step, state, blocking=True)  # a drain: commit before exiting 0
+                if ctx.rank == 0:
+                    log(event="drained", step=step)
+                ckpt.close()
+                worker.shutdown()
+                return 0
+            if done or (step + 1) % args.checkpoint_every == 0:
+                ckpt.save(step, state, blocking=done)
+            step += 1
+            if done:
+                break
+        else:
+            sampler.set_epoch(epoch + 1)  # epoch complete: the next one starts at position 0
+    ckpt.close()
+    if args.final_params and ctx.rank == 0:
+        torch.save({k: v.detach().cpu() for k, v in model.state_dict().items()}, args.final_params)
+    if ctx.rank == 0:
+        log(event="finished", step=step - 1)
+    worker.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
