@@ -14,7 +14,7 @@ Exposed series (all prefixed ``elasticd_``)::
     training_step, training_steps_per_second, training_samples_per_second
     checkpoint_save_duration_seconds, checkpoint_save_bytes_total, checkpoint_last_save_bytes
     checkpoint_load_duration_seconds, checkpoint_load_bytes_total
-    last_checkpoint_step
+    last_checkpoint_step, last_checkpoint_timestamp_seconds
     agent_info{elasticd_job, node, version}    constant 1
 
 Binding: ``serve`` listens on ``0.0.0.0`` by default, because Prometheus scrapes from
@@ -117,6 +117,8 @@ class AgentMetrics:
                                        "Bytes read by checkpoint loads", registry=r)
         self.last_ckpt_step = Gauge("elasticd_last_checkpoint_step",
                                     "Step of the newest committed checkpoint", registry=r)
+        self.last_ckpt_time = Gauge("elasticd_last_checkpoint_timestamp_seconds",
+                                    "Unix time the newest checkpoint was committed", registry=r)
 
     # -- what the agent calls -----------------------------------------------------------
     def set_identity(self, *, job: str, node: str, version: str) -> None:
@@ -175,8 +177,14 @@ class AgentMetrics:
         self.ckpt_load_s.observe(seconds)
         self.ckpt_load_bytes.inc(max(nbytes, 0))
 
-    def set_last_checkpoint_step(self, step: int) -> None:
+    def set_last_checkpoint_step(self, step: int, committed_at: float | None = None) -> None:
+        """Record the newest committed checkpoint (``committed_at``: Unix time, default now).
+
+        The timestamp lets an alert fire on checkpoint age:
+        ``time() - elasticd_last_checkpoint_timestamp_seconds > 3600``.
+        """
         self.last_ckpt_step.set(step)
+        self.last_ckpt_time.set(time.time() if committed_at is None else committed_at)
 
     # -- serving ------------------------------------------------------------------------
     def serve(self, port: int, addr: str = DEFAULT_METRICS_ADDR) -> MetricsServer:

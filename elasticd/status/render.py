@@ -288,19 +288,19 @@ def render_job_list(statuses: Sequence[JobStatus], now: float) -> RenderableType
     if not statuses:
         return Text("no elasticd jobs found")
     table = FittedTable([
-        Col("job", min_width=12, shrink=3),
+        Col("job", min_width=12, shrink=2),
         Col("state"),
         Col("round", justify="right", drop=2),
         Col("nodes", justify="right"),
         Col("world", justify="right", drop=3),
         Col("step", justify="right"),
         Col("ckpt", justify="right"),
-        Col("reason", min_width=12, shrink=2, drop=1),
+        Col("reason", min_width=24, shrink=3, drop=1),
     ])
     for s in statuses:
-        state = Text(s.state, style=STATE_STYLE.get(s.state, ""))
-        if s.degraded:
-            state.append("!", style="yellow")
+        # "degraded" reads better here than "training" plus a flag; JSON keeps both facts.
+        shown = "degraded" if s.state == "training" and s.degraded else s.state
+        state = Text(shown, style="bold yellow" if shown == "degraded" else STATE_STYLE.get(s.state, ""))
         nodes = f"{s.nodes_in_round}/{s.max_nodes}" if s.max_nodes is not None else "-"
         reason = "; ".join(s.degraded_reasons) if s.state == "training" and s.degraded else s.reason
         table.add_row(

@@ -34,7 +34,7 @@ def test_gauges_counters_and_histograms_record_calls():
     m.observe_checkpoint_save(2.0, 1000)
     m.observe_checkpoint_save(3.0, 500)
     m.observe_checkpoint_load(1.0, 1500)
-    m.set_last_checkpoint_step(4000)
+    m.set_last_checkpoint_step(4000, committed_at=1_750_000_000.0)
     assert value(m, "elasticd_round") == 7 and value(m, "elasticd_world_size") == 16
     assert value(m, "elasticd_restarts_total", cause="failure") == 2
     assert value(m, "elasticd_restarts_total", cause="membership") == 1
@@ -47,6 +47,7 @@ def test_gauges_counters_and_histograms_record_calls():
     assert value(m, "elasticd_checkpoint_last_save_bytes") == 500
     assert value(m, "elasticd_checkpoint_load_bytes_total") == 1500
     assert value(m, "elasticd_last_checkpoint_step") == 4000
+    assert value(m, "elasticd_last_checkpoint_timestamp_seconds") == 1_750_000_000.0
     assert value(m, "elasticd_agent_info", elasticd_job="demo", node="n1", version="0.1.0") == 1
 
 
