@@ -271,3 +271,28 @@ def test_job_over_grpc_message_limit_is_read_without_its_store(etcd_server, etcd
     assert counting.reads == 1 + 5 and len(snap.nodes) == 4
     code, doc, err = status_json(etcd_server.endpoint, "--job", "fat")
     assert code == 0 and doc["job"]["state"] == "training" and err == ""
+
+
+@pytest.mark.timeout(60)
+def test_watch_job_list_json_follows_new_jobs(etcd_server, etcd_client):
+    """--watch --json without --job prints a job_list document that grows when a job appears."""
+    write_synthetic_job(etcd_client, SyntheticJob("first", nodes=2, events=2), now=time.time())
+    out, stop = _Buffer(), threading.Event()
+    args = build_parser().parse_args(["status", "--etcd", etcd_server.endpoint, "--json",
+                                      "--watch"])
+    t = threading.Thread(target=run, args=(args,), kwargs={"out": out, "err": io.StringIO(),
+                                                           "stop": stop})
+    t.start()
+    try:
+        def names() -> list[list[str]]:
+            return [[j["name"] for j in json.loads(ln)["jobs"]] for ln in out.lines()]
+
+        assert wait_for(lambda: ["first"] in names(), 10)
+        write_synthetic_job(etcd_client, SyntheticJob("second", nodes=2, events=2),
+                            now=time.time())
+        assert wait_for(lambda: ["first", "second"] in names(), 10), names()
+        jsonschema.Draft202012Validator(SCHEMA).validate(json.loads(out.lines()[-1]))
+    finally:
+        stop.set()
+        t.join(timeout=10)
+    assert not t.is_alive()

@@ -99,7 +99,7 @@ def test_job_list_fits_80_columns():
     lines = out.splitlines()
     assert max(len(ln) for ln in lines) <= 80
     assert len([ln for ln in lines if ln.startswith("a-job-name-")]) == 2
-    assert "rendezvous" in out and "training" in out
+    assert "rendezvous" in out and "degraded" in out
 
 
 class _Tty(io.StringIO):
