@@ -17,6 +17,7 @@ The logic splits into three pure steps, each unit-tested without etcd:
 
 from __future__ import annotations
 
+import signal
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -168,10 +169,11 @@ def parse_job_kvs(job: str, kvs: Iterable[KV], revision: int) -> JobSnapshot:
             if rec is not None:
                 nodes.append(rec)
         elif rest.startswith("events/"):
-            tail = rest[len("events/"):]
-            ev = _decode(Event, kv, unreadable) if tail.isdigit() else None
+            # events/<seq> or, as the agent writes them, events/<seq>-<node> (seq: µs).
+            head = rest[len("events/"):].split("-", 1)[0]
+            ev = _decode(Event, kv, unreadable) if head.isdigit() else None
             if ev is not None:
-                events.append(SeqEvent(int(tail), ev))
+                events.append(SeqEvent(int(head), ev))
         elif kv.key == keys.rdzv_state:
             round_state = _decode(RoundState, kv, unreadable)
         elif kv.key == keys.rdzv_closed:
@@ -180,7 +182,7 @@ def parse_job_kvs(job: str, kvs: Iterable[KV], revision: int) -> JobSnapshot:
             progress = _decode(Progress, kv, unreadable)
         elif kv.key == keys.checkpoint_latest:
             checkpoint = _decode(CheckpointPointer, kv, unreadable)
-    events.sort(key=lambda e: e.seq)
+    events.sort(key=lambda e: (e.seq, e.event.node))
     nodes.sort(key=lambda n: n.node)
     return JobSnapshot(
         job=job, revision=revision, round_state=round_state, closed=closed, nodes=tuple(nodes),
@@ -315,13 +317,21 @@ def describe_event(se: SeqEvent, now: float) -> str:
 
 
 def exit_detail(detail: dict) -> str:
-    """``"exit 1"`` / ``"signal SIGKILL"`` from an event's detail, or ``""``."""
+    """``"exit 1"`` / ``"signal SIGKILL"`` from an event's detail, or ``""``.
+
+    A negative ``exit_code`` is torch's way of saying "killed by signal -code".
+    """
     parts = []
-    if detail.get("exit_code") is not None:
-        parts.append(f"exit {detail['exit_code']}")
+    code = detail.get("exit_code")
+    if isinstance(code, int) and code < 0:
+        try:
+            parts.append(f"signal {signal.Signals(-code).name}")
+        except ValueError:
+            parts.append(f"exit {code}")
+    elif code is not None:
+        parts.append(f"exit {code}")
     if detail.get("signal"):
-        sig = detail["signal"]
-        parts.append(f"signal {sig}")
+        parts.append(f"signal {detail['signal']}")
     return ", ".join(parts)
 
 
@@ -365,7 +375,8 @@ def derive_status(snap: JobSnapshot, now: float, *, window_s: float = DEFAULT_WI
     State rules:
       1. failed     - a live node record is in state "failed"; or the rendezvous is closed
                       and the newest "failure"/"finished" event is a failure.
-      2. stopped    - the rendezvous is closed (otherwise); or no live node records remain.
+      2. stopped    - the rendezvous is closed (otherwise); or no live node records remain;
+                      or every live node record is in state "stopped".
       3. draining   - a live node is in state "draining".
       4. rendezvous - no round state; the round is "open"; a member has no live record
                       (lost); or a member's record is not "training" in the current round.
@@ -444,7 +455,9 @@ def _state_and_reason(snap: JobSnapshot, members: list[str], live: dict[str, Nod
         if terminal:
             return "stopped", f"job finished {format_age(now - terminal.event.time)} ago"
         return "stopped", "rendezvous closed"
-    if not snap.nodes:
+    if not snap.nodes or all(n.state == "stopped" for n in snap.nodes):
+        if snap.nodes:
+            return "stopped", f"all {len(snap.nodes)} agent(s) stopped"
         last = snap.events[-1] if snap.events else None
         if last and last.event.kind == "finished":
             return "stopped", f"job finished {format_age(now - last.event.time)} ago"

@@ -248,3 +248,31 @@ def test_unexpected_read_errors_become_etcd_unavailable():
     with pytest.raises(EtcdUnavailableError, match="did not answer as etcd") as exc:
         read_prefix(_WeirdClient(), "/elasticd/")  # type: ignore[arg-type]
     assert "\n" not in str(exc.value)
+
+
+def test_agent_event_keys_with_node_suffix_are_parsed_in_order():
+    """Events keyed events/<µs>-<node> (as the agent writes them) decode and sort by time."""
+    kvs = [kv(f"{K.event(1_750_000_000_000_002)}-b", ev(2, "join", "b").event.to_json()),
+           kv(f"{K.event(1_750_000_000_000_001)}-a", ev(1, "failure", "a").event.to_json()),
+           kv(f"{K.events_prefix}garbage", "{}")]
+    s = parse_job_kvs("demo", kvs, 1)
+    assert [(e.seq, e.event.node) for e in s.events] == [(1_750_000_000_000_001, "a"),
+                                                         (1_750_000_000_000_002, "b")]
+
+
+def test_all_agents_stopped_is_stopped():
+    """Agents that finished (state stopped) but still hold their lease mean stopped, not rendezvous."""
+    live = [node("a", state="stopped"), node("b", state="stopped", rank0=2)]
+    st = derive_status(snap(live=live), NOW)
+    assert st.state == "stopped" and st.reason == "all 2 agent(s) stopped"
+
+
+@pytest.mark.parametrize("detail,text", [({"exit_code": 1}, "exit 1"),
+                                         ({"exit_code": -9}, "signal SIGKILL"),
+                                         ({"signal": "SIGTERM"}, "signal SIGTERM"),
+                                         ({}, "")])
+def test_exit_detail_reads_torch_negative_codes_as_signals(detail, text):
+    """torch reports death by signal as a negative exit code."""
+    from elasticd.status.model import exit_detail
+
+    assert exit_detail(detail) == text
