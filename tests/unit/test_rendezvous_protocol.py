@@ -1,0 +1,467 @@
+"""Unit tests of the pure round protocol (elasticd.rendezvous.protocol), no etcd.
+
+The last test runs several simulated nodes through ``decide_join`` against a shared
+in-memory "etcd" (compare-and-swap on the state key, join keys in creation order, leases
+as an alive set), in interleavings hypothesis picks, with stale views and node deaths.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+import pytest
+from hypothesis import HealthCheck, event, given, settings, target
+from hypothesis import strategies as st
+
+from elasticd.records import RoundState
+from elasticd.rendezvous.protocol import (
+    Action,
+    ActionKind,
+    JoinProgress,
+    RendezvousView,
+    attribute_failure,
+    decide_join,
+    nodes_waiting,
+    order_members,
+)
+
+NOW = 100.0
+FAR = 1e9
+
+
+def view(state: RoundState | None, alive, joins=None, *, closed=False, failures=None) -> RendezvousView:
+    return RendezvousView(state, frozenset(alive), joins or {}, closed, failures or {})
+
+
+def open_(r: int, members=()) -> RoundState:
+    return RoundState(r, "open", list(members), 1, 4)
+
+
+def final(r: int, members) -> RoundState:
+    return RoundState(r, "final", list(members), 1, 4)
+
+
+def decide(v: RendezvousView, me: str = "a", *, last_round=None, deadline=FAR, min_nodes=1,
+           max_nodes=4, last_call=5.0, now=NOW, progress: JoinProgress | None = None) -> Action:
+    progress = progress or JoinProgress(me, last_round, deadline)
+    return decide_join(v, progress, min_nodes=min_nodes, max_nodes=max_nodes,
+                       last_call_timeout_s=last_call, now=now)
+
+
+# --- decide_join: one decision at a time ------------------------------------------------
+
+
+def test_no_state_opens_round_zero():
+    """With no round state yet, the first step is to create round 0."""
+    a = decide(view(None, {"a"}))
+    assert (a.kind, a.round) == (ActionKind.INIT, 0)
+
+
+def test_open_round_without_us_joins_it():
+    """A node not yet joined to the open round joins that round."""
+    a = decide(view(open_(3), {"a", "b"}, {3: ["b"]}))
+    assert (a.kind, a.round) == (ActionKind.JOIN, 3)
+
+
+def test_below_min_waits_until_deadline():
+    """Fewer than min_nodes joined: wait (woken by changes, or at the join deadline)."""
+    a = decide(view(open_(0), {"a", "b"}, {0: ["a"]}), min_nodes=2, deadline=500.0)
+    assert a.kind is ActionKind.WAIT and a.until == 500.0
+    assert "1/2" in a.reason
+
+
+def test_max_nodes_joined_finalizes_in_join_order():
+    """max_nodes joined: finalize at once, ranks in join order, extra joiners left out."""
+    a = decide(view(open_(0), {"a", "b", "c", "d"}, {0: ["c", "a", "b", "d"]}), max_nodes=3)
+    assert a.kind is ActionKind.FINALIZE
+    assert a.members == ("c", "a", "b")
+    assert "max_nodes=3" in a.reason
+
+
+def test_all_live_nodes_joined_finalizes_without_last_call():
+    """min reached and every live node joined: finalize now, no last-call wait."""
+    a = decide(view(open_(0), {"a", "b"}, {0: ["b", "a"]}), min_nodes=2, max_nodes=4)
+    assert a.kind is ActionKind.FINALIZE and a.members == ("b", "a")
+    assert "all 2 live nodes joined" in a.reason
+
+
+def test_last_call_waits_for_live_stragglers_then_finalizes():
+    """min reached but a live node has not joined: wait for it until the last call, then go."""
+    v = view(open_(0), {"a", "b", "c"}, {0: ["a", "b"]})
+    progress = JoinProgress("a", None, FAR)
+    first = decide(v, min_nodes=2, last_call=5.0, now=NOW, progress=progress)
+    assert first.kind is ActionKind.WAIT and first.until == NOW + 5.0 and "c" in first.reason
+    # The last call counts from when the minimum was first seen, not from each look.
+    again = decide(v, min_nodes=2, last_call=5.0, now=NOW + 4.0, progress=progress)
+    assert again.kind is ActionKind.WAIT and again.until == NOW + 5.0
+    done = decide(v, min_nodes=2, last_call=5.0, now=NOW + 5.0, progress=progress)
+    assert done.kind is ActionKind.FINALIZE and done.members == ("a", "b")
+    assert "last call" in done.reason and "c" in done.reason
+
+
+def test_last_call_wait_is_capped_by_join_deadline():
+    """A last call that would end after join_timeout wakes at the join deadline instead."""
+    v = view(open_(0), {"a", "b", "c"}, {0: ["a", "b"]})
+    a = decide(v, min_nodes=2, last_call=50.0, deadline=NOW + 3.0)
+    assert a.kind is ActionKind.WAIT and a.until == NOW + 3.0
+
+
+def test_dead_joiners_do_not_count():
+    """A join key whose node has no live lease does not count toward min or max."""
+    v = view(open_(0), {"a"}, {0: ["a", "ghost"]})
+    a = decide(v, min_nodes=2, max_nodes=2)
+    assert a.kind is ActionKind.WAIT
+    b = decide(v, min_nodes=1, max_nodes=2)
+    assert b.kind is ActionKind.FINALIZE and b.members == ("a",)
+
+
+def test_member_of_final_round_is_done():
+    """A member of the final round that has not used it yet is done, with the rank table."""
+    a = decide(view(final(2, ["b", "a"]), {"a", "b"}), last_round=1)
+    assert (a.kind, a.round, a.members) == (ActionKind.DONE, 2, ("b", "a"))
+
+
+def test_used_round_opens_next():
+    """Calling next_rendezvous again after using round r opens round r+1 (re-rendezvous)."""
+    a = decide(view(final(2, ["a", "b"]), {"a", "b"}), last_round=2)
+    assert (a.kind, a.round) == (ActionKind.OPEN_NEXT, 3)
+    assert "re-rendezvous" in a.reason
+
+
+def test_lost_member_opens_next_round():
+    """A member of the final round without a live lease makes any node open the next round."""
+    a = decide(view(final(4, ["a", "b", "c"]), {"a", "c"}), me="d")
+    assert (a.kind, a.round) == (ActionKind.OPEN_NEXT, 5)
+    assert "lost b" in a.reason
+
+
+def test_late_arrival_preregisters_for_next_round():
+    """A node arriving after the round is final joins round r+1 and then waits to be admitted."""
+    v = view(final(1, ["a", "b"]), {"a", "b", "c"})
+    a = decide(v, me="c")
+    assert (a.kind, a.round) == (ActionKind.JOIN, 2)
+    v2 = view(final(1, ["a", "b"]), {"a", "b", "c"}, {2: ["c"]})
+    b = decide(v2, me="c", deadline=700.0)
+    assert (b.kind, b.round, b.until) == (ActionKind.WAIT, 2, 700.0)
+
+
+def test_closed_wins_over_everything():
+    """A closed job answers CLOSED, even past the join deadline."""
+    a = decide(view(final(1, ["a"]), {"a"}, closed=True), deadline=0.0)
+    assert a.kind is ActionKind.CLOSED
+
+
+def test_join_deadline_times_out():
+    """Past join_timeout (and not closed) the answer is TIMEOUT."""
+    a = decide(view(open_(0), {"a", "b"}, {0: ["a"]}), min_nodes=2, deadline=NOW)
+    assert a.kind is ActionKind.TIMEOUT
+
+
+# --- ranks ------------------------------------------------------------------------------
+
+
+def test_order_members_keeps_previous_relative_order_then_newcomers():
+    """Previous members keep their relative order (dense ranks), newcomers follow in join order."""
+    assert order_members(["b", "a", "c"], ["c", "d", "a", "e"], 10) == ("a", "c", "d", "e")
+
+
+def test_order_members_truncates_to_max():
+    """At most max_nodes are admitted; previous members are admitted first."""
+    assert order_members(["x", "y"], ["n1", "y", "n2", "x"], 3) == ("x", "y", "n1")
+
+
+def test_next_round_after_lost_member_keeps_survivor_order():
+    """After a member is lost, the survivors' ranks stay in the same relative order (dense)."""
+    state = open_(5, members=["a", "b", "c", "d"])
+    a = decide(view(state, {"a", "c", "d"}, {5: ["d", "c", "a"]}), me="a", min_nodes=1, max_nodes=4)
+    assert a.kind is ActionKind.FINALIZE
+    assert a.members == ("a", "c", "d")
+
+
+# --- nodes_waiting ----------------------------------------------------------------------
+
+
+def test_nodes_waiting_zero_without_state_or_when_closed():
+    """No round state, or a closed job: nobody waits."""
+    assert nodes_waiting(view(None, {"a"}), 0, max_nodes=4)[0] == 0
+    assert nodes_waiting(view(final(0, ["a"]), {"a", "b"}, {1: ["b"]}, closed=True), 0, max_nodes=4)[0] == 0
+
+
+def test_nodes_waiting_counts_newer_round():
+    """A round newer than ours (opened by someone else) means re-rendezvous."""
+    n, why = nodes_waiting(view(open_(3), {"a"}), 2, max_nodes=4)
+    assert n == 1 and "round 3" in why
+
+
+def test_nodes_waiting_counts_lost_members():
+    """Members of our final round without a live lease are counted, and named."""
+    n, why = nodes_waiting(view(final(2, ["a", "b", "c"]), {"a"}), 2, max_nodes=4)
+    assert n == 2 and "b" in why and "c" in why
+
+
+def test_nodes_waiting_counts_live_late_joiners_while_there_is_room():
+    """Live, non-member joiners of round r+1 count while the round has room for them."""
+    v = view(final(2, ["a", "b"]), {"a", "b", "c", "d"}, {3: ["c", "ghost", "d", "a"]})
+    n, why = nodes_waiting(v, 2, max_nodes=4)
+    assert n == 2 and "c" in why and "d" in why
+    assert nodes_waiting(v, 2, max_nodes=2)[0] == 0, "a full round has no room"
+
+
+def test_nodes_waiting_zero_in_steady_state():
+    """Our final round with every member alive and no joiners: nothing waits."""
+    assert nodes_waiting(view(final(2, ["a", "b"]), {"a", "b"}), 2, max_nodes=4) == (0, "")
+
+
+# --- attribute_failure ------------------------------------------------------------------
+
+
+def test_failure_with_lost_peer_is_membership():
+    """A worker failure while a peer's lease is gone is a membership change, not our fault."""
+    v = view(final(1, ["a", "b"]), {"a"}, failures={1: ["a"]})
+    assert attribute_failure(v, 1, "a")[0] == "membership"
+
+
+def test_failure_after_newer_round_is_membership():
+    """A failure when a newer round exists is a membership change."""
+    assert attribute_failure(view(open_(2, ["a", "b"]), {"a", "b"}), 1, "a")[0] == "membership"
+
+
+def test_first_reporter_is_root_others_are_victims():
+    """When every member reported, the first reporter is the root cause, the rest victims."""
+    v = view(final(1, ["a", "b", "c"]), {"a", "b", "c"}, failures={1: ["b", "a", "c"]})
+    assert attribute_failure(v, 1, "b")[0] == "root"
+    verdict, why = attribute_failure(v, 1, "a")
+    assert verdict == "victim" and "b" in why
+
+
+def test_partial_reports_are_undecided():
+    """Until every live member reported (us included), the verdict is undecided."""
+    v = view(final(1, ["a", "b", "c"]), {"a", "b", "c"}, failures={1: ["a", "b"]})
+    assert attribute_failure(v, 1, "a")[0] == "undecided"
+    assert attribute_failure(view(final(1, ["a", "b"]), {"a", "b"}, failures={1: ["b"]}), 1, "a")[0] == "undecided"
+    assert attribute_failure(view(None, {"a"}), 1, "a")[0] == "undecided"
+
+
+# --- simulation: many nodes, one CAS store, random interleavings ------------------------
+
+
+@dataclass
+class FakeEtcd:
+    """The rendezvous keys of one job, with etcd's semantics where the protocol relies on them."""
+
+    min_nodes: int
+    max_nodes: int
+    revision: int = 0
+    state: RoundState | None = None
+    state_rev: int = 0
+    joins: dict[int, list[str]] = field(default_factory=dict)  # creation order
+    alive: set[str] = field(default_factory=set)
+    finals: dict[int, tuple[str, ...]] = field(default_factory=dict)  # every finalized round
+    history: list[tuple[RendezvousView, int]] = field(default_factory=list)
+
+    def commit(self) -> None:
+        self.revision += 1
+        joins = {r: tuple(ns) for r, ns in self.joins.items()}
+        self.history.append((RendezvousView(self.state, frozenset(self.alive), joins), self.state_rev))
+
+    def put_state_if(self, state: RoundState, expected_rev: int) -> bool:
+        if self.state_rev != expected_rev:
+            return False
+        self.state = state
+        self.state_rev = self.revision + 1
+        if state.phase == "final":
+            assert state.round not in self.finals, f"round {state.round} finalized twice"
+            self.finals[state.round] = tuple(state.members)
+        self.commit()
+        return True
+
+
+@dataclass
+class SimNode:
+    name: str
+    progress: JoinProgress
+    seen: int = 0  # index into FakeEtcd.history: this node's (lagging) watch view
+    done: Action | None = None
+    waiting_until: float | None = None
+    arrived: bool = False
+    dead: bool = False
+
+
+def step(etcd: FakeEtcd, node: SimNode, now: float, *, last_call_s: float) -> bool:
+    """One look-and-act of one node, as the handler does it. Returns True if it changed anything."""
+    v, state_rev = etcd.history[node.seen]
+    if node.done is not None:
+        # The agent's loop: re-rendezvous when someone waits (torch's num_nodes_waiting path).
+        n, _ = nodes_waiting(v, node.done.round, max_nodes=etcd.max_nodes)
+        if n == 0:
+            return False
+        node.progress = JoinProgress(node.name, node.done.round, FAR)
+        node.done = None
+        return True
+    a = decide_join(v, node.progress, min_nodes=etcd.min_nodes, max_nodes=etcd.max_nodes,
+                    last_call_timeout_s=last_call_s, now=now)
+    node.waiting_until = None
+    if a.kind is ActionKind.DONE:
+        node.done = a
+        return True
+    if a.kind is ActionKind.WAIT:
+        node.waiting_until = a.until
+        return False
+    assert a.kind not in (ActionKind.CLOSED, ActionKind.TIMEOUT), a
+    if a.kind is ActionKind.INIT:
+        return etcd.put_state_if(RoundState(0, "open", [], etcd.min_nodes, etcd.max_nodes), 0)
+    if a.kind is ActionKind.OPEN_NEXT:
+        assert v.state is not None
+        ok = etcd.put_state_if(RoundState(a.round, "open", list(v.state.members), etcd.min_nodes,
+                                          etcd.max_nodes), state_rev)
+        if ok:  # the opener's garbage collection of older join keys
+            for r in [r for r in etcd.joins if r < a.round]:
+                del etcd.joins[r]
+            etcd.commit()
+        return ok
+    if a.kind is ActionKind.JOIN:
+        joined = etcd.joins.setdefault(a.round, [])
+        if node.name in joined:
+            return False
+        joined.append(node.name)
+        etcd.commit()
+        return True
+    if a.kind is ActionKind.FINALIZE:
+        assert v.state is not None
+        return etcd.put_state_if(replace(v.state, phase="final", members=list(a.members)), state_rev)
+    raise AssertionError(f"unexpected action {a}")
+
+
+def kill(etcd: FakeEtcd, node: SimNode) -> None:
+    """Lease expiry: the node key and every join key on the lease vanish."""
+    node.dead = True
+    etcd.alive.discard(node.name)
+    for joined in etcd.joins.values():
+        if node.name in joined:
+            joined.remove(node.name)
+    etcd.commit()
+
+
+_OPS = st.lists(
+    st.one_of(
+        st.tuples(st.just("act"), st.integers(0, 7), st.integers(0, 6)),  # node, view lag
+        st.tuples(st.just("tick"), st.sampled_from([0.5, 2.0, 6.0]), st.just(0)),
+        st.tuples(st.just("arrive"), st.integers(0, 7), st.just(0)),
+        st.tuples(st.just("kill"), st.integers(0, 7), st.just(0)),
+    ),
+    min_size=10,
+    max_size=200,
+)
+
+
+def arrive(etcd: FakeEtcd, node: SimNode) -> None:
+    """A node starts: it registers its lease (node key) before it looks at the round."""
+    node.arrived = True
+    etcd.alive.add(node.name)
+    etcd.commit()
+    node.seen = len(etcd.history) - 1
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(n_nodes=st.integers(1, 6), min_nodes=st.integers(1, 6), extra=st.integers(0, 2),
+       late=st.lists(st.booleans(), min_size=6, max_size=6), ops=_OPS,
+       last_call_s=st.sampled_from([0.5, 5.0]))
+def test_random_interleavings_converge_to_one_final_round(n_nodes, min_nodes, extra, late, ops,
+                                                          last_call_s):
+    """Nodes racing through decide_join with stale views, late starts, delays and deaths all
+    end in the same final round with the same members: ranks dense 0..n-1, min<=n<=max,
+    every live node admitted while there is room, rank order stable from round to round."""
+    min_nodes = min(min_nodes, n_nodes)
+    max_nodes = max(min_nodes, n_nodes - 1 + extra)  # sometimes fewer slots than nodes
+    etcd = FakeEtcd(min_nodes, max_nodes)
+    nodes = [SimNode(f"n{i}", JoinProgress(f"n{i}", None, FAR)) for i in range(n_nodes)]
+    etcd.commit()
+    for node, is_late in zip(nodes, late, strict=False):
+        if not is_late:
+            arrive(etcd, node)
+    now = 0.0
+
+    # Phase 1: an adversarial schedule (hypothesis) with lagging views, delays, arrivals, deaths.
+    for kind, idx, arg in ops:
+        if kind == "tick":
+            now += arg
+            continue
+        node = nodes[idx % n_nodes]
+        if node.dead:
+            continue
+        if kind == "arrive":
+            if not node.arrived:
+                arrive(etcd, node)
+            continue
+        if not node.arrived:
+            continue
+        if kind == "kill":
+            if len([n for n in nodes if n.arrived and not n.dead]) > min_nodes:
+                kill(etcd, node)
+            continue
+        latest = len(etcd.history) - 1
+        node.seen = max(node.seen, latest - arg)  # watch views lag but never go back
+        step(etcd, node, now, last_call_s=last_call_s)
+    for node in nodes:  # the stragglers start now
+        if not node.arrived:
+            arrive(etcd, node)
+
+    # Phase 2: a fair schedule with up-to-date views until nothing changes.
+    for _ in range(2000):
+        live = [n for n in nodes if not n.dead]
+        changed = False
+        for node in live:
+            node.seen = len(etcd.history) - 1
+            changed |= step(etcd, node, now, last_call_s=last_call_s)
+        if changed:
+            continue
+        wakeups = [n.waiting_until for n in live if n.waiting_until is not None and n.waiting_until < FAR]
+        if wakeups and min(wakeups) > now:
+            now = min(wakeups)
+            continue
+        if wakeups:
+            raise AssertionError(f"livelock: waiting nodes with due wake-ups {wakeups} at {now}")
+        break
+    else:
+        raise AssertionError("the protocol did not converge in 2000 fair passes")
+
+    live = [n for n in nodes if not n.dead]
+    event(f"final rounds: {min(len(etcd.finals), 3)}{'+' if len(etcd.finals) > 3 else ''}")
+    event(f"nodes lost: {n_nodes - len(live)}")
+    target(float(len(etcd.finals)), label="rounds finalized")
+    state = etcd.state
+    assert state is not None and state.phase == "final", f"ended in {state}"
+    members = tuple(state.members)
+    done = [n for n in live if n.done is not None]
+    assert {n.name for n in done} == set(members), "DONE nodes differ from the final members"
+    for n in done:
+        assert n.done.round == state.round and n.done.members == members
+    assert len(set(members)) == len(members), "a node holds two ranks"
+    assert min_nodes <= len(members) <= max_nodes
+    assert len(members) == min(len(live), max_nodes), "a live node was left out while there was room"
+    assert set(members) <= {n.name for n in live}
+    waiting = [n for n in live if n.done is None]
+    assert all(n.waiting_until is not None for n in waiting)
+    # Stable ranks: survivors of round r keep their relative order, ahead of newcomers.
+    rounds = sorted(etcd.finals)
+    for prev, cur in zip(rounds, rounds[1:], strict=False):
+        before, after = etcd.finals[prev], etcd.finals[cur]
+        kept = [m for m in before if m in after]
+        assert list(after[: len(kept)]) == kept, f"round {prev} {before} -> round {cur} {after}"
+
+
+@pytest.mark.parametrize("n_nodes", [1, 3, 5])
+def test_simultaneous_start_finalizes_in_one_round(n_nodes):
+    """Nodes that start together with fresh views form round 0 with everyone, no extra rounds."""
+    etcd = FakeEtcd(1, 8)
+    nodes = [SimNode(f"n{i}", JoinProgress(f"n{i}", None, FAR)) for i in range(n_nodes)]
+    etcd.commit()
+    for node in nodes:
+        arrive(etcd, node)
+    for _ in range(20):
+        for node in nodes:
+            node.seen = len(etcd.history) - 1
+            step(etcd, node, 0.0, last_call_s=1.0)
+    assert etcd.state is not None and etcd.state.round == 0 and etcd.state.phase == "final"
+    assert sorted(etcd.state.members) == sorted(n.name for n in nodes)
+    assert all(n.done is not None and n.done.round == 0 for n in nodes)
