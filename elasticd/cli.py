@@ -11,6 +11,7 @@ import argparse
 import os
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
 from elasticd import __version__
 from elasticd.errors import EX_CONFIG, ConfigError, ElasticdError
@@ -130,10 +131,20 @@ def _run_command(args: argparse.Namespace) -> int:
     return run_node(spec)
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse exits 2 on bad flags; we exit 78 (EX_CONFIG) like every config error,
+    so a health check never reads a typo as "job not training" (status exit 2)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.print_usage(sys.stderr)
+        sys.stderr.write(f"{self.prog}: error: {message}\n")
+        raise SystemExit(EX_CONFIG)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="elasticd", description=__doc__.splitlines()[0])
+    parser = _Parser(prog="elasticd", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"elasticd {__version__}")
-    sub = parser.add_subparsers(dest="subcommand", metavar="COMMAND")
+    sub = parser.add_subparsers(dest="subcommand", metavar="COMMAND", parser_class=_Parser)
     sub.required = True
     _add_run_parser(sub)
     for name in ("elasticd.agent.cli", "elasticd.status.cli", "elasticd.cli_checkpoints"):

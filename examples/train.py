@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
             optim.zero_grad(set_to_none=True)
             sampler.step()
             if trace is not None:
-                trace.write(json.dumps({"step": step, "epoch": epoch, "rank": ctx.rank,
+                trace.write(json.dumps({"step": step, "epoch": epoch, "rank": ctx.rank, "round": ctx.round,
                                         "idx": list(share)}) + "\n")
                 trace.flush()
             if args.step_sleep:

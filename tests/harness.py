@@ -104,13 +104,14 @@ class Node:
 
 
 def elasticd_argv(etcd: str, job: str, script: str, *, nnodes: str = "1:3", nproc: int = 1,
-                  node_id: str | None = None, extra: list[str] | None = None) -> list[str]:
+                  node_id: str | None = None, extra: list[str] | None = None,
+                  script_args: list[str] | None = None) -> list[str]:
     argv = [PY, "-m", "elasticd.cli", "run", "--etcd", etcd, "--job", job, "--nnodes", nnodes,
             "--nproc-per-node", str(nproc), "--node-ttl", "2", "--local-addr", "127.0.0.1",
             "--log-format", "json"]
     if node_id:
         argv += ["--node-id", node_id]
-    return argv + (extra or []) + [script]
+    return argv + (extra or []) + [script] + (script_args or [])
 
 
 def read_jsonl(path: Path) -> list[dict]:

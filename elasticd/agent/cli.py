@@ -9,12 +9,12 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from elasticd.agent.elastic_agent import SupervisionSettings
-from elasticd.agent.runner import NodeSpec, run_node
 from elasticd.config import AgentConfig, load_config, render_effective
-from elasticd.etcd.client import TLSFiles
+
+if TYPE_CHECKING:  # torch is imported only when the agent really runs (fast `elasticd status`)
+    from elasticd.agent.runner import NodeSpec
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -45,7 +45,10 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
 
 def node_spec(cfg: AgentConfig) -> NodeSpec:
     """Translate a validated ``AgentConfig`` into the runner's ``NodeSpec``."""
+    from elasticd.agent.elastic_agent import SupervisionSettings
     from elasticd.agent.preemption import make_watcher
+    from elasticd.agent.runner import NodeSpec
+    from elasticd.etcd.client import TLSFiles
 
     e, w = cfg.etcd, cfg.workers
     return NodeSpec(
@@ -77,4 +80,6 @@ def run(args: argparse.Namespace) -> int:
     if args.check_config:
         sys.stdout.write(render_effective(cfg))
         return 0
+    from elasticd.agent.runner import run_node
+
     return run_node(node_spec(cfg))

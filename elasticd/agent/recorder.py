@@ -43,12 +43,15 @@ class JobRecorder:
     def _fence(self, t: Any) -> list[Any]:
         return [t.create(self.keys.node(self.handler.node_id)) == self.handler.incarnation]
 
-    def event(self, kind: str, message: str, **detail: Any) -> None:
-        """Append an event to the job's bounded history (dropped if etcd stays unreachable)."""
-        ev = Event(time=time.time(), kind=kind, node=self.handler.node_id,
+    def event(self, kind: str, message: str, *, node: str | None = None, **detail: Any) -> None:
+        """Append an event to the job's bounded history (dropped if etcd stays unreachable).
+
+        ``node`` is the node the event is about (default: this node).
+        """
+        ev = Event(time=time.time(), kind=kind, node=node or self.handler.node_id,
                    round=self.handler.round if self.handler.round is not None else -1,
                    message=message, detail={k: v for k, v in detail.items() if v is not None})
-        key = f"{self.keys.event(time.time_ns() // 1000)}-{self.handler.node_id}"
+        key = f"{self.keys.event(time.time_ns() // 1000)}-{ev.node}"
         try:
             call_with_retry(lambda: self.client.txn(self._fence, lambda t: [t.put(key, ev.to_json())]),
                             what="event", deadline=time.monotonic() + 3)

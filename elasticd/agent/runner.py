@@ -151,6 +151,10 @@ def run_node(spec: NodeSpec) -> int:
         agent.install_signal_handlers()
         if agent.notifier is not None:
             handler.on_wait = agent.notifier.watchdog
+        handler.on_members_lost = lambda lost, rnd: [
+            recorder.event("lost", f"node {n} lost (lease expired) in round {rnd}", node=n,
+                           seen_by=handler.node_id)
+            for n in lost]
         if spec.preemption is not None:
             spec.preemption.start(lambda notice: _on_notice(agent, recorder, notice))
         log.info("agent_started", endpoints=client.endpoint_label(), nproc_per_node=spec.nproc_per_node,

@@ -59,6 +59,7 @@ _TRANSIENT_GRPC = {
     grpc.StatusCode.RESOURCE_EXHAUSTED,
 }
 SLOW_CALL_S = 1.0
+MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 _AUTH_GRPC = {grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED}
 
 
@@ -187,8 +188,11 @@ class EtcdClient:
         return grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
 
     def _build(self) -> etcd3.MultiEndpointEtcd3Client:
+        # gRPC refuses replies over 4 MB by default; a 5,000-node job's status read is bigger.
+        opts: Any = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
         eps = [
-            etcd3.Endpoint(host, port, secure=self._creds is not None, creds=self._creds, time_retry=0)
+            etcd3.Endpoint(host, port, secure=self._creds is not None, creds=self._creds,
+                           time_retry=0, opts=opts)
             for host, port in self.endpoints
         ]
         return etcd3.MultiEndpointEtcd3Client(
@@ -268,8 +272,8 @@ class EtcdClient:
         value, meta = self.call(lambda c: c.get(key))
         return None if meta is None else self._kv(value, meta)
 
-    def get_prefix(self, prefix: str) -> tuple[list[KV], int]:
-        """Read every key under ``prefix`` in one range request.
+    def get_prefix(self, prefix: str, *, keys_only: bool = False) -> tuple[list[KV], int]:
+        """Read every key under ``prefix`` in one range request (values empty if ``keys_only``).
 
         Returns:
             The key-values sorted by key, and the store revision the read was served at
@@ -278,7 +282,8 @@ class EtcdClient:
 
         def read(c: etcd3.MultiEndpointEtcd3Client) -> tuple[list[KV], int]:
             range_end = etcd3.utils.prefix_range_end(etcd3.utils.to_bytes(prefix))
-            resp = c.get_range_response(prefix, range_end, sort_order="ascend", sort_target="key")
+            resp = c.get_range_response(prefix, range_end, sort_order="ascend", sort_target="key",
+                                        keys_only=keys_only)
             kvs = [
                 KV(kv.key.decode(), kv.value, kv.mod_revision, kv.create_revision, kv.lease)
                 for kv in resp.kvs

@@ -179,6 +179,8 @@ class EtcdRendezvousHandler(RendezvousHandler):
         self.rendezvous_s = 0.0
         # Called while waiting for a round (e.g. the systemd watchdog ping of the agent).
         self.on_wait: Callable[[], None] | None = None
+        # Called with the members whose lease expired when we open the next round for it.
+        self.on_members_lost: Callable[[list[str], int], None] | None = None
         self._log = log.bind(job=job, node=self.node_id)
 
     # -- lifecycle ----------------------------------------------------------------------
@@ -355,6 +357,9 @@ class EtcdRendezvousHandler(RendezvousHandler):
             if self._retry("open round", lambda: self.client.put_if(
                     k.rdzv_state, state.to_json(), mod_revision=state_rev), deadline):
                 self._log.info("round_opened", round=action.round, reason=action.reason)
+                lost = lost_members(view.state, view.alive)
+                if lost and self.on_members_lost is not None:
+                    self.on_members_lost(lost, view.state.round)
                 self._gc_before(action.round)
         elif action.kind is ActionKind.JOIN:
             self._retry("join", lambda: self.client.put(k.join(action.round, self.node_id), b"1",

@@ -1,0 +1,77 @@
+"""End to end: resizes change nothing in the math (issue: worker API).
+
+The example trains in float64 (a) on 2 nodes without faults and (b) on 3 nodes with one
+SIGKILLed mid-epoch and a node added back later. Final parameters must be ``allclose``
+(rtol 1e-9: only the reduction order differs), and the samples trained — counting each
+step's final attempt, since steps after the last checkpoint are retrained — are the same.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+from collections import Counter
+
+import pytest
+import torch
+from harness import ROOT, read_jsonl, wait_until
+
+SCRIPT = str(ROOT / "examples" / "train.py")
+pytestmark = pytest.mark.timeout(240)
+STEPS = 70
+
+
+def _args(tmp_path, tag):
+    return ["--checkpoint-url", f"file://{tmp_path}/ckpt-{tag}"]
+
+
+def _script_args(tmp_path, tag):
+    return ["--steps", str(STEPS), "--dataset-size", "480", "--global-batch", "24",
+            "--micro-batch", "8", "--dtype", "float64", "--checkpoint-every", "5",
+            "--step-sleep", "0.04", "--trace", str(tmp_path / f"trace-{tag}.jsonl"),
+            "--final-params", str(tmp_path / f"final-{tag}.pt")]
+
+
+def _trained(trace_path):
+    """Multiset of (epoch, sample) over each step's last attempt (the highest round)."""
+    rows = read_jsonl(trace_path)
+    last_round: dict[int, int] = {}
+    for r in rows:
+        last_round[r["step"]] = max(last_round.get(r["step"], -1), r["round"] or 0)
+    counts: Counter = Counter()
+    for r in rows:
+        if (r["round"] or 0) == last_round[r["step"]]:
+            counts.update((r["epoch"], i) for i in r["idx"])
+    return counts
+
+
+def _steps(trace_path):
+    return {r["step"] for r in read_jsonl(trace_path)}
+
+
+def test_resizes_match_a_run_without_failures(nodes, tmp_path):
+    """3 nodes, SIGKILL of one, a node added back: same final parameters and samples as 2 nodes."""
+    ref = [nodes.start("det-a", SCRIPT, nnodes="2", extra=_args(tmp_path, "a"),
+                       script_args=_script_args(tmp_path, "a")) for _ in range(2)]
+    for n in ref:
+        assert n.wait(180) == 0, n.log()[-3000:]
+
+    trace_b = tmp_path / "trace-b.jsonl"
+    b = [nodes.start("det-b", SCRIPT, nnodes="2:3", extra=_args(tmp_path, "b"),
+                     script_args=_script_args(tmp_path, "b")) for _ in range(3)]
+    wait_until(lambda: max(_steps(trace_b), default=-1) >= 17, 120, "step 17 at world 3")
+    b[2].signal(signal.SIGKILL)
+    wait_until(lambda: max(_steps(trace_b), default=-1) >= 40, 120, "step 40 after the kill")
+    b.append(nodes.start("det-b", SCRIPT, nnodes="2:3", extra=_args(tmp_path, "b"),
+                         script_args=_script_args(tmp_path, "b")))
+    for n in (b[0], b[1], b[3]):
+        assert n.wait(180) == 0, n.log()[-3000:]
+
+    worlds = {json.loads(line).get("world_size") for n in b for line in n.log().splitlines()
+              if line.startswith("[default0]:{\"step\"") for line in [line.split(":", 1)[1]]}
+    assert {2, 3} <= worlds, f"the run never changed world size: {worlds}"
+    a_params = torch.load(tmp_path / "final-a.pt", weights_only=True)
+    b_params = torch.load(tmp_path / "final-b.pt", weights_only=True)
+    for name, value in a_params.items():
+        assert torch.allclose(value, b_params[name], rtol=1e-9, atol=1e-12), name
+    assert _trained(tmp_path / "trace-a.jsonl") == _trained(trace_b)
