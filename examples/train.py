@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
                 log(step=step, epoch=epoch, world_size=ctx.world_size,
                     samples_trained=sampler.samples_trained, loss=round(total / max(len(share), 1), 6),
                     step_s=round(time.perf_counter() - t0, 4), round=ctx.round)
-            worker.report_progress(step, epoch=epoch, samples=sampler.samples_trained)
+            worker.report_progress(step, epoch=epoch, samples=(step + 1) * args.global_batch)
             progress["step"] = step
             done = step + 1 >= args.steps
             if worker.should_stop(step):
