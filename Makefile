@@ -34,7 +34,7 @@ chaos: $(STAMP)
 	$(PY) -m pytest -q tests/chaos $(PYTEST_ARGS)
 
 soak: $(STAMP)
-	ELASTICD_SOAK=1 $(PY) -m pytest -q tests/chaos -m soak $(PYTEST_ARGS)
+	ELASTICD_SOAK=1 $(PY) -m pytest -q tests/chaos $(PYTEST_ARGS)
 
 demo: $(STAMP)
 	$(PY) examples/demo.py
