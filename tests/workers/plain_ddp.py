@@ -1,0 +1,52 @@
+"""A plain DDP script that knows nothing of elasticd (PyTorch's torchrun tutorial style):
+torchrun env, DistributedSampler, DDP, and its own snapshot file for restarts.
+
+Env: SNAPSHOT (path), OUT (per-epoch JSON lines), EPOCHS, CRASH_AT_EPOCH (rank 0, first start).
+"""
+
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+
+def main() -> int:
+    dist.init_process_group("gloo")
+    rank = int(os.environ["RANK"])
+    torch.manual_seed(0)
+    data = TensorDataset(torch.randn(256, 8), torch.randn(256, 1))
+    model = torch.nn.Linear(8, 1)
+    snapshot = os.environ["SNAPSHOT"]
+    start = 0
+    if os.path.exists(snapshot):
+        snap = torch.load(snapshot, weights_only=True)
+        model.load_state_dict(snap["model"])
+        start = snap["epoch"] + 1
+    ddp = DDP(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
+    sampler = DistributedSampler(data)
+    loader = DataLoader(data, batch_size=16, sampler=sampler)
+    for epoch in range(start, int(os.environ.get("EPOCHS", "6"))):
+        sampler.set_epoch(epoch)
+        for x, y in loader:
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(ddp(x), y).backward()
+            opt.step()
+        if rank == 0:
+            torch.save({"model": model.state_dict(), "epoch": epoch}, snapshot)
+            with open(os.environ["OUT"], "a") as fh:
+                fh.write(json.dumps({"epoch": epoch, "restart": os.environ["TORCHELASTIC_RESTART_COUNT"],
+                                     "world": dist.get_world_size()}) + "\n")
+        if (rank == 0 and os.environ["TORCHELASTIC_RESTART_COUNT"] == "0"
+                and epoch == int(os.environ.get("CRASH_AT_EPOCH", "-1"))):
+            sys.exit(1)
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
