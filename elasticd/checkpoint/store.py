@@ -193,19 +193,31 @@ class FsspecCheckpointStore:
             FileExistsError: a manifest already exists for this save id (never by design).
         """
         save_path = self.save_path(manifest.step, manifest.save_id)
-        with self.fs.open(f"{save_path}/{MANIFEST_NAME}", "xb") as f:
+        final = f"{save_path}/{MANIFEST_NAME}"
+        if not self.is_local:
+            # One PUT: an object appears whole or not at all; "xb" is If-None-Match on S3.
+            with self.fs.open(final, "xb") as f:
+                f.write(manifest.to_json())
+            return self.manifest_url(manifest.step, manifest.save_id)
+        # A local file is visible while being written; a hard link publishes it whole and,
+        # like "xb", fails if the name exists. Readers would skip a torn one anyway, but
+        # this keeps their logs free of half-written manifests.
+        tmp = f"{final}.{os.getpid()}.tmp"
+        with open(tmp, "xb") as f:
             f.write(manifest.to_json())
-            if self.is_local:
-                f.flush()
-                os.fsync(f.fileno())
-        if self.is_local:
-            # The directory entry must reach the disk too, or a crash could lose the
-            # manifest of a checkpoint the fence already points at.
-            fd = os.open(save_path, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            f.flush()
+            os.fsync(f.fileno())
+        try:
+            os.link(tmp, final)
+        finally:
+            os.unlink(tmp)
+        # The directory entry must reach the disk too, or a crash could lose the manifest
+        # of a checkpoint the fence already points at.
+        fd = os.open(save_path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
         return self.manifest_url(manifest.step, manifest.save_id)
 
     # reading -------------------------------------------------------------------------

@@ -174,3 +174,13 @@ def test_memory_fence_refuses_stale_rounds_and_older_steps():
     resumed = live.for_round(2)
     assert resumed.commit(50, "u50", 2)  # new round resumed from an older checkpoint
     assert resumed.latest().step == 50 and resumed.latest().round == 2
+
+
+def test_data_parallel_wrappers_are_unwrapped_on_save_and_load():
+    """A model saved through a (Distributed)DataParallel wrapper loads into the bare module."""
+    model = _net()
+    saved = resolve({"model": torch.nn.DataParallel(model)})["model"]
+    assert set(saved) == set(model.state_dict())  # no "module." prefix
+    target = torch.nn.DataParallel(_net())
+    apply({"model": target}, {"model": saved}, "ckpt")
+    assert torch.equal(target.module[0].weight, model[0].weight)
