@@ -457,6 +457,10 @@ class PrefixWatch:
                 log.exception("watch_consumer_failed", watch=self._name)
 
     def _connect(self) -> None:
+        # Cleared before the new watch exists, never after: a stop() or a stream break that
+        # lands while we connect must still wake the park in _run (else it parks forever
+        # and the watch leaks).
+        self._broken.clear()
         if self._need_snapshot:
             kvs, rev = self._client.get_prefix(self._prefix)
             self._revision = rev
@@ -465,7 +469,6 @@ class PrefixWatch:
         wid = self._client.add_watch(self._prefix, self._callback, self._revision + 1)
         with self._lock:
             self._watch_id = wid
-        self._broken.clear()
         self.connected.set()
 
     def _run(self) -> None:
@@ -477,8 +480,10 @@ class PrefixWatch:
                 if failing:
                     log.info("etcd_watch_resumed", watch=self._name, revision=self._revision)
                 failing, backoff = False, 0.05
-                # Park until the stream breaks (callback sets _broken) or we are stopped.
-                self._broken.wait()
+                # Park until the stream breaks (callback sets _broken) or we are stopped
+                # (stop() sets _stop before _broken, so one of the two is seen here).
+                if not self._stop.is_set():
+                    self._broken.wait()
             except Exception as exc:
                 if self._stop.is_set():
                     break
@@ -489,7 +494,7 @@ class PrefixWatch:
                 backoff = min(backoff * 2, 1.0)
             with self._lock:
                 wid, self._watch_id = self._watch_id, None
-            if wid is not None and not self._stop.is_set():
+            if wid is not None:  # whoever takes the id cancels it (stop() may have missed it)
                 self._client.cancel_watch(wid)
 
 

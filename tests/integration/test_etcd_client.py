@@ -1,0 +1,158 @@
+"""The hardened etcd client against a real etcd that is frozen (SIGSTOP) or killed and restarted."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+from harness import wait_until
+
+from elasticd.errors import EtcdUnavailableError
+from elasticd.etcd.client import KV, EtcdClient, LeaseKeeper, WatchEvent
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class Recorder:
+    """Collects what a PrefixWatch delivers."""
+
+    def __init__(self) -> None:
+        self.events: list[WatchEvent] = []
+        self.resyncs: list[list[KV]] = []
+        self.lock = threading.Lock()
+
+    def on_events(self, events: list[WatchEvent]) -> None:
+        with self.lock:
+            self.events.extend(events)
+
+    def on_resync(self, kvs: list[KV], revision: int) -> None:
+        with self.lock:
+            self.resyncs.append(kvs)
+
+    def saw(self, key: str, value: bytes | None) -> bool:
+        with self.lock:
+            return any(e.key == key and e.value == value for e in self.events)
+
+
+def _works(client: EtcdClient) -> bool:
+    try:
+        client.put("/t/ping", b"1")
+        return True
+    except EtcdUnavailableError:
+        return False
+
+
+def test_frozen_etcd_times_out_calls_then_recovers(etcd_server):
+    """With etcd SIGSTOPped a call fails with EtcdUnavailableError within ~timeout_s; after
+    SIGCONT the same client works again and its PrefixWatch delivers new events."""
+    client = EtcdClient(etcd_server.endpoint, timeout_s=1.0)
+    rec = Recorder()
+    watch = client.watch_prefix("/t/", rec.on_events, rec.on_resync, name="t")
+    try:
+        assert watch.connected.wait(10)
+        client.put("/t/before", b"1")
+        wait_until(lambda: rec.saw("/t/before", b"1"), 10, "event before the freeze")
+        etcd_server.pause()
+        try:
+            t0 = time.monotonic()
+            with pytest.raises(EtcdUnavailableError) as info:
+                client.get("/t/before")
+            elapsed = time.monotonic() - t0
+            assert elapsed < 1.0 + 1.5, f"a call to a frozen etcd took {elapsed:.1f}s (timeout 1s)"
+            assert etcd_server.endpoint in str(info.value)
+            assert client.trouble_within(5), "the client did not record the etcd trouble"
+        finally:
+            etcd_server.resume()
+        wait_until(lambda: _works(client), 15, "calls to work after SIGCONT")
+        client.put("/t/after", b"2")
+        wait_until(lambda: rec.saw("/t/after", b"2"), 15, "watch event after the freeze")
+    finally:
+        watch.stop()
+        client.close()
+
+
+def test_killed_etcd_restarts_under_the_same_client(etcd_server):
+    """etcd killed and restarted: calls fail fast with EtcdUnavailableError while it is down,
+    then the same client, watch and lease keeper carry on (no event missed, lease kept)."""
+    client = EtcdClient(etcd_server.endpoint, timeout_s=1.0)
+    rec = Recorder()
+    watch = client.watch_prefix("/t/", rec.on_events, rec.on_resync, name="t")
+    lease = client.grant_lease(3)
+    keeper = LeaseKeeper(client, lease, 3).start()
+    try:
+        assert watch.connected.wait(10)
+        client.put("/t/leased", b"1", lease=lease)
+        wait_until(lambda: rec.saw("/t/leased", b"1"), 10, "event before the kill")
+        etcd_server.kill()
+        t0 = time.monotonic()
+        with pytest.raises(EtcdUnavailableError):
+            client.get("/t/leased")
+        assert time.monotonic() - t0 < 2.5, "a call to a dead etcd was not bounded by timeout_s"
+        etcd_server.start()
+        wait_until(lambda: _works(client), 20, "calls to work after the restart")
+        client.put("/t/after", b"2")
+        wait_until(lambda: rec.saw("/t/after", b"2"), 20, "watch event after the restart")
+        # The restart renewed the lease: the keeper keeps it and the leased key stays.
+        assert not keeper.lost.is_set()
+        assert client.refresh_lease(lease) > 0
+        kv = client.get("/t/leased")
+        assert kv is not None and kv.lease == lease
+        assert not rec.saw("/t/leased", None), "the leased key was deleted by the restart"
+    finally:
+        keeper.stop(revoke=True)
+        watch.stop()
+        client.close()
+
+
+def test_lease_keeper_reports_an_expired_lease(etcd_client):
+    """A lease that expired while nobody kept it alive is reported lost (event + callback) once."""
+    lease = etcd_client.grant_lease(2)
+    etcd_client.revoke_lease(lease)  # as if it expired: etcd no longer knows it
+    called = threading.Event()
+    keeper = LeaseKeeper(etcd_client, lease, 2, on_lost=called.set).start()
+    try:
+        assert keeper.lost.wait(5), "the keeper did not notice the lease was gone"
+        assert called.wait(5), "on_lost was not called"
+    finally:
+        keeper.stop(revoke=True)
+
+
+def test_watch_delivers_deletes_and_resumes_without_loss(etcd_server):
+    """A PrefixWatch sees puts and deletes in order, and a stream cut by an etcd restart
+    resumes from the last revision: changes made before the restart are not replayed."""
+    client = EtcdClient(etcd_server.endpoint, timeout_s=1.0)
+    rec = Recorder()
+    client.put("/t/a", b"0")
+    watch = client.watch_prefix("/t/", rec.on_events, rec.on_resync, name="t")
+    try:
+        assert watch.connected.wait(10)
+        assert [kv.key for kv in rec.resyncs[0]] == ["/t/a"], "first snapshot missing"
+        client.put("/t/a", b"1")
+        client.delete("/t/a")
+        wait_until(lambda: rec.saw("/t/a", None), 10, "delete event")
+        with rec.lock:
+            assert [(e.key, e.value) for e in rec.events] == [("/t/a", b"1"), ("/t/a", None)]
+        etcd_server.kill()
+        etcd_server.start()
+        wait_until(lambda: _works(client), 20, "calls to work after the restart")
+        client.put("/t/b", b"2")
+        wait_until(lambda: rec.saw("/t/b", b"2"), 20, "event after the restart")
+        with rec.lock:
+            revisions = [e.mod_revision for e in rec.events]
+        assert revisions == sorted(set(revisions)), f"events replayed or out of order: {revisions}"
+    finally:
+        watch.stop()
+        client.close()
+
+
+def test_watch_stopped_while_connecting_stops_at_once(etcd_client):
+    """Regression: stop() racing the watch's first connect returns promptly and the watch
+    thread ends (it used to park forever, stop() waited 5 s, and the etcd watch leaked)."""
+    for i in range(15):
+        rec = Recorder()
+        watch = etcd_client.watch_prefix(f"/race{i}/", rec.on_events, rec.on_resync, name="race")
+        t0 = time.monotonic()
+        watch.stop()
+        assert time.monotonic() - t0 < 2.0, f"stop() took {time.monotonic() - t0:.1f}s"
+        assert not watch._thread.is_alive(), "the watch thread outlived stop()"
