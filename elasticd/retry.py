@@ -59,7 +59,7 @@ def transient_retrying(*, what: str, deadline: float, stop: threading.Event | No
         retry=tenacity.retry_if_exception_type(TransientError),
         wait=tenacity.wait_exponential_jitter(initial=initial_s, max=max_s, jitter=initial_s),
         stop=_StopAtDeadline(deadline, clock) | _StopOnEvent(stop),
-        sleep=sleep if stop is None else (lambda s: stop.wait(s)),
+        sleep=sleep if stop is None else (lambda s: None if stop.wait(s) else None),
         before_sleep=before_sleep,
         reraise=True,
     )

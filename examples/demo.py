@@ -37,7 +37,8 @@ def descendants(pid: int) -> list[int]:
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
-                ppid = int(open(f"/proc/{entry}/stat", "rb").read().rsplit(b")", 1)[1].split()[1])
+                with open(f"/proc/{entry}/stat", "rb") as fh:
+                    ppid = int(fh.read().rsplit(b")", 1)[1].split()[1])
             except (OSError, IndexError):
                 continue
             kids.setdefault(ppid, []).append(int(entry))
@@ -59,8 +60,9 @@ class Node:
                "--checkpoint-url", f"file://{workdir}/checkpoints",
                str(ROOT / "examples" / "train.py"), "--steps", str(STEPS), "--step-sleep", "0.1",
                "--checkpoint-every", "20"]
-        self.proc = subprocess.Popen(cmd, stdout=open(self.log_path, "ab"), stderr=subprocess.STDOUT,
-                                     start_new_session=True, cwd=str(ROOT))
+        with open(self.log_path, "ab") as log:  # the child keeps its own copy of the fd
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                         start_new_session=True, cwd=str(ROOT))
 
     def kill(self) -> None:
         for pid in [self.proc.pid, *descendants(self.proc.pid)]:

@@ -150,7 +150,7 @@ class ElasticdAgent(LocalElasticAgent):
                             rendezvous_s=round(h.rendezvous_s, 3))
         if self.metrics is not None:
             self.metrics.set_round(h.round)
-            self.metrics.set_world_size(worker_group.group_world_size * worker_group.spec.local_world_size)
+            self.metrics.set_world_size((worker_group.group_world_size or 0) * worker_group.spec.local_world_size)
             self.metrics.observe_rendezvous_s(h.rendezvous_s)
         if self.notifier is not None:
             self.notifier.ready()
@@ -248,7 +248,7 @@ class ElasticdAgent(LocalElasticAgent):
             snap = board.snapshot()
             top = max(snap.values(), key=lambda p: p.step)
             self.recorder.progress(top.step, top.epoch, top.samples_trained,
-                                   wg.group_world_size * wg.spec.local_world_size)
+                                   (wg.group_world_size or 0) * wg.spec.local_world_size)
             if self.metrics is not None:
                 self.metrics.set_step(top.step)
         if self._fault_at is not None and board.max_step() >= 0 and wg.state == WorkerState.HEALTHY:

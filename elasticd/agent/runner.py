@@ -151,10 +151,7 @@ def run_node(spec: NodeSpec) -> int:
         agent.install_signal_handlers()
         if agent.notifier is not None:
             handler.on_wait = agent.notifier.watchdog
-        handler.on_members_lost = lambda lost, rnd: [
-            recorder.event("lost", f"node {n} lost (lease expired) in round {rnd}", node=n,
-                           seen_by=handler.node_id)
-            for n in lost]
+        handler.on_members_lost = lambda lost, rnd: _record_lost(recorder, handler, lost, rnd)
         if spec.preemption is not None:
             spec.preemption.start(lambda notice: _on_notice(agent, recorder, notice))
         log.info("agent_started", endpoints=client.endpoint_label(), nproc_per_node=spec.nproc_per_node,
@@ -185,6 +182,13 @@ def run_node(spec: NodeSpec) -> int:
             client.close()
         if embedded is not None:
             embedded.stop()
+
+
+def _record_lost(recorder: JobRecorder, handler: EtcdRendezvousHandler, lost: list[str],
+                 round_: int) -> None:
+    for node in lost:
+        recorder.event("lost", f"node {node} lost (lease expired) in round {round_}", node=node,
+                       seen_by=handler.node_id)
 
 
 def _on_notice(agent: ElasticdAgent, recorder: JobRecorder, notice: Any) -> None:

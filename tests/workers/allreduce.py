@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 def main() -> int:
     dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     steps = int(os.environ.get("STEPS", "10"))
     step_s = float(os.environ.get("STEP_S", "0.05"))
     out = os.environ.get("OUT")

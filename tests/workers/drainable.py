@@ -20,7 +20,10 @@ def main() -> int:
     ctx = worker.init()
     out, ckpt = os.environ["OUT"], os.environ["CKPT"]
     steps, step_s = int(os.environ.get("STEPS", "1000")), float(os.environ.get("STEP_S", "0.05"))
-    start = json.load(open(ckpt))["step"] + 1 if os.path.exists(ckpt) else 0
+    start = 0
+    if os.path.exists(ckpt):
+        with open(ckpt) as fh:
+            start = json.load(fh)["step"] + 1
     hang_at = int(os.environ.get("HANG_AT", "-1"))
     crash = os.environ.get("EXIT_CODE_AT")
     t = torch.ones(1)
@@ -39,13 +42,15 @@ def main() -> int:
         if os.environ.get("IGNORE_STOP") != "1" and worker.should_stop(step):
             if ctx.rank == 0:
                 tmp = ckpt + ".tmp"
-                json.dump({"step": step}, open(tmp, "w"))
+                with open(tmp, "w") as fh:
+                    json.dump({"step": step}, fh)
                 os.replace(tmp, ckpt)
             dist.barrier()
             return 0
         if ctx.rank == 0:
             tmp = ckpt + ".tmp"
-            json.dump({"step": step}, open(tmp, "w"))
+            with open(tmp, "w") as fh:
+                json.dump({"step": step}, fh)
             os.replace(tmp, ckpt)
     worker.shutdown()
     return 0
