@@ -57,7 +57,9 @@ def transient_retrying(*, what: str, deadline: float, stop: threading.Event | No
 
     return tenacity.Retrying(
         retry=tenacity.retry_if_exception_type(TransientError),
-        wait=tenacity.wait_exponential(multiplier=initial_s, max=max_s) + tenacity.wait_random(0, initial_s),
+        # exponential plus up to `initial_s` of jitter, never above `max_s` in total
+        wait=(tenacity.wait_exponential(multiplier=initial_s, max=max(max_s - initial_s, initial_s))
+              + tenacity.wait_random(0, min(initial_s, max_s))),
         stop=_StopAtDeadline(deadline, clock) | _StopOnEvent(stop),
         sleep=sleep if stop is None else (lambda s: None if stop.wait(s) else None),
         before_sleep=before_sleep,
