@@ -5,8 +5,12 @@ MASTER_ADDR/PORT and run its exit barrier. Keeping it in etcd (not in a TCPStore
 by one agent) means losing any node never loses the store, and giving every round its
 own prefix means workers of round r+1 can never read round r's addresses.
 
-Blocking reads (``get``/``wait``) are answered from one prefix watch per store, not by
-polling. Transient etcd errors are retried until the store timeout.
+Every value returned comes from a read of etcd, never from a watch cache: a watch lags,
+and a cached value could be older than a write that already completed (another node's
+``add``, or our own second ``set``), which the c10d contract forbids. Blocking reads
+(``get``/``wait``) do not poll: one prefix watch per store wakes them when a key under the
+prefix changes, and they read again. Transient etcd errors are retried until the store
+timeout.
 """
 
 from __future__ import annotations
@@ -40,26 +44,20 @@ class EtcdStore(dist.Store):
         self._prefix = prefix
         self._timeout_s = timeout_s
         self._cond = threading.Condition()
-        self._cache: dict[str, bytes] = {}
-        self._synced = False
+        self._version = 0  # bumped on every change under the prefix: wakes blocked readers
         self._watch = client.watch_prefix(prefix, self._on_events, self._on_resync,
                                           name=f"store:{prefix}")
 
-    # -- watch cache ------------------------------------------------------------------
+    # -- watch: a wake-up signal only (values are read from etcd) -----------------------
     def _on_resync(self, kvs: list[KV], revision: int) -> None:
-        with self._cond:
-            self._cache = {kv.key[len(self._prefix):]: kv.value for kv in kvs}
-            self._synced = True
-            self._cond.notify_all()
+        self._changed()
 
     def _on_events(self, events: list[WatchEvent]) -> None:
+        self._changed()
+
+    def _changed(self) -> None:
         with self._cond:
-            for ev in events:
-                name = ev.key[len(self._prefix):]
-                if ev.value is None:
-                    self._cache.pop(name, None)
-                else:
-                    self._cache[name] = ev.value
+            self._version += 1
             self._cond.notify_all()
 
     def close(self) -> None:
@@ -70,20 +68,34 @@ class EtcdStore(dist.Store):
         return call_with_retry(fn, what=f"store {self._prefix}",
                                deadline=time.monotonic() + self._timeout_s)
 
-    def _wait_for(self, names: list[str], timeout_s: float) -> None:
+    def _read(self, names: list[str]) -> dict[str, bytes]:
+        if len(names) == 1:
+            kv = self._retry(lambda: self._client.get(self._prefix + names[0]))
+            return {names[0]: kv.value} if kv is not None else {}
+        kvs, _ = self._retry(lambda: self._client.get_prefix(self._prefix))
+        wanted = set(names)
+        return {name: kv.value for kv in kvs if (name := kv.key[len(self._prefix):]) in wanted}
+
+    def _wait_for(self, names: list[str], timeout_s: float) -> list[bytes]:
+        """Read ``names`` from etcd, waiting (woken by the watch) until all exist."""
         deadline = time.monotonic() + timeout_s
-        with self._cond:
-            while True:
-                if self._synced and all(n in self._cache for n in names):
-                    return
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    missing = [n for n in names if n not in self._cache]
-                    raise dist.DistStoreError(
-                        f"etcd store {self._prefix}: timed out after {timeout_s:.0f}s waiting for "
-                        f"keys {missing}"
-                    )
-                self._cond.wait(min(left, 1.0))
+        while True:
+            with self._cond:
+                version = self._version
+            found = self._read(names)
+            if all(n in found for n in names):
+                return [found[n] for n in names]
+            left = deadline - time.monotonic()
+            if left <= 0:
+                missing = [n for n in names if n not in found]
+                raise dist.DistStoreError(
+                    f"etcd store {self._prefix}: timed out after {timeout_s:.0f}s waiting for "
+                    f"keys {missing}"
+                )
+            with self._cond:
+                if self._version == version:  # nothing changed since the read: sleep till then
+                    # The 1 s cap re-reads even if the watch is down (etcd restarting).
+                    self._cond.wait(min(left, 1.0))
 
     @staticmethod
     def _bytes(value: Any) -> bytes:
@@ -101,9 +113,7 @@ class EtcdStore(dist.Store):
         self._retry(lambda: self._client.put(self._prefix + key, self._bytes(value)))
 
     def get(self, key: str) -> bytes:
-        self._wait_for([key], self._timeout_s)
-        with self._cond:
-            return self._cache[key]
+        return self._wait_for([key], self._timeout_s)[0]
 
     def add(self, key: str, amount: int) -> int:
         full = self._prefix + key
@@ -141,9 +151,7 @@ class EtcdStore(dist.Store):
         return int(self._retry(lambda: self._client.count_prefix(self._prefix)))
 
     def multi_get(self, keys: list[str]) -> list[bytes]:
-        self._wait_for(list(keys), self._timeout_s)
-        with self._cond:
-            return [self._cache[k] for k in keys]
+        return self._wait_for(list(keys), self._timeout_s)
 
     def multi_set(self, keys: list[str], values: list[Any]) -> None:
         for k, v in zip(keys, values, strict=True):
