@@ -20,6 +20,7 @@ result (a failed transaction returns ``False``).
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 import types
@@ -61,6 +62,8 @@ _TRANSIENT_GRPC = {
 SLOW_CALL_S = 1.0
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 _AUTH_GRPC = {grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED}
+# A TLS handshake refused over a certificate will fail the same way on every retry.
+_TLS_REJECTED = re.compile(r"(?i)handshake failed.*(certificate|unknown_ca|wrong_version_number)")
 
 
 @dataclass(frozen=True)
@@ -126,6 +129,14 @@ def _read_file(path: str, what: str) -> bytes:
         return Path(path).read_bytes()
     except OSError as exc:
         raise ConfigError(f"cannot read etcd {what} {path!r}: {exc.strerror}; check the path") from exc
+
+
+def _grpc_detail(exc: BaseException) -> str:
+    """gRPC's own reason for a failure (python3-etcd3 re-raises it as a bare exception)."""
+    for candidate in (exc, exc.__context__):
+        if isinstance(candidate, grpc.RpcError) and hasattr(candidate, "details"):
+            return str(candidate.details() or "")
+    return str(exc)
 
 
 def _is_transient(exc: BaseException) -> bool:
@@ -225,7 +236,21 @@ class EtcdClient:
             )
         if _is_transient(exc):
             where = ",".join(f"{h}:{p}" for h, p in self.endpoints)
-            return EtcdUnavailableError(f"etcd at {where} unreachable: {type(exc).__name__} {exc}".strip())
+            detail = _grpc_detail(exc)
+            rejected = _TLS_REJECTED.search(detail)
+            if rejected:
+                reason = detail[rejected.start():].removesuffix(": OK")
+                return ConfigError(
+                    f"etcd at {where}: TLS {reason}; check "
+                    "ca_file (the CA that signed etcd's server certificate) and cert_file/key_file "
+                    "(a client certificate signed by a CA that etcd trusts)"
+                )
+            hint = ""
+            if "socket closed" in detail.lower():
+                hint = (" (if etcd serves TLS, set ca_file, cert_file and key_file)" if not self.tls.enabled
+                        else " (if etcd does not serve TLS, drop ca_file, cert_file and key_file)")
+            return EtcdUnavailableError(f"etcd at {where} unreachable: {type(exc).__name__}: "
+                                        f"{detail}{hint}")
         return exc if isinstance(exc, Exception) else RuntimeError(str(exc))
 
     def call(self, fn: Callable[[etcd3.MultiEndpointEtcd3Client], Any]) -> Any:

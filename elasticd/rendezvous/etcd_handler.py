@@ -192,6 +192,10 @@ class EtcdRendezvousHandler(RendezvousHandler):
 
     def _ensure_started(self, deadline: float) -> None:
         if not self._watches:
+            # One plain read first: bad TLS files or credentials surface as ConfigError now
+            # (watches would retry them silently until join_timeout), and an unreachable etcd
+            # is reported with gRPC's reason.
+            self._retry("connect to etcd", lambda: self.client.get(self.keys.rdzv_state), deadline)
             self._watches = [
                 self.client.watch_prefix(self.keys.nodes_prefix, self._view.on_nodes,
                                          self._view.on_nodes_resync, name="nodes"),
