@@ -101,9 +101,6 @@ def _add_run_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_command(args: argparse.Namespace) -> int:
-    from elasticd.agent.elastic_agent import SupervisionSettings
-    from elasticd.agent.runner import NodeSpec, run_node
-
     if args.standalone and args.etcd:
         raise ConfigError("--standalone starts its own etcd; drop --etcd (or drop --standalone)")
     if not args.standalone and not args.etcd:
@@ -114,6 +111,10 @@ def _run_command(args: argparse.Namespace) -> int:
     if args.node_ttl < 2:
         raise ConfigError(f"--node-ttl {args.node_ttl}: etcd's minimum lease TTL is 2 s")
     command = tuple(args.command[1:] if args.command[:1] == ["--"] else args.command)
+    # torch is imported only now, after the flags were validated (a typo answers at once).
+    from elasticd.agent.elastic_agent import SupervisionSettings
+    from elasticd.agent.runner import NodeSpec, run_node
+
     spec = NodeSpec(
         job=job, command=command, nproc_per_node=parse_nproc(args.nproc_per_node),
         min_nodes=mn, max_nodes=mx, etcd_endpoints=args.etcd, tls=tls_from_args(args),

@@ -75,3 +75,23 @@ def test_resizes_match_a_run_without_failures(nodes, tmp_path):
     for name, value in a_params.items():
         assert torch.allclose(value, b_params[name], rtol=1e-9, atol=1e-12), name
     assert _trained(tmp_path / "trace-a.jsonl") == _trained(trace_b)
+
+
+def test_drain_resumes_at_the_next_step_and_trains_no_sample_twice(nodes, tmp_path):
+    """SIGTERM to one of two agents mid-epoch: the survivor resumes at exactly the next
+    step, and no (epoch, sample) is trained twice over the whole run."""
+    trace = tmp_path / "trace-d.jsonl"
+    args = _script_args(tmp_path, "d")
+    args[args.index("--steps") + 1] = "40"
+    a = nodes.start("drain-ex", SCRIPT, nnodes="1:2", extra=_args(tmp_path, "d"), script_args=args)
+    b = nodes.start("drain-ex", SCRIPT, nnodes="1:2", extra=_args(tmp_path, "d"), script_args=args)
+    wait_until(lambda: max(_steps(trace), default=-1) >= 12, 120, "step 12 at world 2")
+    b.signal_agent(signal.SIGTERM)
+    assert b.wait(60) == 0, b.log()[-3000:]
+    assert a.wait(120) == 0, a.log()[-3000:]
+    rows = read_jsonl(trace)
+    attempts = Counter((r["step"], r["rank"]) for r in rows)
+    assert max(attempts.values()) == 1, "a step was trained twice after a drain"
+    assert sorted({r["step"] for r in rows}) == list(range(40)), "a step is missing"
+    per_epoch = Counter((r["epoch"], i) for r in rows for i in r["idx"])
+    assert max(per_epoch.values()) == 1, "a sample was trained twice in an epoch"

@@ -1,0 +1,87 @@
+"""The command line: its public surface (frozen on purpose) and its exit codes."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from elasticd.cli import build_parser
+
+pytestmark = pytest.mark.timeout(60)
+
+# Changing the CLI is a user-visible change: update this list, the docs and the CHANGELOG.
+SURFACE = {
+    "run": ["--standalone", "--etcd", "--etcd-ca", "--etcd-cert", "--etcd-key", "--etcd-user",
+            "--etcd-password-file", "--job", "--nnodes", "--nproc-per-node", "--node-id",
+            "--local-addr", "--max-restarts", "--restart-backoff", "--node-ttl", "--join-timeout",
+            "--last-call-timeout", "--drain-grace", "--hang-timeout", "--checkpoint-url",
+            "--log-format", "--log-dir", "--metrics-port"],
+    "agent": ["--config", "--check-config", "--job", "--etcd", "--nnodes", "--nproc-per-node",
+              "--node-id", "--local-addr", "--checkpoint-url", "--max-restarts", "--drain-grace",
+              "--hang-timeout", "--log-format", "--metrics-port"],
+    "status": ["--job", "--etcd", "--etcd-ca", "--etcd-cert", "--etcd-key", "--etcd-user",
+               "--etcd-password-file", "--timeout", "--json", "--watch", "--events", "--window",
+               "--max-rows"],
+    "checkpoints": None,  # owned by elasticd.cli_checkpoints; only its presence is pinned here
+}
+
+
+def _flags(parser):
+    return sorted(o for a in parser._actions for o in a.option_strings if o.startswith("--") and o != "--help")
+
+
+def test_cli_surface_is_frozen():
+    """The subcommands and their flags are exactly the documented ones."""
+    sub = next(a for a in build_parser()._actions if a.__class__.__name__ == "_SubParsersAction")
+    assert set(sub.choices) == set(SURFACE)
+    for name, flags in SURFACE.items():
+        if flags is not None:
+            assert _flags(sub.choices[name]) == sorted(flags), name
+
+
+def run(*args, **kw):
+    return subprocess.run([sys.executable, "-m", "elasticd.cli", *args], capture_output=True,
+                          text=True, timeout=50, **kw)
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["run", "--job", "x", "train.py"], "no etcd"),
+    (["run", "--standalone", "--job", "a/b", "train.py"], "invalid job name"),
+    (["run", "--standalone", "--nnodes", "3:1", "train.py"], "--nnodes"),
+    (["run", "--standalone", "--node-ttl", "1", "train.py"], "minimum lease TTL"),
+    (["run", "--bogus"], "unrecognized arguments"),
+])
+def test_bad_input_exits_78_with_a_clear_message(args, needle):
+    """Bad flags or values exit 78 (EX_CONFIG) and name the problem."""
+    proc = run(*args)
+    assert proc.returncode == 78, proc.stderr
+    assert needle in proc.stderr
+
+
+def test_malformed_agent_config_exits_78_naming_the_key(tmp_path):
+    """An unknown key in the agent's TOML exits 78 naming the key, before anything starts."""
+    cfg = tmp_path / "bad.toml"
+    cfg.write_text('[job]\nname = "x"\n[workers]\ncommand = ["t.py"]\nnproc_per_nod = 2\n')
+    proc = run("agent", "--config", str(cfg))
+    assert proc.returncode == 78
+    assert "workers.nproc_per_nod" in proc.stderr and "nproc_per_node" in proc.stderr
+
+
+def test_unreadable_agent_config_exits_78(tmp_path):
+    """A config file that cannot be read exits 78."""
+    proc = run("agent", "--config", str(tmp_path / "missing.toml"))
+    assert proc.returncode == 78 and "missing.toml" in proc.stderr
+
+
+def test_unreachable_etcd_exits_4_within_the_connect_timeout(tmp_path):
+    """`elasticd agent` with an etcd nobody answers on exits 4 with a message, bounded in time."""
+    script = tmp_path / "t.py"
+    script.write_text("print('never')\n")
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(f'[job]\nname = "x"\n[etcd]\nendpoints = ["127.0.0.1:9"]\nconnect_timeout_s = 2\n'
+                   f'timeout_s = 0.5\n[workers]\ncommand = ["{script}"]\n')
+    proc = run("agent", "--config", str(cfg))
+    assert proc.returncode == 4, proc.stderr[-2000:]
+    assert "unreachable" in proc.stderr
