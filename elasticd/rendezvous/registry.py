@@ -22,7 +22,6 @@ from torch.distributed.elastic.rendezvous import (
 from elasticd.errors import ConfigError
 from elasticd.etcd.client import EtcdClient, TLSFiles
 from elasticd.keys import validate_job_name
-from elasticd.rendezvous.etcd_handler import EtcdRendezvousHandler, RendezvousSettings
 
 BACKEND = "etcd-v3"
 _KNOWN = {"node_ttl", "join_timeout", "last_call_timeout", "close_timeout", "store_timeout",
@@ -47,6 +46,12 @@ def create_handler(params: RendezvousParameters) -> RendezvousHandler:
     Raises:
         ConfigError: unknown option, bad number, invalid job name, unreadable TLS files.
     """
+    # Imported here, not at module level: when elasticd's handler module is what first
+    # imports torch's rendezvous package, torch loads this module (our torchrun.handlers
+    # entry point) while etcd_handler is still half-initialised; a top-level import then
+    # fails as circular, leaving etcd-v3 unregistered and a traceback in every log.
+    from elasticd.rendezvous.etcd_handler import EtcdRendezvousHandler, RendezvousSettings
+
     unknown = set(params.config) - _KNOWN - {"rank", "is_host", "local_addr"}
     if unknown:
         raise ConfigError(f"unknown etcd-v3 rendezvous option(s) {sorted(unknown)}; "

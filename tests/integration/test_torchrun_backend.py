@@ -1,0 +1,62 @@
+"""Plain ``torchrun --rdzv-backend etcd-v3``: the torchrun.handlers entry point, end to end."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+from harness import PY, ROOT, Node, no_leftovers, read_jsonl
+
+SCRIPT = str(ROOT / "tests" / "workers" / "allreduce.py")
+STEPS = 20
+
+
+def _torchrun() -> list[str]:
+    script = Path(PY).parent / "torchrun"
+    return [str(script)] if script.exists() else [PY, "-m", "torch.distributed.run"]
+
+
+@pytest.mark.timeout(30)
+def test_importing_elasticd_first_still_registers_etcd_v3():
+    """Regression: importing elasticd's rendezvous before torch's registers etcd-v3 in torch's
+    handler registry without a circular-import traceback (torch loads our entry point while
+    elasticd is still importing torch)."""
+    code = (
+        "import elasticd.rendezvous\n"
+        "from torch.distributed.elastic.rendezvous import RendezvousParameters, "
+        "rendezvous_handler_registry as r\n"
+        "h = r.create_handler(RendezvousParameters('etcd-v3', '127.0.0.1:2379', 'job', 1, 1))\n"
+        "print(type(h).__name__)\n"
+    )
+    proc = subprocess.run([PY, "-c", code], capture_output=True, text=True, timeout=25, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip() == "EtcdRendezvousHandler"
+    assert "circular import" not in proc.stderr and "Exception while registering" not in proc.stderr, \
+        proc.stderr[-3000:]
+
+
+@pytest.mark.timeout(120)
+def test_two_plain_torchruns_train_at_world_two(etcd_server, tmp_path):
+    """Two plain torchrun processes with --rdzv-backend etcd-v3 and --nnodes 1:2 find each
+    other through etcd, train at world size 2 to the last step, and exit 0."""
+    out = tmp_path / "steps.jsonl"
+    argv = [*_torchrun(), "--rdzv-backend", "etcd-v3", "--rdzv-endpoint", etcd_server.endpoint,
+            "--rdzv-id", "plain", "--nnodes", "1:2", "--nproc-per-node", "1",
+            "--local-addr", "127.0.0.1", "--monitor-interval", "0.5",
+            "--rdzv-conf", "node_ttl=2,join_timeout=60", SCRIPT]
+    # If one node forms round 0 alone, its workers start up (seconds) and train STEPS * STEP_S
+    # at world 1: time enough for the second node to be admitted; the test needs world 2 rows.
+    env = {"OUT": str(out), "STEPS": str(STEPS), "STEP_S": "0.05"}
+    nodes = [Node(argv, env, tmp_path / f"torchrun{i}.log") for i in range(2)]
+    try:
+        codes = [n.wait(100) for n in nodes]
+        logs = "\n".join(n.log()[-3000:] for n in nodes)
+        assert codes == [0, 0], logs
+        rows = [r for r in read_jsonl(out) if r["world"] == 2]
+        last = {rank: max(r["step"] for r in rows if r["rank"] == rank) for rank in (0, 1)}
+        assert last == {0: STEPS - 1, 1: STEPS - 1}, f"{last}\n{logs}"
+    finally:
+        for n in nodes:
+            n.cleanup()
+    assert no_leftovers(nodes) == []
