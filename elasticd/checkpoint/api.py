@@ -132,8 +132,8 @@ class LoadedCheckpoint:
         manifest_url: which checkpoint was loaded.
         save_id: its save id.
         created_at: Unix time the save started.
-        state: the loaded state by top-level key (CPU tensors); objects and dicts in the
-            template were also filled in place.
+        state: the loaded values of the top-level keys the template did not cover (all
+            of them without a template), CPU tensors; template keys were applied in place.
         skipped: newer checkpoints passed over, newest first, with reasons.
     """
 

@@ -57,7 +57,7 @@ def _inspect(store: FsspecCheckpointStore, save: ListedSave, verify: bool) -> Ch
     if reason is None and verify:
         try:
             for entry in manifest.files:
-                store.read_verified(save.step, save.save_id, entry)
+                store.verify_file(save.step, save.save_id, entry)
         except CheckpointCorruptError as exc:
             reason = str(exc)
     return CheckpointInfo(**base, committed_at=manifest.committed_at,

@@ -53,7 +53,7 @@ from elasticd.checkpoint.manifest import (
     new_save_id,
     step_dir_name,
 )
-from elasticd.checkpoint.restore import apply, deserialize
+from elasticd.checkpoint.restore import apply, deserialize, deserialize_file, owned
 from elasticd.checkpoint.retention import PruneDecision, RetentionPolicy, StoredSave, plan_prune
 from elasticd.checkpoint.staging import RESERVED_KEY, StateStager, resolve
 from elasticd.checkpoint.store import (
@@ -360,11 +360,12 @@ class CheckpointManager:
             if msg[0] == "failed":
                 raise CheckpointReadError(msg[1])
             _, url, manifest = msg
-            status, reason, state = self._read(manifest)
+            mapped = self.store.is_local and template is not None
+            status, reason, state = self._read(manifest, mapped)
             reports = self._group.all_gather((status, reason))
             worst = max(s for s, _ in reports)
             if worst == _OK:
-                return self._apply(template, url, manifest, state, skipped)
+                return self._apply(template, url, manifest, state, mapped, skipped)
             why = next(r for s, r in reports if s == worst)
             if worst == _FAILED:
                 raise CheckpointReadError(f"reading checkpoint {url} failed: {why}; "
@@ -412,18 +413,29 @@ class CheckpointManager:
                     f"job={manifest.job!r}")
             yield ("try", url, manifest)
 
-    def _read(self, manifest: Manifest) -> tuple[int, str | None, Any]:
-        """Read and verify every file of ``manifest``, deserialize the state."""
+    def _read(self, manifest: Manifest, mapped: bool) -> tuple[int, str | None, Any]:
+        """Verify every file of ``manifest`` and deserialize the state.
+
+        ``mapped``: verify by streaming, then memory-map the state file (local disks, when
+        a template will take the tensors); else read each file whole and load from memory.
+        """
         state = None
         try:
             for entry in manifest.files:
-                buf = self.store.read_verified(manifest.step, manifest.save_id, entry)
-                if entry.name == STATE_FILE:
-                    state = deserialize(buf, entry.name)
+                if mapped:
+                    self.store.verify_file(manifest.step, manifest.save_id, entry)
+                else:
+                    data = self.store.read_verified(manifest.step, manifest.save_id, entry)
+                    if entry.name == STATE_FILE:
+                        state = deserialize(data, entry.name)
+            entry = next((e for e in manifest.files if e.name == STATE_FILE), None)
+            if mapped and entry is not None:
+                path = self.store.local_path(manifest.step, manifest.save_id, entry)
+                state = deserialize_file(path, STATE_FILE)
             if not isinstance(state, dict) or not isinstance(state.get(RESERVED_KEY), dict):
                 raise CheckpointCorruptError(f"{STATE_FILE} is missing or is not a checkpoint state")
-        except CheckpointVanishedError as exc:
-            return _VANISHED, str(exc), None
+        except (CheckpointVanishedError, FileNotFoundError) as exc:
+            return _VANISHED, str(exc) or "a data file disappeared while reading", None
         except CheckpointCorruptError as exc:
             return _CORRUPT, str(exc), None
         except Exception as exc:  # noqa: BLE001 - storage errors: report, don't skip
@@ -431,10 +443,14 @@ class CheckpointManager:
         return _OK, None, state
 
     def _apply(self, template: MutableMapping[str, Any] | None, url: str, manifest: Manifest,
-               state: dict[str, Any], skipped: list[SkippedCheckpoint]) -> LoadedCheckpoint:
+               state: dict[str, Any], mapped: bool,
+               skipped: list[SkippedCheckpoint]) -> LoadedCheckpoint:
         internal = state.pop(RESERVED_KEY)
         if template is not None:
-            apply(template, state, f"checkpoint step {manifest.step} ({url})")
+            apply(template, state, f"checkpoint step {manifest.step} ({url})", mapped=mapped)
+            # What the template took is in the caller's objects; keep only the rest (and
+            # drop our references to the mapped file).
+            state = {k: owned(v) if mapped else v for k, v in state.items() if k not in template}
         source = rng.restore(list(internal.get("rng") or []), self.rank)
         if source < 0:
             self._log.warning("checkpoint_rng_not_restored", step=manifest.step)

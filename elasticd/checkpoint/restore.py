@@ -11,6 +11,7 @@ overwritten.
 from __future__ import annotations
 
 import io
+from collections import OrderedDict
 from collections.abc import Mapping, MutableMapping
 from typing import Any
 
@@ -23,44 +24,35 @@ from elasticd.errors import ElasticdError
 _SHOWN = 4  # mismatched names shown in an error; the count says how many more
 
 
-class _MemoryReader(io.RawIOBase):
-    """Seekable reader over a buffer without copying it (``BytesIO`` would copy)."""
-
-    def __init__(self, view: memoryview) -> None:
-        self._view = view
-        self._pos = 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def readinto(self, b: Any) -> int:
-        n = max(0, min(len(b), len(self._view) - self._pos))
-        b[:n] = self._view[self._pos:self._pos + n]
-        self._pos += n
-        return n
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: len(self._view)}[whence]
-        self._pos = max(0, base + offset)
-        return self._pos
-
-    def tell(self) -> int:
-        return self._pos
-
-
-def deserialize(buf: bytearray, name: str) -> Any:
-    """Load a verified data file with ``torch.load(weights_only=True)`` onto the CPU.
+def deserialize(data: bytes | bytearray, name: str) -> Any:
+    """Load verified bytes with ``torch.load(weights_only=True)`` onto the CPU.
 
     Raises:
         CheckpointCorruptError: the bytes are not a torch file, or hold anything but
             tensors and plain containers.
     """
-    reader = io.BufferedReader(_MemoryReader(memoryview(buf)), buffer_size=1 << 20)
+    # BytesIO over a bytes object shares its buffer instead of copying it.
+    return _load(io.BytesIO(data if isinstance(data, bytes) else bytes(data)), name, mmap=False)
+
+
+def deserialize_file(path: str, name: str) -> Any:
+    """Load a verified local file memory-mapped: tensors are views of the page cache.
+
+    The caller copies them into the template and drops them; that is one copy in total
+    instead of three (read buffer, storages, template), and no fresh allocation to fault in.
+
+    Raises:
+        CheckpointCorruptError: as :func:`deserialize`.
+        FileNotFoundError: the file vanished since it was verified.
+    """
+    return _load(path, name, mmap=True)
+
+
+def _load(source: Any, name: str, *, mmap: bool) -> Any:
     try:
-        return torch.load(reader, map_location="cpu", weights_only=True)
+        return torch.load(source, map_location="cpu", weights_only=True, mmap=mmap)
+    except FileNotFoundError:
+        raise
     except Exception as exc:  # noqa: BLE001 - any failure on untrusted bytes means "corrupt"
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise CheckpointCorruptError(
@@ -132,17 +124,44 @@ def check_fits(template: Mapping[str, Any], loaded: Mapping[str, Any], where: st
                     f"{where} does not fit {key!r}: {len(bad)} tensor mismatches: {_names(bad)}")
 
 
-def apply(template: MutableMapping[str, Any], loaded: Mapping[str, Any], where: str) -> None:
+def owned(obj: Any) -> Any:
+    """``obj`` with every tensor cloned, so nothing refers to a memory-mapped file."""
+    if isinstance(obj, torch.Tensor):
+        return obj.clone()
+    if isinstance(obj, Mapping):
+        out = type(obj)() if type(obj) in (dict, OrderedDict) else {}
+        for k, v in obj.items():
+            out[k] = owned(v)
+        if getattr(obj, "_metadata", None) is not None:
+            out._metadata = obj._metadata  # type: ignore[attr-defined]
+        return out
+    if type(obj) in (list, tuple):
+        return type(obj)(owned(v) for v in obj)
+    return obj
+
+
+def apply(template: MutableMapping[str, Any], loaded: Mapping[str, Any], where: str,
+          *, mapped: bool = False) -> None:
     """Fill ``template`` in place from ``loaded`` (after :func:`check_fits`).
 
     Objects with ``load_state_dict`` get it called; tensors are copied into; dicts are
     merged (tensors copied into, other values replaced).
+
+    Args:
+        template: the caller's objects by key.
+        loaded: the checkpoint's state.
+        where: names the checkpoint in errors.
+        mapped: ``loaded`` holds memory-mapped tensors: anything that would keep a
+            reference to them gets a private copy instead. (Modules copy into their
+            parameters; an optimizer's ``load_state_dict`` would keep the tensors as its
+            state, and a mapped file deleted on another NFS client faults on access.)
 
     Raises:
         CheckpointMismatchError: as :func:`check_fits`, or an object's
             ``load_state_dict`` refused the state (message names the key and the object).
     """
     check_fits(template, loaded, where)
+    keep = owned if mapped else _same
     for key, target in template.items():
         target, value = unwrap(target), loaded[key]
         if isinstance(target, torch.Tensor):
@@ -150,7 +169,7 @@ def apply(template: MutableMapping[str, Any], loaded: Mapping[str, Any], where: 
                 target.copy_(value)
         elif callable(getattr(target, "load_state_dict", None)):
             try:
-                target.load_state_dict(value)
+                target.load_state_dict(value if isinstance(target, torch.nn.Module) else keep(value))
             except ElasticdError:
                 raise  # already says what is wrong (e.g. the sampler's data order)
             except Exception as exc:  # noqa: BLE001 - wrapped with the key named
@@ -159,16 +178,20 @@ def apply(template: MutableMapping[str, Any], loaded: Mapping[str, Any], where: 
                     f"{where}: {key!r} does not fit the {type(target).__name__} given: {first}"
                 ) from exc
         elif isinstance(target, MutableMapping) and isinstance(value, Mapping):
-            _merge(target, value)
+            _merge(target, value, keep)
 
 
-def _merge(target: MutableMapping[Any, Any], value: Mapping[Any, Any]) -> None:
+def _same(obj: Any) -> Any:
+    return obj
+
+
+def _merge(target: MutableMapping[Any, Any], value: Mapping[Any, Any], keep: Any) -> None:
     for k, v in value.items():
         current = target.get(k)
         if isinstance(current, torch.Tensor) and isinstance(v, torch.Tensor):
             with torch.no_grad():
                 current.copy_(v)
         elif isinstance(current, MutableMapping) and isinstance(v, Mapping):
-            _merge(current, v)
+            _merge(current, v, keep)
         else:
-            target[k] = v
+            target[k] = keep(v)

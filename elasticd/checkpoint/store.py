@@ -267,39 +267,48 @@ class FsspecCheckpointStore:
             )
         return manifest
 
-    def read_verified(self, step: int, save_id: str, entry: FileEntry) -> bytearray:
-        """Read a data file whole, checking its size and CRC against the manifest entry.
+    def read_verified(self, step: int, save_id: str, entry: FileEntry) -> bytes:
+        """Read a data file whole (one GET on object stores), checking its size and CRC.
 
         Raises:
             CheckpointVanishedError: the file is gone (pruned while we read).
             CheckpointCorruptError: wrong size or checksum.
         """
-        path = f"{self.save_path(step, save_id)}/{entry.name}"
-        buf = bytearray(entry.size)
-        view = memoryview(buf)
-        crc, pos, extra = 0, 0, b""
         try:
-            with self.fs.open(path, "rb") as f:
-                while pos < entry.size:
-                    n = f.readinto(view[pos:pos + READ_CHUNK])
-                    if not n:
-                        break
-                    crc = checksum(view[pos:pos + n], crc)
-                    pos += n
-                extra = f.read(1)
+            data = self.fs.cat_file(self._data_path(step, save_id, entry))
         except FileNotFoundError:
             raise CheckpointVanishedError(f"data file {entry.name} disappeared while reading") from None
-        if pos != entry.size or extra:
-            actual = f"{pos}" if not extra else f"more than {entry.size}"
-            raise CheckpointCorruptError(
-                f"data file {entry.name} is {actual} bytes, manifest says {entry.size} (truncated?)"
-            )
-        if crc != entry.crc32:
-            raise CheckpointCorruptError(
-                f"data file {entry.name} checksum mismatch (crc32 {crc:08x}, manifest "
-                f"{entry.crc32:08x}): bytes changed after commit"
-            )
-        return buf
+        _check(entry, len(data), checksum(data))
+        return data
+
+    def verify_file(self, step: int, save_id: str, entry: FileEntry) -> None:
+        """Stream a data file through the CRC with one reused buffer (no copy kept).
+
+        Raises:
+            CheckpointVanishedError, CheckpointCorruptError: as :meth:`read_verified`.
+        """
+        chunk = bytearray(min(READ_CHUNK, max(entry.size, 1)))
+        view = memoryview(chunk)
+        crc, size = 0, 0
+        try:
+            with self.fs.open(self._data_path(step, save_id, entry), "rb") as f:
+                while True:
+                    n = f.readinto(view)
+                    if not n:
+                        break
+                    crc = checksum(view[:n], crc)
+                    size += n
+        except FileNotFoundError:
+            raise CheckpointVanishedError(f"data file {entry.name} disappeared while reading") from None
+        _check(entry, size, crc)
+
+    def local_path(self, step: int, save_id: str, entry: FileEntry) -> str | None:
+        """The OS path of a data file on a local (or mounted shared) disk, else None."""
+        return self._data_path(step, save_id, entry) if self.is_local else None
+
+    def _data_path(self, step: int, save_id: str, entry: FileEntry) -> str:
+        # entry.name passed Manifest's plain-file-name check: it cannot leave the directory.
+        return f"{self.save_path(step, save_id)}/{entry.name}"
 
     # deleting ------------------------------------------------------------------------
     def delete_save(self, step: int, save_id: str) -> None:
@@ -319,6 +328,16 @@ class FsspecCheckpointStore:
                 os.rmdir(f"{self.job_path}/{step_dir_name(step)}")
             except OSError:
                 pass  # another save of this step still lives there
+
+
+def _check(entry: FileEntry, size: int, crc: int) -> None:
+    if size != entry.size:
+        raise CheckpointCorruptError(
+            f"data file {entry.name} is {size} bytes, manifest says {entry.size} (truncated?)")
+    if crc != entry.crc32:
+        raise CheckpointCorruptError(
+            f"data file {entry.name} checksum mismatch (crc32 {crc:08x}, manifest "
+            f"{entry.crc32:08x}): bytes changed after commit")
 
 
 def listing_problem(manifest: Manifest, listed: ListedSave) -> str | None:

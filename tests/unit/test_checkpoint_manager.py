@@ -310,3 +310,42 @@ def test_non_writer_rank_without_group_writes_nothing(url):
     mgr = CheckpointManager(url, job="demo", rank=1, world_size=2)
     mgr.save(3, {"model": _net()})
     assert mgr.wait() is None and mgr.store.list_saves() == []
+
+
+def _mapped_ranges(path_part: str) -> list[tuple[int, int]]:
+    with open("/proc/self/maps") as maps:
+        return [tuple(int(x, 16) for x in line.split()[0].split("-"))
+                for line in maps if path_part in line]
+
+
+def _mapped_tensors(obj, ranges) -> int:
+    if isinstance(obj, torch.Tensor):
+        return int(any(lo <= obj.data_ptr() < hi for lo, hi in ranges))
+    if isinstance(obj, dict):
+        return sum(_mapped_tensors(v, ranges) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_mapped_tensors(v, ranges) for v in obj)
+    return 0
+
+
+def test_local_load_leaves_no_tensor_mapped_to_the_checkpoint_file(tmp_path):
+    """On file:// the state file is memory-mapped to load fast, but no tensor handed to the
+    caller (optimizer state, dict values, returned state) keeps pointing into it."""
+    model, optim, sched = _trained()
+    url = f"file://{tmp_path}"
+    CheckpointManager(url, job="demo").save(
+        3, {"model": model, "optim": optim, "extra": {"t": torch.ones(4)}, "other": {"u": torch.ones(2)}},
+        blocking=True)
+    model2, optim2, _ = _fresh()
+    extra: dict = {}
+    mgr = CheckpointManager(url, job="demo")
+    probe = mgr.store.list_saves()[0]
+    path = f"{mgr.store.save_path(probe.step, probe.save_id)}/{STATE_FILE}"
+    raw = torch.load(path, mmap=True, weights_only=True)  # control: this one is mapped
+    assert _mapped_tensors(raw, _mapped_ranges(path)) > 0
+    loaded = mgr.load_latest({"model": model2, "optim": optim2, "extra": extra})
+    ranges = _mapped_ranges(path)
+    assert set(loaded.state) == {"other"}
+    assert torch.equal(optim2.state_dict()["state"][0]["exp_avg"], optim.state_dict()["state"][0]["exp_avg"])
+    for obj in (optim2.state_dict(), extra, loaded.state, dict(model2.state_dict())):
+        assert _mapped_tensors(obj, ranges) == 0
