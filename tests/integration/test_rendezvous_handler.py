@@ -1,0 +1,527 @@
+"""EtcdRendezvousHandler and EtcdStore against a real etcd: handlers in threads, each with its
+own EtcdClient, as separate nodes would be."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+from harness import wait_until
+from torch.distributed.elastic.rendezvous import (
+    RendezvousClosedError,
+    RendezvousConnectionError,
+    RendezvousInfo,
+    RendezvousParameters,
+    RendezvousTimeoutError,
+)
+from torch.distributed.elastic.utils import store as store_util
+
+from elasticd.errors import ConfigError
+from elasticd.etcd.client import EtcdClient
+from elasticd.etcd.embedded import EmbeddedEtcd, free_port
+from elasticd.keys import JobKeys
+from elasticd.rendezvous.etcd_handler import EtcdRendezvousHandler, RendezvousSettings
+from elasticd.rendezvous.etcd_store import EtcdStore
+from elasticd.rendezvous.registry import create_handler
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture(scope="module")
+def shared_etcd(tmp_path_factory):
+    """One etcd for the tests of this module that neither stop nor freeze it (each test
+    uses job names and store prefixes of its own)."""
+    server = EmbeddedEtcd(str(tmp_path_factory.mktemp("etcd")))
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop(remove_data=True)
+
+
+class HandlerFactory:
+    """Builds handlers, each with an EtcdClient of its own, as separate nodes would have."""
+
+    def __init__(self, endpoint: str) -> None:
+        self.endpoint = endpoint
+        self.made: list[EtcdRendezvousHandler] = []
+        self.pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="node")
+
+    def make(self, job: str, node: str, *, etcd_timeout_s: float = 2.0,
+             **kw) -> EtcdRendezvousHandler:
+        kw = {"min_nodes": 1, "max_nodes": 4, "node_ttl_s": 2, "join_timeout_s": 20.0,
+              "last_call_timeout_s": 0.5, "store_timeout_s": 10.0, "local_addr": "127.0.0.1", **kw}
+        client = EtcdClient(self.endpoint, timeout_s=etcd_timeout_s)
+        handler = EtcdRendezvousHandler(client, job, RendezvousSettings(**kw), node_id=node)
+        self.made.append(handler)
+        return handler
+
+    def join(self, hs: list[EtcdRendezvousHandler]) -> list[Future[RendezvousInfo]]:
+        """Call next_rendezvous on every handler at once, each in a thread of its own."""
+        return [self.pool.submit(h.next_rendezvous) for h in hs]
+
+    def close(self) -> None:
+        for h in self.made:
+            h.shutdown()
+            h.client.close()
+        self.pool.shutdown(wait=True, cancel_futures=True)
+
+
+@pytest.fixture
+def handlers(shared_etcd):
+    """Handlers on the module's etcd; all shut down (and clients closed) after the test."""
+    factory = HandlerFactory(shared_etcd.endpoint)
+    try:
+        yield factory
+    finally:
+        factory.close()
+
+
+@pytest.fixture
+def own_handlers(etcd_server):
+    """Handlers on an etcd of the test's own, which the test may kill or stop."""
+    factory = HandlerFactory(etcd_server.endpoint)
+    try:
+        yield factory
+    finally:
+        factory.close()
+
+
+def results(futures: list[Future[RendezvousInfo]], timeout_s: float = 30) -> list[RendezvousInfo]:
+    return [f.result(timeout=timeout_s) for f in futures]
+
+
+def ranks(hs: list[EtcdRendezvousHandler], infos: list[RendezvousInfo]) -> dict[str, int]:
+    return {h.node_id: info.rank for h, info in zip(hs, infos, strict=True)}
+
+
+def elapsed(fn: Callable[[], object]) -> tuple[Exception | None, float]:
+    t0 = time.monotonic()
+    try:
+        fn()
+    except Exception as exc:  # returned to the test to assert on
+        return exc, time.monotonic() - t0
+    return None, time.monotonic() - t0
+
+
+# --- rounds ---------------------------------------------------------------------------
+
+
+def test_three_handlers_form_one_round_with_dense_ranks(handlers):
+    """Three nodes joining at once get ranks 0..2, world size 3, the same round and store
+    bootstrap info (MASTER_ADDR/PORT published by rank 0)."""
+    hs = [handlers.make("r3", f"n{i}", min_nodes=3, max_nodes=3) for i in range(3)]
+    infos = results(handlers.join(hs))
+    assert sorted(i.rank for i in infos) == [0, 1, 2]
+    assert {i.world_size for i in infos} == {3}
+    assert {h.round for h in hs} == {0}
+    assert len({h.members for h in hs}) == 1
+    assert {(i.bootstrap_store_info.master_addr, i.bootstrap_store_info.master_port) for i in infos} \
+        == {("127.0.0.1", infos[0].bootstrap_store_info.master_port)}
+    for h, info in zip(hs, infos, strict=True):
+        assert h.members[info.rank] == h.node_id
+        assert h.num_nodes_waiting() == 0
+    assert hs[0].get_run_id() == "r3" and hs[0].get_backend() == "etcd-v3"
+
+
+def test_scale_up_new_node_is_admitted_and_ranks_stay_stable(handlers):
+    """A 4th node arriving after round 0 makes num_nodes_waiting() > 0 on the members; after
+    they re-rendezvous the world is 4 and earlier members keep their relative order."""
+    hs = [handlers.make("up", f"n{i}", min_nodes=3, max_nodes=4) for i in range(3)]
+    results(handlers.join(hs))
+    before = hs[0].members
+    late = handlers.make("up", "late", min_nodes=3, max_nodes=4)
+    pending = handlers.join([late])
+    wait_until(lambda: all(h.num_nodes_waiting() > 0 for h in hs), 10, "members to see the newcomer")
+    assert "late" in hs[0].membership_reason()
+    infos = results(handlers.join(hs) + pending)
+    everyone = [*hs, late]
+    assert {i.world_size for i in infos} == {4}
+    assert {h.round for h in everyone} == {1}
+    after = hs[0].members
+    assert [m for m in after if m in before] == list(before), f"{before} -> {after}"
+    assert ranks(everyone, infos)["late"] == 3
+    assert all(h.num_nodes_waiting() == 0 for h in everyone)
+
+
+def test_scale_down_graceful_leave_is_seen_at_once(handlers):
+    """shutdown() of one node revokes its lease: the others see num_nodes_waiting() > 0 well
+    before its TTL (10 s) could expire, and re-form at world 2 with their order kept."""
+    hs = [handlers.make("down", f"n{i}", min_nodes=2, max_nodes=3, node_ttl_s=10) for i in range(3)]
+    form_round(handlers, hs, world=3)
+    before = hs[0].members
+    leaver = next(h for h in hs if h.node_id == before[1])
+    rest = [h for h in hs if h is not leaver]
+    t0 = time.monotonic()
+    leaver.shutdown()
+    wait_until(lambda: all(h.num_nodes_waiting() > 0 for h in rest), 5, "survivors to see the leave")
+    assert time.monotonic() - t0 < 3.0, "a graceful leave waited for the lease TTL"
+    assert before[1] in rest[0].membership_reason()
+    infos = results(handlers.join(rest))
+    assert {i.world_size for i in infos} == {2}
+    assert list(rest[0].members) == [m for m in before if m != before[1]]
+
+
+def test_frozen_node_is_dropped_when_its_lease_expires(handlers):
+    """A node whose keep-alives stop (frozen process) is seen as lost by the others within
+    about its TTL, and they re-form without it."""
+    hs = [handlers.make("frozen", f"n{i}", min_nodes=2, max_nodes=3) for i in range(3)]
+    form_round(handlers, hs, world=3)
+    frozen, rest = hs[2], hs[:2]
+    t0 = time.monotonic()
+    frozen._keeper.stop()  # no revoke: the lease must run out on the server, as for a frozen node
+    wait_until(lambda: all(h.num_nodes_waiting() > 0 for h in rest), 10, "survivors to see the loss")
+    took = time.monotonic() - t0
+    assert took < 2 + 3.0, f"loss seen after {took:.1f}s with a 2 s TTL"
+    infos = results(handlers.join(rest))
+    assert {i.world_size for i in infos} == {2}
+    assert frozen.node_id not in rest[0].members
+
+
+def test_closed_job_refuses_next_rendezvous(handlers):
+    """set_closed() is seen by every node (is_closed), and next_rendezvous then raises
+    RendezvousClosedError at once, for members and newcomers alike."""
+    hs = [handlers.make("closed", f"n{i}", min_nodes=2, max_nodes=2) for i in range(2)]
+    results(handlers.join(hs))
+    assert not hs[1].is_closed()
+    hs[0].set_closed()
+    wait_until(lambda: all(h.is_closed() for h in hs), 5, "both nodes to see the close")
+    newcomer = handlers.make("closed", "late", min_nodes=2, max_nodes=2)
+    assert newcomer.is_closed(), "a handler that never joined reads the closed flag from etcd"
+    for h in [*hs, newcomer]:
+        exc, took = elapsed(h.next_rendezvous)
+        assert isinstance(exc, RendezvousClosedError), exc
+        assert took < 5.0
+    assert hs[0].num_nodes_waiting() == 0, "a closed job asks nobody to re-rendezvous"
+
+
+def test_finished_job_name_can_be_reused(handlers):
+    """A closed job whose nodes all left is a finished run: a new node starts it afresh."""
+    first = handlers.make("reuse", "a", min_nodes=1, max_nodes=1)
+    results(handlers.join([first]))
+    first.set_closed()
+    first.shutdown()
+    again = handlers.make("reuse", "b", min_nodes=1, max_nodes=1)
+    info = results(handlers.join([again]))[0]
+    assert (info.rank, info.world_size, again.round) == (0, 1, 0)
+    assert not again.is_closed()
+
+
+def test_join_timeout_raises_rendezvous_timeout(handlers):
+    """Too few nodes for min_nodes: next_rendezvous raises RendezvousTimeoutError at
+    join_timeout, naming the job and the sizes."""
+    h = handlers.make("lonely", "solo", min_nodes=2, max_nodes=2, join_timeout_s=1.5)
+    exc, took = elapsed(h.next_rendezvous)
+    assert isinstance(exc, RendezvousTimeoutError), exc
+    assert 1.5 <= took < 1.5 + 2.0
+    assert "lonely" in str(exc) and "2..2" in str(exc)
+
+
+def test_etcd_restart_mid_run_keeps_lease_and_watch(own_handlers, etcd_server):
+    """etcd killed and restarted between rounds: nobody is counted as lost, and the same
+    handlers (same leases, re-established watches) complete another round."""
+    hs = [own_handlers.make("restart", f"n{i}", min_nodes=2, max_nodes=2) for i in range(2)]
+    results(own_handlers.join(hs))
+    leases = [h.lease_id for h in hs]
+    etcd_server.kill()
+    assert all(h.num_nodes_waiting() == 0 for h in hs), "an etcd outage looked like a lost peer"
+    etcd_server.start()
+    infos = results(own_handlers.join(hs))
+    assert {i.world_size for i in infos} == {2}
+    assert {h.round for h in hs} == {1}
+    assert [h.lease_id for h in hs] == leases, "a lease was replaced across the etcd restart"
+    assert not any(h.lease_lost.is_set() for h in hs)
+
+
+def test_etcd_gone_raises_connection_error_within_deadline(own_handlers, etcd_server):
+    """With etcd stopped for good, next_rendezvous raises RendezvousConnectionError naming
+    the endpoint by join_timeout (+ one call), both for a member and for a new node."""
+    kw = {"min_nodes": 2, "max_nodes": 2, "join_timeout_s": 2.0, "etcd_timeout_s": 1.0}
+    hs = [own_handlers.make("gone", f"n{i}", **kw) for i in range(2)]
+    results(own_handlers.join(hs))
+    etcd_server.stop()
+    newcomer = own_handlers.make("gone", "late", **kw)
+    for h in (hs[0], newcomer):
+        exc, took = elapsed(h.next_rendezvous)
+        assert isinstance(exc, RendezvousConnectionError), exc
+        assert took < 2.0 + 1.0 + 2.0, f"took {took:.1f}s"
+        assert etcd_server.endpoint in str(exc)
+
+
+# --- the registry: torch's RendezvousParameters in, a handler or a ConfigError out -----
+
+
+def params(endpoint: str, job: str = "cfg", **conf) -> RendezvousParameters:
+    return RendezvousParameters(backend="etcd-v3", endpoint=endpoint, run_id=job, min_nodes=1,
+                                max_nodes=2, local_addr="127.0.0.1", **conf)
+
+
+def test_registry_builds_a_working_handler(shared_etcd):
+    """create_handler with torch's RendezvousParameters (and rdzv-conf numbers as strings)
+    builds a handler that completes a round."""
+    h = create_handler(params(shared_etcd.endpoint, "reg", node_ttl="2", join_timeout="10",
+                              last_call_timeout="0.2", node_id="only"))
+    try:
+        info = h.next_rendezvous()
+        assert (info.rank, info.world_size) == (0, 1)
+        assert h.settings.node_ttl_s == 2 and h.node_id == "only"
+    finally:
+        h.shutdown()
+        h.client.close()
+
+
+def test_unreachable_endpoint_fails_clearly_in_bounded_time():
+    """An endpoint where nothing listens: next_rendezvous raises RendezvousConnectionError
+    naming the endpoint within join_timeout (+ one call)."""
+    endpoint = f"127.0.0.1:{free_port()}"
+    h = create_handler(params(endpoint, join_timeout="2", etcd_timeout="1"))
+    try:
+        exc, took = elapsed(h.next_rendezvous)
+        assert isinstance(exc, RendezvousConnectionError), exc
+        assert endpoint in str(exc) and "refused" in str(exc), str(exc)
+        assert took < 2 + 1 + 2.0, f"took {took:.1f}s"
+    finally:
+        h.shutdown()
+        h.client.close()
+
+
+@pytest.mark.parametrize(
+    ("job", "conf", "needle"),
+    [
+        ("cfg", {"ca_file": "/nonexistent/ca.pem"}, "/nonexistent/ca.pem"),
+        ("cfg", {"cert_file": "/nonexistent/c.pem", "key_file": "/nonexistent/k.pem"}, "/nonexistent/"),
+        ("cfg", {"cert_file": "/nonexistent/c.pem"}, "together"),
+        ("a/b", {}, "invalid job name"),
+        ("..", {}, "invalid job name"),
+        ("cfg", {"join_timout": "5"}, "join_timout"),
+        ("cfg", {"node_ttl": "1"}, "node_ttl"),
+        ("cfg", {"join_timeout": "soon"}, "join_timeout"),
+        ("cfg", {"last_call_timeout": "0"}, "last_call_timeout"),
+        ("cfg", {"password": "x"}, "user"),
+        ("cfg", {"password_file": "/nonexistent/pw"}, "password_file"),
+        ("cfg", {"node_id": "a/b"}, "node id"),
+    ],
+)
+def test_bad_parameters_are_config_errors(job, conf, needle):
+    """Bad TLS paths, job name, unknown rdzv-conf key, node_ttl < 2, non-numbers, half
+    credentials and bad node ids fail at creation with a ConfigError naming the problem."""
+    with pytest.raises(ConfigError) as info:
+        create_handler(params("127.0.0.1:2379", job, **conf))
+    assert needle in str(info.value)
+
+
+def test_bad_endpoint_is_a_config_error():
+    """A malformed endpoint fails at creation with a ConfigError showing the expected form."""
+    with pytest.raises(ConfigError, match="HOST:PORT"):
+        create_handler(params("localhost"))
+
+
+# --- the c10d store on etcd ------------------------------------------------------------
+
+
+@pytest.fixture
+def stores(shared_etcd, request):
+    """``stores.make(round)``: EtcdStores of this test's own job, each with a client of its
+    own; all closed after the test."""
+
+    class Factory:
+        def __init__(self) -> None:
+            self.made: list[tuple[EtcdStore, EtcdClient]] = []
+            self.keys = JobKeys(f"st-{request.node.name[:50]}".replace("[", "-").replace("]", ""))
+
+        def make(self, round_: int = 0, timeout_s: float = 5.0) -> EtcdStore:
+            client = EtcdClient(shared_etcd.endpoint, timeout_s=2.0)
+            store = EtcdStore(client, self.keys.store_prefix(round_), timeout_s=timeout_s)
+            self.made.append((store, client))
+            return store
+
+    factory = Factory()
+    try:
+        yield factory
+    finally:
+        for store, client in factory.made:
+            store.close()
+            client.close()
+
+
+def test_store_set_get_check_delete_num_keys(stores):
+    """set/get round-trip bytes and str, check/num_keys see keys, delete_key removes one."""
+    s = stores.make()
+    s.set("a", b"\x00\x01")
+    s.set("b", "text")
+    assert s.get("a") == b"\x00\x01" and s.get("b") == b"text"
+    assert s.check(["a", "b"]) and not s.check(["a", "nope"])
+    assert s.num_keys() == 2
+    assert s.delete_key("a") is True
+    assert s.delete_key("a") is False
+    assert not s.check(["a"]) and s.num_keys() == 1
+
+
+def test_store_get_blocks_until_another_store_sets(stores):
+    """get() on one store returns a value set later through another store (another node)."""
+    reader, writer = stores.make(), stores.make()
+    with ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(reader.get, "later")
+        writer.set("later", b"v")
+        assert pending.result(timeout=10) == b"v"
+
+
+def test_store_get_and_wait_time_out(stores):
+    """get() of a missing key times out after the store timeout, wait() after its own
+    timeout, both with DistStoreError naming the key."""
+    s = stores.make(timeout_s=0.5)
+    exc, took = elapsed(lambda: s.get("missing"))
+    assert isinstance(exc, dist.DistStoreError) and "missing" in str(exc)
+    assert 0.5 <= took < 2.5
+    exc, took = elapsed(lambda: s.wait(["missing2"], timedelta(seconds=0.3)))
+    assert isinstance(exc, dist.DistStoreError) and "missing2" in str(exc)
+    assert 0.3 <= took < 2.3
+    s.set("there", b"1")
+    s.wait(["there"], timedelta(seconds=5))
+
+
+def test_store_add_is_atomic_across_stores(stores):
+    """add() from two stores in parallel loses no increment (compare-and-swap)."""
+    a, b = stores.make(), stores.make()
+    assert a.add("n", 0) == 0
+
+    def bump(store: EtcdStore) -> None:
+        for _ in range(10):
+            store.add("n", 1)
+
+    with ThreadPoolExecutor(2) as pool:
+        for f in [pool.submit(bump, a), pool.submit(bump, b)]:
+            f.result(timeout=30)
+    assert a.add("n", 5) == 25
+    assert int(b.get("n")) == 25
+
+
+def test_store_reads_are_never_stale(stores):
+    """Regression: get/multi_get/wait answer from etcd, not from a lagging watch cache, so a
+    completed write (ours or another node's) is always seen and a deleted key is gone."""
+    a, b = stores.make(), stores.make()
+    for i in range(20):
+        a.set("k", str(i))
+        assert a.get("k") == str(i).encode(), "a store did not read its own write"
+        assert b.multi_get(["k"]) == [str(i).encode()], "another store read a stale value"
+    b.delete_key("k")
+    exc, _ = elapsed(lambda: a.wait(["k"], timedelta(seconds=0.3)))
+    assert isinstance(exc, dist.DistStoreError), "wait() returned for a deleted key"
+
+
+def test_store_compare_set_follows_torch_semantics(stores):
+    """compare_set: missing key with empty expectation sets; missing key with a non-empty
+    expectation returns it untouched; a mismatch returns the current value; a match swaps."""
+    s = stores.make()
+    assert s.compare_set("k", "x", "y") == b"x" and not s.check(["k"])
+    assert s.compare_set("k", "", "first") == b"first"
+    assert s.compare_set("k", "wrong", "second") == b"first"
+    assert s.compare_set("k", "first", "second") == b"second"
+    assert s.get("k") == b"second"
+
+
+def test_store_multi_get_and_multi_set(stores):
+    """multi_set writes every pair and multi_get returns values in key order."""
+    s = stores.make()
+    s.multi_set(["x", "y", "z"], [b"1", "2", b"3"])
+    assert s.multi_get(["z", "x", "y"]) == [b"3", b"1", b"2"]
+
+
+def test_store_timeout_property_and_prefix_isolation(stores):
+    """set_timeout/timeout round-trip (torch's store_timeout helper), and stores of two
+    rounds never see each other's keys."""
+    r0, r1 = stores.make(0), stores.make(1)
+    r0.set_timeout(timedelta(seconds=7))
+    assert r0.timeout == timedelta(seconds=7)
+    r0.set("MASTER_ADDR", b"old")
+    assert not r1.check(["MASTER_ADDR"]) and r1.num_keys() == 0
+
+
+def test_torch_barrier_across_two_stores(stores):
+    """torch's store_util.barrier over two EtcdStores (two nodes) releases both; with one
+    participant missing it times out."""
+    a, b = stores.make(), stores.make()
+    with ThreadPoolExecutor(2) as pool:
+        fs = [pool.submit(store_util.barrier, s, 2, "bar/", 10) for s in (a, b)]
+        for f in fs:
+            f.result(timeout=20)
+    assert a.timeout == timedelta(seconds=5), "barrier did not restore the store timeout"
+    exc, took = elapsed(lambda: store_util.barrier(a, 2, "lonely/", 0.5))
+    assert isinstance(exc, dist.DistStoreError), exc
+    assert took < 3.0
+
+
+def test_torch_prefix_store_wraps_etcd_store(stores):
+    """The C++ PrefixStore calls into EtcdStore's Python methods (set/get/add/check)."""
+    s = dist.PrefixStore("pfx", stores.make())
+    s.set("k", "v")
+    assert s.get("k") == b"v"
+    assert s.add("c", 3) == 3
+    assert s.check(["k"])
+
+
+# --- bounded key space -------------------------------------------------------------------
+
+
+def test_key_count_stays_bounded_over_50_rounds(handlers, shared_etcd):
+    """50 re-rendezvous rounds of 2 nodes: rounds are consecutive (no spurious rounds) and the
+    job's key count under /elasticd/<job>/ stays below 30 and does not grow after round 25."""
+    hs = [handlers.make("soak", f"n{i}", min_nodes=2, max_nodes=2) for i in range(2)]
+    counter = EtcdClient(shared_etcd.endpoint, timeout_s=2.0)
+    prefix = JobKeys("soak").prefix
+    gate = threading.Barrier(2, timeout=20)
+    counts: dict[int, int] = {}
+
+    def node(h: EtcdRendezvousHandler) -> list[int]:
+        seen = []
+        for i in range(50):
+            info = h.next_rendezvous()
+            assert info.world_size == 2
+            seen.append(h.round)
+            gate.wait()  # both nodes are in round i
+            if h is hs[0] and i in (24, 49):
+                counts[i] = counter.count_prefix(prefix)
+            gate.wait()  # counted before anyone opens round i+1
+        return seen
+
+    try:
+        rounds = [f.result(timeout=50) for f in [handlers.pool.submit(node, h) for h in hs]]
+    finally:
+        gate.abort()
+        counter.close()
+    assert rounds[0] == rounds[1] == list(range(50))
+    assert counts[49] < 30, f"{counts[49]} keys after 50 rounds"
+    assert counts[49] <= counts[24], f"key count grew: {counts[24]} -> {counts[49]}"
+
+
+# --- helpers ------------------------------------------------------------------------------
+
+
+def form_round(factory, hs: list[EtcdRendezvousHandler], world: int,
+               timeout_s: float = 20.0) -> list[RendezvousInfo]:
+    """Drive the handlers as torch's agent does (re-rendezvous while num_nodes_waiting() > 0)
+    until all of them are in one round of ``world`` nodes."""
+    futures = {h: factory.pool.submit(h.next_rendezvous) for h in hs}
+    deadline = time.monotonic() + timeout_s
+    while True:
+        done = {h: f for h, f in futures.items() if f.done()}
+        infos = {h: f.result() for h, f in done.items()}  # re-raises a handler's error
+        if len(infos) == len(hs) and {i.world_size for i in infos.values()} == {world} \
+                and len({h.round for h in hs}) == 1:
+            return [infos[h] for h in hs]
+        for h in done:
+            if h.num_nodes_waiting() > 0:
+                futures[h] = factory.pool.submit(h.next_rendezvous)
+        if time.monotonic() > deadline:
+            state = {h.node_id: (h.round, h.members) for h in hs}
+            raise AssertionError(f"no round of {world} nodes within {timeout_s}s: {state}")
+        pending = [f for f in futures.values() if not f.done()]
+        # Poll interval: num_nodes_waiting() is read from each handler's local watch cache.
+        wait_futures(pending, timeout=0.05, return_when=FIRST_COMPLETED) if pending \
+            else threading.Event().wait(0.05)
