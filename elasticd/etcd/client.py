@@ -333,6 +333,14 @@ class EtcdClient:
     def delete_prefix(self, prefix: str) -> None:
         self.call(lambda c: c.delete_prefix(prefix))
 
+    def delete_prefixes_if(self, key: str, *, mod_revision: int, prefixes: Sequence[str]) -> bool:
+        """Delete everything under ``prefixes`` in one transaction, only if ``key``'s
+        mod_revision is still ``mod_revision``. Returns True if the delete happened."""
+        ranges = [(p, etcd3.utils.prefix_range_end(etcd3.utils.to_bytes(p))) for p in prefixes]
+        ok, _ = self.txn(lambda t: [t.mod(key) == mod_revision],
+                         lambda t: [t.delete(p, range_end=end) for p, end in ranges])
+        return ok
+
     def txn(self, compare: Callable[[Any], list[Any]], success: Callable[[Any], list[Any]],
             failure: Callable[[Any], list[Any]] | None = None) -> tuple[bool, list[Any]]:
         """Run a transaction built from ``c.transactions`` helpers.

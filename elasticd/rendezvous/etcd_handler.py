@@ -221,13 +221,33 @@ class EtcdRendezvousHandler(RendezvousHandler):
             self._register(deadline)
 
     def _reopen_finished_job(self, deadline: float) -> None:
-        """A closed job with no live node is a finished run: start the job name afresh."""
+        """A closed job with no live node is a finished run: start the job name afresh.
+
+        The reset is one transaction guarded by the closed flag's mod_revision. When the
+        nodes of a rerun start together they all see the same closed snapshot; only the
+        first may reset. A slower node's unguarded delete used to wipe the round the others
+        had formed meanwhile and start a second "round 0": two final rounds, each training
+        on its own (split brain).
+        """
+        k = self.keys
         view, _ = self._view.snapshot()
-        if view.closed and not view.alive:
-            self._retry("reopen job", lambda: self.client.delete_prefix(self.keys.rdzv_prefix), deadline)
-            self._retry("reopen job", lambda: self.client.delete_prefix(self.keys.store_root), deadline)
-            self._view.wait_change(self._view.version, 0.5)
+        with self._view.cond:
+            closed = self._view.rdzv.get(k.rdzv_closed)
+        if not (view.closed and not view.alive and closed is not None):
+            return
+        if self._retry("reopen job", lambda: self.client.delete_prefixes_if(
+                k.rdzv_closed, mod_revision=closed.mod_revision,
+                prefixes=[k.rdzv_prefix, k.store_root]), deadline):
             self._log.info("finished_job_reopened")
+        # Whoever reset it, wait until our watch shows that closed flag gone, so the join
+        # below does not read the old flag and give up with RendezvousClosedError.
+        end = min(deadline, time.monotonic() + 5.0)
+        with self._view.cond:
+            while (now := time.monotonic()) < end:
+                current = self._view.rdzv.get(k.rdzv_closed)
+                if current is None or current.mod_revision != closed.mod_revision:
+                    break
+                self._view.cond.wait(end - now)
 
     def _register(self, deadline: float) -> None:
         """Grant a fresh lease and put our node record on it (a new incarnation)."""

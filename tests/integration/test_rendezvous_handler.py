@@ -213,6 +213,35 @@ def test_finished_job_name_can_be_reused(handlers):
     assert not again.is_closed()
 
 
+def test_rerun_with_a_slow_node_forms_one_world(handlers):
+    """Regression: the nodes of a rerun all see the finished job closed; a slow node whose
+    reset lands after the others formed a round must not wipe that round (it used to start
+    a second round 0, and the two halves trained as two separate worlds)."""
+    old = handlers.make("rerun", "old", min_nodes=1, max_nodes=1)
+    results(handlers.join([old]))
+    old.set_closed()
+    old.shutdown()
+    fast = handlers.make("rerun", "fast", min_nodes=1, max_nodes=2)
+    slow = handlers.make("rerun", "slow", min_nodes=1, max_nodes=2)
+    at_reset, release = threading.Event(), threading.Event()
+    reset = slow.client.delete_prefixes_if
+
+    def delayed_reset(*args, **kwargs):
+        at_reset.set()
+        release.wait(10)
+        return reset(*args, **kwargs)
+
+    slow.client.delete_prefixes_if = delayed_reset  # type: ignore[method-assign]
+    pending = handlers.join([slow])
+    assert at_reset.wait(10), "the slow node never tried to reopen the finished job"
+    results(handlers.join([fast]))  # the fast node reopens the job and forms round 0 alone
+    release.set()
+    wait_until(lambda: fast.num_nodes_waiting() > 0, 10, "the fast node to see the slow one")
+    infos = results(handlers.join([fast]) + pending)
+    assert {i.world_size for i in infos} == {2}
+    assert fast.round == slow.round and fast.members == slow.members
+
+
 def test_join_timeout_raises_rendezvous_timeout(handlers):
     """Too few nodes for min_nodes: next_rendezvous raises RendezvousTimeoutError at
     join_timeout, naming the job and the sizes."""
