@@ -6,7 +6,8 @@ point, which torch calls with no arguments and which must return the creator.
 
 Recognised ``--rdzv-conf`` keys: ``node_ttl`` (s), ``join_timeout``, ``last_call_timeout``,
 ``close_timeout``, ``store_timeout``, ``etcd_timeout``, ``ca_file``, ``cert_file``,
-``key_file``, ``user``, ``password``, ``password_file``, ``node_id``.
+``key_file``, ``user``, ``password``, ``password_file``, ``node_id``; and ``timeout``, the
+join timeout's name in torch's own etcd backend (``join_timeout`` wins if both are given).
 """
 
 from __future__ import annotations
@@ -77,7 +78,8 @@ def create_handler(params: RendezvousParameters) -> RendezvousHandler:
         min_nodes=params.min_nodes,
         max_nodes=params.max_nodes,
         node_ttl_s=ttl,
-        join_timeout_s=_number(params, "join_timeout", 600.0),
+        # `timeout` is what torch's etcd backend calls it: honour it for users switching over.
+        join_timeout_s=_number(params, "join_timeout", _number(params, "timeout", 600.0)),
         last_call_timeout_s=_number(params, "last_call_timeout", 1.0),
         close_timeout_s=_number(params, "close_timeout", 30.0),
         store_timeout_s=_number(params, "store_timeout", 300.0),

@@ -305,6 +305,16 @@ def test_registry_builds_a_working_handler(shared_etcd):
         h.client.close()
 
 
+def test_torch_etcd_backend_timeout_key_sets_join_timeout():
+    """Regression: rdzv-conf `timeout` (torch's etcd backend name for the join timeout) is
+    honoured, not silently ignored; `join_timeout` wins when both are given."""
+    for conf, expected in [({}, 600.0), ({"timeout": "42"}, 42.0),
+                           ({"timeout": "42", "join_timeout": "7"}, 7.0)]:
+        h = create_handler(params("127.0.0.1:2379", **conf))
+        assert h.settings.join_timeout_s == expected, conf
+        h.client.close()
+
+
 def test_unreachable_endpoint_fails_clearly_in_bounded_time():
     """An endpoint where nothing listens: next_rendezvous raises RendezvousConnectionError
     naming the endpoint within join_timeout (+ one call)."""
