@@ -264,6 +264,8 @@ class EtcdRendezvousHandler(RendezvousHandler):
         )
         record = replace(record, state="joining", heartbeat_at=time.time())
         key = self.keys.node(self.node_id)
+        if self._record is None:
+            self._retire_previous_process(key, deadline)
         self._retry("node record", lambda: self.client.put(key, record.to_json(), lease=lease), deadline)
         kv = self._retry("node record", lambda: self.client.get(key), deadline)
         self._incarnation = kv.create_revision if kv else 0
@@ -272,6 +274,25 @@ class EtcdRendezvousHandler(RendezvousHandler):
         self._keeper = LeaseKeeper(self.client, lease, self.settings.node_ttl_s,
                                    on_lost=self._lease_lost).start()
         self._log.info("node_registered", lease=hex(lease), incarnation=self._incarnation)
+
+    def _retire_previous_process(self, key: str, deadline: float) -> None:
+        """Our node key exists before this process ever wrote it: the previous process of
+        this node id (killed, restarted within its TTL) or a duplicate id.
+
+        Overwriting it in place would keep its create_revision (the old process's fencing
+        token stays valid) and let us inherit its seat in a final round we never ran in:
+        DONE at once with its rank, while the other members see no membership change.
+        So delete it (a fresh incarnation) and count its round as used, so that we open
+        the next round and everyone re-forms.
+        """
+        old = self._retry("node record", lambda: self.client.get(key), deadline)
+        if old is None:
+            return
+        state = self._view.snapshot()[0].state
+        if state is not None and state.phase == "final" and self.node_id in state.members:
+            self._round = state.round
+        self._retry("node record", lambda: self.client.delete(key), deadline)
+        self._log.warning("previous_process_retired", old_lease=hex(old.lease), round=self._round)
 
     def _lease_lost(self) -> None:
         self.lease_lost.set()

@@ -184,6 +184,25 @@ def test_frozen_node_is_dropped_when_its_lease_expires(handlers):
     assert frozen.node_id not in rest[0].members
 
 
+def test_restarted_process_with_same_node_id_does_not_inherit_its_seat(handlers):
+    """Regression: a node's process killed and restarted under the same node id before its
+    lease expired gets a new incarnation and a new round that every member joins; it used to
+    take the old process's rank in the running round at once, unseen by the others."""
+    hs = [handlers.make("reborn", f"n{i}", min_nodes=2, max_nodes=2, node_ttl_s=10) for i in range(2)]
+    results(handlers.join(hs))
+    dead = hs[1]
+    dead._keeper._stop.set()  # SIGKILL: keep-alives and watches stop, the lease lives on
+    for w in dead._watches:
+        w.stop()
+    reborn = handlers.make("reborn", dead.node_id, min_nodes=2, max_nodes=2, node_ttl_s=10)
+    pending = handlers.join([reborn])
+    wait_until(lambda: hs[0].num_nodes_waiting() > 0, 5, "the survivor to see the restart")
+    infos = results(handlers.join([hs[0]]) + pending)
+    assert {i.world_size for i in infos} == {2}
+    assert hs[0].round == reborn.round == 1
+    assert reborn.incarnation != dead.incarnation, "the old process's fencing token stays valid"
+
+
 def test_closed_job_refuses_next_rendezvous(handlers):
     """set_closed() is seen by every node (is_closed), and next_rendezvous then raises
     RendezvousClosedError at once, for members and newcomers alike."""
