@@ -67,3 +67,27 @@ def wait_gone(pids: list[int], timeout_s: float) -> list[int]:
         time.sleep(0.02)
         alive = [p for p in alive if pid_alive(p)]
     return alive
+
+
+def descendants(pid: int) -> list[int]:
+    """All descendants of ``pid`` (children, grandchildren, ...), read from /proc.
+
+    torch starts workers in sessions of their own, so a node's processes share no process
+    group: walking the tree is how a fault reaches the whole node.
+    """
+    kids: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as fh:
+                ppid = int(fh.read().rsplit(b")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        kids.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        for child in kids.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out

@@ -21,6 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from elasticd.etcd.embedded import EmbeddedEtcd  # noqa: E402
+from elasticd.process import descendants  # noqa: E402
 
 JOB = "demo"
 STEPS = 400
@@ -30,24 +31,6 @@ RESET = "\033[0m" if BOLD else ""
 
 def say(text: str) -> None:
     print(f"\n{BOLD}== {text}{RESET}", flush=True)
-
-
-def descendants(pid: int) -> list[int]:
-    kids: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat", "rb") as fh:
-                    ppid = int(fh.read().rsplit(b")", 1)[1].split()[1])
-            except (OSError, IndexError):
-                continue
-            kids.setdefault(ppid, []).append(int(entry))
-    out, todo = [], [pid]
-    while todo:
-        for c in kids.get(todo.pop(), []):
-            out.append(c)
-            todo.append(c)
-    return out
 
 
 class Node:

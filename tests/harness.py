@@ -13,8 +13,11 @@ import signal
 import subprocess
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
+
+from elasticd.process import descendants
 
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
@@ -22,23 +25,7 @@ PY = sys.executable
 
 def children_of(pid: int) -> list[int]:
     """All descendants of ``pid`` (from /proc), deepest last."""
-    kids: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as fh:
-                fields = fh.read().rsplit(b")", 1)[1].split()
-            kids.setdefault(int(fields[1]), []).append(int(entry))
-        except (OSError, IndexError):
-            continue
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        for c in kids.get(p, []):
-            out.append(c)
-            todo.append(c)
-    return out
+    return descendants(pid)
 
 
 def wait_until(pred: Callable[[], object], timeout_s: float, what: str, interval_s: float = 0.05):
@@ -131,3 +118,26 @@ def no_leftovers(nodes: list[Node]) -> list[int]:
     from elasticd.process import pid_alive
 
     return [p for n in nodes for p in [n.pid, *children_of(n.pid)] if pid_alive(p)]
+
+
+def trained_samples(trace_path: Path) -> Counter:
+    """Multiset of (epoch, sample) from an example ``--trace`` file, counting each step's
+    final attempt only (its highest round): steps after the last checkpoint are retrained
+    after a failure, and only the final attempt is in the model."""
+    rows = read_jsonl(trace_path)
+    last: dict[int, int] = {}
+    for r in rows:
+        last[r["step"]] = max(last.get(r["step"], -1), r["round"] or 0)
+    counts: Counter = Counter()
+    for r in rows:
+        if (r["round"] or 0) == last[r["step"]]:
+            counts.update((r["epoch"], i) for i in r["idx"])
+    return counts
+
+
+def example_args(tmp_path: Path, tag: str, *, steps: int, dataset_size: int) -> list[str]:
+    """Arguments of examples/train.py for exact-comparison tests (float64, tracing on)."""
+    return ["--steps", str(steps), "--dataset-size", str(dataset_size), "--global-batch", "24",
+            "--micro-batch", "8", "--dtype", "float64", "--checkpoint-every", "5",
+            "--step-sleep", "0.04", "--trace", str(tmp_path / f"trace-{tag}.jsonl"),
+            "--final-params", str(tmp_path / f"final-{tag}.pt")]

@@ -19,11 +19,19 @@ import signal
 import subprocess
 import sys
 import time
-from collections import Counter
 
 import pytest
 import torch
-from harness import ROOT, Node, children_of, elasticd_argv, read_jsonl, wait_until
+from harness import (
+    ROOT,
+    Node,
+    children_of,
+    elasticd_argv,
+    example_args,
+    read_jsonl,
+    trained_samples,
+    wait_until,
+)
 
 from elasticd.checkpoint.catalog import list_checkpoints
 from elasticd.etcd.client import EtcdClient
@@ -38,23 +46,12 @@ FAULTS = ["kill_node", "stop_node", "drain_node", "crash_worker", "etcd_outage"]
 
 
 def _script_args(tmp_path, tag):
-    return ["--steps", str(STEPS), "--dataset-size", "720", "--global-batch", "24",
-            "--micro-batch", "8", "--dtype", "float64", "--checkpoint-every", "5",
-            "--step-sleep", "0.05", "--trace", str(tmp_path / f"trace-{tag}.jsonl"),
-            "--final-params", str(tmp_path / f"final-{tag}.pt")]
+    args = example_args(tmp_path, tag, steps=STEPS, dataset_size=720)
+    args[args.index("--step-sleep") + 1] = "0.05"
+    return args
 
 
-def _trained(trace_path):
-    """Multiset of (epoch, sample) over each step's final attempt (its highest round)."""
-    rows = read_jsonl(trace_path)
-    last: dict[int, int] = {}
-    for r in rows:
-        last[r["step"]] = max(last.get(r["step"], -1), r["round"] or 0)
-    counts: Counter = Counter()
-    for r in rows:
-        if (r["round"] or 0) == last[r["step"]]:
-            counts.update((r["epoch"], i) for i in r["idx"])
-    return counts
+_trained = trained_samples
 
 
 def _reference(tmp_path):

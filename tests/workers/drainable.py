@@ -16,6 +16,13 @@ import torch.distributed as dist
 from elasticd import worker
 
 
+def save(ckpt: str, step: int) -> None:
+    tmp = ckpt + ".tmp"
+    with open(tmp, "w") as fh:
+        json.dump({"step": step}, fh)
+    os.replace(tmp, ckpt)
+
+
 def main() -> int:
     ctx = worker.init()
     out, ckpt = os.environ["OUT"], os.environ["CKPT"]
@@ -41,17 +48,11 @@ def main() -> int:
         time.sleep(step_s)
         if os.environ.get("IGNORE_STOP") != "1" and worker.should_stop(step):
             if ctx.rank == 0:
-                tmp = ckpt + ".tmp"
-                with open(tmp, "w") as fh:
-                    json.dump({"step": step}, fh)
-                os.replace(tmp, ckpt)
+                save(ckpt, step)
             dist.barrier()
             return 0
         if ctx.rank == 0:
-            tmp = ckpt + ".tmp"
-            with open(tmp, "w") as fh:
-                json.dump({"step": step}, fh)
-            os.replace(tmp, ckpt)
+            save(ckpt, step)
     worker.shutdown()
     return 0
 

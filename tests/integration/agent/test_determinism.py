@@ -14,7 +14,7 @@ from collections import Counter
 
 import pytest
 import torch
-from harness import ROOT, read_jsonl, wait_until
+from harness import ROOT, example_args, read_jsonl, trained_samples, wait_until
 
 SCRIPT = str(ROOT / "examples" / "train.py")
 pytestmark = pytest.mark.timeout(240)
@@ -26,23 +26,10 @@ def _args(tmp_path, tag):
 
 
 def _script_args(tmp_path, tag):
-    return ["--steps", str(STEPS), "--dataset-size", "480", "--global-batch", "24",
-            "--micro-batch", "8", "--dtype", "float64", "--checkpoint-every", "5",
-            "--step-sleep", "0.04", "--trace", str(tmp_path / f"trace-{tag}.jsonl"),
-            "--final-params", str(tmp_path / f"final-{tag}.pt")]
+    return example_args(tmp_path, tag, steps=STEPS, dataset_size=480)
 
 
-def _trained(trace_path):
-    """Multiset of (epoch, sample) over each step's last attempt (the highest round)."""
-    rows = read_jsonl(trace_path)
-    last_round: dict[int, int] = {}
-    for r in rows:
-        last_round[r["step"]] = max(last_round.get(r["step"], -1), r["round"] or 0)
-    counts: Counter = Counter()
-    for r in rows:
-        if (r["round"] or 0) == last_round[r["step"]]:
-            counts.update((r["epoch"], i) for i in r["idx"])
-    return counts
+_trained = trained_samples
 
 
 def _steps(trace_path):
