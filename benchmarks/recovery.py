@@ -1,0 +1,292 @@
+"""Recovery after node faults: elasticd (etcd v3) against torchrun (c10d), side by side.
+
+The same training script runs on 3 "nodes" (each a launcher process tree in a session of
+its own, 1 gloo worker each, all on 127.0.0.1), launched by
+
+- ``elasticd``: ``elasticd run --etcd ... --nnodes 2:4 --node-ttl 2`` (etcd: one embedded
+  member on free ports, shared by all runs, one job name per run);
+- ``torchrun default``: ``torchrun --rdzv-backend c10d --nnodes 2:4 --max-restarts 100``;
+- ``torchrun tuned``: the same plus ``--rdzv-conf last_call_timeout=1,keep_alive_interval=1,
+  keep_alive_max_attempt=2``.
+
+Both torchrun variants run with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (with the shared
+store a scale-up hung in earlier measurements). The c10d store lives in the first node's
+launcher, so faults always go to the last node (killing the store host ends a torchrun job).
+
+Scenarios, each after the job trains steadily at world 3:
+
+- ``sigkill``: SIGKILL to the whole node (launcher and workers);
+- ``sigstop``: SIGSTOP to the whole node (bounded wait, then "did not recover");
+- ``sigterm``: SIGTERM to the launcher only, as systemd would send it;
+- ``join``: a 4th node starts; timed from the start of its launcher.
+
+Figures: seconds from the fault to the first step that every rank of the new world
+completed, and steps lost = (last step completed at the old world size) - (first step at
+the new world size) + 1, floored at 0. "Last step at the old world size" rather than
+"before the fault" so that steps trained during a drain count as kept. Plus the floor:
+a cold worker start (``python SCRIPT`` at world 1) to its first step.
+
+Usage (the full run writes the "## Recovery" section of docs/benchmarks.md)::
+
+    .venv/bin/python benchmarks/recovery.py --reps 3
+    .venv/bin/python benchmarks/recovery.py --reps 1 --scenarios sigkill --systems elasticd --no-doc
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import (  # noqa: E402
+    BENCH_WORKER,
+    PY,
+    ROOT,
+    TORCHRUN_ENV,
+    TORCHRUN_TUNED_CONF,
+    TRAIN_SCRIPT,
+    Cluster,
+    StepSource,
+    elasticd_argv,
+    first_step_at,
+    free_port,
+    machine_info,
+    other_load,
+    port_listening,
+    sigterm_as_interrupt,
+    steps_at,
+    torchrun_argv,
+    wait_until,
+)
+from benchmarks.recovery_report import agent_breakdown, write_report  # noqa: E402
+
+SYSTEMS = ("elasticd", "torchrun-default", "torchrun-tuned")
+SCENARIOS = ("sigkill", "sigstop", "sigterm", "join")
+NODES = 3
+NNODES = "2:4"
+TUNED_CONF = [TORCHRUN_TUNED_CONF]  # --torchrun-conf replaces it
+
+
+@dataclass
+class Trial:
+    """One run of one scenario under one launcher."""
+
+    system: str
+    scenario: str
+    rep: int
+    recovered: bool = False
+    recovery_s: float | None = None
+    steps_lost: int | None = None
+    old_world: int = NODES
+    new_world: int = 0
+    last_old_step: int | None = None
+    first_new_step: int | None = None
+    spawn_s: float | None = None  # fault -> last new worker exec'd
+    ready_s: float | None = None  # fault -> last new worker ready (process group, checkpoint)
+    phases: dict[str, float] = field(default_factory=dict)  # elasticd agent breakdown
+    note: str = ""
+    workdir: str = ""
+
+
+def script_available(script: str) -> bool:
+    """Does ``script`` run one step standalone (world 1)? Used to pick the default script."""
+    if not (ROOT / script).exists():
+        return False
+    with tempfile.TemporaryDirectory(prefix="elasticd-bench-probe-") as tmp:
+        src = StepSource(script, Path(tmp), step_s=0.0)
+        args = src.args()
+        if not src.is_bench:
+            args[args.index("--steps") + 1] = "2"
+        try:
+            proc = subprocess.run([PY, *args], cwd=ROOT, capture_output=True, text=True, timeout=120)
+        except subprocess.TimeoutExpired:
+            return False
+        return proc.returncode == 0
+
+
+def start_node(cluster: Cluster, system: str, idx: int, job: str, endpoint: str, src: StepSource) -> None:
+    name = f"n{idx}"
+    logs = cluster.workdir / "logs" / name
+    logs.mkdir(parents=True, exist_ok=True)
+    if system == "elasticd":
+        argv = elasticd_argv(endpoint, job, name, NNODES, 1, src.args(), logs)
+        env = {}
+    else:
+        port = int(endpoint.rsplit(":", 1)[1])
+        conf = TUNED_CONF[0] if system == "torchrun-tuned" else None
+        argv = torchrun_argv(port, job, NNODES, 1, src.args(), conf, logs)
+        env = dict(TORCHRUN_ENV)
+    cluster.start(name, argv, {**env, "PYTHONUNBUFFERED": "1"}, on_line=src.on_line)
+
+
+def run_trial(system: str, scenario: str, rep: int, etcd_endpoint: str, script: str,
+              root: Path, args: argparse.Namespace) -> Trial:
+    """Start 3 nodes, wait for steady training at world 3, inject the fault, time recovery."""
+    workdir = root / f"{scenario}-{system}-{rep}"
+    workdir.mkdir(parents=True)
+    trial = Trial(system, scenario, rep, workdir=str(workdir))
+    src = StepSource(script, workdir, step_s=args.step_s)
+    job = f"rec-{scenario}-{rep}-{int(time.time() * 1000) % 10**8}"
+    endpoint = etcd_endpoint if system == "elasticd" else f"127.0.0.1:{free_port()}"
+    with Cluster(workdir) as cluster:
+        start_node(cluster, system, 0, job, endpoint, src)
+        if system != "elasticd":
+            # Node 0 must host the c10d store (the first launcher to bind the port does).
+            port = int(endpoint.rsplit(":", 1)[1])
+            if not wait_until(lambda: port_listening(port), 60):
+                trial.note = "torchrun node 0 never opened the store port"
+                return trial
+        for i in range(1, NODES):
+            start_node(cluster, system, i, job, endpoint, src)
+        ranks = src.ranks_per_step(NODES)
+        steady = wait_until(lambda: first_step_at(src.records(), NODES, 0, ranks) and
+                            steps_at(src.records(), NODES) >= args.warm_steps, args.start_timeout)
+        if not steady:
+            trial.note = f"never trained steadily at world {NODES} within {args.start_timeout:.0f}s"
+            return trial
+        cluster.refresh()
+        victim = cluster.nodes[NODES - 1]
+        if scenario == "sigkill":
+            t0, trial.new_world = victim.signal_node(signal.SIGKILL), NODES - 1
+        elif scenario == "sigstop":
+            t0, trial.new_world = victim.signal_node(signal.SIGSTOP), NODES - 1
+        elif scenario == "sigterm":
+            t0, trial.new_world = victim.signal_launcher(signal.SIGTERM), NODES - 1
+        else:
+            trial.new_world = NODES + 1
+            start_node(cluster, system, NODES, job, endpoint, src)
+            t0 = cluster.nodes[-1].started_at
+        timeout = args.stop_timeout if scenario == "sigstop" else args.timeout
+        ranks = src.ranks_per_step(trial.new_world)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if first_step_at(src.records(), trial.new_world, t0, ranks):
+                break
+            time.sleep(0.1)
+            cluster.refresh()  # remember new workers, so cleanup finds them even if orphaned
+        records = src.records()
+        analyse(trial, records, t0, ranks)
+        if not trial.recovered:
+            trial.note = f"did not recover within {timeout:.0f}s"
+        if system == "elasticd" and trial.recovered:
+            survivors = [n for n in cluster.nodes if n is not victim or scenario == "join"]
+            trial.phases = agent_breakdown([n.lines for n in survivors], t0, trial.new_world,
+                                           records, src.is_bench)
+        (workdir / "trial.json").write_text(json.dumps(asdict(trial), indent=1))
+    return trial
+
+
+def analyse(trial: Trial, records: list[dict], t0: float, ranks: int) -> None:
+    """Fill in recovery time, steps lost and the worker-start split from the step records."""
+    first = first_step_at(records, trial.new_world, t0, ranks)
+    if first is None:
+        return
+    step, at = first
+    trial.recovered, trial.first_new_step = True, step
+    trial.recovery_s = at - t0
+    old = [int(r["step"]) for r in records
+           if "step" in r and "event" not in r and r.get("world") == trial.old_world and r["time"] < at]
+    if old:
+        trial.last_old_step = max(old)
+        trial.steps_lost = max(0, trial.last_old_step - step + 1)
+    starts = [r for r in records if r.get("event") == "start" and r.get("world") == trial.new_world
+              and float(r.get("ready", 0)) > t0]
+    if starts:
+        if all("spawned" in r for r in starts):
+            trial.spawn_s = max(float(r["spawned"]) for r in starts) - t0
+        trial.ready_s = max(float(r["ready"]) for r in starts) - t0
+
+
+def cold_start(script: str, root: Path, rep: int) -> dict[str, float] | None:
+    """A worker started by hand at world 1: seconds from exec to ready and to the first step."""
+    workdir = root / f"cold-{rep}"
+    workdir.mkdir(parents=True)
+    src = StepSource(script, workdir, step_s=0.02)
+    env = {"WORLD_SIZE": "1", "RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(free_port()), "PYTHONUNBUFFERED": "1"}
+    with Cluster(workdir) as cluster:
+        node = cluster.start("cold", [PY, *src.args()], env, on_line=src.on_line)
+        first = wait_until(lambda: first_step_at(src.records(), 1, 0, 1), 120)
+        if not first:
+            return None
+        starts = [r for r in src.records() if r.get("event") == "start"]
+        ready = float(starts[0]["ready"]) if starts else None
+        return {"first_step_s": first[1] - node.started_at,
+                "ready_s": (ready - node.started_at) if ready else None,
+                "imports_s": (float(starts[0]["imported"]) - float(starts[0]["spawned"]))
+                if starts and "imported" in starts[0] else None}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--reps", type=int, default=3, help="repetitions per scenario and launcher")
+    p.add_argument("--scenarios", default=",".join(SCENARIOS), help="comma-separated subset")
+    p.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated subset")
+    p.add_argument("--script", default=None,
+                   help=f"training script (default: {TRAIN_SCRIPT} if it runs, else {BENCH_WORKER})")
+    p.add_argument("--step-s", type=float, default=0.02, help="per-step padding handed to the script")
+    p.add_argument("--warm-steps", type=int, default=20, help="steps at world 3 before the fault")
+    p.add_argument("--timeout", type=float, default=120.0, help="recovery wait bound, s")
+    p.add_argument("--stop-timeout", type=float, default=240.0, help="recovery wait bound for sigstop, s")
+    p.add_argument("--start-timeout", type=float, default=180.0, help="wait for steady training, s")
+    p.add_argument("--torchrun-conf", default=TORCHRUN_TUNED_CONF, help="rdzv-conf of the tuned torchrun")
+    p.add_argument("--workdir", default=None, help="keep logs here (default: a temp dir)")
+    p.add_argument("--no-doc", action="store_true", help="do not write docs/benchmarks.md")
+    p.add_argument("--doc-block", default="recovery",
+                   help="name of the generated block in the Recovery section (one per script)")
+    args = p.parse_args(argv)
+    scenarios = [s for s in args.scenarios.split(",") if s]
+    systems = [s for s in args.systems.split(",") if s]
+    bad = [x for x in scenarios if x not in SCENARIOS] + [x for x in systems if x not in SYSTEMS]
+    if bad:
+        p.error(f"unknown scenario/system {bad}; choose from {SCENARIOS} and {SYSTEMS}")
+    TUNED_CONF[0] = args.torchrun_conf
+    script = args.script or (TRAIN_SCRIPT if script_available(TRAIN_SCRIPT) else BENCH_WORKER)
+    root = Path(args.workdir or tempfile.mkdtemp(prefix="elasticd-recovery-"))
+    root.mkdir(parents=True, exist_ok=True)
+    info = machine_info()
+    busy = other_load()
+    print(f"script {script}; logs under {root}", flush=True)
+    from elasticd.etcd.embedded import EmbeddedEtcd
+
+    trials: list[Trial] = []
+    colds: list[dict] = []
+    etcd = EmbeddedEtcd(data_dir=str(root / "etcd"))
+    started = time.time()
+    with sigterm_as_interrupt():
+        try:
+            etcd.start()
+            for rep in range(args.reps):
+                cold = cold_start(script, root, rep)
+                if cold:
+                    colds.append(cold)
+                for scenario in scenarios:
+                    for system in systems:
+                        if any(t.system == system and t.scenario == scenario and not t.recovered
+                               for t in trials):
+                            continue  # no recovery once: one repetition is enough
+                        t = run_trial(system, scenario, rep, etcd.endpoint, script, root, args)
+                        trials.append(t)
+                        print(json.dumps({k: v for k, v in asdict(t).items() if k != "workdir"}),
+                              flush=True)
+        finally:
+            etcd.stop(remove_data=False)
+    results = {"machine": info, "script": script, "argv": sys.argv[1:], "trials": [asdict(t) for t in trials],
+               "cold": colds, "wall_s": time.time() - started, "tuned_conf": args.torchrun_conf,
+               "busy": sorted(set(busy) | set(other_load()))}
+    (root / "results.json").write_text(json.dumps(results, indent=1))
+    report = write_report(results, block=None if args.no_doc else args.doc_block)
+    print(report)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
