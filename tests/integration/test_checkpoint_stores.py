@@ -59,8 +59,9 @@ def test_round_trip_and_cli_listing(store):
     assert loaded.step == 2
     for a, b in zip(model.state_dict().values(), model2.state_dict().values(), strict=True):
         assert torch.equal(a, b)
-    infos = list_checkpoints(store[0], "demo", storage_options=store[1], verify=True)
-    assert [(i.step, i.valid, i.world_size) for i in infos] == [(2, True, 1), (1, True, 1)]
+    infos = list_checkpoints(store[0], None, storage_options=store[1], verify=True)  # every job
+    assert [(i.job, i.step, i.valid, i.world_size) for i in infos] == [
+        ("demo", 2, True, 1), ("demo", 1, True, 1)]
 
 
 def test_torn_and_corrupt_checkpoints_fall_back_with_logged_reasons(store):
