@@ -145,7 +145,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
     """A torch elastic ``RendezvousHandler`` on etcd v3 (backend name ``etcd-v3``).
 
     Args:
-        client: etcd client (the handler closes it on ``shutdown``).
+        client: etcd client; the caller closes it after ``shutdown`` (the handler does not).
         job: job name (the run id); keys live under ``/elasticd/<job>/``.
         settings: sizes and timeouts.
         node_id: this node's id; ``<host>-<pid>`` by default.
