@@ -44,7 +44,7 @@ def list_checkpoints(
 
 
 def _inspect(store: FsspecCheckpointStore, save: ListedSave, verify: bool) -> CheckpointInfo:
-    base = {"job": store.job, "step": save.step, "save_id": save.save_id,
+    base: dict[str, Any] = {"job": store.job, "step": save.step, "save_id": save.save_id,
             "url": store.manifest_url(save.step, save.save_id),
             "created_at": save.created_at, "size": save.size}
     try:

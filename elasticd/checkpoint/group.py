@@ -47,10 +47,11 @@ class TorchGroup:
     """
 
     def __init__(self, pg: Any = None) -> None:
-        self.pg = pg if pg is not None else dist.group.WORLD
-        self.rank = dist.get_rank(self.pg)
-        self.size = dist.get_world_size(self.pg)
-        self._root = dist.get_global_rank(self.pg, 0)
+        group: Any = pg if pg is not None else dist.group.WORLD
+        self.pg = group
+        self.rank = dist.get_rank(group)
+        self.size = dist.get_world_size(group)
+        self._root = dist.get_global_rank(group, 0)
         # Object collectives travel as byte tensors: on the GPU for NCCL, else the CPU.
         backend = str(dist.get_backend(self.pg)).lower()
         self._device = (torch.device("cuda", torch.cuda.current_device())

@@ -34,7 +34,7 @@ import structlog
 import torch
 
 import elasticd
-from elasticd.checkpoint import rng
+from elasticd.checkpoint import reader, rng
 from elasticd.checkpoint.api import (
     CheckpointCorruptError,
     CheckpointError,
@@ -53,21 +53,14 @@ from elasticd.checkpoint.manifest import (
     new_save_id,
     step_dir_name,
 )
-from elasticd.checkpoint.restore import apply, deserialize, deserialize_file, owned
+from elasticd.checkpoint.restore import apply, owned
 from elasticd.checkpoint.retention import PruneDecision, RetentionPolicy, StoredSave, plan_prune
 from elasticd.checkpoint.staging import RESERVED_KEY, StateStager, resolve
-from elasticd.checkpoint.store import (
-    CheckpointVanishedError,
-    FsspecCheckpointStore,
-    ListedSave,
-    listing_problem,
-)
+from elasticd.checkpoint.store import FsspecCheckpointStore, ListedSave, listing_problem
 from elasticd.errors import ConfigError, FencedError
 
 log = structlog.get_logger(__name__)
 
-# Outcome of one rank reading one candidate; the worst over all ranks decides.
-_OK, _CORRUPT, _VANISHED, _FAILED = 0, 1, 2, 3
 # How often a load lists again when files vanish under it (a prune racing a slow reader).
 _MAX_LISTINGS = 5
 _RELIST = object()
@@ -208,7 +201,7 @@ class CheckpointManager:
             if event is not None:
                 event.synchronize()  # device-to-host copies done
             entry = self.store.write_file(step, save_id, STATE_FILE,
-                                          lambda w: torch.save(payload, w))
+                                          lambda w: torch.save(payload, w))  # type: ignore[arg-type]
             user = {k: v for k, v in payload.items() if k != RESERVED_KEY}
             manifest = Manifest(
                 job=self.job, step=step, save_id=save_id, world_size=self.world_size,
@@ -238,6 +231,9 @@ class CheckpointManager:
             return
         self._manifests[(step, save_id)] = manifest
         self._protect["saved"] = (step, save_id)
+        # The loaded checkpoint was protected as possibly the newest valid one; a fresh
+        # commit is newer and known valid, so the old one may age out normally now.
+        self._protect.pop("loaded", None)
         self._log.info("checkpoint_saved", step=step, url=url, bytes=entry.size,
                        blocked_s=round(inflight.blocked_s, 4), write_s=round(write_s, 3),
                        mb_per_s=round(entry.size / max(write_s, 1e-9) / 1e6, 1))
@@ -340,7 +336,11 @@ class CheckpointManager:
 
     def _load_once(self, template: MutableMapping[str, Any] | None,
                    skipped: list[SkippedCheckpoint]) -> Any:
-        candidates = self._candidates(skipped) if self.is_writer else None
+        candidates = None
+        if self.is_writer:
+            candidates = reader.candidates(
+                self.store, self.fence.latest() if self.fence is not None else None,
+                lambda url, reason: self._skip(skipped, url, reason), self._log)
         while True:
             msg: Any = None
             if candidates is not None:
@@ -361,86 +361,18 @@ class CheckpointManager:
                 raise CheckpointReadError(msg[1])
             _, url, manifest = msg
             mapped = self.store.is_local and template is not None
-            status, reason, state = self._read(manifest, mapped)
+            status, reason, state = reader.read_state(self.store, manifest, mapped)
             reports = self._group.all_gather((status, reason))
             worst = max(s for s, _ in reports)
-            if worst == _OK:
+            if worst == reader.OK:
                 return self._apply(template, url, manifest, state, mapped, skipped)
             why = next(r for s, r in reports if s == worst)
-            if worst == _FAILED:
+            if worst == reader.FAILED:
                 raise CheckpointReadError(f"reading checkpoint {url} failed: {why}; "
                                           "storage unreachable? the worker will be retried")
             self._skip(skipped, url, why)
-            if worst == _VANISHED:
+            if worst == reader.VANISHED:
                 return _RELIST
-
-    def _candidates(self, skipped: list[SkippedCheckpoint]) -> Any:
-        """Yield ("try", url, manifest) newest first (rank 0 only), skipping what the
-        listing and the manifest alone show to be unusable."""
-        listed = {(s.step, s.save_id): s for s in self.store.list_saves()}
-        order = sorted(listed, key=lambda k: (k[0], listed[k].created_at, k[1]), reverse=True)
-        pointer = self.fence.latest() if self.fence is not None else None
-        if pointer is not None:
-            key = self.store.parse_manifest_url(pointer.manifest_url)
-            if key is None:
-                self._log.warning("checkpoint_pointer_ignored", pointer=pointer.manifest_url,
-                                  reason=f"not a checkpoint under {self.store.job_url}")
-            else:
-                for k in order:
-                    if k[0] > key[0] or (k[0] == key[0] and k != key):
-                        self._skip(skipped, self.store.manifest_url(*k),
-                                   f"not committed by the fence (pointer is step {key[0]}): "
-                                   "zombie or refused upload")
-                order = [key] + [k for k in order if k[0] < key[0]]
-        for step, save_id in order:
-            url = self.store.manifest_url(step, save_id)
-            save = listed.get((step, save_id))
-            if save is None:
-                self._skip(skipped, url, "pointed to by the fence but missing from storage")
-                continue
-            try:
-                manifest = self.store.read_manifest(step, save_id)
-                problem = listing_problem(manifest, save)
-                if problem:
-                    raise CheckpointCorruptError(problem)
-            except CheckpointCorruptError as exc:
-                self._skip(skipped, url, str(exc))
-                continue
-            if manifest.job != self.job:
-                raise CheckpointMismatchError(
-                    f"checkpoint {url} belongs to job {manifest.job!r}, not {self.job!r}: "
-                    "it was copied here or the job name changed; move it or load with "
-                    f"job={manifest.job!r}")
-            yield ("try", url, manifest)
-
-    def _read(self, manifest: Manifest, mapped: bool) -> tuple[int, str | None, Any]:
-        """Verify every file of ``manifest`` and deserialize the state.
-
-        ``mapped``: verify by streaming, then memory-map the state file (local disks, when
-        a template will take the tensors); else read each file whole and load from memory.
-        """
-        state = None
-        try:
-            for entry in manifest.files:
-                if mapped:
-                    self.store.verify_file(manifest.step, manifest.save_id, entry)
-                else:
-                    data = self.store.read_verified(manifest.step, manifest.save_id, entry)
-                    if entry.name == STATE_FILE:
-                        state = deserialize(data, entry.name)
-            entry = next((e for e in manifest.files if e.name == STATE_FILE), None)
-            if mapped and entry is not None:
-                path = self.store.local_path(manifest.step, manifest.save_id, entry)
-                state = deserialize_file(path, STATE_FILE)
-            if not isinstance(state, dict) or not isinstance(state.get(RESERVED_KEY), dict):
-                raise CheckpointCorruptError(f"{STATE_FILE} is missing or is not a checkpoint state")
-        except (CheckpointVanishedError, FileNotFoundError) as exc:
-            return _VANISHED, str(exc) or "a data file disappeared while reading", None
-        except CheckpointCorruptError as exc:
-            return _CORRUPT, str(exc), None
-        except Exception as exc:  # noqa: BLE001 - storage errors: report, don't skip
-            return _FAILED, repr(exc), None
-        return _OK, None, state
 
     def _apply(self, template: MutableMapping[str, Any] | None, url: str, manifest: Manifest,
                state: dict[str, Any], mapped: bool,

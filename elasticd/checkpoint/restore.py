@@ -129,11 +129,12 @@ def owned(obj: Any) -> Any:
     if isinstance(obj, torch.Tensor):
         return obj.clone()
     if isinstance(obj, Mapping):
-        out = type(obj)() if type(obj) in (dict, OrderedDict) else {}
+        out: Any = type(obj)() if type(obj) in (dict, OrderedDict) else {}
         for k, v in obj.items():
             out[k] = owned(v)
-        if getattr(obj, "_metadata", None) is not None:
-            out._metadata = obj._metadata  # type: ignore[attr-defined]
+        meta = getattr(obj, "_metadata", None)
+        if meta is not None:
+            out._metadata = meta
         return out
     if type(obj) in (list, tuple):
         return type(obj)(owned(v) for v in obj)

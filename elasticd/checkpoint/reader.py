@@ -1,0 +1,112 @@
+"""The two halves of a load: which checkpoints to try (rank 0), and reading one (every rank).
+
+``CheckpointManager.load_latest`` runs the protocol between them: rank 0 walks
+:func:`candidates` and broadcasts each; every rank runs :func:`read_state` and reports its
+outcome; the worst outcome over all ranks decides (skip, list again, fail, or apply).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from elasticd.checkpoint.api import CheckpointCorruptError, CheckpointMismatchError
+from elasticd.checkpoint.manifest import STATE_FILE, Manifest
+from elasticd.checkpoint.restore import deserialize, deserialize_file
+from elasticd.checkpoint.staging import RESERVED_KEY
+from elasticd.checkpoint.store import (
+    CheckpointVanishedError,
+    FsspecCheckpointStore,
+    listing_problem,
+)
+from elasticd.records import CheckpointPointer
+
+# Outcome of one rank reading one candidate, ordered so that the worst (max) wins.
+OK, CORRUPT, VANISHED, FAILED = 0, 1, 2, 3
+
+
+def candidates(
+    store: FsspecCheckpointStore,
+    pointer: CheckpointPointer | None,
+    skip: Callable[[str, str], None],
+    log: Any,
+) -> Iterator[tuple[str, str, Manifest]]:
+    """Yield ``("try", manifest_url, manifest)`` newest first, skipping (``skip(url,
+    reason)``) what the listing and the manifest alone show to be unusable.
+
+    With a pointer, it comes first and only older checkpoints follow: anything newer, or
+    another save of its step, was never committed. A pointer that is not a checkpoint of
+    this job (the URL changed since) is ignored with a warning, and the listing decides.
+
+    Raises:
+        CheckpointMismatchError: a verified manifest belongs to another job.
+    """
+    listed = {(s.step, s.save_id): s for s in store.list_saves()}
+    order = sorted(listed, key=lambda k: (k[0], listed[k].created_at, k[1]), reverse=True)
+    if pointer is not None:
+        key = store.parse_manifest_url(pointer.manifest_url)
+        if key is None:
+            log.warning("checkpoint_pointer_ignored", pointer=pointer.manifest_url,
+                        reason=f"not a checkpoint under {store.job_url}")
+        else:
+            for k in order:
+                if k[0] > key[0] or (k[0] == key[0] and k != key):
+                    skip(store.manifest_url(*k), f"not committed by the fence (pointer is step "
+                                                 f"{key[0]}): zombie or refused upload")
+            order = [key] + [k for k in order if k[0] < key[0]]
+    for step, save_id in order:
+        url = store.manifest_url(step, save_id)
+        save = listed.get((step, save_id))
+        if save is None:
+            skip(url, "pointed to by the fence but missing from storage")
+            continue
+        try:
+            manifest = store.read_manifest(step, save_id)
+            problem = listing_problem(manifest, save)
+            if problem:
+                raise CheckpointCorruptError(problem)
+        except CheckpointCorruptError as exc:
+            skip(url, str(exc))
+            continue
+        if manifest.job != store.job:
+            raise CheckpointMismatchError(
+                f"checkpoint {url} belongs to job {manifest.job!r}, not {store.job!r}: it was "
+                f"copied here or the job name changed; move it or load with job={manifest.job!r}")
+        yield ("try", url, manifest)
+
+
+def read_state(store: FsspecCheckpointStore, manifest: Manifest,
+               mapped: bool) -> tuple[int, str | None, Any]:
+    """Verify every file of ``manifest`` and deserialize the state.
+
+    Args:
+        store: where the checkpoint is.
+        manifest: the candidate (already verified by rank 0).
+        mapped: verify by streaming, then memory-map the state file (local disks, when a
+            template will take the tensors); else read each file whole, load from memory.
+
+    Returns:
+        (outcome, reason or None, state or None); never raises.
+    """
+    state = None
+    try:
+        for entry in manifest.files:
+            if mapped:
+                store.verify_file(manifest.step, manifest.save_id, entry)
+            else:
+                data = store.read_verified(manifest.step, manifest.save_id, entry)
+                if entry.name == STATE_FILE:
+                    state = deserialize(data, entry.name)
+        state_entry = next((e for e in manifest.files if e.name == STATE_FILE), None)
+        path = store.local_path(manifest.step, manifest.save_id, state_entry) if state_entry else None
+        if mapped and path is not None:
+            state = deserialize_file(path, STATE_FILE)
+        if not isinstance(state, dict) or not isinstance(state.get(RESERVED_KEY), dict):
+            raise CheckpointCorruptError(f"{STATE_FILE} is missing or is not a checkpoint state")
+    except (CheckpointVanishedError, FileNotFoundError) as exc:
+        return VANISHED, str(exc) or "a data file disappeared while reading", None
+    except CheckpointCorruptError as exc:
+        return CORRUPT, str(exc), None
+    except Exception as exc:  # noqa: BLE001 - storage errors: report, don't skip
+        return FAILED, repr(exc), None
+    return OK, None, state
