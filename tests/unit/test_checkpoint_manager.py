@@ -349,3 +349,32 @@ def test_local_load_leaves_no_tensor_mapped_to_the_checkpoint_file(tmp_path):
     assert torch.equal(optim2.state_dict()["state"][0]["exp_avg"], optim.state_dict()["state"][0]["exp_avg"])
     for obj in (optim2.state_dict(), extra, loaded.state, dict(model2.state_dict())):
         assert _mapped_tensors(obj, ranges) == 0
+
+
+def test_corrupt_pointed_checkpoint_falls_back_below_the_pointer(url):
+    """If the pointed-to checkpoint is corrupt, the one before it loads (never a newer stray)."""
+    fence = MemoryCommitFence(round_=1)
+    mgr = CheckpointManager(url, job="demo", fence=fence, keep_last=5)
+    for step in (1, 2):
+        mgr.save(step, {"w": torch.full((8,), float(step))}, blocking=True)
+    CheckpointManager(url, job="demo").save(3, {"w": torch.full((8,), 3.0)}, blocking=True)  # stray
+    pointed = mgr.store.list_saves()[1]
+    assert pointed.step == 2
+    mgr.store.fs.rm_file(_path(mgr, pointed, STATE_FILE))
+    w = torch.zeros(8)
+    with capture_logs() as cap:
+        loaded = CheckpointManager(url, job="demo", fence=fence).load_latest({"w": w})
+    assert loaded.step == 1 and torch.all(w == 1.0)
+    assert [r.split(":")[0] for r in _skips(cap)] == ["not committed by the fence (pointer is step 2)",
+                                                      "data file state.pt is missing"]
+
+
+def test_pointer_outside_the_job_prefix_is_ignored(url):
+    """A pointer naming another URL (the job moved) is not followed; the listing decides."""
+    fence = MemoryCommitFence(round_=1)
+    fence.commit(99, "s3://elsewhere/demo/step-000000000099/0000000000001-aaaaaaaa/manifest.json", 1)
+    CheckpointManager(url, job="demo").save(4, {"w": torch.ones(2)}, blocking=True)
+    with capture_logs() as cap:
+        loaded = CheckpointManager(url, job="demo", fence=fence).load_latest()
+    assert loaded.step == 4
+    assert any(e["event"] == "checkpoint_pointer_ignored" for e in cap)
