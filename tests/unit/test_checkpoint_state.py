@@ -48,6 +48,17 @@ def test_staging_buffers_are_reused_between_saves():
     assert first["model"]["0.weight"].data_ptr() == second["model"]["0.weight"].data_ptr()
 
 
+def test_large_states_are_copied_on_threads_exactly():
+    """Past the parallel threshold the copy runs on a thread pool and is still exact."""
+    state = {"m": {f"w{i}": torch.randn(3 << 20) for i in range(4)}}  # 48 MiB
+    stager = StateStager()
+    staged, _ = stager.stage(state)
+    assert stager._pool is not None
+    assert all(torch.equal(staged["m"][k], v) for k, v in state["m"].items())
+    stager.release()
+    assert stager._pool is None
+
+
 def test_tied_weights_are_staged_once():
     """Two keys viewing one storage share one staged tensor, like torch.save would."""
     w = torch.randn(4, 4)
