@@ -142,7 +142,8 @@ class EtcdStore(dist.Store):
         self._wait_for(list(keys), self._timeout(timeout))
 
     def check(self, keys: list[str]) -> bool:
-        return all(self._retry(lambda k=k: self._client.get(self._prefix + k)) is not None for k in keys)
+        found = self._read(list(keys))
+        return all(k in found for k in keys)
 
     def delete_key(self, key: str) -> bool:
         return bool(self._retry(lambda: self._client.delete(self._prefix + key)))
