@@ -76,6 +76,13 @@ def _in_order(table: dict[int, list[tuple[int, str]]]) -> dict[int, list[str]]:
     return {r: [n for _, n in sorted(v)] for r, v in table.items()}
 
 
+def _left_gracefully(record: bytes) -> bool:
+    try:
+        return NodeRecord.from_json(record).state in ("stopped", "draining")
+    except (ValueError, TypeError):
+        return False
+
+
 class _View:
     """Thread-safe cache of ``nodes/`` and ``rdzv/``, fed by two prefix watches."""
 
@@ -83,6 +90,7 @@ class _View:
         self.keys = keys
         self.cond = threading.Condition()
         self.nodes: dict[str, KV] = {}
+        self.left: set[str] = set()  # nodes whose last record said they stopped (a clean leave)
         self.rdzv: dict[str, KV] = {}
         self.version = 0
 
@@ -90,7 +98,9 @@ class _View:
         with self.cond:
             for ev in events:
                 if ev.value is None:
-                    table.pop(ev.key, None)
+                    gone = table.pop(ev.key, None)
+                    if gone is not None and table is self.nodes and _left_gracefully(gone.value):
+                        self.left.add(ev.key[len(self.keys.nodes_prefix):])
                 else:
                     old = table.get(ev.key)
                     create = old.create_revision if old else ev.mod_revision
@@ -476,6 +486,8 @@ class EtcdRendezvousHandler(RendezvousHandler):
         view, _ = self._view.snapshot()
         n, why = nodes_waiting(view, self._round, max_nodes=self.settings.max_nodes)
         lost = lost_members(view.state, view.alive) if view.state and view.state.round == self._round else []
+        with self._view.cond:
+            lost = [m for m in lost if m not in self._view.left]  # a clean leave needs no grace
         if lost and self.client.trouble_within(self._outage_grace_s()):
             now = time.monotonic()
             self._loss_seen_at = self._loss_seen_at or now
