@@ -1,33 +1,38 @@
 """What elasticd's worker API adds to each training step, next to a plain DistributedSampler loop.
 
 Two gloo ranks on 127.0.0.1 (started here with ``torch.multiprocessing``) train one small
-DDP model in two ways, in interleaved blocks of ``--block-steps`` steps (A B B A A B ...,
-so slow drift on a shared machine hits both alike):
+DDP model in two ways, in short interleaved blocks of ``--block-steps`` steps (A B, B A,
+A B, ... over ``--rounds`` rounds), so the load of a shared machine, which changes within
+seconds, hits both alike:
 
 - **A, plain:** ``DistributedSampler`` + ``DataLoader(batch_size=share)``, forward,
   backward, ``optimizer.step()``;
 - **B, elasticd:** ``ElasticSampler`` + ``ElasticBatchSampler(plan)``,
   ``accumulation_contexts`` and ``plan.loss_scale``, ``sampler.step()``,
   ``worker.report_progress`` and ``worker.should_stop`` (one one-integer all-reduce),
-  exactly as docs/worker-api.md writes the loop.
+  as docs/worker-api.md writes the loop;
+- with ``--attribute``, also B without ``should_stop`` (what the data path and progress
+  reports cost alone).
 
 Each step also sleeps ``--device-ms`` (a stand-in for time on an accelerator, during which
-the CPU is idle), so the default step is about 20 ms. The parent process runs a real
-``elasticd.agent.control.ControlChannel`` and hands the workers its
+the CPU is idle), so a step takes about 20 ms on an idle machine. The parent process runs
+a real ``elasticd.agent.control.ControlChannel`` and hands the workers its
 ``ELASTICD_CONTROL_DIR``/``ELASTICD_CONTROL_SOCKET``, so progress reports go over the real
 Unix socket and ``should_stop`` stats the real drain file.
 
-Reported (rank 0's clock): median step time of A and B and their ratio (goal: <= 1.01),
-the median of the per-pair block ratios, and the raw cost per call of ``should_stop()``
-(with a bare one-int32 ``all_reduce`` for comparison), ``stop_requested_locally()``, and
-``report_progress()`` rate-limited (the usual case) and forced (one JSON line on the
-socket). Finally the parent asks for a drain while both ranks poll ``should_stop`` and
-checks that they stop at the same call, leave ``stopped-<rank>`` markers, and that the
-agent's progress board saw both ranks.
+Reported (rank 0's clock): median and 10th-percentile step time and median CPU time per
+step (the rank's process, gloo's threads included) of each loop; the ratio of the medians
+B / A (goal: <= 1.01) and the median and quartiles of the per-round ratios; the cost per
+call of ``should_stop()`` next to a bare one-int32 ``all_reduce`` (measured in alternating
+chunks), of ``stop_requested_locally()``, and of ``report_progress()`` rate-limited (the
+usual case) and forced (one JSON line on the socket); the load average before and after.
+Finally the parent asks for a drain while both ranks poll ``should_stop`` and checks that
+they stop at the same call and leave ``stopped-<rank>`` markers, and that the agent's
+progress board saw both ranks; the exit code is 1 if a check fails.
 
-    .venv/bin/python benchmarks/worker_overhead.py            # about 80 s, markdown
+    .venv/bin/python benchmarks/worker_overhead.py            # about 60-80 s, markdown
     .venv/bin/python benchmarks/worker_overhead.py --json
-    .venv/bin/python benchmarks/worker_overhead.py --device-ms 0 --pairs 4   # CPU-only steps
+    .venv/bin/python benchmarks/worker_overhead.py --attribute --rounds 30
 """
 
 from __future__ import annotations
@@ -110,7 +115,8 @@ def _worker(rank: int, env: dict[str, str], args: argparse.Namespace, results: A
         """A: the DistributedSampler loop of PyTorch's DDP tutorial."""
 
         def __init__(self) -> None:
-            self.sampler = DistributedSampler(dataset, shuffle=True, seed=0, drop_last=True)
+            self.sampler: DistributedSampler[int] = DistributedSampler(
+                dataset, shuffle=True, seed=0, drop_last=True)
             self.loader = DataLoader(dataset, batch_size=share, sampler=self.sampler, drop_last=True)
             self.epoch = 0
             self.it = iter(self.loader)
@@ -161,7 +167,7 @@ def _worker(rank: int, env: dict[str, str], args: argparse.Namespace, results: A
                 raise RuntimeError("should_stop() returned True before any drain was asked")
             self.n += 1
 
-    loops = {"plain": PlainLoop(), "elasticd": ElasticLoop()}
+    loops: dict[str, Any] = {"plain": PlainLoop(), "elasticd": ElasticLoop()}
     if args.attribute:
         loops["no-stop"] = ElasticLoop(agree=False)
     names = list(loops)
@@ -186,12 +192,12 @@ def _worker(rank: int, env: dict[str, str], args: argparse.Namespace, results: A
     # Raw costs, every rank calling in lockstep (should_stop is a collective).
     calls = args.calls
     flag = torch.zeros(1, dtype=torch.int32)
-    bare, agreed = [], []
+    bare, agreed, chunk = [], [], max(calls // 10, 1)
     for _ in range(10):  # alternate chunks: the machine's load changes under both alike
         dist.barrier()
-        bare.append(_per_call_us(lambda: dist.all_reduce(flag, op=dist.ReduceOp.MAX), calls // 10))
+        bare.append(_per_call_us(lambda: dist.all_reduce(flag, op=dist.ReduceOp.MAX), chunk))
         dist.barrier()
-        agreed.append(_per_call_us(worker.should_stop, calls // 10))
+        agreed.append(_per_call_us(worker.should_stop, chunk))
     bare_us, should_stop_us = statistics.median(bare), statistics.median(agreed)
     local_us = _per_call_us(worker.stop_requested_locally, calls)
     limited_us = _per_call_us(lambda: worker.report_progress(1, epoch=0, samples=1), calls * 10)

@@ -66,7 +66,7 @@ def standalone(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]
 
 
 def _latest(url: str) -> Any:
-    from elasticd.checkpoint import CheckpointManager
+    from elasticd.checkpoint.manager import CheckpointManager
 
     with CheckpointManager(url, job="local") as mgr:
         return mgr.load_latest()
