@@ -91,7 +91,8 @@ class ControlChannel:
 
     Args:
         on_commit: called for each ``commit`` request; returns (ok, reason).
-        base_dir: parent of the runtime directory (``$XDG_RUNTIME_DIR`` or /tmp if None).
+        base_dir: parent of the runtime directory (``tempfile``'s default, $TMPDIR or /tmp,
+            if None).
     """
 
     def __init__(self, on_commit: CommitHandler | None = None, base_dir: str | None = None,
@@ -205,6 +206,7 @@ class ControlClient:
         self.timeout_s = timeout_s
         self._sock: socket.socket | None = None
         self._file: Any = None
+        self._backlog = b""  # the unsent tail of a progress line
         self._lock = threading.Lock()
 
     def _connect(self) -> None:
@@ -214,15 +216,32 @@ class ControlClient:
         self._sock, self._file = sock, sock.makefile("rb")
 
     def send(self, msg: dict[str, Any]) -> None:
-        """Fire and forget (progress). Errors are swallowed: the agent may be restarting."""
+        """Fire and forget (progress): never blocks training.
+
+        If the agent is not reading (frozen, busy), the message is dropped rather than
+        waiting; a line that went out only in part is completed on a later call, so the
+        stream never carries a torn line. Errors are swallowed: the agent may be restarting.
+        """
         with self._lock:
             try:
                 if self._sock is None:
                     self._connect()
                 assert self._sock is not None
-                self._sock.sendall(json.dumps(msg).encode() + b"\n")
+                if self._backlog:
+                    self._backlog = self._backlog[self._send_nowait(self._backlog):]
+                    if self._backlog:
+                        return  # still blocked: drop this report
+                data = json.dumps(msg).encode() + b"\n"
+                self._backlog = data[self._send_nowait(data):]
             except OSError:
                 self._close()
+
+    def _send_nowait(self, data: bytes) -> int:
+        assert self._sock is not None
+        try:
+            return self._sock.send(data, socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return 0
 
     def request(self, msg: dict[str, Any]) -> dict[str, Any]:
         """Send and wait for the reply.
@@ -235,6 +254,9 @@ class ControlClient:
                 if self._sock is None:
                     self._connect()
                 assert self._sock is not None and self._file is not None
+                if self._backlog:  # finish a torn progress line first
+                    self._sock.sendall(self._backlog)
+                    self._backlog = b""
                 self._sock.sendall(json.dumps(msg).encode() + b"\n")
                 line = self._file.readline()
                 if not line:
@@ -251,6 +273,7 @@ class ControlClient:
             except OSError:
                 pass
         self._sock = self._file = None
+        self._backlog = b""
 
     def close(self) -> None:
         with self._lock:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -143,8 +144,9 @@ def run_node(spec: NodeSpec) -> int:
             max_restarts=spec.supervision.max_restarts,
             monitor_interval=spec.supervision.monitor_interval_s, local_addr=spec.local_addr,
         )
-        logs = DefaultLogsSpecs(log_dir=spec.log_dir or str(control.dir / "logs"),
-                                redirects=Std.ALL, tee=Std.ALL)
+        # Worker logs outlive the agent (the runtime dir does not): they explain a failure.
+        log_dir = spec.log_dir or os.path.join(tempfile.gettempdir(), f"elasticd-logs-{spec.job}")
+        logs = DefaultLogsSpecs(log_dir=log_dir, redirects=Std.ALL, tee=Std.ALL)
         agent = ElasticdAgent(worker_spec, spec.supervision, handler, control, recorder,
                               logs_specs=logs, metrics=_make_metrics(spec),
                               notifier=_make_notifier(spec))

@@ -6,9 +6,12 @@ ELASTICD_CHECKPOINT_URL, ELASTICD_CONTROL_DIR/SOCKET). Everything also works und
 torchrun (no agent: a SIGTERM asks for the stop instead of the drain file) and in a
 single process with no launcher at all (world size 1).
 
-Stop agreement: ``should_stop()`` checks the local drain flag (one ``stat``) and then
-all-reduces one integer (MAX) so that every rank of every node returns True at the same
-step, once any node was asked to drain. Cost: one tiny collective per call.
+Stop agreement: ``should_stop()`` checks the local drain flag (one ``stat``) and all-reduces
+one integer (MAX) so that every rank of every node returns True at the same call, once any
+node was asked to drain. The all-reduce is asynchronous and read one call later, on a CPU
+(gloo) group even when training uses NCCL: the training loop never waits for it and the
+GPU is never synchronised for it. Every rank reads the same previous result, so all ranks
+still agree; a drain takes effect one step later.
 """
 
 from __future__ import annotations
@@ -61,6 +64,9 @@ class _State:
     stopped: bool = False
     last_progress_at: float = 0.0
     flag: torch.Tensor | None = None
+    stop_group: Any = None  # CPU (gloo) group for the stop flag
+    pending: Any = None  # async all-reduce work of the previous should_stop()
+    old_sigterm: Any = None
 
 
 _S = _State()
@@ -115,8 +121,10 @@ def init(backend: str | None = None, *, timeout_s: float = DEFAULT_COLLECTIVE_TI
     _S.client = ControlClient(socket_path) if socket_path else None
     if not control_dir:
         # Under plain torchrun (or by hand) a SIGTERM asks for a graceful stop.
-        signal.signal(signal.SIGTERM, _on_sigterm)
-    _S.flag = torch.zeros(1, dtype=torch.int32, device=device)
+        _S.old_sigterm = signal.signal(signal.SIGTERM, _on_sigterm)
+    _S.flag = torch.zeros(1, dtype=torch.int32)
+    if dist.is_initialized():
+        _S.stop_group = dist.new_group(backend="gloo") if backend != "gloo" else dist.group.WORLD
     return _S.ctx
 
 
@@ -141,7 +149,8 @@ def should_stop(step: int | None = None) -> bool:
 
     Call it once per step at the same point on every rank (it is a collective). When it
     returns True, save a checkpoint and exit 0: the agent then knows the job is not
-    finished but drained, and survivors re-form without this node.
+    finished but drained, and survivors re-form without this node. With several ranks the
+    answer reflects the drain flags as of the previous call (see the module docstring).
 
     Args:
         step: the last fully trained step, recorded for the agent.
@@ -150,9 +159,15 @@ def should_stop(step: int | None = None) -> bool:
     local = 1 if stop_requested_locally() else 0
     if dist.is_initialized() and ctx.world_size > 1:
         assert _S.flag is not None
-        _S.flag.fill_(local)
-        dist.all_reduce(_S.flag, op=dist.ReduceOp.MAX)
-        stop = int(_S.flag.item()) > 0
+        stop = False
+        if _S.pending is not None:
+            _S.pending.wait()  # started a whole step ago: normally already complete
+            _S.pending = None
+            stop = int(_S.flag.item()) > 0
+        if not stop:
+            _S.flag.fill_(local)
+            _S.pending = dist.all_reduce(_S.flag, op=dist.ReduceOp.MAX, group=_S.stop_group,
+                                         async_op=True)
     else:
         stop = bool(local)
     if stop and not _S.stopped:
@@ -183,7 +198,7 @@ def report_progress(step: int, *, epoch: int = 0, samples: int = 0, force: bool 
         return
     _S.last_progress_at = now
     ctx = context()
-    _S.client.send({"op": "progress", "rank": ctx.local_rank, "step": step, "epoch": epoch,
+    _S.client.send({"op": "progress", "rank": ctx.rank, "step": step, "epoch": epoch,
                     "samples": samples})
 
 
@@ -194,9 +209,17 @@ def control_client() -> ControlClient | None:
 
 def shutdown() -> None:
     """Tear down the process group and the control connection; ``init()`` may be called again."""
+    if _S.pending is not None:
+        try:
+            _S.pending.wait()
+        except RuntimeError:  # a peer is gone: nothing to agree on any more
+            pass
     if dist.is_initialized():
         dist.destroy_process_group()
     if _S.client is not None:
         _S.client.close()
+    if _S.old_sigterm is not None:
+        signal.signal(signal.SIGTERM, _S.old_sigterm)
     _S.ctx, _S.client, _S.control_dir, _S.flag = None, None, None, None
-    _S.stopped = False
+    _S.stop_group, _S.pending, _S.old_sigterm = None, None, None
+    _S.stopped = _S.sigterm = False
