@@ -132,10 +132,17 @@ def run_node(spec: NodeSpec) -> int:
             node_id=spec.node_id)
         structlog.contextvars.bind_contextvars(job=spec.job, node=handler.node_id)
         recorder = JobRecorder(handler)
+        metrics = _make_metrics(spec)
+
+        def on_commit(m: dict[str, Any]) -> tuple[bool, str]:
+            ok, reason = recorder.commit_checkpoint(int(m["step"]), str(m["manifest_url"]),
+                                                    int(m.get("world_size", 0)), int(m.get("round", -1)))
+            if ok and metrics is not None:
+                metrics.set_last_checkpoint_step(int(m["step"]), committed_at=time.time())
+            return ok, reason
+
         control = ControlChannel(
-            on_commit=lambda m: recorder.commit_checkpoint(int(m["step"]), str(m["manifest_url"]),
-                                                           int(m.get("world_size", 0)),
-                                                           int(m.get("round", -1))),
+            on_commit=on_commit,
             on_latest=lambda m: {"pointer": pointer_dict(recorder.latest_checkpoint())},
         ).start()
         worker_spec = WorkerSpec(
@@ -148,7 +155,7 @@ def run_node(spec: NodeSpec) -> int:
         log_dir = spec.log_dir or os.path.join(tempfile.gettempdir(), f"elasticd-logs-{spec.job}")
         logs = DefaultLogsSpecs(log_dir=log_dir, redirects=Std.ALL, tee=Std.ALL)
         agent = ElasticdAgent(worker_spec, spec.supervision, handler, control, recorder,
-                              logs_specs=logs, metrics=_make_metrics(spec),
+                              logs_specs=logs, metrics=metrics,
                               notifier=_make_notifier(spec))
         agent.install_signal_handlers()
         if agent.notifier is not None:
