@@ -22,7 +22,7 @@ lint: $(STAMP)
 	$(VENV)/bin/mypy
 
 test: $(STAMP) lint
-	$(PY) -m pytest -q tests $(PYTEST_ARGS)
+	$(PY) -m pytest -q --durations=20 tests $(PYTEST_ARGS)
 
 unit: $(STAMP)
 	$(PY) -m pytest -q tests/unit $(PYTEST_ARGS)
