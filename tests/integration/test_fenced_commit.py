@@ -74,8 +74,9 @@ def test_zombie_commit_is_refused_and_its_files_pruned(etcd_server, tmp_path):
         assert (pointer.step, pointer.round) == (20, b.round)
         steps = {i.step for i in list_checkpoints(url, "fence")}
         assert 25 not in steps, f"zombie files left: {steps}"
-        loaded = live.load_latest({"w": torch.zeros(4)})
-        assert loaded.step == 20 and torch.equal(loaded.state["w"], torch.full((4,), 2.0))
+        template = {"w": torch.zeros(4)}
+        loaded = live.load_latest(template)
+        assert loaded.step == 20 and torch.equal(template["w"], torch.full((4,), 2.0))
         live.close()
     finally:
         for chan in (chan_a, chan_b):
