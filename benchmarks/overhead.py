@@ -10,9 +10,10 @@ launchers, of the workers and of etcd over the window, to show where any differe
 torchrun runs with the c10d rendezvous and torch's defaults (its steady state does not
 depend on the recovery tuning, except that a 1 s keep-alive costs it a little more).
 
-Scripts: ``examples/train.py`` (if it runs; it prints one line per step, which elasticd
-tees through its agent) and ``benchmarks/bench_worker.py --step-s 0`` (compute-bound,
-no padding, so any CPU the launcher takes shows up in steps/s).
+Scripts: ``examples/train.py --step-sleep 0 --checkpoint-every 1000`` (if it runs; a few
+ms per step, one output line per step, which elasticd tees through its agent) and
+``benchmarks/bench_worker.py --step-s 0 --hidden 1024 --batch 512`` (~20 ms of compute
+and a 4 MB all-reduce per step, no padding, so any CPU the launcher takes shows up).
 
 Usage::
 
@@ -54,6 +55,8 @@ from benchmarks.common import (  # noqa: E402
 )
 
 CLK = 100.0  # SC_CLK_TCK on Linux
+BENCH_FLAGS = ["--hidden", "1024", "--batch", "512"]  # ~20 ms of compute, 4 MB all-reduced per step
+TRAIN_FLAGS = ["--checkpoint-every", "1000"]
 
 
 def cpu_s(pid: int) -> float:
@@ -66,9 +69,13 @@ def bench_args(src: StepSource) -> list[str]:
     args = src.args()
     if src.is_bench:
         args[args.index("--step-s") + 1] = "0"
-        args += ["--hidden", "256", "--batch", "128"]
+        args += BENCH_FLAGS
     else:
+        # A checkpoint every 10 steps (train.py's default) would be ~30 per second here;
+        # elasticd commits each through its agent to etcd, so it would measure
+        # checkpoint commits, not the steady state.
         args[args.index("--step-sleep") + 1] = "0"
+        args += TRAIN_FLAGS
     return args
 
 
@@ -136,8 +143,8 @@ def report(results: list[dict], info: dict, argv: list[str], busy: list[str], la
             continue
         ratios = [x["steps_per_s"] / y["steps_per_s"] for x, y in zip(a, b, strict=False)]
         ratio = statistics.median(ratios)
-        name = f"`{script}`" + (" (`--step-s 0 --hidden 256 --batch 128`)" if script == BENCH_WORKER
-                                else " (`--step-sleep 0`)")
+        flags = ["--step-s", "0", *BENCH_FLAGS] if script == BENCH_WORKER else ["--step-sleep", "0", *TRAIN_FLAGS]
+        name = f"`{script} {' '.join(flags)}`"
         rows.append(
             f"| {name} | {summary([x['steps_per_s'] for x in a])} | "
             f"{summary([y['steps_per_s'] for y in b])} | {summary(ratios, '{:.3f}')} | "

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -68,6 +69,7 @@ from benchmarks.common import (  # noqa: E402
 )
 from benchmarks.recovery_report import agent_breakdown, write_report  # noqa: E402
 
+CKPT_LOADED = re.compile(r"checkpoint_loaded\b.*?\bseconds[=\"': ]+([0-9.]+)")
 SYSTEMS = ("elasticd", "torchrun-default", "torchrun-tuned")
 SCENARIOS = ("sigkill", "sigstop", "sigterm", "join")
 NODES = 3
@@ -94,6 +96,8 @@ class Trial:
     phases: dict[str, float] = field(default_factory=dict)  # elasticd agent breakdown
     note: str = ""
     workdir: str = ""
+    t0: float = 0.0  # wall-clock time of the fault
+    ckpt_load_s: float | None = None  # slowest rank's checkpoint load (examples/train.py logs it)
 
 
 def script_available(script: str) -> bool:
@@ -164,6 +168,7 @@ def run_trial(system: str, scenario: str, rep: int, etcd_endpoint: str, script: 
             trial.new_world = NODES + 1
             start_node(cluster, system, NODES, job, endpoint, src)
             t0 = cluster.nodes[-1].started_at
+        trial.t0 = t0
         timeout = args.stop_timeout if scenario == "sigstop" else args.timeout
         ranks = src.ranks_per_step(trial.new_world)
         deadline = time.monotonic() + timeout
@@ -174,6 +179,7 @@ def run_trial(system: str, scenario: str, rep: int, etcd_endpoint: str, script: 
             cluster.refresh()  # remember new workers, so cleanup finds them even if orphaned
         records = src.records()
         analyse(trial, records, t0, ranks)
+        trial.ckpt_load_s = checkpoint_load_s([n.lines for n in cluster.nodes], t0)
         if not trial.recovered:
             trial.note = f"did not recover within {timeout:.0f}s"
         if system == "elasticd" and trial.recovered:
@@ -205,6 +211,13 @@ def analyse(trial: Trial, records: list[dict], t0: float, ranks: int) -> None:
         trial.ready_s = max(float(r["ready"]) for r in starts) - t0
 
 
+def checkpoint_load_s(node_lines: list[list[tuple[float, str]]], t0: float) -> float | None:
+    """The slowest ``checkpoint_loaded`` after the fault, from the workers' logs (None if none)."""
+    found = [float(m.group(1)) for lines in node_lines for now, text in lines
+             if now > t0 and (m := CKPT_LOADED.search(text))]
+    return max(found) if found else None
+
+
 def cold_start(script: str, root: Path, rep: int) -> dict[str, float] | None:
     """A worker started by hand at world 1: seconds from exec to ready and to the first step."""
     workdir = root / f"cold-{rep}"
@@ -225,6 +238,40 @@ def cold_start(script: str, root: Path, rep: int) -> dict[str, float] | None:
                 if starts and "imported" in starts[0] else None}
 
 
+def reanalyse(root: Path) -> dict:
+    """Recompute every trial's figures from the logs a run left in ``root`` (no new run)."""
+    results = json.loads((root / "results.json").read_text())
+    for t in results["trials"]:
+        workdir = Path(t["workdir"])
+        src = StepSource(results["script"], workdir)
+        nodes = {}
+        for log in sorted(workdir.glob("n*.log")):
+            lines = []
+            for raw in log.read_text(errors="replace").splitlines():
+                stamp, _, text = raw.partition(" ")
+                try:
+                    lines.append((float(stamp), text))
+                except ValueError:
+                    continue
+            nodes[log.stem] = lines
+            for now, text in lines:
+                src.on_line(now, text)
+        trial = Trial(**{k: v for k, v in t.items() if k in Trial.__dataclass_fields__})
+        records = src.records()
+        ranks = src.ranks_per_step(trial.new_world)
+        if not trial.t0 and trial.recovered:
+            first = first_step_at(records, trial.new_world, 0, ranks)
+            trial.t0 = first[1] - trial.recovery_s if first else 0.0
+        if trial.recovered and trial.t0:
+            analyse(trial, records, trial.t0, ranks)
+            trial.ckpt_load_s = checkpoint_load_s(list(nodes.values()), trial.t0)
+            if trial.system == "elasticd":
+                keep = [v for k, v in nodes.items() if k != f"n{NODES - 1}" or trial.scenario == "join"]
+                trial.phases = agent_breakdown(keep, trial.t0, trial.new_world, records, src.is_bench)
+        t.update(asdict(trial))
+    return results
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--reps", type=int, default=3, help="repetitions per scenario and launcher")
@@ -240,9 +287,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--torchrun-conf", default=TORCHRUN_TUNED_CONF, help="rdzv-conf of the tuned torchrun")
     p.add_argument("--workdir", default=None, help="keep logs here (default: a temp dir)")
     p.add_argument("--no-doc", action="store_true", help="do not write docs/benchmarks.md")
+    p.add_argument("--report-from", metavar="DIR",
+                   help="do not run: recompute the figures from the logs of an earlier run's --workdir "
+                        "and write the report")
     p.add_argument("--doc-block", default="recovery",
                    help="name of the generated block in the Recovery section (one per script)")
     args = p.parse_args(argv)
+    if args.report_from:
+        results = reanalyse(Path(args.report_from))
+        print(write_report(results, block=None if args.no_doc else args.doc_block))
+        return 0
     scenarios = [s for s in args.scenarios.split(",") if s]
     systems = [s for s in args.systems.split(",") if s]
     bad = [x for x in scenarios if x not in SCENARIOS] + [x for x in systems if x not in SYSTEMS]

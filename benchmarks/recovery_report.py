@@ -36,7 +36,7 @@ REFERENCE = {
     "sigterm": (5.0, "48 s", "9.1 s"),
     "join": (5.0, "10.3 s", "12.3 s"),
 }
-PHASES = ("drain", "detection", "stop old workers", "rendezvous", "agent starts workers",
+PHASES = ("drain", "new agent start-up", "detection", "stop old workers", "rendezvous", "agent starts workers",
           "worker ready", "first step")
 
 
@@ -59,6 +59,7 @@ def agent_breakdown(node_lines: list[list[tuple[float, str]]], t0: float, new_wo
     """Seconds per recovery phase of an elasticd run (boundaries: the slowest node's).
 
     drain (SIGTERM only): fault -> every old worker stopped at the agreed step;
+    new agent start-up (join only): the new launcher's start -> its node registered in etcd;
     detection: -> every surviving agent decided to restart for membership (after a
     drain this is mostly the workers' interpreter exit);
     stop old workers + rendezvous: -> ``rendezvous_completed`` at the new size (its
@@ -66,9 +67,10 @@ def agent_breakdown(node_lines: list[list[tuple[float, str]]], t0: float, new_wo
     worker ready: -> last worker has imports, process group and checkpoint;
     first step: -> every rank finished the first step.
     """
-    detect, rdzv_end, rdzv_len = [], [], []
+    detect, rdzv_end, rdzv_len, registered = [], [], [], []
     for lines in node_lines:
         evs = _agent_events(lines, t0)
+        registered += [e["_t"] for e in evs if e["event"] == "node_registered"]
         d = [e["_t"] for e in evs if e["event"] == "membership_changed"
              or (e["event"] == "agent_decided" and e.get("verdict") == "restart_membership")]
         if d:
@@ -87,13 +89,16 @@ def agent_breakdown(node_lines: list[list[tuple[float, str]]], t0: float, new_wo
     t_detect = max(detect) if detect else t_rdzv_start
     stopped = [float(r["time"]) for r in records if r.get("event") == "stopped" and r["time"] > t0]
     t_drained = max(stopped) if stopped else t0
+    t_registered = min(registered) if registered else None  # only a joiner registers after t0
     t_ready = max(float(r["ready"]) for r in starts)
     t_spawn = max(float(r["spawned"]) for r in starts) if all("spawned" in r for r in starts) else None
-    out = {"detection": t_detect - t_drained,
+    out = {"detection": t_detect - (t_registered or t_drained),
            "stop old workers": max(t_rdzv_start - t_detect, 0.0),
            "rendezvous": t_rdzv - max(t_rdzv_start, t_detect)}
     if stopped:
         out["drain"] = t_drained - t0
+    if t_registered is not None:
+        out["new agent start-up"] = t_registered - t0
     if t_spawn is not None:
         out["agent starts workers"] = t_spawn - t_rdzv
         out["worker ready"] = t_ready - t_spawn
@@ -154,25 +159,49 @@ def phase_table(results: dict) -> str:
         ts = [t for t in _trials(results, "elasticd", scenario) if t["recovered"] and t["phases"]]
         if not ts:
             continue
-        cells = [summary([t["phases"].get(p) for t in ts]) for p in PHASES]
+        cells = [summary([t["phases"].get(p) for t in ts]).replace("n/a", "–") for p in PHASES]
         rows.append(f"| {SCENARIO_TITLES[scenario]} | " + " | ".join(cells)
                     + f" | {summary([t['recovery_s'] for t in ts])} |")
     return "\n".join(rows)
 
 
 def worker_table(results: dict) -> str:
-    rows = ["| scenario | launcher | fault → new workers exec'd | → workers ready | "
-            "→ first step done |", "|---|---|---:|---:|---:|"]
+    trials = [t for t in results["trials"] if t["recovered"] and t["ready_s"]]
+    spawned = any(t["spawn_s"] is not None for t in trials)
+    head = "| scenario | launcher | " + ("fault → new workers exec'd | → workers ready | " if spawned
+                                        else "fault → new workers ready | ") + "of which checkpoint load | → first step done |"
+    rows = [head, "|---|---|" + "---:|" * (4 if spawned else 3)]
     for scenario in SCENARIO_TITLES:
         for system in SYSTEM_TITLES:
-            ts = [t for t in _trials(results, system, scenario) if t["recovered"] and t["ready_s"]]
+            ts = [t for t in trials if t["system"] == system and t["scenario"] == scenario]
             if not ts:
                 continue
-            spawn = summary([t["spawn_s"] for t in ts])
-            ready = summary([t["ready_s"] - t["spawn_s"] if t["spawn_s"] is not None else None for t in ts])
             step = summary([t["recovery_s"] - t["ready_s"] for t in ts])
-            rows.append(f"| {SCENARIO_TITLES[scenario]} | {SYSTEM_TITLES[system]} | {spawn} | {ready} | {step} |")
+            ckpt = summary([t.get("ckpt_load_s") for t in ts], "{:.2f}")
+            if spawned:
+                cells = [summary([t["spawn_s"] for t in ts]),
+                         summary([t["ready_s"] - t["spawn_s"] if t["spawn_s"] is not None else None
+                                  for t in ts])]
+            else:
+                cells = [summary([t["ready_s"] for t in ts])]
+            rows.append(f"| {SCENARIO_TITLES[scenario]} | {SYSTEM_TITLES[system]} | "
+                        + " | ".join(cells) + f" | {ckpt} | {step} |")
     return "\n".join(rows)
+
+
+def script_notes(script: str) -> str:
+    """What the script does on checkpoints and drains, which decides steps lost and SIGTERM."""
+    if script == BENCH_WORKER:
+        return ("Rank 0 checkpoints every step. The SIGTERM goes to the launcher only; under "
+                "torchrun the script stops only the ranks that got it (torchrun has no drain "
+                "protocol: see benchmarks/bench_worker.py), and the survivors fail in their next "
+                "collective.")
+    return (f"`{script}` checkpoints every 10 steps (its default) and on a drain, so a kill loses "
+            "up to 10 steps under any launcher. Its step lines come from rank 0's output, "
+            "stamped on arrival (±0.1 s: elasticd's agent tees worker output by polling). "
+            "The SIGTERM goes to the launcher only; the script's `should_stop()` is job-wide (all "
+            "ranks stop at the same step), which under torchrun makes the survivors' workers exit 0 "
+            "as well, and torchrun then treats the job as finished.")
 
 
 def build_markdown(results: dict) -> str:
@@ -200,15 +229,14 @@ def build_markdown(results: dict) -> str:
         "earlier measurements). Faults go to the last node; the c10d store lives in the "
         "first node's torchrun, whose loss ends a torchrun job. A launcher that does not "
         "recover is run once. Steps lost = last step at the old world size − first step at "
-        "the new one + 1, floored at 0 (rank 0 checkpoints every step). The SIGTERM goes to "
-        "the launcher only; under torchrun the script stops only the ranks that got it "
-        "(see benchmarks/bench_worker.py).",
+        "the new one + 1, floored at 0. " + script_notes(results["script"]),
         "",
         main_table(results),
         "",
         f"Floor, a cold worker start at world 1 (exec → first step): "
-        f"{summary([c['first_step_s'] for c in cold], '{:.2f}')} s, of which imports "
-        f"{summary([c.get('imports_s') for c in cold], '{:.2f}')} s.",
+        f"{summary([c['first_step_s'] for c in cold], '{:.2f}')} s"
+        + (f", of which imports {summary([c.get('imports_s') for c in cold], '{:.2f}')} s."
+           if any(c.get("imports_s") for c in cold) else "."),
         "",
         "Where elasticd's seconds go (boundaries are the slowest node's; from the agents' JSON "
         "logs and the workers' start lines):",

@@ -25,7 +25,7 @@ short settle, the steady state is measured over ``--window`` seconds:
 
 Usage::
 
-    .venv/bin/python benchmarks/scale.py                      # N = 8, 32, 128, 256; ~8 min
+    .venv/bin/python benchmarks/scale.py                      # N = 8, 32, 128; ~7 min
     .venv/bin/python benchmarks/scale.py --sizes 8,32 --window 10 --no-doc   # quick look
 """
 
@@ -254,6 +254,7 @@ def run_size(system: str, n: int, args: argparse.Namespace, workdir: Path) -> di
             first += count
         for p in procs:
             _expect(p, "ready", args.round_timeout)
+        at_go = sample()
         go = time.time()
         for p in procs:
             p.stdin.write("go\n")  # type: ignore[union-attr]
@@ -263,6 +264,8 @@ def run_size(system: str, n: int, args: argparse.Namespace, workdir: Path) -> di
             rep = _expect(p, "done", args.round_timeout + 30)
             done += rep["done"]
             errors += rep["errors"]
+        at_done = sample()
+        result["round_per_node"] = {k: (at_done[k] - at_go[k]) / n for k in at_done}
         result["completed"] = len(done)
         result["round_s"] = (max(done) - go) if len(done) == n else None
         result["errors"] = errors[:3]
@@ -324,16 +327,20 @@ def fmt(x: float | None, spec: str = "{:,.0f}") -> str:
 
 
 def report(results: list[dict], info: dict, argv: list[str], busy: list[str], window: float) -> str:
-    rows = ["| N | launcher | round (s) | requests /node/min | keep-alives /node/min | "
-            "bytes in /node/min | bytes out /node/min | puts+txns /node/min | WAL bytes /node/min |",
-            "|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+    rows = ["| N | launcher | round (s) | round: requests /node | round: bytes in+out /node | "
+            "requests /node/min | keep-alives /node/min | bytes in /node/min | bytes out /node/min | "
+            "puts+txns /node/min | WAL bytes /node/min |",
+            "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in sorted(results, key=lambda r: (r["n"], r["system"])):
         m = r.get("per_node_min") or {}
+        rp = r.get("round_per_node") or {}
+        round_cells = (f"{fmt(rp.get('requests'), '{:,.0f}')} | "
+                       f"{fmt(rp['bytes_in'] + rp['bytes_out'] if rp else None)}")
         name = "elasticd (etcd v3)" if r["system"] == "elasticd" else "torch c10d"
         rnd = fmt(r.get("round_s"), "{:.2f}") if r.get("round_s") is not None else \
             f"incomplete ({r.get('completed', 0)}/{r['n']})"
         etcd_only = r["system"] == "elasticd"
-        rows.append(f"| {r['n']} | {name} | {rnd} | {fmt(m.get('requests'), '{:,.1f}')} | "
+        rows.append(f"| {r['n']} | {name} | {rnd} | {round_cells} | {fmt(m.get('requests'), '{:,.1f}')} | "
                     f"{fmt(m.get('keepalives'), '{:,.1f}') if etcd_only else '–'} | "
                     f"{fmt(m.get('bytes_in'))} | {fmt(m.get('bytes_out'))} | "
                     f"{fmt((m.get('puts', 0) + m.get('txns', 0)) if m else None, '{:,.1f}') if etcd_only else '–'} | "
@@ -349,7 +356,8 @@ def report(results: list[dict], info: dict, argv: list[str], busy: list[str], wi
         "",
         f"N simulated nodes = N rendezvous handlers (no workers) in a few processes, each with "
         f"its own connection. Round: release of all handlers → the last one returns from "
-        f"`next_rendezvous`. Steady state: counters over {window:.0f} s after the round, "
+        f"`next_rendezvous`; its requests and bytes are counted from the release to the last "
+        f"return. Steady state: counters over {window:.0f} s after the round, "
         "per node per minute. elasticd: etcd's `/metrics` (`grpc_server_msg_received_total`, "
         "`etcd_network_client_grpc_{received,sent}_bytes_total`, `etcd_mvcc_{put,txn}_total`, "
         "`etcd_disk_wal_write_bytes_total`), `node_ttl_s=5`. torch: `create_handler` + "
@@ -363,7 +371,7 @@ def report(results: list[dict], info: dict, argv: list[str], busy: list[str], wi
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--sizes", default="8,32,128,256", help="comma-separated N")
+    p.add_argument("--sizes", default="8,32,128", help="comma-separated N (256 overloads 2 cores)")
     p.add_argument("--systems", default="elasticd,torch")
     p.add_argument("--window", type=float, default=30.0, help="steady-state window, s")
     p.add_argument("--settle", type=float, default=3.0, help="wait after the round, s")
