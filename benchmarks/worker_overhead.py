@@ -163,7 +163,7 @@ def _worker(rank: int, env: dict[str, str], args: argparse.Namespace, results: A
             self.sampler.step()
             worker.report_progress(self.n, epoch=self.sampler.epoch,
                                    samples=(self.n + 1) * args.global_batch)
-            if self.agree and worker.should_stop(self.n):
+            if self.agree and worker.should_stop(self.n, every=args.stop_every):
                 raise RuntimeError("should_stop() returned True before any drain was asked")
             self.n += 1
 
@@ -386,6 +386,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--calls", type=int, default=2000, help="calls per raw-cost measurement")
     parser.add_argument("--drain-polls", type=int, default=5000, help=argparse.SUPPRESS)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--stop-every", type=int, default=1,
+                        help="should_stop(step, every=N) in loop B (default 1: every step)")
     args = parser.parse_args(argv)
     result = run(args)
     print(json.dumps(result) if args.json else _markdown(result), flush=True)

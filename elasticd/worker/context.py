@@ -144,7 +144,7 @@ def stop_requested_locally() -> bool:
     return _S.control_dir is not None and (_S.control_dir / DRAIN_FILE).exists()
 
 
-def should_stop(step: int | None = None) -> bool:
+def should_stop(step: int | None = None, *, every: int = 1) -> bool:
     """True on every rank at the same call once any node was asked to stop.
 
     Call it once per step at the same point on every rank (it is a collective). When it
@@ -154,7 +154,16 @@ def should_stop(step: int | None = None) -> bool:
 
     Args:
         step: the last fully trained step, recorded for the agent.
+        every: agree only on steps that are multiples of ``every`` (``step`` required);
+            other calls return False at once, with no collective. Use it when one tiny
+            all-reduce per step is measurable (very short steps, CPU-bound gloo jobs); a
+            drain then takes up to ``every`` more steps, which the drain grace must cover.
     """
+    if every > 1:
+        if step is None:
+            raise ValueError("should_stop(every=N) needs the step, so all ranks skip the same calls")
+        if step % every:
+            return False
     ctx = context()
     local = 1 if stop_requested_locally() else 0
     if dist.is_initialized() and ctx.world_size > 1:
