@@ -355,6 +355,8 @@ class CheckpointManager:
             msg = self._group.broadcast(msg)
             if msg[0] == "none":
                 return None
+            if msg[0] == "relist":
+                return _RELIST
             if msg[0] == "mismatch":
                 raise CheckpointMismatchError(msg[1])
             if msg[0] == "failed":

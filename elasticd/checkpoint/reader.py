@@ -30,7 +30,7 @@ def candidates(
     pointer: CheckpointPointer | None,
     skip: Callable[[str, str], None],
     log: Any,
-) -> Iterator[tuple[str, str, Manifest]]:
+) -> Iterator[tuple[str, str, Manifest] | tuple[str]]:
     """Yield ``("try", manifest_url, manifest)`` newest first, skipping (``skip(url,
     reason)``) what the listing and the manifest alone show to be unusable.
 
@@ -42,6 +42,13 @@ def candidates(
         CheckpointMismatchError: a verified manifest belongs to another job.
     """
     listed = {(s.step, s.save_id): s for s in store.list_saves()}
+    skipped_here = False
+
+    def skip_one(url: str, reason: str) -> None:
+        nonlocal skipped_here
+        skipped_here = True
+        skip(url, reason)
+
     order = sorted(listed, key=lambda k: (k[0], listed[k].created_at, k[1]), reverse=True)
     if pointer is not None:
         key = store.parse_manifest_url(pointer.manifest_url)
@@ -51,14 +58,14 @@ def candidates(
         else:
             for k in order:
                 if k[0] > key[0] or (k[0] == key[0] and k != key):
-                    skip(store.manifest_url(*k), f"not committed by the fence (pointer is step "
+                    skip_one(store.manifest_url(*k), f"not committed by the fence (pointer is step "
                                                  f"{key[0]}): zombie or refused upload")
             order = [key] + [k for k in order if k[0] < key[0]]
     for step, save_id in order:
         url = store.manifest_url(step, save_id)
         save = listed.get((step, save_id))
         if save is None:
-            skip(url, "pointed to by the fence but missing from storage")
+            skip_one(url, "pointed to by the fence but missing from storage")
             continue
         try:
             manifest = store.read_manifest(step, save_id)
@@ -66,13 +73,18 @@ def candidates(
             if problem:
                 raise CheckpointCorruptError(problem)
         except CheckpointCorruptError as exc:
-            skip(url, str(exc))
+            skip_one(url, str(exc))
             continue
         if manifest.job != store.job:
             raise CheckpointMismatchError(
                 f"checkpoint {url} belongs to job {manifest.job!r}, not {store.job!r}: it was "
                 f"copied here or the job name changed; move it or load with job={manifest.job!r}")
         yield ("try", url, manifest)
+    # Every candidate was unusable. If the listing changed meanwhile (a concurrent prune
+    # deleted what we were about to read, or a new save landed), look again rather than
+    # report "no checkpoint": a reader must never start from scratch because of a prune.
+    if skipped_here and {(x.step, x.save_id) for x in store.list_saves()} != set(listed):
+        yield ("relist",)
 
 
 def read_state(store: FsspecCheckpointStore, manifest: Manifest,
