@@ -18,7 +18,7 @@ from harness import ROOT, example_args, read_jsonl, trained_samples, wait_until
 
 SCRIPT = str(ROOT / "examples" / "train.py")
 pytestmark = pytest.mark.timeout(240)
-STEPS = 70
+STEPS = 160
 
 
 def _args(tmp_path, tag):
@@ -48,9 +48,13 @@ def test_resizes_match_a_run_without_failures(nodes, tmp_path):
                      script_args=_script_args(tmp_path, "b")) for _ in range(3)]
     wait_until(lambda: max(_steps(trace_b), default=-1) >= 17, 120, "step 17 at world 3")
     b[2].signal(signal.SIGKILL)
-    wait_until(lambda: max(_steps(trace_b), default=-1) >= 40, 120, "step 40 after the kill")
+    round_at_kill = max(r["round"] or 0 for r in read_jsonl(trace_b))
+    wait_until(lambda: any((r["round"] or 0) > round_at_kill for r in read_jsonl(trace_b)), 120,
+               "training at world 2 after the kill")
     b.append(nodes.start("det-b", SCRIPT, nnodes="2:3", extra=_args(tmp_path, "b"),
                          script_args=_script_args(tmp_path, "b")))
+    wait_until(lambda: any(r["rank"] == 2 and (r["round"] or 0) > round_at_kill + 1
+                           for r in read_jsonl(trace_b)), 120, "world 3 again after the rejoin")
     for n in (b[0], b[1], b[3]):
         assert n.wait(180) == 0, n.log()[-3000:]
 
