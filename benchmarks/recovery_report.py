@@ -168,16 +168,18 @@ def phase_table(results: dict) -> str:
 def worker_table(results: dict) -> str:
     trials = [t for t in results["trials"] if t["recovered"] and t["ready_s"]]
     spawned = any(t["spawn_s"] is not None for t in trials)
-    head = "| scenario | launcher | " + ("fault → new workers exec'd | → workers ready | " if spawned
-                                        else "fault → new workers ready | ") + "of which checkpoint load | → first step done |"
-    rows = [head, "|---|---|" + "---:|" * (4 if spawned else 3)]
+    loads = any(t.get("ckpt_load_s") is not None for t in trials)
+    head = ("| scenario | launcher | " + ("fault → new workers exec'd | → workers ready | " if spawned
+                                         else "fault → new workers ready | ")
+            + ("of which checkpoint load | " if loads else "") + "→ first step done |")
+    rows = [head, "|---|---|" + "---:|" * (2 + spawned + loads)]
     for scenario in SCENARIO_TITLES:
         for system in SYSTEM_TITLES:
             ts = [t for t in trials if t["system"] == system and t["scenario"] == scenario]
             if not ts:
                 continue
             step = summary([t["recovery_s"] - t["ready_s"] for t in ts])
-            ckpt = summary([t.get("ckpt_load_s") for t in ts], "{:.2f}")
+            ckpt = [summary([t.get("ckpt_load_s") for t in ts], "{:.2f}")] if loads else []
             if spawned:
                 cells = [summary([t["spawn_s"] for t in ts]),
                          summary([t["ready_s"] - t["spawn_s"] if t["spawn_s"] is not None else None
@@ -185,7 +187,7 @@ def worker_table(results: dict) -> str:
             else:
                 cells = [summary([t["ready_s"] for t in ts])]
             rows.append(f"| {SCENARIO_TITLES[scenario]} | {SYSTEM_TITLES[system]} | "
-                        + " | ".join(cells) + f" | {ckpt} | {step} |")
+                        + " | ".join([*cells, *ckpt]) + f" | {step} |")
     return "\n".join(rows)
 
 

@@ -54,6 +54,7 @@ from benchmarks.common import (  # noqa: E402
     other_load,
     replace_generated_block,
     sigterm_as_interrupt,
+    stat_fields,
 )
 
 ETCD_COUNTERS = {
@@ -239,7 +240,9 @@ def run_size(system: str, n: int, args: argparse.Namespace, workdir: Path) -> di
             endpoint = f"127.0.0.1:{proxy.port}"
             sample = proxy.counters
         job = f"scale-{system}-{n}"
-        nprocs = max(1, min(args.procs, n))
+        # Few handlers per process: with dozens, one process's threads starve each other of
+        # the GIL and leases (TTL 5 s) expire, which a real node would not see.
+        nprocs = max(1, min(args.procs or -(-n // 16), n))
         env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "PYTHONUNBUFFERED": "1"}
         first = 0
         for i in range(nprocs):
@@ -254,7 +257,7 @@ def run_size(system: str, n: int, args: argparse.Namespace, workdir: Path) -> di
             first += count
         for p in procs:
             _expect(p, "ready", args.round_timeout)
-        at_go = sample()
+        at_go, cpu_go = sample(), sum(cpu_s(p.pid) for p in procs)
         go = time.time()
         for p in procs:
             p.stdin.write("go\n")  # type: ignore[union-attr]
@@ -264,8 +267,9 @@ def run_size(system: str, n: int, args: argparse.Namespace, workdir: Path) -> di
             rep = _expect(p, "done", args.round_timeout + 30)
             done += rep["done"]
             errors += rep["errors"]
-        at_done = sample()
+        at_done, cpu_done = sample(), sum(cpu_s(p.pid) for p in procs)
         result["round_per_node"] = {k: (at_done[k] - at_go[k]) / n for k in at_done}
+        result["round_cpu_ms_per_node"] = 1000.0 * (cpu_done - cpu_go) / n
         result["completed"] = len(done)
         result["round_s"] = (max(done) - go) if len(done) == n else None
         result["errors"] = errors[:3]
@@ -322,19 +326,26 @@ def _expect(p: subprocess.Popen, key: str, timeout_s: float) -> dict:
     return box
 
 
+def cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) used so far by a process and its reaped children."""
+    fields = stat_fields(pid)
+    return sum(int(x) for x in fields[11:15]) / 100.0 if fields else 0.0
+
+
 def fmt(x: float | None, spec: str = "{:,.0f}") -> str:
     return "n/a" if x is None else spec.format(x)
 
 
 def report(results: list[dict], info: dict, argv: list[str], busy: list[str], window: float) -> str:
-    rows = ["| N | launcher | round (s) | round: requests /node | round: bytes in+out /node | "
+    rows = ["| N | launcher | round (s) | round: CPU ms /node | round: requests /node | "
+            "round: bytes in+out /node | "
             "requests /node/min | keep-alives /node/min | bytes in /node/min | bytes out /node/min | "
             "puts+txns /node/min | WAL bytes /node/min |",
-            "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+            "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in sorted(results, key=lambda r: (r["n"], r["system"])):
         m = r.get("per_node_min") or {}
         rp = r.get("round_per_node") or {}
-        round_cells = (f"{fmt(rp.get('requests'), '{:,.0f}')} | "
+        round_cells = (f"{fmt(r.get('round_cpu_ms_per_node'))} | {fmt(rp.get('requests'), '{:,.0f}')} | "
                        f"{fmt(rp['bytes_in'] + rp['bytes_out'] if rp else None)}")
         name = "elasticd (etcd v3)" if r["system"] == "elasticd" else "torch c10d"
         rnd = fmt(r.get("round_s"), "{:.2f}") if r.get("round_s") is not None else \
@@ -357,7 +368,7 @@ def report(results: list[dict], info: dict, argv: list[str], busy: list[str], wi
         f"N simulated nodes = N rendezvous handlers (no workers) in a few processes, each with "
         f"its own connection. Round: release of all handlers → the last one returns from "
         f"`next_rendezvous`; its requests and bytes are counted from the release to the last "
-        f"return. Steady state: counters over {window:.0f} s after the round, "
+        f"return, its CPU is that of the simulating processes (client side only). Steady state: counters over {window:.0f} s after the round, "
         "per node per minute. elasticd: etcd's `/metrics` (`grpc_server_msg_received_total`, "
         "`etcd_network_client_grpc_{received,sent}_bytes_total`, `etcd_mvcc_{put,txn}_total`, "
         "`etcd_disk_wal_write_bytes_total`), `node_ttl_s=5`. torch: `create_handler` + "
@@ -375,7 +386,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--systems", default="elasticd,torch")
     p.add_argument("--window", type=float, default=30.0, help="steady-state window, s")
     p.add_argument("--settle", type=float, default=3.0, help="wait after the round, s")
-    p.add_argument("--procs", type=int, default=4, help="child processes per N")
+    p.add_argument("--procs", type=int, default=0, help="child processes per N (0: one per 16 nodes)")
     p.add_argument("--round-timeout", type=float, default=120.0)
     p.add_argument("--workdir", default=None)
     p.add_argument("--no-doc", action="store_true")
