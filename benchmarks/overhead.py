@@ -142,19 +142,23 @@ def verdict(ratios: list[float], goal: float = 0.99) -> str:
 def report(results: list[dict], info: dict, argv: list[str], busy: list[str], layout: str,
            window: float) -> str:
     rows = ["| script | elasticd steps/s | torchrun steps/s | ratio elasticd/torchrun "
-            "(per pair) | launcher CPU %, elasticd / torchrun | etcd CPU % | goal ≥ 0.99 |",
-            "|---|---:|---:|---:|---:|---:|---|"]
+            "(per pair) | ratio of steps per worker CPU-second | launcher CPU %, elasticd / "
+            "torchrun | etcd CPU % | goal ≥ 0.99 |",
+            "|---|---:|---:|---:|---:|---:|---:|---|"]
     for script in dict.fromkeys(r["script"] for r in results):
         a = [r for r in results if r["script"] == script and r["system"] == "elasticd" and "steps_per_s" in r]
         b = [r for r in results if r["script"] == script and r["system"] == "torchrun" and "steps_per_s" in r]
         if not a or not b:
             continue
         ratios = [x["steps_per_s"] / y["steps_per_s"] for x, y in zip(a, b, strict=False)]
+        per_cpu = [(x["steps_per_s"] / x["cpu_pct"]["workers"]) / (y["steps_per_s"] / y["cpu_pct"]["workers"])
+                   for x, y in zip(a, b, strict=False)]
         flags = ["--step-s", "0", *BENCH_FLAGS] if script == BENCH_WORKER else ["--step-sleep", "0", *TRAIN_FLAGS]
         name = f"`{script} {' '.join(flags)}`"
         rows.append(
             f"| {name} | {summary([x['steps_per_s'] for x in a])} | "
             f"{summary([y['steps_per_s'] for y in b])} | {summary(ratios, '{:.3f}')} | "
+            f"{summary(per_cpu, '{:.3f}')} | "
             f"{summary([x['cpu_pct']['launchers'] for x in a])} / "
             f"{summary([y['cpu_pct']['launchers'] for y in b])} | "
             f"{summary([x['cpu_pct']['etcd'] for x in a])} | "
@@ -174,7 +178,8 @@ def report(results: list[dict], info: dict, argv: list[str], busy: list[str], la
         f"elasticd, ...; steps/s of rank 0 over a {window:.0f} s window after warm-up, "
         "median (min–max) over the runs; the ratio is taken per adjacent pair. CPU % is "
         "per window (100 % = one core), summed over the launcher processes (agents or "
-        "torchrun), and for etcd the embedded server.",
+        "torchrun), and for etcd the embedded server. Steps per worker CPU-second divides "
+        "out how much CPU the workers got from a machine that others were using too.",
         "",
         *rows,
     ])
@@ -191,7 +196,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--start-timeout", type=float, default=120.0)
     p.add_argument("--workdir", default=None)
     p.add_argument("--no-doc", action="store_true")
+    p.add_argument("--report-from", metavar="DIR", help="do not run: report an earlier --workdir")
     args = p.parse_args(argv)
+    if args.report_from:
+        saved = json.loads((Path(args.report_from) / "results.json").read_text())
+        text = report(saved["results"], saved["machine"], saved.get("argv", []), saved.get("busy", []),
+                      saved.get("layout", "2x1"), saved.get("window", args.window))
+        if not args.no_doc:
+            replace_generated_block("Steady-state overhead", "overhead", text)
+        print(text)
+        return 0
     from benchmarks.recovery import script_available
     from elasticd.etcd.embedded import EmbeddedEtcd
 
@@ -214,7 +228,9 @@ def main(argv: list[str] | None = None) -> int:
                         print(json.dumps(r), flush=True)
         finally:
             etcd.stop(remove_data=False)
-    (root / "results.json").write_text(json.dumps({"machine": info, "results": results}, indent=1))
+    (root / "results.json").write_text(json.dumps(
+        {"machine": info, "results": results, "argv": sys.argv[1:], "busy": busy,
+         "layout": args.layout, "window": args.window}, indent=1))
     text = report(results, info, sys.argv[1:], busy, args.layout, args.window)
     if not args.no_doc:
         replace_generated_block("Steady-state overhead", "overhead", text)
