@@ -237,7 +237,7 @@ class ElasticdAgent(LocalElasticAgent):
         detail = f"rank {first[0]}: {first[1]}" if first else "worker failure"
         try:
             self.handler.report_failure(detail)
-        except TransientError as exc:
+        except (TransientError, LeaseLostError) as exc:
             self._log.warning("failure_report_not_written", error=str(exc))
         self.recorder.event("failure", detail, exit_code=first[2] if first else None)
 

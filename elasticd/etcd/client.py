@@ -36,7 +36,7 @@ import grpc
 import structlog
 from etcd3 import events as etcd_events
 
-from elasticd.errors import ConfigError, EtcdUnavailableError
+from elasticd.errors import ConfigError, EtcdUnavailableError, LeaseLostError
 
 log = structlog.get_logger(__name__)
 
@@ -223,7 +223,7 @@ class EtcdClient:
             return self._raw
 
     def _translate(self, exc: BaseException) -> Exception:
-        if isinstance(exc, (EtcdUnavailableError, ConfigError)):
+        if isinstance(exc, (EtcdUnavailableError, ConfigError, LeaseLostError)):
             return exc
         if isinstance(exc, grpc.RpcError) and hasattr(exc, "code") and exc.code() in _AUTH_GRPC:
             with self._lock:
@@ -234,6 +234,10 @@ class EtcdClient:
             return ConfigError(
                 f"etcd refused the credentials ({details}): check etcd.user and etcd.password"
             )
+        if (isinstance(exc, grpc.RpcError) and hasattr(exc, "code")
+                and exc.code() == grpc.StatusCode.NOT_FOUND and "lease" in (exc.details() or "")):
+            # A write on an expired lease: this node was away longer than its TTL.
+            return LeaseLostError(f"etcd lease not found ({exc.details()}): this node's lease expired")
         if _is_transient(exc):
             where = ",".join(f"{h}:{p}" for h, p in self.endpoints)
             detail = _grpc_detail(exc)

@@ -417,8 +417,16 @@ class EtcdRendezvousHandler(RendezvousHandler):
                     self.on_members_lost(lost, view.state.round)
                 self._gc_before(action.round)
         elif action.kind is ActionKind.JOIN:
-            self._retry("join", lambda: self.client.put(k.join(action.round, self.node_id), b"1",
-                                                        lease=self.lease_id), deadline)
+            try:
+                self._retry("join", lambda: self.client.put(k.join(action.round, self.node_id), b"1",
+                                                            lease=self.lease_id), deadline)
+            except LeaseLostError:
+                # Our lease expired before the keep-alive thread noticed: re-register
+                # (a new incarnation) at the top of the loop, then join.
+                if self._keeper is not None:
+                    self._keeper.lost.set()
+                self.lease_lost.set()
+                return
         elif action.kind is ActionKind.FINALIZE:
             assert view.state is not None
             state = replace(view.state, phase="final", members=list(action.members),
