@@ -50,6 +50,7 @@ def main() -> int:
             if ctx.rank == 0:
                 save(ckpt, step)
             dist.barrier()
+            worker.shutdown()  # destroy the process group: exit promptly and cleanly
             return 0
         if ctx.rank == 0:
             save(ckpt, step)
