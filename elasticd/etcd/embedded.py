@@ -52,6 +52,18 @@ def find_etcd_binary() -> str:
     )
 
 
+def _proc_state(pid: int) -> str | None:
+    """'T' once every thread of ``pid`` is stopped; another state letter otherwise; None if gone."""
+    try:
+        states = set()
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{tid}/stat", "rb") as fh:
+                states.add(fh.read().rsplit(b")", 1)[1].split()[0].decode())
+    except (OSError, IndexError):
+        return None
+    return "T" if states <= {"T", "t"} else sorted(states - {"T", "t"})[0]
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -186,9 +198,16 @@ class EmbeddedEtcd:
             return "(no log)"
 
     def pause(self) -> None:
-        """Freeze etcd (SIGSTOP): connections stay open, nothing answers."""
+        """Freeze etcd (SIGSTOP): connections stay open, nothing answers.
+
+        Returns once the kernel reports the process stopped (bounded: 2 s), so a caller's
+        next request cannot be served by a thread that had not stopped yet.
+        """
         if self.proc is not None:
             os.kill(self.proc.pid, signal.SIGSTOP)
+            deadline = time.monotonic() + 2.0
+            while time.monotonic() < deadline and _proc_state(self.proc.pid) not in ("T", "t", None):
+                time.sleep(0.005)
 
     def resume(self) -> None:
         if self.proc is not None:
