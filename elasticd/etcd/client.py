@@ -186,6 +186,10 @@ class EtcdClient:
         # SLOW_CALL_S (a frozen etcd answers late). Lets callers tell "etcd was away" from
         # "we were away" when leases expire.
         self.last_trouble_at = -1e9
+        # The outcome of the latest call: lets a caller whose deadline passed while etcd was
+        # away say "etcd unreachable" rather than "timed out".
+        self.last_ok_at = -1e9
+        self.last_error = ""
 
     # -- plumbing ---------------------------------------------------------------------
     def _credentials(self) -> grpc.ChannelCredentials | None:
@@ -262,11 +266,14 @@ class EtcdClient:
         start = time.monotonic()
         try:
             raw = self.raw()
-            return fn(raw)
+            result = fn(raw)
+            self.last_ok_at = time.monotonic()
+            return result
         except Exception as exc:
             err = self._translate(exc)
             if isinstance(err, EtcdUnavailableError):
                 self.last_trouble_at = time.monotonic()
+                self.last_error = str(err)
             raise err from exc
         finally:
             if time.monotonic() - start > SLOW_CALL_S:
@@ -275,6 +282,10 @@ class EtcdClient:
     def trouble_within(self, seconds: float) -> bool:
         """True if etcd failed or answered slowly within the last ``seconds``."""
         return time.monotonic() - self.last_trouble_at < seconds
+
+    def unreachable(self) -> str | None:
+        """The error of the latest call if it found etcd unreachable, else None."""
+        return self.last_error if self.last_trouble_at > self.last_ok_at and self.last_error else None
 
     def close(self) -> None:
         with self._lock:
@@ -457,9 +468,14 @@ class PrefixWatch:
     def start(self) -> None:
         self._thread.start()
 
-    def stop(self) -> None:
+    def stop(self, wait: bool = True) -> None:
+        """Stop the watch. ``wait=False`` returns at once: the watch thread cancels its own
+        watch on the way out (with etcd down, a cancel or a reconnect attempt can block for
+        the call timeout, which a caller with a deadline cannot spend)."""
         self._stop.set()
         self._broken.set()
+        if not wait:
+            return
         with self._lock:
             wid, self._watch_id = self._watch_id, None
         if wid is not None:

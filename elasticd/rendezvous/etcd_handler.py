@@ -358,7 +358,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
         deadline = start + self.settings.join_timeout_s
         self._ensure_started(deadline)
         if self._store is not None:
-            self._store.close()
+            self._store.close(wait=False)  # etcd may be down: never spend the deadline here
             self._store = None
         progress = JoinProgress(self.node_id, self._round, deadline)
         while True:
@@ -396,6 +396,10 @@ class EtcdRendezvousHandler(RendezvousHandler):
         if action.kind is ActionKind.CLOSED:
             raise RendezvousClosedError(f"job {k.job!r} is closed")
         if action.kind is ActionKind.TIMEOUT:
+            if (err := self.client.unreachable()) is not None:
+                raise RendezvousConnectionError(
+                    f"job {k.job!r}: etcd stayed unreachable until join_timeout="
+                    f"{s.join_timeout_s:.0f}s passed: {err}")
             raise RendezvousTimeoutError(
                 f"job {k.job!r}: no round with {s.min_nodes}..{s.max_nodes} nodes completed within "
                 f"join_timeout={s.join_timeout_s:.0f}s ({self._last_reason})"

@@ -60,8 +60,8 @@ class EtcdStore(dist.Store):
             self._version += 1
             self._cond.notify_all()
 
-    def close(self) -> None:
-        self._watch.stop()
+    def close(self, wait: bool = True) -> None:
+        self._watch.stop(wait=wait)
 
     # -- helpers ----------------------------------------------------------------------
     def _retry(self, fn: Callable[[], T]) -> T:
