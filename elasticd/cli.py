@@ -93,6 +93,8 @@ def _add_run_parser(sub: argparse._SubParsersAction) -> None:
                    help="wait this long for stragglers once MIN nodes joined, s")
     p.add_argument("--drain-grace", type=float, default=60.0, help="drain grace period, s")
     p.add_argument("--hang-timeout", type=float, default=0.0, help="restart if no step for this long (0=off)")
+    p.add_argument("--no-warm-start", dest="warm_start", action="store_false",
+                   help="start every worker cold (no standby processes that have imported torch)")
     p.add_argument("--checkpoint-url", help="fsspec URL handed to workers as ELASTICD_CHECKPOINT_URL")
     p.add_argument("--log-format", choices=["auto", "json", "console"], default="auto")
     p.add_argument("--log-dir", help="where worker logs go (default: the runtime dir)")
@@ -125,7 +127,8 @@ def _run_command(args: argparse.Namespace) -> int:
         supervision=SupervisionSettings(
             max_restarts=args.max_restarts, restart_backoff_s=args.restart_backoff,
             drain_grace_s=args.drain_grace, hang_timeout_s=args.hang_timeout,
-            attribution_window_s=args.node_ttl + 1.0, checkpoint_url=args.checkpoint_url),
+            attribution_window_s=args.node_ttl + 1.0, checkpoint_url=args.checkpoint_url,
+            warm_start=args.warm_start),
         log_format=args.log_format, log_dir=args.log_dir, metrics_port=args.metrics_port or None,
         notify_socket=os.environ.get("NOTIFY_SOCKET"), watchdog_usec=os.environ.get("WATCHDOG_USEC"),
     )

@@ -33,6 +33,8 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--max-restarts", dest="restart.max_restarts")
     p.add_argument("--drain-grace", dest="drain.grace_s")
     p.add_argument("--hang-timeout", dest="workers.hang_timeout_s")
+    p.add_argument("--no-warm-start", dest="workers.warm_start", action="store_const", const="false",
+                   help="start every worker cold (no standby processes)")
     p.add_argument("--log-format", dest="logging.format", choices=["auto", "json", "console"])
     p.add_argument("--metrics-port", dest="metrics.port")
     p.set_defaults(func=run)
@@ -65,7 +67,7 @@ def node_spec(cfg: AgentConfig) -> NodeSpec:
             restart_backoff_max_s=cfg.restart.backoff_max_s, drain_grace_s=cfg.drain.grace_s,
             hang_timeout_s=w.hang_timeout_s, attribution_window_s=cfg.node.ttl_s + 1.0,
             monitor_interval_s=w.monitor_interval_s, checkpoint_url=cfg.job.checkpoint_url,
-            worker_env=dict(w.env)),
+            worker_env=dict(w.env), warm_start=w.warm_start),
         workdir=w.workdir, log_format=cfg.logging.format, log_dir=cfg.logging.worker_log_dir,
         metrics_port=cfg.metrics.port or None,
         preemption=make_watcher(cfg.preemption.provider, base_url=cfg.preemption.base_url,

@@ -58,6 +58,7 @@ class ProgressBoard:
     ranks: dict[int, RankProgress] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
     last_advance: float = 0.0  # monotonic time any rank last advanced its step
+    first_advance: float = 0.0  # ... and first did, in this worker group
 
     def report(self, rank: int, step: int, epoch: int, samples: int) -> None:
         now = time.monotonic()
@@ -65,12 +66,13 @@ class ProgressBoard:
             p = self.ranks.setdefault(rank, RankProgress())
             if step > p.step:
                 self.last_advance = now
+                self.first_advance = self.first_advance or now
             p.step, p.epoch, p.samples_trained, p.updated_at = step, epoch, samples, now
 
     def reset(self) -> None:
         with self.lock:
             self.ranks.clear()
-            self.last_advance = 0.0
+            self.last_advance = self.first_advance = 0.0
 
     def max_step(self) -> int:
         with self.lock:

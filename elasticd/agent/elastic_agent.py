@@ -30,6 +30,7 @@ from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElas
 from elasticd.agent.control import ControlChannel
 from elasticd.agent.policy import Decision, Facts, Verdict, decide
 from elasticd.agent.recorder import JobRecorder
+from elasticd.agent.warm import StandbyPool, warm_handlers
 from elasticd.errors import LeaseLostError, TransientError
 from elasticd.rendezvous.etcd_handler import EtcdRendezvousHandler
 from elasticd.retry import restart_backoff_s
@@ -51,6 +52,9 @@ class SupervisionSettings:
     heartbeat_interval_s: float = 30.0
     checkpoint_url: str | None = None
     worker_env: dict[str, str] = field(default_factory=dict)
+    warm_start: bool = True  # keep a standby per local rank (see elasticd.agent.warm)
+    standby_delay_s: float = 2.0  # start standbys this long after the group's first step
+    standby_after_s: float = 30.0  # ... or this long after the group started (plain scripts)
 
 
 @dataclass
@@ -91,6 +95,9 @@ class ElasticdAgent(LocalElasticAgent):
         self._last_heartbeat = 0.0
         self._last_decision = ""
         self._log = log.bind(job=handler.keys.job, node=handler.node_id)
+        self.standby = StandbyPool(settings.warm_start, control.dir)
+        self._worker_envs: dict[int, dict[str, str]] = {}
+        self._group_started_at = 0.0
 
     # -- signals: flags only -------------------------------------------------------------
     def _on_signal(self, signum: int, frame: Any) -> None:
@@ -121,13 +128,16 @@ class ElasticdAgent(LocalElasticAgent):
             extra["ELASTICD_CHECKPOINT_URL"] = self.settings.checkpoint_url
         for env in envs.values():
             env.update(extra)
+        self._worker_envs = {r: dict(e) for r, e in envs.items()}
         super()._setup_local_watchdog(envs)
 
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
         self.control.clear_round()
         if not self._draining:
             self.control.clear_drain()
-        pids = super()._start_workers(worker_group)
+        with warm_handlers(self.standby):
+            pids = super()._start_workers(worker_group)
+        self._group_started_at = time.monotonic()
         # torch's PContext.start() installs handlers that raise SignalException; a stop
         # signal must start a drain instead.
         self.install_signal_handlers()
@@ -191,7 +201,24 @@ class ElasticdAgent(LocalElasticAgent):
             self._last_decision = decision.reason
             done = self._act(decision, result)
             if done:
+                self.standby.close()
                 return result
+            self._refill_standby(wg.state)
+
+    def _refill_standby(self, state: WorkerState) -> None:
+        """Start missing standbys once the group trains (its first step, or a while).
+
+        Not earlier: on a small machine the standbys' imports would slow the workers' own
+        start, which is exactly what a recovery waits for.
+        """
+        if not self.standby.enabled or state != WorkerState.HEALTHY or self._draining:
+            return
+        if not self.standby.missing(range(self._worker_group.spec.local_world_size)):
+            return
+        board, now = self.control.progress, time.monotonic()
+        trained = board.max_step() >= 0 and now - board.first_advance >= self.settings.standby_delay_s
+        if trained or now - self._group_started_at >= self.settings.standby_after_s:
+            self.standby.fill(self._worker_envs)
 
     def _facts(self, result: RunResult) -> Facts:
         now = time.monotonic()

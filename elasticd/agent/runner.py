@@ -114,6 +114,7 @@ def run_node(spec: NodeSpec) -> int:
     client: EtcdClient | None = None
     control: ControlChannel | None = None
     handler: EtcdRendezvousHandler | None = None
+    agent: ElasticdAgent | None = None
     try:
         endpoints = spec.etcd_endpoints
         if not endpoints:
@@ -181,6 +182,8 @@ def run_node(spec: NodeSpec) -> int:
         sys.stderr.write(f"elasticd: {exc}\n")
         return EX_ETCD_UNREACHABLE if isinstance(exc, (TransientError,)) or "etcd" in str(exc) else 1
     finally:
+        if agent is not None:
+            agent.standby.close()
         if spec.preemption is not None:
             spec.preemption.stop()
         if handler is not None:

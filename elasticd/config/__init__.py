@@ -17,7 +17,7 @@ TOML layout (every key is documented with its default in docs/configuration.md):
     [node]       id, local_addr, ttl_s
     [rendezvous] join_timeout_s, last_call_timeout_s
     [workers]    command, nproc_per_node, workdir, monitor_interval_s,
-                 hang_timeout_s, and a [workers.env] table
+                 hang_timeout_s, warm_start, and a [workers.env] table
     [restart]    max_restarts, backoff_s, backoff_max_s
     [drain]      grace_s
     [preemption] provider, base_url, poll_interval_s
@@ -42,7 +42,7 @@ Override keys (the ``overrides`` mapping, one per CLI flag) are the dotted names
     node.id  node.local_addr  node.ttl_s
     rendezvous.join_timeout_s  rendezvous.last_call_timeout_s
     workers.command  workers.nproc_per_node  workers.workdir  workers.env
-    workers.monitor_interval_s  workers.hang_timeout_s
+    workers.monitor_interval_s  workers.hang_timeout_s  workers.warm_start
     restart.max_restarts  restart.backoff_s  restart.backoff_max_s
     drain.grace_s
     preemption.provider  preemption.base_url  preemption.poll_interval_s

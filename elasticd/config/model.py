@@ -120,6 +120,7 @@ class WorkersConfig:
     env: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
     monitor_interval_s: float = 0.1
     hang_timeout_s: float = 0.0
+    warm_start: bool = True
 
     def resolve_nproc_per_node(self, device_count: Callable[[], int] | None = None) -> int:
         """Return the number of workers to start on this node.

@@ -306,6 +306,7 @@ KEYS: dict[str, Key] = {
         Key("workers", "monitor_interval_s", number(0, lo_open=True, hi=60), 0.1,
             "monitor_interval_s = 0.1"),
         Key("workers", "hang_timeout_s", number(0), 0.0, "hang_timeout_s = 1800"),
+        Key("workers", "warm_start", boolean, True, "warm_start = false"),
         Key("restart", "max_restarts", integer(0), 3, "max_restarts = 3"),
         Key("restart", "backoff_s", number(0), 1.0, "backoff_s = 1"),
         Key("restart", "backoff_max_s", number(0), 30.0, "backoff_max_s = 30"),

@@ -1,0 +1,277 @@
+"""Warm standby workers: one process per local rank that has already imported torch.
+
+Starting a worker from scratch costs about 3 s before its first step on a quiet machine
+(importing torch ~1.6 s; the first optimizer or DDP use imports ``torch._dynamo``, ~1.2 s)
+and 4–8 s when several workers start at once on few cores. Every recovery pays it. So
+once a worker group is training, the agent starts a *standby* per local rank:
+``python -m elasticd.agent.warm`` imports what every worker imports, then blocks reading
+one line from its stdin. At the next restart the agent hands each standby its worker's
+environment, argv, working directory and log files; the standby takes them over and runs
+the worker exactly as ``elasticd.agent.worker_exec`` would.
+
+Safety rules (when in doubt, start cold):
+
+- A standby is used only if its environment equals the worker's except for the variables
+  that change every round (ranks, world sizes, master address, restart count, error
+  file, round): anything read at import time (``OMP_NUM_THREADS``, ``CUDA_VISIBLE_DEVICES``,
+  ``[workers.env]``) is then the same as for a cold start.
+- Only the agent's own launcher line (``python -m elasticd.agent.worker_exec ...`` with the
+  agent's interpreter) is replaced; anything else (a NUMA wrapper, say) starts cold.
+- A standby that died, or is still importing, is not waited for: a dead one is replaced,
+  a busy one simply starts the worker when its imports are done (still sooner than cold).
+- Standbys die with the agent (``PR_SET_PDEATHSIG``) and are killed by process group when
+  the agent exits, so none outlives it.
+
+Scripts that must set import-time state themselves *before* importing torch (e.g. an
+``os.environ[...]`` line at the top of the script) should set it in ``[workers.env]``
+instead, or turn standbys off (``workers.warm_start = false``, ``--no-warm-start``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+log = structlog.get_logger(__name__)
+
+LAUNCHER = ("-m", "elasticd.agent.worker_exec")
+
+# Variables the agent sets afresh for every worker group (torch's LocalElasticAgent and
+# ours). Everything else must match for a standby to be used.
+PER_ROUND_ENV = frozenset({
+    "RANK", "GROUP_RANK", "ROLE_RANK", "WORLD_SIZE", "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE",
+    "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_ERROR_FILE",
+    "ELASTICD_ROUND",
+})
+
+
+def env_mismatch(standby_env: Mapping[str, str], worker_env: Mapping[str, str]) -> list[str]:
+    """Names whose value differs between a standby's and a worker's environment. Pure.
+
+    Per-round variables (``PER_ROUND_ENV``) are ignored: the standby gets the worker's.
+    """
+    names = (set(standby_env) | set(worker_env)) - PER_ROUND_ENV
+    return sorted(n for n in names if standby_env.get(n) != worker_env.get(n))
+
+
+@dataclass
+class Standby:
+    """One warm process for one local rank."""
+
+    local_rank: int
+    proc: subprocess.Popen[bytes]
+    env: dict[str, str]
+    started_at: float
+
+
+class StandbyPool:
+    """The agent's standbys, one per local rank, and the hand-over to a worker.
+
+    Used from the agent's main thread only (the standby's ``PR_SET_PDEATHSIG`` fires when
+    the *thread* that started it exits).
+    """
+
+    def __init__(self, enabled: bool, log_dir: Path) -> None:
+        self.enabled = enabled
+        self.log_dir = log_dir
+        self._slots: dict[int, Standby] = {}
+        self.handed_over = 0  # hand-overs so far (tests, logs)
+        self.cold_starts = 0
+
+    def missing(self, local_ranks: range) -> list[int]:
+        """Local ranks without a live standby."""
+        for r, sb in list(self._slots.items()):
+            if sb.proc.poll() is not None:
+                log.warning("standby_died", local_rank=r, exit_code=sb.proc.returncode,
+                            log=str(self._log_path(r)))
+                del self._slots[r]
+        return [r for r in local_ranks if r not in self._slots]
+
+    def fill(self, envs: Mapping[int, Mapping[str, str]]) -> None:
+        """Start a standby for every local rank in ``envs`` that has none.
+
+        Args:
+            envs: each local rank's worker environment in the current group (the agent's
+                environment is added, as for a worker).
+        """
+        if not self.enabled:
+            return
+        for r in self.missing(range(max(envs, default=-1) + 1)):
+            if r not in envs:
+                continue
+            env = {**os.environ, **envs[r]}
+            with open(self._log_path(r), "wb") as err:  # the standby keeps its own copy of the fd
+                proc = subprocess.Popen(
+                    [sys.executable, "-m", "elasticd.agent.warm"], env=env, stdin=subprocess.PIPE,
+                    stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
+            self._slots[r] = Standby(r, proc, env, time.monotonic())
+            log.info("standby_started", local_rank=r, pid=proc.pid)
+
+    def take(self, local_rank: int, args: tuple[str, ...], env: Mapping[str, str],
+             stdout: str | None, stderr: str | None) -> subprocess.Popen[bytes] | None:
+        """Hand a worker to this rank's standby; None if it cannot be used (start cold).
+
+        Args:
+            local_rank: the worker's local rank.
+            args: the full command line torch would run.
+            env: the worker's full environment.
+            stdout, stderr: the worker's log files (torch opened and truncated them).
+        """
+        if not self.enabled:
+            return None
+        sb = self._slots.pop(local_rank, None)
+        if sb is None:
+            self.cold_starts += 1
+            return None
+        why = ""
+        if tuple(args[:3]) != (sys.executable, *LAUNCHER):
+            why = f"command is not the agent's launcher: {' '.join(args[:3])}"
+        elif sb.proc.poll() is not None:
+            why = f"standby exited with {sb.proc.returncode}"
+        elif bad := env_mismatch(sb.env, env):
+            why = f"environment differs in {', '.join(bad[:5])}"
+        if why:
+            log.info("standby_not_used", local_rank=local_rank, reason=why)
+            _discard(sb)
+            self.cold_starts += 1
+            return None
+        msg = {"argv": list(args[3:]), "env": dict(env), "cwd": os.getcwd(),
+               "stdout": stdout, "stderr": stderr}
+        try:
+            assert sb.proc.stdin is not None
+            sb.proc.stdin.write(json.dumps(msg).encode() + b"\n")
+            sb.proc.stdin.close()
+        except (BrokenPipeError, OSError) as exc:  # it died just now
+            log.info("standby_not_used", local_rank=local_rank, reason=f"hand-over failed: {exc}")
+            _discard(sb)
+            self.cold_starts += 1
+            return None
+        self.handed_over += 1
+        log.info("standby_handed_over", local_rank=local_rank, pid=sb.proc.pid,
+                 warm_for_s=round(time.monotonic() - sb.started_at, 1))
+        return sb.proc
+
+    def close(self) -> None:
+        """Kill every standby (process group) and reap it."""
+        slots, self._slots = self._slots, {}
+        for sb in slots.values():
+            _discard(sb)
+
+    def _log_path(self, local_rank: int) -> Path:
+        return self.log_dir / f"standby-{local_rank}.log"
+
+
+def _discard(sb: Standby) -> None:
+    with contextlib.suppress(OSError):
+        if sb.proc.stdin is not None:
+            sb.proc.stdin.close()
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(sb.proc.pid, signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        sb.proc.wait(timeout=5)
+
+
+@contextlib.contextmanager
+def warm_handlers(pool: StandbyPool) -> Iterator[None]:
+    """While active, torch's ``SubprocessContext`` starts workers through ``pool``.
+
+    torch builds each worker's ``SubprocessHandler`` through the module-level
+    ``get_subprocess_handler`` of ``torch.distributed.elastic.multiprocessing.api``; we
+    swap in a handler whose ``_popen`` asks the pool first. On a torch without that hook
+    every worker starts cold.
+    """
+    from torch.distributed.elastic.multiprocessing import api
+
+    original = getattr(api, "get_subprocess_handler", None)
+    if not pool.enabled or original is None:
+        yield
+        return
+    from torch.distributed.elastic.multiprocessing.subprocess_handler import SubprocessHandler
+
+    class WarmSubprocessHandler(SubprocessHandler):
+        def _popen(self, args: tuple, env: dict[str, str]) -> Any:
+            proc = pool.take(self.local_rank_id, tuple(str(a) for a in args), env,
+                             getattr(self._stdout, "name", None), getattr(self._stderr, "name", None))
+            return proc if proc is not None else super()._popen(args, env)
+
+    def get_handler(**kwargs: Any) -> SubprocessHandler:
+        return WarmSubprocessHandler(**kwargs)
+
+    api.get_subprocess_handler = get_handler  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        api.get_subprocess_handler = original
+
+
+# --- the standby process -----------------------------------------------------------------
+def main() -> None:
+    """Import what workers import, wait for a hand-over, then become the worker."""
+    from elasticd.process import die_with_parent
+
+    agent_pid = os.environ.get("ELASTICD_AGENT_PID")
+    die_with_parent(int(agent_pid) if agent_pid else None)
+    # Import at the lowest CPU priority, so a standby never slows the training it stands by
+    # for, and take the normal priority back at the hand-over. Only root may raise it back,
+    # so an unprivileged agent's standbys import at normal priority.
+    niceness = os.getpriority(os.PRIO_PROCESS, 0)
+    lowered = os.geteuid() == 0 and niceness < 19
+    if lowered:
+        os.setpriority(os.PRIO_PROCESS, 0, 19)
+    # The imports every worker pays for; torch._dynamo is what the first optimizer step
+    # or DDP forward would import. Failures here are not fatal: the worker imports again.
+    try:
+        import torch  # noqa: F401
+        import torch._dynamo  # noqa: F401
+        import torch.distributed  # noqa: F401
+        import torch.nn.parallel  # noqa: F401
+        import torch.optim  # noqa: F401
+
+        import elasticd.worker  # noqa: F401
+    except Exception as exc:
+        sys.stderr.write(f"standby: import failed: {exc!r}\n")
+    line = sys.stdin.readline()
+    if not line:
+        return  # discarded by the agent
+    msg = json.loads(line)
+    if lowered:
+        _set_niceness_of_all_threads(niceness)
+    os.environ.clear()
+    os.environ.update(msg["env"])
+    os.chdir(msg["cwd"])
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.close(devnull)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    for fd, path in ((1, msg["stdout"]), (2, msg["stderr"])):
+        if path:
+            f = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            os.dup2(f, fd)
+            os.close(f)
+    from elasticd.agent import worker_exec
+
+    worker_exec.main(msg["argv"])
+
+
+def _set_niceness_of_all_threads(niceness: int) -> None:
+    # Linux keeps a niceness per thread, and threads started during the imports inherited
+    # the low priority: set it on every one.
+    for tid in os.listdir("/proc/self/task"):
+        with contextlib.suppress(OSError):
+            os.setpriority(os.PRIO_PROCESS, int(tid), niceness)
+
+
+if __name__ == "__main__":
+    main()
