@@ -152,6 +152,9 @@ def should_stop(step: int | None = None, *, every: int = 1) -> bool:
     returns True, save a checkpoint and exit 0: the agent then knows the job is not
     finished but drained, and survivors re-form without this node. With several ranks the
     answer reflects the drain flags as of the previous call (see the module docstring).
+    The first call also tells the agent (an empty ``drainable-<rank>`` file in the control
+    dir) that this script stops this way, so a node joining mid-training is admitted
+    through such a stop (no step lost) rather than by restarting the workers.
 
     Args:
         step: the last fully trained step, recorded for the agent.
