@@ -92,6 +92,8 @@ def _add_run_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--last-call-timeout", type=float, default=1.0,
                    help="wait this long for stragglers once MIN nodes joined, s")
     p.add_argument("--drain-grace", type=float, default=60.0, help="drain grace period, s")
+    p.add_argument("--resize-grace", type=float, default=30.0,
+                   help="on a join, workers get this long to stop at a step boundary (0=restart at once)")
     p.add_argument("--hang-timeout", type=float, default=0.0, help="restart if no step for this long (0=off)")
     p.add_argument("--no-warm-start", dest="warm_start", action="store_false",
                    help="start every worker cold (no standby processes that have imported torch)")
@@ -112,6 +114,9 @@ def _run_command(args: argparse.Namespace) -> int:
     mn, mx = parse_nnodes(args.nnodes)
     if args.node_ttl < 2:
         raise ConfigError(f"--node-ttl {args.node_ttl}: etcd's minimum lease TTL is 2 s")
+    if not args.resize_grace >= 0:  # also refuses NaN
+        raise ConfigError(f"--resize-grace {args.resize_grace}: must be at least 0 "
+                          "(0 restarts workers at once when a node joins)")
     command = tuple(args.command[1:] if args.command[:1] == ["--"] else args.command)
     # torch is imported only now, after the flags were validated (a typo answers at once).
     from elasticd.agent.elastic_agent import SupervisionSettings
@@ -126,7 +131,8 @@ def _run_command(args: argparse.Namespace) -> int:
         last_call_timeout_s=args.last_call_timeout,
         supervision=SupervisionSettings(
             max_restarts=args.max_restarts, restart_backoff_s=args.restart_backoff,
-            drain_grace_s=args.drain_grace, hang_timeout_s=args.hang_timeout,
+            drain_grace_s=args.drain_grace, resize_grace_s=args.resize_grace,
+            hang_timeout_s=args.hang_timeout,
             attribution_window_s=args.node_ttl + 1.0, checkpoint_url=args.checkpoint_url,
             warm_start=args.warm_start),
         log_format=args.log_format, log_dir=args.log_dir, metrics_port=args.metrics_port or None,

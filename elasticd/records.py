@@ -25,6 +25,7 @@ EVENT_KINDS = (
     "failure",  # a worker failed (exit code or signal)
     "restart",  # a node restarted its worker group (cause in detail)
     "drain",  # a drain started (reason: signal, notice)
+    "resize",  # a join: members drain their workers at a step boundary, then re-form
     "notice",  # a spot/preemption notice was received
     "hang",  # no progress for hang_timeout
     "round",  # a round completed (world size in detail)

@@ -10,6 +10,12 @@ A private runtime directory (mode 0700) per agent, passed to workers as
 - ``stopped-<rank>``: written by a worker that exits 0 because of a drain (its own node's
   or a peer's), with the last trained step. It tells the agent "stopped for a drain, the
   job is not finished", so a surviving node re-forms instead of declaring success.
+- ``drainable-<rank>``: written by a worker the first time it calls ``should_stop`` (an
+  empty file). It tells the agent "this worker group stops at a step boundary when asked",
+  so a node joining mid-training is admitted through a drain (no step lost) rather than by
+  killing the workers; workers that never call ``should_stop`` (plain torchrun scripts)
+  are restarted at once, as before. Progress reports alone do not mean the script checks
+  for a stop.
 - ``control.sock``: a Unix stream socket, JSON lines. Workers send
   ``{"op": "progress", ...}`` (no reply; feeds hang detection and status) and
   ``{"op": "commit", ...}`` (reply ``{"ok": bool, "reason": str}``: the fenced
@@ -39,6 +45,7 @@ log = structlog.get_logger(__name__)
 DRAIN_FILE = "drain"
 SOCKET_FILE = "control.sock"
 STOPPED_PREFIX = "stopped-"
+DRAINABLE_PREFIX = "drainable-"
 
 
 @dataclass
@@ -176,8 +183,9 @@ class ControlChannel:
 
     def clear_round(self) -> None:
         """Forget per-round markers before starting a new worker group."""
-        for p in self.dir.glob(STOPPED_PREFIX + "*"):
-            p.unlink(missing_ok=True)
+        for prefix in (STOPPED_PREFIX, DRAINABLE_PREFIX):
+            for p in self.dir.glob(prefix + "*"):
+                p.unlink(missing_ok=True)
         self.progress.reset()
 
     def clear_drain(self) -> None:
@@ -192,6 +200,10 @@ class ControlChannel:
             except (ValueError, OSError):
                 continue
         return out
+
+    def workers_drainable(self) -> bool:
+        """True once a worker of the current group called ``should_stop`` (``drainable-<rank>``)."""
+        return any(self.dir.glob(DRAINABLE_PREFIX + "*"))
 
     def close(self) -> None:
         if self._server is not None:

@@ -46,6 +46,7 @@ class SupervisionSettings:
     restart_backoff_s: float = 1.0
     restart_backoff_max_s: float = 30.0
     drain_grace_s: float = 60.0
+    resize_grace_s: float = 30.0  # a join drains workers for at most this long; 0 = restart at once
     hang_timeout_s: float = 0.0  # 0 = off
     attribution_window_s: float = 3.0
     monitor_interval_s: float = 0.1
@@ -89,6 +90,8 @@ class ElasticdAgent(LocalElasticAgent):
         self.notice: str | None = None
         self._draining = False
         self._drain_deadline = 0.0
+        self._resizing = False  # workers asked to stop so that joiners can be admitted
+        self._resize_deadline = 0.0
         self._groups_started = 0
         self._failure_seen_at: float | None = None
         self._fault_at: float | None = None  # when the current recovery began
@@ -135,6 +138,7 @@ class ElasticdAgent(LocalElasticAgent):
         self.control.clear_round()
         if not self._draining:
             self.control.clear_drain()
+        self._resizing = False  # a resize ends when the re-formed group starts
         with warm_handlers(self.standby):
             pids = super()._start_workers(worker_group)
         self._group_started_at = time.monotonic()
@@ -236,14 +240,25 @@ class ElasticdAgent(LocalElasticAgent):
                     and now - board.last_advance > self.settings.hang_timeout_s)
         codes = tuple(f.exitcode for f in result.failures.values()) if result.failures else ()
         self._heartbeat(now)
+        waiting = self.handler.membership() if state == "HEALTHY" else None
+        nodes_waiting = waiting.count if waiting is not None else 0
+        # Stopped markers: when SUCCEEDED, the workers stopped for a drain; when HEALTHY, they
+        # are stopping. Globbed only when it can matter (a tick costs no file system scan).
+        look_for_markers = state == "SUCCEEDED" or nodes_waiting > 0
         return Facts(
             group_state=state,
             drain_signals=self.stop_signals,
             draining=self._draining,
             drain_deadline_passed=self._draining and now >= self._drain_deadline,
-            stopped_for_drain=bool(self.control.stopped_markers()) if state == "SUCCEEDED" else False,
+            stopped_for_drain=bool(self.control.stopped_markers()) if look_for_markers else False,
             lease_lost=self.handler.lease_lost.is_set(),
-            nodes_waiting=self.handler.num_nodes_waiting() if state == "HEALTHY" else 0,
+            nodes_waiting=nodes_waiting,
+            membership=waiting.kind.value if waiting is not None and nodes_waiting else "",
+            membership_reason=waiting.reason if waiting is not None and nodes_waiting else "",
+            resize_enabled=self.settings.resize_grace_s > 0,
+            workers_drainable=nodes_waiting > 0 and self.control.workers_drainable(),
+            resizing=self._resizing,
+            resize_deadline_passed=self._resizing and now >= self._resize_deadline,
             hang=hang,
             attribution=attribution,
             attribution_window_passed=window_passed,
@@ -294,6 +309,9 @@ class ElasticdAgent(LocalElasticAgent):
             return False
         if v is Verdict.START_DRAIN:
             self._start_drain(decision.reason)
+            return False
+        if v is Verdict.START_RESIZE:
+            self._start_resize(decision.reason)
             return False
         if v is Verdict.FENCE:
             self._fence(decision.reason)
@@ -347,8 +365,23 @@ class ElasticdAgent(LocalElasticAgent):
             self.metrics.restart(cause)
         self._restart_workers(self._worker_group)
 
+    def _start_resize(self, reason: str) -> None:
+        """Ask the workers to stop at the next step so that joiners are admitted; we stay.
+
+        The drain file is the same as for a drain, but ``_draining`` stays False: that
+        flag means "this node leaves". The workers exit 0 with stopped markers and the
+        policy re-forms the job (``RESTART_MEMBERSHIP``); ``_start_workers`` ends the resize.
+        """
+        self._resizing = True
+        self._resize_deadline = time.monotonic() + self.settings.resize_grace_s
+        self.control.request_drain(f"resize: {reason}")
+        self.recorder.event("resize", reason, grace_s=self.settings.resize_grace_s)
+        self._log.info("resize_started", reason=reason, grace_s=self.settings.resize_grace_s,
+                       round=self.handler.round)
+
     def _start_drain(self, reason: str) -> None:
         self._draining = True
+        self._resizing = False  # a stop signal during a resize: the stop becomes our drain
         self._drain_deadline = time.monotonic() + self.settings.drain_grace_s
         why = self.notice or f"stop signal ({reason})"
         self.control.request_drain(why)

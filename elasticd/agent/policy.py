@@ -10,6 +10,12 @@ with a human-readable reason. Policy in one line each:
 - A hang (no rank advanced for ``hang_timeout_s`` after the first step) is a failure.
 - A drain stops at the next step boundary; a second signal or the grace period running
   out stops hard.
+- A scale-up (only new nodes wait to join) is a *resize*: workers that call
+  ``should_stop`` are asked to stop at the next step boundary and save, then the job
+  re-forms with the newcomers; no step is lost. Workers that never call ``should_stop``
+  are restarted at once, as is everything else that changes membership. A resize waits
+  for the workers (even if a peer re-forms first) until ``resize_grace_s``, then restarts
+  them hard.
 - Exit code 2 on the first start (argument parsing) is not retried: it will not go away.
 """
 
@@ -22,6 +28,7 @@ from dataclasses import dataclass
 class Verdict(enum.Enum):
     CONTINUE = "continue"  # keep monitoring
     START_DRAIN = "start_drain"  # ask workers to stop at the next step
+    START_RESIZE = "start_resize"  # nodes join: ask workers to stop at the next step, stay
     RESTART_MEMBERSHIP = "restart_membership"  # re-rendezvous, budget untouched
     RESTART_FAILURE = "restart_failure"  # back off, spend budget, re-rendezvous
     ATTRIBUTE = "attribute"  # a failure: wait for peers' reports before deciding
@@ -40,9 +47,19 @@ class Facts:
     drain_signals: int = 0  # SIGTERM/SIGINT received (and notices)
     draining: bool = False  # drain already requested from the workers
     drain_deadline_passed: bool = False
-    stopped_for_drain: bool = False  # workers left stopped-<rank> markers
+    # Workers left stopped-<rank> markers: when SUCCEEDED they stopped for a drain; when
+    # HEALTHY (looked at only while nodes wait) they are stopping, saving a checkpoint.
+    stopped_for_drain: bool = False
     lease_lost: bool = False
     nodes_waiting: int = 0
+    # Kind of membership change while nodes_waiting > 0: "join" (only newcomers wait),
+    # "newer_round" (a peer opened a round after ours), "member_lost", "lease_lost".
+    membership: str = ""
+    membership_reason: str = ""  # human-readable, from the rendezvous handler
+    resize_enabled: bool = True  # resize_grace_s > 0: admit joiners through a drain
+    workers_drainable: bool = False  # a worker of this group called should_stop
+    resizing: bool = False  # we asked our workers to stop so that joiners can be admitted
+    resize_deadline_passed: bool = False
     hang: bool = False
     attribution: str = ""  # "", "membership", "root", "victim", "undecided"
     attribution_window_passed: bool = False
@@ -72,6 +89,8 @@ def decide(f: Facts) -> Decision:
     if state == "SUCCEEDED":
         if f.draining:
             return Decision(Verdict.LEAVE, "workers stopped for our drain: leaving the job")
+        if f.stopped_for_drain and f.resizing:
+            return Decision(Verdict.RESTART_MEMBERSHIP, "workers stopped for the resize: re-forming")
         if f.stopped_for_drain:
             return Decision(Verdict.RESTART_MEMBERSHIP, "workers stopped for a peer's drain")
         return Decision(Verdict.FINISH, "all workers succeeded")
@@ -92,7 +111,40 @@ def decide(f: Facts) -> Decision:
             if f.remaining_restarts > 0:
                 return Decision(Verdict.RESTART_FAILURE, "workers hung: restarting")
             return Decision(Verdict.FAIL, "workers hung and the restart budget is spent")
-        if f.nodes_waiting > 0 and not f.draining:
-            return Decision(Verdict.RESTART_MEMBERSHIP, "membership changed")
+        if f.draining:
+            return Decision(Verdict.CONTINUE, "draining: waiting for workers to stop")
+        if f.resizing:
+            return _while_resizing(f)
+        if f.nodes_waiting > 0:
+            return _membership_changed(f)
         return Decision(Verdict.CONTINUE, "healthy")
     return Decision(Verdict.CONTINUE, f"worker group {state}")
+
+
+def _membership_changed(f: Facts) -> Decision:
+    """HEALTHY workers, nodes waiting, no resize yet: resize through a drain, or restart now."""
+    why = f.membership_reason or "membership changed"
+    if f.resize_enabled and f.workers_drainable:
+        if f.membership == "join":
+            return Decision(Verdict.START_RESIZE, f"{why}: workers stop at the next step, then "
+                            "the job re-forms with them")
+        if f.membership == "newer_round" and f.stopped_for_drain:
+            # A peer's workers stopped for a resize first and it re-formed; ours agreed on the
+            # same step and are saving. Killing them now could lose that checkpoint.
+            return Decision(Verdict.START_RESIZE, f"{why}: our workers are stopping for the "
+                            "resize too: waiting for them")
+    if why == "membership changed":
+        return Decision(Verdict.RESTART_MEMBERSHIP, why)
+    return Decision(Verdict.RESTART_MEMBERSHIP, f"membership changed: {why}")
+
+
+def _while_resizing(f: Facts) -> Decision:
+    """HEALTHY workers asked to stop for a resize: wait for them, unless a peer is lost."""
+    if f.resize_deadline_passed:
+        return Decision(Verdict.RESTART_MEMBERSHIP, "resize grace period over: restarting workers hard")
+    if f.nodes_waiting > 0 and f.membership == "member_lost":
+        why = f.membership_reason or "a member was lost"
+        return Decision(Verdict.RESTART_MEMBERSHIP, f"{why} during the resize: restarting workers")
+    # A newer round opened by a peer (its workers finished first) or the joiner vanishing
+    # changes nothing: our workers agreed on the same stop step and are saving.
+    return Decision(Verdict.CONTINUE, "resizing: waiting for workers to stop at a step boundary")

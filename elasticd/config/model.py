@@ -165,9 +165,12 @@ class RestartConfig:
 
 @dataclass(frozen=True)
 class DrainConfig:
-    """``[drain]``: graceful stop (SIGTERM, preemption notice)."""
+    """``[drain]``: graceful stop (SIGTERM, preemption notice) and drain-on-join."""
 
     grace_s: float = 60.0
+    # A node joining mid-training: workers get this long to stop at a step boundary
+    # before they are restarted hard; 0 restarts them at once (no drain on a join).
+    resize_grace_s: float = 30.0
 
 
 @dataclass(frozen=True)

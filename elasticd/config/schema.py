@@ -311,6 +311,7 @@ KEYS: dict[str, Key] = {
         Key("restart", "backoff_s", number(0), 1.0, "backoff_s = 1"),
         Key("restart", "backoff_max_s", number(0), 30.0, "backoff_max_s = 30"),
         Key("drain", "grace_s", number(0, lo_open=True), 60.0, "grace_s = 60"),
+        Key("drain", "resize_grace_s", number(0), 30.0, "resize_grace_s = 30"),
         Key("preemption", "provider", choice(*PROVIDERS), "none", 'provider = "aws"'),
         Key("preemption", "base_url", http_url, None, 'base_url = "http://169.254.169.254"'),
         Key("preemption", "poll_interval_s", number(0, lo_open=True, hi=60), 2.0,

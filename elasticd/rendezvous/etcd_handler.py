@@ -6,7 +6,7 @@
 - Every state change is a transaction comparing the state key's mod_revision; the
   decisions are pure functions in ``protocol.py``.
 - Two watches (``nodes/`` and ``rdzv/``) keep a local view, so ``num_nodes_waiting()``
-  costs no etcd request and a dead peer is noticed when its lease expires, not when a
+  and ``membership()`` cost no etcd request and a dead peer is noticed when its lease expires, not when a
   gloo/NCCL timeout fires minutes later.
 - An unreachable etcd is not a dead peer: while etcd is down the view does not change,
   so healthy workers keep training; calls are retried with backoff.
@@ -42,7 +42,9 @@ from elasticd.rendezvous.protocol import (
     Action,
     ActionKind,
     JoinProgress,
+    MembershipChange,
     RendezvousView,
+    Waiting,
     decide_join,
     lost_members,
     nodes_waiting,
@@ -484,19 +486,27 @@ class EtcdRendezvousHandler(RendezvousHandler):
         return self.settings.node_ttl_s + 5.0
 
     def num_nodes_waiting(self) -> int:
-        """Answered from the watch cache: no etcd request. See ``protocol.nodes_waiting``.
+        """Answered from the watch cache: no etcd request. See ``membership``."""
+        return self.membership().count
+
+    def membership(self) -> Waiting:
+        """Who waits for this node to re-rendezvous, why, and the kind of change.
+
+        Answered from the watch cache: no etcd request. See ``protocol.nodes_waiting``;
+        ``kind`` is ``MembershipChange.JOIN`` when only newcomers wait (a scale-up the
+        agent can drain for), ``LEASE_LOST`` when this node's own lease is gone.
 
         After an etcd outage every lease may expire at once (a frozen single-member etcd
         revokes them all when it resumes). Members lost right after this node itself saw
         etcd trouble get a grace period to re-register (``try_resurrect``) before the loss
-        counts as a membership change.
+        counts as a membership change (count 0 meanwhile).
         """
         if self.lease_lost.is_set():
-            return 1
+            return Waiting(1, "this node's lease was lost", MembershipChange.LEASE_LOST)
         if self._round is None:
-            return 0
+            return Waiting()
         view, _ = self._view.snapshot()
-        n, why = nodes_waiting(view, self._round, max_nodes=self.settings.max_nodes)
+        waiting = nodes_waiting(view, self._round, max_nodes=self.settings.max_nodes)
         lost = lost_members(view.state, view.alive) if view.state and view.state.round == self._round else []
         with self._view.cond:
             lost = [m for m in lost if m not in self._view.left]  # a clean leave needs no grace
@@ -504,13 +514,14 @@ class EtcdRendezvousHandler(RendezvousHandler):
             now = time.monotonic()
             self._loss_seen_at = self._loss_seen_at or now
             if now - self._loss_seen_at < self.settings.node_ttl_s + 2.0:
-                return 0
+                return Waiting()
         elif not lost:
             self._loss_seen_at = None
-        if n and why != self._last_reason:
-            self._log.info("membership_changed", reason=why, round=self._round)
-            self._last_reason = why
-        return n
+        if waiting.count and waiting.reason != self._last_reason:
+            self._log.info("membership_changed", reason=waiting.reason, kind=waiting.kind.value,
+                           round=self._round)
+            self._last_reason = waiting.reason
+        return waiting
 
     def membership_reason(self) -> str:
         """Why ``num_nodes_waiting`` is non-zero now ('' if it is zero)."""
@@ -519,7 +530,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
         if self._round is None:
             return ""
         view, _ = self._view.snapshot()
-        return nodes_waiting(view, self._round, max_nodes=self.settings.max_nodes)[1]
+        return nodes_waiting(view, self._round, max_nodes=self.settings.max_nodes).reason
 
     def report_failure(self, detail: str) -> None:
         """Record that our workers failed in the current round (on our lease)."""

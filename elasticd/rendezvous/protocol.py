@@ -156,28 +156,56 @@ def _previous_members(state: RoundState) -> Sequence[str]:
     return state.members
 
 
-def nodes_waiting(view: RendezvousView, my_round: int, *, max_nodes: int) -> tuple[int, str]:
-    """How many nodes wait for this node to re-rendezvous, and why. Pure.
+class MembershipChange(enum.Enum):
+    """Why members should re-rendezvous; decides how the agent stops its workers."""
+
+    NONE = "none"  # nobody waits
+    NEWER_ROUND = "newer_round"  # someone else opened a round after ours
+    MEMBER_LOST = "member_lost"  # a member of our round has no live lease
+    JOIN = "join"  # only new nodes wait to join: nobody was lost (a scale-up)
+    LEASE_LOST = "lease_lost"  # (handler only) this node's own lease is gone
+
+
+@dataclass(frozen=True)
+class Waiting:
+    """What ``nodes_waiting`` found: how many nodes wait, why (human-readable), and the kind."""
+
+    count: int = 0
+    reason: str = ""
+    kind: MembershipChange = MembershipChange.NONE
+
+    @property
+    def join_only(self) -> bool:
+        """Every waiting node is a newcomer: the job can drain at a step boundary first."""
+        return self.kind is MembershipChange.JOIN
+
+
+def nodes_waiting(view: RendezvousView, my_round: int, *, max_nodes: int) -> Waiting:
+    """How many nodes wait for this node to re-rendezvous, why, and what kind of change. Pure.
 
     Counts as waiting (so torch's agent restarts the group without spending the restart
     budget): a newer round opened by someone else, a member of our round whose lease is
-    gone, and late joiners for the next round while there is room for them.
+    gone, and late joiners for the next round while there is room for them. The first
+    that applies names the kind, in that order; so ``JOIN`` means no member was lost and
+    no newer round exists.
     """
     state = view.state
     if state is None or view.closed:
-        return 0, ""
+        return Waiting()
     if state.round > my_round:
-        return 1, f"round {state.round} opened while we are in round {my_round}"
+        return Waiting(1, f"round {state.round} opened while we are in round {my_round}",
+                       MembershipChange.NEWER_ROUND)
     if state.phase != "final":
-        return 0, ""
+        return Waiting()
     lost = lost_members(state, view.alive)
     if lost:
-        return len(lost), f"members lost: {','.join(lost)}"
+        return Waiting(len(lost), f"members lost: {','.join(lost)}", MembershipChange.MEMBER_LOST)
     if len(state.members) < max_nodes:
         waiting = [n for n in view.joins.get(my_round + 1, ()) if n in view.alive and n not in state.members]
         if waiting:
-            return len(waiting), f"nodes waiting to join: {','.join(waiting)}"
-    return 0, ""
+            return Waiting(len(waiting), f"nodes waiting to join: {','.join(waiting)}",
+                           MembershipChange.JOIN)
+    return Waiting()
 
 
 def attribute_failure(view: RendezvousView, my_round: int, me: str) -> tuple[str, str]:

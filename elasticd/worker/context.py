@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from elasticd.agent.control import DRAIN_FILE, STOPPED_PREFIX, ControlClient
+from elasticd.agent.control import DRAIN_FILE, DRAINABLE_PREFIX, STOPPED_PREFIX, ControlClient
 
 DEFAULT_COLLECTIVE_TIMEOUT_S = 300.0
 PROGRESS_MIN_INTERVAL_S = 0.2
@@ -62,6 +62,7 @@ class _State:
     control_dir: Path | None = None
     sigterm: bool = False
     stopped: bool = False
+    drainable_noted: bool = False  # drainable-<rank> written for the agent
     last_progress_at: float = 0.0
     flag: torch.Tensor | None = None
     stop_group: Any = None  # CPU (gloo) group for the stop flag
@@ -151,6 +152,9 @@ def should_stop(step: int | None = None, *, every: int = 1) -> bool:
     returns True, save a checkpoint and exit 0: the agent then knows the job is not
     finished but drained, and survivors re-form without this node. With several ranks the
     answer reflects the drain flags as of the previous call (see the module docstring).
+    The first call also tells the agent (an empty ``drainable-<rank>`` file in the control
+    dir) that this script stops this way, so a node joining mid-training is admitted
+    through such a stop (no step lost) rather than by restarting the workers.
 
     Args:
         step: the last fully trained step, recorded for the agent.
@@ -159,6 +163,8 @@ def should_stop(step: int | None = None, *, every: int = 1) -> bool:
             all-reduce per step is measurable (very short steps, CPU-bound gloo jobs); a
             drain then takes up to ``every`` more steps, which the drain grace must cover.
     """
+    if not _S.drainable_noted:
+        _note_drainable()
     if every > 1:
         if step is None:
             raise ValueError("should_stop(every=N) needs the step, so all ranks skip the same calls")
@@ -183,6 +189,18 @@ def should_stop(step: int | None = None, *, every: int = 1) -> bool:
         _S.stopped = True
         _mark_stopped(ctx, step)
     return stop
+
+
+def _note_drainable() -> None:
+    # Tell the agent once that this script stops at a step boundary when asked, so a
+    # joining node is admitted by a drain (no step lost) instead of a worker restart.
+    _S.drainable_noted = True
+    if _S.control_dir is None:
+        return
+    try:
+        (_S.control_dir / f"{DRAINABLE_PREFIX}{context().rank}").touch()
+    except OSError:  # the agent is restarting us: it falls back to a plain restart
+        pass
 
 
 def _mark_stopped(ctx: WorkerContext, step: int | None) -> None:
@@ -231,4 +249,4 @@ def shutdown() -> None:
         signal.signal(signal.SIGTERM, _S.old_sigterm)
     _S.ctx, _S.client, _S.control_dir, _S.flag = None, None, None, None
     _S.stop_group, _S.pending, _S.old_sigterm = None, None, None
-    _S.stopped = _S.sigterm = False
+    _S.stopped = _S.sigterm = _S.drainable_noted = False

@@ -28,6 +28,7 @@ from elasticd.etcd.embedded import EmbeddedEtcd, free_port
 from elasticd.keys import JobKeys
 from elasticd.rendezvous.etcd_handler import EtcdRendezvousHandler, RendezvousSettings
 from elasticd.rendezvous.etcd_store import EtcdStore
+from elasticd.rendezvous.protocol import MembershipChange
 from elasticd.rendezvous.registry import create_handler
 
 pytestmark = pytest.mark.timeout(60)
@@ -140,6 +141,7 @@ def test_scale_up_new_node_is_admitted_and_ranks_stay_stable(handlers):
     pending = handlers.join([late])
     wait_until(lambda: all(h.num_nodes_waiting() > 0 for h in hs), 10, "members to see the newcomer")
     assert "late" in hs[0].membership_reason()
+    assert all(h.membership().kind is MembershipChange.JOIN for h in hs), "a join is not join-only"
     infos = results(handlers.join(hs) + pending)
     everyone = [*hs, late]
     assert {i.world_size for i in infos} == {4}
@@ -163,6 +165,7 @@ def test_scale_down_graceful_leave_is_seen_at_once(handlers):
     wait_until(lambda: all(h.num_nodes_waiting() > 0 for h in rest), 5, "survivors to see the leave")
     assert time.monotonic() - t0 < 3.0, "a graceful leave waited for the lease TTL"
     assert before[1] in rest[0].membership_reason()
+    assert rest[0].membership().kind is MembershipChange.MEMBER_LOST
     infos = results(handlers.join(rest))
     assert {i.world_size for i in infos} == {2}
     assert list(rest[0].members) == [m for m in before if m != before[1]]

@@ -67,6 +67,7 @@ def test_minimal_file_gets_documented_defaults(tmp_path):
     assert config.workers.monitor_interval_s == 0.1
     assert config.logging.worker_log_dir is None
     assert config.drain.grace_s == 60.0
+    assert config.drain.resize_grace_s == 30.0
     assert config.preemption.provider == "none"
     assert config.logging.format == "auto" and not config.metrics.enabled
     assert config.origins["node.ttl_s"] == "default"
@@ -83,6 +84,15 @@ def test_environment_overrides_file_and_flags_override_environment(tmp_path):
     assert config.origins["restart.max_restarts"].startswith("file ")
     assert config.origins["node.ttl_s"] == "env ELASTICD_NODE_TTL_S"
     assert config.origins["drain.grace_s"] == "override"
+
+
+def test_resize_grace_zero_turns_drain_on_join_off(tmp_path):
+    """drain.resize_grace_s accepts 0 (restart at once on a join) from the file, env or a flag."""
+    config = load(tmp_path, MINIMAL + "[drain]\nresize_grace_s = 0\n", {}, {})
+    assert config.drain.resize_grace_s == 0.0
+    config = load(tmp_path, MINIMAL, {"ELASTICD_DRAIN_RESIZE_GRACE_S": "5"}, {"drain.resize_grace_s": "12"})
+    assert config.drain.resize_grace_s == 12.0
+    assert config.origins["drain.resize_grace_s"] == "override"
 
 
 def test_config_without_file_comes_from_environment_and_overrides():
@@ -269,6 +279,7 @@ def test_missing_required_keys_name_key_and_env_var(tmp_path, text, missing):
         ("", {"ELASTICD_WORKERS_COMMAND": "-m"}, "workers.command", "module name"),
         ("", {"ELASTICD_LOGGING_FORMAT": "xml"}, "logging.format", "'json'"),
         ("", {"ELASTICD_DRAIN_GRACE_S": "0"}, "drain.grace_s", "greater than 0"),
+        ("", {"ELASTICD_DRAIN_RESIZE_GRACE_S": "-1"}, "drain.resize_grace_s", "at least 0"),
         ("", {"ELASTICD_ETCD_TIMEOUT_S": "nan"}, "etcd.timeout_s", "finite"),
         ("", {"ELASTICD_ETCD_ENDPOINTS": "h:99999"}, "etcd.endpoints", "invalid port"),
         ("", {"ELASTICD_ETCD_ENDPOINTS": "ftp://h:1"}, "etcd.endpoints", "scheme"),

@@ -18,7 +18,9 @@ from elasticd.rendezvous.protocol import (
     Action,
     ActionKind,
     JoinProgress,
+    MembershipChange,
     RendezvousView,
+    Waiting,
     attribute_failure,
     decide_join,
     nodes_waiting,
@@ -183,33 +185,36 @@ def test_next_round_after_lost_member_keeps_survivor_order():
 
 def test_nodes_waiting_zero_without_state_or_when_closed():
     """No round state, or a closed job: nobody waits."""
-    assert nodes_waiting(view(None, {"a"}), 0, max_nodes=4)[0] == 0
-    assert nodes_waiting(view(final(0, ["a"]), {"a", "b"}, {1: ["b"]}, closed=True), 0, max_nodes=4)[0] == 0
+    assert nodes_waiting(view(None, {"a"}), 0, max_nodes=4).count == 0
+    assert nodes_waiting(view(final(0, ["a"]), {"a", "b"}, {1: ["b"]}, closed=True), 0, max_nodes=4).count == 0
 
 
 def test_nodes_waiting_counts_newer_round():
     """A round newer than ours (opened by someone else) means re-rendezvous."""
-    n, why = nodes_waiting(view(open_(3), {"a"}), 2, max_nodes=4)
-    assert n == 1 and "round 3" in why
+    w = nodes_waiting(view(open_(3), {"a"}), 2, max_nodes=4)
+    assert w.count == 1 and "round 3" in w.reason
+    assert w.kind is MembershipChange.NEWER_ROUND and not w.join_only
 
 
 def test_nodes_waiting_counts_lost_members():
     """Members of our final round without a live lease are counted, and named."""
-    n, why = nodes_waiting(view(final(2, ["a", "b", "c"]), {"a"}), 2, max_nodes=4)
-    assert n == 2 and "b" in why and "c" in why
+    w = nodes_waiting(view(final(2, ["a", "b", "c"]), {"a"}), 2, max_nodes=4)
+    assert w.count == 2 and "b" in w.reason and "c" in w.reason
+    assert w.kind is MembershipChange.MEMBER_LOST and not w.join_only
 
 
 def test_nodes_waiting_counts_live_late_joiners_while_there_is_room():
     """Live, non-member joiners of round r+1 count while the round has room for them."""
     v = view(final(2, ["a", "b"]), {"a", "b", "c", "d"}, {3: ["c", "ghost", "d", "a"]})
-    n, why = nodes_waiting(v, 2, max_nodes=4)
-    assert n == 2 and "c" in why and "d" in why
-    assert nodes_waiting(v, 2, max_nodes=2)[0] == 0, "a full round has no room"
+    w = nodes_waiting(v, 2, max_nodes=4)
+    assert w.count == 2 and "c" in w.reason and "d" in w.reason
+    assert w.kind is MembershipChange.JOIN and w.join_only
+    assert nodes_waiting(v, 2, max_nodes=2).count == 0, "a full round has no room"
 
 
 def test_nodes_waiting_zero_in_steady_state():
     """Our final round with every member alive and no joiners: nothing waits."""
-    assert nodes_waiting(view(final(2, ["a", "b"]), {"a", "b"}), 2, max_nodes=4) == (0, "")
+    assert nodes_waiting(view(final(2, ["a", "b"]), {"a", "b"}), 2, max_nodes=4) == Waiting()
 
 
 # --- attribute_failure ------------------------------------------------------------------
@@ -292,8 +297,7 @@ def step(etcd: FakeEtcd, node: SimNode, now: float, *, last_call_s: float) -> bo
     v, state_rev = etcd.history[node.seen]
     if node.done is not None:
         # The agent's loop: re-rendezvous when someone waits (torch's num_nodes_waiting path).
-        n, _ = nodes_waiting(v, node.done.round, max_nodes=etcd.max_nodes)
-        if n == 0:
+        if nodes_waiting(v, node.done.round, max_nodes=etcd.max_nodes).count == 0:
             return False
         node.progress = JoinProgress(node.name, node.done.round, FAR)
         node.done = None

@@ -1,7 +1,8 @@
 """Minimal elasticd-aware worker: resumes from a JSON "checkpoint", stops on should_stop().
 
 Env: OUT (per-step JSON lines), CKPT (JSON file with the last saved step), STEPS,
-STEP_S, IGNORE_STOP=1 (never checks should_stop: tests the hard stop), HANG_AT (rank 0
+STEP_S, CKPT_EVERY (rank 0 saves after every N-th step, default 1; a stop always
+saves), IGNORE_STOP=1 (never checks should_stop: tests the hard stop), HANG_AT (rank 0
 sleeps forever at that step), EXIT_CODE_AT ("step:code" on rank 0 of the first start).
 """
 
@@ -31,6 +32,7 @@ def main() -> int:
     if os.path.exists(ckpt):
         with open(ckpt) as fh:
             start = json.load(fh)["step"] + 1
+    ckpt_every = int(os.environ.get("CKPT_EVERY", "1"))
     hang_at = int(os.environ.get("HANG_AT", "-1"))
     crash = os.environ.get("EXIT_CODE_AT")
     t = torch.ones(1)
@@ -52,7 +54,7 @@ def main() -> int:
             dist.barrier()
             worker.shutdown()  # destroy the process group: exit promptly and cleanly
             return 0
-        if ctx.rank == 0:
+        if ctx.rank == 0 and (step + 1) % ckpt_every == 0:
             save(ckpt, step)
     worker.shutdown()
     return 0

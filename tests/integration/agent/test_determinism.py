@@ -37,7 +37,8 @@ def _steps(trace_path):
 
 
 def test_resizes_match_a_run_without_failures(nodes, tmp_path):
-    """3 nodes, SIGKILL of one, a node added back: same final parameters and samples as 2 nodes."""
+    """3 nodes, SIGKILL of one, a node added back (0 steps lost at that join): same final
+    parameters and samples as 2 nodes."""
     ref = [nodes.start("det-a", SCRIPT, nnodes="2", extra=_args(tmp_path, "a"),
                        script_args=_script_args(tmp_path, "a")) for _ in range(2)]
     for n in ref:
@@ -57,6 +58,15 @@ def test_resizes_match_a_run_without_failures(nodes, tmp_path):
                            for r in read_jsonl(trace_b)), 120, "world 3 again after the rejoin")
     for n in (b[0], b[1], b[3]):
         assert n.wait(180) == 0, n.log()[-3000:]
+
+    # The rejoin is a resize (drain-on-join): the round it forms resumes at exactly the
+    # step after the one the previous round stopped at; nothing is retrained.
+    rows_b = read_jsonl(trace_b)
+    join_round = min(r["round"] for r in rows_b if r["rank"] == 2 and (r["round"] or 0) > round_at_kill + 1)
+    before = max(r["round"] or 0 for r in rows_b if (r["round"] or 0) < join_round)
+    last_before = max(r["step"] for r in rows_b if (r["round"] or 0) == before)
+    first_after = min(r["step"] for r in rows_b if r["round"] == join_round)
+    assert first_after == last_before + 1, f"the join lost steps: {last_before} then {first_after}"
 
     worlds = {json.loads(line).get("world_size") for n in b for line in n.log().splitlines()
               if line.startswith("[default0]:{\"step\"") for line in [line.split(":", 1)[1]]}

@@ -1,4 +1,5 @@
-"""Graceful drain with real agents: SIGTERM, second SIGTERM, grace period, stop agreement."""
+"""Graceful drain with real agents: SIGTERM, second SIGTERM, grace period, stop agreement,
+and drain-on-join (a node joining a running job)."""
 
 from __future__ import annotations
 
@@ -58,3 +59,24 @@ def test_second_sigterm_stops_hard(nodes, tmp_path):
     a.signal_agent(signal.SIGTERM)
     assert a.wait(20) == 0
     assert "second stop signal" in a.log()
+
+
+def test_join_drains_members_and_loses_no_step(nodes, tmp_path):
+    """A third node joins a 2-node job: the members stop after the same step and save
+    (drain-on-join), and the job resumes at world 3 at exactly the next step. Periodic
+    checkpoints are off, so a restart that killed the workers would lose every step."""
+    env = _env(tmp_path, CKPT_EVERY="100000")
+    out = tmp_path / "steps.jsonl"
+    a = nodes.start("d4", SCRIPT, env=env, nnodes="2:3")
+    b = nodes.start("d4", SCRIPT, env=env, nnodes="2:3")
+    wait_until(lambda: len([r for r in read_jsonl(out) if r["world"] == 2]) >= 10, 60, "world 2 steps")
+    nodes.start("d4", SCRIPT, env=env, nnodes="2:3")
+    wait_until(lambda: [r for r in read_jsonl(out) if r["world"] == 3], 60, "steps at world 3")
+    rows = read_jsonl(out)
+    last_w2 = max(r["step"] for r in rows if r["world"] == 2)
+    first_w3 = min(r["step"] for r in rows if r["world"] == 3)
+    assert first_w3 == last_w2 + 1, f"resumed at {first_w3} after the join, last trained {last_w2}"
+    per_rank_last = {r["rank"]: r["step"] for r in rows if r["world"] == 2}
+    assert len(set(per_rank_last.values())) == 1, f"ranks stopped at different steps: {per_rank_last}"
+    assert "resize_started" in a.log() + b.log(), "the members never started a resize"
+    assert a.alive() and b.alive()

@@ -1,0 +1,141 @@
+"""Unit tests of the agent's pure restart policy (elasticd.agent.policy.decide).
+
+The drain-on-join (resize) tests walk one node through a scale-up: nodes join, the workers
+are asked to stop, a peer may re-form first, the workers exit, the job re-forms.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from elasticd.agent.policy import Facts, Verdict, decide
+
+HEALTHY = Facts(group_state="HEALTHY", remaining_restarts=3, any_progress=True)
+JOIN = replace(HEALTHY, nodes_waiting=1, membership="join",
+               membership_reason="nodes waiting to join: n2", workers_drainable=True)
+RESIZING = replace(HEALTHY, resizing=True)
+
+
+def test_healthy_with_nobody_waiting_continues():
+    """Healthy workers and no membership change: keep monitoring."""
+    assert decide(HEALTHY).verdict is Verdict.CONTINUE
+
+
+def test_join_with_drainable_workers_starts_a_resize():
+    """Only newcomers wait and the workers call should_stop: ask them to stop, naming the joiner."""
+    d = decide(JOIN)
+    assert d.verdict is Verdict.START_RESIZE
+    assert "n2" in d.reason and "next step" in d.reason
+
+
+@pytest.mark.parametrize("change", [
+    {"workers_drainable": False},  # a plain torchrun script never calls should_stop
+    {"resize_enabled": False},  # resize_grace_s = 0
+    {"membership": "member_lost", "membership_reason": "members lost: n1"},
+    {"membership": "newer_round", "membership_reason": "round 3 opened while we are in round 2"},
+])
+def test_other_membership_changes_restart_at_once(change):
+    """Anything but a join of drainable workers (with resize on) restarts now, as before."""
+    d = decide(replace(JOIN, **change))
+    assert d.verdict is Verdict.RESTART_MEMBERSHIP
+    assert d.reason.startswith("membership changed")
+
+
+def test_newer_round_while_our_workers_already_stop_waits_for_them():
+    """A peer re-formed first after a resize we had not seen; our workers are saving: wait."""
+    f = replace(JOIN, membership="newer_round", membership_reason="round 3 opened",
+                stopped_for_drain=True)
+    assert decide(f).verdict is Verdict.START_RESIZE
+
+
+def test_resize_waits_for_workers_while_healthy():
+    """While resizing, healthy workers are left to reach the step boundary and save."""
+    for f in (RESIZING, replace(RESIZING, nodes_waiting=1, membership="join")):
+        d = decide(f)
+        assert d.verdict is Verdict.CONTINUE and "resizing" in d.reason
+
+
+def test_resize_is_not_cut_short_by_a_peer_opening_the_next_round():
+    """A peer's workers finished first and it re-rendezvoused: ours are mid-save, keep waiting."""
+    f = replace(RESIZING, nodes_waiting=1, membership="newer_round", membership_reason="round 3 opened")
+    assert decide(f).verdict is Verdict.CONTINUE
+
+
+def test_resize_ends_with_a_membership_restart_when_workers_stopped():
+    """Workers exited 0 with stopped markers during a resize: re-form, budget untouched."""
+    f = replace(RESIZING, group_state="SUCCEEDED", stopped_for_drain=True)
+    d = decide(f)
+    assert d.verdict is Verdict.RESTART_MEMBERSHIP and "resize" in d.reason
+
+
+def test_resize_deadline_restarts_hard():
+    """Workers that did not stop within resize_grace_s are restarted (today's behaviour)."""
+    d = decide(replace(RESIZING, resize_deadline_passed=True, nodes_waiting=1, membership="newer_round"))
+    assert d.verdict is Verdict.RESTART_MEMBERSHIP and "resize grace period over" in d.reason
+
+
+def test_member_lost_during_a_resize_restarts_at_once():
+    """A lost member overrides the resize, exactly as when no resize runs."""
+    f = replace(RESIZING, nodes_waiting=1, membership="member_lost", membership_reason="members lost: n1")
+    d = decide(f)
+    assert d.verdict is Verdict.RESTART_MEMBERSHIP and "n1" in d.reason
+
+
+def test_lease_lost_during_a_resize_fences():
+    """Our own lease gone beats everything, resize included."""
+    assert decide(replace(RESIZING, lease_lost=True)).verdict is Verdict.FENCE
+
+
+def test_worker_failure_during_a_resize_is_attributed_as_usual():
+    """A failure while resizing goes through attribution, not the resize."""
+    f = replace(RESIZING, group_state="FAILED", attribution="membership")
+    assert decide(f).verdict is Verdict.RESTART_MEMBERSHIP
+    f = replace(RESIZING, group_state="FAILED", attribution="root")
+    assert decide(f).verdict is Verdict.RESTART_FAILURE
+    assert decide(replace(RESIZING, group_state="FAILED")).verdict is Verdict.ATTRIBUTE
+
+
+def test_hang_during_a_resize_is_a_failure():
+    """Workers hung while resizing are restarted as a failure (budget spent)."""
+    assert decide(replace(RESIZING, hang=True)).verdict is Verdict.RESTART_FAILURE
+
+
+def test_stop_signal_during_a_resize_becomes_our_drain_and_we_leave():
+    """SIGTERM mid-resize starts a drain; once the workers exit the agent leaves, not restarts."""
+    assert decide(replace(RESIZING, drain_signals=1)).verdict is Verdict.START_DRAIN
+    # The agent clears `resizing` when the drain starts; either way `draining` wins.
+    for resizing in (True, False):
+        draining = replace(HEALTHY, resizing=resizing, draining=True, drain_signals=1,
+                           nodes_waiting=1, membership="newer_round")
+        assert decide(draining).verdict is Verdict.CONTINUE
+        done = replace(draining, group_state="SUCCEEDED", stopped_for_drain=True)
+        assert decide(done).verdict is Verdict.LEAVE
+
+
+def test_draining_node_never_starts_a_resize():
+    """A node that is leaving ignores joiners: its drain is already stopping the workers."""
+    f = replace(JOIN, draining=True, drain_signals=1)
+    assert decide(f).verdict is Verdict.CONTINUE
+
+
+def test_peer_drain_still_re_forms_and_completion_still_finishes():
+    """Stopped markers without a resize: a peer's drain; no markers: the job finished."""
+    done = replace(HEALTHY, group_state="SUCCEEDED")
+    assert decide(replace(done, stopped_for_drain=True)).reason == "workers stopped for a peer's drain"
+    assert decide(done).verdict is Verdict.FINISH
+    assert decide(replace(done, resizing=True)).verdict is Verdict.FINISH
+
+
+def test_drain_grace_and_second_signal_stop_hard():
+    """The drain's hard stops are unchanged."""
+    draining = replace(HEALTHY, draining=True, drain_signals=1)
+    assert decide(replace(draining, drain_deadline_passed=True)).verdict is Verdict.HARD_STOP
+    assert decide(replace(draining, drain_signals=2)).verdict is Verdict.HARD_STOP
+
+
+def test_exit_code_2_on_first_start_is_not_retried():
+    """Bad arguments before any step: give up instead of spending the budget."""
+    f = Facts(group_state="FAILED", exit_codes=(2,), remaining_restarts=3)
+    assert decide(f).verdict is Verdict.FAIL
