@@ -116,12 +116,11 @@ class ElasticdAgent(LocalElasticAgent):
         self.stop_signals = max(self.stop_signals, 1)
 
     # -- hooks into LocalElasticAgent ----------------------------------------------------
-    def _setup_local_watchdog(self, envs: dict[int, dict[str, str]]) -> None:
-        # Called by _start_workers with each worker's environment, just before spawning.
+    def _static_worker_env(self) -> dict[str, str]:
+        """What every worker of this agent gets on top of torch's per-worker variables."""
         extra = {
             "ELASTICD_JOB": self.handler.keys.job,
             "ELASTICD_NODE": self.handler.node_id,
-            "ELASTICD_ROUND": str(self.handler.round),
             "ELASTICD_AGENT_PID": str(os.getpid()),
             "PYTHONUNBUFFERED": "1",
             **self.control.env(),
@@ -129,6 +128,11 @@ class ElasticdAgent(LocalElasticAgent):
         }
         if self.settings.checkpoint_url:
             extra["ELASTICD_CHECKPOINT_URL"] = self.settings.checkpoint_url
+        return extra
+
+    def _setup_local_watchdog(self, envs: dict[int, dict[str, str]]) -> None:
+        # Called by _start_workers with each worker's environment, just before spawning.
+        extra = {**self._static_worker_env(), "ELASTICD_ROUND": str(self.handler.round)}
         for env in envs.values():
             env.update(extra)
         self._worker_envs = {r: dict(e) for r, e in envs.items()}
@@ -191,6 +195,10 @@ class ElasticdAgent(LocalElasticAgent):
         wg = self._worker_group
         self.install_signal_handlers()
         self.recorder.event("join", f"node {self.handler.node_id} started")
+        # The first workers' standbys import torch while this node waits for its round
+        # (a node joining a running job waits for the members to stop their workers).
+        static = self._static_worker_env()
+        self.standby.fill({r: {**static, "LOCAL_RANK": str(r)} for r in range(wg.spec.local_world_size)})
         self._initialize_workers(wg)
         result = RunResult(state=WorkerState.HEALTHY)
         while True:

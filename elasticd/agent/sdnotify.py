@@ -91,6 +91,10 @@ class SystemdNotifier:
                     self._sock = socket.socket(
                         socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC
                     )
+                    # Never block the agent loop: a receiver that stopped reading fills its
+                    # queue (10 datagrams by default) and a blocking send would wait forever.
+                    # A message that does not fit is dropped (and logged once).
+                    self._sock.setblocking(False)
                 self._sock.sendto(payload, self._address)
             except OSError as exc:
                 if not self._failing:

@@ -12,9 +12,11 @@ the worker exactly as ``elasticd.agent.worker_exec`` would.
 Safety rules (when in doubt, start cold):
 
 - A standby is used only if its environment equals the worker's except for the variables
-  that change every round (ranks, world sizes, master address, restart count, error
-  file, round): anything read at import time (``OMP_NUM_THREADS``, ``CUDA_VISIBLE_DEVICES``,
-  ``[workers.env]``) is then the same as for a cold start.
+  the launcher sets per worker and round (ranks, world sizes, master address, restart
+  count, error file, ``TORCHELASTIC_*``, round): anything read at import time
+  (``OMP_NUM_THREADS``, ``CUDA_VISIBLE_DEVICES``, ``[workers.env]``) is then the same as for
+  a cold start. So the first workers' standbys can start with the agent, before the
+  first round is known.
 - Only the agent's own launcher line (``python -m elasticd.agent.worker_exec ...`` with the
   agent's interpreter) is replaced; anything else (a NUMA wrapper, say) starts cold.
 - A standby that died, or is still importing, is not waited for: a dead one is replaced,
@@ -35,6 +37,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -47,21 +50,27 @@ log = structlog.get_logger(__name__)
 
 LAUNCHER = ("-m", "elasticd.agent.worker_exec")
 
-# Variables the agent sets afresh for every worker group (torch's LocalElasticAgent and
-# ours). Everything else must match for a standby to be used.
+# Variables the launcher sets per worker and round (torch's LocalElasticAgent and ours);
+# none is read when torch is imported. Everything else must match for a standby to be used.
 PER_ROUND_ENV = frozenset({
-    "RANK", "GROUP_RANK", "ROLE_RANK", "WORLD_SIZE", "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE",
-    "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_ERROR_FILE",
-    "ELASTICD_ROUND",
+    "RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE", "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING", "ELASTICD_ROUND",
 })
+PER_ROUND_PREFIXES = ("TORCHELASTIC_",)
+
+
+def _per_round(name: str) -> bool:
+    return name in PER_ROUND_ENV or name.startswith(PER_ROUND_PREFIXES)
 
 
 def env_mismatch(standby_env: Mapping[str, str], worker_env: Mapping[str, str]) -> list[str]:
     """Names whose value differs between a standby's and a worker's environment. Pure.
 
-    Per-round variables (``PER_ROUND_ENV``) are ignored: the standby gets the worker's.
+    Per-worker and per-round variables (``PER_ROUND_ENV``, ``TORCHELASTIC_*``) are ignored:
+    the standby gets the worker's.
     """
-    names = (set(standby_env) | set(worker_env)) - PER_ROUND_ENV
+    names = {n for n in set(standby_env) | set(worker_env) if not _per_round(n)}
     return sorted(n for n in names if standby_env.get(n) != worker_env.get(n))
 
 
@@ -229,6 +238,22 @@ def main() -> None:
     lowered = os.geteuid() == 0 and niceness < 19
     if lowered:
         os.setpriority(os.PRIO_PROCESS, 0, 19)
+    # The hand-over may come while we still import (a restart soon after the group
+    # started): a thread takes it at once and gives the normal priority back, so the rest
+    # of the imports never starve behind busy training processes.
+    handover: list[bytes] = []
+    arrived = threading.Event()
+
+    def wait_for_handover() -> None:
+        line = sys.stdin.buffer.readline()
+        if not line:
+            os._exit(0)  # discarded by the agent, possibly mid-import
+        handover.append(line)
+        if lowered:
+            _set_niceness_of_all_threads(niceness)
+        arrived.set()
+
+    threading.Thread(target=wait_for_handover, name="standby-handover", daemon=True).start()
     # The imports every worker pays for; torch._dynamo is what the first optimizer step
     # or DDP forward would import. Failures here are not fatal: the worker imports again.
     try:
@@ -241,12 +266,8 @@ def main() -> None:
         import elasticd.worker  # noqa: F401
     except Exception as exc:
         sys.stderr.write(f"standby: import failed: {exc!r}\n")
-    line = sys.stdin.readline()
-    if not line:
-        return  # discarded by the agent
-    msg = json.loads(line)
-    if lowered:
-        _set_niceness_of_all_threads(niceness)
+    arrived.wait()
+    msg = json.loads(handover[0])
     os.environ.clear()
     os.environ.update(msg["env"])
     os.chdir(msg["cwd"])

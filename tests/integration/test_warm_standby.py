@@ -45,6 +45,8 @@ def test_env_mismatch_ignores_only_per_round_variables():
     assert env_mismatch(base, {**base, "RANK": "3", "WORLD_SIZE": "4", "MASTER_PORT": "9"}) == []
     assert env_mismatch(base, {**base, "OMP_NUM_THREADS": "8"}) == ["OMP_NUM_THREADS"]
     assert env_mismatch(base, {**base, "NCCL_DEBUG": "INFO"}) == ["NCCL_DEBUG"]
+    launcher = {"TORCHELASTIC_RUN_ID": "j", "ROLE_NAME": "default", "LOCAL_WORLD_SIZE": "8"}
+    assert env_mismatch(base, {**base, **launcher}) == [], "set by the launcher, not read at import"
 
 
 def test_handover_runs_the_script_like_worker_exec(pool, tmp_path):

@@ -121,3 +121,13 @@ def test_fast_loop_watchdog_pings_are_rate_limited(listener):
 def test_watchdog_interval_is_half_of_watchdog_usec(usec, wpid, pid, expected):
     """Ping every WATCHDOG_USEC/2, only when the watchdog is set and meant for us."""
     assert watchdog_interval_s(usec, wpid, pid=pid) == expected
+
+
+@pytest.mark.timeout(10)
+def test_receiver_that_stopped_reading_never_blocks_the_agent(listener):
+    """A full receive queue (nobody reads) drops messages instead of blocking the caller
+    (a blocked send froze the agent loop mid-drain)."""
+    _, path = listener
+    notifier = SystemdNotifier(path)
+    results = [notifier.status(f"tick {i}") for i in range(200)]
+    assert results[0] is True and results[-1] is False

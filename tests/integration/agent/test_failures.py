@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 
@@ -76,32 +77,35 @@ def test_kill_9_of_agent_leaves_no_worker(nodes, tmp_path):
     assert wait_gone(workers, 10) == [], "workers outlived the agent"
 
 
-def _cmdline(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as fh:
-            return fh.read().replace(b"\0", b" ").decode()
-    except OSError:
-        return ""
+def _events(node, name: str) -> list[dict]:
+    out = []
+    for line in node.log().splitlines():
+        if line.startswith("{") and f'"{name}"' in line:
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                continue
+    return [e for e in out if e.get("event") == name]
 
 
 def test_restarted_workers_come_from_warm_standbys(nodes, tmp_path):
-    """Once the group trains, a standby per local rank waits with torch imported; after a
-    worker is killed, the standbys become the new workers (their pids, the right ranks),
-    training resumes, and no standby outlives the agent."""
+    """Standbys start with the agent and become the first workers; once the group trains,
+    new ones wait with torch imported, and after a worker is killed they become the new
+    workers (their pids, the right ranks). No standby outlives the agent."""
     a = nodes.start("f7", SCRIPT, env=_env(tmp_path, STEP_S="0.05"), nnodes="1", nproc=2,
                     extra=["--max-restarts", "2", "--restart-backoff", "0.1"])
-    wait_until(lambda: a.log().count("standby_started") >= 2, 60, "two standbys started")
-    standbys = {p for p in a.tree() if "elasticd.agent.warm" in _cmdline(p)}
-    workers = [p for p in a.tree() if "elasticd.agent.worker_exec" in _cmdline(p)]
-    assert len(standbys) == 2 and len(workers) == 2, (standbys, workers)
-    os.killpg(workers[0], signal.SIGKILL)
+    wait_until(lambda: len(_events(a, "standby_started")) >= 4, 60, "first workers' and next standbys")
+    handed = [e["pid"] for e in _events(a, "standby_handed_over")]
+    waiting = [e["pid"] for e in _events(a, "standby_started") if e["pid"] not in handed]
+    assert len(handed) == 2 and len(waiting) == 2, a.log()[-3000:]
+    assert set(handed + waiting) <= set(a.tree())
+    os.killpg(handed[0], signal.SIGKILL)
     wait_until(lambda: {r["rank"] for r in read_jsonl(tmp_path / "steps.jsonl") if r["restart"] == 1} == {0, 1},
                60, "both ranks training after the restart")
-    assert a.log().count("standby_handed_over") == 2, a.log()[-3000:]
-    assert standbys <= set(a.tree()), "the new workers are not the standbys"
+    assert sorted(e["pid"] for e in _events(a, "standby_handed_over")[2:]) == sorted(waiting)
     rows = [r for r in read_jsonl(tmp_path / "steps.jsonl") if r["restart"] == 1]
     assert {r["world"] for r in rows} == {2}
-    wait_until(lambda: a.log().count("standby_started") >= 4, 60, "standbys refilled")
+    wait_until(lambda: len(_events(a, "standby_started")) >= 6, 60, "standbys refilled")
     tree = a.tree()
     a.signal_agent(signal.SIGTERM)
     assert a.wait(60) == 0, a.log()[-3000:]
