@@ -70,7 +70,7 @@ from benchmarks.common import (  # noqa: E402
 from benchmarks.recovery_report import agent_breakdown, write_report  # noqa: E402
 
 CKPT_LOADED = re.compile(r"checkpoint_loaded\b.*?\bseconds[=\"': ]+([0-9.]+)")
-SYSTEMS = ("elasticd", "torchrun-default", "torchrun-tuned")
+SYSTEMS = ("elasticd", "elasticd-cold", "torchrun-default", "torchrun-tuned")
 SCENARIOS = ("sigkill", "sigstop", "sigterm", "join")
 NODES = 3
 NNODES = "2:4"
@@ -120,8 +120,10 @@ def start_node(cluster: Cluster, system: str, idx: int, job: str, endpoint: str,
     name = f"n{idx}"
     logs = cluster.workdir / "logs" / name
     logs.mkdir(parents=True, exist_ok=True)
-    if system == "elasticd":
-        argv = elasticd_argv(endpoint, job, name, NNODES, 1, src.args(), logs)
+    if system.startswith("elasticd"):
+        # elasticd-cold: the same agent with its warm standby workers turned off.
+        flags = ["--no-warm-start"] if system == "elasticd-cold" else []
+        argv = elasticd_argv(endpoint, job, name, NNODES, 1, [*flags, *src.args()], logs)
         env = {}
     else:
         port = int(endpoint.rsplit(":", 1)[1])
@@ -139,10 +141,10 @@ def run_trial(system: str, scenario: str, rep: int, etcd_endpoint: str, script: 
     trial = Trial(system, scenario, rep, workdir=str(workdir))
     src = StepSource(script, workdir, step_s=args.step_s)
     job = f"rec-{scenario}-{rep}-{int(time.time() * 1000) % 10**8}"
-    endpoint = etcd_endpoint if system == "elasticd" else f"127.0.0.1:{free_port()}"
+    endpoint = etcd_endpoint if system.startswith("elasticd") else f"127.0.0.1:{free_port()}"
     with Cluster(workdir) as cluster:
         start_node(cluster, system, 0, job, endpoint, src)
-        if system != "elasticd":
+        if not system.startswith("elasticd"):
             # Node 0 must host the c10d store (the first launcher to bind the port does).
             port = int(endpoint.rsplit(":", 1)[1])
             if not wait_until(lambda: port_listening(port), 60):
@@ -156,6 +158,13 @@ def run_trial(system: str, scenario: str, rep: int, etcd_endpoint: str, script: 
         if not steady:
             trial.note = f"never trained steadily at world {NODES} within {args.start_timeout:.0f}s"
             return trial
+        # Faults hit jobs that have been training a while: let every launcher settle (and
+        # elasticd's standbys, which start 2 s after the first step, finish importing).
+        first = first_step_at(src.records(), NODES, 0, ranks)
+        settle_until = (first[1] if first else time.time()) + args.settle_s
+        while time.time() < settle_until:
+            time.sleep(0.1)
+            cluster.refresh()
         cluster.refresh()
         victim = cluster.nodes[NODES - 1]
         if scenario == "sigkill":
@@ -182,7 +191,7 @@ def run_trial(system: str, scenario: str, rep: int, etcd_endpoint: str, script: 
         trial.ckpt_load_s = checkpoint_load_s([n.lines for n in cluster.nodes], t0)
         if not trial.recovered:
             trial.note = f"did not recover within {timeout:.0f}s"
-        if system == "elasticd" and trial.recovered:
+        if system.startswith("elasticd") and trial.recovered:
             survivors = [n for n in cluster.nodes if n is not victim or scenario == "join"]
             trial.phases = agent_breakdown([n.lines for n in survivors], t0, trial.new_world,
                                            records, src.is_bench)
@@ -281,6 +290,8 @@ def main(argv: list[str] | None = None) -> int:
                    help=f"training script (default: {TRAIN_SCRIPT} if it runs, else {BENCH_WORKER})")
     p.add_argument("--step-s", type=float, default=0.02, help="per-step padding handed to the script")
     p.add_argument("--warm-steps", type=int, default=20, help="steps at world 3 before the fault")
+    p.add_argument("--settle-s", type=float, default=10.0,
+                   help="seconds of training at world 3 (from its first step) before the fault")
     p.add_argument("--timeout", type=float, default=120.0, help="recovery wait bound, s")
     p.add_argument("--stop-timeout", type=float, default=240.0, help="recovery wait bound for sigstop, s")
     p.add_argument("--start-timeout", type=float, default=180.0, help="wait for steady training, s")

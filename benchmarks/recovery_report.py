@@ -27,8 +27,8 @@ SCENARIO_TITLES = {
     "sigterm": "SIGTERM to a node's launcher",
     "join": "a 4th node joins",
 }
-SYSTEM_TITLES = {"elasticd": "elasticd", "torchrun-default": "torchrun, defaults",
-                 "torchrun-tuned": "torchrun, tuned"}
+SYSTEM_TITLES = {"elasticd": "elasticd", "elasticd-cold": "elasticd, `--no-warm-start`",
+                 "torchrun-default": "torchrun, defaults", "torchrun-tuned": "torchrun, tuned"}
 # (elasticd goal in s, torchrun default, torchrun tuned) measured earlier on this machine.
 REFERENCE = {
     "sigkill": (5.0, "49 s", "9.8 s"),
@@ -141,6 +141,8 @@ def main_table(results: dict) -> str:
             lost = summary([t["steps_lost"] for t in ok], "{:.0f}") if ok else "–"
             if system == "elasticd":
                 ref = _verdict(scenario, ts)
+            elif system == "elasticd-cold":
+                ref = "same run, standbys off"
             else:
                 ref = "earlier: " + REFERENCE[scenario][1 if system == "torchrun-default" else 2]
             rows.append(f"| {SCENARIO_TITLES[scenario]} | {SYSTEM_TITLES[system]} | {time_s} | {lost} "
