@@ -33,7 +33,7 @@ from torch.distributed.elastic.rendezvous import (
 )
 
 from elasticd import __version__
-from elasticd.errors import EtcdUnavailableError, LeaseLostError, TransientError
+from elasticd.errors import ConfigError, EtcdUnavailableError, LeaseLostError, TransientError
 from elasticd.etcd.client import KV, EtcdClient, LeaseKeeper, PrefixWatch, WatchEvent
 from elasticd.keys import JobKeys, round_of_key
 from elasticd.records import NodeRecord, RoundState
@@ -268,6 +268,10 @@ class EtcdRendezvousHandler(RendezvousHandler):
                 self._lease_loss = self._round
                 self._log.warning("lease_replaced", round=self._round)
             self._keeper.stop()
+        key = self.keys.node(self.node_id)
+        if self._record is None:
+            # Before the lease grant: waiting out another machine's lease can take a TTL.
+            self._retire_previous_process(key, deadline)
         lease = self._retry("lease grant", lambda: self.client.grant_lease(self.settings.node_ttl_s),
                             deadline)
         record = self._record or NodeRecord(
@@ -275,9 +279,6 @@ class EtcdRendezvousHandler(RendezvousHandler):
             started_at=time.time(),
         )
         record = replace(record, state="joining", heartbeat_at=time.time())
-        key = self.keys.node(self.node_id)
-        if self._record is None:
-            self._retire_previous_process(key, deadline)
         self._retry("node record", lambda: self.client.put(key, record.to_json(), lease=lease), deadline)
         kv = self._retry("node record", lambda: self.client.get(key), deadline)
         self._incarnation = kv.create_revision if kv else 0
@@ -291,6 +292,11 @@ class EtcdRendezvousHandler(RendezvousHandler):
         """Our node key exists before this process ever wrote it: the previous process of
         this node id (killed, restarted within its TTL) or a duplicate id.
 
+        A live duplicate (two agents configured with one node id) is refused with a
+        ConfigError: on this host, when the recorded pid is a live elasticd process; on
+        another host, when its lease is still kept alive after a full TTL (a vanished
+        machine's lease expires within one).
+
         Overwriting it in place would keep its create_revision (the old process's fencing
         token stays valid) and let us inherit its seat in a final round we never ran in:
         DONE at once with its rank, while the other members see no membership change.
@@ -300,11 +306,41 @@ class EtcdRendezvousHandler(RendezvousHandler):
         old = self._retry("node record", lambda: self.client.get(key), deadline)
         if old is None:
             return
+        old = self._refuse_live_duplicate(key, old, deadline)
+        if old is None:
+            return
         state = self._view.snapshot()[0].state
         if state is not None and state.phase == "final" and self.node_id in state.members:
             self._round = state.round
         self._retry("node record", lambda: self.client.delete(key), deadline)
         self._log.warning("previous_process_retired", old_lease=hex(old.lease), round=self._round)
+
+    def _refuse_live_duplicate(self, key: str, old: KV, deadline: float) -> KV | None:
+        """Raise ConfigError if ``old`` belongs to a live agent; else return it (or None
+        if it expired meanwhile)."""
+        try:
+            rec = NodeRecord.from_json(old.value)
+        except (ValueError, TypeError):
+            return old  # not a record we wrote: retire it
+        fix = (f"node id {self.node_id!r} is already used by a live elasticd agent "
+               f"(host {rec.host}, pid {rec.pid}); give every agent its own node id "
+               "(--node-id, node.id), or leave it unset for HOST-PID")
+        if rec.host == socket.gethostname():
+            if rec.pid != os.getpid() and _is_live_elasticd(rec.pid):
+                raise ConfigError(fix)
+            return old  # our own previous process, now dead: retire it at once
+        # Another machine: a vanished one's lease runs out within one TTL (and etcd's
+        # expiry loop); a live duplicate keeps it.
+        until = min(deadline, time.monotonic() + self.settings.node_ttl_s + 2.0)
+        self._log.warning("node_id_held_elsewhere", host=rec.host, pid=rec.pid,
+                          wait_s=round(until - time.monotonic(), 1))
+        while (left := until - time.monotonic()) > 0:
+            with self._view.cond:  # the nodes watch shows the key's deletion at expiry
+                cur, version = self._view.nodes.get(key), self._view.version
+            if cur is None or cur.create_revision != old.create_revision:
+                return cur
+            self._view.wait_change(version, left)
+        raise ConfigError(fix)
 
     def _lease_lost(self) -> None:
         self.lease_lost.set()
@@ -602,3 +638,12 @@ class EtcdRendezvousHandler(RendezvousHandler):
             w.stop()
         self._log.info("rendezvous_left", round=self._round)
         return True
+
+
+def _is_live_elasticd(pid: int) -> bool:
+    """True if ``pid`` runs on this host and its command line names elasticd."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as fh:
+            return b"elasticd" in fh.read()
+    except OSError:
+        return False

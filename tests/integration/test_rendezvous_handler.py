@@ -23,9 +23,10 @@ from torch.distributed.elastic.rendezvous import (
 from torch.distributed.elastic.utils import store as store_util
 
 from elasticd.errors import ConfigError
-from elasticd.etcd.client import EtcdClient
+from elasticd.etcd.client import EtcdClient, LeaseKeeper
 from elasticd.etcd.embedded import EmbeddedEtcd, free_port
 from elasticd.keys import JobKeys
+from elasticd.records import NodeRecord
 from elasticd.rendezvous.etcd_handler import EtcdRendezvousHandler, RendezvousSettings
 from elasticd.rendezvous.etcd_store import EtcdStore
 from elasticd.rendezvous.protocol import MembershipChange
@@ -204,6 +205,45 @@ def test_restarted_process_with_same_node_id_does_not_inherit_its_seat(handlers)
     assert {i.world_size for i in infos} == {2}
     assert hs[0].round == reborn.round == 1
     assert reborn.incarnation != dead.incarnation, "the old process's fencing token stays valid"
+
+
+def _foreign_record(shared_etcd, job: str, node: str, *, keep_alive: bool):
+    """A node record for ``node`` written by "another machine": a client, a lease (kept
+    alive or not) and a record naming another host. Returns (client, keeper or None)."""
+    client = EtcdClient(shared_etcd.endpoint, timeout_s=2.0)
+    lease = client.grant_lease(2)
+    record = NodeRecord(node=node, host="other-host", pid=1, version="0", started_at=time.time())
+    client.put(JobKeys(job).node(node), record.to_json(), lease=lease)
+    keeper = LeaseKeeper(client, lease, 2).start() if keep_alive else None
+    return client, keeper
+
+
+def test_duplicate_node_id_on_a_live_machine_is_refused(handlers, shared_etcd):
+    """A node id held by a live agent elsewhere (its lease kept alive past a full TTL) is
+    refused with a ConfigError naming the id, the other host and the fix; the record stays."""
+    client, keeper = _foreign_record(shared_etcd, "dup", "n0", keep_alive=True)
+    try:
+        h = handlers.make("dup", "n0", min_nodes=1, max_nodes=1)
+        exc, took = elapsed(h.next_rendezvous)
+        assert isinstance(exc, ConfigError), exc
+        assert "'n0'" in str(exc) and "other-host" in str(exc) and "--node-id" in str(exc)
+        assert 2.0 <= took < 10.0, took
+        assert client.get(JobKeys("dup").node("n0")) is not None, "the live agent's record was touched"
+    finally:
+        keeper.stop(revoke=True)
+        client.close()
+
+
+def test_node_id_of_a_vanished_machine_is_taken_over_after_its_lease(handlers, shared_etcd):
+    """A replacement machine that reuses the node id of one that vanished (its lease no
+    longer kept alive) waits for that lease to expire, then joins normally."""
+    client, _ = _foreign_record(shared_etcd, "vanished", "n0", keep_alive=False)
+    try:
+        h = handlers.make("vanished", "n0", min_nodes=1, max_nodes=1)
+        info = results(handlers.join([h]))[0]
+        assert (info.rank, info.world_size) == (0, 1)
+    finally:
+        client.close()
 
 
 def test_closed_job_refuses_next_rendezvous(handlers):

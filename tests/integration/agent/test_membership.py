@@ -41,3 +41,17 @@ def test_joining_node_is_admitted(nodes, tmp_path):
     wait_until(lambda: len(_steps_at(out, 2)) >= 6, 60, "steps at world size 2")
     nodes.start("j2", SCRIPT, env=_env(out), extra=["--max-restarts", "0"])
     wait_until(lambda: len(_steps_at(out, 3)) >= 6, 60, "steps at world size 3 after the join")
+
+
+def test_second_agent_with_the_same_node_id_is_refused(nodes, tmp_path):
+    """Two agents configured with one node id on one host: the second exits 78 naming the
+    id and the fix, and the first keeps training untouched."""
+    out = tmp_path / "steps.jsonl"
+    first = nodes.start("j3", SCRIPT, env=_env(out), nnodes="1:2", name="a", extra=["--node-id", "same"])
+    wait_until(lambda: len(_steps_at(out, 1)) >= 4, 60, "the first agent training")
+    second = nodes.start("j3", SCRIPT, env=_env(out), nnodes="1:2", name="b", extra=["--node-id", "same"])
+    assert second.wait(60) == 78, second.log()[-3000:]
+    assert "node id 'same' is already used by a live elasticd agent" in second.log()
+    before = len(_steps_at(out, 1))
+    wait_until(lambda: len(_steps_at(out, 1)) >= before + 4, 30, "the first agent still training")
+    assert first.alive() and not _steps_at(out, 2)
