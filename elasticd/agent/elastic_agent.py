@@ -26,6 +26,7 @@ from typing import Any
 import structlog
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+from torch.distributed.elastic.rendezvous import RendezvousGracefulExitError
 
 from elasticd.agent.control import ControlChannel
 from elasticd.agent.policy import Decision, Facts, Verdict, decide
@@ -104,7 +105,9 @@ class ElasticdAgent(LocalElasticAgent):
 
     # -- signals: flags only -------------------------------------------------------------
     def _on_signal(self, signum: int, frame: Any) -> None:
+        # Plain assignments only: no lock may be taken in a signal handler.
         self.stop_signals += 1
+        self.handler.stop_requested = f"{signal.Signals(signum).name} received"
 
     def install_signal_handlers(self) -> None:
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -114,6 +117,7 @@ class ElasticdAgent(LocalElasticAgent):
         """Start a drain from another thread (a preemption notice)."""
         self.notice = reason
         self.stop_signals = max(self.stop_signals, 1)
+        self.handler.stop_requested = reason
 
     # -- hooks into LocalElasticAgent ----------------------------------------------------
     def _static_worker_env(self) -> dict[str, str]:
@@ -155,7 +159,15 @@ class ElasticdAgent(LocalElasticAgent):
 
     def _rendezvous(self, worker_group: WorkerGroup) -> None:
         self._set_state("joining")
-        super()._rendezvous(worker_group)
+        try:
+            super()._rendezvous(worker_group)
+        except RendezvousGracefulExitError as exc:
+            # Stopped while waiting for a round: no worker runs, nothing to drain. Leave
+            # now (revoking the lease drops our join) instead of after join_timeout.
+            # torch's run() catches this error and returns; the runner reads the outcome.
+            self._log.info("stopped_while_waiting", reason=str(exc))
+            self._leave("drained", str(exc))
+            raise
         h = self.handler
         lost_round = h.pop_lease_loss()
         if lost_round is not None:

@@ -26,6 +26,7 @@ import structlog
 from torch.distributed.elastic.rendezvous import (
     RendezvousClosedError,
     RendezvousConnectionError,
+    RendezvousGracefulExitError,
     RendezvousHandler,
     RendezvousInfo,
     RendezvousStoreInfo,
@@ -188,6 +189,9 @@ class EtcdRendezvousHandler(RendezvousHandler):
         self._last_reason = ""
         self._shutdown = False
         self.lease_lost = threading.Event()
+        # Set (plain assignment, safe from a signal handler) when this node must stop:
+        # next_rendezvous then raises RendezvousGracefulExitError within a second.
+        self.stop_requested: str | None = None
         self.rendezvous_s = 0.0
         # Called while waiting for a round (e.g. the systemd watchdog ping of the agent).
         self.on_wait: Callable[[], None] | None = None
@@ -400,6 +404,9 @@ class EtcdRendezvousHandler(RendezvousHandler):
             self._store = None
         progress = JoinProgress(self.node_id, self._round, deadline)
         while True:
+            if self.stop_requested:
+                raise RendezvousGracefulExitError(
+                    f"job {self.keys.job!r}: {self.stop_requested} while waiting for a round")
             if self.lease_lost.is_set():
                 self._register(deadline)
             view, state_rev = self._view.snapshot()

@@ -16,6 +16,7 @@ from harness import wait_until
 from torch.distributed.elastic.rendezvous import (
     RendezvousClosedError,
     RendezvousConnectionError,
+    RendezvousGracefulExitError,
     RendezvousInfo,
     RendezvousParameters,
     RendezvousTimeoutError,
@@ -244,6 +245,19 @@ def test_node_id_of_a_vanished_machine_is_taken_over_after_its_lease(handlers, s
         assert (info.rank, info.world_size) == (0, 1)
     finally:
         client.close()
+
+
+def test_stop_request_ends_a_waiting_next_rendezvous(handlers):
+    """stop_requested (set from a signal handler) makes a node waiting for peers leave
+    next_rendezvous with RendezvousGracefulExitError within about a second."""
+    h = handlers.make("stopwait", "n0", min_nodes=2, max_nodes=2)
+    pending = handlers.join([h])[0]
+    wait_until(lambda: "n0" in h.view().joins.get(0, ()), 10, "the node to join round 0")
+    t0 = time.monotonic()
+    h.stop_requested = "SIGTERM received"
+    exc = pending.exception(timeout=10)
+    assert isinstance(exc, RendezvousGracefulExitError), exc
+    assert "SIGTERM received" in str(exc) and time.monotonic() - t0 < 3.0
 
 
 def test_closed_job_refuses_next_rendezvous(handlers):

@@ -80,3 +80,22 @@ def test_join_drains_members_and_loses_no_step(nodes, tmp_path):
     assert len(set(per_rank_last.values())) == 1, f"ranks stopped at different steps: {per_rank_last}"
     assert "resize_started" in a.log() + b.log(), "the members never started a resize"
     assert a.alive() and b.alive()
+
+
+def test_sigterm_while_waiting_for_a_round_exits_at_once(nodes, tmp_path):
+    """An agent still waiting for its first round (too few nodes) that gets SIGTERM leaves
+    within seconds with exit 0 and revokes its lease (no node record left behind); it used
+    to sit in the rendezvous until join_timeout."""
+    from elasticd.etcd.client import EtcdClient
+    from elasticd.keys import JobKeys
+
+    a = nodes.start("w1", SCRIPT, env=_env(tmp_path), nnodes="2")
+    wait_until(lambda: "1/2 nodes joined" in a.log(), 60, "the agent waiting for a second node")
+    a.signal_agent(signal.SIGTERM)
+    assert a.wait(15) == 0, a.log()[-3000:]
+    assert "stopped_while_waiting" in a.log()
+    client = EtcdClient(nodes.etcd.endpoint, timeout_s=2.0)
+    try:
+        assert client.get(JobKeys("w1").node("n0")) is None, "the lease was not revoked"
+    finally:
+        client.close()
