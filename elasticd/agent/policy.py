@@ -124,15 +124,16 @@ def decide(f: Facts) -> Decision:
 def _membership_changed(f: Facts) -> Decision:
     """HEALTHY workers, nodes waiting, no resize yet: resize through a drain, or restart now."""
     why = f.membership_reason or "membership changed"
-    if f.resize_enabled and f.workers_drainable:
-        if f.membership == "join":
-            return Decision(Verdict.START_RESIZE, f"{why}: workers stop at the next step, then "
-                            "the job re-forms with them")
-        if f.membership == "newer_round" and f.stopped_for_drain:
-            # A peer's workers stopped for a resize first and it re-formed; ours agreed on the
-            # same step and are saving. Killing them now could lose that checkpoint.
-            return Decision(Verdict.START_RESIZE, f"{why}: our workers are stopping for the "
-                            "resize too: waiting for them")
+    if f.resize_enabled and f.stopped_for_drain and f.membership in ("newer_round", "member_lost"):
+        # Our workers already agreed on a stop step (a peer's drain or a resize) and are
+        # saving. The peer that drained and left (a clean leave reads as a lost member), or
+        # one that re-formed first, must not cut that save short: killing them now could
+        # lose the drain's checkpoint. Wait for them (bounded by resize_grace_s).
+        return Decision(Verdict.START_RESIZE, f"{why}: our workers are stopping at the agreed "
+                        "step: waiting for them")
+    if f.resize_enabled and f.workers_drainable and f.membership == "join":
+        return Decision(Verdict.START_RESIZE, f"{why}: workers stop at the next step, then "
+                        "the job re-forms with them")
     if why == "membership changed":
         return Decision(Verdict.RESTART_MEMBERSHIP, why)
     return Decision(Verdict.RESTART_MEMBERSHIP, f"membership changed: {why}")
@@ -142,7 +143,7 @@ def _while_resizing(f: Facts) -> Decision:
     """HEALTHY workers asked to stop for a resize: wait for them, unless a peer is lost."""
     if f.resize_deadline_passed:
         return Decision(Verdict.RESTART_MEMBERSHIP, "resize grace period over: restarting workers hard")
-    if f.nodes_waiting > 0 and f.membership == "member_lost":
+    if f.nodes_waiting > 0 and f.membership == "member_lost" and not f.stopped_for_drain:
         why = f.membership_reason or "a member was lost"
         return Decision(Verdict.RESTART_MEMBERSHIP, f"{why} during the resize: restarting workers")
     # A newer round opened by a peer (its workers finished first) or the joiner vanishing

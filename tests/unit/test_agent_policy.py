@@ -50,6 +50,18 @@ def test_newer_round_while_our_workers_already_stop_waits_for_them():
     assert decide(f).verdict is Verdict.START_RESIZE
 
 
+def test_peer_that_drained_and_left_does_not_cut_our_drain_save_short():
+    """A peer drained and revoked its lease (a clean leave reads as a lost member) while our
+    workers, stopped at the same agreed step, are still saving: wait for them."""
+    f = replace(JOIN, membership="member_lost", membership_reason="members lost: n2",
+                stopped_for_drain=True)
+    assert decide(f).verdict is Verdict.START_RESIZE
+    waiting = replace(RESIZING, nodes_waiting=1, membership="member_lost",
+                      membership_reason="members lost: n2", stopped_for_drain=True)
+    assert decide(waiting).verdict is Verdict.CONTINUE
+    assert decide(replace(waiting, resize_deadline_passed=True)).verdict is Verdict.RESTART_MEMBERSHIP
+
+
 def test_resize_waits_for_workers_while_healthy():
     """While resizing, healthy workers are left to reach the step boundary and save."""
     for f in (RESIZING, replace(RESIZING, nodes_waiting=1, membership="join")):
