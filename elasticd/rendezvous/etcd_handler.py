@@ -566,15 +566,6 @@ class EtcdRendezvousHandler(RendezvousHandler):
             self._last_reason = waiting.reason
         return waiting
 
-    def membership_reason(self) -> str:
-        """Why ``num_nodes_waiting`` is non-zero now ('' if it is zero)."""
-        if self.lease_lost.is_set():
-            return "this node's lease was lost"
-        if self._round is None:
-            return ""
-        view, _ = self._view.snapshot()
-        return nodes_waiting(view, self._round, max_nodes=self.settings.max_nodes).reason
-
     def report_failure(self, detail: str) -> None:
         """Record that our workers failed in the current round (on our lease)."""
         if self._round is None or self.lease_lost.is_set():

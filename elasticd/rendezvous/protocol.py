@@ -174,11 +174,6 @@ class Waiting:
     reason: str = ""
     kind: MembershipChange = MembershipChange.NONE
 
-    @property
-    def join_only(self) -> bool:
-        """Every waiting node is a newcomer: the job can drain at a step boundary first."""
-        return self.kind is MembershipChange.JOIN
-
 
 def nodes_waiting(view: RendezvousView, my_round: int, *, max_nodes: int) -> Waiting:
     """How many nodes wait for this node to re-rendezvous, why, and what kind of change. Pure.

@@ -142,7 +142,7 @@ def test_scale_up_new_node_is_admitted_and_ranks_stay_stable(handlers):
     late = handlers.make("up", "late", min_nodes=3, max_nodes=4)
     pending = handlers.join([late])
     wait_until(lambda: all(h.num_nodes_waiting() > 0 for h in hs), 10, "members to see the newcomer")
-    assert "late" in hs[0].membership_reason()
+    assert "late" in hs[0].membership().reason
     assert all(h.membership().kind is MembershipChange.JOIN for h in hs), "a join is not join-only"
     infos = results(handlers.join(hs) + pending)
     everyone = [*hs, late]
@@ -166,7 +166,7 @@ def test_scale_down_graceful_leave_is_seen_at_once(handlers):
     leaver.shutdown()
     wait_until(lambda: all(h.num_nodes_waiting() > 0 for h in rest), 5, "survivors to see the leave")
     assert time.monotonic() - t0 < 3.0, "a graceful leave waited for the lease TTL"
-    assert before[1] in rest[0].membership_reason()
+    assert before[1] in rest[0].membership().reason
     assert rest[0].membership().kind is MembershipChange.MEMBER_LOST
     infos = results(handlers.join(rest))
     assert {i.world_size for i in infos} == {2}

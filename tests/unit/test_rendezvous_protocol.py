@@ -193,14 +193,14 @@ def test_nodes_waiting_counts_newer_round():
     """A round newer than ours (opened by someone else) means re-rendezvous."""
     w = nodes_waiting(view(open_(3), {"a"}), 2, max_nodes=4)
     assert w.count == 1 and "round 3" in w.reason
-    assert w.kind is MembershipChange.NEWER_ROUND and not w.join_only
+    assert w.kind is MembershipChange.NEWER_ROUND
 
 
 def test_nodes_waiting_counts_lost_members():
     """Members of our final round without a live lease are counted, and named."""
     w = nodes_waiting(view(final(2, ["a", "b", "c"]), {"a"}), 2, max_nodes=4)
     assert w.count == 2 and "b" in w.reason and "c" in w.reason
-    assert w.kind is MembershipChange.MEMBER_LOST and not w.join_only
+    assert w.kind is MembershipChange.MEMBER_LOST
 
 
 def test_nodes_waiting_counts_live_late_joiners_while_there_is_room():
@@ -208,7 +208,7 @@ def test_nodes_waiting_counts_live_late_joiners_while_there_is_room():
     v = view(final(2, ["a", "b"]), {"a", "b", "c", "d"}, {3: ["c", "ghost", "d", "a"]})
     w = nodes_waiting(v, 2, max_nodes=4)
     assert w.count == 2 and "c" in w.reason and "d" in w.reason
-    assert w.kind is MembershipChange.JOIN and w.join_only
+    assert w.kind is MembershipChange.JOIN
     assert nodes_waiting(v, 2, max_nodes=2).count == 0, "a full round has no room"
 
 

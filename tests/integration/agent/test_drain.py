@@ -17,6 +17,17 @@ def _env(tmp_path, **extra):
             "STEP_S": "0.05", **extra}
 
 
+def _assert_resumed_at_the_next_step(out, old_world: int, new_world: int) -> None:
+    """Every rank stopped after the same step at ``old_world`` and training went on at
+    ``new_world`` with exactly the next step (nothing lost, nothing trained twice)."""
+    rows = read_jsonl(out)
+    last_old = max(r["step"] for r in rows if r["world"] == old_world)
+    first_new = min(r["step"] for r in rows if r["world"] == new_world)
+    assert first_new == last_old + 1, f"resumed at {first_new} at world {new_world}, last trained {last_old}"
+    per_rank_last = {r["rank"]: r["step"] for r in rows if r["world"] == old_world}
+    assert len(set(per_rank_last.values())) == 1, f"ranks stopped at different steps: {per_rank_last}"
+
+
 def test_sigterm_drain_loses_no_step(nodes, tmp_path):
     """SIGTERM to one of two agents: both nodes stop after the same step, the drained agent
     exits 0, and the survivor resumes at exactly the next step at world size 1."""
@@ -28,12 +39,7 @@ def test_sigterm_drain_loses_no_step(nodes, tmp_path):
     a.signal_agent(signal.SIGTERM)
     assert a.wait(60) == 0, a.log()[-3000:]
     wait_until(lambda: [r for r in read_jsonl(out) if r["world"] == 1], 60, "steps at world 1")
-    rows = read_jsonl(out)
-    last_w2 = max(r["step"] for r in rows if r["world"] == 2)
-    first_w1 = min(r["step"] for r in rows if r["world"] == 1)
-    assert first_w1 == last_w2 + 1, f"resumed at {first_w1}, last trained {last_w2}"
-    per_rank_last = {r["rank"]: r["step"] for r in rows if r["world"] == 2}
-    assert len(set(per_rank_last.values())) == 1, f"ranks stopped at different steps: {per_rank_last}"
+    _assert_resumed_at_the_next_step(out, 2, 1)
     assert b.alive()
     b.signal_agent(signal.SIGTERM)
     assert b.wait(60) == 0
@@ -72,12 +78,7 @@ def test_join_drains_members_and_loses_no_step(nodes, tmp_path):
     wait_until(lambda: len([r for r in read_jsonl(out) if r["world"] == 2]) >= 10, 60, "world 2 steps")
     nodes.start("d4", SCRIPT, env=env, nnodes="2:3")
     wait_until(lambda: [r for r in read_jsonl(out) if r["world"] == 3], 60, "steps at world 3")
-    rows = read_jsonl(out)
-    last_w2 = max(r["step"] for r in rows if r["world"] == 2)
-    first_w3 = min(r["step"] for r in rows if r["world"] == 3)
-    assert first_w3 == last_w2 + 1, f"resumed at {first_w3} after the join, last trained {last_w2}"
-    per_rank_last = {r["rank"]: r["step"] for r in rows if r["world"] == 2}
-    assert len(set(per_rank_last.values())) == 1, f"ranks stopped at different steps: {per_rank_last}"
+    _assert_resumed_at_the_next_step(out, 2, 3)
     assert "resize_started" in a.log() + b.log(), "the members never started a resize"
     assert a.alive() and b.alive()
 
