@@ -152,7 +152,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="elasticd", description=__doc__.splitlines()[0])
+    parser = _Parser(prog="elasticd", description="The elasticd command line: run, agent, status, checkpoints.")
     parser.add_argument("--version", action="version", version=f"elasticd {__version__}")
     sub = parser.add_subparsers(dest="subcommand", metavar="COMMAND", parser_class=_Parser)
     sub.required = True

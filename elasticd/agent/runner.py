@@ -17,7 +17,11 @@ from typing import Any
 import structlog
 from torch.distributed.elastic.agent.server.api import WorkerSpec
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
-from torch.distributed.elastic.rendezvous import RendezvousClosedError, RendezvousError
+from torch.distributed.elastic.rendezvous import (
+    RendezvousClosedError,
+    RendezvousConnectionError,
+    RendezvousError,
+)
 
 from elasticd.agent.control import ControlChannel
 from elasticd.agent.elastic_agent import ElasticdAgent, SupervisionSettings, print_summary
@@ -180,7 +184,9 @@ def run_node(spec: NodeSpec) -> int:
         return outcome.exit_code
     except (EtcdUnavailableError, RendezvousError) as exc:
         sys.stderr.write(f"elasticd: {exc}\n")
-        return EX_ETCD_UNREACHABLE if isinstance(exc, (TransientError,)) or "etcd" in str(exc) else 1
+        # By type, not by message: etcd unreachable is 4 (retry later), anything else 1.
+        unreachable = isinstance(exc, (TransientError, RendezvousConnectionError))
+        return EX_ETCD_UNREACHABLE if unreachable else 1
     finally:
         if agent is not None:
             agent.standby.close()

@@ -23,6 +23,7 @@ from torch.distributed.elastic.rendezvous import (
 from elasticd.errors import ConfigError
 from elasticd.etcd.client import EtcdClient, TLSFiles
 from elasticd.keys import validate_job_name
+from elasticd.logs import ensure_configured
 
 BACKEND = "etcd-v3"
 _KNOWN = {"node_ttl", "join_timeout", "last_call_timeout", "close_timeout", "store_timeout",
@@ -52,6 +53,9 @@ def create_handler(params: RendezvousParameters) -> RendezvousHandler:
     # entry point) while etcd_handler is still half-initialised; a top-level import then
     # fails as circular, leaving etcd-v3 unregistered and a traceback in every log.
     from elasticd.rendezvous.etcd_handler import EtcdRendezvousHandler, RendezvousSettings
+
+    # Under plain torchrun nobody else configures structlog; importing the package must not.
+    ensure_configured()
 
     unknown = set(params.config) - _KNOWN - {"rank", "is_host", "local_addr"}
     if unknown:
