@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 from collections.abc import Sequence
 from typing import NoReturn
@@ -17,6 +18,7 @@ from elasticd import __version__
 from elasticd.errors import EX_CONFIG, ConfigError, ElasticdError
 from elasticd.etcd.client import TLSFiles
 from elasticd.keys import validate_job_name
+from elasticd.sensitive import read_secret_file, scrub_text
 
 
 def parse_nnodes(value: str) -> tuple[int, int]:
@@ -27,6 +29,8 @@ def parse_nnodes(value: str) -> tuple[int, int]:
     """
     try:
         lo, _, hi = value.partition(":")
+        if not re.fullmatch(r"[0-9]+", lo) or (hi and not re.fullmatch(r"[0-9]+", hi)):
+            raise ValueError(value)
         mn, mx = int(lo), int(hi or lo)
     except ValueError:
         raise ConfigError(f"--nnodes {value!r}: expected N or MIN:MAX, e.g. 1:4") from None
@@ -44,7 +48,7 @@ def parse_nproc(value: str) -> int:
         if n == 0:
             raise ConfigError("--nproc-per-node gpu: no GPU is visible; give a number instead")
         return n
-    if not value.isdigit() or int(value) < 1:
+    if not re.fullmatch(r"[0-9]+", value) or int(value) < 1:
         raise ConfigError(f"--nproc-per-node {value!r}: expected a positive number or 'gpu'")
     return int(value)
 
@@ -58,6 +62,8 @@ def add_etcd_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--etcd-key", metavar="FILE", help="client key for TLS")
     g.add_argument("--etcd-user", help="etcd user (auth)")
     g.add_argument("--etcd-password-file", metavar="FILE", help="file holding the etcd password")
+    g.add_argument("--etcd-insecure-plaintext-auth", action="store_true",
+                   help="INSECURE: send the etcd password without TLS (trusted networks only)")
 
 
 def tls_from_args(args: argparse.Namespace) -> TLSFiles:
@@ -67,11 +73,7 @@ def tls_from_args(args: argparse.Namespace) -> TLSFiles:
 def password_from_args(args: argparse.Namespace) -> str | None:
     if not args.etcd_password_file:
         return None
-    try:
-        with open(args.etcd_password_file) as fh:
-            return fh.read().strip()
-    except OSError as exc:
-        raise ConfigError(f"--etcd-password-file {args.etcd_password_file!r}: {exc.strerror}") from exc
+    return read_secret_file(args.etcd_password_file, "--etcd-password-file")
 
 
 def _add_run_parser(sub: argparse._SubParsersAction) -> None:
@@ -101,6 +103,8 @@ def _add_run_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--log-format", choices=["auto", "json", "console"], default="auto")
     p.add_argument("--log-dir", help="where worker logs go (default: the runtime dir)")
     p.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus metrics on this port")
+    p.add_argument("--metrics-addr", default="127.0.0.1",
+                   help="address the metrics listen on (default 127.0.0.1; 0.0.0.0 for all)")
     p.add_argument("command", nargs=argparse.REMAINDER, help="SCRIPT [ARGS...] or -m MODULE [ARGS...]")
 
 
@@ -125,7 +129,8 @@ def _run_command(args: argparse.Namespace) -> int:
     spec = NodeSpec(
         job=job, command=command, nproc_per_node=parse_nproc(args.nproc_per_node),
         min_nodes=mn, max_nodes=mx, etcd_endpoints=args.etcd, tls=tls_from_args(args),
-        etcd_user=args.etcd_user, etcd_password=password_from_args(args), node_id=args.node_id,
+        etcd_user=args.etcd_user, etcd_password=password_from_args(args),
+        etcd_insecure_plaintext_auth=args.etcd_insecure_plaintext_auth, node_id=args.node_id,
         local_addr=args.local_addr or ("127.0.0.1" if args.standalone else None),
         node_ttl_s=args.node_ttl, join_timeout_s=args.join_timeout,
         last_call_timeout_s=args.last_call_timeout,
@@ -136,7 +141,9 @@ def _run_command(args: argparse.Namespace) -> int:
             attribution_window_s=args.node_ttl + 1.0, checkpoint_url=args.checkpoint_url,
             warm_start=args.warm_start),
         log_format=args.log_format, log_dir=args.log_dir, metrics_port=args.metrics_port or None,
+        metrics_addr=args.metrics_addr,
         notify_socket=os.environ.get("NOTIFY_SOCKET"), watchdog_usec=os.environ.get("WATCHDOG_USEC"),
+        state_dir=os.environ.get("STATE_DIRECTORY"),
     )
     return run_node(spec)
 
@@ -178,10 +185,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _run_command(args)
         return int(args.func(args))
     except ConfigError as exc:
-        sys.stderr.write(f"elasticd: configuration error: {exc}\n")
+        sys.stderr.write(f"elasticd: configuration error: {scrub_text(str(exc))}\n")
         return EX_CONFIG
     except ElasticdError as exc:
-        sys.stderr.write(f"elasticd: {exc}\n")
+        sys.stderr.write(f"elasticd: {scrub_text(str(exc))}\n")
         return exc.exit_code
     except KeyboardInterrupt:
         return 130

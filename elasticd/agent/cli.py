@@ -1,7 +1,8 @@
 """``elasticd agent``: the node daemon, driven by a TOML config (systemd's ExecStart).
 
 Precedence: TOML < ``ELASTICD_*`` environment < flags. ``--check-config`` validates and
-prints the effective configuration (secrets masked) without starting anything.
+prints the effective configuration (secrets masked) without starting anything, and warns
+on stderr about each insecure setting it sees (docs/security.md).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import os
 import sys
 from typing import TYPE_CHECKING, Any
 
-from elasticd.config import AgentConfig, load_config, render_effective
+from elasticd.config import AgentConfig, load_config, render_effective, security_warnings
 
 if TYPE_CHECKING:  # torch is imported only when the agent really runs (fast `elasticd status`)
     from elasticd.agent.runner import NodeSpec
@@ -38,6 +39,14 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                    help="start every worker cold (no standby processes)")
     p.add_argument("--log-format", dest="logging.format", choices=["auto", "json", "console"])
     p.add_argument("--metrics-port", dest="metrics.port")
+    p.add_argument("--metrics-addr", dest="metrics.addr",
+                   help="address the metrics listen on (default 127.0.0.1)")
+    p.add_argument("--log-dir", dest="logging.worker_log_dir",
+                   help="worker log directory (default: $STATE_DIRECTORY/worker-logs/JOB or a "
+                        "private temp dir)")
+    p.add_argument("--etcd-insecure-plaintext-auth", dest="etcd.insecure_allow_plaintext_auth",
+                   action="store_const", const="true",
+                   help="INSECURE: send the etcd password without TLS (trusted networks only)")
     p.set_defaults(func=run)
     return p
 
@@ -60,7 +69,9 @@ def node_spec(cfg: AgentConfig) -> NodeSpec:
         etcd_endpoints=",".join(e.endpoints) or None, etcd_timeout_s=e.timeout_s,
         etcd_connect_timeout_s=e.connect_timeout_s,
         tls=TLSFiles(e.ca_file, e.cert_file, e.key_file), etcd_user=e.user,
-        etcd_password=e.resolved_password(), node_id=cfg.node.id, local_addr=cfg.node.local_addr,
+        etcd_password=e.resolved_password(),
+        etcd_insecure_plaintext_auth=e.insecure_allow_plaintext_auth,
+        node_id=cfg.node.id, local_addr=cfg.node.local_addr,
         node_ttl_s=cfg.node.ttl_s, join_timeout_s=cfg.rendezvous.join_timeout_s,
         last_call_timeout_s=cfg.rendezvous.last_call_timeout_s,
         supervision=SupervisionSettings(
@@ -71,10 +82,11 @@ def node_spec(cfg: AgentConfig) -> NodeSpec:
             monitor_interval_s=w.monitor_interval_s, checkpoint_url=cfg.job.checkpoint_url,
             worker_env=dict(w.env), warm_start=w.warm_start),
         workdir=w.workdir, log_format=cfg.logging.format, log_dir=cfg.logging.worker_log_dir,
-        metrics_port=cfg.metrics.port or None,
+        metrics_port=cfg.metrics.port or None, metrics_addr=cfg.metrics.addr,
         preemption=make_watcher(cfg.preemption.provider, base_url=cfg.preemption.base_url,
                                 poll_interval_s=cfg.preemption.poll_interval_s),
         notify_socket=os.environ.get("NOTIFY_SOCKET"), watchdog_usec=os.environ.get("WATCHDOG_USEC"),
+        state_dir=os.environ.get("STATE_DIRECTORY"),
     )
 
 
@@ -83,6 +95,9 @@ def run(args: argparse.Namespace) -> int:
     cfg = load_config(path, os.environ, _overrides(args))
     if args.check_config:
         sys.stdout.write(render_effective(cfg))
+        # stderr: stdout stays a loadable TOML file; each warning names the setting and the fix.
+        for warning in security_warnings(cfg):
+            sys.stderr.write(f"elasticd: warning: insecure setting: {warning}\n")
         return 0
     from elasticd.agent.runner import run_node
 
