@@ -185,7 +185,7 @@ def nproc(value: Any, text: bool) -> int | str:
         word = value.strip().lower()
         if word in ("gpu", "auto"):
             return word
-        if not (text and word.isdigit()):
+        if not (text and re.fullmatch(r"[0-9]+", word)):
             raise Invalid("not a worker count, \"gpu\" or \"auto\"", fix)
         value = int(word)
     if isinstance(value, bool) or not isinstance(value, int):

@@ -25,7 +25,7 @@ import structlog
 
 from elasticd.errors import ConfigError, EtcdUnavailableError
 from elasticd.etcd.client import KV, EtcdClient
-from elasticd.keys import ROOT, JobKeys, job_of_key, round_of_key
+from elasticd.keys import ROOT, JobKeys, job_of_key, parse_ascii_int, round_of_key
 from elasticd.records import CheckpointPointer, Event, NodeRecord, Progress, RoundState
 
 log = structlog.get_logger(__name__)
@@ -171,7 +171,7 @@ def parse_job_kvs(job: str, kvs: Iterable[KV], revision: int) -> JobSnapshot:
         elif rest.startswith("events/"):
             # events/<seq> or, as the agent writes them, events/<seq>-<node> (seq: µs).
             head = rest[len("events/"):].split("-", 1)[0]
-            ev = _decode(Event, kv, unreadable) if head.isdigit() else None
+            ev = _decode(Event, kv, unreadable) if parse_ascii_int(head) is not None else None
             if ev is not None:
                 events.append(SeqEvent(int(head), ev))
         elif kv.key == keys.rdzv_state:
