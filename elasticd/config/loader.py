@@ -40,7 +40,7 @@ from elasticd.config.schema import (
 )
 from elasticd.errors import ConfigError
 from elasticd.keys import validate_job_name, validate_node_id
-from elasticd.sensitive import loose_secret_file, mask_value
+from elasticd.sensitive import loose_secret_file, mask_value, scrub_text
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -367,8 +367,8 @@ def _parse(key: Key, value: Any, origin: str, text: bool) -> Any:
             fix = f"write the number without quotes, e.g. `{key.example}`"
         else:
             fix = exc.fix or f"write e.g. `{key.example}`"
-        shown = mask_value(key.dotted, value)
-        raise ConfigError(f"{key.dotted} = {shown!r} ({origin}): {exc.problem}; {fix}") from None
+        shown = scrub_text(repr(mask_value(key.dotted, value)))
+        raise ConfigError(f"{key.dotted} = {shown} ({origin}): {exc.problem}; {fix}") from None
 
 
 def _parse_worker_env(
@@ -446,10 +446,8 @@ def _validate(config: AgentConfig, *, check_files: bool) -> None:
     origins = config.origins
 
     def bad(dotted: str, value: Any, problem_and_fix: str) -> ConfigError:
-        return ConfigError(
-            f"{dotted} = {mask_value(dotted, value)!r} ({origins.get(dotted, 'default')}): "
-            f"{problem_and_fix}"
-        )
+        shown = scrub_text(repr(mask_value(dotted, value)))
+        return ConfigError(f"{dotted} = {shown} ({origins.get(dotted, 'default')}): {problem_and_fix}")
 
     job, etcd, node, workers = config.job, config.etcd, config.node, config.workers
     try:

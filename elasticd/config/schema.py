@@ -255,7 +255,10 @@ def endpoints(value: Any, text: bool) -> tuple[str, ...]:
         except ValueError:
             raise Invalid(f"endpoint {item!r} has an invalid port", fix) from None
         host = parts.hostname
-        if not host or parts.path or parts.query or parts.username:
+        if "@" in rest:
+            raise Invalid("an endpoint carries credentials in its URL (they would be logged and "
+                          "shown)", "set etcd.user and etcd.password_file instead")
+        if not host or parts.path or parts.query:
             raise Invalid(f"endpoint {item!r} is not host:port", fix)
         hostport = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         out.append(f"https://{hostport}" if scheme == "https" else hostport)

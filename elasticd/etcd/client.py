@@ -146,6 +146,12 @@ def parse_endpoints(endpoints: str | Sequence[str]) -> list[tuple[str, int]]:
         for scheme in ("http://", "https://"):
             if item.startswith(scheme):
                 item = item[len(scheme):]
+        if "@" in item:
+            raise ConfigError(
+                f"etcd endpoint '***@{item.rsplit('@', 1)[1]}' carries credentials: they do not go "
+                "in the URL (it is logged and shown); use etcd.user with etcd.password_file "
+                "(--etcd-user, --etcd-password-file)"
+            )
         host, sep, port = item.rpartition(":")
         if (not item or not sep or not host or not re.fullmatch(r"[0-9]{1,5}", port)
                 or not 0 < int(port) < 65536):
@@ -235,7 +241,9 @@ class EtcdClient:
             )
         self._user, self._password = user, password
         self._creds = self._credentials()
-        self._lock = threading.Lock()
+        # Reentrant: raw() translates a failed authentication while holding it, and the
+        # translation drops the client under the same lock (a plain Lock deadlocked there).
+        self._lock = threading.RLock()
         self._raw: etcd3.MultiEndpointEtcd3Client | None = None
         self._closed = False
         # monotonic time of the last sign of etcd trouble: an error, or a call slower than

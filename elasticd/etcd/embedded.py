@@ -178,10 +178,11 @@ class EmbeddedEtcd:
         if self.quota_backend_bytes is not None:
             cmd += ["--quota-backend-bytes", str(int(self.quota_backend_bytes))]
         if self.tls:
-            cmd += ["--cert-file", self.tls.cert_file, "--key-file", self.tls.key_file,
-                    "--trusted-ca-file", self.tls.ca_file]
+            cmd += ["--cert-file", self.tls.cert_file, "--key-file", self.tls.key_file]
             if self.tls.client_cert_auth:
-                cmd += ["--client-cert-auth"]
+                cmd += ["--client-cert-auth", "--trusted-ca-file", self.tls.ca_file]
+            # (etcd 3.5 with --trusted-ca-file but no --client-cert-auth still refuses a
+            # client that presents no certificate, so the CA goes only with client auth.)
         return cmd
 
     def start(self) -> EmbeddedEtcd:

@@ -14,15 +14,17 @@ pytestmark = pytest.mark.timeout(60)
 # Changing the CLI is a user-visible change: update this list, the docs and the CHANGELOG.
 SURFACE = {
     "run": ["--standalone", "--etcd", "--etcd-ca", "--etcd-cert", "--etcd-key", "--etcd-user",
-            "--etcd-password-file", "--job", "--nnodes", "--nproc-per-node", "--node-id",
+            "--etcd-password-file", "--etcd-insecure-plaintext-auth", "--job", "--nnodes", "--nproc-per-node", "--node-id",
             "--local-addr", "--max-restarts", "--restart-backoff", "--node-ttl", "--join-timeout",
             "--last-call-timeout", "--drain-grace", "--resize-grace", "--hang-timeout",
-            "--no-warm-start", "--checkpoint-url", "--log-format", "--log-dir", "--metrics-port"],
+            "--no-warm-start", "--checkpoint-url", "--log-format", "--log-dir", "--metrics-port",
+            "--metrics-addr"],
     "agent": ["--config", "--check-config", "--job", "--etcd", "--nnodes", "--nproc-per-node",
               "--node-id", "--local-addr", "--checkpoint-url", "--max-restarts", "--drain-grace",
-              "--resize-grace", "--hang-timeout", "--no-warm-start", "--log-format", "--metrics-port"],
+              "--resize-grace", "--hang-timeout", "--no-warm-start", "--log-format", "--metrics-port",
+              "--metrics-addr", "--log-dir", "--etcd-insecure-plaintext-auth"],
     "status": ["--job", "--etcd", "--etcd-ca", "--etcd-cert", "--etcd-key", "--etcd-user",
-               "--etcd-password-file", "--timeout", "--json", "--watch", "--events", "--window",
+               "--etcd-password-file", "--etcd-insecure-plaintext-auth", "--timeout", "--json", "--watch", "--events", "--window",
                "--max-rows"],
     "checkpoints": None,  # owned by elasticd.cli_checkpoints; only its presence is pinned here
 }
