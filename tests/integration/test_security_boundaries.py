@@ -19,12 +19,14 @@ from pathlib import Path
 import pytest
 from harness import PY, Node, wait_until
 
-from elasticd.errors import ConfigError, EtcdNoSpaceError
+from elasticd.errors import ConfigError
 from elasticd.etcd.client import EtcdClient, TLSFiles
 from elasticd.etcd.embedded import EmbeddedEtcd, ServerTLS, find_etcd_binary
-from elasticd.etcd.pki import generate_private_pki
 from elasticd.keys import JobKeys
 from elasticd.records import NodeRecord
+
+# Only names that predate the security work are imported here, so that on the old code each
+# test fails on the behaviour it pins, not on an import.
 
 NOBODY = 65534
 ETCDCTL = shutil.which("etcdctl") or os.path.join(os.path.dirname(find_etcd_binary()), "etcdctl")
@@ -123,12 +125,14 @@ def test_standalone_etcd_and_worker_logs_are_private_to_their_owner(tmp_path):
 def auth_etcd(tmp_path):
     """etcd over TLS (server certificate only) with auth on: root, and user agent-a whose
     role may only touch /elasticd/job-a/."""
-    pki = generate_private_pki(str(tmp_path / "pki"))
+    from integration.test_etcd_tls import make_pki
+
+    pki = make_pki(tmp_path / "pki")
     server = EmbeddedEtcd(str(tmp_path / "etcd"),
-                          tls=ServerTLS(pki.server_cert, pki.server_key, pki.ca_file,
+                          tls=ServerTLS(pki.server_cert, pki.server_key, pki.ca,
                                         client_cert_auth=False)).start()
     url = f"https://{server.endpoint}"
-    ca = [f"--cacert={pki.ca_file}"]
+    ca = [f"--cacert={pki.ca}"]
     root = ca + ["--user=root:rootpw"]
     steps = [
         (ca, ["user", "add", "root", "--new-user-password=rootpw", "--interactive=false"]),
@@ -164,12 +168,12 @@ def test_agent_runs_a_job_under_a_per_job_role_over_tls(auth_etcd):
     script = tmp / "ok.py"
     script.write_text("import os; print('rank', os.environ['RANK'])\n")
     logs = tmp / "worker-logs"
-    proc = _elasticd("run", "--etcd", f"https://{server.endpoint}", "--etcd-ca", pki.ca_file,
+    proc = _elasticd("run", "--etcd", f"https://{server.endpoint}", "--etcd-ca", pki.ca,
                      "--etcd-user", "agent-a", "--etcd-password-file", str(tmp / "pw"),
                      "--job", "job-a", "--nnodes", "1", "--node-ttl", "2", "--local-addr",
                      "127.0.0.1", "--log-format", "json", "--log-dir", str(logs), str(script))
     assert proc.returncode == 0, proc.stderr[-4000:]
-    client = EtcdClient(f"https://{server.endpoint}", timeout_s=3, tls=TLSFiles(pki.ca_file),
+    client = EtcdClient(f"https://{server.endpoint}", timeout_s=3, tls=TLSFiles(pki.ca),
                         user="agent-a", password="pw-a")
     try:
         assert client.get_prefix("/elasticd/job-a/")[0], "the job left no keys"
@@ -189,9 +193,9 @@ def test_wrong_password_and_plaintext_credentials_are_config_errors(auth_etcd):
     script = tmp / "ok.py"
     script.write_text("pass\n")
     wrong = ["--etcd-user", "agent-a", "--etcd-password-file", str(tmp / "wrong")]
-    run = _elasticd("run", "--etcd", https, "--etcd-ca", pki.ca_file, *wrong, "--job", "job-a",
+    run = _elasticd("run", "--etcd", https, "--etcd-ca", pki.ca, *wrong, "--job", "job-a",
                     "--log-format", "json", "--log-dir", str(tmp / "wl"), str(script))
-    status = _elasticd("status", "--etcd", https, "--etcd-ca", pki.ca_file, *wrong, "--job", "job-a")
+    status = _elasticd("status", "--etcd", https, "--etcd-ca", pki.ca, *wrong, "--job", "job-a")
     for proc in (run, status):
         assert proc.returncode == 78, proc.stderr[-3000:]
         assert "Traceback" not in proc.stderr
@@ -219,6 +223,7 @@ def test_wrong_password_and_plaintext_credentials_are_config_errors(auth_etcd):
 def test_nospace_is_classified_and_named_by_status(tmp_path):
     """With a tiny --quota-backend-bytes, filling etcd raises EtcdNoSpaceError naming NOSPACE,
     and `elasticd status` names the NOSPACE alarm on stderr."""
+    from elasticd.errors import EtcdNoSpaceError
     from elasticd.status.cli import build_parser, run
 
     server = EmbeddedEtcd(str(tmp_path / "etcd"), quota_backend_bytes=2 * 1024 * 1024).start()
