@@ -27,6 +27,7 @@ import structlog
 from elasticd.errors import EX_CONFIG, ConfigError, EtcdUnavailableError
 from elasticd.etcd.client import NOSPACE_FIX, EtcdClient
 from elasticd.logs import ensure_configured
+from elasticd.sensitive import scrub_text
 from elasticd.status import jsondoc
 from elasticd.status.model import (
     DEFAULT_WINDOW_S,
@@ -50,7 +51,6 @@ from elasticd.status.options import (
     unreachable_message,
 )
 from elasticd.status.output import emit_job, emit_job_list
-from elasticd.sensitive import scrub_text
 from elasticd.status.render import DEFAULT_MAX_ROWS, printable
 
 log = structlog.get_logger(__name__)

@@ -19,7 +19,13 @@ from elasticd.cli import password_from_args
 from elasticd.config import load_config, security_warnings
 from elasticd.errors import ConfigError
 from elasticd.etcd.client import EtcdClient, endpoints_scheme, parse_endpoints
-from elasticd.keys import job_of_key, parse_ascii_int, round_of_key, validate_job_name, validate_node_id
+from elasticd.keys import (
+    job_of_key,
+    parse_ascii_int,
+    round_of_key,
+    validate_job_name,
+    validate_node_id,
+)
 from elasticd.logs import redact_secrets, resolve_worker_log_dir
 from elasticd.records import Event, NodeRecord, Progress, RecordError
 from elasticd.sensitive import MASK, is_secret_name, read_secret_file, redact_url, scrub_text
@@ -248,9 +254,9 @@ def test_valid_records_round_trip_and_ints_pass_as_floats():
 
 def test_status_screen_escapes_terminal_control_characters():
     """Control and bidi characters from records are shown escaped, never sent raw."""
-    from elasticd.status.model import derive_status, parse_job_kvs
     from elasticd.etcd.client import KV
     from elasticd.keys import JobKeys
+    from elasticd.status.model import derive_status, parse_job_kvs
 
     evil = "a\x1b]0;owned\x07\x1b[2Jb\u202e"
     rec = NodeRecord(node="n", host=evil, pid=1, version=evil, started_at=1.0, state="training",
