@@ -6,13 +6,11 @@ point, which torch calls with no arguments and which must return the creator.
 
 Recognised ``--rdzv-conf`` keys: ``node_ttl`` (s), ``join_timeout``, ``last_call_timeout``,
 ``close_timeout``, ``store_timeout``, ``etcd_timeout``, ``ca_file``, ``cert_file``,
-``key_file``, ``user``, ``password``, ``password_file``, ``node_id``; and ``timeout``, the
-join timeout's name in torch's own etcd backend (``join_timeout`` wins if both are given).
+``key_file``, ``user``, ``password``, ``password_file``, ``insecure_plaintext_auth``
+(``true`` to send the password without TLS), ``node_id``; and ``timeout``, the join timeout's name in torch's own etcd backend (``join_timeout`` wins if both are given).
 """
 
 from __future__ import annotations
-
-from pathlib import Path
 
 from torch.distributed.elastic.rendezvous import (
     RendezvousHandler,
@@ -23,11 +21,12 @@ from torch.distributed.elastic.rendezvous import (
 from elasticd.errors import ConfigError
 from elasticd.etcd.client import EtcdClient, TLSFiles
 from elasticd.keys import validate_job_name
+from elasticd.sensitive import read_secret_file
 
 BACKEND = "etcd-v3"
 _KNOWN = {"node_ttl", "join_timeout", "last_call_timeout", "close_timeout", "store_timeout",
           "etcd_timeout", "ca_file", "cert_file", "key_file", "user", "password",
-          "password_file", "node_id", "timeout"}
+          "password_file", "node_id", "timeout", "insecure_plaintext_auth"}
 
 
 def _number(params: RendezvousParameters, key: str, default: float) -> float:
@@ -60,10 +59,7 @@ def create_handler(params: RendezvousParameters) -> RendezvousHandler:
     job = validate_job_name(params.run_id)
     password = params.get("password")
     if params.get("password_file"):
-        try:
-            password = Path(params.get("password_file")).read_text().strip()
-        except OSError as exc:
-            raise ConfigError(f"cannot read etcd password_file: {exc}") from exc
+        password = read_secret_file(params.get("password_file"), "rdzv-conf password_file")
     ttl = int(_number(params, "node_ttl", 5))
     if ttl < 2:
         raise ConfigError(f"node_ttl={ttl} is below etcd's minimum lease TTL of 2 s")
@@ -73,6 +69,7 @@ def create_handler(params: RendezvousParameters) -> RendezvousHandler:
         tls=TLSFiles(params.get("ca_file"), params.get("cert_file"), params.get("key_file")),
         user=params.get("user"),
         password=password,
+        allow_plaintext_auth=str(params.get("insecure_plaintext_auth", "")).lower() in ("1", "true"),
     )
     settings = RendezvousSettings(
         min_nodes=params.min_nodes,
