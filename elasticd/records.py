@@ -124,6 +124,7 @@ class NodeRecord(_Record):
     heartbeat_at: float = 0.0
     local_world_size: int = 0
     last_exit: str | None = None
+    log_dir: str | None = None  # where this node's worker logs are (shown by status --json)
 
 
 @dataclass(frozen=True)

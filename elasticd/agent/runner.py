@@ -119,6 +119,9 @@ def run_node(spec: NodeSpec) -> int:
     handler: EtcdRendezvousHandler | None = None
     agent: ElasticdAgent | None = None
     try:
+        # Worker logs outlive the agent: private, never a predictable shared path. Chosen
+        # first, so a refused log dir fails before anything starts.
+        log_dir = resolve_worker_log_dir(spec.log_dir, spec.job, state_dir=spec.state_dir)
         endpoints, tls = spec.etcd_endpoints, spec.tls
         if not endpoints:
             # Private to this user: TLS with a generated client certificate (docs/security.md).
@@ -136,7 +139,7 @@ def run_node(spec: NodeSpec) -> int:
             RendezvousSettings(min_nodes=spec.min_nodes, max_nodes=spec.max_nodes,
                                node_ttl_s=spec.node_ttl_s, join_timeout_s=spec.join_timeout_s,
                                last_call_timeout_s=spec.last_call_timeout_s,
-                               local_addr=spec.local_addr),
+                               local_addr=spec.local_addr, worker_log_dir=log_dir),
             node_id=spec.node_id)
         structlog.contextvars.bind_contextvars(job=spec.job, node=handler.node_id)
         recorder = JobRecorder(handler)
@@ -159,8 +162,6 @@ def run_node(spec: NodeSpec) -> int:
             max_restarts=spec.supervision.max_restarts,
             monitor_interval=spec.supervision.monitor_interval_s, local_addr=spec.local_addr,
         )
-        # Worker logs outlive the agent: private, never a predictable shared path.
-        log_dir = resolve_worker_log_dir(spec.log_dir, spec.job, state_dir=spec.state_dir)
         logs = DefaultLogsSpecs(log_dir=log_dir, redirects=Std.ALL, tee=Std.ALL)
         agent = ElasticdAgent(worker_spec, spec.supervision, handler, control, recorder,
                               logs_specs=logs, metrics=metrics,

@@ -83,6 +83,7 @@ def _node(n: NodeStatus, now: float) -> dict[str, Any]:
         "started_at": rfc3339(n.started_at),
         "last_exit": n.last_exit,
         "lost_at": rfc3339(n.lost_at),
+        "log_dir": n.log_dir,
     }
 
 

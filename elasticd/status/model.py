@@ -91,6 +91,7 @@ class NodeStatus:
     started_at: float | None = None
     last_exit: str | None = None
     lost_at: float | None = None  # time of the node's newest "lost" event, if any
+    log_dir: str | None = None  # where the node keeps its worker logs
 
 
 @dataclass(frozen=True)
@@ -357,7 +358,7 @@ def _node_rows(snap: JobSnapshot, members: Sequence[str], lost_at: dict[str, flo
             ranks=tuple(rec.ranks), local_world_size=rec.local_world_size,
             restarts=rec.restarts, round=rec.round,
             heartbeat_at=rec.heartbeat_at or None, version=rec.version, pid=rec.pid,
-            started_at=rec.started_at or None, last_exit=rec.last_exit,
+            started_at=rec.started_at or None, last_exit=rec.last_exit, log_dir=rec.log_dir,
         ))
     for node in members:
         if node not in live:

@@ -114,6 +114,9 @@ def test_standalone_etcd_and_worker_logs_are_private_to_their_owner(tmp_path):
         assert st.st_uid == os.geteuid() and stat.S_IMODE(st.st_mode) == 0o700
         assert list(trap.iterdir()) == [], "worker logs went into a directory another user made"
         assert _log_event(node.log(), "agent_started")["worker_log_dir"] == chosen
+        records = _etcdctl(f"https://{endpoint}", "get", "--prefix", "--print-value-only",
+                           JobKeys(job).nodes_prefix, tls=owner_tls)
+        assert json.loads(records.stdout.splitlines()[0])["log_dir"] == chosen  # status --json
         release.touch()
         assert node.wait(60) == 0, node.log()[-3000:]
     finally:
