@@ -62,8 +62,12 @@ def mask_value(name: str, value: Any) -> Any:
     return MASK if is_secret_name(name) else value
 
 
-def redact_url(url: str, mask: str = MASK) -> str:
-    """Drop the userinfo and the query values of ``url``; keep scheme, host, path, names."""
+def redact_url(url: str, mask: str = MASK, query_mask: str | None = None) -> str:
+    """Drop the userinfo and the query values of ``url``; keep scheme, host, path, names.
+
+    ``mask`` replaces the userinfo, ``query_mask`` (default: ``mask``) each query value.
+    """
+    query_mask = mask if query_mask is None else query_mask
     try:
         parts = urlsplit(url)
     except ValueError:
@@ -73,7 +77,7 @@ def redact_url(url: str, mask: str = MASK) -> str:
         netloc = f"{mask}@" + netloc.rsplit("@", 1)[1]
     query = parts.query
     if query:
-        query = urlencode([(k, mask) for k, _ in parse_qsl(query, keep_blank_values=True)],
+        query = urlencode([(k, query_mask) for k, _ in parse_qsl(query, keep_blank_values=True)],
                           safe="<>*")
     return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
 
