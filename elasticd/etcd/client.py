@@ -310,6 +310,11 @@ class EtcdClient:
             details = exc.details() if hasattr(exc, "details") else str(exc)
             if "token" in (details or "").lower():
                 return EtcdUnavailableError(f"etcd auth token expired ({details}); re-authenticating")
+            if exc.code() == grpc.StatusCode.PERMISSION_DENIED:
+                return ConfigError(
+                    f"etcd denied the request ({details}): the role of etcd.user must grant "
+                    "readwrite on the job's prefix /elasticd/<job>/ (docs/deployment.md)"
+                )
             return ConfigError(
                 f"etcd refused the credentials ({details}): check etcd.user and etcd.password"
             )
