@@ -335,7 +335,7 @@ class EtcdClient:
                 )
             hint = ""
             if "socket closed" in detail.lower():
-                hint = (" (if etcd serves TLS, set ca_file, cert_file and key_file)" if not self.tls.enabled
+                hint = (" (if etcd serves TLS, set ca_file, cert_file and key_file)" if not self.secure
                         else " (if etcd does not serve TLS, drop ca_file, cert_file and key_file)")
             return EtcdUnavailableError(f"etcd at {where} unreachable: {type(exc).__name__}: "
                                         f"{detail}{hint}")

@@ -329,3 +329,18 @@ def test_loose_or_foreign_log_dirs_are_refused(tmp_path):
             resolve_worker_log_dir(str(foreign / "sub"), "j")  # under a foreign parent
     finally:
         os.rmdir(foreign)
+
+
+def test_agent_check_config_prints_warnings_on_stderr_and_no_secret(tmp_path, capsys):
+    """`elasticd agent --check-config` keeps stdout a loadable config and warns on stderr."""
+    from elasticd.cli import main
+
+    cfg = tmp_path / "agent.toml"
+    cfg.write_text('[job]\nname = "demo"\n[workers]\ncommand = ["train.py"]\n'
+                   '[etcd]\nendpoints = ["https://e:2379"]\nuser = "u"\npassword = "hunter2"\n'
+                   '[metrics]\nport = 9400\naddr = "0.0.0.0"\n')
+    assert main(["agent", "--config", str(cfg), "--check-config"]) == 0
+    out, err = capsys.readouterr()
+    assert "hunter2" not in out + err
+    warnings = [ln for ln in err.splitlines() if ln.startswith("elasticd: warning: insecure setting")]
+    assert any("metrics.addr" in w for w in warnings) and any("etcd.password" in w for w in warnings)
