@@ -98,26 +98,13 @@ def test_credentials_in_an_endpoint_url_are_refused_without_echo(tmp_path):
     assert "hunter2" not in str(info.value)
 
 
-@pytest.fixture
-def restore_logging():
-    """Put structlog back as it was: `elasticd run` configures it onto capsys' stream."""
-    import elasticd.logs
-
-    saved, flag = structlog.get_config(), elasticd.logs._configured
-    yield
-    structlog.configure(**saved)
-    elasticd.logs._configured = flag
-
-
-def test_cli_main_masks_secrets_in_errors(capsys, tmp_path, restore_logging):
-    """`elasticd run` prints a ConfigError through the masking rule."""
+def test_cli_main_masks_secrets_in_errors(capsys):
+    """`elasticd agent` with credentials in an endpoint URL exits 78 without echoing them."""
     from elasticd.cli import main
 
-    script = tmp_path / "x.py"
-    script.write_text("")
-    assert main(["run", "--etcd", "https://u:hunter2@e:2379", "--job", "j", "--log-dir",
-                 str(tmp_path / "logs"), str(script)]) == 78
-    assert "hunter2" not in capsys.readouterr().err
+    assert main(["agent", "--job", "j", "--etcd", "https://u:hunter2@e:2379", "--check-config"]) == 78
+    err = capsys.readouterr().err
+    assert "etcd.endpoints" in err and "hunter2" not in err
 
 
 # --- one reader of secret files ---------------------------------------------------------
