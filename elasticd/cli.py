@@ -101,7 +101,8 @@ def _add_run_parser(sub: argparse._SubParsersAction) -> None:
                    help="start every worker cold (no standby processes that have imported torch)")
     p.add_argument("--checkpoint-url", help="fsspec URL handed to workers as ELASTICD_CHECKPOINT_URL")
     p.add_argument("--log-format", choices=["auto", "json", "console"], default="auto")
-    p.add_argument("--log-dir", help="where worker logs go (default: the runtime dir)")
+    p.add_argument("--log-dir", help="where worker logs go (default: $STATE_DIRECTORY/worker-logs/JOB, "
+                   "else a private temp dir; see the worker_log_dir_chosen log line)")
     p.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus metrics on this port")
     p.add_argument("--metrics-addr", default="127.0.0.1",
                    help="address the metrics listen on (default 127.0.0.1; 0.0.0.0 for all)")

@@ -514,7 +514,8 @@ def _validate(config: AgentConfig, *, check_files: bool) -> None:
                 raise bad(
                     dotted, value,
                     "etcd.endpoints is empty, so the agent starts a private embedded etcd "
-                    "(plain, no auth) and this would be ignored; set etcd.endpoints to "
+                    "(TLS with its own generated client certificate) and this would be "
+                    "ignored; set etcd.endpoints to "
                     "your etcd cluster, or remove the key",
                 )
     elif etcd.user is not None and not etcd.tls and not etcd.insecure_allow_plaintext_auth:

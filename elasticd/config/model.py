@@ -65,7 +65,8 @@ class EtcdConfig:
         """Return the etcd password, reading ``password_file`` if that is how it is given.
 
         Returns:
-            The password with one trailing newline removed, or None without auth.
+            The password with trailing CR/LF removed (elasticd.sensitive.read_secret_file),
+            or None without auth.
 
         Raises:
             ConfigError: the password file cannot be read or is empty.
