@@ -16,7 +16,6 @@ import pytest
 import structlog
 import structlog.testing
 
-from elasticd.cli import password_from_args
 from elasticd.config import load_config, security_warnings
 from elasticd.errors import ConfigError
 from elasticd.etcd.client import EtcdClient, endpoints_scheme, parse_endpoints
@@ -110,17 +109,16 @@ def test_cli_main_masks_secrets_in_errors(capsys):
 # --- one reader of secret files ---------------------------------------------------------
 
 def test_every_path_reads_a_password_file_the_same_way(tmp_path):
-    """config, `elasticd run` and `elasticd status` read the same secret from one file:
+    """the config (`elasticd run` and `elasticd agent` both load it) and `elasticd status`
+    read the same secret from one file:
     trailing CR/LF removed, inner and leading/trailing spaces kept."""
     pw = tmp_path / "pw"
     pw.write_text(" pass word \r\n")
     pw.chmod(0o600)
     cfg = load_config(None, {}, {**BASE, "etcd.endpoints": "https://e:2379", "etcd.user": "u",
                                  "etcd.password_file": str(pw)})
-    run_args = argparse.Namespace(etcd_password_file=str(pw))
     status_args = argparse.Namespace(etcd_user="u", etcd_password_file=str(pw), etcd="e:2379")
     assert cfg.etcd.resolved_password() == " pass word "
-    assert password_from_args(run_args) == " pass word "
     assert options_from_args(status_args).password == " pass word "
 
 
