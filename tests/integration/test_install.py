@@ -48,9 +48,14 @@ def test_wheel_in_fresh_venv_runs_standalone_quick_start(tmp_path: Path) -> None
     """A wheel installed into a fresh venv runs `elasticd run --standalone` to exit 0 from outside the tree."""
     env = {k: v for k, v in os.environ.items()
            if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
+    # Build from a copy: setuptools writes build/ and *.egg-info next to the sources, and a
+    # stale build/lib would ship modules deleted since.
+    src = tmp_path / "src"
+    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(
+        ".git", ".venv", "build", "*.egg-info", "__pycache__", ".*_cache", "checkpoints"))
     dist_dir = tmp_path / "dist"
     built = _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
-                  "-q", "-w", str(dist_dir), str(ROOT)], cwd=tmp_path, env=env, timeout=120)
+                  "-q", "-w", str(dist_dir), str(src)], cwd=tmp_path, env=env, timeout=120)
     assert built.returncode == 0, built.stdout
     wheel = next(dist_dir.glob("elasticd-*.whl"))
 

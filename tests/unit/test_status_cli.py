@@ -15,7 +15,7 @@ from elasticd.status.options import StatusOptions, options_from_args
 FROZEN_FLAGS = {
     "--job", "--etcd", "--etcd-ca", "--etcd-cert", "--etcd-key", "--etcd-user",
     "--etcd-password-file", "--timeout", "--json", "--watch", "--events", "--window",
-    "--max-rows", "-h", "--help",
+    "--max-rows", "--plot", "-h", "--help",
 }
 
 
