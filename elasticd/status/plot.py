@@ -96,6 +96,25 @@ def sparkline(values: Sequence[float | None], width: int = 24) -> str:
                    for v in vals)
 
 
+def trend_line(record: bytes | str, width: int = 24) -> str:
+    """``--watch``'s one-line trend of steps/s and loss from a history record ("" if none).
+
+    An unreadable record gives "" (the screen is not the place for that error).
+    """
+    try:
+        data = plot_data(History.from_json(record))
+    except ValueError:
+        return ""
+    rates = [v for v in data.steps_per_s if v is not None]
+    if not rates:
+        return ""
+    line = f"trend       steps/s {sparkline(data.steps_per_s, width)} {rates[-1]:.3g}"
+    losses = [v for v in data.loss if v is not None]
+    if losses:
+        line += f"   loss {sparkline(data.loss, width)} {losses[-1]:.4g}"
+    return line
+
+
 def check_target(path: str) -> Path:
     """Validate ``--plot FILE`` and that matplotlib is importable.
 
@@ -142,7 +161,7 @@ def draw(data: PlotData, target: Path, *, title: str) -> None:
     if data.has_loss:
         ax_l.plot(minutes, [float("nan") if v is None else v for v in data.loss], color="tab:brown")
     else:
-        ax_l.text(0.5, 0.5, "no loss reported by the workers\n(report_progress(..., loss=...))",
+        ax_l.text(0.5, 0.5, "no loss reported by the workers",
                   ha="center", va="center", transform=ax_l.transAxes, color="tab:gray")
     ax_l.set_ylabel("loss")
     ax_l.set_xlabel("minutes since " + _utc(data.start))

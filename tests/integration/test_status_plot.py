@@ -74,3 +74,27 @@ def test_history_writer_appends_when_due_and_is_fenced(etcd_client):
     h = History.from_json(etcd_client.get(keys.history).value)
     assert [(s.step, s.world_size, s.loss, s.checkpoint_step) for s in h.samples] == [
         (10, 2, 0.5, 40), (12, 1, None, 40)]
+
+
+@pytest.mark.timeout(60)
+def test_watch_shows_the_trend_line(etcd_server, etcd_client):
+    """--watch draws steps/s and loss as a one-line sparkline from the history record."""
+    import threading
+
+    write_synthetic_job(etcd_client, SyntheticJob("tr", nodes=2, events=2, history=30),
+                        now=time.time())
+    out, stop = io.StringIO(), threading.Event()
+    args = build_parser().parse_args(["status", "--etcd", etcd_server.endpoint, "--job", "tr",
+                                      "--watch"])
+    t = threading.Thread(target=run, args=(args,), kwargs={"out": out, "err": io.StringIO(),
+                                                           "stop": stop})
+    t.start()
+    try:
+        deadline = time.monotonic() + 10
+        while "watching revision" not in out.getvalue() and time.monotonic() < deadline:
+            time.sleep(0.02)
+    finally:
+        stop.set()
+        t.join(timeout=10)
+    trend = [ln for ln in out.getvalue().splitlines() if ln.startswith("trend")]
+    assert trend and "steps/s" in trend[0] and "loss" in trend[0], out.getvalue()[-2000:]

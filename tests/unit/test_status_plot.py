@@ -81,3 +81,13 @@ def test_plot_needs_a_job_and_no_watch(tmp_path):
                                           "--plot", str(tmp_path / "j.svg"), *extra])
         err = io.StringIO()
         assert run(args, out=io.StringIO(), err=err) == EX_CONFIG, err.getvalue()
+
+
+def test_trend_line_shows_steps_per_s_and_loss():
+    """--watch's trend line has steps/s and loss sparklines with their last values; none without a usable record."""
+    line = plot.trend_line(_history().to_json())
+    assert line.startswith("trend") and "steps/s" in line and "loss" in line
+    assert line.rstrip().endswith("0.3")
+    no_loss = History(samples=(Sample(t=1.0, step=1, world_size=1), Sample(t=3.0, step=5, world_size=1)))
+    assert "loss" not in plot.trend_line(no_loss.to_json()) and "2" in plot.trend_line(no_loss.to_json())
+    assert plot.trend_line("garbage") == "" and plot.trend_line(History().to_json()) == ""
