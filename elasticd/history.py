@@ -8,7 +8,7 @@ Why one key and why it halves: etcd must stay small for a job that runs for week
 (DESIGN 6). The record holds at most ``MAX_SAMPLES`` samples taken at least
 ``interval_s`` apart. When it is full, every other sample is dropped (the newest is kept)
 and ``interval_s`` doubles, so the record always covers the whole job, at a resolution
-that coarsens with its age: 512 samples are 43 minutes at 5 s, 2 weeks at ~40 min. Its
+that coarsens with its age: 512 samples are 43 minutes at 5 s, 2 weeks at 40-80 min. Its
 size is bounded (~30 KB), and writes get rarer as the job ages. A sample whose world size
 differs from the previous one is taken at once (a resize is what the picture is for).
 
@@ -75,7 +75,7 @@ class History:
         raw = json.loads(data)
         if not isinstance(raw, dict) or raw.get("v") != FORMAT_VERSION:
             raise ValueError("history record: not a version-1 object")
-        interval = raw.get("interval_s")
+        interval: Any = raw.get("interval_s")
         fields = raw.get("fields")
         rows = raw.get("rows")
         if not _is_num(interval) or interval <= 0 or not isinstance(rows, list) \
