@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	@echo "== upgrading pip"
 	$(PY) -m pip install -q --upgrade pip
-	@echo "== installing torch 2.13.0, CPU build (the longest step: ~1-2 min, once)"
+	@echo "== installing torch 2.13.0, CPU build (~200 MB, once)"
 	# A CPU build of torch from the local wheel cache; users bring their own CUDA torch.
 	$(PY) -m pip install -q torch==2.13.0
 	@echo "== installing elasticd (editable) with its test and plot tools"
@@ -43,7 +43,7 @@ soak: $(STAMP)
 	ELASTICD_SOAK=1 $(PY) -m pytest -q tests/chaos $(PYTEST_ARGS)
 
 demo: $(STAMP)
-	@echo "== running the demo (~1.5 min): etcd, two nodes, a kill, a rejoin, a picture"
+	@echo "== running the demo (~2-3 min): etcd, two nodes, a kill, a rejoin, a picture"
 	$(PY) examples/demo.py
 
 bench: $(STAMP)
