@@ -104,11 +104,12 @@ def _sample(row: Any, col: dict[str, int]) -> Sample:
             raise ValueError(f"history record: {name}={v!r} is not a number")
         return v
 
-    ckpt = get("checkpoint_step")
+    ckpt, rnd, loss, rate = get("checkpoint_step"), get("round"), get("loss"), get("samples_per_s")
     return Sample(t=float(get("t", optional=False)), step=int(get("step", optional=False)),
                   world_size=int(get("world_size", optional=False)),
-                  samples_per_s=float(get("samples_per_s") or 0.0), round=int(get("round") or -1),
-                  loss=None if get("loss") is None else float(get("loss")),
+                  samples_per_s=0.0 if rate is None else float(rate),
+                  round=-1 if rnd is None else int(rnd),
+                  loss=None if loss is None else float(loss),
                   checkpoint_step=None if ckpt is None else int(ckpt))
 
 

@@ -60,7 +60,8 @@ def test_json_round_trip_and_size_bound():
     back = History.from_json(text)
     assert back.interval_s == 5.0 and len(back.samples) == MAX_SAMPLES
     assert back.samples[3].step == 10_000_003 and back.samples[3].loss == pytest.approx(0.123457)
-    assert History.from_json(History(samples=(_s(1.0),)).to_json()).samples[0].loss is None
+    one = History.from_json(History(samples=(Sample(t=1.0, step=0, world_size=1, round=0),)).to_json())
+    assert one.samples[0].loss is None and one.samples[0].round == 0 and one.samples[0].step == 0
 
 
 @pytest.mark.parametrize("raw", [
