@@ -13,6 +13,7 @@ Layout (see docs/architecture.md)::
     /elasticd/<job>/rdzv/failures/<round>/<node>  a node's worker failure in <round>, on its lease
     /elasticd/<job>/store/<round>/<key>     the c10d store of one round
     /elasticd/<job>/progress                step, epoch, samples/s (JSON)
+    /elasticd/<job>/history                 bounded progress samples for plots (elasticd/history.py)
     /elasticd/<job>/checkpoint/latest       fenced pointer to the newest committed checkpoint
     /elasticd/<job>/events/<seq>            bounded event history (JSON)
 """
@@ -122,6 +123,10 @@ class JobKeys:
     @property
     def progress(self) -> str:
         return f"{self.prefix}progress"
+
+    @property
+    def history(self) -> str:
+        return f"{self.prefix}history"
 
     @property
     def checkpoint_latest(self) -> str:

@@ -131,6 +131,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-rows", type=_non_negative_int, default=None, metavar="N",
                    help=f"node rows in the table, unhealthy first (default {DEFAULT_MAX_ROWS}; "
                         "0 = all)")
+    p.add_argument("--plot", metavar="FILE", default=None,
+                   help="draw the job's history (world size, steps/s, loss, events) into "
+                        "FILE.png or FILE.svg; needs the [plot] extra (matplotlib)")
 
 
 @dataclass
@@ -193,6 +196,10 @@ def _run(args: argparse.Namespace, io: _Io, now: Callable[[], float],
     except ConfigError as exc:
         return io.fail(EX_CONFIG, str(exc), job=opts.job)
     try:
+        if getattr(args, "plot", None):
+            from elasticd.status.plot import run_plot  # matplotlib only when asked for
+
+            return run_plot(client, opts, args.plot, out=io.out, fail=io.fail)
         if opts.watch:
             from elasticd.status.watch import run_watch  # keeps one-shot startup lean
 

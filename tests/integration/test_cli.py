@@ -28,7 +28,7 @@ SURFACE = {
     "agent": ["--config", "--check-config", *NODE_FLAGS],
     "status": ["--job", "--etcd", "--etcd-ca", "--etcd-cert", "--etcd-key", "--etcd-user",
                "--etcd-password-file", "--etcd-insecure-plaintext-auth", "--timeout", "--json", "--watch", "--events", "--window",
-               "--max-rows"],
+               "--max-rows", "--plot"],
     "checkpoints": None,  # owned by elasticd.cli_checkpoints; only its presence is pinned here
 }
 
