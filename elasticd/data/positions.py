@@ -117,7 +117,8 @@ def iter_step_positions(sampler: ElasticSampler) -> Iterator[tuple[list[int], li
         positions = starts[:, None] + within[None, :]
         wrapped = positions % n  # only the padded tail (drop_last=False) reaches n
         indices = perm(wrapped) if perm is not None else wrapped
-        yield from zip(indices.tolist(), positions.tolist(), strict=True)
+        for row_indices, row_positions in zip(indices.tolist(), positions.tolist(), strict=True):
+            yield row_indices, row_positions
 
 
 class PositionedSampler(Sampler[SampleKey]):

@@ -143,6 +143,7 @@ class _Cursor:
         self._options = storage_options
         self._shard = -1
         self._next = 0
+        self._byte = 0
         self._file: Any = None
 
     def read(self, a: int, b: int) -> Iterator[tuple[int, Any]]:
@@ -152,14 +153,19 @@ class _Cursor:
             if shard != self._shard or offset < self._next:
                 self.close()
                 self._file = fsspec.open(self._shards[shard].url, "rb", **self._options).open()
+                self._file.seek(0)
                 self._shard, self._next = shard, 0
                 self._fmt.skip(self._file, offset, at_start=True)
             else:
+                # Some filesystems (memory://) hand every opener the same file object, so
+                # another reader may have moved it: return to where this cursor stopped.
+                self._file.seek(self._byte)
                 self._fmt.skip(self._file, offset - self._next, at_start=False)
             end = min(b, self._cum[shard])
             for p in range(pos, end):
                 yield p, self._fmt.read(self._file)
             self._next = offset + (end - pos)
+            self._byte = self._file.tell()
             pos = end
 
     def close(self) -> None:
