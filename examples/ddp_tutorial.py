@@ -1,10 +1,13 @@
-"""PyTorch's DDP tutorial script (multigpu_torchrun.py), in its plain torchrun form.
+"""PyTorch's DDP tutorial script (multigpu_torchrun.py), plain (ddp_tutorial.py) and elastic.
 
 The structure of https://github.com/pytorch/examples/blob/main/distributed/ddp-tutorial-series/multigpu_torchrun.py:
 setup, a Trainer with DDP and a snapshot file, DistributedSampler, a train loop over epochs,
 cleanup; with a synthetic regression dataset and gloo when there is no GPU, so it runs
-anywhere. examples/ddp_tutorial_elastic.py is the same script made elastic (see the diff in
-docs/worker-api.md). Run: ``torchrun --nproc-per-node 2 examples/ddp_tutorial.py 4 1``.
+anywhere. examples/ddp_tutorial.py is the plain torchrun form; examples/ddp_tutorial_elastic.py
+is the same script made elastic (exactly-once resume at any world size, drain at a step
+boundary, fenced checkpoints), the diff at the top of docs/worker-api.md.
+Run: ``torchrun --nproc-per-node 2 examples/ddp_tutorial.py 4 1`` or
+``elasticd run --standalone --nnodes 1 --nproc-per-node 2 examples/ddp_tutorial_elastic.py 4 1``.
 """
 
 import argparse
@@ -48,7 +51,6 @@ class Trainer:
         self.epochs_run = 0
         self.snapshot_path = snapshot_path
         if os.path.exists(snapshot_path):
-            print("Loading snapshot")
             self._load_snapshot(snapshot_path)
         self.model = DDP(self.model, device_ids=[self.local_rank] if torch.cuda.is_available() else None)
 

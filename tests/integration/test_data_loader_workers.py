@@ -64,7 +64,7 @@ def _elastic_segment(state, world, steps, prefetch=4):
     todo = ranks[0][0].steps_remaining if steps is None else steps
     for _ in range(todo):
         rows = []
-        for s, plan, it in ranks:
+        for _s, plan, it in ranks:
             for _ in range(plan.accumulation_steps):
                 rows += _rows(next(it))
         for s, _, _ in ranks:

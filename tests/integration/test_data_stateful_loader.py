@@ -13,7 +13,12 @@ from collections import Counter
 import pytest
 import torch
 
-from elasticd.data import ElasticBatchSampler, ElasticSampler, ElasticStatefulLoader, plan_global_batch
+from elasticd.data import (
+    ElasticBatchSampler,
+    ElasticSampler,
+    ElasticStatefulLoader,
+    plan_global_batch,
+)
 
 try:
     from torchdata.stateful_dataloader import StatefulDataLoader

@@ -27,7 +27,7 @@ pytestmark = pytest.mark.timeout(180)
 
 
 def _args(tmp_path, tag, sleep):
-    return ["--steps", str(STEPS), "--step-sleep", str(sleep),
+    return ["--steps", str(STEPS), "--step-sleep", str(sleep), "--checkpoint-every", "5",
             "--checkpoint-url", f"file://{tmp_path}/ckpt-{tag}",
             "--trace", str(tmp_path / f"trace-{tag}.jsonl"),
             "--final-params", str(tmp_path / f"final-{tag}.pt")]
@@ -79,8 +79,12 @@ def test_kill_and_join_give_the_batches_and_augmentations_of_an_uninterrupted_ru
 
     got, want = _global_batches(trace), _global_batches(tmp_path / "trace-ref.jsonl")
     assert sorted(want) == list(range(STEPS)) and sorted(got) == list(range(STEPS))
-    worlds = {r["world_size"] for r in read_jsonl(trace)}
+    rows = read_jsonl(trace)
+    worlds = {r["world_size"] for r in rows}
     assert worlds == {1, 2}, f"the run never changed world size: {worlds}"
+    # Checkpoints every 5 steps, 12 steps per epoch: the world-1 round resumes mid-epoch.
+    resumed_at = min(r["step"] for r in rows if r["world_size"] == 1)
+    assert resumed_at % 12, f"the kill was resumed at an epoch boundary (step {resumed_at})"
     for step in range(STEPS):
         assert got[step] == want[step], f"step {step}: another global batch or augmentation"
     a_params = torch.load(tmp_path / "final-ref.pt", weights_only=True)
