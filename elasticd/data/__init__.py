@@ -17,8 +17,8 @@
 
 from elasticd.data.batch_sampler import ElasticBatchSampler
 from elasticd.data.batching import BatchPlan, accumulation_contexts, plan_global_batch
-from elasticd.data.permutation import FeistelPermutation
 from elasticd.data.distributed import ElasticDistributedSampler
+from elasticd.data.permutation import FeistelPermutation
 from elasticd.data.positions import (
     PositionedBatchSampler,
     PositionedSampler,

@@ -82,7 +82,8 @@ class SampleKey(NamedTuple):
         seed: The job's seed.
     """
 
-    index: int
+    # Shadows tuple.index(), on purpose: ``key.index`` is what a dataset indexes with.
+    index: int  # type: ignore[assignment]
     position: int
     epoch: int
     seed: int
@@ -117,8 +118,7 @@ def iter_step_positions(sampler: ElasticSampler) -> Iterator[tuple[list[int], li
         positions = starts[:, None] + within[None, :]
         wrapped = positions % n  # only the padded tail (drop_last=False) reaches n
         indices = perm(wrapped) if perm is not None else wrapped
-        for row_indices, row_positions in zip(indices.tolist(), positions.tolist(), strict=True):
-            yield row_indices, row_positions
+        yield from zip(indices.tolist(), positions.tolist(), strict=True)
 
 
 class PositionedSampler(Sampler[SampleKey]):

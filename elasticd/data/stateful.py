@@ -74,7 +74,8 @@ class _WorkerInit:
         if self.states is not None and self.states[worker_id] is not None:
             info = get_worker_info()
             assert info is not None
-            info.dataset.load_state_dict(self.states[worker_id])
+            dataset: Any = info.dataset
+            dataset.load_state_dict(self.states[worker_id])
 
 
 class ElasticStatefulLoader:

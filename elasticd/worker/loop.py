@@ -27,7 +27,7 @@ from typing import Any
 import structlog
 import torch
 
-from elasticd.checkpoint import CheckpointManager
+from elasticd.checkpoint.manager import CheckpointManager
 from elasticd.data.sampler import ElasticSampler
 from elasticd.errors import ConfigError
 from elasticd.worker.context import context, fast_exit, report_progress, should_stop
@@ -95,6 +95,7 @@ class ElasticLoop:
         self.save_every = save_every
         self.steps_done = 0
         self._saved_at = 0
+        self._live: Any = None  # the loader iterator batches() is walking
         self._progress: dict[str, int] = {"steps_done": 0}
         self._state = {**state, "sampler": sampler, "elastic_loop": self._progress}
         url = checkpoint_url or ctx.checkpoint_url or "file://" + os.path.abspath("checkpoints")
@@ -123,9 +124,14 @@ class ElasticLoop:
         is started. At the end of the loader (the epoch) a checkpoint is committed.
         A ``break`` out of the loop leaves the current batch uncounted.
         """
-        for batch in loader:
-            yield batch
-            self.step_done(None if isinstance(self.sampler, ElasticSampler) else batch_len(batch))
+        it = iter(loader)
+        self._live = it
+        try:
+            for batch in it:
+                yield batch
+                self.step_done(None if isinstance(self.sampler, ElasticSampler) else batch_len(batch))
+        finally:
+            self._live = None
         if self._epoch_done():
             # Saved as "next epoch, position 0": a resume then starts the next epoch, and
             # code that peeks at the loader before set_epoch() still finds batches.
@@ -158,6 +164,11 @@ class ElasticLoop:
             self.save(blocking=True)
             log.info("loop_drained", steps_done=self.steps_done, epoch=int(self.sampler.epoch))
             self.manager.close()
+            # fast_exit skips finalisers: stop the DataLoader's worker processes now rather
+            # than leave them to notice (seconds later) that their parent is gone.
+            shutdown_workers = getattr(self._live, "_shutdown_workers", None)
+            if shutdown_workers is not None:
+                shutdown_workers()
             fast_exit(0)
         if self.steps_done % self.save_every == 0:
             self.save()
