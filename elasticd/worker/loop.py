@@ -113,8 +113,11 @@ class ElasticLoop:
         if loaded is None:
             return 0
         self.steps_done = self._saved_at = int(self._progress["steps_done"])
-        epoch = int(self.sampler.epoch)
-        return epoch + 1 if self._epoch_done() else epoch
+        if self._epoch_done():
+            # Saved right after an epoch's last step (a drain there): start the next one now,
+            # so code that peeks at the loader before set_epoch() still finds batches.
+            self.sampler.set_epoch(int(self.sampler.epoch) + 1)
+        return int(self.sampler.epoch)
 
     def batches(self, loader: Iterable[Any]) -> Iterator[Any]:
         """Yield ``loader``'s batches; each one counts as trained once the body is done.
