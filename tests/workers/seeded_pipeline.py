@@ -36,6 +36,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--checkpoint-url", default=os.environ.get("ELASTICD_CHECKPOINT_URL"))
     p.add_argument("--checkpoint-every", type=int, default=4)
     p.add_argument("--step-sleep", type=float, default=0.0)
+    p.add_argument("--pace-world", type=int, default=0,
+                   help="under an agent, sleep --pace-sleep per step while the world is smaller "
+                        "(gives a joining node time to arrive before the job ends)")
+    p.add_argument("--pace-sleep", type=float, default=0.5)
     p.add_argument("--trace", required=True)
     p.add_argument("--final-params", required=True)
     return p.parse_args()
@@ -121,6 +125,8 @@ def main() -> int:
             trace.flush()
             if args.step_sleep:
                 time.sleep(args.step_sleep)
+            if ctx.under_agent and ctx.world_size < args.pace_world:
+                time.sleep(args.pace_sleep)
             worker.report_progress(step, epoch=epoch)
             progress["step"] = step
             done = step + 1 >= args.steps
