@@ -8,6 +8,7 @@ every sample is trained exactly once.
 
 from __future__ import annotations
 
+import uuid
 from collections import Counter
 
 import pytest
@@ -75,12 +76,25 @@ def _train(world, rank, steps, state=None):
     return out, saved
 
 
+def _through_checkpoint(state: dict) -> dict:
+    """Save the adapter's state with CheckpointManager (safe loading) and read it back."""
+    from elasticd.checkpoint import CheckpointManager
+
+    url = f"memory://stateful-{uuid.uuid4().hex}"
+    with CheckpointManager(url, job="t", rank=0, world_size=1) as mgr:
+        mgr.save(1, {"loader": state}, blocking=True)
+    with CheckpointManager(url, job="t", rank=0, world_size=1) as mgr:
+        loaded = mgr.load_latest()
+    assert loaded is not None
+    return loaded.state["loader"]
+
+
 def test_same_topology_restores_worker_dataset_state():
-    """World 2, rank 1, 2 workers: stopping after 3 steps and resuming continues exactly
-    as the uninterrupted run, dataset RNG draws included."""
+    """World 2, rank 1, 2 workers: stopping after 3 steps and resuming (the state through a
+    real checkpoint) continues exactly as the uninterrupted run, dataset RNG draws included."""
     ref, _ = _train(2, 1, None)
     first, state = _train(2, 1, 3)
-    rest, _ = _train(2, 1, None, state)
+    rest, _ = _train(2, 1, None, _through_checkpoint(state))
     assert len(first) + len(rest) == len(ref) == N // G
     for got, want in zip(first + rest, ref, strict=True):
         assert torch.equal(got[:, :2], want[:, :2])
