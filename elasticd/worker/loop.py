@@ -29,6 +29,7 @@ import torch
 
 from elasticd.checkpoint.manager import CheckpointManager
 from elasticd.data.sampler import ElasticSampler
+from elasticd.data.stream import ElasticStream
 from elasticd.errors import ConfigError
 from elasticd.worker.context import context, fast_exit, report_progress, should_stop
 from elasticd.worker.fence import agent_fence
@@ -67,8 +68,9 @@ class ElasticLoop:
     Args:
         state: What to checkpoint besides the sampler, e.g. ``{"model": model,
             "optimizer": optimizer}`` (the module itself, not the DDP wrapper).
-        sampler: An :class:`~elasticd.data.distributed.ElasticDistributedSampler`, or an
-            :class:`~elasticd.data.sampler.ElasticSampler` when one loader batch is one
+        sampler: An :class:`~elasticd.data.distributed.ElasticDistributedSampler`; or an
+            :class:`~elasticd.data.sampler.ElasticSampler` or
+            :class:`~elasticd.data.stream.ElasticStream` when one loader batch is one
             optimizer step.
         checkpoint_url: fsspec URL; default ``$ELASTICD_CHECKPOINT_URL`` (set by the agent),
             else ``file://./checkpoints``.
@@ -92,6 +94,8 @@ class ElasticLoop:
         ctx = context()
         self.ctx = ctx
         self.sampler = sampler
+        # These count global batches (one step() per optimizer step), not samples per rank.
+        self._per_global_batch = isinstance(sampler, (ElasticSampler, ElasticStream))
         self.save_every = save_every
         self.steps_done = 0
         self._saved_at = 0
@@ -132,7 +136,7 @@ class ElasticLoop:
         try:
             for batch in it:
                 yield batch
-                self.step_done(None if isinstance(self.sampler, ElasticSampler) else batch_len(batch))
+                self.step_done(None if self._per_global_batch else batch_len(batch))
         finally:
             self._live = None
         if self._epoch_done():
@@ -152,9 +156,9 @@ class ElasticLoop:
 
         Args:
             samples_per_rank: Samples this rank trained in the step (ignored for an
-                ``ElasticSampler``, whose step is one global batch).
+                ``ElasticSampler`` or ``ElasticStream``, whose step is one global batch).
         """
-        if isinstance(self.sampler, ElasticSampler):
+        if self._per_global_batch:
             self.sampler.step()
         else:
             if samples_per_rank is None:

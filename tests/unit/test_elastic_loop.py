@@ -83,3 +83,35 @@ def test_batch_len_reads_the_first_tensor_and_refuses_the_unknown():
     assert batch_len(["a", "b"]) == 2
     with pytest.raises(ConfigError, match="step_done"):
         batch_len(object())
+
+
+def test_a_stream_advances_one_global_batch_per_loader_item(standalone):
+    """Over an ElasticStream each loader item is one optimizer step; a resume continues there."""
+    import json
+
+    import fsspec
+
+    from elasticd.data import ElasticStream, Shard
+
+    root = f"memory://loop-stream-{uuid.uuid4().hex}"
+    with fsspec.open(f"{root}/s0.jsonl", "wb") as f:
+        f.write("".join(json.dumps({"id": i}) + "\n" for i in range(10)).encode())
+    shards = [Shard(f"{root}/s0.jsonl", 10)]
+
+    def build():
+        stream = ElasticStream(shards, global_batch_size=3, num_replicas=1, rank=0,
+                               collate=lambda xs: [x["id"] for x in xs])
+        mgr = CheckpointManager(f"{root}/ckpt", job="t", rank=0, world_size=1)
+        return ElasticLoop({}, stream, save_every=2, manager=mgr), stream
+
+    loop, stream = build()
+    for i, _ in enumerate(loop.batches(DataLoader(stream, batch_size=None))):
+        if i == 2:
+            break
+    assert stream.samples_trained == 6  # steps 0 and 1 finished (and saved at step 2)
+    loop.close()
+    loop, stream = build()
+    assert loop.resume() == 0
+    rest = [ids for ids in loop.batches(DataLoader(stream, batch_size=None))]
+    assert rest == [[6, 7, 8], [9]] and stream.epoch == 1
+    loop.close()
