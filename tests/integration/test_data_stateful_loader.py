@@ -53,19 +53,19 @@ class RngDataset(torch.utils.data.Dataset):
         self.restored = 1
 
 
-def _loader(world, rank, state=None):
+def _loader(world, rank, state=None, workers=2):
     s = ElasticSampler(N, global_batch_size=G, num_replicas=world, rank=rank, seed=2)
     plan = plan_global_batch(G, world, G, allow_uneven=True)
     loader = StatefulDataLoader(RngDataset(), batch_sampler=ElasticBatchSampler(s, plan),
-                                num_workers=2, prefetch_factor=3)
+                                num_workers=workers, prefetch_factor=3 if workers else None)
     adapter = ElasticStatefulLoader(loader, s)
     if state is not None:
         adapter.load_state_dict(state)
     return s, adapter
 
 
-def _train(world, rank, steps, state=None):
-    s, adapter = _loader(world, rank, state)
+def _train(world, rank, steps, state=None, workers=2):
+    s, adapter = _loader(world, rank, state, workers)
     it = iter(adapter)
     out = []
     for _ in range(s.steps_remaining if steps is None else steps):
@@ -89,12 +89,14 @@ def _through_checkpoint(state: dict) -> dict:
     return loaded.state["loader"]
 
 
-def test_same_topology_restores_worker_dataset_state():
-    """World 2, rank 1, 2 workers: stopping after 3 steps and resuming (the state through a
-    real checkpoint) continues exactly as the uninterrupted run, dataset RNG draws included."""
-    ref, _ = _train(2, 1, None)
-    first, state = _train(2, 1, 3)
-    rest, _ = _train(2, 1, None, _through_checkpoint(state))
+@pytest.mark.parametrize("workers", [2, 0])
+def test_same_topology_restores_worker_dataset_state(workers):
+    """World 2, rank 1, 2 workers (or none): stopping after 3 steps and resuming (the state
+    through a real checkpoint) continues exactly as the uninterrupted run, dataset RNG draws
+    included."""
+    ref, _ = _train(2, 1, None, workers=workers)
+    first, state = _train(2, 1, 3, workers=workers)
+    rest, _ = _train(2, 1, None, _through_checkpoint(state), workers=workers)
     assert len(first) + len(rest) == len(ref) == N // G
     for got, want in zip(first + rest, ref, strict=True):
         assert torch.equal(got[:, :2], want[:, :2])
