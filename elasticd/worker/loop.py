@@ -128,7 +128,8 @@ class ElasticLoop:
 
         After each batch: the sampler advances, progress is reported, a drain saves and
         exits 0 (all ranks at the same step), and every ``save_every`` steps a checkpoint
-        is started. At the end of the loader (the epoch) a checkpoint is committed.
+        is started. At the end of the loader (the epoch) the sampler moves to the next
+        epoch and a checkpoint is committed.
         A ``break`` out of the loop leaves the current batch uncounted.
         """
         it = iter(loader)
@@ -139,10 +140,11 @@ class ElasticLoop:
                 self.step_done(None if self._per_global_batch else batch_len(batch))
         finally:
             self._live = None
-        if self._epoch_done():
-            # Saved as "next epoch, position 0": a resume then starts the next epoch, and
-            # code that peeks at the loader before set_epoch() still finds batches.
-            self.sampler.set_epoch(int(self.sampler.epoch) + 1)
+        # The loader ran out: the epoch is over for this loop, even if the sampler kept a
+        # tail that DataLoader(drop_last=True) dropped. Saved as "next epoch, position 0",
+        # a resume starts the next epoch, and code that peeks at the loader before
+        # set_epoch() still finds batches.
+        self.sampler.set_epoch(int(self.sampler.epoch) + 1)
         if self.steps_done > self._saved_at:
             self.save(blocking=True)
 
