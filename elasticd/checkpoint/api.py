@@ -27,6 +27,7 @@ __all__ = [
     "CheckpointPointer",
     "CheckpointReadError",
     "CheckpointSaveError",
+    "CheckpointUnreadableError",
     "CommitFence",
     "LoadedCheckpoint",
     "SaveResult",
@@ -43,6 +44,13 @@ class CheckpointCorruptError(CheckpointError):
 
     Readers never raise this to the caller: they log it as the reason the checkpoint was
     skipped and fall back to the one before it.
+    """
+
+
+class CheckpointUnreadableError(CheckpointError):
+    """One path of one save cannot be read: permission denied, or a directory where a file
+    should be. Not corruption (the bytes may be fine) and not an outage (retrying will not
+    help): readers skip that save with the path named, and retention never deletes it.
     """
 
 
