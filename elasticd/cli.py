@@ -8,7 +8,9 @@ restart loop on a config that will never work). ``status`` adds its own health c
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
+import re
 import sys
 from collections.abc import Sequence
 from typing import NoReturn
@@ -80,7 +82,8 @@ def _add_run_parser(sub: argparse._SubParsersAction) -> None:
                        "With --standalone, a private etcd is started on 127.0.0.1.")
     p.add_argument("--standalone", action="store_true", help="start an embedded etcd (single machine)")
     add_etcd_flags(p)
-    p.add_argument("--job", default=None, help="job name (letters, digits, -_. ; default 'local' with --standalone)")
+    p.add_argument("--job", default=None, help="job name (letters, digits, -_. ; default with "
+                   "--standalone: SCRIPT-<hash of its directory>, e.g. train-3fa2b1c0)")
     p.add_argument("--nnodes", default="1", help="N or MIN:MAX nodes (default 1)")
     p.add_argument("--nproc-per-node", default="1", help="workers on this node: N or 'gpu'")
     p.add_argument("--node-id", help="this node's id (default HOST-PID)")
@@ -98,10 +101,31 @@ def _add_run_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-warm-start", dest="warm_start", action="store_false",
                    help="start every worker cold (no standby processes that have imported torch)")
     p.add_argument("--checkpoint-url", help="fsspec URL handed to workers as ELASTICD_CHECKPOINT_URL")
+    p.add_argument("--resume", choices=["auto", "require", "never"], default="auto",
+                   help="checkpoints of another run under the same URL and job: auto refuses "
+                        "to start (exit 78), require resumes the newest, never ignores them")
     p.add_argument("--log-format", choices=["auto", "json", "console"], default="auto")
     p.add_argument("--log-dir", help="where worker logs go (default: the runtime dir)")
     p.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus metrics on this port")
     p.add_argument("command", nargs=argparse.REMAINDER, help="SCRIPT [ARGS...] or -m MODULE [ARGS...]")
+
+
+def standalone_job_name(command: tuple[str, ...]) -> str:
+    """The job name of an unnamed ``--standalone`` run: script (or module) name and a hash
+    of its directory, so two projects on one machine never share checkpoints by accident.
+
+    ``train.py`` in /home/a/proj -> ``train-<8 hex>``; ``-m pkg.train`` -> ``pkg.train-<8 hex>``
+    (the hash is of the working directory). "local" when there is no command.
+    """
+    if not command:
+        return "local"
+    if command[0] == "-m" and len(command) > 1:
+        stem, where = command[1], os.getcwd()
+    else:
+        path = os.path.abspath(command[0])
+        stem, where = os.path.splitext(os.path.basename(path))[0], os.path.dirname(path)
+    stem = re.sub(r"[^A-Za-z0-9_.-]", "_", stem).strip(".")[:48] or "job"
+    return f"{stem}-{hashlib.sha256(where.encode()).hexdigest()[:8]}"
 
 
 def _run_command(args: argparse.Namespace) -> int:
@@ -110,14 +134,14 @@ def _run_command(args: argparse.Namespace) -> int:
     if not args.standalone and not args.etcd:
         raise ConfigError("no etcd: pass --etcd HOST:PORT to join a job, or --standalone for a "
                           "single machine")
-    job = validate_job_name(args.job or ("local" if args.standalone else ""))
+    command = tuple(args.command[1:] if args.command[:1] == ["--"] else args.command)
+    job = validate_job_name(args.job or (standalone_job_name(command) if args.standalone else ""))
     mn, mx = parse_nnodes(args.nnodes)
     if args.node_ttl < 2:
         raise ConfigError(f"--node-ttl {args.node_ttl}: etcd's minimum lease TTL is 2 s")
     if not args.resize_grace >= 0:  # also refuses NaN
         raise ConfigError(f"--resize-grace {args.resize_grace}: must be at least 0 "
                           "(0 restarts workers at once when a node joins)")
-    command = tuple(args.command[1:] if args.command[:1] == ["--"] else args.command)
     # torch is imported only now, after the flags were validated (a typo answers at once).
     from elasticd.agent.elastic_agent import SupervisionSettings
     from elasticd.agent.runner import NodeSpec, run_node
@@ -137,6 +161,7 @@ def _run_command(args: argparse.Namespace) -> int:
             warm_start=args.warm_start),
         log_format=args.log_format, log_dir=args.log_dir, metrics_port=args.metrics_port or None,
         notify_socket=os.environ.get("NOTIFY_SOCKET"), watchdog_usec=os.environ.get("WATCHDOG_USEC"),
+        resume=args.resume,
     )
     return run_node(spec)
 

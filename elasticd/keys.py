@@ -14,6 +14,7 @@ Layout (see docs/architecture.md)::
     /elasticd/<job>/store/<round>/<key>     the c10d store of one round
     /elasticd/<job>/progress                step, epoch, samples/s (JSON)
     /elasticd/<job>/checkpoint/latest       fenced pointer to the newest committed checkpoint
+    /elasticd/<job>/run_id                  this run's id (created once; checkpoints carry it)
     /elasticd/<job>/events/<seq>            bounded event history (JSON)
 """
 
@@ -123,6 +124,10 @@ class JobKeys:
     @property
     def checkpoint_latest(self) -> str:
         return f"{self.prefix}checkpoint/latest"
+
+    @property
+    def run_id(self) -> str:
+        return f"{self.prefix}run_id"
 
     @property
     def events_prefix(self) -> str:

@@ -7,6 +7,7 @@ outcome, clean up on every path, and turn the outcome into an exit code.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 import tempfile
@@ -22,6 +23,7 @@ from torch.distributed.elastic.rendezvous import RendezvousClosedError, Rendezvo
 from elasticd.agent.control import ControlChannel
 from elasticd.agent.elastic_agent import ElasticdAgent, SupervisionSettings, print_summary
 from elasticd.agent.recorder import JobRecorder, pointer_dict
+from elasticd.agent.run_identity import check_resume, ensure_run_id
 from elasticd.errors import ConfigError, EtcdUnavailableError, TransientError
 from elasticd.etcd.client import EtcdClient, TLSFiles
 from elasticd.etcd.embedded import EmbeddedEtcd
@@ -62,6 +64,7 @@ class NodeSpec:
     preemption: Any = None  # a started-on-demand PreemptionWatcher, or None
     notify_socket: str | None = None
     watchdog_usec: str | None = None
+    resume: str = "auto"  # another run's checkpoints: auto (refuse) | require | never
 
 
 def check_command(command: tuple[str, ...]) -> None:
@@ -133,6 +136,10 @@ def run_node(spec: NodeSpec) -> int:
             node_id=spec.node_id)
         structlog.contextvars.bind_contextvars(job=spec.job, node=handler.node_id)
         recorder = JobRecorder(handler)
+        # The run's identity (docs/checkpoints.md#run-identity): stamped on the pointer,
+        # handed to workers, and checked against the stored checkpoints before any starts.
+        recorder.run_id = ensure_run_id(client, handler.keys)
+        supervision = check_resume(spec.supervision, spec.job, recorder.run_id, spec.resume)
         metrics = _make_metrics(spec)
 
         def on_commit(m: dict[str, Any]) -> tuple[bool, str]:
@@ -155,7 +162,7 @@ def run_node(spec: NodeSpec) -> int:
         # Worker logs outlive the agent (the runtime dir does not): they explain a failure.
         log_dir = spec.log_dir or os.path.join(tempfile.gettempdir(), f"elasticd-logs-{spec.job}")
         logs = DefaultLogsSpecs(log_dir=log_dir, redirects=Std.ALL, tee=Std.ALL)
-        agent = ElasticdAgent(worker_spec, spec.supervision, handler, control, recorder,
+        agent = ElasticdAgent(worker_spec, supervision, handler, control, recorder,
                               logs_specs=logs, metrics=metrics,
                               notifier=_make_notifier(spec))
         agent.install_signal_handlers()

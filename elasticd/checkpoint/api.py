@@ -170,6 +170,7 @@ class CheckpointInfo:
         valid: True if the manifest verifies and every listed file is present with its
             size (and, after ``--verify``, its checksum).
         reason: why it is not valid (None when valid).
+        run_id: the run that wrote it ("" when unknown or written before run ids).
     """
 
     job: str
@@ -182,6 +183,7 @@ class CheckpointInfo:
     size: int
     valid: bool
     reason: str | None = None
+    run_id: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict (for ``--json``)."""
@@ -196,4 +198,5 @@ class CheckpointInfo:
             "size": self.size,
             "valid": self.valid,
             "reason": self.reason,
+            "run_id": self.run_id,
         }
