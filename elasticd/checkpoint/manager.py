@@ -368,6 +368,8 @@ class CheckpointManager:
                     msg = next(candidates)
                 except StopIteration:
                     msg = ("none",)
+                except ForeignCheckpointError as exc:
+                    msg = ("foreign", str(exc))
                 except CheckpointMismatchError as exc:
                     msg = ("mismatch", str(exc))
                 except Exception as exc:  # noqa: BLE001 - every rank must leave the loop
@@ -377,6 +379,8 @@ class CheckpointManager:
                 return None
             if msg[0] == "relist":
                 return _RELIST
+            if msg[0] == "foreign":
+                raise ForeignCheckpointError(msg[1])
             if msg[0] == "mismatch":
                 raise CheckpointMismatchError(msg[1])
             if msg[0] == "failed":
