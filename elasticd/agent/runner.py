@@ -7,7 +7,6 @@ outcome, clean up on every path, and turn the outcome into an exit code.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import sys
 import tempfile

@@ -10,7 +10,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from elasticd.checkpoint.api import CheckpointCorruptError, CheckpointInfo, CheckpointUnreadableError
+from elasticd.checkpoint.api import (
+    CheckpointCorruptError,
+    CheckpointInfo,
+    CheckpointUnreadableError,
+)
 from elasticd.checkpoint.identity import ForeignCheckpointError, RunIdentity, refusal
 from elasticd.checkpoint.manifest import Manifest
 from elasticd.checkpoint.store import FsspecCheckpointStore, ListedSave, list_jobs, listing_problem

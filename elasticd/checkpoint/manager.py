@@ -38,10 +38,10 @@ from elasticd.checkpoint import reader, rng
 from elasticd.checkpoint.api import (
     CheckpointCorruptError,
     CheckpointError,
-    CheckpointUnreadableError,
     CheckpointMismatchError,
     CheckpointReadError,
     CheckpointSaveError,
+    CheckpointUnreadableError,
     CommitFence,
     LoadedCheckpoint,
     SaveResult,

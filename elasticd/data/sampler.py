@@ -59,7 +59,7 @@ def whole_number(what: str, value: Any, *, minimum: int, fix: str) -> int:
     Raises:
         ConfigError: not an integer, or below ``minimum``.
     """
-    if isinstance(value, bool) or isinstance(value, float):
+    if isinstance(value, (bool, float)):
         number = None
     else:
         try:
