@@ -442,7 +442,8 @@ class CheckpointManager:
             self._manifests = {k: v for k, v in self._manifests.items()
                                if k in {(s.step, s.save_id) for s in listed}}
             pointer = self.fence.latest() if self.fence is not None else None
-            if pointer is not None and pointer.run_id not in ("", self.identity.run_id or ""):
+            mine = self.identity.run_id
+            if pointer is not None and mine and pointer.run_id not in ("", mine):
                 pointer = None  # another run's pointer says nothing about our saves
             pointed = self.store.parse_manifest_url(pointer.manifest_url) if pointer else None
             decisions = plan_prune(saves, self.policy, now=self._clock(), pointer=pointed,
