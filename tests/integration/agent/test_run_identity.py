@@ -80,7 +80,7 @@ def test_run_known_in_etcd_resumes_its_own_checkpoints(nodes, tmp_path):
     """Same etcd, same job: an agent killed and restarted keeps the run id and resumes."""
     url = f"file://{tmp_path}/ckpt"
     extra = ["--checkpoint-url", url, "--no-warm-start"]
-    args = ["--steps", "40", "--step-sleep", "0.1", *ARGS]
+    args = ["--steps", "20", "--step-sleep", "0.1", *ARGS]
     first = nodes.start("known", SCRIPT, nnodes="1", extra=extra, script_args=args)
     wait_until(lambda: any(i.valid for i in list_checkpoints(url, "known")), 90,
                "a first checkpoint")
