@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import signal
+import subprocess
 
 import pytest
 from harness import PY, ROOT, Node, wait_until
@@ -29,6 +30,14 @@ def _standalone(tmp_path, url: str, tag: str, steps: int, extra: list[str] | Non
     return Node(argv, {}, tmp_path / f"{tag}.log")
 
 
+def _exit_code(node: Node, timeout_s: float) -> int:
+    """The node's exit code; on a timeout, fail with its log (generous bounds: a loaded box)."""
+    try:
+        return node.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        raise AssertionError(f"no exit within {timeout_s:.0f}s:\n{node.log()[-3000:]}") from None
+
+
 def _resumed_from(node: Node) -> list:
     out = []
     for line in node.log().splitlines():
@@ -42,7 +51,7 @@ def _resumed_from(node: Node) -> list:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(600)
 def test_second_standalone_run_refuses_then_resumes_on_request(tmp_path):
     """Run 1 saves; run 2 (new run id) exits 78 naming run 1 and its step; --resume require resumes."""
     url = f"file://{tmp_path}/ckpt"
@@ -50,21 +59,21 @@ def test_second_standalone_run_refuses_then_resumes_on_request(tmp_path):
     try:
         first = _standalone(tmp_path, url, "first", steps=6)
         started.append(first)
-        assert first.wait(120) == 0, first.log()[-3000:]
+        assert _exit_code(first, 180) == 0, first.log()[-3000:]
         saved = list_checkpoints(url, "shared")
         run1 = saved[0].run_id
         assert len(run1) == 16 and saved[0].step == 5
 
         second = _standalone(tmp_path, url, "second", steps=9)
         started.append(second)
-        assert second.wait(60) == EX_CONFIG, second.log()[-3000:]
+        assert _exit_code(second, 150) == EX_CONFIG, second.log()[-3000:]
         log = second.log()
         assert run1 in log and "newest step 5" in log and "--resume require" in log
         assert {i.step for i in list_checkpoints(url, "shared")} == {i.step for i in saved}
 
         third = _standalone(tmp_path, url, "third", steps=9, extra=["--resume", "require"])
         started.append(third)
-        assert third.wait(120) == 0, third.log()[-3000:]
+        assert _exit_code(third, 180) == 0, third.log()[-3000:]
         assert _resumed_from(third) == [5]
         after = list_checkpoints(url, "shared")
         assert after[0].step == 8 and after[0].run_id not in ("", run1)
@@ -75,19 +84,19 @@ def test_second_standalone_run_refuses_then_resumes_on_request(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(420)
 def test_run_known_in_etcd_resumes_its_own_checkpoints(nodes, tmp_path):
     """Same etcd, same job: an agent killed and restarted keeps the run id and resumes."""
     url = f"file://{tmp_path}/ckpt"
     extra = ["--checkpoint-url", url, "--no-warm-start"]
     args = ["--steps", "20", "--step-sleep", "0.1", *ARGS]
     first = nodes.start("known", SCRIPT, nnodes="1", extra=extra, script_args=args)
-    wait_until(lambda: any(i.valid for i in list_checkpoints(url, "known")), 90,
+    wait_until(lambda: any(i.valid for i in list_checkpoints(url, "known")), 180,
                "a first checkpoint")
     first.signal(signal.SIGKILL)
-    first.wait(10)
+    first.wait(60)
     again = nodes.start("known", SCRIPT, nnodes="1", extra=extra, script_args=args)
-    assert again.wait(150) == 0, again.log()[-3000:]
+    assert _exit_code(again, 210) == 0, again.log()[-3000:]
     resumed = _resumed_from(again)
     assert resumed and resumed[0] is not None and resumed[0] >= 2, resumed
     assert len({i.run_id for i in list_checkpoints(url, "known")}) == 1
