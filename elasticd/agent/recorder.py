@@ -41,6 +41,7 @@ class JobRecorder:
         self._last_progress_at = 0.0
         self._last_progress: Progress | None = None
         self.history = EtcdHistoryWriter(self.client, self.keys, self._fence)
+        self.run_id = ""  # this run's id (/elasticd/<job>/run_id), stamped on the pointer
 
     def _fence(self, t: Any) -> list[Any]:
         return [t.create(self.keys.node(self.handler.node_id)) == self.handler.incarnation]
@@ -127,8 +128,12 @@ class JobRecorder:
             if (cur.round, cur.step) >= (round_, step):
                 return False, (f"step {step} of round {round_} is not newer than the committed "
                                f"step {cur.step} of round {cur.round}")
-        pointer = CheckpointPointer(step=step, round=round_, manifest_url=manifest_url,
-                                    committed_at=time.time(), world_size=world_size)
+        # successor() carries the job's high-water step (retention never deletes at or
+        # above it) and stamps this run's id, inside the same compare-and-swap.
+        pointer = CheckpointPointer.successor(
+            CheckpointPointer.from_json(current.value) if current is not None else None,
+            step=step, round_=round_, manifest_url=manifest_url, committed_at=time.time(),
+            world_size=world_size, run_id=self.run_id)
         ok, _ = self.client.txn(
             lambda t: [t.mod(self.keys.rdzv_state) == state_rev,
                        t.mod(self.keys.checkpoint_latest) == (current.mod_revision if current else 0),

@@ -25,6 +25,7 @@ from torch.distributed.elastic.rendezvous import (
 from elasticd.agent.control import ControlChannel
 from elasticd.agent.elastic_agent import ElasticdAgent, SupervisionSettings, print_summary
 from elasticd.agent.recorder import JobRecorder, pointer_dict
+from elasticd.agent.run_identity import check_resume, ensure_run_id
 from elasticd.errors import ConfigError, EtcdUnavailableError, TransientError
 from elasticd.etcd.client import EtcdClient, TLSFiles
 from elasticd.etcd.embedded import EmbeddedEtcd
@@ -73,6 +74,7 @@ class NodeSpec:
     notify_socket: str | None = None
     watchdog_usec: str | None = None
     state_dir: str | None = None  # $STATE_DIRECTORY: default root of the worker logs
+    resume: str = "auto"  # another run's checkpoints: auto (refuse) | require | never
 
 
 def check_command(command: tuple[str, ...]) -> None:
@@ -153,6 +155,10 @@ def run_node(spec: NodeSpec) -> int:
             node_id=spec.node_id)
         structlog.contextvars.bind_contextvars(job=spec.job, node=handler.node_id)
         recorder = JobRecorder(handler)
+        # The run's identity (docs/checkpoints.md#run-identity): stamped on the pointer,
+        # handed to workers, and checked against the stored checkpoints before any starts.
+        recorder.run_id = ensure_run_id(client, handler.keys)
+        supervision = check_resume(spec.supervision, spec.job, recorder.run_id, spec.resume)
         metrics = _make_metrics(spec)
 
         def on_commit(m: dict[str, Any]) -> tuple[bool, str]:
@@ -173,7 +179,7 @@ def run_node(spec: NodeSpec) -> int:
             monitor_interval=spec.supervision.monitor_interval_s, local_addr=spec.local_addr,
         )
         logs = DefaultLogsSpecs(log_dir=log_dir, redirects=Std.ALL, tee=Std.ALL)
-        agent = ElasticdAgent(worker_spec, spec.supervision, handler, control, recorder,
+        agent = ElasticdAgent(worker_spec, supervision, handler, control, recorder,
                               logs_specs=logs, metrics=metrics,
                               notifier=_make_notifier(spec))
         agent.install_signal_handlers()

@@ -21,6 +21,7 @@ from elasticd.checkpoint.api import (
     CheckpointPointer,
     CheckpointReadError,
     CheckpointSaveError,
+    CheckpointUnreadableError,
     CommitFence,
     LoadedCheckpoint,
     SaveResult,
@@ -28,6 +29,7 @@ from elasticd.checkpoint.api import (
 )
 from elasticd.checkpoint.catalog import list_checkpoints
 from elasticd.checkpoint.fence import MemoryCommitFence
+from elasticd.checkpoint.identity import ForeignCheckpointError, RunIdentity, new_run_id
 from elasticd.checkpoint.retention import RetentionPolicy
 
 __all__ = [
@@ -39,13 +41,17 @@ __all__ = [
     "CheckpointPointer",
     "CheckpointReadError",
     "CheckpointSaveError",
+    "CheckpointUnreadableError",
     "CommitFence",
+    "ForeignCheckpointError",
     "LoadedCheckpoint",
     "MemoryCommitFence",
     "RetentionPolicy",
+    "RunIdentity",
     "SaveResult",
     "SkippedCheckpoint",
     "list_checkpoints",
+    "new_run_id",
 ]
 
 

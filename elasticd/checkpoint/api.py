@@ -27,6 +27,7 @@ __all__ = [
     "CheckpointPointer",
     "CheckpointReadError",
     "CheckpointSaveError",
+    "CheckpointUnreadableError",
     "CommitFence",
     "LoadedCheckpoint",
     "SaveResult",
@@ -43,6 +44,13 @@ class CheckpointCorruptError(CheckpointError):
 
     Readers never raise this to the caller: they log it as the reason the checkpoint was
     skipped and fall back to the one before it.
+    """
+
+
+class CheckpointUnreadableError(CheckpointError):
+    """One path of one save cannot be read: permission denied, or a directory where a file
+    should be. Not corruption (the bytes may be fine) and not an outage (retrying will not
+    help): readers skip that save with the path named, and retention never deletes it.
     """
 
 
@@ -162,6 +170,7 @@ class CheckpointInfo:
         valid: True if the manifest verifies and every listed file is present with its
             size (and, after ``--verify``, its checksum).
         reason: why it is not valid (None when valid).
+        run_id: the run that wrote it ("" when unknown or written before run ids).
     """
 
     job: str
@@ -174,6 +183,7 @@ class CheckpointInfo:
     size: int
     valid: bool
     reason: str | None = None
+    run_id: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict (for ``--json``)."""
@@ -188,4 +198,5 @@ class CheckpointInfo:
             "size": self.size,
             "valid": self.valid,
             "reason": self.reason,
+            "run_id": self.run_id,
         }

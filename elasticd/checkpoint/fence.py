@@ -62,8 +62,8 @@ class MemoryCommitFence:
             old = self._shared.pointer
             if old is not None and (self.writer_round, step) <= (old.round, old.step):
                 return False
-            self._shared.pointer = CheckpointPointer(
-                step=step, round=self.writer_round, manifest_url=manifest_url,
+            self._shared.pointer = CheckpointPointer.successor(
+                old, step=step, round_=self.writer_round, manifest_url=manifest_url,
                 committed_at=time.time(), world_size=world_size)
             return True
 

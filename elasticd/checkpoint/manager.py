@@ -41,19 +41,21 @@ from elasticd.checkpoint.api import (
     CheckpointMismatchError,
     CheckpointReadError,
     CheckpointSaveError,
+    CheckpointUnreadableError,
     CommitFence,
     LoadedCheckpoint,
     SaveResult,
     SkippedCheckpoint,
 )
 from elasticd.checkpoint.group import make_group
+from elasticd.checkpoint.identity import ForeignCheckpointError, RunIdentity
 from elasticd.checkpoint.manifest import (
     STATE_FILE,
     Manifest,
     new_save_id,
     step_dir_name,
 )
-from elasticd.checkpoint.restore import apply, owned
+from elasticd.checkpoint.restore import apply, owned, require_safe_torch
 from elasticd.checkpoint.retention import PruneDecision, RetentionPolicy, StoredSave, plan_prune
 from elasticd.checkpoint.staging import RESERVED_KEY, StateStager, resolve
 from elasticd.checkpoint.store import FsspecCheckpointStore, ListedSave, listing_problem
@@ -95,10 +97,14 @@ class CheckpointManager:
         storage_options: passed to fsspec (e.g. ``{"endpoint_url": ...}`` for S3).
         grace_s: age after which torn or never-committed saves are pruned.
         clock: Unix-time source (tests inject one).
+        run_id: this run's id (``WorkerContext.run_id``, from the agent); its saves carry
+            it and only they are loaded and pruned. None: anonymous (loads any save).
+        resume: what to do with another run's checkpoints: ``"auto"`` (refuse if they are
+            all there is), ``"require"`` (resume the newest), ``"never"`` (ignore them).
 
     Raises:
-        ConfigError: bad URL, job, retention values, or rank/world_size disagreeing with
-            the process group.
+        ConfigError: bad URL, job, retention values, run id or resume mode, or
+            rank/world_size disagreeing with the process group.
     """
 
     def __init__(
@@ -115,7 +121,10 @@ class CheckpointManager:
         storage_options: Mapping[str, Any] | None = None,
         grace_s: float = 600.0,
         clock: Callable[[], float] = time.time,
+        run_id: str | None = None,
+        resume: str = "auto",
     ) -> None:
+        self.identity = RunIdentity(run_id, resume)
         try:
             self.policy = RetentionPolicy(keep_last=keep_last, keep_every=keep_every, grace_s=grace_s)
         except ValueError as exc:
@@ -207,7 +216,8 @@ class CheckpointManager:
                 job=self.job, step=step, save_id=save_id, world_size=self.world_size,
                 created_at=created_at, committed_at=self._clock(), files=(entry,),
                 parts=tuple(user), sampler=_json_or_none(user.get("sampler")),
-                torch_version=torch.__version__, elasticd_version=elasticd.__version__)
+                torch_version=torch.__version__, elasticd_version=elasticd.__version__,
+                run_id=self.identity.run_id or "")
             self.store.write_manifest(manifest)
             committed = self.fence is None or self.fence.commit(step, url, self.world_size)
         except Exception as exc:  # noqa: BLE001 - surfaced on the next call
@@ -313,9 +323,14 @@ class CheckpointManager:
         Raises:
             CheckpointMismatchError: the newest valid checkpoint is another job's or does
                 not fit the template (names the mismatch).
-            CheckpointReadError: storage failed while reading.
+            CheckpointReadError: storage failed (or memory ran out) while reading: the load
+                fails loudly rather than resuming from an older checkpoint.
+            ForeignCheckpointError: only another run's checkpoints exist and ``resume`` is
+                ``"auto"``; or ``"require"`` found none at all (both exit 78).
+            ConfigError: torch older than 2.10 (unsafe ``weights_only``).
         """
         self._check_open()
+        require_safe_torch()
         self._finish_inflight()
         t0 = time.perf_counter()
         skipped: list[SkippedCheckpoint] = []
@@ -325,6 +340,11 @@ class CheckpointManager:
                 if loaded is None:
                     self._log.info("checkpoint_not_found", url=self.store.job_url,
                                    skipped=len(skipped))
+                    if self.identity.resume == "require":
+                        raise ForeignCheckpointError(
+                            f"resume='require' but no loadable checkpoint of job {self.job!r} "
+                            f"exists under {self.store.job_url} ({len(skipped)} skipped); check "
+                            "--checkpoint-url and --job, or drop --resume to start afresh")
                 else:
                     self._log.info("checkpoint_loaded", step=loaded.step, url=loaded.manifest_url,
                                    saved_world_size=loaded.world_size, world_size=self.world_size,
@@ -340,7 +360,7 @@ class CheckpointManager:
         if self.is_writer:
             candidates = reader.candidates(
                 self.store, self.fence.latest() if self.fence is not None else None,
-                lambda url, reason: self._skip(skipped, url, reason), self._log)
+                lambda url, reason: self._skip(skipped, url, reason), self._log, self.identity)
         while True:
             msg: Any = None
             if candidates is not None:
@@ -348,6 +368,8 @@ class CheckpointManager:
                     msg = next(candidates)
                 except StopIteration:
                     msg = ("none",)
+                except ForeignCheckpointError as exc:
+                    msg = ("foreign", str(exc))
                 except CheckpointMismatchError as exc:
                     msg = ("mismatch", str(exc))
                 except Exception as exc:  # noqa: BLE001 - every rank must leave the loop
@@ -357,6 +379,8 @@ class CheckpointManager:
                 return None
             if msg[0] == "relist":
                 return _RELIST
+            if msg[0] == "foreign":
+                raise ForeignCheckpointError(msg[1])
             if msg[0] == "mismatch":
                 raise CheckpointMismatchError(msg[1])
             if msg[0] == "failed":
@@ -370,6 +394,8 @@ class CheckpointManager:
                 return self._apply(template, url, manifest, state, mapped, skipped)
             why = next(r for s, r in reports if s == worst)
             if worst == reader.FAILED:
+                # Storage errors and MemoryError on any rank: not evidence of corruption,
+                # so no rank may move on to an older checkpoint.
                 raise CheckpointReadError(f"reading checkpoint {url} failed: {why}; "
                                           "storage unreachable? the worker will be retried")
             self._skip(skipped, url, why)
@@ -412,13 +438,17 @@ class CheckpointManager:
             return []
         try:
             listed = self.store.list_saves()
-            saves = [StoredSave(s.step, s.save_id, s.created_at, self._committed(s)) for s in listed]
+            saves = [self._classify(s) for s in listed]
             self._manifests = {k: v for k, v in self._manifests.items()
                                if k in {(s.step, s.save_id) for s in listed}}
             pointer = self.fence.latest() if self.fence is not None else None
+            mine = self.identity.run_id
+            if pointer is not None and mine and pointer.run_id not in ("", mine):
+                pointer = None  # another run's pointer says nothing about our saves
             pointed = self.store.parse_manifest_url(pointer.manifest_url) if pointer else None
             decisions = plan_prune(saves, self.policy, now=self._clock(), pointer=pointed,
-                                   protect=frozenset(self._protect.values()))
+                                   protect=frozenset(self._protect.values()),
+                                   high_water=pointer.highest_step if pointer else None)
         except Exception as exc:  # noqa: BLE001 - retention must never stop training
             self._log.warning("checkpoint_prune_failed", error=repr(exc))
             return []
@@ -426,9 +456,21 @@ class CheckpointManager:
             self._delete(decision.save, decision.reason)
         return decisions
 
-    def _committed(self, save: ListedSave) -> bool:
+    def _classify(self, save: ListedSave) -> StoredSave:
+        """What retention needs to know of one listed save (reads its manifest, cached).
+
+        Storage errors other than one unreadable path propagate: the prune is abandoned
+        and retried later, since nothing is deleted on a guess.
+        """
+        def stored(committed: bool, **flags: bool) -> StoredSave:
+            return StoredSave(save.step, save.save_id, save.created_at, committed, **flags)
+
+        problem = self.store.unreadable_reason(save)
+        if problem is not None:
+            self._log.warning("checkpoint_unreadable", reason=problem)
+            return stored(False, unreadable=True)
         if not save.has_manifest:
-            return False
+            return stored(False)
         key = (save.step, save.save_id)
         manifest = self._manifests.get(key)
         if manifest is None:
@@ -437,8 +479,12 @@ class CheckpointManager:
             try:
                 manifest = self._manifests[key] = self.store.read_manifest(*key)
             except CheckpointCorruptError:
-                return False
-        return listing_problem(manifest, save) is None
+                return stored(False)
+            except CheckpointUnreadableError as exc:
+                self._log.warning("checkpoint_unreadable", reason=str(exc))
+                return stored(False, unreadable=True)
+        return stored(listing_problem(manifest, save) is None,
+                      foreign=not self.identity.may_prune(manifest.run_id))
 
     def _delete(self, save: StoredSave, reason: str) -> None:
         try:

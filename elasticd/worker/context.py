@@ -52,6 +52,10 @@ class WorkerContext:
     node: str | None
     checkpoint_url: str | None
     under_agent: bool  # started by an elasticd agent (drain file, fenced commits)
+    # The run's identity and resume mode (ELASTICD_RUN_ID/ELASTICD_RESUME from the agent),
+    # for CheckpointManager(run_id=..., resume=...). None/"auto" without an agent.
+    run_id: str | None = None
+    resume: str = "auto"
 
     @property
     def is_main(self) -> bool:
@@ -119,6 +123,8 @@ def init(backend: str | None = None, *, timeout_s: float = DEFAULT_COLLECTIVE_TI
         job=os.environ.get("ELASTICD_JOB"), node=os.environ.get("ELASTICD_NODE"),
         checkpoint_url=os.environ.get("ELASTICD_CHECKPOINT_URL"),
         under_agent=bool(control_dir),
+        run_id=os.environ.get("ELASTICD_RUN_ID") or None,
+        resume=os.environ.get("ELASTICD_RESUME") or "auto",
     )
     _S.control_dir = Path(control_dir) if control_dir else None
     _S.client = ControlClient(socket_path) if socket_path else None
