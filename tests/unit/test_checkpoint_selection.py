@@ -306,17 +306,3 @@ def test_run_identity_validation():
         RunIdentity("xyz")
     with pytest.raises(ConfigError, match="auto, require, never"):
         RunIdentity(RUN_A, "sometimes")
-
-
-def test_standalone_job_names_differ_by_script_and_directory(tmp_path):
-    """Unnamed --standalone jobs are <script>-<dir hash>: two projects never share 'local'."""
-    from elasticd.cli import standalone_job_name
-    from elasticd.keys import validate_job_name
-
-    a = standalone_job_name((str(tmp_path / "a" / "train.py"), "--steps", "3"))
-    b = standalone_job_name((str(tmp_path / "b" / "train.py"),))
-    assert a != b and a.startswith("train-") and validate_job_name(a) == a
-    assert standalone_job_name((str(tmp_path / "a" / "train.py"),)) == a
-    module = standalone_job_name(("-m", "pkg.train"))
-    assert module.startswith("pkg.train-") and validate_job_name(module) == module
-    assert validate_job_name(standalone_job_name(("/x/..weird name!.py",)))
