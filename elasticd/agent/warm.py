@@ -46,6 +46,9 @@ from typing import Any
 
 import structlog
 
+from elasticd.agent.worker_env import scrub
+from elasticd.control.api import ENV_ROUND
+
 log = structlog.get_logger(__name__)
 
 LAUNCHER = ("-m", "elasticd.agent.worker_exec")
@@ -55,7 +58,7 @@ LAUNCHER = ("-m", "elasticd.agent.worker_exec")
 PER_ROUND_ENV = frozenset({
     "RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "WORLD_SIZE",
     "LOCAL_WORLD_SIZE", "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-    "TORCH_NCCL_ASYNC_ERROR_HANDLING", "ELASTICD_ROUND",
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING", ENV_ROUND,
 })
 PER_ROUND_PREFIXES = ("TORCHELASTIC_",)
 
@@ -119,7 +122,8 @@ class StandbyPool:
         for r in self.missing(range(max(envs, default=-1) + 1)):
             if r not in envs:
                 continue
-            env = {**os.environ, **envs[r]}
+            # A standby's own environment is a worker's: no etcd credential, ever.
+            env = scrub({**os.environ, **envs[r]})
             with open(self._log_path(r), "wb") as err:  # the standby keeps its own copy of the fd
                 proc = subprocess.Popen(
                     [sys.executable, "-m", "elasticd.agent.warm"], env=env, stdin=subprocess.PIPE,
@@ -155,7 +159,7 @@ class StandbyPool:
             _discard(sb)
             self.cold_starts += 1
             return None
-        msg = {"argv": list(args[3:]), "env": dict(env), "cwd": os.getcwd(),
+        msg = {"argv": list(args[3:]), "env": scrub(env), "cwd": os.getcwd(),
                "stdout": stdout, "stderr": stderr}
         try:
             assert sb.proc.stdin is not None

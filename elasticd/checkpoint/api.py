@@ -13,6 +13,7 @@ This module holds no I/O; ``manager.py`` is the training-side implementation and
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -28,6 +29,7 @@ __all__ = [
     "CheckpointReadError",
     "CheckpointSaveError",
     "CommitFence",
+    "CommitOutcome",
     "LoadedCheckpoint",
     "SaveResult",
     "SkippedCheckpoint",
@@ -66,6 +68,35 @@ class CheckpointReadError(CheckpointError, TransientError):
     """
 
 
+class CommitOutcome(enum.Enum):
+    """What became of one commit: the fence's answer has three values, not two.
+
+    - ``COMMITTED``: the pointer names the checkpoint now.
+    - ``REFUSED``: the fence compared and said no (the writer's round is over, or a newer
+      checkpoint is committed): the writer is a zombie or late; its upload may be deleted.
+    - ``UNKNOWN``: no answer (etcd unreachable or slow, the agent busy, any other error).
+      The upload is kept, nothing is raised, training goes on; the agent retries the commit
+      and the pointer catches up once etcd answers. Nothing is ever deleted on a guess.
+
+    ``bool(outcome)`` is True only for ``COMMITTED``, so code written against the old
+    boolean contract (``if fence.commit(...)``) keeps its meaning for that case.
+    """
+
+    COMMITTED = "committed"
+    REFUSED = "refused"
+    UNKNOWN = "unknown"
+
+    def __bool__(self) -> bool:
+        return self is CommitOutcome.COMMITTED
+
+    @classmethod
+    def of(cls, value: CommitOutcome | bool) -> CommitOutcome:
+        """Normalise a fence's answer: a legacy ``bool`` means committed or refused."""
+        if isinstance(value, CommitOutcome):
+            return value
+        return cls.COMMITTED if value else cls.REFUSED
+
+
 @runtime_checkable
 class CommitFence(Protocol):
     """Decides whether a written checkpoint becomes the job's newest.
@@ -81,8 +112,15 @@ class CommitFence(Protocol):
     out corrupt. Requiring a strictly higher step would refuse every save of that job.)
     """
 
-    def commit(self, step: int, manifest_url: str, world_size: int) -> bool:
-        """Point ``latest`` at ``manifest_url``; False if refused (stale round, not newer)."""
+    def commit(self, step: int, manifest_url: str, world_size: int) -> CommitOutcome:
+        """Point ``latest`` at ``manifest_url``.
+
+        Returns:
+            ``COMMITTED``; ``REFUSED`` only when the fence compared and said no (stale
+            round, not newer); ``UNKNOWN`` when it could not tell (never raise for that).
+            A plain ``bool`` is accepted from older implementations (True/False =
+            committed/refused).
+        """
         ...
 
     def latest(self) -> CheckpointPointer | None:
@@ -103,6 +141,8 @@ class SaveResult:
             the previous save).
         write_s: seconds the background write took, manifest and fence commit included.
         committed: True once the manifest is written and, with a fence, the fence accepted.
+        outcome: the fence's answer (``UNKNOWN``: the bytes are kept and the agent keeps
+            trying to commit them; see :class:`CommitOutcome`).
     """
 
     step: int
@@ -112,6 +152,7 @@ class SaveResult:
     blocked_s: float
     write_s: float
     committed: bool = True
+    outcome: CommitOutcome = CommitOutcome.COMMITTED
 
 
 @dataclass(frozen=True)

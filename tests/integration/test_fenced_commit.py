@@ -9,10 +9,10 @@ import pytest
 import torch
 from harness import wait_until
 
-from elasticd.agent.control import ControlChannel, ControlClient
-from elasticd.agent.recorder import JobRecorder, pointer_dict
+from elasticd.agent.recorder import JobRecorder
 from elasticd.checkpoint import CheckpointManager
 from elasticd.checkpoint.catalog import list_checkpoints
+from elasticd.control import ControlChannel, ControlClient
 from elasticd.errors import FencedError
 from elasticd.etcd.client import EtcdClient
 from elasticd.rendezvous.etcd_handler import EtcdRendezvousHandler, RendezvousSettings
@@ -30,9 +30,8 @@ def _handler(etcd, name, min_nodes):
 
 def _channel(recorder):
     return ControlChannel(
-        on_commit=lambda m: recorder.commit_checkpoint(int(m["step"]), m["manifest_url"],
-                                                       int(m["world_size"]), int(m["round"])),
-        on_latest=lambda m: {"pointer": pointer_dict(recorder.latest_checkpoint())}).start()
+        on_commit=lambda m: recorder.commit_checkpoint(m.step, m.manifest_url, m.world_size, m.round),
+        on_latest=recorder.latest_checkpoint).start()
 
 
 def test_zombie_commit_is_refused_and_its_files_pruned(etcd_server, tmp_path):
