@@ -32,6 +32,7 @@ instead, or turn standbys off (``workers.warm_start = false``, ``--no-warm-start
 from __future__ import annotations
 
 import contextlib
+import importlib
 import json
 import os
 import signal
@@ -52,6 +53,12 @@ from elasticd.control.api import ENV_ROUND
 log = structlog.get_logger(__name__)
 
 LAUNCHER = ("-m", "elasticd.agent.worker_exec")
+
+# What a standby imports ahead of its worker. Names, not imports: the standby process
+# becomes a worker, but the agent's code never depends on the worker API (elasticd.control
+# is the only seam between them).
+WARM_IMPORTS = ("torch", "torch._dynamo", "torch.distributed", "torch.nn.parallel", "torch.optim",
+                "elasticd.worker")
 
 # Variables the launcher sets per worker and round (torch's LocalElasticAgent and ours);
 # none is read when torch is imported. Everything else must match for a standby to be used.
@@ -260,16 +267,11 @@ def main() -> None:
     threading.Thread(target=wait_for_handover, name="standby-handover", daemon=True).start()
     # The imports every worker pays for; torch._dynamo is what the first optimizer step
     # or DDP forward would import. Failures here are not fatal: the worker imports again.
-    try:
-        import torch  # noqa: F401
-        import torch._dynamo  # noqa: F401
-        import torch.distributed  # noqa: F401
-        import torch.nn.parallel  # noqa: F401
-        import torch.optim  # noqa: F401
-
-        import elasticd.worker  # noqa: F401
-    except Exception as exc:
-        sys.stderr.write(f"standby: import failed: {exc!r}\n")
+    for module in WARM_IMPORTS:
+        try:
+            importlib.import_module(module)
+        except Exception as exc:
+            sys.stderr.write(f"standby: import of {module} failed: {exc!r}\n")
     arrived.wait()
     msg = json.loads(handover[0])
     os.environ.clear()

@@ -177,6 +177,8 @@ def parse_request(line: bytes) -> Request:
         return LatestRequest(id=rid)
     if op == "ping":
         return Ping(id=rid)
+    if op is None:
+        raise MessageError("no 'op' field (known ops: progress, commit, latest, ping)")
     shown = op if isinstance(op, str) and len(op) <= 64 else type(op).__name__
     raise MessageError(f"unknown op {shown!r} (known: progress, commit, latest, ping)")
 
