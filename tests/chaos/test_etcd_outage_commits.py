@@ -13,7 +13,11 @@ pointer reaches the current step within seconds, and every committed checkpoint 
 
 from __future__ import annotations
 
+import shutil
+import signal
+import tempfile
 import time
+from pathlib import Path
 
 import pytest
 from harness import ROOT, read_jsonl, wait_until
@@ -73,11 +77,13 @@ def test_etcd_outage_while_committing_every_step(nodes, tmp_path, fault):
             etcd.resume()
         else:
             etcd.start()
-    back_at_step = max(_rank0_steps(read_jsonl(out)))
+    back_at, back_at_step = time.time(), max(_rank0_steps(read_jsonl(out)))
 
     # The pointer catches up past the outage (the agent's retry, then direct commits).
     wait_until(lambda: (p := _pointer(etcd.endpoint, job)) is not None and p.step > back_at_step + 5,
                45, f"the pointer to pass step {back_at_step}")
+    print(f"\n{fault}: {len(during)} steps trained during the {OUTAGE_S:.0f}s outage; pointer "
+          f"past step {back_at_step} {time.time() - back_at:.1f}s after etcd returned")
 
     rows = read_jsonl(out)
     logs = "\n".join(n.log() for n in ns)
@@ -93,3 +99,39 @@ def test_etcd_outage_while_committing_every_step(nodes, tmp_path, fault):
     committed = [i for i in infos if i.committed_at]
     assert committed and all(i.valid for i in committed), [(i.step, i.reason) for i in committed]
     assert pointer is not None and pointer.manifest_url in {i.url for i in committed if i.valid}
+
+
+@pytest.mark.timeout(150)
+def test_drain_during_etcd_outage_keeps_its_checkpoint(nodes, tmp_path):
+    """A drain (SIGTERM) while etcd is frozen: the final save cannot be committed before the
+    agent leaves, so the agent writes it down as an intent; the next agent of the job commits
+    it before joining (nobody re-formed the job since) and the workers resume from it."""
+    job = f"drain-outage-{tmp_path.name[-12:].replace('_', '-')}"
+    state_dir = Path(tempfile.gettempdir()) / f"elasticd-state-{job}"
+    url = f"file://{tmp_path}/ckpt"
+    out = tmp_path / "steps.jsonl"
+    env = {"OUT": str(out), "STEP_S": "0.05"}
+    extra = ["--checkpoint-url", url, "--no-warm-start", "--drain-grace", "5"]
+    try:
+        first = nodes.start(job, SCRIPT, env=env, nnodes="1", extra=extra)
+        etcd = nodes.etcd
+        wait_until(lambda: (p := _pointer(etcd.endpoint, job)) is not None and p.step >= 5, 90,
+                   "the first commits")
+        etcd.pause()
+        try:
+            first.signal_agent(signal.SIGTERM)
+            assert first.wait(60) == 0, first.log()[-3000:]
+        finally:
+            etcd.resume()
+        drained_at = max(_rank0_steps(read_jsonl(out)))
+        assert "FencedError" not in first.log()
+        assert list(state_dir.glob("pending-commit-*.json")), first.log()[-3000:]
+
+        second = nodes.start(job, SCRIPT, env=env, nnodes="1", extra=extra)
+        wait_until(lambda: any(r["pid"] != read_jsonl(out)[0]["pid"] for r in read_jsonl(out)), 90,
+                   "the second agent's workers")
+        resumed = {r["resumed_from"] for r in read_jsonl(out) if r["restart"] == 0 and r["step"] > drained_at}
+        assert resumed == {drained_at}, (resumed, drained_at, second.log()[-3000:])
+        assert not list(state_dir.glob("pending-commit-*.json")), "the intent was not consumed"
+    finally:
+        shutil.rmtree(state_dir, ignore_errors=True)
