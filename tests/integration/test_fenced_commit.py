@@ -83,3 +83,45 @@ def test_zombie_commit_is_refused_and_its_files_pruned(etcd_server, tmp_path):
         for h in (a, b):
             h.shutdown()
             h.client.close()
+
+
+def test_commit_without_an_answer_is_unknown_and_the_upload_is_kept(etcd_server, tmp_path):
+    """etcd frozen: the commit is UNKNOWN (not refused), the save stays, no FencedError; the
+    agent's retry commits it once etcd is back. A lease lost to the outage while the round is
+    still ours is UNKNOWN too, never a zombie verdict."""
+    from elasticd.agent.commits import CommitRetrier, PendingCommit
+    from elasticd.checkpoint.api import CommitOutcome
+
+    url = f"file://{tmp_path}/ckpt"
+    a = _handler(etcd_server, "a", 1)
+    a.next_rendezvous()
+    rec = JobRecorder(a)
+    retrier = CommitRetrier(lambda p: rec.commit_checkpoint(p.step, p.manifest_url, p.world_size, p.round),
+                            initial_s=0.05, max_s=0.2)
+    chan = ControlChannel(
+        on_commit=lambda m: retrier.submit(PendingCommit(m.step, m.manifest_url, m.world_size, m.round,
+                                                         a.round_state_revision)),
+        on_latest=rec.latest_checkpoint).start()
+    try:
+        mgr = CheckpointManager(url, job="fence", rank=0, world_size=1,
+                                fence=AgentCommitFence(ControlClient(chan.socket_path), a.round))
+        mgr.save(1, {"w": torch.ones(4)}, blocking=True)
+        etcd_server.pause()
+        try:
+            mgr.save(2, {"w": torch.full((4,), 2.0)}, blocking=True)  # raises nothing
+            assert mgr.wait().outcome is CommitOutcome.UNKNOWN
+            assert retrier.pending() is not None
+        finally:
+            etcd_server.resume()
+        assert {i.step for i in list_checkpoints(url, "fence")} >= {2}, "the upload was deleted"
+        wait_until(lambda: rec.latest_checkpoint().step == 2, 20, "the retry to commit step 2")
+
+        a._keeper.stop(revoke=True)  # our lease is gone; the round state is unchanged
+        outcome, reason = rec.commit_checkpoint(3, "u3", 1, a.round)
+        assert outcome is CommitOutcome.UNKNOWN and "lease" in reason
+        mgr.close()
+    finally:
+        retrier.close()
+        chan.close()
+        a.shutdown()
+        a.client.close()
