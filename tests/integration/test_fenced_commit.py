@@ -21,9 +21,9 @@ from elasticd.worker.fence import AgentCommitFence
 pytestmark = pytest.mark.timeout(90)
 
 
-def _handler(etcd, name, min_nodes):
+def _handler(etcd, name, min_nodes, ttl_s=2):
     client = EtcdClient(etcd.endpoint, timeout_s=2)
-    settings = RendezvousSettings(min_nodes=min_nodes, max_nodes=2, node_ttl_s=2, join_timeout_s=30,
+    settings = RendezvousSettings(min_nodes=min_nodes, max_nodes=2, node_ttl_s=ttl_s, join_timeout_s=30,
                                   last_call_timeout_s=0.5, local_addr="127.0.0.1")
     return EtcdRendezvousHandler(client, "fence", settings, node_id=name)
 
@@ -93,7 +93,7 @@ def test_commit_without_an_answer_is_unknown_and_the_upload_is_kept(etcd_server,
     from elasticd.checkpoint.api import CommitOutcome
 
     url = f"file://{tmp_path}/ckpt"
-    a = _handler(etcd_server, "a", 1)
+    a = _handler(etcd_server, "a", 1, ttl_s=30)  # the lease outlives the short freeze here
     a.next_rendezvous()
     rec = JobRecorder(a)
     retrier = CommitRetrier(lambda p: rec.commit_checkpoint(p.step, p.manifest_url, p.world_size, p.round),

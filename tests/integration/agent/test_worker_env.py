@@ -51,6 +51,8 @@ def test_no_etcd_credential_reaches_workers_or_standbys(etcd_server, tmp_path):
         for view in ("environ", "proc_environ"):
             assert _leaks(dump[view]) == [], f"credentials in the worker's {view}"
         assert dump["environ"]["ELASTICD_ROUND"].isdigit()
+        # The first worker was a warm standby taking over: the round reached it at the hand-over.
+        assert "standby_handed_over" in node.log(), node.log()[-3000:]
         assert dump["environ"]["ELASTICD_CONTROL_SOCKET"]
 
         def standbys() -> list[int]:
