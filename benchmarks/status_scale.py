@@ -1,6 +1,6 @@
 """How long `elasticd status --job X --json` takes on a 1,000-node job.
 
-A synthetic job (``elasticd.status.synthetic``) is written into a private etcd on
+A synthetic job (``tests/synthetic_job.py``, a test fixture) is written into a private etcd on
 127.0.0.1 (or the one given with ``--etcd``): node records on a lease, the round state,
 join keys, c10d store keys (which status skips), progress, the checkpoint pointer and
 256 events. Then we time:
@@ -35,7 +35,10 @@ from elasticd.etcd.client import EtcdClient
 from elasticd.etcd.embedded import EmbeddedEtcd
 from elasticd.status.cli import build_parser, run
 from elasticd.status.model import read_job
-from elasticd.status.synthetic import SyntheticJob, write_synthetic_job
+
+# The synthetic job is a test fixture, not part of the installed package.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from synthetic_job import SyntheticJob, write_synthetic_job  # noqa: E402
 
 
 class CountingClient(EtcdClient):

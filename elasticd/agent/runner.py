@@ -17,7 +17,11 @@ from typing import Any
 import structlog
 from torch.distributed.elastic.agent.server.api import WorkerSpec
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
-from torch.distributed.elastic.rendezvous import RendezvousClosedError, RendezvousError
+from torch.distributed.elastic.rendezvous import (
+    RendezvousClosedError,
+    RendezvousConnectionError,
+    RendezvousError,
+)
 
 from elasticd.agent.commits import CommitRetrier, PendingCommit, read_intents, write_intent
 from elasticd.agent.elastic_agent import ElasticdAgent, SupervisionSettings, print_summary
@@ -48,6 +52,7 @@ class NodeSpec:
     etcd_endpoints: str | None = None  # None: embedded etcd (--standalone)
     etcd_timeout_s: float = 3.0
     etcd_connect_timeout_s: float = 30.0
+    etcd_data_dir: str | None = None  # the embedded etcd's; a fresh temp dir when None
     tls: TLSFiles = field(default_factory=TLSFiles)
     etcd_user: str | None = None
     etcd_password: str | None = None
@@ -56,11 +61,15 @@ class NodeSpec:
     node_ttl_s: int = 5
     join_timeout_s: float = 600.0
     last_call_timeout_s: float = 1.0
+    close_timeout_s: float = 30.0
+    store_timeout_s: float = 300.0
     supervision: SupervisionSettings = field(default_factory=SupervisionSettings)
     workdir: str | None = None
     log_format: str = "auto"
+    log_level: str = "info"
     log_dir: str | None = None
     metrics_port: int | None = None
+    metrics_addr: str = "127.0.0.1"
     preemption: Any = None  # a started-on-demand PreemptionWatcher, or None
     notify_socket: str | None = None
     watchdog_usec: str | None = None
@@ -98,7 +107,7 @@ def _make_metrics(spec: NodeSpec) -> Any:
     from elasticd.status.metrics import AgentMetrics
 
     metrics = AgentMetrics()
-    metrics.serve(spec.metrics_port)
+    metrics.serve(spec.metrics_port, addr=spec.metrics_addr)
     return metrics
 
 
@@ -109,7 +118,7 @@ def run_node(spec: NodeSpec) -> int:
         The process exit code: 0 finished/drained, 1 failed, 4 etcd unreachable,
         78 configuration error.
     """
-    configure_logging(spec.log_format)
+    configure_logging(spec.log_format, level=spec.log_level)
     if spec.workdir:
         os.chdir(spec.workdir)
     check_command(spec.command)
@@ -123,7 +132,7 @@ def run_node(spec: NodeSpec) -> int:
     try:
         endpoints = spec.etcd_endpoints
         if not endpoints:
-            embedded = EmbeddedEtcd().start()
+            embedded = EmbeddedEtcd(spec.etcd_data_dir).start()
             endpoints = embedded.endpoint
         client = EtcdClient(endpoints, timeout_s=spec.etcd_timeout_s, tls=spec.tls,
                             user=spec.etcd_user, password=spec.etcd_password)
@@ -134,6 +143,8 @@ def run_node(spec: NodeSpec) -> int:
             RendezvousSettings(min_nodes=spec.min_nodes, max_nodes=spec.max_nodes,
                                node_ttl_s=spec.node_ttl_s, join_timeout_s=spec.join_timeout_s,
                                last_call_timeout_s=spec.last_call_timeout_s,
+                               close_timeout_s=spec.close_timeout_s,
+                               store_timeout_s=spec.store_timeout_s,
                                local_addr=spec.local_addr),
             node_id=spec.node_id)
         structlog.contextvars.bind_contextvars(job=spec.job, node=handler.node_id)
@@ -197,7 +208,9 @@ def run_node(spec: NodeSpec) -> int:
         return outcome.exit_code
     except (EtcdUnavailableError, RendezvousError) as exc:
         sys.stderr.write(f"elasticd: {exc}\n")
-        return EX_ETCD_UNREACHABLE if isinstance(exc, (TransientError,)) or "etcd" in str(exc) else 1
+        # By type, not by message: etcd unreachable is 4 (retry later), anything else 1.
+        unreachable = isinstance(exc, (TransientError, RendezvousConnectionError))
+        return EX_ETCD_UNREACHABLE if unreachable else 1
     finally:
         if commits is not None and handler is not None:
             pending = commits.close()

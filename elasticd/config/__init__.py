@@ -7,7 +7,8 @@ the fix, instead of hours later on the first restart. This package is also the o
 that looks at the environment; callers pass ``os.environ`` in.
 
 Precedence (later wins): built-in defaults < TOML file < ``ELASTICD_*`` environment
-< ``overrides`` (the CLI's flags).
+< ``overrides`` (the CLI's flags, ``elasticd.config.flags``; torchrun's ``--rdzv-conf``,
+``elasticd.rendezvous.registry``). Every way in goes through :func:`load_config`.
 
 TOML layout (every key is documented with its default in docs/configuration.md)::
 
@@ -15,7 +16,7 @@ TOML layout (every key is documented with its default in docs/configuration.md):
     [etcd]       endpoints, ca_file, cert_file, key_file, user, password,
                  password_file, timeout_s, connect_timeout_s, data_dir
     [node]       id, local_addr, ttl_s
-    [rendezvous] join_timeout_s, last_call_timeout_s
+    [rendezvous] join_timeout_s, last_call_timeout_s, close_timeout_s, store_timeout_s
     [workers]    command, nproc_per_node, workdir, monitor_interval_s,
                  hang_timeout_s, warm_start, and a [workers.env] table
     [restart]    max_restarts, backoff_s, backoff_max_s
@@ -41,6 +42,7 @@ Override keys (the ``overrides`` mapping, one per CLI flag) are the dotted names
     etcd.data_dir
     node.id  node.local_addr  node.ttl_s
     rendezvous.join_timeout_s  rendezvous.last_call_timeout_s
+    rendezvous.close_timeout_s  rendezvous.store_timeout_s
     workers.command  workers.nproc_per_node  workers.workdir  workers.env
     workers.monitor_interval_s  workers.hang_timeout_s  workers.warm_start
     restart.max_restarts  restart.backoff_s  restart.backoff_max_s

@@ -37,6 +37,7 @@ from elasticd.config.schema import (
     Key,
     format_value,
     node_id_from_hostname,
+    standalone_job_name,
 )
 from elasticd.errors import ConfigError
 from elasticd.keys import validate_job_name, validate_node_id
@@ -66,6 +67,7 @@ def load_config(
     check_files: bool = True,
     require_command: bool = True,
     hostname: str | None = None,
+    override_names: Mapping[str, str] | None = None,
 ) -> AgentConfig:
     """Load, merge and validate the agent configuration.
 
@@ -80,6 +82,8 @@ def load_config(
             tools such as ``elasticd status`` do not).
         hostname: host name the default ``node.id`` is derived from; defaults to
             ``socket.gethostname()``.
+        override_names: how the user spelled each override (``{"job.nnodes": "flag
+            --nnodes"}``), named in error messages instead of "override".
 
     Returns:
         The frozen, validated :class:`AgentConfig`.
@@ -93,7 +97,7 @@ def load_config(
     if path is not None:
         _merge_file(path, raw, worker_env)
     _merge_env(env, raw)
-    _merge_overrides(overrides or {}, raw, worker_env)
+    _merge_overrides(overrides or {}, raw, worker_env, override_names or {})
 
     values: dict[str, Any] = {}
     origins: dict[str, str] = {}
@@ -105,8 +109,8 @@ def load_config(
             values[key.dotted] = _parse(key, value, origin, text)
             origins[key.dotted] = origin
         elif key.dotted == "job.name" and _standalone(raw):
-            values[key.dotted] = "local"  # one machine, one job: no name needed
-            origins[key.dotted] = "default (standalone)"
+            values[key.dotted] = None  # derived from the command below
+            origins[key.dotted] = "default (standalone: script and directory)"
         elif key.default is REQUIRED and (key.dotted != "workers.command" or require_command):
             raise ConfigError(
                 f"{key.dotted} is required but not set: add `{key.example}` under "
@@ -116,6 +120,11 @@ def load_config(
             values[key.dotted] = () if key.default is REQUIRED else key.default
             origins[key.dotted] = "default"
     values["workers.env"] = _parse_worker_env(worker_env, origins)
+    if values["job.name"] is None:
+        # Two standalone jobs in different directories (or of different scripts) must not
+        # share a name: they would resume from and prune each other's checkpoints.
+        values["job.name"] = standalone_job_name(
+            values["workers.command"], values["workers.workdir"] or os.getcwd())
     if values["job.standalone"] and values["node.local_addr"] is None:
         values["node.local_addr"] = "127.0.0.1"  # workers of one machine talk over loopback
         origins["node.local_addr"] = "default (standalone)"
@@ -252,6 +261,7 @@ def _merge_overrides(
     overrides: Mapping[str, Any],
     raw: dict[str, tuple[Any, str, bool]],
     worker_env: dict[str, tuple[Any, str]],
+    names: Mapping[str, str],
 ) -> None:
     for dotted, value in overrides.items():
         if value is None:
@@ -268,7 +278,7 @@ def _merge_overrides(
         if dotted not in KEYS:
             section, _, name = dotted.partition(".")
             raise ConfigError(_unknown_key(section, name, "override"))
-        raw[dotted] = (value, "override", isinstance(value, str))
+        raw[dotted] = (value, names.get(dotted, "override"), isinstance(value, str))
 
 
 def _unknown_key(section: str, name: str, origin: str) -> str:

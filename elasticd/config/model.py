@@ -108,6 +108,8 @@ class RendezvousConfig:
 
     join_timeout_s: float = 600.0
     last_call_timeout_s: float = 1.0
+    close_timeout_s: float = 30.0
+    store_timeout_s: float = 300.0
 
 
 @dataclass(frozen=True)
@@ -196,7 +198,7 @@ class MetricsConfig:
     """``[metrics]``: Prometheus exporter; port 0 turns it off."""
 
     port: int = 0
-    addr: str = "0.0.0.0"
+    addr: str = "127.0.0.1"
 
     @property
     def enabled(self) -> bool:

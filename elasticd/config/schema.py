@@ -12,8 +12,10 @@ with the problem and, optionally, the fix; the loader adds the key, value and or
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
+import os
 import re
 import shlex
 import socket
@@ -88,6 +90,14 @@ def integer(lo: int, hi: int | None = None) -> Parser:
         return value
 
     return parse
+
+
+def lease_ttl(value: Any, text: bool) -> int:
+    """A node lease TTL in whole seconds: etcd's minimum is 2 s, an hour is the most."""
+    ttl = integer(-(2**63))(value, text)
+    if not 2 <= ttl <= 3600:
+        raise Invalid("must be between 2 and 3600 (etcd's minimum lease TTL is 2 s)")
+    return ttl
 
 
 def number(lo: float, *, lo_open: bool = False, hi: float | None = None) -> Parser:
@@ -296,9 +306,12 @@ KEYS: dict[str, Key] = {
         Key("etcd", "data_dir", optional_string, None, 'data_dir = "/var/lib/elasticd/etcd"'),
         Key("node", "id", optional_string, None, 'id = "gpu-node-07"'),
         Key("node", "local_addr", host_or_addr, None, 'local_addr = "10.0.0.7"'),
-        Key("node", "ttl_s", integer(2, 3600), 5, "ttl_s = 5"),
+        Key("node", "ttl_s", lease_ttl, 5, "ttl_s = 5"),
         Key("rendezvous", "join_timeout_s", number(0, lo_open=True), 600.0, "join_timeout_s = 600"),
         Key("rendezvous", "last_call_timeout_s", number(0), 1.0, "last_call_timeout_s = 1"),
+        Key("rendezvous", "close_timeout_s", number(0, lo_open=True), 30.0, "close_timeout_s = 30"),
+        Key("rendezvous", "store_timeout_s", number(0, lo_open=True), 300.0,
+            "store_timeout_s = 300"),
         Key("workers", "command", command, REQUIRED, 'command = ["train.py", "--epochs", "10"]'),
         Key("workers", "nproc_per_node", nproc, 1, 'nproc_per_node = "gpu"'),
         Key("workers", "workdir", optional_string, None, 'workdir = "/srv/train"'),
@@ -321,7 +334,7 @@ KEYS: dict[str, Key] = {
         Key("logging", "worker_log_dir", optional_string, None,
             'worker_log_dir = "/var/log/elasticd/workers"'),
         Key("metrics", "port", integer(0, 65535), 0, "port = 9400"),
-        Key("metrics", "addr", string, "0.0.0.0", 'addr = "0.0.0.0"'),
+        Key("metrics", "addr", host_or_addr, "127.0.0.1", 'addr = "0.0.0.0"'),
     )
 }
 
@@ -346,3 +359,26 @@ def node_id_from_hostname(hostname: str | None = None) -> str:
     name = hostname if hostname is not None else socket.gethostname()
     name = re.sub(r"[^A-Za-z0-9_.:-]", "-", name).strip("-.")[:128]
     return name or "node"
+
+
+def standalone_job_name(command: tuple[str, ...], workdir: str) -> str:
+    """The default name of a standalone job: the script (or module) and a hash of where it is.
+
+    ``("train.py", "--lr", "1")`` in ``/home/ana/exp1`` -> ``train-1a2b3c4d``: stable for
+    the same script in the same directory (a rerun finds its own checkpoints), different
+    for another directory or script (two runs never share a job by accident).
+
+    Args:
+        command: ``workers.command`` (script and arguments, or ``-m module ...``).
+        workdir: the directory the script is resolved from.
+    """
+    if command[:1] == ("-m",) and len(command) > 1:
+        target, stem = f"-m {command[1]}", command[1].rsplit(".", 1)[-1]
+    elif command:
+        target = os.path.normpath(os.path.join(workdir, command[0]))
+        stem = os.path.splitext(os.path.basename(command[0]))[0]
+    else:
+        target, stem = "", "job"
+    digest = hashlib.sha256(f"{os.path.abspath(workdir)}\0{target}".encode()).hexdigest()[:8]
+    stem = re.sub(r"[^A-Za-z0-9_.-]", "-", stem).strip("-.")[:40] or "job"
+    return f"{stem}-{digest}"

@@ -6,9 +6,6 @@
 - ``registry.py``: registration with torch and the ``torchrun.handlers`` entry point.
 """
 
-from elasticd.logs import ensure_configured
 from elasticd.rendezvous.etcd_handler import EtcdRendezvousHandler, RendezvousSettings
-
-ensure_configured()
 
 __all__ = ["EtcdRendezvousHandler", "RendezvousSettings"]

@@ -4,15 +4,19 @@
 --rdzv-conf node_ttl=5,ca_file=...`` finds us through the ``torchrun.handlers`` entry
 point, which torch calls with no arguments and which must return the creator.
 
-Recognised ``--rdzv-conf`` keys: ``node_ttl`` (s), ``join_timeout``, ``last_call_timeout``,
-``close_timeout``, ``store_timeout``, ``etcd_timeout``, ``ca_file``, ``cert_file``,
-``key_file``, ``user``, ``password``, ``password_file``, ``node_id``; and ``timeout``, the
-join timeout's name in torch's own etcd backend (``join_timeout`` wins if both are given).
+Recognised ``--rdzv-conf`` keys (:data:`RDZV_CONF_KEYS`): ``node_ttl`` (s),
+``join_timeout``, ``last_call_timeout``, ``close_timeout``, ``store_timeout``,
+``etcd_timeout``, ``ca_file``, ``cert_file``, ``key_file``, ``user``, ``password``,
+``password_file``, ``node_id``; and ``timeout``, the join timeout's name in torch's own etcd
+backend (``join_timeout`` wins if both are given). Each is a layer over the same typed
+configuration as ``elasticd agent`` (defaults, bounds and cross-checks from the schema);
+``ELASTICD_*`` variables apply below it.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
+import os
+from typing import Any
 
 from torch.distributed.elastic.rendezvous import (
     RendezvousHandler,
@@ -20,25 +24,62 @@ from torch.distributed.elastic.rendezvous import (
     rendezvous_handler_registry,
 )
 
+from elasticd.config import load_config
 from elasticd.errors import ConfigError
 from elasticd.etcd.client import EtcdClient, TLSFiles
-from elasticd.keys import validate_job_name
+from elasticd.logs import ensure_configured
 
 BACKEND = "etcd-v3"
-_KNOWN = {"node_ttl", "join_timeout", "last_call_timeout", "close_timeout", "store_timeout",
-          "etcd_timeout", "ca_file", "cert_file", "key_file", "user", "password",
-          "password_file", "node_id", "timeout"}
+# --rdzv-conf key -> configuration key: torchrun's options are one more layer of the same
+# typed configuration (elasticd.config), validated by the same schema.
+RDZV_CONF_KEYS = {
+    "node_ttl": "node.ttl_s",
+    "join_timeout": "rendezvous.join_timeout_s",
+    "timeout": "rendezvous.join_timeout_s",  # torch's own etcd backend calls it this
+    "last_call_timeout": "rendezvous.last_call_timeout_s",
+    "close_timeout": "rendezvous.close_timeout_s",
+    "store_timeout": "rendezvous.store_timeout_s",
+    "etcd_timeout": "etcd.timeout_s",
+    "ca_file": "etcd.ca_file",
+    "cert_file": "etcd.cert_file",
+    "key_file": "etcd.key_file",
+    "user": "etcd.user",
+    "password": "etcd.password",
+    "password_file": "etcd.password_file",
+    "node_id": "node.id",
+}
+# Set by torchrun itself, not by the user.
+_TORCHRUN_KEYS = {"rank", "is_host", "local_addr"}
 
 
-def _number(params: RendezvousParameters, key: str, default: float) -> float:
-    raw = params.get(key, default)
-    try:
-        value = float(raw)
-    except (TypeError, ValueError):
-        raise ConfigError(f"rendezvous option {key}={raw!r} is not a number of seconds") from None
-    if value <= 0:
-        raise ConfigError(f"rendezvous option {key}={raw!r} must be positive")
-    return value
+def rdzv_conf_overrides(params: RendezvousParameters) -> tuple[dict[str, Any], dict[str, str]]:
+    """torch's ``RendezvousParameters`` as configuration overrides, and how each was spelled.
+
+    Raises:
+        ConfigError: an unknown ``--rdzv-conf`` key.
+    """
+    unknown = set(params.config) - set(RDZV_CONF_KEYS) - _TORCHRUN_KEYS
+    if unknown:
+        raise ConfigError(f"unknown etcd-v3 rendezvous option(s) {sorted(unknown)}; "
+                          f"known: {sorted(RDZV_CONF_KEYS)}")
+    overrides: dict[str, Any] = {
+        "etcd.endpoints": params.endpoint,
+        "job.name": params.run_id,
+        "job.nnodes": f"{params.min_nodes}:{params.max_nodes}",
+    }
+    names = {"etcd.endpoints": "--rdzv-endpoint", "job.name": "--rdzv-id",
+             "job.nnodes": "--nnodes"}
+    # `join_timeout` wins over `timeout` when both are given: apply `timeout` first.
+    for option in sorted(params.config, key=lambda k: k != "timeout"):
+        if option in _TORCHRUN_KEYS or params.config[option] is None:
+            continue
+        dotted = RDZV_CONF_KEYS[option]
+        overrides[dotted] = str(params.config[option])
+        names[dotted] = f"--rdzv-conf {option}"
+    if params.local_addr:
+        overrides["node.local_addr"] = params.local_addr
+        names["node.local_addr"] = "--local-addr"
+    return overrides, names
 
 
 def create_handler(params: RendezvousParameters) -> RendezvousHandler:
@@ -53,39 +94,28 @@ def create_handler(params: RendezvousParameters) -> RendezvousHandler:
     # fails as circular, leaving etcd-v3 unregistered and a traceback in every log.
     from elasticd.rendezvous.etcd_handler import EtcdRendezvousHandler, RendezvousSettings
 
-    unknown = set(params.config) - _KNOWN - {"rank", "is_host", "local_addr"}
-    if unknown:
-        raise ConfigError(f"unknown etcd-v3 rendezvous option(s) {sorted(unknown)}; "
-                          f"known: {sorted(_KNOWN)}")
-    job = validate_job_name(params.run_id)
-    password = params.get("password")
-    if params.get("password_file"):
-        try:
-            password = Path(params.get("password_file")).read_text().strip()
-        except OSError as exc:
-            raise ConfigError(f"cannot read etcd password_file: {exc}") from exc
-    ttl = int(_number(params, "node_ttl", 5))
-    if ttl < 2:
-        raise ConfigError(f"node_ttl={ttl} is below etcd's minimum lease TTL of 2 s")
+    # Under plain torchrun nobody else configures structlog; importing the package must not.
+    ensure_configured()
+    overrides, names = rdzv_conf_overrides(params)
+    # torchrun passes no training command to the rendezvous; the environment layer
+    # (ELASTICD_*) applies as under `elasticd agent`.
+    cfg = load_config(None, os.environ, overrides, require_command=False, override_names=names)
+    e, r = cfg.etcd, cfg.rendezvous
     client = EtcdClient(
-        params.endpoint,
-        timeout_s=_number(params, "etcd_timeout", 3.0),
-        tls=TLSFiles(params.get("ca_file"), params.get("cert_file"), params.get("key_file")),
-        user=params.get("user"),
-        password=password,
+        ",".join(e.endpoints), timeout_s=e.timeout_s,
+        tls=TLSFiles(e.ca_file, e.cert_file, e.key_file), user=e.user,
+        password=e.resolved_password(),
     )
     settings = RendezvousSettings(
-        min_nodes=params.min_nodes,
-        max_nodes=params.max_nodes,
-        node_ttl_s=ttl,
-        # `timeout` is what torch's etcd backend calls it: honour it for users switching over.
-        join_timeout_s=_number(params, "join_timeout", _number(params, "timeout", 600.0)),
-        last_call_timeout_s=_number(params, "last_call_timeout", 1.0),
-        close_timeout_s=_number(params, "close_timeout", 30.0),
-        store_timeout_s=_number(params, "store_timeout", 300.0),
-        local_addr=params.local_addr,
+        min_nodes=cfg.job.min_nodes, max_nodes=cfg.job.max_nodes, node_ttl_s=cfg.node.ttl_s,
+        join_timeout_s=r.join_timeout_s, last_call_timeout_s=r.last_call_timeout_s,
+        close_timeout_s=r.close_timeout_s, store_timeout_s=r.store_timeout_s,
+        local_addr=cfg.node.local_addr,
     )
-    return EtcdRendezvousHandler(client, job, settings, node_id=params.get("node_id"))
+    # Without a node_id, torchrun's agents keep torch's own semantics: one id per agent
+    # process (HOST-PID), so several agents on one host are several nodes.
+    node_id = cfg.node.id if "node.id" in names or cfg.origins["node.id"].startswith("env") else None
+    return EtcdRendezvousHandler(client, cfg.job.name, settings, node_id=node_id)
 
 
 def register() -> None:

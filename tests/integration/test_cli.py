@@ -12,15 +12,20 @@ from elasticd.cli import build_parser
 pytestmark = pytest.mark.timeout(60)
 
 # Changing the CLI is a user-visible change: update this list, the docs and the CHANGELOG.
+# `run` and `agent` share one flag per config key (elasticd.config.flags).
+NODE_FLAGS = ["--standalone", "--job", "--nnodes", "--checkpoint-url", "--etcd", "--etcd-ca",
+              "--etcd-cert", "--etcd-key", "--etcd-user", "--etcd-password-file",
+              "--etcd-timeout", "--etcd-connect-timeout", "--etcd-data-dir", "--node-id",
+              "--local-addr", "--node-ttl", "--join-timeout", "--last-call-timeout",
+              "--close-timeout", "--store-timeout",
+              "--nproc-per-node", "--workdir", "--monitor-interval", "--hang-timeout",
+              "--no-warm-start", "--max-restarts", "--restart-backoff", "--restart-backoff-max",
+              "--drain-grace", "--resize-grace", "--preemption", "--preemption-url",
+              "--preemption-poll", "--log-format", "--log-level", "--log-dir", "--metrics-port",
+              "--metrics-addr"]
 SURFACE = {
-    "run": ["--standalone", "--etcd", "--etcd-ca", "--etcd-cert", "--etcd-key", "--etcd-user",
-            "--etcd-password-file", "--job", "--nnodes", "--nproc-per-node", "--node-id",
-            "--local-addr", "--max-restarts", "--restart-backoff", "--node-ttl", "--join-timeout",
-            "--last-call-timeout", "--drain-grace", "--resize-grace", "--hang-timeout",
-            "--no-warm-start", "--checkpoint-url", "--log-format", "--log-dir", "--metrics-port"],
-    "agent": ["--config", "--check-config", "--job", "--etcd", "--nnodes", "--nproc-per-node",
-              "--node-id", "--local-addr", "--checkpoint-url", "--max-restarts", "--drain-grace",
-              "--resize-grace", "--hang-timeout", "--no-warm-start", "--log-format", "--metrics-port"],
+    "run": ["--config", *NODE_FLAGS],
+    "agent": ["--config", "--check-config", *NODE_FLAGS],
     "status": ["--job", "--etcd", "--etcd-ca", "--etcd-cert", "--etcd-key", "--etcd-user",
                "--etcd-password-file", "--timeout", "--json", "--watch", "--events", "--window",
                "--max-rows"],
@@ -50,7 +55,7 @@ def run(*args, **kw):
     (["run", "--job", "x", "train.py"], "no etcd"),
     (["run", "--standalone", "--job", "a/b", "train.py"], "invalid job name"),
     (["run", "--standalone", "--nnodes", "3:1", "train.py"], "--nnodes"),
-    (["run", "--standalone", "--node-ttl", "1", "train.py"], "minimum lease TTL"),
+    (["run", "--standalone", "--node-ttl", "1", "train.py"], "minimum lease TTL is 2 s"),
     (["run", "--bogus"], "unrecognized arguments"),
 ])
 def test_bad_input_exits_78_with_a_clear_message(args, needle):

@@ -411,13 +411,13 @@ def test_unreachable_endpoint_fails_clearly_in_bounded_time():
     [
         ("cfg", {"ca_file": "/nonexistent/ca.pem"}, "/nonexistent/ca.pem"),
         ("cfg", {"cert_file": "/nonexistent/c.pem", "key_file": "/nonexistent/k.pem"}, "/nonexistent/"),
-        ("cfg", {"cert_file": "/nonexistent/c.pem"}, "together"),
+        ("cfg", {"cert_file": "/nonexistent/c.pem"}, "both a certificate and its key"),
         ("a/b", {}, "invalid job name"),
         ("..", {}, "invalid job name"),
         ("cfg", {"join_timout": "5"}, "join_timout"),
         ("cfg", {"node_ttl": "1"}, "node_ttl"),
         ("cfg", {"join_timeout": "soon"}, "join_timeout"),
-        ("cfg", {"last_call_timeout": "0"}, "last_call_timeout"),
+        ("cfg", {"last_call_timeout": "-1"}, "last_call_timeout"),
         ("cfg", {"password": "x"}, "user"),
         ("cfg", {"password_file": "/nonexistent/pw"}, "password_file"),
         ("cfg", {"node_id": "a/b"}, "node id"),
@@ -433,8 +433,8 @@ def test_bad_parameters_are_config_errors(job, conf, needle):
 
 def test_bad_endpoint_is_a_config_error():
     """A malformed endpoint fails at creation with a ConfigError showing the expected form."""
-    with pytest.raises(ConfigError, match="HOST:PORT"):
-        create_handler(params("localhost"))
+    with pytest.raises(ConfigError, match="invalid port"):
+        create_handler(params("localhost:notaport"))
 
 
 # --- the c10d store on etcd ------------------------------------------------------------

@@ -12,6 +12,7 @@ import time
 
 import jsonschema
 import pytest
+from synthetic_job import SyntheticJob, write_synthetic_job
 
 from elasticd.etcd.client import EtcdClient
 from elasticd.keys import JobKeys
@@ -19,7 +20,6 @@ from elasticd.records import Event
 from elasticd.status import jsondoc
 from elasticd.status.cli import build_parser, run
 from elasticd.status.model import read_job
-from elasticd.status.synthetic import SyntheticJob, write_synthetic_job
 
 SCHEMA = jsondoc.load_schema()
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -15,8 +16,9 @@ from elasticd.config import (
     render_effective,
 )
 from elasticd.config.loader import tomllib  # tomli on Python 3.10
-from elasticd.config.schema import KEYS
+from elasticd.config.schema import KEYS, standalone_job_name
 from elasticd.errors import EX_CONFIG, ConfigError
+from elasticd.keys import validate_job_name
 
 REPO = Path(__file__).resolve().parents[2]
 MINIMAL = """
@@ -186,11 +188,24 @@ def test_node_id_is_derived_from_hostname(tmp_path):
 
 
 def test_standalone_defaults_job_name_and_loopback_address(tmp_path):
-    """A standalone job needs no name ("local") and its workers use 127.0.0.1."""
+    """A standalone job needs no name (it is derived from the script and the directory)
+    and its workers use 127.0.0.1."""
     config = load(tmp_path, '[job]\nstandalone = true\n[workers]\ncommand = ["t.py"]\n')
-    assert config.job.name == "local" and config.etcd.embedded
+    assert config.job.name == standalone_job_name(("t.py",), os.getcwd()) and config.etcd.embedded
+    assert config.job.name.startswith("t-")
     assert config.node.local_addr == "127.0.0.1"
-    assert config.origins["job.name"] == "default (standalone)"
+    assert config.origins["job.name"].startswith("default (standalone")
+
+
+def test_standalone_job_names_differ_by_script_and_directory():
+    """Two standalone jobs never share a name by accident: another directory or another
+    script is another job; the same script in the same directory is the same job."""
+    a = standalone_job_name(("train.py", "--lr", "1"), "/home/ana/exp1")
+    assert a == standalone_job_name(("train.py", "--lr", "2"), "/home/ana/exp1")
+    assert a != standalone_job_name(("train.py",), "/home/ana/exp2")
+    assert a != standalone_job_name(("eval.py",), "/home/ana/exp1")
+    assert standalone_job_name(("-m", "pkg.train"), "/x").startswith("train-")
+    validate_job_name(standalone_job_name(("weird name!.py",), "/x"))
 
 
 def test_rendezvous_and_logging_keys_from_environment(tmp_path):

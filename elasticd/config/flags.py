@@ -1,0 +1,126 @@
+"""Command-line flags as the top layer of the configuration.
+
+Why: ``elasticd run`` and ``elasticd agent`` used to build their settings in two ways,
+with defaults and checks of their own; keys validated in a TOML file were silently
+dropped on the way to the runtime, and the same flag accepted different values in each
+command. Now every flag is only a spelling of a schema key (``dest`` is the dotted key,
+the default is ``None`` = "not given"), so the schema's parsers, bounds and defaults are
+the only ones, for every way in: TOML < ``ELASTICD_*`` < flags (and ``--rdzv-conf``
+under torchrun, see ``elasticd.rendezvous.registry``).
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from elasticd.config.schema import LOG_FORMATS, LOG_LEVELS, PROVIDERS
+
+
+@dataclass(frozen=True)
+class Flag:
+    """One command-line spelling of a schema key."""
+
+    option: str
+    dotted: str
+    help: str
+    metavar: str | None = None
+    const: str | None = None  # a switch: sets the key to this text
+    choices: tuple[str, ...] | None = None
+
+
+# Keys with no flag on purpose: workers.command is the positional SCRIPT, workers.env is a
+# table (use the environment or [workers.env]), etcd.password must never be on a command
+# line (it shows in `ps`): use --etcd-password-file.
+NO_FLAG = frozenset({"workers.command", "workers.env", "etcd.password"})
+
+FLAGS: tuple[Flag, ...] = (
+    Flag("--standalone", "job.standalone", "one machine: start a private embedded etcd",
+         const="true"),
+    Flag("--job", "job.name", "job name (letters, digits, -_.; default with --standalone: "
+         "derived from the script and the directory)"),
+    Flag("--nnodes", "job.nnodes", "N or MIN:MAX nodes (default 1)"),
+    Flag("--checkpoint-url", "job.checkpoint_url",
+         "fsspec URL handed to workers as ELASTICD_CHECKPOINT_URL", metavar="URL"),
+    Flag("--etcd", "etcd.endpoints", "etcd endpoints, comma-separated",
+         metavar="HOST:PORT[,...]"),
+    Flag("--etcd-ca", "etcd.ca_file", "CA bundle for TLS to etcd", metavar="FILE"),
+    Flag("--etcd-cert", "etcd.cert_file", "client certificate for TLS", metavar="FILE"),
+    Flag("--etcd-key", "etcd.key_file", "client key for TLS", metavar="FILE"),
+    Flag("--etcd-user", "etcd.user", "etcd user (auth)", metavar="USER"),
+    Flag("--etcd-password-file", "etcd.password_file", "file holding the etcd password",
+         metavar="FILE"),
+    Flag("--etcd-timeout", "etcd.timeout_s", "timeout of one etcd call, s", metavar="S"),
+    Flag("--etcd-connect-timeout", "etcd.connect_timeout_s",
+         "how long to wait for etcd at start, s", metavar="S"),
+    Flag("--etcd-data-dir", "etcd.data_dir", "data dir of the embedded etcd (default: a new "
+         "temporary dir)", metavar="DIR"),
+    Flag("--node-id", "node.id", "this node's id (default: the host name)"),
+    Flag("--local-addr", "node.local_addr", "address peers use to reach this node's workers",
+         metavar="ADDR"),
+    Flag("--node-ttl", "node.ttl_s", "lease TTL, s: a dead node is seen this fast (min 2)",
+         metavar="S"),
+    Flag("--join-timeout", "rendezvous.join_timeout_s", "max wait for a round, s", metavar="S"),
+    Flag("--last-call-timeout", "rendezvous.last_call_timeout_s",
+         "wait this long for stragglers once MIN nodes joined, s", metavar="S"),
+    Flag("--close-timeout", "rendezvous.close_timeout_s",
+         "how long closing a finished job's rendezvous may take, s", metavar="S"),
+    Flag("--store-timeout", "rendezvous.store_timeout_s",
+         "timeout of the round's c10d store (workers' init_process_group), s", metavar="S"),
+    Flag("--nproc-per-node", "workers.nproc_per_node", "workers on this node: N, 'gpu' or 'auto'",
+         metavar="N"),
+    Flag("--workdir", "workers.workdir", "working directory of the workers", metavar="DIR"),
+    Flag("--monitor-interval", "workers.monitor_interval_s", "how often workers are checked, s",
+         metavar="S"),
+    Flag("--hang-timeout", "workers.hang_timeout_s", "restart if no step for this long (0=off), s",
+         metavar="S"),
+    Flag("--no-warm-start", "workers.warm_start",
+         "start every worker cold (no standby processes that have imported torch)", const="false"),
+    Flag("--max-restarts", "restart.max_restarts", "worker-failure restarts (default 3)",
+         metavar="N"),
+    Flag("--restart-backoff", "restart.backoff_s", "first restart backoff, s", metavar="S"),
+    Flag("--restart-backoff-max", "restart.backoff_max_s", "largest restart backoff, s",
+         metavar="S"),
+    Flag("--drain-grace", "drain.grace_s", "on a stop, workers get this long to save, s",
+         metavar="S"),
+    Flag("--resize-grace", "drain.resize_grace_s",
+         "on a join, workers get this long to stop at a step boundary (0=restart at once), s",
+         metavar="S"),
+    Flag("--preemption", "preemption.provider", "watch this cloud's preemption notices",
+         choices=PROVIDERS),
+    Flag("--preemption-url", "preemption.base_url", "metadata service URL (tests, proxies)",
+         metavar="URL"),
+    Flag("--preemption-poll", "preemption.poll_interval_s", "metadata poll interval, s",
+         metavar="S"),
+    Flag("--log-format", "logging.format", "agent log format", choices=LOG_FORMATS),
+    Flag("--log-level", "logging.level", "agent log level", choices=LOG_LEVELS),
+    Flag("--log-dir", "logging.worker_log_dir", "where worker logs go", metavar="DIR"),
+    Flag("--metrics-port", "metrics.port", "serve Prometheus metrics on this port (0=off)",
+         metavar="PORT"),
+    Flag("--metrics-addr", "metrics.addr", "address the metrics exporter binds", metavar="ADDR"),
+)
+
+
+def add_config_flags(parser: argparse.ArgumentParser) -> None:
+    """Add one flag per schema key (see :data:`FLAGS`), all defaulting to "not given"."""
+    for f in FLAGS:
+        if f.const is not None:
+            parser.add_argument(f.option, dest=f.dotted, action="store_const", const=f.const,
+                                default=None, help=f.help)
+        else:
+            metavar = f.metavar or (None if f.choices else f.option[2:].upper().replace("-", "_"))
+            parser.add_argument(f.option, dest=f.dotted, default=None, help=f.help,
+                                metavar=metavar, choices=f.choices)
+
+
+def overrides_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The flags that were given, as ``{dotted key: text}`` for ``load_config``."""
+    given: Mapping[str, Any] = vars(args)
+    return {f.dotted: given[f.dotted] for f in FLAGS if given.get(f.dotted) is not None}
+
+
+def flag_names() -> dict[str, str]:
+    """``{dotted key: "flag --option"}``, so errors name the flag the user typed."""
+    return {f.dotted: f"flag {f.option}" for f in FLAGS}

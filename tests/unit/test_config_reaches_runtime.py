@@ -1,0 +1,179 @@
+"""Every configuration key reaches the runtime, and its default is defined once.
+
+The walk below sets each schema key to a non-default value, loads it through the one
+pipeline (``load_config``), maps it with the one function (``elasticd.agent.settings.
+node_spec``) and finds the value in the object the runner uses. A key added to the
+schema without a row here fails ``test_the_walk_covers_every_key``: a key that does
+nothing cannot exist.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from elasticd.agent.elastic_agent import SupervisionSettings
+from elasticd.agent.runner import NodeSpec
+from elasticd.agent.settings import node_spec
+from elasticd.config import load_config, model
+from elasticd.config.flags import FLAGS, NO_FLAG
+from elasticd.config.schema import KEYS, REQUIRED
+from elasticd.rendezvous.etcd_handler import RendezvousSettings
+
+BASE = {"job.name": "walk", "workers.command": ("train.py",), "etcd.endpoints": "10.0.0.1:2379"}
+
+Check = Callable[[NodeSpec], Any]
+
+
+def _rows(tmp_path) -> dict[str, tuple[dict[str, Any], Check, Any]]:
+    """key -> (overrides, how to read the runtime value, expected runtime value)."""
+    pw = tmp_path / "pw"
+    pw.write_text("s3cret\n")
+    auth = {"etcd.user": "u"}
+    tls = {"etcd.ca_file": "/ca.pem", "etcd.cert_file": "/c.pem", "etcd.key_file": "/k.pem"}
+    return {
+        "job.name": ({"job.name": "other"}, lambda s: s.job, "other"),
+        "job.nnodes": ({"job.nnodes": "2:4"}, lambda s: (s.min_nodes, s.max_nodes), (2, 4)),
+        "job.checkpoint_url": ({"job.checkpoint_url": "s3://b/x"},
+                               lambda s: s.supervision.checkpoint_url, "s3://b/x"),
+        "job.standalone": ({"job.standalone": "true", "etcd.endpoints": ""},
+                           lambda s: (s.etcd_endpoints, s.local_addr), (None, "127.0.0.1")),
+        "etcd.endpoints": ({"etcd.endpoints": "h1:1,h2:2"}, lambda s: s.etcd_endpoints, "h1:1,h2:2"),
+        "etcd.ca_file": ({"etcd.ca_file": "/ca.pem"}, lambda s: s.tls.ca_file, "/ca.pem"),
+        "etcd.cert_file": (tls, lambda s: s.tls.cert_file, "/c.pem"),
+        "etcd.key_file": (tls, lambda s: s.tls.key_file, "/k.pem"),
+        "etcd.user": ({**auth, "etcd.password_file": str(pw)}, lambda s: s.etcd_user, "u"),
+        "etcd.password": ({**auth, "etcd.password": "pw2"}, lambda s: s.etcd_password, "pw2"),
+        "etcd.password_file": ({**auth, "etcd.password_file": str(pw)},
+                               lambda s: s.etcd_password, "s3cret"),
+        "etcd.timeout_s": ({"etcd.timeout_s": "7"}, lambda s: s.etcd_timeout_s, 7.0),
+        "etcd.connect_timeout_s": ({"etcd.connect_timeout_s": "9"},
+                                   lambda s: s.etcd_connect_timeout_s, 9.0),
+        "etcd.data_dir": ({"etcd.data_dir": "/var/lib/e"}, lambda s: s.etcd_data_dir, "/var/lib/e"),
+        "node.id": ({"node.id": "n7"}, lambda s: s.node_id, "n7"),
+        "node.local_addr": ({"node.local_addr": "10.1.2.3"}, lambda s: s.local_addr, "10.1.2.3"),
+        "node.ttl_s": ({"node.ttl_s": "9"},
+                       lambda s: (s.node_ttl_s, s.supervision.attribution_window_s), (9, 10.0)),
+        "rendezvous.join_timeout_s": ({"rendezvous.join_timeout_s": "11"},
+                                      lambda s: s.join_timeout_s, 11.0),
+        "rendezvous.last_call_timeout_s": ({"rendezvous.last_call_timeout_s": "0.5"},
+                                           lambda s: s.last_call_timeout_s, 0.5),
+        "rendezvous.close_timeout_s": ({"rendezvous.close_timeout_s": "12"},
+                                       lambda s: s.close_timeout_s, 12.0),
+        "rendezvous.store_timeout_s": ({"rendezvous.store_timeout_s": "13"},
+                                       lambda s: s.store_timeout_s, 13.0),
+        "workers.command": ({"workers.command": "other.py --x 1"}, lambda s: s.command,
+                            ("other.py", "--x", "1")),
+        "workers.nproc_per_node": ({"workers.nproc_per_node": "3"}, lambda s: s.nproc_per_node, 3),
+        "workers.workdir": ({"workers.workdir": str(tmp_path)}, lambda s: s.workdir, str(tmp_path)),
+        "workers.env": ({"workers.env": {"A": "1"}}, lambda s: s.supervision.worker_env, {"A": "1"}),
+        "workers.monitor_interval_s": ({"workers.monitor_interval_s": "0.3"},
+                                       lambda s: s.supervision.monitor_interval_s, 0.3),
+        "workers.hang_timeout_s": ({"workers.hang_timeout_s": "100"},
+                                   lambda s: s.supervision.hang_timeout_s, 100.0),
+        "workers.warm_start": ({"workers.warm_start": "false"},
+                               lambda s: s.supervision.warm_start, False),
+        "restart.max_restarts": ({"restart.max_restarts": "5"},
+                                 lambda s: s.supervision.max_restarts, 5),
+        "restart.backoff_s": ({"restart.backoff_s": "2"},
+                              lambda s: s.supervision.restart_backoff_s, 2.0),
+        "restart.backoff_max_s": ({"restart.backoff_max_s": "40"},
+                                  lambda s: s.supervision.restart_backoff_max_s, 40.0),
+        "drain.grace_s": ({"drain.grace_s": "20"}, lambda s: s.supervision.drain_grace_s, 20.0),
+        "drain.resize_grace_s": ({"drain.resize_grace_s": "4"},
+                                 lambda s: s.supervision.resize_grace_s, 4.0),
+        "preemption.provider": ({"preemption.provider": "aws"},
+                                lambda s: type(s.preemption.source).__name__, "AwsSpotSource"),
+        "preemption.base_url": ({"preemption.provider": "aws",
+                                 "preemption.base_url": "http://127.0.0.1:9"},
+                                lambda s: s.preemption.source.base_url, "http://127.0.0.1:9"),
+        "preemption.poll_interval_s": ({"preemption.provider": "gcp",
+                                        "preemption.poll_interval_s": "5"},
+                                       lambda s: s.preemption.poll_interval_s, 5.0),
+        "logging.format": ({"logging.format": "json"}, lambda s: s.log_format, "json"),
+        "logging.level": ({"logging.level": "warning"}, lambda s: s.log_level, "warning"),
+        "logging.worker_log_dir": ({"logging.worker_log_dir": "/var/log/w"},
+                                   lambda s: s.log_dir, "/var/log/w"),
+        "metrics.port": ({"metrics.port": "9400"}, lambda s: s.metrics_port, 9400),
+        "metrics.addr": ({"metrics.addr": "10.0.0.9"}, lambda s: s.metrics_addr, "10.0.0.9"),
+    }
+
+
+def test_the_walk_covers_every_key(tmp_path):
+    """The table below has a row for exactly the schema's keys (a new key needs one)."""
+    assert set(_rows(tmp_path)) == set(KEYS)
+
+
+@pytest.mark.parametrize("dotted", sorted(KEYS))
+def test_every_key_reaches_the_runtime(dotted, tmp_path):
+    """Setting a key changes the value the runner acts on, through load_config + node_spec."""
+    overrides, read, expected = _rows(tmp_path)[dotted]
+    cfg = load_config(None, {}, {**BASE, **overrides}, check_files=False, hostname="h")
+    assert read(node_spec(cfg, {})) == expected
+    default = load_config(None, {}, BASE, check_files=False, hostname="h")
+    if dotted not in BASE:  # the default differs, so the row really observed the key
+        try:
+            assert read(node_spec(default, {})) != expected
+        except AttributeError:  # e.g. no preemption watcher at all by default
+            pass
+
+
+def test_every_key_but_secrets_and_tables_has_a_flag():
+    """`run` and `agent` can set every key from the command line, except the password
+    (visible in `ps`), the worker env table and the positional command."""
+    assert {f.dotted for f in FLAGS} == set(KEYS) - NO_FLAG
+
+
+def _defaults(cls: type) -> dict[str, Any]:
+    return {f.name: f.default for f in dataclasses.fields(cls)
+            if f.default is not dataclasses.MISSING}
+
+
+@pytest.mark.parametrize("section", sorted({k.section for k in KEYS.values()}))
+def test_model_defaults_equal_the_schema(section):
+    """The typed sections' dataclass defaults are the schema's (defined once, checked here)."""
+    cls = {"job": model.JobConfig, "etcd": model.EtcdConfig, "node": model.NodeConfig,
+           "rendezvous": model.RendezvousConfig, "workers": model.WorkersConfig,
+           "restart": model.RestartConfig, "drain": model.DrainConfig,
+           "preemption": model.PreemptionConfig, "logging": model.LoggingConfig,
+           "metrics": model.MetricsConfig}[section]
+    defaults = _defaults(cls)
+    for key in KEYS.values():
+        if key.section == section and key.name in defaults and key.default is not REQUIRED:
+            assert defaults[key.name] == key.default, key.dotted
+
+
+def test_runtime_defaults_equal_the_schema():
+    """Library-level defaults (NodeSpec, SupervisionSettings, RendezvousSettings) agree with
+    the schema, so code that builds them directly behaves like the CLI."""
+    d = {k: v.default for k, v in KEYS.items()}
+    node, sup, rdzv = _defaults(NodeSpec), _defaults(SupervisionSettings), _defaults(RendezvousSettings)
+    assert node["node_ttl_s"] == rdzv["node_ttl_s"] == d["node.ttl_s"]
+    assert node["join_timeout_s"] == rdzv["join_timeout_s"] == d["rendezvous.join_timeout_s"]
+    assert node["last_call_timeout_s"] == rdzv["last_call_timeout_s"] == d["rendezvous.last_call_timeout_s"]
+    assert node["close_timeout_s"] == rdzv["close_timeout_s"] == d["rendezvous.close_timeout_s"]
+    assert node["store_timeout_s"] == rdzv["store_timeout_s"] == d["rendezvous.store_timeout_s"]
+    assert node["etcd_timeout_s"] == d["etcd.timeout_s"]
+    assert node["etcd_connect_timeout_s"] == d["etcd.connect_timeout_s"]
+    assert node["log_format"] == d["logging.format"] and node["log_level"] == d["logging.level"]
+    assert node["metrics_addr"] == d["metrics.addr"]
+    assert sup["max_restarts"] == d["restart.max_restarts"]
+    assert sup["restart_backoff_s"] == d["restart.backoff_s"]
+    assert sup["restart_backoff_max_s"] == d["restart.backoff_max_s"]
+    assert sup["drain_grace_s"] == d["drain.grace_s"]
+    assert sup["resize_grace_s"] == d["drain.resize_grace_s"]
+    assert sup["hang_timeout_s"] == d["workers.hang_timeout_s"]
+    assert sup["monitor_interval_s"] == d["workers.monitor_interval_s"]
+    assert sup["warm_start"] == d["workers.warm_start"]
+
+
+def test_every_flag_is_documented():
+    """docs/configuration.md's flag table names every flag and its key."""
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "configuration.md").read_text()
+    for f in FLAGS:
+        assert f"`{f.option}`" in doc and f"`{f.dotted}" in doc, f.option

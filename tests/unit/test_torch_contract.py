@@ -1,0 +1,144 @@
+"""The private parts of torch elastic that elasticd relies on, checked in one place.
+
+elasticd subclasses torch's ``LocalElasticAgent`` (and its ``SubprocessHandler`` for warm
+standbys) and so overrides or calls some of their private methods and attributes. A torch
+upgrade that renames or reshapes one of them must fail here, with the name, rather than
+as a silent change of behaviour. Two tests keep the list honest:
+
+- ``test_every_private_torch_name_elasticd_touches_is_listed`` reads elasticd's source
+  (AST) and finds every private name of a torch base class that elasticd's subclasses
+  override, call or read; each must be in :data:`CONTRACT`;
+- ``test_listed_private_names_exist_with_the_expected_signature`` checks each listed name
+  on the installed torch: methods by their parameter names, attributes by the base
+  class's ``__init__`` assigning them.
+
+Tested torch versions: see docs/architecture.md ("torch contract").
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import inspect
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2] / "elasticd"
+
+LOCAL_AGENT = "torch.distributed.elastic.agent.server.local_elastic_agent.LocalElasticAgent"
+SUBPROCESS_HANDLER = ("torch.distributed.elastic.multiprocessing.subprocess_handler."
+                      "subprocess_handler.SubprocessHandler")
+
+# "<torch class>:<name>" -> parameter names of the method (without self), or None for an
+# instance attribute set by the class (or a base) in __init__.
+CONTRACT: dict[str, tuple[str, ...] | None] = {
+    f"{LOCAL_AGENT}:_invoke_run": ("role",),
+    f"{LOCAL_AGENT}:_start_workers": ("worker_group",),
+    f"{LOCAL_AGENT}:_stop_workers": ("worker_group",),
+    f"{LOCAL_AGENT}:_monitor_workers": ("worker_group",),
+    f"{LOCAL_AGENT}:_rendezvous": ("worker_group",),
+    f"{LOCAL_AGENT}:_initialize_workers": ("worker_group",),
+    f"{LOCAL_AGENT}:_restart_workers": ("worker_group",),
+    f"{LOCAL_AGENT}:_exit_barrier": (),
+    f"{LOCAL_AGENT}:_record_worker_events": ("result",),
+    f"{LOCAL_AGENT}:_setup_local_watchdog": ("envs",),
+    f"{LOCAL_AGENT}:_worker_group": None,
+    f"{LOCAL_AGENT}:_remaining_restarts": None,
+    f"{LOCAL_AGENT}:_pcontext": None,
+    f"{SUBPROCESS_HANDLER}:_popen": ("args", "env"),
+    f"{SUBPROCESS_HANDLER}:_stdout": None,
+    f"{SUBPROCESS_HANDLER}:_stderr": None,
+}
+# Module-level hooks replaced or read (module path: attribute).
+MODULE_HOOKS = {
+    "torch.distributed.elastic.multiprocessing.api": "get_subprocess_handler",
+}
+
+
+def _resolve(dotted: str) -> type:
+    module, _, name = dotted.rpartition(".")
+    return getattr(importlib.import_module(module), name)
+
+
+def _torch_bases(tree: ast.Module) -> dict[str, str]:
+    """Names bound by ``from torch... import X`` in a module -> their full dotted path."""
+    out = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("torch"):
+            for alias in node.names:
+                out[alias.asname or alias.name] = f"{node.module}.{alias.name}"
+    return out
+
+
+def _private_uses(cls: ast.ClassDef) -> set[str]:
+    """Private names a class defines or reaches through ``self.``/``super().``."""
+    names = set()
+    for node in ast.walk(cls):
+        if (isinstance(node, ast.FunctionDef) and node.name.startswith("_")
+                and not node.name.startswith("__")):
+            names.add(node.name)
+        if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+            value = node.value
+            is_self = isinstance(value, ast.Name) and value.id == "self"
+            is_super = (isinstance(value, ast.Call) and isinstance(value.func, ast.Name)
+                        and value.func.id == "super")
+            if is_self or is_super:
+                names.add(node.attr)
+    return names
+
+
+def _discovered() -> set[str]:
+    found = set()
+    for path in ROOT.rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        torch_names = _torch_bases(tree)
+        for cls in [n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)]:
+            for base in cls.bases:
+                if not (isinstance(base, ast.Name) and base.id in torch_names):
+                    continue
+                base_path = torch_names[base.id]
+                base_cls = _resolve(base_path)
+                canonical = f"{base_cls.__module__}.{base_cls.__qualname__}"
+                init_src = "".join(inspect.getsource(k.__init__) for k in base_cls.__mro__
+                                   if k.__module__.startswith("torch") and "__init__" in k.__dict__)
+                for name in _private_uses(cls):
+                    if hasattr(base_cls, name) or f"self.{name} " in init_src or f"self.{name}:" in init_src:
+                        found.add(f"{canonical}:{name}")
+    return found
+
+
+def test_every_private_torch_name_elasticd_touches_is_listed():
+    """A private torch name used anywhere in elasticd/ without a CONTRACT entry fails here."""
+    missing = _discovered() - set(CONTRACT)
+    assert not missing, f"add these to CONTRACT (and check them on every torch upgrade): {sorted(missing)}"
+
+
+def test_contract_lists_nothing_elasticd_no_longer_uses():
+    """CONTRACT shrinks when elasticd stops relying on a private name."""
+    stale = set(CONTRACT) - _discovered()
+    assert not stale, f"no longer used, remove from CONTRACT: {sorted(stale)}"
+
+
+@pytest.mark.parametrize("entry", sorted(CONTRACT))
+def test_listed_private_names_exist_with_the_expected_signature(entry):
+    """Each private torch name elasticd relies on exists on the installed torch, methods
+    with the parameters elasticd passes, attributes assigned by the class's __init__."""
+    class_path, _, name = entry.partition(":")
+    cls = _resolve(class_path)
+    expected = CONTRACT[entry]
+    if expected is None:
+        init_src = "".join(inspect.getsource(k.__init__) for k in cls.__mro__
+                           if k.__module__.startswith("torch") and "__init__" in k.__dict__)
+        assert f"self.{name}" in init_src, f"{entry}: no longer set in __init__"
+        return
+    attr = getattr(cls, name, None)
+    assert callable(attr), f"{entry}: gone from torch {importlib.import_module('torch').__version__}"
+    params = tuple(p for p in inspect.signature(attr).parameters if p != "self")
+    assert params == expected, f"{entry}: signature is now {params}"
+
+
+@pytest.mark.parametrize(("module", "attr"), sorted(MODULE_HOOKS.items()))
+def test_module_hooks_exist(module, attr):
+    """Module-level functions elasticd swaps (warm standbys) are still there."""
+    assert callable(getattr(importlib.import_module(module), attr, None)), f"{module}.{attr}"
