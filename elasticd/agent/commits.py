@@ -34,7 +34,7 @@ from pathlib import Path
 
 import structlog
 
-from elasticd.checkpoint.api import CommitOutcome
+from elasticd.control.api import CommitOutcome
 
 log = structlog.get_logger(__name__)
 

@@ -16,7 +16,7 @@ from typing import Any
 import structlog
 
 from elasticd.agent.commits import PendingCommit
-from elasticd.checkpoint.api import CommitOutcome
+from elasticd.control.api import CommitOutcome
 from elasticd.errors import TransientError
 from elasticd.keys import JobKeys
 from elasticd.records import CheckpointPointer, Event, Progress

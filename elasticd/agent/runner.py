@@ -26,8 +26,8 @@ from torch.distributed.elastic.rendezvous import (
 from elasticd.agent.commits import CommitRetrier, PendingCommit, read_intents, write_intent
 from elasticd.agent.elastic_agent import ElasticdAgent, SupervisionSettings, print_summary
 from elasticd.agent.recorder import JobRecorder
-from elasticd.checkpoint.api import CommitOutcome
 from elasticd.control import CommitRequest, ControlChannel
+from elasticd.control.api import CommitOutcome
 from elasticd.errors import ConfigError, EtcdUnavailableError, TransientError
 from elasticd.etcd.client import EtcdClient, TLSFiles
 from elasticd.etcd.embedded import EmbeddedEtcd

@@ -13,10 +13,10 @@ This module holds no I/O; ``manager.py`` is the training-side implementation and
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
+from elasticd.control.api import CommitOutcome
 from elasticd.errors import ConfigError, ElasticdError, TransientError
 from elasticd.records import CheckpointPointer
 
@@ -66,35 +66,6 @@ class CheckpointReadError(CheckpointError, TransientError):
     Raised rather than falling back, so a storage outage does not silently resume from
     an older checkpoint; the worker fails and the agent retries.
     """
-
-
-class CommitOutcome(enum.Enum):
-    """What became of one commit: the fence's answer has three values, not two.
-
-    - ``COMMITTED``: the pointer names the checkpoint now.
-    - ``REFUSED``: the fence compared and said no (the writer's round is over, or a newer
-      checkpoint is committed): the writer is a zombie or late; its upload may be deleted.
-    - ``UNKNOWN``: no answer (etcd unreachable or slow, the agent busy, any other error).
-      The upload is kept, nothing is raised, training goes on; the agent retries the commit
-      and the pointer catches up once etcd answers. Nothing is ever deleted on a guess.
-
-    ``bool(outcome)`` is True only for ``COMMITTED``, so code written against the old
-    boolean contract (``if fence.commit(...)``) keeps its meaning for that case.
-    """
-
-    COMMITTED = "committed"
-    REFUSED = "refused"
-    UNKNOWN = "unknown"
-
-    def __bool__(self) -> bool:
-        return self is CommitOutcome.COMMITTED
-
-    @classmethod
-    def of(cls, value: CommitOutcome | bool) -> CommitOutcome:
-        """Normalise a fence's answer: a legacy ``bool`` means committed or refused."""
-        if isinstance(value, CommitOutcome):
-            return value
-        return cls.COMMITTED if value else cls.REFUSED
 
 
 @runtime_checkable

@@ -18,7 +18,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from elasticd.checkpoint.api import CommitOutcome
+from elasticd.control.api import CommitOutcome
 from elasticd.errors import ElasticdError
 from elasticd.records import CheckpointPointer
 

@@ -24,7 +24,6 @@ from typing import Any
 
 import structlog
 
-from elasticd.checkpoint.api import CommitOutcome
 from elasticd.control.api import (
     DRAIN_FILE,
     DRAINABLE_PREFIX,
@@ -32,6 +31,7 @@ from elasticd.control.api import (
     ENV_CONTROL_SOCKET,
     SOCKET_FILE,
     STOPPED_PREFIX,
+    CommitOutcome,
 )
 from elasticd.control.messages import (
     MAX_LINE_BYTES,

@@ -9,8 +9,8 @@ not pointed to, but neither is it deleted, and the agent retries the commit on i
 
 from __future__ import annotations
 
-from elasticd.checkpoint.api import CommitOutcome
 from elasticd.control import CommitReply, CommitRequest, ControlClient, LatestReply
+from elasticd.control.api import CommitOutcome
 from elasticd.records import CheckpointPointer
 
 
