@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import os
 import subprocess
+import sys
+from pathlib import Path
+from typing import Any
 
 import pytest
-from harness import ROOT, Node, children_of, elasticd_argv, wait_until
+from harness import PY, ROOT, Node, children_of, wait_until
+
+from elasticd.etcd.embedded import EmbeddedEtcd, ServerTLS, find_etcd_binary
 
 SCRIPT = str(ROOT / "tests" / "workers" / "dump_env.py")
 SECRET = "pw-Secret-4711"
@@ -24,26 +31,54 @@ def _leaks(env: dict[str, str]) -> list[str]:
                   if k.startswith(("ELASTICD_ETCD_", "ETCDCTL_")) or k == "ELASTICD_CONFIG" or SECRET in v)
 
 
-def test_no_etcd_credential_reaches_workers_or_standbys(etcd_server, tmp_path):
-    """An agent whose environment holds every etcd credential variable (endpoints, user,
-    password, password file, CA/cert/key, config path, etcdctl's): its worker's environment
-    (os.environ and the process's initial environ) and its warm standbys' hold none of them
-    and no password, but do hold the round and the control socket."""
+def _make_pki(root: Path) -> Any:
+    # The TLS test module's PKI builder (tests/integration is not a package).
+    spec = importlib.util.spec_from_file_location(
+        "elasticd_test_etcd_tls", ROOT / "tests" / "integration" / "test_etcd_tls.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses resolve annotations through it
+    spec.loader.exec_module(module)
+    return module.make_pki(root)
+
+
+@pytest.fixture
+def auth_etcd(tmp_path):
+    """An etcd over TLS (client certificates) with password auth on: user root / SECRET."""
+    pki = _make_pki(tmp_path / "pki")
+    server = EmbeddedEtcd(str(tmp_path / "etcd"), tls=ServerTLS(pki.server_cert, pki.server_key, pki.ca))
+    server.start()
+    etcdctl = os.path.join(os.path.dirname(find_etcd_binary()), "etcdctl")
+    tls = ["--endpoints", f"https://{server.endpoint}", "--cacert", pki.ca, "--cert",
+           pki.client_cert, "--key", pki.client_key]
+    try:
+        for args in (["user", "add", "root", f"--new-user-password={SECRET}", "--interactive=false"],
+                     ["user", "grant-role", "root", "root"], ["auth", "enable"]):
+            subprocess.run([etcdctl, *tls, *args], check=True, capture_output=True, timeout=30)
+        yield server, pki
+    finally:
+        server.stop(remove_data=True)
+
+
+def test_no_etcd_credential_reaches_workers_or_standbys(auth_etcd, tmp_path):
+    """An agent configured through ELASTICD_ETCD_* (endpoints, CA/cert/key, user and password
+    on an etcd with TLS and auth on), plus ELASTICD_CONFIG and ETCDCTL_*: its worker's
+    environment (os.environ and the process's initial environ) and its warm standbys' hold
+    none of them and no password, but do hold the round and the control socket."""
+    server, pki = auth_etcd
     out = tmp_path / "out"
     out.mkdir()
-    pw_file = tmp_path / "pw"
-    pw_file.write_text(SECRET)
+    config = tmp_path / "agent.toml"
+    config.write_text("")
     env = {
-        "ELASTICD_ETCD_ENDPOINTS": etcd_server.endpoint, "ELASTICD_ETCD_USER": "root",
-        "ELASTICD_ETCD_PASSWORD": SECRET, "ELASTICD_ETCD_PASSWORD_FILE": str(pw_file),
-        "ELASTICD_ETCD_CA_FILE": "/etc/elasticd/ca.pem", "ELASTICD_ETCD_CERT_FILE": "/etc/elasticd/c.pem",
-        "ELASTICD_ETCD_KEY_FILE": "/etc/elasticd/k.pem", "ELASTICD_CONFIG": "/etc/elasticd/agent.toml",
-        "ETCDCTL_PASSWORD": SECRET, "OUT": str(out),
+        "ELASTICD_ETCD_ENDPOINTS": server.endpoint, "ELASTICD_ETCD_USER": "root",
+        "ELASTICD_ETCD_PASSWORD": SECRET, "ELASTICD_ETCD_CA_FILE": pki.ca,
+        "ELASTICD_ETCD_CERT_FILE": pki.client_cert, "ELASTICD_ETCD_KEY_FILE": pki.client_key,
+        "ELASTICD_CONFIG": str(config), "ETCDCTL_PASSWORD": SECRET, "OUT": str(out),
     }
-    # `elasticd run` takes its etcd settings from flags, so these variables are inert for the
-    # agent itself; without scrubbing, every worker would inherit them.
-    node = Node(elasticd_argv(etcd_server.endpoint, "envjob", SCRIPT, nnodes="1"), env,
-                tmp_path / "agent.log")
+    node = Node([PY, "-m", "elasticd.cli", "run", "--job", "envjob", "--nnodes", "1",
+                 "--node-ttl", "2", "--local-addr", "127.0.0.1", "--log-format", "json", SCRIPT],
+                env, tmp_path / "agent.log")
     try:
         wait_until(lambda: (out / "env-0.json").exists() or not node.alive(), 90, "the worker's env dump")
         assert node.alive(), node.log()[-3000:]
