@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
+from elasticd.control.api import CommitOutcome
 from elasticd.errors import ConfigError, ElasticdError, TransientError
 from elasticd.records import CheckpointPointer
 
@@ -29,6 +30,7 @@ __all__ = [
     "CheckpointSaveError",
     "CheckpointUnreadableError",
     "CommitFence",
+    "CommitOutcome",
     "LoadedCheckpoint",
     "SaveResult",
     "SkippedCheckpoint",
@@ -89,8 +91,15 @@ class CommitFence(Protocol):
     out corrupt. Requiring a strictly higher step would refuse every save of that job.)
     """
 
-    def commit(self, step: int, manifest_url: str, world_size: int) -> bool:
-        """Point ``latest`` at ``manifest_url``; False if refused (stale round, not newer)."""
+    def commit(self, step: int, manifest_url: str, world_size: int) -> CommitOutcome:
+        """Point ``latest`` at ``manifest_url``.
+
+        Returns:
+            ``COMMITTED``; ``REFUSED`` only when the fence compared and said no (stale
+            round, not newer); ``UNKNOWN`` when it could not tell (never raise for that).
+            A plain ``bool`` is accepted from older implementations (True/False =
+            committed/refused).
+        """
         ...
 
     def latest(self) -> CheckpointPointer | None:
@@ -111,6 +120,8 @@ class SaveResult:
             the previous save).
         write_s: seconds the background write took, manifest and fence commit included.
         committed: True once the manifest is written and, with a fence, the fence accepted.
+        outcome: the fence's answer (``UNKNOWN``: the bytes are kept and the agent keeps
+            trying to commit them; see :class:`CommitOutcome`).
     """
 
     step: int
@@ -120,6 +131,7 @@ class SaveResult:
     blocked_s: float
     write_s: float
     committed: bool = True
+    outcome: CommitOutcome = CommitOutcome.COMMITTED
 
 
 @dataclass(frozen=True)

@@ -13,8 +13,12 @@ Design, in the order a save happens (docs/checkpoints.md has the full story):
   then asks the fence, then prunes. At most one save is in flight: the next ``save``
   waits for it. Its error is raised by the next ``save``/``wait``/``load_latest``/``close``.
 - **Fencing.** With a fence, a written checkpoint counts only once ``fence.commit``
-  accepts it. A refusal means this worker is a zombie (its round is over) or not newer:
-  the save is deleted and :class:`elasticd.errors.FencedError` is raised on the next call.
+  accepts it. Under an elasticd agent the agent's fence is used by default. The answer has
+  three values (:class:`CommitOutcome`): a *refusal* (the fence compared and said no)
+  means this worker is a zombie (its round is over) or not newer: the save is deleted and
+  :class:`elasticd.errors.FencedError` is raised on the next call. *Unknown* (etcd
+  unreachable or slow, no answer from the agent) keeps the save, raises nothing, and
+  training goes on: the agent retries the commit and the pointer catches up later.
 - **Load.** Group rank 0 picks candidates (the fence pointer first, else the listing,
   newest first), broadcasts each; every rank reads and verifies it and reports back; the
   first candidate every rank could read is applied on all ranks. Torn or corrupt ones are
@@ -43,6 +47,7 @@ from elasticd.checkpoint.api import (
     CheckpointSaveError,
     CheckpointUnreadableError,
     CommitFence,
+    CommitOutcome,
     LoadedCheckpoint,
     SaveResult,
     SkippedCheckpoint,
@@ -62,6 +67,15 @@ from elasticd.checkpoint.store import FsspecCheckpointStore, ListedSave, listing
 from elasticd.errors import ConfigError, FencedError
 
 log = structlog.get_logger(__name__)
+
+class _AutoFence:
+    """The default of ``CheckpointManager(fence=...)``: the agent's fence under an agent."""
+
+    def __repr__(self) -> str:
+        return "AUTO_FENCE"
+
+
+AUTO_FENCE = _AutoFence()
 
 # How often a load lists again when files vanish under it (a prune racing a slow reader).
 _MAX_LISTINGS = 5
@@ -91,7 +105,10 @@ class CheckpointManager:
         world_size: default: from the process group, else 1.
         keep_last: newest checkpoints kept by pruning (>= 1).
         keep_every: also keep steps that are multiples of this (None: off).
-        fence: optional :class:`CommitFence`; without one the listing decides.
+        fence: a :class:`CommitFence`. Default (``AUTO_FENCE``): the agent's fence when
+            this process runs under an elasticd agent, else none (the listing decides).
+            Pass ``None`` to turn fencing off, or a fence (``MemoryCommitFence``) for tests
+            and single-process runs.
         process_group: group to coordinate over; default: the initialised default group,
             or none (single process).
         storage_options: passed to fsspec (e.g. ``{"endpoint_url": ...}`` for S3).
@@ -116,7 +133,7 @@ class CheckpointManager:
         world_size: int | None = None,
         keep_last: int = 3,
         keep_every: int | None = None,
-        fence: CommitFence | None = None,
+        fence: CommitFence | None | _AutoFence = AUTO_FENCE,
         process_group: Any = None,
         storage_options: Mapping[str, Any] | None = None,
         grace_s: float = 600.0,
@@ -131,7 +148,7 @@ class CheckpointManager:
             raise ConfigError(f"checkpoint retention: {exc}") from exc
         self.store = FsspecCheckpointStore(url, job, storage_options)
         self.job = job
-        self.fence = fence
+        self.fence = _resolve_fence(fence)
         self._group = make_group(process_group, rank, world_size)
         self.rank = self._group.rank
         self.world_size = self._group.size
@@ -219,7 +236,8 @@ class CheckpointManager:
                 torch_version=torch.__version__, elasticd_version=elasticd.__version__,
                 run_id=self.identity.run_id or "")
             self.store.write_manifest(manifest)
-            committed = self.fence is None or self.fence.commit(step, url, self.world_size)
+            outcome = (CommitOutcome.COMMITTED if self.fence is None
+                       else CommitOutcome.of(self.fence.commit(step, url, self.world_size)))
         except Exception as exc:  # noqa: BLE001 - surfaced on the next call
             inflight.error = CheckpointSaveError(
                 f"saving checkpoint step {step} to {url} failed: {exc!r}; the previous "
@@ -230,8 +248,16 @@ class CheckpointManager:
         write_s = time.perf_counter() - t0
         inflight.result = SaveResult(step=step, save_id=save_id, manifest_url=url,
                                      nbytes=entry.size, blocked_s=inflight.blocked_s,
-                                     write_s=write_s, committed=committed)
-        if not committed:
+                                     write_s=write_s, committed=bool(outcome), outcome=outcome)
+        if outcome is CommitOutcome.UNKNOWN:
+            # No answer is not a no: keep the bytes (the agent retries the commit, and the
+            # pointer catches up once etcd answers), raise nothing, keep training. Protect the
+            # save from our own pruning until a newer commit supersedes it.
+            self._log.warning("checkpoint_commit_unknown", step=step, url=url)
+            self._manifests[(step, save_id)] = manifest
+            self._protect["pending"] = (step, save_id)
+            return
+        if outcome is CommitOutcome.REFUSED:
             self._log.warning("checkpoint_commit_refused", step=step, url=url)
             inflight.error = FencedError(
                 f"checkpoint step {step} was written but the commit fence refused it: this "
@@ -241,6 +267,7 @@ class CheckpointManager:
             return
         self._manifests[(step, save_id)] = manifest
         self._protect["saved"] = (step, save_id)
+        self._protect.pop("pending", None)
         # The loaded checkpoint was protected as possibly the newest valid one; a fresh
         # commit is newer and known valid, so the old one may age out normally now.
         self._protect.pop("loaded", None)
@@ -495,6 +522,22 @@ class CheckpointManager:
             return
         self._manifests.pop((save.step, save.save_id), None)
         self._log.info("checkpoint_pruned", step=save.step, save_id=save.save_id, reason=reason)
+
+
+def _resolve_fence(fence: CommitFence | None | _AutoFence) -> CommitFence | None:
+    """The fence a manager uses: ``AUTO_FENCE`` means the agent's under an agent, else none.
+
+    Raises:
+        ConfigError: started by an agent but without ``ELASTICD_ROUND`` (see
+            ``elasticd.worker.agent_fence``): a commit must never go out unfenced.
+    """
+    if not isinstance(fence, _AutoFence):
+        return fence
+    # Imported here: the worker package imports torch.distributed machinery the CLI's
+    # checkpoint listing never needs.
+    from elasticd.worker.fence import agent_fence
+
+    return agent_fence()
 
 
 def _json_or_none(value: Any) -> dict[str, Any] | None:
