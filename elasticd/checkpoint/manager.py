@@ -114,10 +114,12 @@ class CheckpointManager:
         storage_options: passed to fsspec (e.g. ``{"endpoint_url": ...}`` for S3).
         grace_s: age after which torn or never-committed saves are pruned.
         clock: Unix-time source (tests inject one).
-        run_id: this run's id (``WorkerContext.run_id``, from the agent); its saves carry
-            it and only they are loaded and pruned. None: anonymous (loads any save).
+        run_id: this run's id; its saves carry it and only they are loaded and pruned.
+            None: the agent's run id under an agent (``ELASTICD_RUN_ID``, like the fence:
+            nothing to remember), else anonymous (loads any save).
         resume: what to do with another run's checkpoints: ``"auto"`` (refuse if they are
             all there is), ``"require"`` (resume the newest), ``"never"`` (ignore them).
+            Under an agent, ``"auto"`` takes the agent's setting (``--resume``).
 
     Raises:
         ConfigError: bad URL, job, retention values, run id or resume mode, or
@@ -141,6 +143,8 @@ class CheckpointManager:
         run_id: str | None = None,
         resume: str = "auto",
     ) -> None:
+        if run_id is None:
+            run_id, resume = _agent_identity(resume)
         self.identity = RunIdentity(run_id, resume)
         try:
             self.policy = RetentionPolicy(keep_last=keep_last, keep_every=keep_every, grace_s=grace_s)
@@ -538,6 +542,16 @@ def _resolve_fence(fence: CommitFence | None | _AutoFence) -> CommitFence | None
     from elasticd.worker.fence import agent_fence
 
     return agent_fence()
+
+
+def _agent_identity(resume: str) -> tuple[str | None, str]:
+    """The run id and resume mode the agent handed its workers (None, ``resume`` without one)."""
+    from elasticd.worker.context import agent_environment
+
+    env = agent_environment()
+    if env is None:
+        return None, resume
+    return env.run_id, env.resume if resume == "auto" else resume
 
 
 def _json_or_none(value: Any) -> dict[str, Any] | None:

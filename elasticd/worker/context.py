@@ -101,6 +101,8 @@ class AgentEnvironment:
     control_dir: str
     socket_path: str
     round: int
+    run_id: str | None = None  # ELASTICD_RUN_ID: this run's identity (docs/checkpoints.md)
+    resume: str = "auto"  # ELASTICD_RESUME: what to do with another run's checkpoints
 
 
 def agent_environment() -> AgentEnvironment | None:
@@ -122,7 +124,9 @@ def agent_environment() -> AgentEnvironment | None:
             "be fenced. Start workers through `elasticd run`/`elasticd agent` (which set it), "
             f"or unset {ENV_CONTROL_SOCKET} and {ENV_CONTROL_DIR} to run without an agent")
     return AgentEnvironment(control_dir=os.environ.get(ENV_CONTROL_DIR, ""),
-                            socket_path=socket_path, round=int(raw))
+                            socket_path=socket_path, round=int(raw),
+                            run_id=os.environ.get("ELASTICD_RUN_ID") or None,
+                            resume=os.environ.get("ELASTICD_RESUME") or "auto")
 
 
 def init(backend: str | None = None, *, timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S) -> WorkerContext:
