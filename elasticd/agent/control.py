@@ -16,6 +16,10 @@ A private runtime directory (mode 0700) per agent, passed to workers as
   killing the workers; workers that never call ``should_stop`` (plain torchrun scripts)
   are restarted at once, as before. Progress reports alone do not mean the script checks
   for a stop.
+- ``done-<rank>``: written by the launcher (``elasticd.agent.worker_exec``) when the
+  worker's script returned with status 0, just before the process ends. It tells the
+  agent "this rank completed its work": an abort or a hang in torch's teardown after it
+  is not a failure, and never makes the agent re-run a finished script.
 - ``control.sock``: a Unix stream socket, JSON lines. Workers send
   ``{"op": "progress", ...}`` (no reply; feeds hang detection and status) and
   ``{"op": "commit", ...}`` (reply ``{"ok": bool, "reason": str}``: the fenced
@@ -46,6 +50,7 @@ DRAIN_FILE = "drain"
 SOCKET_FILE = "control.sock"
 STOPPED_PREFIX = "stopped-"
 DRAINABLE_PREFIX = "drainable-"
+DONE_PREFIX = "done-"
 
 
 @dataclass
@@ -183,7 +188,7 @@ class ControlChannel:
 
     def clear_round(self) -> None:
         """Forget per-round markers before starting a new worker group."""
-        for prefix in (STOPPED_PREFIX, DRAINABLE_PREFIX):
+        for prefix in (STOPPED_PREFIX, DRAINABLE_PREFIX, DONE_PREFIX):
             for p in self.dir.glob(prefix + "*"):
                 p.unlink(missing_ok=True)
         self.progress.reset()
@@ -200,6 +205,10 @@ class ControlChannel:
             except (ValueError, OSError):
                 continue
         return out
+
+    def done_count(self) -> int:
+        """How many workers of the current group wrote ``done-<rank>`` (script returned, 0)."""
+        return sum(1 for _ in self.dir.glob(DONE_PREFIX + "*"))
 
     def workers_drainable(self) -> bool:
         """True once a worker of the current group called ``should_stop`` (``drainable-<rank>``)."""

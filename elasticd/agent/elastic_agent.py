@@ -15,6 +15,7 @@ only bump counters; all work happens here, between ticks.
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import sys
@@ -34,6 +35,7 @@ from elasticd.agent.recorder import JobRecorder
 from elasticd.agent.warm import StandbyPool, warm_handlers
 from elasticd.errors import LeaseLostError, TransientError
 from elasticd.rendezvous.etcd_handler import EtcdRendezvousHandler
+from elasticd.rendezvous.protocol import LEFT_DRAINED, LEFT_FINISHED
 from elasticd.retry import restart_backoff_s
 
 log = structlog.get_logger(__name__)
@@ -47,6 +49,8 @@ class SupervisionSettings:
     restart_backoff_s: float = 1.0
     restart_backoff_max_s: float = 30.0
     drain_grace_s: float = 60.0
+    plain_stop_s: float = 3.0  # a stop when workers cannot drain: their SIGTERM handler's time
+    done_exit_s: float = 30.0  # workers whose script returned must exit within this (then: done)
     resize_grace_s: float = 30.0  # a join drains workers for at most this long; 0 = restart at once
     hang_timeout_s: float = 0.0  # 0 = off
     attribution_window_s: float = 3.0
@@ -66,10 +70,11 @@ class Outcome:
     kind: str = "running"  # finished | drained | failed | closed
     reason: str = ""
     failures: dict[int, Any] = field(default_factory=dict)  # global rank -> ProcessFailure
+    code: int = 1  # exit status when failed (78: a worker's configuration error)
 
     @property
     def exit_code(self) -> int:
-        return 0 if self.kind in ("finished", "drained", "closed") else 1
+        return 0 if self.kind in ("finished", "drained", "closed") else self.code
 
 
 class ElasticdAgent(LocalElasticAgent):
@@ -102,6 +107,8 @@ class ElasticdAgent(LocalElasticAgent):
         self.standby = StandbyPool(settings.warm_start, control.dir)
         self._worker_envs: dict[int, dict[str, str]] = {}
         self._group_started_at = 0.0
+        self._done_at: float | None = None  # when every local worker's script had returned
+        self._done_checked_at = 0.0
 
     # -- signals: flags only -------------------------------------------------------------
     def _on_signal(self, signum: int, frame: Any) -> None:
@@ -155,6 +162,7 @@ class ElasticdAgent(LocalElasticAgent):
         self.install_signal_handlers()
         self._groups_started += 1
         self._failure_seen_at = None
+        self._done_at = None
         return pids
 
     def _rendezvous(self, worker_group: WorkerGroup) -> None:
@@ -262,9 +270,12 @@ class ElasticdAgent(LocalElasticAgent):
         self._heartbeat(now)
         waiting = self.handler.membership() if state == "HEALTHY" else None
         nodes_waiting = waiting.count if waiting is not None else 0
+        done = self._workers_done(state, now)
         # Stopped markers: when SUCCEEDED, the workers stopped for a drain; when HEALTHY, they
         # are stopping. Globbed only when it can matter (a tick costs no file system scan).
-        look_for_markers = state == "SUCCEEDED" or nodes_waiting > 0
+        look_for_markers = state == "SUCCEEDED" or nodes_waiting > 0 or done
+        # Drainable markers matter when nodes wait (resize or restart) and on a stop signal.
+        look_for_drainable = nodes_waiting > 0 or (self.stop_signals > 0 and not self._draining)
         return Facts(
             group_state=state,
             drain_signals=self.stop_signals,
@@ -276,7 +287,7 @@ class ElasticdAgent(LocalElasticAgent):
             membership=waiting.kind.value if waiting is not None and nodes_waiting else "",
             membership_reason=waiting.reason if waiting is not None and nodes_waiting else "",
             resize_enabled=self.settings.resize_grace_s > 0,
-            workers_drainable=nodes_waiting > 0 and self.control.workers_drainable(),
+            workers_drainable=look_for_drainable and self.control.workers_drainable(),
             resizing=self._resizing,
             resize_deadline_passed=self._resizing and now >= self._resize_deadline,
             hang=hang,
@@ -286,7 +297,26 @@ class ElasticdAgent(LocalElasticAgent):
             exit_codes=codes,
             first_start=self._groups_started <= 1,
             any_progress=board.max_step() >= 0,
+            workers_done=done,
+            done_exit_passed=done and self._done_at is not None
+            and now - self._done_at >= self.settings.done_exit_s,
         )
+
+    def _workers_done(self, state: str, now: float) -> bool:
+        """True once every local worker's script returned with 0 (``done-<rank>`` markers).
+
+        Looked at on every tick once the group ended, and once a second while it runs (a
+        worker stuck in torch's teardown after its script returned shows up that way).
+        """
+        if self._done_at is not None:
+            return True
+        if state == "HEALTHY" and now - self._done_checked_at < 1.0:
+            return False
+        self._done_checked_at = now
+        if self.control.done_count() < self._worker_group.spec.local_world_size:
+            return False
+        self._done_at = now
+        return True
 
     def _attribute(self) -> tuple[str, str]:
         from elasticd.rendezvous.protocol import attribute_failure
@@ -360,10 +390,18 @@ class ElasticdAgent(LocalElasticAgent):
             self._close_workers(signal.SIGTERM, timeout_s=5)
             self._leave("drained", decision.reason)
             return True
+        if v is Verdict.STOP_NOW:
+            self._stop_now(decision.reason)
+            return True
         if v is Verdict.LEAVE:
+            if result.state == WorkerState.HEALTHY:  # done, but stuck in torch's teardown
+                self._close_workers(signal.SIGKILL, timeout_s=1)
             self._leave("drained", decision.reason)
             return True
         if v is Verdict.FINISH:
+            if result.state == WorkerState.HEALTHY:  # done, but stuck in torch's teardown
+                self._close_workers(signal.SIGKILL, timeout_s=1)
+            self.handler.leave_kind = LEFT_FINISHED
             self._set_state("stopped")
             self.recorder.event("finished", "workers succeeded")
             self._exit_barrier()
@@ -374,7 +412,8 @@ class ElasticdAgent(LocalElasticAgent):
             wg.state = WorkerState.FAILED
             self._set_state("failed", last_exit=decision.reason)
             self.recorder.event("failure", f"giving up: {decision.reason}")
-            self.outcome = Outcome("failed", decision.reason, dict(result.failures))
+            self.outcome = Outcome("failed", decision.reason, dict(result.failures),
+                                   code=decision.exit_code)
             return True
         raise AssertionError(f"unhandled verdict {v}")
 
@@ -412,6 +451,23 @@ class ElasticdAgent(LocalElasticAgent):
             self.notifier.status(f"draining: {why}")
         self._log.info("drain_started", reason=why, grace_s=self.settings.drain_grace_s)
 
+    def _stop_now(self, reason: str) -> None:
+        """A stop the workers cannot honour at a step boundary: SIGTERM them, leave.
+
+        Their own SIGTERM handler (a plain script's, torch's) gets ``plain_stop_s``, then
+        SIGKILL. The node is gone within seconds of the signal, so its peers re-form at
+        once instead of training on for the drain grace with a node that is leaving.
+        """
+        self._draining = True
+        why = self.notice or f"stop signal ({reason})"
+        self.recorder.event("drain", why, plain_stop_s=self.settings.plain_stop_s)
+        if self.notifier is not None:
+            self.notifier.stopping()
+            self.notifier.status(f"stopping: {why}")
+        self._log.info("workers_stopped_now", reason=why, plain_stop_s=self.settings.plain_stop_s)
+        self._close_workers(signal.SIGTERM, timeout_s=self.settings.plain_stop_s)
+        self._leave("drained", reason)
+
     def _fence(self, reason: str) -> None:
         """Our lease is gone: kill workers now (no step of theirs may write), rejoin fresh."""
         old_round = self.handler.round
@@ -431,6 +487,7 @@ class ElasticdAgent(LocalElasticAgent):
         self._initialize_workers(self._worker_group)  # re-registers a new lease first
 
     def _leave(self, kind: str, reason: str) -> None:
+        self.handler.leave_kind = LEFT_DRAINED  # a leave, not a loss: peers re-form at once
         self._set_state("stopped")
         self.recorder.event("leave", reason)
         self.outcome = Outcome(kind, reason)
@@ -438,7 +495,8 @@ class ElasticdAgent(LocalElasticAgent):
 
     def _close_workers(self, sig: signal.Signals, timeout_s: float) -> None:
         if self._pcontext is not None:
-            self._pcontext.close(death_sig=sig, timeout=int(max(timeout_s, 1)))
+            # torch waits whole seconds (then SIGKILLs): round up, never below 1.
+            self._pcontext.close(death_sig=sig, timeout=max(math.ceil(timeout_s), 1))
 
     def _dump_stacks(self) -> None:
         # worker_exec registered faulthandler on SIGUSR1: stacks go to the workers' stderr.

@@ -131,6 +131,9 @@ def run_node(spec: NodeSpec) -> int:
                                last_call_timeout_s=spec.last_call_timeout_s,
                                local_addr=spec.local_addr),
             node_id=spec.node_id)
+        # Until the agent says how it leaves (finished, drained), a shutdown is a loss: a
+        # node that gives up or crashes out of run() is re-formed around, as before.
+        handler.leave_kind = None
         structlog.contextvars.bind_contextvars(job=spec.job, node=handler.node_id)
         recorder = JobRecorder(handler)
         metrics = _make_metrics(spec)
