@@ -94,6 +94,11 @@ def _add_run_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--drain-grace", type=float, default=60.0, help="drain grace period, s")
     p.add_argument("--resize-grace", type=float, default=30.0,
                    help="on a join, workers get this long to stop at a step boundary (0=restart at once)")
+    p.add_argument("--plain-stop", type=float, default=3.0,
+                   help="on a stop, workers that never called should_stop get this long after "
+                        "SIGTERM, then SIGKILL, s")
+    p.add_argument("--done-exit", type=float, default=30.0,
+                   help="workers whose script returned must exit within this, s")
     p.add_argument("--hang-timeout", type=float, default=0.0, help="restart if no step for this long (0=off)")
     p.add_argument("--no-warm-start", dest="warm_start", action="store_false",
                    help="start every worker cold (no standby processes that have imported torch)")
@@ -117,6 +122,9 @@ def _run_command(args: argparse.Namespace) -> int:
     if not args.resize_grace >= 0:  # also refuses NaN
         raise ConfigError(f"--resize-grace {args.resize_grace}: must be at least 0 "
                           "(0 restarts workers at once when a node joins)")
+    for flag, value in (("--plain-stop", args.plain_stop), ("--done-exit", args.done_exit)):
+        if not value > 0:  # also refuses NaN
+            raise ConfigError(f"{flag} {value}: must be more than 0 seconds")
     command = tuple(args.command[1:] if args.command[:1] == ["--"] else args.command)
     # torch is imported only now, after the flags were validated (a typo answers at once).
     from elasticd.agent.elastic_agent import SupervisionSettings
@@ -132,6 +140,7 @@ def _run_command(args: argparse.Namespace) -> int:
         supervision=SupervisionSettings(
             max_restarts=args.max_restarts, restart_backoff_s=args.restart_backoff,
             drain_grace_s=args.drain_grace, resize_grace_s=args.resize_grace,
+            plain_stop_s=args.plain_stop, done_exit_s=args.done_exit,
             hang_timeout_s=args.hang_timeout,
             attribution_window_s=args.node_ttl + 1.0, checkpoint_url=args.checkpoint_url,
             warm_start=args.warm_start),
