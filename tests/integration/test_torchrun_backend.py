@@ -71,7 +71,7 @@ def test_node_that_finishes_first_is_a_leave_not_a_lost_member(etcd_server, tmp_
     out = tmp_path / "done.jsonl"
     argv = [PY, str(ROOT / "tests" / "workers" / "torch_agent_node.py"), etcd_server.endpoint,
             "drift", "2", str(ROOT / "tests" / "workers" / "drift.py")]
-    nodes = [Node(argv, {"OUT": str(out), "DRIFT_S": "4"}, tmp_path / f"agent{i}.log") for i in range(2)]
+    nodes = [Node(argv, {"OUT": str(out), "DRIFT_S": "5"}, tmp_path / f"agent{i}.log") for i in range(2)]
     try:
         codes = [n.wait(75) for n in nodes]
         logs = "\n".join(n.log()[-3000:] for n in nodes)
