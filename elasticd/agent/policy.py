@@ -33,7 +33,6 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-
 EX_CONFIG = 78  # a worker's ConfigError (sysexits.h EX_CONFIG): deterministic, never retried
 
 

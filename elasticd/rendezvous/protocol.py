@@ -35,7 +35,6 @@ from dataclasses import dataclass, field
 
 from elasticd.records import RoundState
 
-
 LEFT_DRAINED = "drained"  # stopped (drain, stop signal): the others re-form without it
 LEFT_FINISHED = "finished"  # its workers completed: the job is done, nobody re-forms
 LEAVE_KINDS = (LEFT_DRAINED, LEFT_FINISHED)

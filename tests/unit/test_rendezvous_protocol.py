@@ -15,11 +15,11 @@ from hypothesis import strategies as st
 
 from elasticd.records import RoundState
 from elasticd.rendezvous.protocol import (
+    LEFT_DRAINED,
+    LEFT_FINISHED,
     Action,
     ActionKind,
     JoinProgress,
-    LEFT_DRAINED,
-    LEFT_FINISHED,
     MembershipChange,
     RendezvousView,
     Waiting,

@@ -7,12 +7,13 @@ Usage: python torch_agent_node.py ENDPOINT RUN_ID NNODES SCRIPT
 
 import sys
 
-import elasticd.rendezvous  # noqa: F401  (registers etcd-v3)
 from torch.distributed.elastic.agent.server.api import WorkerSpec
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 from torch.distributed.elastic.rendezvous import rendezvous_handler_registry as registry
+
+import elasticd.rendezvous  # noqa: F401  (registers etcd-v3)
 
 
 def main() -> int:

@@ -10,7 +10,6 @@ import time
 import pytest
 from harness import ROOT, read_jsonl, wait_until
 
-from elasticd.etcd.client import EtcdClient
 from elasticd.keys import JobKeys
 
 PLAIN = str(ROOT / "tests" / "workers" / "plain_ddp.py")
