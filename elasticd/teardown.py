@@ -96,12 +96,12 @@ def _wrap_destroy(c10d: ModuleType) -> None:
         return original(group)
 
     destroy_process_group._elasticd_keeps_groups = True  # type: ignore[attr-defined]
-    c10d.destroy_process_group = destroy_process_group
+    setattr(c10d, "destroy_process_group", destroy_process_group)  # noqa: B010 - a ModuleType
     # torch.distributed re-exports it (``from .distributed_c10d import *``), and scripts
     # call ``dist.destroy_process_group()``: patch the re-export too once it exists.
     dist = sys.modules.get("torch.distributed")
     if dist is not None and getattr(dist, "destroy_process_group", None) is original:
-        dist.destroy_process_group = destroy_process_group
+        setattr(dist, "destroy_process_group", destroy_process_group)  # noqa: B010
 
 
 class _PatchOnImport(importlib.abc.MetaPathFinder):
@@ -136,8 +136,9 @@ def keep_groups_on_destroy() -> None:
     if c10d is not None:
         _wrap_destroy(c10d)
         dist = sys.modules.get("torch.distributed")
-        if dist is not None and dist.destroy_process_group is not c10d.destroy_process_group:
-            dist.destroy_process_group = c10d.destroy_process_group
+        wrapped = getattr(c10d, "destroy_process_group", None)
+        if dist is not None and getattr(dist, "destroy_process_group", None) is not wrapped:
+            setattr(dist, "destroy_process_group", wrapped)  # noqa: B010
         return
     if not any(isinstance(f, _PatchOnImport) for f in sys.meta_path):
         sys.meta_path.insert(0, _PatchOnImport())
