@@ -13,6 +13,16 @@ its worker thread (``pt_gloo_runloop``) still releases a finished collective:
   the same race ends in ``std::terminate`` (SIGABRT, "terminate called without an active
   exception").
 
+Why warm standbys made it worse (3 hangs in 7 runs, none in 3 cold): a standby imports
+``torch._dynamo`` before the script runs. When DDP's first use imports it lazily instead
+(a cold worker), the DDP module ends up in a reference cycle and is freed by a later GC
+pass or at exit (where the race shows as SIGABRT); with dynamo already imported it is
+freed by reference count, exactly when ``main()`` returns — microseconds after the last
+all-reduce, while the runloop may still be releasing that work. (Checked: with gc off,
+``del ddp`` frees DDP and its reducer only if ``torch._dynamo`` was imported first.) The
+cause — the group's destructor running when DDP is freed — is what the first measure
+below removes, so standbys keep their head start.
+
 Two measures, both used by the worker launcher (``elasticd.agent.worker_exec``) and by
 the worker API (``elasticd.worker``):
 

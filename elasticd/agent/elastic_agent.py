@@ -18,9 +18,7 @@ from __future__ import annotations
 import math
 import os
 import signal
-import sys
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,6 +30,7 @@ from torch.distributed.elastic.rendezvous import RendezvousGracefulExitError
 from elasticd.agent.control import ControlChannel
 from elasticd.agent.policy import Decision, Facts, Verdict, decide
 from elasticd.agent.recorder import JobRecorder
+from elasticd.agent.summary import failure_summary, first_failure, print_summary
 from elasticd.agent.warm import StandbyPool, warm_handlers
 from elasticd.errors import LeaseLostError, TransientError
 from elasticd.rendezvous.etcd_handler import EtcdRendezvousHandler
@@ -325,7 +324,7 @@ class ElasticdAgent(LocalElasticAgent):
         return attribute_failure(self.handler.view(), rnd, self.handler.node_id)
 
     def _report_failure(self, result: RunResult) -> None:
-        first = _first_failure(result)
+        first = first_failure(result)
         detail = f"rank {first[0]}: {first[1]}" if first else "worker failure"
         try:
             self.handler.report_failure(detail)
@@ -515,65 +514,4 @@ class ElasticdAgent(LocalElasticAgent):
             time.sleep(min(0.1, end - time.monotonic()))
 
 
-def _first_failure(result: RunResult) -> tuple[int, str, int] | None:
-    """(global rank, description, exit code) of the earliest failure in ``result``."""
-    if not result.failures:
-        return None
-    rank, failure = min(result.failures.items(), key=lambda kv: (kv[1].timestamp, kv[0]))
-    code = failure.exitcode
-    if code is not None and code < 0:
-        try:
-            what = f"killed by {signal.Signals(-code).name}"
-        except ValueError:
-            what = f"killed by signal {-code}"
-    else:
-        what = f"exit code {code}"
-    return rank, what, code
-
-
-def failure_summary(outcome: Outcome, tail_lines: int = 15,
-                    read: Callable[[str], str] | None = None) -> str:
-    """The one-screen summary printed when the agent gives up."""
-    lines = [f"elasticd: giving up: {outcome.reason}"]
-    if outcome.failures:
-        rank, failure = min(outcome.failures.items(), key=lambda kv: (kv[1].timestamp, kv[0]))
-        code = failure.exitcode
-        how = (f"signal {signal.Signals(-code).name}" if code is not None and code < 0
-               else f"exit code {code}")
-        lines.append(f"first failure: rank {rank} (local rank {failure.local_rank}), {how}, "
-                     f"pid {failure.pid}")
-        msg = failure.message if isinstance(failure.message, str) else ""
-        if msg and msg != "To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html":
-            lines.append(f"error: {msg.strip()[:2000]}")
-        err_file = getattr(failure, "error_file", "")
-        text = ""
-        if err_file and os.path.exists(err_file):
-            text = (read or _read)(err_file)
-        stderr_log = _stderr_log_of(failure)
-        if stderr_log:
-            text = text or (read or _read)(stderr_log)
-            lines.append(f"stderr log: {stderr_log}")
-        if text:
-            tail = text.strip().splitlines()[-tail_lines:]
-            lines.append("last lines:")
-            lines.extend(f"  {ln}" for ln in tail)
-    return "\n".join(lines)
-
-
-def _read(path: str) -> str:
-    try:
-        with open(path, errors="replace") as fh:
-            return fh.read()[-20000:]
-    except OSError:
-        return ""
-
-
-def _stderr_log_of(failure: Any) -> str:
-    err = getattr(failure, "error_file", "") or ""
-    # torch's DefaultLogsSpecs puts stderr.log next to error.json
-    candidate = os.path.join(os.path.dirname(err), "stderr.log") if err else ""
-    return candidate if candidate and os.path.exists(candidate) else ""
-
-
-def print_summary(outcome: Outcome) -> None:
-    sys.stderr.write(failure_summary(outcome) + "\n")
+__all__ = ["ElasticdAgent", "Outcome", "SupervisionSettings", "failure_summary", "print_summary"]
