@@ -451,7 +451,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
                  deadline: float) -> None:
         s, k = self.settings, self.keys
         if action.kind is ActionKind.CLOSED:
-            raise RendezvousClosedError(f"job {k.job!r} is closed")
+            raise RendezvousClosedError(f"job {k.job!r} is closed ({action.reason})")
         if action.kind is ActionKind.TIMEOUT:
             if (err := self.client.unreachable()) is not None:
                 raise RendezvousConnectionError(
