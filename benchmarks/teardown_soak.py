@@ -61,14 +61,21 @@ def one_run(workdir: Path, job: str, *, warm: bool, epochs: int, timeout_s: floa
             except (ValueError, KeyError):
                 continue
     if rc is None:
-        outcome = "hang"
+        # A teardown hang trains every epoch first; no epoch at all is a stall before
+        # training (e.g. a box so loaded that importing torch took the whole timeout).
+        outcome = "hang after training" if trained == list(range(epochs)) else (
+            f"timeout after {len(trained)}/{epochs} epochs")
     elif rc != 0:
         outcome = f"exit {rc}"
     elif trained != list(range(epochs)):
         outcome = "epochs " + ",".join(map(str, trained))
     else:
         outcome = "ok"
-    return {"outcome": outcome, "rc": rc, "seconds": round(seconds, 1), "epochs": trained}
+    result = {"outcome": outcome, "rc": rc, "seconds": round(seconds, 1), "epochs": trained}
+    if outcome != "ok":
+        result["load"] = os.getloadavg()
+        result["log_tail"] = (workdir / "agent.log").read_text(errors="replace")[-3000:]
+    return result
 
 
 def main(argv: list[str] | None = None) -> int:
