@@ -458,8 +458,9 @@ class ElasticdAgent(LocalElasticAgent):
         once instead of training on for the drain grace with a node that is leaving.
         """
         self._draining = True
-        why = self.notice or f"stop signal ({reason})"
-        self.recorder.event("drain", why, plain_stop_s=self.settings.plain_stop_s)
+        why = self.notice or "stop signal"
+        self.recorder.event("drain", f"{why}: workers cannot drain, stopped now",
+                            plain_stop_s=self.settings.plain_stop_s)
         if self.notifier is not None:
             self.notifier.stopping()
             self.notifier.status(f"stopping: {why}")

@@ -81,6 +81,7 @@ def test_plain_script_node_leaves_within_5s_of_sigterm(nodes, tmp_path, etcd_cli
     a.signal_agent(signal.SIGTERM)
     assert a.wait(10) == 0, a.log()[-3000:]
     gone = wait_until(lambda: etcd_client.get(node_key) is None and time.monotonic(), 10, "a's lease revoked")
+    print(f"plain-script node left {gone - t0:.2f}s after SIGTERM")
     assert gone - t0 < 5.0, f"node left {gone - t0:.1f}s after SIGTERM\n{a.log()[-3000:]}"
     assert "workers_stopped_now" in a.log()
     rows_before = len(read_jsonl(out))
