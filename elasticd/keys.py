@@ -112,6 +112,14 @@ class JobKeys:
     def failure(self, round_: int, node_id: str) -> str:
         return f"{self.failures_prefix(round_)}{validate_node_id(node_id)}"
 
+    # clean leaves: written (no lease) just before a leaving node revokes its lease
+    @property
+    def left_root(self) -> str:
+        return f"{self.rdzv_prefix}left/"
+
+    def left(self, round_: int, node_id: str) -> str:
+        return f"{self.left_root}{round_:010d}/{validate_node_id(node_id)}"
+
     # per-round c10d store
     @property
     def store_root(self) -> str:

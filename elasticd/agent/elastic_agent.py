@@ -15,11 +15,10 @@ only bump counters; all work happens here, between ticks.
 
 from __future__ import annotations
 
+import math
 import os
 import signal
-import sys
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,6 +30,7 @@ from torch.distributed.elastic.rendezvous import RendezvousGracefulExitError
 from elasticd.agent.commits import CommitRetrier
 from elasticd.agent.policy import Decision, Facts, Verdict, decide
 from elasticd.agent.recorder import JobRecorder
+from elasticd.agent.summary import failure_summary, first_failure, print_summary
 from elasticd.agent.warm import StandbyPool, warm_handlers
 from elasticd.agent.worker_env import scrub, spawn_environment
 from elasticd.control import ControlChannel
@@ -43,6 +43,7 @@ from elasticd.control.api import (
 )
 from elasticd.errors import LeaseLostError, TransientError
 from elasticd.rendezvous.etcd_handler import EtcdRendezvousHandler
+from elasticd.rendezvous.protocol import LEFT_DRAINED, LEFT_FINISHED
 from elasticd.retry import restart_backoff_s
 
 log = structlog.get_logger(__name__)
@@ -56,6 +57,8 @@ class SupervisionSettings:
     restart_backoff_s: float = 1.0
     restart_backoff_max_s: float = 30.0
     drain_grace_s: float = 60.0
+    plain_stop_s: float = 3.0  # a stop when workers cannot drain: their SIGTERM handler's time
+    done_exit_s: float = 30.0  # workers whose script returned must exit within this (then: done)
     resize_grace_s: float = 30.0  # a join drains workers for at most this long; 0 = restart at once
     hang_timeout_s: float = 0.0  # 0 = off
     attribution_window_s: float = 3.0
@@ -75,10 +78,11 @@ class Outcome:
     kind: str = "running"  # finished | drained | failed | closed
     reason: str = ""
     failures: dict[int, Any] = field(default_factory=dict)  # global rank -> ProcessFailure
+    code: int = 1  # exit status when failed (78: a worker's configuration error)
 
     @property
     def exit_code(self) -> int:
-        return 0 if self.kind in ("finished", "drained", "closed") else 1
+        return 0 if self.kind in ("finished", "drained", "closed") else self.code
 
 
 class ElasticdAgent(LocalElasticAgent):
@@ -113,6 +117,8 @@ class ElasticdAgent(LocalElasticAgent):
         self.standby = StandbyPool(settings.warm_start, control.dir)
         self._worker_envs: dict[int, dict[str, str]] = {}
         self._group_started_at = 0.0
+        self._done_at: float | None = None  # when every local worker's script had returned
+        self._done_checked_at = 0.0
 
     # -- signals: flags only -------------------------------------------------------------
     def _on_signal(self, signum: int, frame: Any) -> None:
@@ -166,6 +172,7 @@ class ElasticdAgent(LocalElasticAgent):
         self.install_signal_handlers()
         self._groups_started += 1
         self._failure_seen_at = None
+        self._done_at = None
         return pids
 
     def _rendezvous(self, worker_group: WorkerGroup) -> None:
@@ -274,9 +281,12 @@ class ElasticdAgent(LocalElasticAgent):
         self._heartbeat(now)
         waiting = self.handler.membership() if state == "HEALTHY" else None
         nodes_waiting = waiting.count if waiting is not None else 0
+        done = self._workers_done(state, now)
         # Stopped markers: when SUCCEEDED, the workers stopped for a drain; when HEALTHY, they
         # are stopping. Globbed only when it can matter (a tick costs no file system scan).
-        look_for_markers = state == "SUCCEEDED" or nodes_waiting > 0
+        look_for_markers = state == "SUCCEEDED" or nodes_waiting > 0 or done
+        # Drainable markers matter when nodes wait (resize or restart) and on a stop signal.
+        look_for_drainable = nodes_waiting > 0 or (self.stop_signals > 0 and not self._draining)
         return Facts(
             group_state=state,
             drain_signals=self.stop_signals,
@@ -288,7 +298,7 @@ class ElasticdAgent(LocalElasticAgent):
             membership=waiting.kind.value if waiting is not None and nodes_waiting else "",
             membership_reason=waiting.reason if waiting is not None and nodes_waiting else "",
             resize_enabled=self.settings.resize_grace_s > 0,
-            workers_drainable=nodes_waiting > 0 and self.control.workers_drainable(),
+            workers_drainable=look_for_drainable and self.control.workers_drainable(),
             resizing=self._resizing,
             resize_deadline_passed=self._resizing and now >= self._resize_deadline,
             hang=hang,
@@ -298,7 +308,26 @@ class ElasticdAgent(LocalElasticAgent):
             exit_codes=codes,
             first_start=self._groups_started <= 1,
             any_progress=board.max_step() >= 0,
+            workers_done=done,
+            done_exit_passed=done and self._done_at is not None
+            and now - self._done_at >= self.settings.done_exit_s,
         )
+
+    def _workers_done(self, state: str, now: float) -> bool:
+        """True once every local worker's script returned with 0 (``done-<rank>`` markers).
+
+        Looked at on every tick once the group ended, and once a second while it runs (a
+        worker stuck in torch's teardown after its script returned shows up that way).
+        """
+        if self._done_at is not None:
+            return True
+        if state == "HEALTHY" and now - self._done_checked_at < 1.0:
+            return False
+        self._done_checked_at = now
+        if self.control.done_count() < self._worker_group.spec.local_world_size:
+            return False
+        self._done_at = now
+        return True
 
     def _attribute(self) -> tuple[str, str]:
         from elasticd.rendezvous.protocol import attribute_failure
@@ -307,7 +336,7 @@ class ElasticdAgent(LocalElasticAgent):
         return attribute_failure(self.handler.view(), rnd, self.handler.node_id)
 
     def _report_failure(self, result: RunResult) -> None:
-        first = _first_failure(result)
+        first = first_failure(result)
         detail = f"rank {first[0]}: {first[1]}" if first else "worker failure"
         try:
             self.handler.report_failure(detail)
@@ -372,11 +401,19 @@ class ElasticdAgent(LocalElasticAgent):
             self._close_workers(signal.SIGTERM, timeout_s=5)
             self._leave("drained", decision.reason)
             return True
+        if v is Verdict.STOP_NOW:
+            self._stop_now(decision.reason)
+            return True
         if v is Verdict.LEAVE:
+            if result.state == WorkerState.HEALTHY:  # done, but stuck in torch's teardown
+                self._close_workers(signal.SIGKILL, timeout_s=1)
             self._leave("drained", decision.reason)
             return True
         if v is Verdict.FINISH:
             self._flush_commits("before finishing", self.settings.drain_grace_s)
+            if result.state == WorkerState.HEALTHY:  # done, but stuck in torch's teardown
+                self._close_workers(signal.SIGKILL, timeout_s=1)
+            self.handler.leave_kind = LEFT_FINISHED
             self._set_state("stopped")
             self.recorder.event("finished", "workers succeeded")
             self._exit_barrier()
@@ -387,7 +424,8 @@ class ElasticdAgent(LocalElasticAgent):
             wg.state = WorkerState.FAILED
             self._set_state("failed", last_exit=decision.reason)
             self.recorder.event("failure", f"giving up: {decision.reason}")
-            self.outcome = Outcome("failed", decision.reason, dict(result.failures))
+            self.outcome = Outcome("failed", decision.reason, dict(result.failures),
+                                   code=decision.exit_code)
             return True
         raise AssertionError(f"unhandled verdict {v}")
 
@@ -425,6 +463,24 @@ class ElasticdAgent(LocalElasticAgent):
             self.notifier.status(f"draining: {why}")
         self._log.info("drain_started", reason=why, grace_s=self.settings.drain_grace_s)
 
+    def _stop_now(self, reason: str) -> None:
+        """A stop the workers cannot honour at a step boundary: SIGTERM them, leave.
+
+        Their own SIGTERM handler (a plain script's, torch's) gets ``plain_stop_s``, then
+        SIGKILL. The node is gone within seconds of the signal, so its peers re-form at
+        once instead of training on for the drain grace with a node that is leaving.
+        """
+        self._draining = True
+        why = self.notice or "stop signal"
+        self.recorder.event("drain", f"{why}: workers cannot drain, stopped now",
+                            plain_stop_s=self.settings.plain_stop_s)
+        if self.notifier is not None:
+            self.notifier.stopping()
+            self.notifier.status(f"stopping: {why}")
+        self._log.info("workers_stopped_now", reason=why, plain_stop_s=self.settings.plain_stop_s)
+        self._close_workers(signal.SIGTERM, timeout_s=self.settings.plain_stop_s)
+        self._leave("drained", reason)
+
     def _fence(self, reason: str) -> None:
         """Our lease is gone: kill workers now (no step of theirs may write), rejoin fresh."""
         old_round = self.handler.round
@@ -458,6 +514,7 @@ class ElasticdAgent(LocalElasticAgent):
             self._log.warning("checkpoint_commits_still_pending", why=why)
 
     def _leave(self, kind: str, reason: str) -> None:
+        self.handler.leave_kind = LEFT_DRAINED  # a leave, not a loss: peers re-form at once
         self._flush_commits("before leaving", max(self._drain_deadline - time.monotonic(), 0.0)
                             if self._draining else self.settings.drain_grace_s)
         self._set_state("stopped")
@@ -467,7 +524,8 @@ class ElasticdAgent(LocalElasticAgent):
 
     def _close_workers(self, sig: signal.Signals, timeout_s: float) -> None:
         if self._pcontext is not None:
-            self._pcontext.close(death_sig=sig, timeout=int(max(timeout_s, 1)))
+            # torch waits whole seconds (then SIGKILLs): round up, never below 1.
+            self._pcontext.close(death_sig=sig, timeout=max(math.ceil(timeout_s), 1))
 
     def _dump_stacks(self) -> None:
         # worker_exec registered faulthandler on SIGUSR1: stacks go to the workers' stderr.
@@ -486,65 +544,4 @@ class ElasticdAgent(LocalElasticAgent):
             time.sleep(min(0.1, end - time.monotonic()))
 
 
-def _first_failure(result: RunResult) -> tuple[int, str, int] | None:
-    """(global rank, description, exit code) of the earliest failure in ``result``."""
-    if not result.failures:
-        return None
-    rank, failure = min(result.failures.items(), key=lambda kv: (kv[1].timestamp, kv[0]))
-    code = failure.exitcode
-    if code is not None and code < 0:
-        try:
-            what = f"killed by {signal.Signals(-code).name}"
-        except ValueError:
-            what = f"killed by signal {-code}"
-    else:
-        what = f"exit code {code}"
-    return rank, what, code
-
-
-def failure_summary(outcome: Outcome, tail_lines: int = 15,
-                    read: Callable[[str], str] | None = None) -> str:
-    """The one-screen summary printed when the agent gives up."""
-    lines = [f"elasticd: giving up: {outcome.reason}"]
-    if outcome.failures:
-        rank, failure = min(outcome.failures.items(), key=lambda kv: (kv[1].timestamp, kv[0]))
-        code = failure.exitcode
-        how = (f"signal {signal.Signals(-code).name}" if code is not None and code < 0
-               else f"exit code {code}")
-        lines.append(f"first failure: rank {rank} (local rank {failure.local_rank}), {how}, "
-                     f"pid {failure.pid}")
-        msg = failure.message if isinstance(failure.message, str) else ""
-        if msg and msg != "To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html":
-            lines.append(f"error: {msg.strip()[:2000]}")
-        err_file = getattr(failure, "error_file", "")
-        text = ""
-        if err_file and os.path.exists(err_file):
-            text = (read or _read)(err_file)
-        stderr_log = _stderr_log_of(failure)
-        if stderr_log:
-            text = text or (read or _read)(stderr_log)
-            lines.append(f"stderr log: {stderr_log}")
-        if text:
-            tail = text.strip().splitlines()[-tail_lines:]
-            lines.append("last lines:")
-            lines.extend(f"  {ln}" for ln in tail)
-    return "\n".join(lines)
-
-
-def _read(path: str) -> str:
-    try:
-        with open(path, errors="replace") as fh:
-            return fh.read()[-20000:]
-    except OSError:
-        return ""
-
-
-def _stderr_log_of(failure: Any) -> str:
-    err = getattr(failure, "error_file", "") or ""
-    # torch's DefaultLogsSpecs puts stderr.log next to error.json
-    candidate = os.path.join(os.path.dirname(err), "stderr.log") if err else ""
-    return candidate if candidate and os.path.exists(candidate) else ""
-
-
-def print_summary(outcome: Outcome) -> None:
-    sys.stderr.write(failure_summary(outcome) + "\n")
+__all__ = ["ElasticdAgent", "Outcome", "SupervisionSettings", "failure_summary", "print_summary"]

@@ -17,12 +17,23 @@ with a human-readable reason. Policy in one line each:
   for the workers (even if a peer re-forms first) until ``resize_grace_s``, then restarts
   them hard.
 - Exit code 2 on the first start (argument parsing) is not retried: it will not go away.
+  Nor is exit code 78 (EX_CONFIG: a worker raised ``ConfigError``) at any time: the agent
+  gives up with 78.
+- A stop signal when the workers never called ``should_stop`` (a plain script, or one
+  not yet at its first step) stops them at once (``plain_stop_s`` for their own SIGTERM
+  handler) and leaves: they would not honour a drain, so waiting ``drain_grace_s`` only
+  delays the peers' re-form.
+- Workers whose script returned with 0 (every local rank wrote ``done-<rank>``) have
+  finished, whatever torch's teardown does next: an abort after that is success, and a
+  process still there ``done_exit_s`` later is stopped and counted done.
 """
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+
+EX_CONFIG = 78  # a worker's ConfigError (sysexits.h EX_CONFIG): deterministic, never retried
 
 
 class Verdict(enum.Enum):
@@ -35,6 +46,7 @@ class Verdict(enum.Enum):
     FENCE = "fence"  # our lease is gone: kill workers now, rejoin as a new member
     LEAVE = "leave"  # drained: leave the rendezvous and exit 0
     HARD_STOP = "hard_stop"  # drain grace over / second signal: kill workers, leave
+    STOP_NOW = "stop_now"  # stop requested, workers cannot drain: SIGTERM them (briefly), leave
     FINISH = "finish"  # the job completed
     FAIL = "fail"  # budget exhausted or non-retryable: exit non-zero
 
@@ -67,12 +79,16 @@ class Facts:
     exit_codes: tuple[int, ...] = ()
     first_start: bool = True  # this worker group is the first one started on this node
     any_progress: bool = False  # some rank reported a step in this worker group
+    # Every local worker's script returned with 0 (done-<rank> markers): the work is done.
+    workers_done: bool = False
+    done_exit_passed: bool = False  # ... and some are still running done_exit_s later
 
 
 @dataclass(frozen=True)
 class Decision:
     verdict: Verdict
     reason: str
+    exit_code: int = 1  # for FAIL: the agent's exit status
 
 
 def decide(f: Facts) -> Decision:
@@ -83,20 +99,26 @@ def decide(f: Facts) -> Decision:
         why = "second stop signal" if f.drain_signals >= 2 else "drain grace period over"
         return Decision(Verdict.HARD_STOP, f"{why}: stopping workers hard")
     if f.drain_signals and not f.draining:
+        if f.group_state == "HEALTHY" and not f.workers_drainable and not f.workers_done:
+            return Decision(Verdict.STOP_NOW, "stop requested and the workers never called "
+                            "should_stop (they cannot drain): stopping them now, leaving")
         return Decision(Verdict.START_DRAIN, "stop requested: workers stop at the next step")
 
     state = f.group_state
+    if f.workers_done and state in ("FAILED", "UNHEALTHY"):
+        codes = ",".join(str(c) for c in f.exit_codes) or "?"
+        return _succeeded(f, f"all workers completed their script (exit {codes} in torch's "
+                          "teardown after that ignored)")
+    if f.workers_done and state == "HEALTHY" and f.done_exit_passed:
+        return _succeeded(f, "all workers completed their script but did not exit: stopping them")
     if state == "SUCCEEDED":
-        if f.draining:
-            return Decision(Verdict.LEAVE, "workers stopped for our drain: leaving the job")
-        if f.stopped_for_drain and f.resizing:
-            return Decision(Verdict.RESTART_MEMBERSHIP, "workers stopped for the resize: re-forming")
-        if f.stopped_for_drain:
-            return Decision(Verdict.RESTART_MEMBERSHIP, "workers stopped for a peer's drain")
-        return Decision(Verdict.FINISH, "all workers succeeded")
+        return _succeeded(f, "all workers succeeded")
     if state in ("FAILED", "UNHEALTHY"):
         if f.draining:
             return Decision(Verdict.LEAVE, "workers exited with errors during our drain: leaving")
+        if EX_CONFIG in f.exit_codes:
+            return Decision(Verdict.FAIL, "a worker exited with 78 (configuration error): "
+                            "not retrying, it would fail the same way", EX_CONFIG)
         if f.first_start and not f.any_progress and 2 in f.exit_codes:
             return Decision(Verdict.FAIL, "exit code 2 on the first start (bad arguments?): not retrying")
         if f.attribution in ("membership", "victim"):
@@ -121,13 +143,25 @@ def decide(f: Facts) -> Decision:
     return Decision(Verdict.CONTINUE, f"worker group {state}")
 
 
+def _succeeded(f: Facts, why: str) -> Decision:
+    """The workers are done (exit 0, or done markers): finished, drained, or re-forming."""
+    if f.draining:
+        return Decision(Verdict.LEAVE, "workers stopped for our drain: leaving the job")
+    if f.stopped_for_drain and f.resizing:
+        return Decision(Verdict.RESTART_MEMBERSHIP, "workers stopped for the resize: re-forming")
+    if f.stopped_for_drain:
+        return Decision(Verdict.RESTART_MEMBERSHIP, "workers stopped for a peer's drain")
+    return Decision(Verdict.FINISH, why)
+
+
 def _membership_changed(f: Facts) -> Decision:
     """HEALTHY workers, nodes waiting, no resize yet: resize through a drain, or restart now."""
     why = f.membership_reason or "membership changed"
-    if f.resize_enabled and f.stopped_for_drain and f.membership in ("newer_round", "member_lost"):
+    if f.resize_enabled and f.stopped_for_drain and f.membership in ("newer_round", "member_lost",
+                                                                     "member_left"):
         # Our workers already agreed on a stop step (a peer's drain or a resize) and are
-        # saving. The peer that drained and left (a clean leave reads as a lost member), or
-        # one that re-formed first, must not cut that save short: killing them now could
+        # saving. The peer that drained and left (member_left), or one that re-formed
+        # first, must not cut that save short: killing them now could
         # lose the drain's checkpoint. Wait for them (bounded by resize_grace_s).
         return Decision(Verdict.START_RESIZE, f"{why}: our workers are stopping at the agreed "
                         "step: waiting for them")

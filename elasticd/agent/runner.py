@@ -160,6 +160,9 @@ def run_node(spec: NodeSpec) -> int:
                                store_timeout_s=spec.store_timeout_s,
                                local_addr=spec.local_addr, worker_log_dir=log_dir),
             node_id=spec.node_id)
+        # Until the agent says how it leaves (finished, drained), a shutdown is a loss: a
+        # node that gives up or crashes out of run() is re-formed around, as before.
+        handler.leave_kind = None
         structlog.contextvars.bind_contextvars(job=spec.job, node=handler.node_id)
         recorder = JobRecorder(handler)
         # The run's identity (docs/checkpoints.md#run-identity): stamped on the pointer,

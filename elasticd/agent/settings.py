@@ -43,7 +43,8 @@ def node_spec(cfg: AgentConfig, environ: Mapping[str, str]) -> NodeSpec:
         supervision=SupervisionSettings(
             max_restarts=cfg.restart.max_restarts, restart_backoff_s=cfg.restart.backoff_s,
             restart_backoff_max_s=cfg.restart.backoff_max_s, drain_grace_s=cfg.drain.grace_s,
-            resize_grace_s=cfg.drain.resize_grace_s,
+            resize_grace_s=cfg.drain.resize_grace_s, plain_stop_s=cfg.drain.plain_stop_s,
+            done_exit_s=cfg.drain.done_exit_s,
             hang_timeout_s=w.hang_timeout_s, attribution_window_s=cfg.node.ttl_s + 1.0,
             monitor_interval_s=w.monitor_interval_s, checkpoint_url=cfg.job.checkpoint_url,
             worker_env=dict(w.env), warm_start=w.warm_start),

@@ -24,6 +24,11 @@ Safety rules (when in doubt, start cold):
 - Standbys die with the agent (``PR_SET_PDEATHSIG``) and are killed by process group when
   the agent exits, so none outlives it.
 
+Preloading ``torch._dynamo`` changes when a DDP model is freed (by reference count as
+``main()`` returns, not by a later GC pass), which used to make torch's gloo teardown
+deadlock far more often under standbys; ``elasticd.teardown`` removes that race for cold
+and warm workers alike (see its docstring).
+
 Scripts that must set import-time state themselves *before* importing torch (e.g. an
 ``os.environ[...]`` line at the top of the script) should set it in ``[workers.env]``
 instead, or turn standbys off (``workers.warm_start = false``, ``--no-warm-start``).

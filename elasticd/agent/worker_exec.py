@@ -12,6 +12,19 @@ before the user's code runs, the worker:
 
 Then it runs TARGET exactly as ``python TARGET`` would (``__main__``, ``sys.argv``,
 ``sys.path[0]``), in the same process: no second interpreter start-up.
+
+When TARGET's code is over, the launcher ends the process itself (``elasticd.teardown``):
+
+- status 0 (the script returned, or ``sys.exit(0)``): it writes ``done-<rank>`` in the
+  control dir first, so the agent knows the rank completed its work whatever happens next;
+- an uncaught ``ConfigError`` (a deterministic configuration error, e.g. a global batch
+  that the world size cannot split): status 78 (EX_CONFIG), which the agent never retries;
+- any other uncaught exception: the traceback on stderr (and in the error file), status 1;
+
+then it runs ``atexit`` handlers, flushes, and ``os._exit``: the interpreter's teardown,
+where torch's gloo destructor race deadlocks or aborts (SIGABRT), never runs. And
+``destroy_process_group`` keeps the groups it destroys referenced until then, so that race
+cannot start inside the script either (see ``elasticd.teardown``).
 """
 
 from __future__ import annotations
@@ -21,37 +34,76 @@ import os
 import runpy
 import signal
 import sys
+from typing import NoReturn
 
+from elasticd.control.api import DONE_PREFIX
+from elasticd.errors import EX_CONFIG, ConfigError
 from elasticd.process import die_with_parent
+from elasticd.teardown import end_process, keep_groups_on_destroy
 
 
-def main(argv: list[str]) -> None:
+def main(argv: list[str]) -> NoReturn:
     agent_pid = os.environ.get("ELASTICD_AGENT_PID")
     die_with_parent(int(agent_pid) if agent_pid else None)
     faulthandler.register(signal.SIGUSR1, all_threads=True, chain=False)
+    keep_groups_on_destroy()
     as_module = bool(argv) and argv[0] == "-m"
     if as_module:
         argv = argv[1:]
     if not argv:
         sys.stderr.write("usage: python -m elasticd.agent.worker_exec [-m] TARGET [ARGS...]\n")
-        raise SystemExit(2)
-    target, args = argv[0], argv[1:]
+        end_process(2)
+    end_process(run_target(argv[0], argv[1:], as_module=as_module))
+
+
+def run_target(target: str, args: list[str], *, as_module: bool) -> int:
+    """Run TARGET as ``__main__``; return the exit status Python would have used.
+
+    Writes ``done-<rank>`` (control dir) when the status is 0.
+    """
+    sys.argv = [target, *args]
     try:
         if as_module:
-            sys.argv = [target, *args]
             runpy.run_module(target, run_name="__main__", alter_sys=True)
         else:
-            sys.argv = [target, *args]
             sys.path[0] = os.path.dirname(os.path.abspath(target))
             runpy.run_path(target, run_name="__main__")
-    except SystemExit:
-        raise
-    except BaseException as exc:
+        code = 0
+    except SystemExit as exc:
+        code = exit_status(exc)
+    except BaseException as exc:  # noqa: BLE001 - reported as Python would, then exit
+        code = EX_CONFIG if isinstance(exc, ConfigError) else 130 if isinstance(exc, KeyboardInterrupt) else 1
         if os.environ.get("TORCHELASTIC_ERROR_FILE"):
             from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
             ErrorHandler().record_exception(exc)
-        raise
+        sys.excepthook(type(exc), exc, exc.__traceback__)
+    if code == 0:
+        _mark_done()
+    return code
+
+
+def exit_status(exc: SystemExit) -> int:
+    """The status ``python`` exits with for ``SystemExit(exc.code)`` (printing a message)."""
+    if exc.code is None:
+        return 0
+    if isinstance(exc.code, int):
+        return exc.code & 0xFF
+    sys.stderr.write(f"{exc.code}\n")
+    return 1
+
+
+def _mark_done() -> None:
+    # Tell the agent this rank's script completed, before anything in torch's teardown
+    # can abort or hang the process.
+    control_dir, rank = os.environ.get("ELASTICD_CONTROL_DIR"), os.environ.get("RANK", "0")
+    if not control_dir:
+        return
+    try:
+        with open(os.path.join(control_dir, f"{DONE_PREFIX}{rank}"), "w"):
+            pass
+    except OSError:  # the agent is gone or restarting us: nothing to tell
+        pass
 
 
 if __name__ == "__main__":

@@ -93,6 +93,12 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--resize-grace", "drain.resize_grace_s",
          "on a join, workers get this long to stop at a step boundary (0=restart at once), s",
          metavar="S"),
+    Flag("--plain-stop", "drain.plain_stop_s",
+         "on a stop, workers that never called should_stop() get this long, then SIGKILL, s",
+         metavar="S"),
+    Flag("--done-exit", "drain.done_exit_s",
+         "workers whose script returned but that are still running this much later are "
+         "stopped and counted done, s", metavar="S"),
     Flag("--preemption", "preemption.provider", "watch this cloud's preemption notices",
          choices=PROVIDERS),
     Flag("--preemption-url", "preemption.base_url", "metadata service URL (tests, proxies)",

@@ -159,6 +159,12 @@ class DrainConfig:
     # A node joining mid-training: workers get this long to stop at a step boundary
     # before they are restarted hard; 0 restarts them at once (no drain on a join).
     resize_grace_s: float = 30.0
+    # A stop when the workers never called should_stop (plain scripts): their own SIGTERM
+    # handler gets this long, then SIGKILL; the node leaves at once instead of after grace_s.
+    plain_stop_s: float = 3.0
+    # Workers whose script returned (exit 0) but that are still running this much later
+    # (stuck in torch's teardown) are stopped and counted done.
+    done_exit_s: float = 30.0
 
 
 @dataclass(frozen=True)

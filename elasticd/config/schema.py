@@ -354,6 +354,8 @@ KEYS: dict[str, Key] = {
         Key("restart", "backoff_max_s", number(0), 30.0, "backoff_max_s = 30"),
         Key("drain", "grace_s", number(0, lo_open=True), 60.0, "grace_s = 60"),
         Key("drain", "resize_grace_s", number(0), 30.0, "resize_grace_s = 30"),
+        Key("drain", "plain_stop_s", number(0, lo_open=True), 3.0, "plain_stop_s = 3"),
+        Key("drain", "done_exit_s", number(0, lo_open=True), 30.0, "done_exit_s = 30"),
         Key("preemption", "provider", choice(*PROVIDERS), "none", 'provider = "aws"'),
         Key("preemption", "base_url", http_url, None, 'base_url = "http://169.254.169.254"'),
         Key("preemption", "poll_interval_s", number(0, lo_open=True, hi=60), 2.0,

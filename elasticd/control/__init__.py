@@ -27,6 +27,7 @@ A private runtime directory (mode 0700) per agent, passed to workers as
 """
 
 from elasticd.control.api import (
+    DONE_PREFIX,
     DRAIN_FILE,
     DRAINABLE_PREFIX,
     ENV_CONTROL_DIR,
@@ -53,6 +54,7 @@ from elasticd.control.messages import (
 from elasticd.control.server import ControlChannel, ProgressBoard, RankProgress
 
 __all__ = [
+    "DONE_PREFIX",
     "DRAINABLE_PREFIX",
     "DRAIN_FILE",
     "ENV_CONTROL_DIR",

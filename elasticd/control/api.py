@@ -27,6 +27,10 @@ DRAIN_FILE = "drain"
 SOCKET_FILE = "control.sock"
 STOPPED_PREFIX = "stopped-"
 DRAINABLE_PREFIX = "drainable-"
+# Written by the launcher (elasticd.agent.worker_exec) when the worker's script returned
+# with status 0, just before the process ends: "this rank completed its work", so an abort
+# or a hang in torch's teardown after it is not a failure and never re-runs the script.
+DONE_PREFIX = "done-"
 
 
 class CommitOutcome(enum.Enum):

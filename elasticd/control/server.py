@@ -25,6 +25,7 @@ from typing import Any
 import structlog
 
 from elasticd.control.api import (
+    DONE_PREFIX,
     DRAIN_FILE,
     DRAINABLE_PREFIX,
     ENV_CONTROL_DIR,
@@ -245,7 +246,7 @@ class ControlChannel:
 
     def clear_round(self) -> None:
         """Forget per-round markers before starting a new worker group."""
-        for prefix in (STOPPED_PREFIX, DRAINABLE_PREFIX):
+        for prefix in (STOPPED_PREFIX, DRAINABLE_PREFIX, DONE_PREFIX):
             for p in self.dir.glob(prefix + "*"):
                 p.unlink(missing_ok=True)
         self.progress.reset()
@@ -262,6 +263,10 @@ class ControlChannel:
             except (ValueError, OSError):
                 continue
         return out
+
+    def done_count(self) -> int:
+        """How many workers of the current group wrote ``done-<rank>`` (script returned, 0)."""
+        return sum(1 for _ in self.dir.glob(DONE_PREFIX + "*"))
 
     def workers_drainable(self) -> bool:
         """True once a worker of the current group called ``should_stop`` (``drainable-<rank>``)."""

@@ -85,6 +85,7 @@ def check_split(global_batch_size: int, world_size: int) -> None:
         raise ConfigError(
             f"global_batch_size {global_batch_size} is smaller than the world size {world_size}: "
             f"ranks {global_batch_size}..{world_size - 1} would have no sample to train in a step, "
-            "and DDP needs every rank in every step. Use a global batch of at least "
+            "and DDP needs every rank in every step. World sizes that work with this "
+            f"global batch: 1..{global_batch_size}; or use a global batch of at least "
             f"{world_size} (at least the largest world size the job may reach)"
         )

@@ -40,6 +40,8 @@ from elasticd.keys import JobKeys, round_of_key
 from elasticd.records import NodeRecord, RoundState
 from elasticd.rendezvous.etcd_store import EtcdStore
 from elasticd.rendezvous.protocol import (
+    LEAVE_KINDS,
+    LEFT_FINISHED,
     Action,
     ActionKind,
     JoinProgress,
@@ -139,14 +141,18 @@ class _View:
             alive = frozenset(k[len(self.keys.nodes_prefix):] for k in self.nodes)
             joins: dict[int, list[tuple[int, str]]] = {}
             failures: dict[int, list[tuple[int, str]]] = {}
+            left: dict[int, dict[str, str]] = {}
             for key, kv in self.rdzv.items():
                 for root, table in ((self.keys.joins_root, joins),
                                     (self.keys.failures_root, failures)):
                     r = round_of_key(key, root)
                     if r is not None:
                         table.setdefault(r, []).append((kv.create_revision, key.rsplit("/", 1)[1]))
+                r = round_of_key(key, self.keys.left_root)
+                if r is not None and (kind := kv.value.decode(errors="replace")) in LEAVE_KINDS:  # validated: anything else is a loss
+                    left.setdefault(r, {})[key.rsplit("/", 1)[1]] = kind
             closed = self.keys.rdzv_closed in self.rdzv
-            return (RendezvousView(state, alive, _in_order(joins), closed, _in_order(failures)),
+            return (RendezvousView(state, alive, _in_order(joins), closed, _in_order(failures), left),
                     state_kv.mod_revision if state_kv else 0)
 
     def wait_change(self, version: int, timeout_s: float) -> None:
@@ -198,6 +204,12 @@ class EtcdRendezvousHandler(RendezvousHandler):
         self.on_wait: Callable[[], None] | None = None
         # Called with the members whose lease expired when we open the next round for it.
         self.on_members_lost: Callable[[list[str], int], None] | None = None
+        # How ``shutdown`` tells the others we went (``left/<round>/<node>``): torch's
+        # launch_agent calls shutdown() only once the node is done for good (its workers
+        # finished, or failed past the budget), as torch's own backends read it ("closes
+        # the rendezvous"). elasticd's agent sets "drained" when it leaves a running job
+        # and None when it gives up (the others then see a lost member, as before).
+        self.leave_kind: str | None = LEFT_FINISHED
         self._log = log.bind(job=job, node=self.node_id)
 
     # -- lifecycle ----------------------------------------------------------------------
@@ -440,7 +452,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
                  deadline: float) -> None:
         s, k = self.settings, self.keys
         if action.kind is ActionKind.CLOSED:
-            raise RendezvousClosedError(f"job {k.job!r} is closed")
+            raise RendezvousClosedError(f"job {k.job!r} is closed ({action.reason})")
         if action.kind is ActionKind.TIMEOUT:
             if (err := self.client.unreachable()) is not None:
                 raise RendezvousConnectionError(
@@ -462,7 +474,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
             if self._retry("open round", lambda: self.client.put_if(
                     k.rdzv_state, state.to_json(), mod_revision=state_rev), deadline):
                 self._log.info("round_opened", round=action.round, reason=action.reason)
-                lost = lost_members(view.state, view.alive)
+                lost = lost_members(view.state, view.alive, view.left.get(view.state.round))
                 if lost and self.on_members_lost is not None:
                     self.on_members_lost(lost, view.state.round)
                 self._gc_before(action.round)
@@ -504,7 +516,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
             with self._view.cond:
                 rdzv_keys = list(self._view.rdzv)
             for key in rdzv_keys:
-                for root in (k.joins_root, k.failures_root):
+                for root in (k.joins_root, k.failures_root, k.left_root):
                     r = round_of_key(key, root)
                     if r is not None and r < round_:
                         self.client.delete(key)
@@ -551,7 +563,8 @@ class EtcdRendezvousHandler(RendezvousHandler):
             return Waiting()
         view, _ = self._view.snapshot()
         waiting = nodes_waiting(view, self._round, max_nodes=self.settings.max_nodes)
-        lost = lost_members(view.state, view.alive) if view.state and view.state.round == self._round else []
+        lost = (lost_members(view.state, view.alive, view.left.get(self._round))
+                if view.state and view.state.round == self._round else [])
         with self._view.cond:
             lost = [m for m in lost if m not in self._view.left]  # a clean leave needs no grace
         if lost and self.client.trouble_within(self._outage_grace_s()):
@@ -625,18 +638,39 @@ class EtcdRendezvousHandler(RendezvousHandler):
         self._record = record
 
     def shutdown(self) -> bool:
-        """Leave the job explicitly: revoke the lease so peers see us go at once."""
+        """Leave the job explicitly: revoke the lease so peers see us go at once.
+
+        First (if ``leave_kind`` is set and we completed a round) records the leave as
+        ``left/<round>/<node>``, so peers read a leave, not a lost member: a *finished*
+        node does not make the slower ones kill their healthy workers and wait for a
+        round that never completes (torch's ``workers_drift_fail`` case).
+        """
         if self._shutdown:
             return True
         self._shutdown = True
         if self._store is not None:
             self._store.close()
+        self._record_leave()
         if self._keeper is not None:
             self._keeper.stop(revoke=True)
         for w in self._watches:
             w.stop()
         self._log.info("rendezvous_left", round=self._round)
         return True
+
+
+    def _record_leave(self) -> None:
+        kind, rnd = self.leave_kind, self._round
+        if kind is None or rnd is None or self._keeper is None or self.lease_lost.is_set():
+            return  # never in a round, or already taken for lost: nothing to correct
+        try:
+            # Not on our lease: it must outlive the revoke below. Removed with the round's
+            # other keys when a later round opens (``_gc_before``) or the job is reopened.
+            call_with_retry(lambda: self.client.put(self.keys.left(rnd, self.node_id), kind),
+                            what="leave record", deadline=time.monotonic() + 3.0)
+            self._log.info("leave_recorded", round=rnd, kind=kind)
+        except TransientError as exc:  # peers will read a lost member: a re-form, as before
+            self._log.warning("leave_not_recorded", round=rnd, kind=kind, error=str(exc))
 
 
 def _is_live_elasticd(pid: int) -> bool:

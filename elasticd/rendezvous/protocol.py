@@ -18,6 +18,11 @@ A round moves ``open`` -> ``final``:
   order.
 - A node that has used round r (its workers ran) and calls ``next_rendezvous`` again,
   or any node that sees a member of the final round without a live lease, opens r+1.
+- A node that leaves cleanly writes ``left/<round>/<node>`` (``drained`` or ``finished``)
+  *before* it revokes its lease, so the others can tell a leave from a loss. A drained
+  member is a membership change (the job re-forms without it, at once); a finished member
+  is none: its ranks completed the job, the others finish too, and the job never
+  re-forms (a node that would open the next round reads the job as closed instead).
   A node that arrives late pre-registers for r+1 and waits; members see it through
   ``num_nodes_waiting`` and re-rendezvous.
 """
@@ -29,6 +34,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from elasticd.records import RoundState
+
+LEFT_DRAINED = "drained"  # stopped (drain, stop signal): the others re-form without it
+LEFT_FINISHED = "finished"  # its workers completed: the job is done, nobody re-forms
+LEAVE_KINDS = (LEFT_DRAINED, LEFT_FINISHED)
 
 
 class ActionKind(enum.Enum):
@@ -62,6 +71,8 @@ class RendezvousView:
     joins: Mapping[int, Sequence[str]] = field(default_factory=dict)  # round -> nodes in join order
     closed: bool = False
     failures: Mapping[int, Sequence[str]] = field(default_factory=dict)  # round -> reporters in order
+    # round -> {node: LEFT_DRAINED | LEFT_FINISHED}: members that left that round cleanly
+    left: Mapping[int, Mapping[str, str]] = field(default_factory=dict)
 
 
 @dataclass
@@ -89,9 +100,41 @@ def order_members(previous: Sequence[str], joined: Sequence[str], max_nodes: int
     return tuple((kept + newcomers)[:max_nodes])
 
 
-def lost_members(state: RoundState, alive: frozenset[str]) -> list[str]:
-    """Members of a final round whose lease is gone."""
-    return [m for m in state.members if m not in alive]
+def lost_members(state: RoundState, alive: frozenset[str],
+                 left: Mapping[str, str] | None = None) -> list[str]:
+    """Members of a final round whose lease is gone and who did not leave cleanly.
+
+    Args:
+        state: the round.
+        alive: nodes with a live lease.
+        left: the round's clean leaves (node -> kind); such members are not lost.
+    """
+    gone = left or {}
+    return [m for m in state.members if m not in alive and m not in gone]
+
+
+@dataclass(frozen=True)
+class Departures:
+    """Members of a final round without a live lease, by how they went."""
+
+    lost: tuple[str, ...] = ()  # no clean-leave marker: crashed, frozen, cut off
+    drained: tuple[str, ...] = ()  # left cleanly, the job goes on without them
+    finished: tuple[str, ...] = ()  # left because their workers completed the job
+
+    @property
+    def any(self) -> bool:
+        return bool(self.lost or self.drained or self.finished)
+
+
+def departures(view: RendezvousView, state: RoundState) -> Departures:
+    """Sort the gone members of ``state`` into lost, drained and finished. Pure."""
+    left = view.left.get(state.round, {})
+    gone = [m for m in state.members if m not in view.alive]
+    return Departures(
+        lost=tuple(m for m in gone if m not in left),
+        drained=tuple(m for m in gone if left.get(m) == LEFT_DRAINED),
+        finished=tuple(m for m in gone if left.get(m) == LEFT_FINISHED),
+    )
 
 
 def decide_join(view: RendezvousView, progress: JoinProgress, *, min_nodes: int, max_nodes: int,
@@ -112,9 +155,17 @@ def decide_join(view: RendezvousView, progress: JoinProgress, *, min_nodes: int,
         if me in state.members and not used:
             return Action(ActionKind.DONE, f"member of final round {r}", round=r,
                           members=tuple(state.members))
-        lost = lost_members(state, view.alive)
+        gone = departures(view, state)
+        if gone.finished:
+            # Its ranks completed the job: a next round would re-run a finished job (or
+            # wait forever for the finished node).
+            return Action(ActionKind.CLOSED, f"round {r} finished: {','.join(gone.finished)} "
+                          "completed the job")
+        lost = [*gone.lost, *gone.drained]
         if used or lost:
-            why = (f"round {r} lost {','.join(lost)}" if lost else f"re-rendezvous after round {r}")
+            why = (f"round {r} lost {','.join(gone.lost)}" if gone.lost
+                   else f"{','.join(gone.drained)} left round {r}" if gone.drained
+                   else f"re-rendezvous after round {r}")
             return Action(ActionKind.OPEN_NEXT, why + f": opening round {r + 1}", round=r + 1)
         # Late arrival: pre-register for the next round and wait to be admitted.
         if me not in view.joins.get(r + 1, ()):
@@ -161,7 +212,8 @@ class MembershipChange(enum.Enum):
 
     NONE = "none"  # nobody waits
     NEWER_ROUND = "newer_round"  # someone else opened a round after ours
-    MEMBER_LOST = "member_lost"  # a member of our round has no live lease
+    MEMBER_LOST = "member_lost"  # a member of our round has no live lease (and did not leave)
+    MEMBER_LEFT = "member_left"  # a member of our round drained and left cleanly
     JOIN = "join"  # only new nodes wait to join: nobody was lost (a scale-up)
     LEASE_LOST = "lease_lost"  # (handler only) this node's own lease is gone
 
@@ -180,9 +232,10 @@ def nodes_waiting(view: RendezvousView, my_round: int, *, max_nodes: int) -> Wai
 
     Counts as waiting (so torch's agent restarts the group without spending the restart
     budget): a newer round opened by someone else, a member of our round whose lease is
-    gone, and late joiners for the next round while there is room for them. The first
-    that applies names the kind, in that order; so ``JOIN`` means no member was lost and
-    no newer round exists.
+    gone (``MEMBER_LOST``, or ``MEMBER_LEFT`` when it wrote a drained leave), and late
+    joiners for the next round while there is room for them. The first that applies names
+    the kind, in that order; so ``JOIN`` means no member was lost and no newer round
+    exists. A member that *finished* is no change at all (see the module docstring).
     """
     state = view.state
     if state is None or view.closed:
@@ -192,9 +245,17 @@ def nodes_waiting(view: RendezvousView, my_round: int, *, max_nodes: int) -> Wai
                        MembershipChange.NEWER_ROUND)
     if state.phase != "final":
         return Waiting()
-    lost = lost_members(state, view.alive)
-    if lost:
-        return Waiting(len(lost), f"members lost: {','.join(lost)}", MembershipChange.MEMBER_LOST)
+    gone = departures(view, state)
+    if gone.lost:
+        return Waiting(len(gone.lost), f"members lost: {','.join(gone.lost)}",
+                       MembershipChange.MEMBER_LOST)
+    if gone.drained:
+        return Waiting(len(gone.drained), f"members left: {','.join(gone.drained)}",
+                       MembershipChange.MEMBER_LEFT)
+    if gone.finished:
+        # A peer's ranks completed the job: ours are finishing too. Re-forming (or
+        # admitting joiners) would kill healthy workers for a round that never completes.
+        return Waiting()
     if len(state.members) < max_nodes:
         waiting = [n for n in view.joins.get(my_round + 1, ()) if n in view.alive and n not in state.members]
         if waiting:
@@ -222,9 +283,10 @@ def attribute_failure(view: RendezvousView, my_round: int, me: str) -> tuple[str
         return "undecided", "no round state"
     if state.round > my_round:
         return "membership", f"round {state.round} superseded our round {my_round}"
-    lost = lost_members(state, view.alive)
-    if lost:
-        return "membership", f"peer(s) {','.join(lost)} left round {my_round}"
+    gone = departures(view, state)
+    if gone.any:
+        names = ",".join((*gone.lost, *gone.drained, *gone.finished))
+        return "membership", f"peer(s) {names} left round {my_round}"
     reporters = list(view.failures.get(my_round, ()))
     others = [m for m in state.members if m != me]
     if me in reporters and all(m in reporters for m in others):

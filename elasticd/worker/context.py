@@ -16,6 +16,7 @@ still agree; a drain takes effect one step later.
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import os
@@ -30,6 +31,7 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 
+from elasticd import teardown
 from elasticd.control import (
     DRAIN_FILE,
     DRAINABLE_PREFIX,
@@ -40,10 +42,13 @@ from elasticd.control import (
     ControlClient,
     Progress,
 )
-from elasticd.errors import ConfigError
+from elasticd.errors import EX_CONFIG, ConfigError
 
 DEFAULT_COLLECTIVE_TIMEOUT_S = 300.0
 PROGRESS_MIN_INTERVAL_S = 0.2
+# A pending should_stop all-reduce gets this long to complete at shutdown; then it is
+# abandoned (a peer is gone). It started a step ago, so it is normally complete.
+PENDING_SETTLE_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -84,6 +89,7 @@ class _State:
     stop_group: Any = None  # CPU (gloo) group for the stop flag
     pending: Any = None  # async all-reduce work of the previous should_stop()
     old_sigterm: Any = None
+    guards_installed: bool = False  # teardown guards (once per process)
 
 
 _S = _State()
@@ -181,6 +187,7 @@ def init(backend: str | None = None, *, timeout_s: float = DEFAULT_COLLECTIVE_TI
         # Under plain torchrun (or by hand) a SIGTERM asks for a graceful stop.
         _S.old_sigterm = signal.signal(signal.SIGTERM, _on_sigterm)
     _S.flag = torch.zeros(1, dtype=torch.int32)
+    _install_teardown_guards()
     if dist.is_initialized():
         _S.stop_group = dist.new_group(backend="gloo") if backend != "gloo" else dist.group.WORLD
     return _S.ctx
@@ -188,6 +195,37 @@ def init(backend: str | None = None, *, timeout_s: float = DEFAULT_COLLECTIVE_TI
 
 def _on_sigterm(signum: int, frame: Any) -> None:
     _S.sigterm = True
+
+
+def _install_teardown_guards() -> None:
+    # torch's gloo destructor race (see elasticd.teardown): destroyed groups stay
+    # referenced, our own pending all-reduce is settled before any group goes and at
+    # exit, and a ConfigError ends the process with 78 (also under plain torchrun).
+    if _S.guards_installed:
+        return
+    _S.guards_installed = True
+    teardown.keep_groups_on_destroy()
+    teardown.before_destroy(_settle_pending)
+    atexit.register(_settle_pending)
+    previous = sys.excepthook
+
+    def config_error_exits_78(tp: type[BaseException], exc: BaseException, tb: Any) -> None:
+        previous(tp, exc, tb)
+        if isinstance(exc, ConfigError):
+            teardown.end_process(EX_CONFIG)  # deterministic: the agent must not retry it
+
+    sys.excepthook = config_error_exits_78
+
+
+def _settle_pending() -> None:
+    """Wait (bounded) for our pending should_stop all-reduce, or abandon it."""
+    work, _S.pending = _S.pending, None
+    if work is None:
+        return
+    try:
+        work.wait(timeout=timedelta(seconds=PENDING_SETTLE_S))
+    except RuntimeError:  # a peer is gone, or it timed out: nothing to agree on any more
+        pass
 
 
 def context() -> WorkerContext:
@@ -292,12 +330,13 @@ def control_client() -> ControlClient | None:
 
 
 def shutdown() -> None:
-    """Tear down the process group and the control connection; ``init()`` may be called again."""
-    if _S.pending is not None:
-        try:
-            _S.pending.wait()
-        except RuntimeError:  # a peer is gone: nothing to agree on any more
-            pass
+    """Tear down the process group and the control connection; ``init()`` may be called again.
+
+    No collective of ours is left pending (the last ``should_stop`` all-reduce is waited
+    for, at most ``PENDING_SETTLE_S``), and the destroyed groups stay referenced until the
+    process ends (``elasticd.teardown``: torch's gloo destructor race).
+    """
+    _settle_pending()
     if dist.is_initialized():
         dist.destroy_process_group()
     if _S.client is not None:

@@ -11,10 +11,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from elasticd.agent.control import ControlChannel, ControlClient
-from elasticd.agent.recorder import JobRecorder, pointer_dict
+from elasticd.agent.recorder import JobRecorder
 from elasticd.checkpoint import CheckpointManager
 from elasticd.checkpoint.catalog import list_checkpoints
+from elasticd.control import ControlChannel, ControlClient
 from elasticd.etcd.client import EtcdClient
 from elasticd.rendezvous.etcd_handler import EtcdRendezvousHandler, RendezvousSettings
 from elasticd.worker.fence import AgentCommitFence
@@ -33,9 +33,9 @@ def test_pointer_moved_back_by_a_new_round_keeps_the_newer_committed_save(etcd_s
     recorder = JobRecorder(handler)
     recorder.run_id = "c" * 16
     channel = ControlChannel(
-        on_commit=lambda m: recorder.commit_checkpoint(int(m["step"]), m["manifest_url"],
-                                                       int(m["world_size"]), int(m["round"])),
-        on_latest=lambda m: {"pointer": pointer_dict(recorder.latest_checkpoint())}).start()
+        on_commit=lambda m: recorder.commit_checkpoint(m.step, m.manifest_url, m.world_size,
+                                                       m.round),
+        on_latest=recorder.latest_checkpoint).start()
     clock = [1000.0]
     try:
         handler.next_rendezvous()

@@ -20,7 +20,7 @@ NODE_FLAGS = ["--standalone", "--job", "--nnodes", "--checkpoint-url", "--resume
               "--close-timeout", "--store-timeout",
               "--nproc-per-node", "--workdir", "--monitor-interval", "--hang-timeout",
               "--no-warm-start", "--max-restarts", "--restart-backoff", "--restart-backoff-max",
-              "--drain-grace", "--resize-grace", "--preemption", "--preemption-url",
+              "--drain-grace", "--resize-grace", "--plain-stop", "--done-exit", "--preemption", "--preemption-url",
               "--preemption-poll", "--log-format", "--log-level", "--log-dir", "--metrics-port",
               "--metrics-addr"]
 SURFACE = {

@@ -30,7 +30,7 @@ from elasticd.keys import JobKeys
 from elasticd.records import NodeRecord
 from elasticd.rendezvous.etcd_handler import EtcdRendezvousHandler, RendezvousSettings
 from elasticd.rendezvous.etcd_store import EtcdStore
-from elasticd.rendezvous.protocol import MembershipChange
+from elasticd.rendezvous.protocol import LEFT_DRAINED, MembershipChange
 from elasticd.rendezvous.registry import create_handler
 
 pytestmark = pytest.mark.timeout(60)
@@ -163,14 +163,30 @@ def test_scale_down_graceful_leave_is_seen_at_once(handlers):
     leaver = next(h for h in hs if h.node_id == before[1])
     rest = [h for h in hs if h is not leaver]
     t0 = time.monotonic()
+    leaver.leave_kind = LEFT_DRAINED  # what elasticd's agent sets when it drains and leaves
     leaver.shutdown()
     wait_until(lambda: all(h.num_nodes_waiting() > 0 for h in rest), 5, "survivors to see the leave")
     assert time.monotonic() - t0 < 3.0, "a graceful leave waited for the lease TTL"
     assert before[1] in rest[0].membership().reason
-    assert rest[0].membership().kind is MembershipChange.MEMBER_LOST
+    assert rest[0].membership().kind is MembershipChange.MEMBER_LEFT, "a clean leave read as a loss"
     infos = results(handlers.join(rest))
     assert {i.world_size for i in infos} == {2}
     assert list(rest[0].members) == [m for m in before if m != before[1]]
+
+
+def test_finished_node_is_not_a_lost_member_and_the_job_does_not_reform(handlers):
+    """shutdown() as torch's launch_agent calls it (the node is done): the others see no
+    membership change (their workers finish too), and one that re-rendezvous reads the
+    job as closed instead of waiting for a round that never completes."""
+    hs = [handlers.make("fin", f"n{i}", min_nodes=2, max_nodes=2) for i in range(2)]
+    form_round(handlers, hs, world=2)
+    done, slow = hs
+    done.shutdown()  # default leave_kind: finished
+    wait_until(lambda: done.node_id not in slow.view().alive, 5, "the lease revoked")
+    wait_until(lambda: slow.view().left.get(slow.round), 5, "the leave record seen")
+    assert slow.num_nodes_waiting() == 0, slow.membership().reason
+    with pytest.raises(RendezvousClosedError, match="completed the job"):
+        slow.next_rendezvous()
 
 
 def test_frozen_node_is_dropped_when_its_lease_expires(handlers):

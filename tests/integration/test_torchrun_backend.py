@@ -60,3 +60,26 @@ def test_two_plain_torchruns_train_at_world_two(etcd_server, tmp_path):
         for n in nodes:
             n.cleanup()
     assert no_leftovers(nodes) == []
+
+
+@pytest.mark.timeout(90)
+def test_node_that_finishes_first_is_a_leave_not_a_lost_member(etcd_server, tmp_path):
+    """Regression (torch's workers_drift_fail, issue 11 item 5): under torch's own agent
+    (exit barrier 0, shutdown() after run() like launch_agent), the node whose workers finish
+    first revokes its lease; the slower node must not read "members lost", kill its healthy
+    workers and wait for a round that never completes: both exit 0, every rank finishes once."""
+    out = tmp_path / "done.jsonl"
+    argv = [PY, str(ROOT / "tests" / "workers" / "torch_agent_node.py"), etcd_server.endpoint,
+            "drift", "2", str(ROOT / "tests" / "workers" / "drift.py")]
+    nodes = [Node(argv, {"OUT": str(out), "DRIFT_S": "5"}, tmp_path / f"agent{i}.log") for i in range(2)]
+    try:
+        codes = [n.wait(75) for n in nodes]
+        logs = "\n".join(n.log()[-3000:] for n in nodes)
+        assert codes == [0, 0], logs
+        rows = read_jsonl(out)
+        assert sorted((r["rank"], r["restart"]) for r in rows) == [(0, "0"), (1, "0")], f"{rows}\n{logs}"
+        assert "members lost" not in logs, logs
+    finally:
+        for n in nodes:
+            n.cleanup()
+    assert no_leftovers(nodes) == []

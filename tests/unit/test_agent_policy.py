@@ -15,7 +15,7 @@ from elasticd.agent.policy import Facts, Verdict, decide
 HEALTHY = Facts(group_state="HEALTHY", remaining_restarts=3, any_progress=True)
 JOIN = replace(HEALTHY, nodes_waiting=1, membership="join",
                membership_reason="nodes waiting to join: n2", workers_drainable=True)
-RESIZING = replace(HEALTHY, resizing=True)
+RESIZING = replace(HEALTHY, resizing=True, workers_drainable=True)  # a resize needs drainable workers
 
 
 def test_healthy_with_nobody_waiting_continues():
@@ -151,3 +151,53 @@ def test_exit_code_2_on_first_start_is_not_retried():
     """Bad arguments before any step: give up instead of spending the budget."""
     f = Facts(group_state="FAILED", exit_codes=(2,), remaining_restarts=3)
     assert decide(f).verdict is Verdict.FAIL
+
+
+# --- teardown (issue 11: items 4, 6, 7) -----------------------------------------------------
+
+
+def test_stop_signal_with_workers_that_cannot_drain_stops_them_now():
+    """Regression: a plain script never called should_stop: a stop signal stops the workers
+    at once and leaves, instead of letting them train on for the whole drain grace."""
+    d = decide(replace(HEALTHY, drain_signals=1))
+    assert d.verdict is Verdict.STOP_NOW and "should_stop" in d.reason
+    assert decide(replace(HEALTHY, drain_signals=1, workers_drainable=True)).verdict is Verdict.START_DRAIN
+
+
+def test_abort_after_every_worker_completed_is_success():
+    """Regression: workers that wrote done markers and then died in torch's teardown
+    (SIGABRT) finished the job: no restart that would re-run a finished script."""
+    f = replace(HEALTHY, group_state="FAILED", exit_codes=(-6,), workers_done=True)
+    d = decide(f)
+    assert d.verdict is Verdict.FINISH and "-6" in d.reason
+    assert decide(replace(f, draining=True)).verdict is Verdict.LEAVE
+    assert decide(replace(f, stopped_for_drain=True)).verdict is Verdict.RESTART_MEMBERSHIP
+
+
+def test_workers_done_but_still_running_finish_after_the_bound():
+    """Done workers stuck in teardown are waited for done_exit_s, then counted finished."""
+    done = replace(HEALTHY, workers_done=True)
+    assert decide(done).verdict is Verdict.CONTINUE
+    assert decide(replace(done, done_exit_passed=True)).verdict is Verdict.FINISH
+
+
+def test_failure_without_done_markers_is_still_a_failure():
+    """Only completed workers turn an abort into success: without markers it is a failure."""
+    f = replace(HEALTHY, group_state="FAILED", exit_codes=(-6,), attribution="root")
+    assert decide(f).verdict is Verdict.RESTART_FAILURE
+
+
+def test_config_error_exit_78_is_never_retried():
+    """Regression: a worker's ConfigError (exit 78) fails the node with 78, at any start,
+    with budget left, instead of flapping through restarts."""
+    for first_start in (True, False):
+        f = replace(HEALTHY, group_state="FAILED", exit_codes=(78, 1), first_start=first_start,
+                    attribution="root", remaining_restarts=3)
+        d = decide(f)
+        assert (d.verdict, d.exit_code) == (Verdict.FAIL, 78) and "78" in d.reason
+
+
+def test_peer_that_left_cleanly_is_a_membership_change():
+    """A member that drained and left (member_left) re-forms the job without spending budget."""
+    f = replace(HEALTHY, nodes_waiting=1, membership="member_left", membership_reason="members left: b")
+    assert decide(f).verdict is Verdict.RESTART_MEMBERSHIP

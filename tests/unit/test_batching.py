@@ -242,3 +242,9 @@ def test_training_through_resizes_matches_an_uninterrupted_run():
     resized = _train([(1, 4), (3, 5), (4, 2), (2, 0)])
     torch.testing.assert_close(resized, reference)
     assert not torch.equal(reference, torch.zeros(3, dtype=torch.float64))
+
+
+def test_batch_smaller_than_world_names_the_world_sizes_that_work():
+    """The error for a global batch below the world size says which world sizes work."""
+    with pytest.raises(ConfigError, match=r"World sizes that work with this global batch: 1\.\.3"):
+        plan_global_batch(3, 4, 8)

@@ -70,6 +70,7 @@ def test_minimal_file_gets_documented_defaults(tmp_path):
     assert config.logging.worker_log_dir is None
     assert config.drain.grace_s == 60.0
     assert config.drain.resize_grace_s == 30.0
+    assert (config.drain.plain_stop_s, config.drain.done_exit_s) == (3.0, 30.0)
     assert config.preemption.provider == "none"
     assert config.logging.format == "auto" and not config.metrics.enabled
     assert config.origins["node.ttl_s"] == "default"
@@ -95,6 +96,14 @@ def test_resize_grace_zero_turns_drain_on_join_off(tmp_path):
     config = load(tmp_path, MINIMAL, {"ELASTICD_DRAIN_RESIZE_GRACE_S": "5"}, {"drain.resize_grace_s": "12"})
     assert config.drain.resize_grace_s == 12.0
     assert config.origins["drain.resize_grace_s"] == "override"
+
+
+def test_plain_stop_and_done_exit_come_from_file_env_and_flags(tmp_path):
+    """drain.plain_stop_s and drain.done_exit_s load with the usual precedence."""
+    config = load(tmp_path, MINIMAL + "[drain]\nplain_stop_s = 1.5\ndone_exit_s = 10\n", {}, {})
+    assert (config.drain.plain_stop_s, config.drain.done_exit_s) == (1.5, 10.0)
+    config = load(tmp_path, MINIMAL, {"ELASTICD_DRAIN_PLAIN_STOP_S": "2"}, {"drain.plain_stop_s": "4"})
+    assert config.drain.plain_stop_s == 4.0 and config.origins["drain.plain_stop_s"] == "override"
 
 
 def test_config_without_file_comes_from_environment_and_overrides():
@@ -295,6 +304,8 @@ def test_missing_required_keys_name_key_and_env_var(tmp_path, text, missing):
         ("", {"ELASTICD_LOGGING_FORMAT": "xml"}, "logging.format", "'json'"),
         ("", {"ELASTICD_DRAIN_GRACE_S": "0"}, "drain.grace_s", "greater than 0"),
         ("", {"ELASTICD_DRAIN_RESIZE_GRACE_S": "-1"}, "drain.resize_grace_s", "at least 0"),
+        ("", {"ELASTICD_DRAIN_PLAIN_STOP_S": "0"}, "drain.plain_stop_s", "greater than 0"),
+        ("", {"ELASTICD_DRAIN_DONE_EXIT_S": "-1"}, "drain.done_exit_s", "greater than 0"),
         ("", {"ELASTICD_ETCD_TIMEOUT_S": "nan"}, "etcd.timeout_s", "finite"),
         ("", {"ELASTICD_ETCD_ENDPOINTS": "h:99999"}, "etcd.endpoints", "invalid port"),
         ("", {"ELASTICD_ETCD_ENDPOINTS": "ftp://h:1"}, "etcd.endpoints", "scheme"),

@@ -89,6 +89,9 @@ def _rows(tmp_path) -> dict[str, tuple[dict[str, Any], Check, Any]]:
         "drain.grace_s": ({"drain.grace_s": "20"}, lambda s: s.supervision.drain_grace_s, 20.0),
         "drain.resize_grace_s": ({"drain.resize_grace_s": "4"},
                                  lambda s: s.supervision.resize_grace_s, 4.0),
+        "drain.plain_stop_s": ({"drain.plain_stop_s": "7"},
+                               lambda s: s.supervision.plain_stop_s, 7.0),
+        "drain.done_exit_s": ({"drain.done_exit_s": "8"}, lambda s: s.supervision.done_exit_s, 8.0),
         "preemption.provider": ({"preemption.provider": "aws"},
                                 lambda s: type(s.preemption.source).__name__, "AwsSpotSource"),
         "preemption.base_url": ({"preemption.provider": "aws",
@@ -169,6 +172,8 @@ def test_runtime_defaults_equal_the_schema():
     assert sup["restart_backoff_max_s"] == d["restart.backoff_max_s"]
     assert sup["drain_grace_s"] == d["drain.grace_s"]
     assert sup["resize_grace_s"] == d["drain.resize_grace_s"]
+    assert sup["plain_stop_s"] == d["drain.plain_stop_s"]
+    assert sup["done_exit_s"] == d["drain.done_exit_s"]
     assert sup["hang_timeout_s"] == d["workers.hang_timeout_s"]
     assert sup["monitor_interval_s"] == d["workers.monitor_interval_s"]
     assert sup["warm_start"] == d["workers.warm_start"]

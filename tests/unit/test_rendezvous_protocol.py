@@ -15,6 +15,8 @@ from hypothesis import strategies as st
 
 from elasticd.records import RoundState
 from elasticd.rendezvous.protocol import (
+    LEFT_DRAINED,
+    LEFT_FINISHED,
     Action,
     ActionKind,
     JoinProgress,
@@ -31,8 +33,9 @@ NOW = 100.0
 FAR = 1e9
 
 
-def view(state: RoundState | None, alive, joins=None, *, closed=False, failures=None) -> RendezvousView:
-    return RendezvousView(state, frozenset(alive), joins or {}, closed, failures or {})
+def view(state: RoundState | None, alive, joins=None, *, closed=False, failures=None,
+         left=None) -> RendezvousView:
+    return RendezvousView(state, frozenset(alive), joins or {}, closed, failures or {}, left or {})
 
 
 def open_(r: int, members=()) -> RoundState:
@@ -217,6 +220,48 @@ def test_nodes_waiting_zero_in_steady_state():
     assert nodes_waiting(view(final(2, ["a", "b"]), {"a", "b"}), 2, max_nodes=4) == Waiting()
 
 
+def test_finished_member_is_no_membership_change():
+    """Regression (torch's workers_drift_fail): a member that finished and revoked its lease
+    is not a lost member: the slower node keeps its healthy workers (nothing waits)."""
+    v = view(final(2, ["a", "b"]), {"a"}, {3: ["c"]}, left={2: {"b": LEFT_FINISHED}})
+    assert nodes_waiting(v, 2, max_nodes=4) == Waiting()
+
+
+def test_drained_member_is_a_leave_not_a_loss():
+    """A member that drained and left is a membership change of kind MEMBER_LEFT."""
+    v = view(final(2, ["a", "b"]), {"a"}, left={2: {"b": LEFT_DRAINED}})
+    w = nodes_waiting(v, 2, max_nodes=4)
+    assert (w.count, w.kind) == (1, MembershipChange.MEMBER_LEFT) and "left: b" in w.reason
+
+
+def test_leave_marker_of_another_round_does_not_excuse_a_loss():
+    """A clean-leave marker counts only for the round it names."""
+    v = view(final(3, ["a", "b"]), {"a"}, left={2: {"b": LEFT_FINISHED}})
+    assert nodes_waiting(v, 3, max_nodes=4).kind is MembershipChange.MEMBER_LOST
+
+
+def test_lost_wins_over_finished():
+    """A crashed member is still a loss even when another member finished."""
+    v = view(final(2, ["a", "b", "c"]), {"a"}, left={2: {"b": LEFT_FINISHED}})
+    w = nodes_waiting(v, 2, max_nodes=4)
+    assert w.kind is MembershipChange.MEMBER_LOST and w.reason == "members lost: c"
+
+
+def test_finished_job_does_not_reform():
+    """A node that would open the next round after a member finished reads the job as
+    closed instead: a finished job never re-forms."""
+    v = view(final(2, ["a", "b"]), {"a"}, left={2: {"b": LEFT_FINISHED}})
+    a = decide(v, "a", last_round=2)
+    assert a.kind is ActionKind.CLOSED and "b completed" in a.reason
+
+
+def test_drained_member_opens_next_round_for_late_arrival():
+    """A member that drained opens the next round like a lost one (the job goes on)."""
+    v = view(final(2, ["a", "b"]), {"a", "c"}, left={2: {"b": LEFT_DRAINED}})
+    a = decide(v, "c")
+    assert a.kind is ActionKind.OPEN_NEXT and "b left round 2" in a.reason
+
+
 # --- attribute_failure ------------------------------------------------------------------
 
 
@@ -224,6 +269,13 @@ def test_failure_with_lost_peer_is_membership():
     """A worker failure while a peer's lease is gone is a membership change, not our fault."""
     v = view(final(1, ["a", "b"]), {"a"}, failures={1: ["a"]})
     assert attribute_failure(v, 1, "a")[0] == "membership"
+
+
+def test_failure_after_peer_left_cleanly_is_membership():
+    """A worker failure after a peer drained (or finished) and left is not our fault."""
+    for kind in (LEFT_DRAINED, LEFT_FINISHED):
+        v = view(final(1, ["a", "b"]), {"a"}, failures={1: ["a"]}, left={1: {"b": kind}})
+        assert attribute_failure(v, 1, "a")[0] == "membership"
 
 
 def test_failure_after_newer_round_is_membership():

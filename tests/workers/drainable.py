@@ -2,7 +2,7 @@
 
 Env: OUT (per-step JSON lines), CKPT (JSON file with the last saved step), STEPS,
 STEP_S, CKPT_EVERY (rank 0 saves after every N-th step, default 1; a stop always
-saves), IGNORE_STOP=1 (never checks should_stop: tests the hard stop), HANG_AT (rank 0
+saves), IGNORE_STOP=1 (calls should_stop but ignores it: tests the hard stop), HANG_AT (rank 0
 sleeps forever at that step), EXIT_CODE_AT ("step:code" on rank 0 of the first start).
 """
 
@@ -48,7 +48,7 @@ def main() -> int:
         if crash and ctx.rank == 0 and ctx.restart_count == 0 and step == int(crash.split(":")[0]):
             sys.exit(int(crash.split(":")[1]))
         time.sleep(step_s)
-        if os.environ.get("IGNORE_STOP") != "1" and worker.should_stop(step):
+        if worker.should_stop(step) and os.environ.get("IGNORE_STOP") != "1":
             if ctx.rank == 0:
                 save(ckpt, step)
             dist.barrier()

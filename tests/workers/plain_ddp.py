@@ -1,12 +1,16 @@
 """A plain DDP script that knows nothing of elasticd (PyTorch's torchrun tutorial style):
 torchrun env, DistributedSampler, DDP, and its own snapshot file for restarts.
 
-Env: SNAPSHOT (path), OUT (per-epoch JSON lines), EPOCHS, CRASH_AT_EPOCH (rank 0, first start).
+Env: SNAPSHOT (path), OUT (per-epoch JSON lines), EPOCHS, CRASH_AT_EPOCH (rank 0, first start),
+AT_EXIT=abort|hang (rank 1: an atexit handler aborts, or never returns,
+as torch's interpreter teardown sometimes does).
 """
 
+import atexit
 import json
 import os
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -17,6 +21,9 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 def main() -> int:
     dist.init_process_group("gloo")
     rank = int(os.environ["RANK"])
+    at_exit = os.environ.get("AT_EXIT")
+    if rank == 1 and at_exit:
+        atexit.register(os.abort if at_exit == "abort" else lambda: time.sleep(3600))
     torch.manual_seed(0)
     data = TensorDataset(torch.randn(256, 8), torch.randn(256, 1))
     model = torch.nn.Linear(8, 1)

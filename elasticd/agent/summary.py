@@ -1,0 +1,74 @@
+"""The one-screen summary the agent prints when it gives up: the first failing rank (the
+root cause), how it ended, its error and the last lines of its stderr log."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from collections.abc import Callable
+from typing import Any
+
+
+def first_failure(result: Any) -> tuple[int, str, int] | None:
+    """(global rank, description, exit code) of the earliest failure in ``result``."""
+    if not result.failures:
+        return None
+    rank, failure = min(result.failures.items(), key=lambda kv: (kv[1].timestamp, kv[0]))
+    code = failure.exitcode
+    if code is not None and code < 0:
+        try:
+            what = f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            what = f"killed by signal {-code}"
+    else:
+        what = f"exit code {code}"
+    return rank, what, code
+
+
+def failure_summary(outcome: Any, tail_lines: int = 15,
+                    read: Callable[[str], str] | None = None) -> str:
+    """The one-screen summary printed when the agent gives up."""
+    lines = [f"elasticd: giving up: {outcome.reason}"]
+    if outcome.failures:
+        rank, failure = min(outcome.failures.items(), key=lambda kv: (kv[1].timestamp, kv[0]))
+        code = failure.exitcode
+        how = (f"signal {signal.Signals(-code).name}" if code is not None and code < 0
+               else f"exit code {code}")
+        lines.append(f"first failure: rank {rank} (local rank {failure.local_rank}), {how}, "
+                     f"pid {failure.pid}")
+        msg = failure.message if isinstance(failure.message, str) else ""
+        if msg and msg != "To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html":
+            lines.append(f"error: {msg.strip()[:2000]}")
+        err_file = getattr(failure, "error_file", "")
+        text = ""
+        if err_file and os.path.exists(err_file):
+            text = (read or _read)(err_file)
+        stderr_log = _stderr_log_of(failure)
+        if stderr_log:
+            text = text or (read or _read)(stderr_log)
+            lines.append(f"stderr log: {stderr_log}")
+        if text:
+            tail = text.strip().splitlines()[-tail_lines:]
+            lines.append("last lines:")
+            lines.extend(f"  {ln}" for ln in tail)
+    return "\n".join(lines)
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path, errors="replace") as fh:
+            return fh.read()[-20000:]
+    except OSError:
+        return ""
+
+
+def _stderr_log_of(failure: Any) -> str:
+    err = getattr(failure, "error_file", "") or ""
+    # torch's DefaultLogsSpecs puts stderr.log next to error.json
+    candidate = os.path.join(os.path.dirname(err), "stderr.log") if err else ""
+    return candidate if candidate and os.path.exists(candidate) else ""
+
+
+def print_summary(outcome: Any) -> None:
+    sys.stderr.write(failure_summary(outcome) + "\n")
