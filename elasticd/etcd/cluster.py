@@ -146,11 +146,15 @@ class EmbeddedEtcdCluster:
                           election_ms=election_ms, start_timeout_s=start_timeout_s)
             for i in range(size)
         ]
+        self._token = f"elasticd-{os.getpid()}-{id(self):x}"
+        self.refresh_initial_cluster()
+
+    def refresh_initial_cluster(self) -> None:
+        """Tell every member the peer URLs of all (call after changing a member's ports)."""
         initial = ",".join(f"{m.name}={m.peer_url}" for m in self.members)
-        token = f"elasticd-{os.getpid()}-{id(self):x}"
         for m in self.members:
             m.initial_cluster = initial
-            m.cluster_token = token
+            m.cluster_token = self._token
 
     @property
     def endpoints(self) -> str:

@@ -30,6 +30,7 @@ SURFACE = {
                "--etcd-password-file", "--timeout", "--json", "--watch", "--events", "--window",
                "--max-rows"],
     "checkpoints": None,  # owned by elasticd.cli_checkpoints; only its presence is pinned here
+    "etcd": ["--members", "--data-dir"],
 }
 
 
