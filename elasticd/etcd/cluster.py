@@ -62,6 +62,7 @@ class ClusterMember(EmbeddedEtcd):
         self.initial_cluster = ""  # set by the cluster once every member's peer port is known
         self.cluster_token = "elasticd"
         self.defer_wait = False
+        self.log_level = os.environ.get("ELASTICD_TEST_ETCD_LOG_LEVEL", "error")  # tests/benchmarks
 
     def _wait_healthy(self) -> None:
         # A lone member of a new cluster cannot answer until a quorum is up, so the cluster
@@ -95,7 +96,8 @@ class ClusterMember(EmbeddedEtcd):
         for flag, value in (("--name", self.name), ("--initial-cluster", self.initial_cluster),
                             ("--initial-cluster-token", self.cluster_token),
                             ("--heartbeat-interval", str(self.heartbeat_ms)),
-                            ("--election-timeout", str(self.election_ms))):
+                            ("--election-timeout", str(self.election_ms)),
+                            ("--log-level", self.log_level)):
             cmd = _set_flag(cmd, flag, value)
         return cmd
 
@@ -258,6 +260,56 @@ class EmbeddedEtcdCluster:
             time.sleep(0.05)
         raise EtcdUnavailableError(f"etcd cluster elected no leader among members {among} "
                                    f"within {timeout_s:.0f}s")
+
+    def move_leader(self, target: int, timeout_s: float = 10.0) -> None:
+        """Hand leadership to member ``target`` (etcd's MoveLeader, sent to the leader).
+
+        Raises:
+            EtcdUnavailableError: there is no leader, or ``target`` did not take over in time.
+        """
+        from etcd3.etcdrpc import MoveLeaderRequest
+
+        from elasticd.etcd.client import EtcdClient
+
+        lead = self.wait_leader(timeout_s)
+        if lead == target:
+            return
+        st = self.status(target)
+        if st is None:
+            raise EtcdUnavailableError(f"member {self.members[target].name} does not answer")
+        client = EtcdClient(self.members[lead].endpoint, timeout_s=timeout_s)
+        try:
+            client.call(lambda c: c.maintenancestub.MoveLeader(MoveLeaderRequest(targetID=st.member_id),
+                                                               timeout_s))
+        finally:
+            client.close()
+        if self.wait_leader(timeout_s) != target:
+            raise EtcdUnavailableError(f"leadership did not move to {self.members[target].name}")
+
+    def members_used_by(self, pid: int) -> list[int]:
+        """Indices of the members process ``pid`` holds an established TCP connection to
+        (from /proc; Linux): which member a client process is talking to."""
+        inodes = set()
+        try:
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                try:
+                    target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                except OSError:
+                    continue
+                if target.startswith("socket:["):
+                    inodes.add(target[8:-1])
+            rows = []
+            for table in ("/proc/net/tcp", "/proc/net/tcp6"):  # gRPC uses v4-mapped v6 sockets
+                with open(table) as fh:
+                    rows += fh.read().splitlines()[1:]
+        except OSError:
+            return []
+        ports = set()
+        for row in rows:
+            cols = row.split()
+            if cols[3] == "01" and cols[9] in inodes:  # 01: ESTABLISHED
+                ports.add(int(cols[2].rsplit(":", 1)[1], 16))
+        return [i for i, m in enumerate(self.members) if m.client_port in ports]
 
     def followers(self) -> list[int]:
         """Indices of the running members that do not lead."""
