@@ -176,6 +176,13 @@ def run_scenario(name: str, args: argparse.Namespace, workdir: Path) -> dict:
             _inject(name, etcd, agents[0].pid, args.node_ttl)
             t_whole = time.time()
             time.sleep(args.after)
+            # Count what a restart would cost too: wait until training runs again after the
+            # fault (a restarted group takes a while to trace its first step).
+            done_at = len(rank0())
+            try:
+                wait_until(lambda: len(rank0()) >= done_at + 20, 120)
+            except Exception:  # reported as few steps_during; the counts stay exact
+                pass
             gaps = sorted(probe.gaps)
             rows = rank0()
             attempts = Counter(r["step"] for r in rows)
