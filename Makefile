@@ -9,13 +9,19 @@ PYTEST_ARGS ?=
 
 venv: $(STAMP)
 
+# One line per phase: the first `make demo` spends most of its time here, not in the demo.
 $(STAMP): pyproject.toml
+	@echo "== creating the virtualenv $(VENV)"
 	$(PYTHON) -m venv $(VENV)
+	@echo "== upgrading pip"
 	$(PY) -m pip install -q --upgrade pip
+	@echo "== installing torch 2.13.0, CPU build (~200 MB, once)"
 	# A CPU build of torch from the local wheel cache; users bring their own CUDA torch.
 	$(PY) -m pip install -q torch==2.13.0
+	@echo "== installing elasticd (editable) with its test and plot tools"
 	$(PY) -m pip install -q -e '.[test]'
 	touch $(STAMP)
+	@echo "== $(VENV) ready"
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check elasticd tests benchmarks examples
@@ -37,6 +43,7 @@ soak: $(STAMP)
 	ELASTICD_SOAK=1 $(PY) -m pytest -q tests/chaos $(PYTEST_ARGS)
 
 demo: $(STAMP)
+	@echo "== running the demo (~2-3 min): etcd, two nodes, a kill, a rejoin, a picture"
 	$(PY) examples/demo.py
 
 bench: $(STAMP)

@@ -17,6 +17,7 @@ from elasticd import __version__
 from elasticd.config import load_config
 from elasticd.config.flags import add_config_flags, flag_names, overrides_from_args
 from elasticd.errors import EX_CONFIG, ConfigError, ElasticdError
+from elasticd.sensitive import scrub_text
 
 
 def _add_run_parser(sub: argparse._SubParsersAction) -> None:
@@ -84,10 +85,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _run_command(args)
         return int(args.func(args))
     except ConfigError as exc:
-        sys.stderr.write(f"elasticd: configuration error: {exc}\n")
+        sys.stderr.write(f"elasticd: configuration error: {scrub_text(str(exc))}\n")
         return EX_CONFIG
     except ElasticdError as exc:
-        sys.stderr.write(f"elasticd: {exc}\n")
+        sys.stderr.write(f"elasticd: {scrub_text(str(exc))}\n")
         return exc.exit_code
     except KeyboardInterrupt:
         return 130

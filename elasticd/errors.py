@@ -36,6 +36,15 @@ class EtcdUnavailableError(TransientError):
     exit_code = 4
 
 
+class EtcdNoSpaceError(EtcdUnavailableError):
+    """etcd raised its NOSPACE alarm: the database hit its quota and every write fails.
+
+    A subclass of ``EtcdUnavailableError`` so that every caller keeps retrying (the agent
+    survives until an operator frees space), but named on its own in logs and in
+    ``elasticd status``: it does not go away by waiting (docs/deployment.md).
+    """
+
+
 class FatalError(ElasticdError):
     """This node cannot go on (restart budget spent, non-retryable worker error)."""
 

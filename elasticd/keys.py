@@ -13,6 +13,7 @@ Layout (see docs/architecture.md)::
     /elasticd/<job>/rdzv/failures/<round>/<node>  a node's worker failure in <round>, on its lease
     /elasticd/<job>/store/<round>/<key>     the c10d store of one round
     /elasticd/<job>/progress                step, epoch, samples/s (JSON)
+    /elasticd/<job>/history                 bounded progress samples for plots (elasticd/history.py)
     /elasticd/<job>/checkpoint/latest       fenced pointer to the newest committed checkpoint
     /elasticd/<job>/events/<seq>            bounded event history (JSON)
 """
@@ -25,8 +26,11 @@ from dataclasses import dataclass
 from elasticd.errors import ConfigError
 
 ROOT = "/elasticd/"
-JOB_NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
-NODE_ID_RE = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")
+# Matched with fullmatch: ``$`` also matches before a trailing newline, so "r1\n" passed.
+JOB_NAME_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+NODE_ID_RE = re.compile(r"[A-Za-z0-9_.:-]{1,128}")
+# ASCII digits only: ``\d`` and ``str.isdigit`` accept Arabic-Indic and other digits.
+_ROUND_RE = re.compile(r"[0-9]{1,19}")
 
 
 def validate_job_name(job: str) -> str:
@@ -36,7 +40,7 @@ def validate_job_name(job: str) -> str:
         ConfigError: the name is empty, too long, or has characters other than
             letters, digits and ``-_.`` (``/`` and ``..`` would escape the prefix).
     """
-    if not isinstance(job, str) or not JOB_NAME_RE.match(job) or job in (".", ".."):
+    if not isinstance(job, str) or not JOB_NAME_RE.fullmatch(job) or job in (".", ".."):
         raise ConfigError(
             f"invalid job name {job!r}: use 1-64 letters, digits, '-', '_' or '.' "
             "(no '/', not '.' or '..'), e.g. --job my-run-1"
@@ -46,7 +50,7 @@ def validate_job_name(job: str) -> str:
 
 def validate_node_id(node: str) -> str:
     """Return ``node`` if it is a valid node id, else raise ConfigError."""
-    if not isinstance(node, str) or not NODE_ID_RE.match(node) or node in (".", ".."):
+    if not isinstance(node, str) or not NODE_ID_RE.fullmatch(node) or node in (".", ".."):
         raise ConfigError(
             f"invalid node id {node!r}: use 1-128 letters, digits, '-', '_', '.' or ':'"
         )
@@ -121,6 +125,10 @@ class JobKeys:
         return f"{self.prefix}progress"
 
     @property
+    def history(self) -> str:
+        return f"{self.prefix}history"
+
+    @property
     def checkpoint_latest(self) -> str:
         return f"{self.prefix}checkpoint/latest"
 
@@ -137,11 +145,18 @@ def round_of_key(key: str, root: str) -> int | None:
     if not key.startswith(root):
         return None
     head = key[len(root):].split("/", 1)[0]
-    return int(head) if head.isdigit() else None
+    return int(head) if _ROUND_RE.fullmatch(head) else None
+
+
+def parse_ascii_int(text: str) -> int | None:
+    """``int(text)`` for a string of 1-19 ASCII digits, else None (no sign, no spaces,
+    no other scripts' digits: names read from etcd or storage are never trusted)."""
+    return int(text) if isinstance(text, str) and _ROUND_RE.fullmatch(text) else None
 
 
 def job_of_key(key: str) -> str | None:
     """Return the job name of a key under ``/elasticd/``, or None."""
     if not key.startswith(ROOT):
         return None
-    return key[len(ROOT):].split("/", 1)[0] or None
+    job = key[len(ROOT):].split("/", 1)[0]
+    return job if JOB_NAME_RE.fullmatch(job) and job not in (".", "..") else None

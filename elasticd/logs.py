@@ -2,18 +2,39 @@
 
 Every log line goes to stderr (stdout belongs to the commands' output, e.g. ``status
 --json``). Bind job/node/round with ``structlog.contextvars.bind_contextvars`` or
-``log.bind``; event names are past-tense facts (``rendezvous_completed``).
+``log.bind``; event names are past-tense facts (``rendezvous_completed``). Every event
+passes through :func:`redact_secrets` (elasticd.sensitive's one masking rule), so a
+token in a URL or a ``*_TOKEN`` field never reaches journald.
+
+Also where worker logs go (:func:`resolve_worker_log_dir`): never a predictable shared
+path. ``/tmp/elasticd-logs-<job>`` could be created first by another local user, who
+would then read (and swap) every worker's output.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import stat
 import sys
-from typing import TextIO
+import tempfile
+from collections.abc import MutableMapping
+from typing import Any, TextIO
 
 import structlog
 
+from elasticd.errors import ConfigError
+from elasticd.sensitive import scrub
+
 _configured = False
+log = structlog.get_logger(__name__)
+
+
+def redact_secrets(_logger: Any, _name: str, event: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
+    """structlog processor: mask secret-named fields, URL userinfo and ``NAME=secret`` text."""
+    for key, value in list(event.items()):
+        event[key] = scrub(value, key)
+    return event
 
 
 def configure_logging(fmt: str = "auto", *, level: str = "info", stream: TextIO | None = None) -> None:
@@ -37,6 +58,7 @@ def configure_logging(fmt: str = "auto", *, level: str = "info", stream: TextIO 
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso", utc=True),
             structlog.processors.format_exc_info,
+            redact_secrets,
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(lvl),
@@ -53,3 +75,94 @@ def ensure_configured() -> None:
     """Configure with defaults if nobody did (library use, e.g. under torchrun)."""
     if not _configured:
         configure_logging()
+
+
+def _refuse_unsafe(path: str, st: os.stat_result, *, leaf: bool) -> None:
+    """Raise if another user controls ``path`` (owner, or write access without sticky bit)."""
+    me = os.geteuid()
+    if st.st_uid not in (me, 0) or (leaf and st.st_uid != me):
+        raise ConfigError(
+            f"worker log dir {path!r} is owned by uid {st.st_uid}, not by this user (uid {me}): "
+            "that user could read and replace the workers' logs; set logging.worker_log_dir "
+            "(--log-dir) to a directory of your own, or remove this one"
+        )
+    loose = st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+    if loose and (leaf or not st.st_mode & stat.S_ISVTX):
+        raise ConfigError(
+            f"worker log dir {path!r} is writable by group/others (mode "
+            f"{stat.S_IMODE(st.st_mode):04o}): anyone could plant or swap log files; "
+            f"`chmod go-w {path}` (0700 is best), or set logging.worker_log_dir elsewhere"
+        )
+
+
+def check_log_root(path: str) -> None:
+    """Check that ``path`` (existing or not) and its existing ancestors are ours.
+
+    Every existing ancestor must be owned by this user or root, and not writable by
+    group/others unless sticky (like /tmp); ``path`` itself, if it exists, must be a
+    directory owned by this user and not writable by group/others.
+
+    Raises:
+        ConfigError: naming the path and the fix.
+    """
+    path = os.path.abspath(path)
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        st = None
+    if st is not None:
+        if not stat.S_ISDIR(st.st_mode):
+            raise ConfigError(f"worker log dir {path!r} exists but is not a directory; set "
+                              "logging.worker_log_dir (--log-dir) to a directory")
+        _refuse_unsafe(path, st, leaf=True)
+    parent = os.path.dirname(path)
+    while True:
+        try:
+            _refuse_unsafe(parent, os.stat(parent), leaf=False)
+        except FileNotFoundError:
+            pass
+        if parent == os.path.dirname(parent):
+            return
+        parent = os.path.dirname(parent)
+
+
+def resolve_worker_log_dir(configured: str | None, job: str, *, state_dir: str | None = None) -> str:
+    """Choose, check and create the directory the workers' logs go to.
+
+    In order: ``configured`` (``logging.worker_log_dir`` / ``--log-dir``); else
+    ``<state_dir>/worker-logs/<job>`` (systemd's ``$STATE_DIRECTORY`` with
+    ``StateDirectory=elasticd``: logs outlive the agent); else a fresh ``mkdtemp``
+    directory ``elasticd-logs-<job>-XXXXXXXX`` in the system temp dir (unpredictable,
+    created 0700 by us, so nobody can have made it first). A created directory is 0700.
+    The choice is logged (``worker_log_dir_chosen``) so an operator can find the logs.
+
+    Args:
+        configured: the configured directory, or None.
+        job: the job name (already validated: no ``/``).
+        state_dir: ``$STATE_DIRECTORY`` (first entry), or None.
+
+    Returns:
+        The absolute directory.
+
+    Raises:
+        ConfigError: the directory or an ancestor is controlled by another user, or it is
+            writable by group/others, or it cannot be created.
+    """
+    if configured:
+        path, how = os.path.abspath(configured), "configured"
+    elif state_dir:
+        path, how = os.path.join(os.path.abspath(state_dir.split(":")[0]), "worker-logs", job), "state_dir"
+    else:
+        path = tempfile.mkdtemp(prefix=f"elasticd-logs-{job}-")
+        how = "private temp dir"
+    check_log_root(path)
+    if not os.path.isdir(path):
+        try:
+            os.makedirs(path, mode=0o700, exist_ok=True)
+        except OSError as exc:
+            raise ConfigError(f"cannot create worker log dir {path!r} ({exc.strerror}); set "
+                              "logging.worker_log_dir (--log-dir) to a writable directory") from exc
+        os.chmod(path, 0o700)
+        check_log_root(path)  # lost a race with someone who made it first: refuse theirs
+    log.info("worker_log_dir_chosen", path=path, how=how)
+    return path

@@ -3,15 +3,60 @@
 Each record is a frozen dataclass with ``to_json``/``from_json``. Unknown fields are
 ignored on read so an older CLI can read a newer agent's records. Times are Unix
 seconds (float) in etcd; the status CLI renders them as RFC 3339 UTC.
+
+Every record read from etcd is untrusted input (training code or another tenant may hold
+etcd credentials): ``from_json`` checks that the value is a JSON object and that every
+known field has its declared type (``bool`` is not a number; ints are accepted for
+floats), and raises :class:`RecordError` otherwise. ``RecordError`` is a ``ValueError``, so
+callers that skip unreadable records with ``except (ValueError, TypeError)`` keep working,
+and nothing downstream sees a list where it expects a record or a dict where it expects a
+node name.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field, fields
+import math
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Any, TypeVar
 
 T = TypeVar("T", bound="_Record")
+# A record is a few hundred bytes; anything much larger is not one of ours.
+MAX_RECORD_BYTES = 1024 * 1024
+
+
+class RecordError(ValueError):
+    """A value read from etcd is not a valid record (not JSON, not an object, a field of
+    the wrong type, a required field missing). The message names the field, not the value."""
+
+
+def _check(name: str, kind: str, value: Any) -> Any:
+    """Return ``value`` if it matches the annotation ``kind``; raise RecordError otherwise."""
+    optional = kind.endswith(" | None")
+    base = kind.removesuffix(" | None")
+    if value is None and optional:
+        return None
+    ok: bool
+    if base == "str":
+        ok = isinstance(value, str)
+    elif base == "int":
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif base == "float":
+        ok = (isinstance(value, (int, float)) and not isinstance(value, bool)
+              and math.isfinite(value))
+        value = float(value) if ok else value
+    elif base == "list[int]":
+        ok = isinstance(value, list) and all(
+            isinstance(v, int) and not isinstance(v, bool) for v in value)
+    elif base == "list[str]":
+        ok = isinstance(value, list) and all(isinstance(v, str) for v in value)
+    elif base == "dict[str, Any]":
+        ok = isinstance(value, dict)
+    else:  # pragma: no cover - a field type this checker does not know is a bug here
+        raise TypeError(f"no type check for {kind!r}")
+    if not ok:
+        raise RecordError(f"field {name!r} is {type(value).__name__}, expected {kind}")
+    return value
 
 # Node states, as written by the agent into its node record.
 NODE_STATES = ("joining", "training", "restarting", "draining", "stopped", "failed")
@@ -40,9 +85,27 @@ class _Record:
 
     @classmethod
     def from_json(cls: type[T], data: bytes | str) -> T:
-        raw = json.loads(data)
-        known = {f.name for f in fields(cls)}  # type: ignore[arg-type]
-        return cls(**{k: v for k, v in raw.items() if k in known})
+        """Decode and type-check one record.
+
+        Raises:
+            RecordError: not JSON, not an object, too large, a field of the wrong type,
+                or a required field missing.
+        """
+        if len(data) > MAX_RECORD_BYTES:
+            raise RecordError(f"{cls.__name__}: {len(data)} bytes, larger than any record")
+        try:
+            raw = json.loads(data)
+        except (ValueError, RecursionError) as exc:
+            raise RecordError(f"{cls.__name__}: not JSON ({type(exc).__name__})") from None
+        if not isinstance(raw, dict):
+            raise RecordError(f"{cls.__name__}: a JSON {type(raw).__name__}, not an object")
+        kwargs: dict[str, Any] = {}
+        for f in fields(cls):  # type: ignore[arg-type]
+            if f.name in raw:
+                kwargs[f.name] = _check(f.name, str(f.type), raw[f.name])
+            elif f.default is MISSING and f.default_factory is MISSING:
+                raise RecordError(f"{cls.__name__}: required field {f.name!r} missing")
+        return cls(**kwargs)
 
 
 @dataclass(frozen=True)
@@ -61,6 +124,7 @@ class NodeRecord(_Record):
     heartbeat_at: float = 0.0
     local_world_size: int = 0
     last_exit: str | None = None
+    log_dir: str | None = None  # where this node's worker logs are (shown by status --json)
 
 
 @dataclass(frozen=True)

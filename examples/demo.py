@@ -3,6 +3,7 @@
 Starts a private etcd on 127.0.0.1, runs the example on two local "nodes" (two agents,
 each its own process tree), kills one node halfway (SIGKILL to the whole node), lets the
 survivor train on alone, brings the node back, and shows `elasticd status` at each stage.
+It ends by drawing the job's history (`elasticd status --plot`) and printing the path.
 Everything it starts is stopped at the end, also on Ctrl-C.
 """
 
@@ -93,6 +94,7 @@ def show_loss(nodes: list[Node], last: int = 3) -> None:
 def main() -> int:
     workdir = Path(tempfile.mkdtemp(prefix="elasticd-demo-"))
     nodes: list[Node] = []
+    say("starting a private etcd on 127.0.0.1")
     with EmbeddedEtcd(str(workdir / "etcd")) as etcd:
         try:
             say(f"embedded etcd on {etcd.endpoint}; starting two nodes (agents) for job '{JOB}'")
@@ -129,8 +131,14 @@ def main() -> int:
             show_loss(nodes)
             subprocess.run([sys.executable, "-m", "elasticd.cli", "checkpoints",
                             f"file://{workdir}/checkpoints", "--job", JOB], check=False)
+            say("the picture of the job: elasticd status --plot")
+            picture = workdir / "demo.png"
+            subprocess.run([sys.executable, "-m", "elasticd.status", "--etcd", etcd.endpoint,
+                            "--job", JOB, "--plot", str(picture)], check=False)
             say("done: the job survived a node loss and a rejoin, and the loss kept falling")
             print(f"   logs and checkpoints: {workdir}")
+            if picture.exists():
+                print(f"   picture: {picture}")
             return 0
         finally:
             for n in nodes:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from elasticd.etcd.client import EtcdClient
+from elasticd.history import History, Sample
 from elasticd.keys import JobKeys
 from elasticd.records import CheckpointPointer, Event, NodeRecord, Progress, RoundState
 
@@ -45,6 +46,8 @@ class SyntheticJob:
     step: int = 123_456
     recent_failure: bool = False
     checkpoint: bool = True
+    history: int = 0  # samples in /elasticd/<job>/history (one every 10 s up to now)
+    history_loss: bool = True  # the samples carry a loss
 
     def member(self, i: int) -> str:
         return f"node-{i:04d}"
@@ -103,6 +106,8 @@ def write_synthetic_job(client: EtcdClient, spec: SyntheticJob, *, now: float,
             manifest_url=f"s3://ckpt/{spec.job}/step-{spec.step - spec.step % 1000}/manifest.json",
             committed_at=now - 240, world_size=world).to_json(), None))
     items += [(keys.event(seq), ev.to_json(), None) for seq, ev in _events(spec, now)]
+    if spec.history:
+        items.append((keys.history, synthetic_history(spec, now).to_json(), None))
     _put_all(client, items)
     return lease
 
@@ -135,3 +140,20 @@ def _events(spec: SyntheticJob, now: float) -> list[tuple[int, Event]]:
             out.append((base + k, Event(time=now - 5, kind="lost", node=node, round=spec.round,
                                         message=f"lease of {node} expired", detail={})))
     return out
+
+
+def synthetic_history(spec: SyntheticJob, now: float) -> History:
+    """``spec.history`` samples 10 s apart ending now: the world drops to half for a third of
+    the run (as after a lost node), steps advance at ~2/s, the loss decays, and a checkpoint
+    is committed every 100 steps."""
+    n = spec.history
+    world = spec.nodes * spec.ranks_per_node
+    samples = []
+    for i in range(n):
+        size = world // 2 if n // 3 <= i < 2 * n // 3 else world
+        step = spec.step - (n - 1 - i) * 20
+        samples.append(Sample(t=now - (n - 1 - i) * 10, step=step, world_size=size,
+                              samples_per_s=float(size * 64), round=spec.round,
+                              loss=(1.0 / (1 + i) if spec.history_loss else None),
+                              checkpoint_step=step - step % 100))
+    return History(interval_s=10.0, samples=tuple(samples))

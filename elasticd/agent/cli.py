@@ -1,8 +1,9 @@
 """``elasticd agent``: the node daemon, driven by a TOML config (systemd's ExecStart).
 
 Precedence: TOML < ``ELASTICD_*`` environment < flags. ``--check-config`` validates and
-prints the effective configuration (secrets masked) without starting anything. The flags
-are the same as ``elasticd run``'s (``elasticd.config.flags``): each is one schema key.
+prints the effective configuration (secrets masked) without starting anything, and warns
+on stderr about each insecure setting it sees (docs/security.md). The flags are the same as
+``elasticd run``'s (``elasticd.config.flags``): each is one schema key.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import argparse
 import os
 import sys
 
-from elasticd.config import load_config, render_effective
+from elasticd.config import load_config, render_effective, security_warnings
 from elasticd.config.flags import add_config_flags, flag_names, overrides_from_args
 
 
@@ -32,6 +33,9 @@ def run(args: argparse.Namespace) -> int:
                       override_names=flag_names())
     if args.check_config:
         sys.stdout.write(render_effective(cfg))
+        # stderr: stdout stays a loadable TOML file; each warning names the setting and the fix.
+        for warning in security_warnings(cfg):
+            sys.stderr.write(f"elasticd: warning: insecure setting: {warning}\n")
         return 0
     # torch is imported only when the agent really runs (a config check answers at once).
     from elasticd.agent.runner import run_node

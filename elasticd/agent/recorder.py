@@ -15,6 +15,7 @@ from typing import Any
 
 import structlog
 
+from elasticd.agent.history import EtcdHistoryWriter
 from elasticd.errors import TransientError
 from elasticd.keys import JobKeys
 from elasticd.records import CheckpointPointer, Event, Progress
@@ -39,6 +40,7 @@ class JobRecorder:
         self._appended = 0
         self._last_progress_at = 0.0
         self._last_progress: Progress | None = None
+        self.history = EtcdHistoryWriter(self.client, self.keys, self._fence)
 
     def _fence(self, t: Any) -> list[Any]:
         return [t.create(self.keys.node(self.handler.node_id)) == self.handler.incarnation]
@@ -71,8 +73,12 @@ class JobRecorder:
         except TransientError as exc:
             log.warning("event_prune_failed", error=str(exc))
 
-    def progress(self, step: int, epoch: int, samples: int, world_size: int, *, force: bool = False) -> None:
-        """Publish job progress (rate-limited to one write per ``PROGRESS_INTERVAL_S``)."""
+    def progress(self, step: int, epoch: int, samples: int, world_size: int, *, force: bool = False,
+                 loss: float | None = None) -> None:
+        """Publish job progress (rate-limited to one write per ``PROGRESS_INTERVAL_S``).
+
+        Each published progress is also offered to the bounded history (``history``).
+        """
         now = time.time()
         last = self._last_progress
         if not force and (now - self._last_progress_at < PROGRESS_INTERVAL_S
@@ -91,6 +97,7 @@ class JobRecorder:
             return
         if ok:
             self._last_progress, self._last_progress_at = prog, now
+            self.history.append(now, step, world_size, prog.samples_per_s, rnd, loss)
 
     # -- checkpoint pointer (the fenced commit) ------------------------------------------
     def latest_checkpoint(self) -> CheckpointPointer | None:

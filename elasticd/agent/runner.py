@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,7 +28,8 @@ from elasticd.agent.recorder import JobRecorder, pointer_dict
 from elasticd.errors import ConfigError, EtcdUnavailableError, TransientError
 from elasticd.etcd.client import EtcdClient, TLSFiles
 from elasticd.etcd.embedded import EmbeddedEtcd
-from elasticd.logs import configure_logging
+from elasticd.keys import JobKeys
+from elasticd.logs import configure_logging, resolve_worker_log_dir
 from elasticd.rendezvous.etcd_handler import EtcdRendezvousHandler, RendezvousSettings
 from elasticd.retry import call_with_retry
 
@@ -54,6 +54,7 @@ class NodeSpec:
     tls: TLSFiles = field(default_factory=TLSFiles)
     etcd_user: str | None = None
     etcd_password: str | None = None
+    etcd_insecure_plaintext_auth: bool = False  # send the password without TLS (opt-in)
     node_id: str | None = None
     local_addr: str | None = None
     node_ttl_s: int = 5
@@ -71,6 +72,7 @@ class NodeSpec:
     preemption: Any = None  # a started-on-demand PreemptionWatcher, or None
     notify_socket: str | None = None
     watchdog_usec: str | None = None
+    state_dir: str | None = None  # $STATE_DIRECTORY: default root of the worker logs
 
 
 def check_command(command: tuple[str, ...]) -> None:
@@ -125,13 +127,20 @@ def run_node(spec: NodeSpec) -> int:
     handler: EtcdRendezvousHandler | None = None
     agent: ElasticdAgent | None = None
     try:
-        endpoints = spec.etcd_endpoints
+        # Worker logs outlive the agent: private, never a predictable shared path. Chosen
+        # first, so a refused log dir fails before anything starts.
+        log_dir = resolve_worker_log_dir(spec.log_dir, spec.job, state_dir=spec.state_dir)
+        endpoints, tls = spec.etcd_endpoints, spec.tls
         if not endpoints:
-            embedded = EmbeddedEtcd(spec.etcd_data_dir).start()
-            endpoints = embedded.endpoint
-        client = EtcdClient(endpoints, timeout_s=spec.etcd_timeout_s, tls=spec.tls,
-                            user=spec.etcd_user, password=spec.etcd_password)
-        call_with_retry(lambda: client.get("/elasticd/"), what="connect to etcd",
+            # Private to this user: TLS with a generated client certificate (docs/security.md).
+            embedded = EmbeddedEtcd(spec.etcd_data_dir, private=True).start()
+            endpoints, tls = embedded.endpoint, embedded.client_tls or tls
+        client = EtcdClient(endpoints, timeout_s=spec.etcd_timeout_s, tls=tls,
+                            user=spec.etcd_user, password=spec.etcd_password,
+                            allow_plaintext_auth=spec.etcd_insecure_plaintext_auth)
+        # Probe the job's own prefix: an etcd role may grant only /elasticd/<job>/.
+        job_prefix = JobKeys(spec.job).prefix
+        call_with_retry(lambda: client.get(job_prefix), what="connect to etcd",
                         deadline=time.monotonic() + spec.etcd_connect_timeout_s)
         handler = EtcdRendezvousHandler(
             client, spec.job,
@@ -140,7 +149,7 @@ def run_node(spec: NodeSpec) -> int:
                                last_call_timeout_s=spec.last_call_timeout_s,
                                close_timeout_s=spec.close_timeout_s,
                                store_timeout_s=spec.store_timeout_s,
-                               local_addr=spec.local_addr),
+                               local_addr=spec.local_addr, worker_log_dir=log_dir),
             node_id=spec.node_id)
         structlog.contextvars.bind_contextvars(job=spec.job, node=handler.node_id)
         recorder = JobRecorder(handler)
@@ -163,8 +172,6 @@ def run_node(spec: NodeSpec) -> int:
             max_restarts=spec.supervision.max_restarts,
             monitor_interval=spec.supervision.monitor_interval_s, local_addr=spec.local_addr,
         )
-        # Worker logs outlive the agent (the runtime dir does not): they explain a failure.
-        log_dir = spec.log_dir or os.path.join(tempfile.gettempdir(), f"elasticd-logs-{spec.job}")
         logs = DefaultLogsSpecs(log_dir=log_dir, redirects=Std.ALL, tee=Std.ALL)
         agent = ElasticdAgent(worker_spec, spec.supervision, handler, control, recorder,
                               logs_specs=logs, metrics=metrics,
@@ -176,7 +183,8 @@ def run_node(spec: NodeSpec) -> int:
         if spec.preemption is not None:
             spec.preemption.start(lambda notice: _on_notice(agent, recorder, notice))
         log.info("agent_started", endpoints=client.endpoint_label(), nproc_per_node=spec.nproc_per_node,
-                 nnodes=f"{spec.min_nodes}:{spec.max_nodes}", command=list(spec.command))
+                 nnodes=f"{spec.min_nodes}:{spec.max_nodes}", command=list(spec.command),
+                 worker_log_dir=log_dir)
         try:
             agent.run()
         except RendezvousClosedError:

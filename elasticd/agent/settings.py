@@ -22,8 +22,8 @@ def node_spec(cfg: AgentConfig, environ: Mapping[str, str]) -> NodeSpec:
 
     Args:
         cfg: from :func:`elasticd.config.load_config`.
-        environ: the agent's environment, for systemd's ``NOTIFY_SOCKET`` and
-            ``WATCHDOG_USEC`` (set by systemd, not by the operator).
+        environ: the agent's environment, for systemd's ``NOTIFY_SOCKET``,
+            ``WATCHDOG_USEC`` and ``STATE_DIRECTORY`` (set by systemd, not by the operator).
 
     Returns:
         The spec :func:`elasticd.agent.runner.run_node` runs.
@@ -35,7 +35,8 @@ def node_spec(cfg: AgentConfig, environ: Mapping[str, str]) -> NodeSpec:
         etcd_endpoints=",".join(e.endpoints) or None, etcd_timeout_s=e.timeout_s,
         etcd_connect_timeout_s=e.connect_timeout_s, etcd_data_dir=e.data_dir,
         tls=TLSFiles(e.ca_file, e.cert_file, e.key_file), etcd_user=e.user,
-        etcd_password=e.resolved_password(), node_id=cfg.node.id, local_addr=cfg.node.local_addr,
+        etcd_password=e.resolved_password(),
+        etcd_insecure_plaintext_auth=e.insecure_allow_plaintext_auth, node_id=cfg.node.id, local_addr=cfg.node.local_addr,
         node_ttl_s=cfg.node.ttl_s, join_timeout_s=r.join_timeout_s,
         last_call_timeout_s=r.last_call_timeout_s, close_timeout_s=r.close_timeout_s,
         store_timeout_s=r.store_timeout_s,
@@ -52,4 +53,5 @@ def node_spec(cfg: AgentConfig, environ: Mapping[str, str]) -> NodeSpec:
         preemption=make_watcher(cfg.preemption.provider, base_url=cfg.preemption.base_url,
                                 poll_interval_s=cfg.preemption.poll_interval_s),
         notify_socket=environ.get("NOTIFY_SOCKET"), watchdog_usec=environ.get("WATCHDOG_USEC"),
+        state_dir=environ.get("STATE_DIRECTORY"),
     )

@@ -25,8 +25,8 @@ STATE_FILE = "state.pt"
 # A manifest is a few KiB; refusing big ones keeps a hostile store from exhausting memory.
 MAX_MANIFEST_BYTES = 1 << 20
 
-STEP_DIR_RE = re.compile(r"^step-(\d{12})$")
-SAVE_ID_RE = re.compile(r"^(\d{13})-([0-9a-f]{8})$")
+STEP_DIR_RE = re.compile(r"step-([0-9]{12})")  # fullmatch; ASCII digits only
+SAVE_ID_RE = re.compile(r"([0-9]{13})-([0-9a-f]{8})")
 FILE_NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}$")
 MAX_STEP = 10**12 - 1
 
@@ -44,7 +44,7 @@ def step_dir_name(step: int) -> str:
 
 def parse_step_dir(name: str) -> int | None:
     """The step of a ``step-<12 digits>`` directory name, None for any other name."""
-    m = STEP_DIR_RE.match(name)
+    m = STEP_DIR_RE.fullmatch(name)
     return int(m.group(1)) if m else None
 
 
@@ -60,7 +60,7 @@ def new_save_id(now: float) -> str:
 
 def parse_save_id(name: str) -> float | None:
     """The creation time (Unix seconds) encoded in a save id, None if ``name`` is not one."""
-    m = SAVE_ID_RE.match(name)
+    m = SAVE_ID_RE.fullmatch(name)
     return int(m.group(1)) / 1000.0 if m else None
 
 
@@ -184,7 +184,7 @@ class Manifest:
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise CheckpointCorruptError(f"manifest field invalid: {exc}") from None
-        if not SAVE_ID_RE.match(manifest.save_id):
+        if not SAVE_ID_RE.fullmatch(manifest.save_id):
             raise CheckpointCorruptError(f"manifest save_id {manifest.save_id!r} is malformed")
         names = [f.name for f in files]
         if len(set(names)) != len(names) or MANIFEST_NAME in names:
@@ -208,7 +208,7 @@ def _file_entry(raw: Any) -> FileEntry:
     if not isinstance(raw, dict):
         raise TypeError("a files entry is not an object")
     name = _typed(raw, "name", str)
-    if not FILE_NAME_RE.match(name):
+    if not FILE_NAME_RE.fullmatch(name):
         # Names come from storage: anything but a plain file name could escape the
         # checkpoint directory (``../../other-job/...``) and is refused outright.
         raise ValueError(f"file name {name!r} is not a plain file name")

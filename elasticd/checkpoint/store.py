@@ -120,7 +120,7 @@ def list_jobs(url: str, storage_options: Mapping[str, Any] | None = None) -> lis
     except FileNotFoundError:
         return []
     names = (e["name"].rstrip("/").rsplit("/", 1)[-1] for e in entries if e.get("type") == "directory")
-    return sorted(n for n in names if JOB_NAME_RE.match(n) and n not in (".", ".."))
+    return sorted(n for n in names if JOB_NAME_RE.fullmatch(n) and n not in (".", ".."))
 
 
 class FsspecCheckpointStore:

@@ -52,6 +52,8 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--etcd-user", "etcd.user", "etcd user (auth)", metavar="USER"),
     Flag("--etcd-password-file", "etcd.password_file", "file holding the etcd password",
          metavar="FILE"),
+    Flag("--etcd-insecure-plaintext-auth", "etcd.insecure_allow_plaintext_auth",
+         "INSECURE: send the etcd password without TLS (trusted networks only)", const="true"),
     Flag("--etcd-timeout", "etcd.timeout_s", "timeout of one etcd call, s", metavar="S"),
     Flag("--etcd-connect-timeout", "etcd.connect_timeout_s",
          "how long to wait for etcd at start, s", metavar="S"),
@@ -96,7 +98,8 @@ FLAGS: tuple[Flag, ...] = (
          metavar="S"),
     Flag("--log-format", "logging.format", "agent log format", choices=LOG_FORMATS),
     Flag("--log-level", "logging.level", "agent log level", choices=LOG_LEVELS),
-    Flag("--log-dir", "logging.worker_log_dir", "where worker logs go", metavar="DIR"),
+    Flag("--log-dir", "logging.worker_log_dir", "where worker logs go (default: "
+         "$STATE_DIRECTORY/worker-logs/JOB, else a private temp dir)", metavar="DIR"),
     Flag("--metrics-port", "metrics.port", "serve Prometheus metrics on this port (0=off)",
          metavar="PORT"),
     Flag("--metrics-addr", "metrics.addr", "address the metrics exporter binds", metavar="ADDR"),

@@ -41,6 +41,7 @@ from elasticd.config.schema import (
 )
 from elasticd.errors import ConfigError
 from elasticd.keys import validate_job_name, validate_node_id
+from elasticd.sensitive import loose_secret_file, mask_value, scrub_text
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -48,6 +49,9 @@ else:  # pragma: no cover - exercised on 3.10 only
     import tomli as tomllib
 
 ENV_PREFIX = "ELASTICD_"
+# A config file is a few kilobytes; the bound makes `--config /dev/zero` (or a log file
+# given by mistake) fail at once instead of reading forever.
+MAX_CONFIG_BYTES = 1024 * 1024
 # Variables the agent sets for every worker itself; a value from [workers.env] would
 # be silently overwritten, so it is refused up front.
 RESERVED_WORKER_ENV = frozenset(
@@ -132,9 +136,57 @@ def load_config(
         values["node.id"] = node_id_from_hostname(hostname)
         origins["node.id"] = "default (host name)"
     config = _build(values, origins, path)
-    https = "https://" in str(raw.get("etcd.endpoints", ("",))[0])
-    _validate(config, check_files=check_files, https=https)
+    _validate(config, check_files=check_files)
     return config
+
+
+def security_warnings(config: AgentConfig) -> list[str]:
+    """The insecure settings ``config`` shows, one line each (``--check-config`` prints them).
+
+    None of them is an error: each is a choice an operator may make on purpose, but
+    should make knowingly (docs/security.md).
+    """
+    out: list[str] = []
+    etcd, origins = config.etcd, config.origins
+    if etcd.insecure_allow_plaintext_auth and etcd.user is not None and not etcd.tls:
+        out.append("etcd.insecure_allow_plaintext_auth = true: the etcd password crosses the "
+                   "network in clear text; serve etcd over TLS and set etcd.ca_file")
+    if etcd.password is not None:
+        where = origins.get("etcd.password", "")
+        out.append(f"etcd.password is set in the {'environment' if where.startswith('env') else 'config'}"
+                   " (readable by whoever reads it, and inherited by child processes); "
+                   "use etcd.password_file (chmod 0600) instead")
+    if etcd.password_file is not None:
+        loose = loose_secret_file(etcd.password_file)
+        if loose:
+            out.append(f"etcd.password_file: {loose}")
+    if etcd.key_file is not None:
+        loose = loose_secret_file(etcd.key_file)
+        if loose:
+            out.append(f"etcd.key_file: {loose}")
+    if any(e.startswith("https://") for e in etcd.endpoints) and etcd.ca_file is None:
+        out.append("etcd.endpoints are https:// without etcd.ca_file: etcd's certificate is "
+                   "verified against the system's root CAs (fine for a publicly signed "
+                   "certificate; set etcd.ca_file for a private CA)")
+    if not etcd.embedded and not etcd.tls:
+        out.append("etcd.endpoints are plaintext (no etcd.ca_file, no https://): anyone on the "
+                   "network path can read and change the job's keys; serve etcd over TLS")
+    if config.metrics.enabled and config.metrics.addr in ("0.0.0.0", "::"):
+        out.append(f"metrics.addr = {config.metrics.addr!r}: the metrics listen on every "
+                   "interface; set the address Prometheus scrapes, or 127.0.0.1")
+    log_dir = config.logging.worker_log_dir
+    if log_dir is not None:
+        from elasticd.logs import check_log_root  # keeps structlog out of plain config loads
+
+        try:
+            check_log_root(log_dir)
+        except ConfigError as exc:
+            out.append(f"logging.worker_log_dir: {exc}")
+    for name, value in config.workers.env.items():
+        if mask_value(name, value) != value:
+            out.append(f"workers.env.{name} looks like a secret: every worker (training code) "
+                       "sees it; prefer the storage's own credential chain (e.g. instance roles)")
+    return out
 
 
 def render_effective(config: AgentConfig) -> str:
@@ -188,7 +240,13 @@ def _merge_file(
 ) -> None:
     try:
         with open(path, "rb") as f:
-            data = tomllib.load(f)
+            blob = f.read(MAX_CONFIG_BYTES + 1)
+        if len(blob) > MAX_CONFIG_BYTES:
+            raise ConfigError(
+                f"config file {path!r} is larger than {MAX_CONFIG_BYTES // 1024} KiB, so not an "
+                "elasticd config; pass the path of the TOML file (examples in agents/)"
+            )
+        data = tomllib.loads(blob.decode("utf-8"))
     except FileNotFoundError as exc:
         raise ConfigError(
             f"config file {path!r} does not exist; pass the path of an existing TOML file "
@@ -319,7 +377,8 @@ def _parse(key: Key, value: Any, origin: str, text: bool) -> Any:
             fix = f"write the number without quotes, e.g. `{key.example}`"
         else:
             fix = exc.fix or f"write e.g. `{key.example}`"
-        raise ConfigError(f"{key.dotted} = {value!r} ({origin}): {exc.problem}; {fix}") from None
+        shown = scrub_text(repr(mask_value(key.dotted, value)))
+        raise ConfigError(f"{key.dotted} = {shown} ({origin}): {exc.problem}; {fix}") from None
 
 
 def _parse_worker_env(
@@ -392,18 +451,13 @@ def _flatten(config: AgentConfig) -> dict[str, Any]:
 # --- cross-key validation --------------------------------------------------------
 
 
-def _validate(config: AgentConfig, *, check_files: bool, https: bool) -> None:
-    """Checks that involve more than one key, or the file system.
-
-    ``https`` says whether an endpoint was written with ``https://`` (the parsed
-    endpoints no longer carry the scheme).
-    """
+def _validate(config: AgentConfig, *, check_files: bool) -> None:
+    """Checks that involve more than one key, or the file system."""
     origins = config.origins
 
     def bad(dotted: str, value: Any, problem_and_fix: str) -> ConfigError:
-        return ConfigError(
-            f"{dotted} = {value!r} ({origins.get(dotted, 'default')}): {problem_and_fix}"
-        )
+        shown = scrub_text(repr(mask_value(dotted, value)))
+        return ConfigError(f"{dotted} = {shown} ({origins.get(dotted, 'default')}): {problem_and_fix}")
 
     job, etcd, node, workers = config.job, config.etcd, config.node, config.workers
     try:
@@ -470,12 +524,18 @@ def _validate(config: AgentConfig, *, check_files: bool, https: bool) -> None:
                 raise bad(
                     dotted, value,
                     "etcd.endpoints is empty, so the agent starts a private embedded etcd "
-                    "(plain, no auth) and this would be ignored; set etcd.endpoints to "
+                    "(TLS with its own generated client certificate) and this would be "
+                    "ignored; set etcd.endpoints to "
                     "your etcd cluster, or remove the key",
                 )
-    elif https and not etcd.tls:
-        raise bad("etcd.endpoints", list(etcd.endpoints),
-                  "https endpoints need the cluster's CA; set etcd.ca_file")
+    elif etcd.user is not None and not etcd.tls and not etcd.insecure_allow_plaintext_auth:
+        raise bad(
+            "etcd.user", etcd.user,
+            "a user and password without TLS would cross the network in clear text; serve "
+            "etcd over TLS and set etcd.ca_file (or write the endpoints https:// for a "
+            "publicly signed certificate), or, on a network you trust, opt in with "
+            "etcd.insecure_allow_plaintext_auth = true",
+        )
     if check_files:
         for dotted in ("etcd.ca_file", "etcd.cert_file", "etcd.key_file", "etcd.password_file"):
             file_path = getattr(etcd, dotted.split(".")[1])
@@ -490,6 +550,11 @@ def _validate(config: AgentConfig, *, check_files: bool, https: bool) -> None:
                 etcd.resolved_password()
             except ConfigError as exc:
                 raise ConfigError(f"{exc} ({origins.get('etcd.password_file')})") from None
+        log_dir = config.logging.worker_log_dir
+        if log_dir is not None:
+            from elasticd.logs import check_log_root
+
+            check_log_root(log_dir)
         if workers.workdir is not None and not os.path.isdir(workers.workdir):
             raise bad("workers.workdir", workers.workdir,
                       "no such directory; create it or fix the path")

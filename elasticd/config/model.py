@@ -7,17 +7,12 @@ thread is the config seen by all).
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
-from urllib.parse import urlsplit, urlunsplit
 
 from elasticd.errors import ConfigError
-
-MASK = "***"
-# Names of worker variables whose values --check-config hides.
-_SECRET_ENV_NAME = re.compile(r"PASS|SECRET|TOKEN|CREDENTIAL|PRIVATE|(^|_)KEY($|_)", re.I)
+from elasticd.sensitive import MASK, mask_value, read_secret_file, redact_url
 
 
 @dataclass(frozen=True)
@@ -45,6 +40,8 @@ class EtcdConfig:
     timeout_s: float = 3.0
     connect_timeout_s: float = 30.0
     data_dir: str | None = None
+    # Send user/password without TLS. Loudly named on purpose: only for a trusted network.
+    insecure_allow_plaintext_auth: bool = False
 
     @property
     def embedded(self) -> bool:
@@ -53,14 +50,14 @@ class EtcdConfig:
 
     @property
     def tls(self) -> bool:
-        """True when connections to etcd use TLS (a CA file is configured)."""
-        return self.ca_file is not None
+        """True when connections to etcd use TLS (a CA file, or ``https://`` endpoints)."""
+        return self.ca_file is not None or any(e.startswith("https://") for e in self.endpoints)
 
     def host_ports(self) -> tuple[tuple[str, int], ...]:
         """Return the endpoints as ``(host, port)`` pairs (IPv6 hosts without brackets)."""
         out = []
         for endpoint in self.endpoints:
-            host, _, port = endpoint.rpartition(":")
+            host, _, port = endpoint.removeprefix("https://").rpartition(":")
             out.append((host.strip("[]"), int(port)))
         return tuple(out)
 
@@ -68,29 +65,15 @@ class EtcdConfig:
         """Return the etcd password, reading ``password_file`` if that is how it is given.
 
         Returns:
-            The password with one trailing newline removed, or None without auth.
+            The password with trailing CR/LF removed (elasticd.sensitive.read_secret_file),
+            or None without auth.
 
         Raises:
             ConfigError: the password file cannot be read or is empty.
         """
         if self.password_file is None:
             return self.password
-        try:
-            with open(self.password_file, encoding="utf-8") as f:
-                secret = f.read()
-        except OSError as exc:
-            raise ConfigError(
-                f"etcd.password_file = {self.password_file!r}: cannot read it "
-                f"({exc.strerror or exc}); create it readable by the agent's user "
-                "(chmod 0600) or set etcd.password instead"
-            ) from exc
-        secret = secret[:-1] if secret.endswith("\n") else secret
-        if not secret:
-            raise ConfigError(
-                f"etcd.password_file = {self.password_file!r}: the file is empty; "
-                "write the etcd password into it"
-            )
-        return secret
+        return read_secret_file(self.password_file, "etcd.password_file")
 
 
 @dataclass(frozen=True)
@@ -198,6 +181,7 @@ class MetricsConfig:
     """``[metrics]``: Prometheus exporter; port 0 turns it off."""
 
     port: int = 0
+    # Loopback unless configured: the metrics name nodes and jobs; expose them on purpose.
     addr: str = "127.0.0.1"
 
     @property
@@ -231,21 +215,8 @@ class AgentConfig:
         """Return a copy safe to print: passwords, URL credentials and secret-looking
         ``workers.env`` values replaced by ``***``."""
         etcd = replace(self.etcd, password=MASK if self.etcd.password else None)
-        job = replace(self.job, checkpoint_url=_mask_url(self.job.checkpoint_url))
-        env = {
-            k: (MASK if _SECRET_ENV_NAME.search(k) else v) for k, v in self.workers.env.items()
-        }
+        url = self.job.checkpoint_url
+        job = replace(self.job, checkpoint_url=redact_url(url) if url else url)
+        env = {k: mask_value(k, v) for k, v in self.workers.env.items()}
         workers = replace(self.workers, env=MappingProxyType(env))
         return replace(self, etcd=etcd, job=job, workers=workers)
-
-
-def _mask_url(url: str | None) -> str | None:
-    """Replace the password in ``scheme://user:password@host/...`` with ``***``."""
-    if url is None:
-        return None
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    userinfo, _, hostport = parts.netloc.rpartition("@")
-    user = userinfo.partition(":")[0]
-    return urlunsplit(parts._replace(netloc=f"{user}:{MASK}@{hostport}"))

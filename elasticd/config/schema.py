@@ -13,6 +13,7 @@ with the problem and, optionally, the fix; the loader adds the key, value and or
 from __future__ import annotations
 
 import hashlib
+import ipaddress
 import json
 import math
 import os
@@ -77,10 +78,10 @@ def integer(lo: int, hi: int | None = None) -> Parser:
 
     def parse(value: Any, text: bool) -> int:
         if text and isinstance(value, str):
-            try:
-                value = int(value.strip(), 10)
-            except ValueError:
-                raise Invalid("not a whole number") from None
+            # ASCII digits only: int() also takes e.g. Arabic-Indic digits.
+            if not re.fullmatch(r"[+-]?[0-9]+", value.strip()):
+                raise Invalid("not a whole number")
+            value = int(value.strip(), 10)
         elif isinstance(value, bool) or not isinstance(value, int):
             fix = UNQUOTE if isinstance(value, str) else ""
             raise Invalid(f"expected a whole number, got {_kind(value)}", fix)
@@ -106,6 +107,8 @@ def number(lo: float, *, lo_open: bool = False, hi: float | None = None) -> Pars
     def parse(value: Any, text: bool) -> float:
         if text and isinstance(value, str):
             try:
+                if not value.strip().isascii():
+                    raise ValueError(value)
                 value = float(value.strip())
             except ValueError:
                 raise Invalid("not a number") from None
@@ -194,7 +197,7 @@ def nproc(value: Any, text: bool) -> int | str:
         word = value.strip().lower()
         if word in ("gpu", "auto"):
             return word
-        if not (text and word.isdigit()):
+        if not (text and re.fullmatch(r"[0-9]+", word)):
             raise Invalid("not a worker count, \"gpu\" or \"auto\"", fix)
         value = int(word)
     if isinstance(value, bool) or not isinstance(value, int):
@@ -232,9 +235,10 @@ def command(value: Any, text: bool) -> tuple[str, ...]:
 def endpoints(value: Any, text: bool) -> tuple[str, ...]:
     """etcd endpoints: a list or a comma-separated string of ``[scheme://]host[:port]``.
 
-    Returns ``"host:port"`` strings (port 2379 when left out; IPv6 in brackets). The
-    scheme is dropped: TLS is decided by ``etcd.ca_file`` (the loader refuses
-    ``https://`` without it). Empty means "start an embedded etcd".
+    Returns ``"host:port"`` strings (port 2379 when left out; IPv6 in brackets), kept as
+    ``"https://host:port"`` when written with ``https://``: that means TLS, verified
+    against the system roots when ``etcd.ca_file`` is not set. Empty means "start an
+    embedded etcd". Mixing http and https is refused.
     """
     fix = 'write endpoints = ["etcd-1:2379", "etcd-2:2379"] (or "h1:2379,h2:2379")'
     if isinstance(value, str):
@@ -244,6 +248,11 @@ def endpoints(value: Any, text: bool) -> tuple[str, ...]:
     else:
         raise Invalid(f"expected a list of \"host:port\" strings, got {_kind(value)}", fix)
     out = []
+    # An endpoint written without a scheme is plaintext, like http://.
+    schemes = {i.partition("://")[0] if "://" in i else "http" for i in items if i}
+    if len(schemes) > 1:
+        raise Invalid(f"endpoints mix schemes ({', '.join(sorted(schemes))})",
+                      "write all of them https:// (TLS) or all without a scheme")
     for item in items:
         if not item:
             continue
@@ -258,9 +267,13 @@ def endpoints(value: Any, text: bool) -> tuple[str, ...]:
         except ValueError:
             raise Invalid(f"endpoint {item!r} has an invalid port", fix) from None
         host = parts.hostname
-        if not host or parts.path or parts.query or parts.username:
+        if "@" in rest:
+            raise Invalid("an endpoint carries credentials in its URL (they would be logged and "
+                          "shown)", "set etcd.user and etcd.password_file instead")
+        if not host or parts.path or parts.query:
             raise Invalid(f"endpoint {item!r} is not host:port", fix)
-        out.append(f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
+        hostport = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        out.append(f"https://{hostport}" if scheme == "https" else hostport)
     return tuple(out)
 
 
@@ -273,6 +286,18 @@ def http_url(value: Any, text: bool) -> str | None:
     if parts.scheme not in ("http", "https") or not parts.netloc:
         raise Invalid("not an http(s) URL", 'write e.g. base_url = "http://169.254.169.254"')
     return value.rstrip("/")
+
+
+def listen_addr(value: Any, text: bool) -> str:
+    """An IP address to listen on (IPv4 or IPv6), e.g. ``127.0.0.1`` or ``0.0.0.0``."""
+    value = string(value, text).strip()
+    try:
+        ipaddress.ip_address(value)
+    except ValueError:
+        raise Invalid("not an IP address",
+                      'write addr = "127.0.0.1" (this node only) or the address Prometheus '
+                      'scrapes, e.g. "10.0.0.7"') from None
+    return value
 
 
 def host_or_addr(value: Any, text: bool) -> str | None:
@@ -304,6 +329,8 @@ KEYS: dict[str, Key] = {
         Key("etcd", "timeout_s", number(0, lo_open=True, hi=300), 3.0, "timeout_s = 3"),
         Key("etcd", "connect_timeout_s", number(0, lo_open=True), 30.0, "connect_timeout_s = 30"),
         Key("etcd", "data_dir", optional_string, None, 'data_dir = "/var/lib/elasticd/etcd"'),
+        Key("etcd", "insecure_allow_plaintext_auth", boolean, False,
+            "insecure_allow_plaintext_auth = true"),
         Key("node", "id", optional_string, None, 'id = "gpu-node-07"'),
         Key("node", "local_addr", host_or_addr, None, 'local_addr = "10.0.0.7"'),
         Key("node", "ttl_s", lease_ttl, 5, "ttl_s = 5"),
@@ -334,7 +361,7 @@ KEYS: dict[str, Key] = {
         Key("logging", "worker_log_dir", optional_string, None,
             'worker_log_dir = "/var/log/elasticd/workers"'),
         Key("metrics", "port", integer(0, 65535), 0, "port = 9400"),
-        Key("metrics", "addr", host_or_addr, "127.0.0.1", 'addr = "0.0.0.0"'),
+        Key("metrics", "addr", listen_addr, "127.0.0.1", 'addr = "127.0.0.1"'),
     )
 }
 

@@ -13,9 +13,15 @@ run for weeks through etcd restarts. This module keeps every work-around in one 
 - Leases are not kept alive by the library: ``LeaseKeeper`` does it.
 - Auth tokens expire: on an auth error the underlying client is rebuilt (re-auth).
 
-Every error leaving this module is either ``EtcdUnavailableError`` (transient: retry),
-``ConfigError`` (bad endpoints, TLS files or credentials: fix the config) or a plain
-result (a failed transaction returns ``False``).
+Every error leaving this module is either ``EtcdUnavailableError`` (transient: retry;
+its subclass ``EtcdNoSpaceError`` when etcd raised its NOSPACE alarm and refuses writes
+until an operator compacts, defragments and disarms), ``ConfigError`` (bad endpoints, TLS
+files or credentials, a wrong password: fix the config) or a plain result (a failed
+transaction returns ``False``).
+
+Trust rules (docs/security.md): credentials are never sent in plaintext unless the
+caller says ``allow_plaintext_auth=True`` (the loudly named config flag); an ``https://``
+endpoint always means TLS, verified against gRPC's default roots when no CA is given.
 """
 
 from __future__ import annotations
@@ -27,7 +33,6 @@ import types
 import weakref
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import etcd3
@@ -37,7 +42,7 @@ import grpc
 import structlog
 from etcd3 import events as etcd_events
 
-from elasticd.errors import ConfigError, EtcdUnavailableError, LeaseLostError
+from elasticd.errors import ConfigError, EtcdNoSpaceError, EtcdUnavailableError, LeaseLostError
 
 log = structlog.get_logger(__name__)
 
@@ -62,9 +67,20 @@ _TRANSIENT_GRPC = {
 }
 SLOW_CALL_S = 1.0
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024
+MAX_TLS_FILE_BYTES = 1024 * 1024
 _AUTH_GRPC = {grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED}
 # A TLS handshake refused over a certificate will fail the same way on every retry.
 _TLS_REJECTED = re.compile(r"(?i)handshake failed.*(certificate|unknown_ca|wrong_version_number)")
+# etcd's answers to a wrong user or password, and to credentials sent to an etcd without
+# auth: an operator must fix the config; retrying cannot help.
+_AUTH_REFUSED = re.compile(r"(?i)authentication failed|invalid user ID or password|"
+                           r"authentication is not enabled|user name (is )?empty|user name not found")
+# etcd's quota error: the backend database hit --quota-backend-bytes and the NOSPACE alarm
+# is raised; every write fails until compaction + defragmentation + `alarm disarm`.
+_NOSPACE = re.compile(r"(?i)database space exceeded|NOSPACE")
+NOSPACE_FIX = ("etcd raised its NOSPACE alarm (database space exceeded) and refuses writes: "
+               "compact and defragment etcd, then `etcdctl alarm disarm` "
+               "(docs/deployment.md#etcd-space-compaction-and-nospace)")
 
 
 @dataclass(frozen=True)
@@ -100,11 +116,29 @@ class TLSFiles:
         return bool(self.ca_file or self.cert_file or self.key_file)
 
 
+def endpoints_scheme(endpoints: str | Sequence[str]) -> str | None:
+    """``"https"`` if the endpoints are written ``https://...``, ``"http"`` for
+    ``http://...``, None when no scheme is written.
+
+    Raises:
+        ConfigError: schemes are mixed (one cluster is served one way).
+    """
+    items = endpoints.split(",") if isinstance(endpoints, str) else list(endpoints)
+    written = [item.strip() for item in items if item.strip()]
+    schemes = {i.partition("://")[0].lower() if "://" in i else "http" for i in written}
+    if len(schemes) > 1:
+        raise ConfigError(f"etcd endpoints mix schemes ({', '.join(sorted(schemes))}): write all "
+                          "of them https:// (TLS) or all http://")
+    if not any("://" in i for i in written):
+        return None
+    return schemes.pop() if schemes else None
+
+
 def parse_endpoints(endpoints: str | Sequence[str]) -> list[tuple[str, int]]:
     """Parse ``"h1:2379,h2:2379"`` (or a list) into (host, port) pairs.
 
     Raises:
-        ConfigError: an endpoint is empty or has no valid port.
+        ConfigError: an endpoint is empty or has no valid port (ASCII digits only).
     """
     items = endpoints.split(",") if isinstance(endpoints, str) else list(endpoints)
     out: list[tuple[str, int]] = []
@@ -113,8 +147,15 @@ def parse_endpoints(endpoints: str | Sequence[str]) -> list[tuple[str, int]]:
         for scheme in ("http://", "https://"):
             if item.startswith(scheme):
                 item = item[len(scheme):]
+        if "@" in item:
+            raise ConfigError(
+                f"etcd endpoint '***@{item.rsplit('@', 1)[1]}' carries credentials: they do not go "
+                "in the URL (it is logged and shown); use etcd.user with etcd.password_file "
+                "(--etcd-user, --etcd-password-file)"
+            )
         host, sep, port = item.rpartition(":")
-        if not item or not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        if (not item or not sep or not host or not re.fullmatch(r"[0-9]{1,5}", port)
+                or not 0 < int(port) < 65536):
             raise ConfigError(
                 f"invalid etcd endpoint {raw!r}: expected HOST:PORT, e.g. 127.0.0.1:2379 "
                 "(several endpoints separated by commas)"
@@ -127,9 +168,15 @@ def parse_endpoints(endpoints: str | Sequence[str]) -> list[tuple[str, int]]:
 
 def _read_file(path: str, what: str) -> bytes:
     try:
-        return Path(path).read_bytes()
+        with open(path, "rb") as fh:
+            # A bound: certificates are kilobytes; a wrong path (/dev/zero) must not hang.
+            data = fh.read(MAX_TLS_FILE_BYTES + 1)
     except OSError as exc:
         raise ConfigError(f"cannot read etcd {what} {path!r}: {exc.strerror}; check the path") from exc
+    if len(data) > MAX_TLS_FILE_BYTES:
+        raise ConfigError(f"etcd {what} {path!r} is larger than {MAX_TLS_FILE_BYTES} bytes, so not "
+                          "a PEM file; check the path")
+    return data
 
 
 def _grpc_detail(exc: BaseException) -> str:
@@ -159,9 +206,15 @@ class EtcdClient:
         timeout_s: deadline of every single call.
         tls: TLS files; when set, all endpoints use TLS.
         user, password: etcd auth (both or neither).
+        allow_plaintext_auth: send ``user``/``password`` without TLS. Off by default: a
+            password on the wire in clear text is readable by anyone on the path.
+
+    TLS is on when ``tls`` names a file or the endpoints are written ``https://``;
+    ``https://`` without a CA file verifies etcd against gRPC's default root CAs.
 
     Raises:
-        ConfigError: malformed endpoints, unreadable TLS files, half-given credentials.
+        ConfigError: malformed endpoints, unreadable TLS files, half-given credentials,
+            credentials without TLS (unless ``allow_plaintext_auth``).
     """
 
     def __init__(
@@ -172,15 +225,26 @@ class EtcdClient:
         tls: TLSFiles | None = None,
         user: str | None = None,
         password: str | None = None,
+        allow_plaintext_auth: bool = False,
     ) -> None:
         self.endpoints = parse_endpoints(endpoints)
         self.timeout_s = timeout_s
         self.tls = tls or TLSFiles()
+        self.secure = self.tls.enabled or endpoints_scheme(endpoints) == "https"
         if (user is None) != (password is None):
             raise ConfigError("etcd auth needs both a user and a password (or password_file)")
+        if user is not None and not self.secure and not allow_plaintext_auth:
+            raise ConfigError(
+                f"etcd user {user!r} with a password but without TLS: the password would cross "
+                "the network in clear text; serve etcd over TLS and set the CA (etcd.ca_file / "
+                "--etcd-ca, or write the endpoints https://), or, on a network you trust, opt in "
+                "with etcd.insecure_allow_plaintext_auth = true / --etcd-insecure-plaintext-auth"
+            )
         self._user, self._password = user, password
         self._creds = self._credentials()
-        self._lock = threading.Lock()
+        # Reentrant: raw() translates a failed authentication while holding it, and the
+        # translation drops the client under the same lock (a plain Lock deadlocked there).
+        self._lock = threading.RLock()
         self._raw: etcd3.MultiEndpointEtcd3Client | None = None
         self._closed = False
         # monotonic time of the last sign of etcd trouble: an error, or a call slower than
@@ -195,7 +259,7 @@ class EtcdClient:
 
     # -- plumbing ---------------------------------------------------------------------
     def _credentials(self) -> grpc.ChannelCredentials | None:
-        if not self.tls.enabled:
+        if not self.secure:
             return None
         if bool(self.tls.cert_file) != bool(self.tls.key_file):
             raise ConfigError("etcd TLS: cert_file and key_file must be given together")
@@ -231,12 +295,28 @@ class EtcdClient:
     def _translate(self, exc: BaseException) -> Exception:
         if isinstance(exc, (EtcdUnavailableError, ConfigError, LeaseLostError)):
             return exc
+        detail = _grpc_detail(exc)
+        if isinstance(exc, grpc.RpcError) and _AUTH_REFUSED.search(detail):
+            with self._lock:
+                self._raw = None
+            return ConfigError(
+                f"etcd at {self.endpoint_label()} refused the credentials ({detail}): check "
+                "etcd.user and the password (etcd.password_file / --etcd-password-file), and that "
+                "auth is enabled on etcd"
+            )
+        if _NOSPACE.search(detail):
+            return EtcdNoSpaceError(f"etcd at {self.endpoint_label()}: NOSPACE: {NOSPACE_FIX}")
         if isinstance(exc, grpc.RpcError) and hasattr(exc, "code") and exc.code() in _AUTH_GRPC:
             with self._lock:
                 self._raw = None  # token expired or revoked: re-authenticate next call
             details = exc.details() if hasattr(exc, "details") else str(exc)
             if "token" in (details or "").lower():
                 return EtcdUnavailableError(f"etcd auth token expired ({details}); re-authenticating")
+            if exc.code() == grpc.StatusCode.PERMISSION_DENIED:
+                return ConfigError(
+                    f"etcd denied the request ({details}): the role of etcd.user must grant "
+                    "readwrite on the job's prefix /elasticd/<job>/ (docs/deployment.md)"
+                )
             return ConfigError(
                 f"etcd refused the credentials ({details}): check etcd.user and etcd.password"
             )
@@ -257,7 +337,7 @@ class EtcdClient:
                 )
             hint = ""
             if "socket closed" in detail.lower():
-                hint = (" (if etcd serves TLS, set ca_file, cert_file and key_file)" if not self.tls.enabled
+                hint = (" (if etcd serves TLS, set ca_file, cert_file and key_file)" if not self.secure
                         else " (if etcd does not serve TLS, drop ca_file, cert_file and key_file)")
             return EtcdUnavailableError(f"etcd at {where} unreachable: {type(exc).__name__}: "
                                         f"{detail}{hint}")
@@ -307,6 +387,16 @@ class EtcdClient:
         # move every watch to the new endpoint (each resumes from its last revision + 1).
         for watch in watches:
             watch.reconnect()
+
+    def alarms(self) -> list[str]:
+        """The names of etcd's active alarms (``NOSPACE``, ``CORRUPT``), empty when none."""
+
+        def read(c: etcd3.MultiEndpointEtcd3Client) -> list[str]:
+            names = {0: "NONE", 1: "NOSPACE", 2: "CORRUPT"}
+            return sorted({names.get(int(a.alarm_type), str(a.alarm_type))
+                           for a in c.list_alarms()} - {"NONE"})
+
+        return self.call(read)
 
     def trouble_within(self, seconds: float) -> bool:
         """True if etcd failed or answered slowly within the last ``seconds``."""

@@ -1,6 +1,11 @@
 """A private etcd server on 127.0.0.1, for ``--standalone`` runs and the test fixtures.
 
-It binds free ports, keeps its data in a directory of its own, waits until etcd answers,
+``private=True`` (what ``--standalone`` uses) makes it private to its owner: it serves
+TLS only and requires a client certificate from a CA generated at start (elasticd.etcd.pki);
+the client key is 0600 in a 0700 directory, so other local users, who can reach any
+loopback port, cannot read or write a key. The test fixtures use the plain form.
+
+It binds free ports, keeps its data in a directory of its own (0700), waits until etcd answers,
 and never outlives its owner: the child gets ``PR_SET_PDEATHSIG`` and ``stop()`` is
 registered with ``atexit``. ``pause()``/``resume()`` (SIGSTOP/SIGCONT) and
 ``stop()``/``start()`` on the same ports and data dir let tests freeze or restart it.
@@ -22,6 +27,8 @@ from pathlib import Path
 import structlog
 
 from elasticd.errors import ConfigError, EtcdUnavailableError
+from elasticd.etcd.client import TLSFiles
+from elasticd.etcd.pki import PrivatePki, generate_private_pki
 from elasticd.process import die_with_parent
 
 log = structlog.get_logger(__name__)
@@ -64,6 +71,22 @@ def _proc_state(pid: int) -> str | None:
     return "T" if states <= {"T", "t"} else sorted(states - {"T", "t"})[0]
 
 
+def _make_private(path: str) -> None:
+    """Refuse a data dir another user controls; make ours 0700.
+
+    Raises:
+        ConfigError: ``path`` is owned by another user (its contents, the certificates
+            included, would be theirs to read or swap).
+    """
+    st = os.stat(path)
+    if st.st_uid != os.geteuid():
+        raise ConfigError(
+            f"etcd data dir {path!r} is owned by uid {st.st_uid}, not by this user "
+            f"(uid {os.geteuid()}); point etcd.data_dir at a directory of your own"
+        )
+    os.chmod(path, 0o700)
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -88,16 +111,30 @@ class EmbeddedEtcd:
         data_dir: where etcd keeps its data; a fresh temp dir when None (removed on stop).
         binary: path of the etcd binary; found with ``find_etcd_binary`` when None.
         tls: serve clients over TLS (tests).
+        private: serve TLS with client-certificate auth from a generated CA (see the module
+            docstring); ``client_tls`` holds what a client needs. Excludes ``tls``.
+        quota_backend_bytes: etcd's ``--quota-backend-bytes`` (tests of NOSPACE); None
+            keeps etcd's default.
         start_timeout_s: how long ``start`` waits for etcd to answer.
     """
 
     def __init__(self, data_dir: str | None = None, *, binary: str | None = None,
-                 tls: ServerTLS | None = None, start_timeout_s: float = 20.0) -> None:
+                 tls: ServerTLS | None = None, private: bool = False,
+                 quota_backend_bytes: int | None = None, start_timeout_s: float = 20.0) -> None:
+        if private and tls is not None:
+            raise ValueError("private=True generates its own TLS; do not pass tls")
         self.binary = binary or find_etcd_binary()
         self._own_dir = data_dir is None
         self.data_dir = data_dir or tempfile.mkdtemp(prefix="elasticd-etcd-")
-        os.makedirs(self.data_dir, exist_ok=True)
+        os.makedirs(self.data_dir, mode=0o700, exist_ok=True)
+        if private:
+            _make_private(self.data_dir)
+        self.pki: PrivatePki | None = None
+        if private:
+            self.pki = generate_private_pki(os.path.join(self.data_dir, "tls"))
+            tls = ServerTLS(self.pki.server_cert, self.pki.server_key, self.pki.ca_file)
         self.tls = tls
+        self.quota_backend_bytes = quota_backend_bytes
         self.start_timeout_s = start_timeout_s
         self.client_port = free_port()
         self.peer_port = free_port()
@@ -108,6 +145,16 @@ class EmbeddedEtcd:
     @property
     def endpoint(self) -> str:
         return f"127.0.0.1:{self.client_port}"
+
+    @property
+    def client_tls(self) -> TLSFiles | None:
+        """What a client presents: the generated CA and client certificate (``private``),
+        the test CA with the server's own certificate (``tls``), or None (plain)."""
+        if self.pki is not None:
+            return TLSFiles(self.pki.ca_file, self.pki.client_cert, self.pki.client_key)
+        if self.tls is not None:
+            return TLSFiles(self.tls.ca_file, self.tls.cert_file, self.tls.key_file)
+        return None
 
     def _command(self) -> list[str]:
         scheme = "https" if self.tls else "http"
@@ -128,11 +175,14 @@ class EmbeddedEtcd:
             "--auto-compaction-mode", "revision",
             "--auto-compaction-retention", "10000",
         ]
+        if self.quota_backend_bytes is not None:
+            cmd += ["--quota-backend-bytes", str(int(self.quota_backend_bytes))]
         if self.tls:
-            cmd += ["--cert-file", self.tls.cert_file, "--key-file", self.tls.key_file,
-                    "--trusted-ca-file", self.tls.ca_file]
+            cmd += ["--cert-file", self.tls.cert_file, "--key-file", self.tls.key_file]
             if self.tls.client_cert_auth:
-                cmd += ["--client-cert-auth"]
+                cmd += ["--client-cert-auth", "--trusted-ca-file", self.tls.ca_file]
+            # (etcd 3.5 with --trusted-ca-file but no --client-cert-auth still refuses a
+            # client that presents no certificate, so the CA goes only with client auth.)
         return cmd
 
     def start(self) -> EmbeddedEtcd:
@@ -155,7 +205,8 @@ class EmbeddedEtcd:
             logf.close()
         self._wait_healthy()
         log.info("embedded_etcd_started", endpoint=self.endpoint, pid=self.proc.pid,
-                 data_dir=self.data_dir)
+                 data_dir=self.data_dir, client_cert_auth=self.pki is not None,
+                 tls_dir=self.pki.directory if self.pki else None)
         return self
 
     def _wait_healthy(self) -> None:
@@ -177,12 +228,9 @@ class EmbeddedEtcd:
 
     def _ready(self) -> bool:
         # A successful range request means etcd has a leader and serves reads.
-        from elasticd.etcd.client import EtcdClient, TLSFiles
+        from elasticd.etcd.client import EtcdClient
 
-        tls = None
-        if self.tls:
-            tls = TLSFiles(self.tls.ca_file, self.tls.cert_file, self.tls.key_file)
-        client = EtcdClient(self.endpoint, timeout_s=1.0, tls=tls)
+        client = EtcdClient(self.endpoint, timeout_s=1.0, tls=self.client_tls)
         try:
             client.get("/elasticd-health")
             return True

@@ -67,6 +67,7 @@ class RendezvousSettings:
     close_timeout_s: float = 30.0
     store_timeout_s: float = 300.0
     local_addr: str | None = None
+    worker_log_dir: str | None = None  # published in the node record, for `elasticd status`
 
 
 def default_node_id() -> str:
@@ -280,7 +281,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
                             deadline)
         record = self._record or NodeRecord(
             node=self.node_id, host=socket.gethostname(), pid=os.getpid(), version=__version__,
-            started_at=time.time(),
+            started_at=time.time(), log_dir=self.settings.worker_log_dir,
         )
         record = replace(record, state="joining", heartbeat_at=time.time())
         self._retry("node record", lambda: self.client.put(key, record.to_json(), lease=lease), deadline)

@@ -7,7 +7,8 @@ point, which torch calls with no arguments and which must return the creator.
 Recognised ``--rdzv-conf`` keys (:data:`RDZV_CONF_KEYS`): ``node_ttl`` (s),
 ``join_timeout``, ``last_call_timeout``, ``close_timeout``, ``store_timeout``,
 ``etcd_timeout``, ``ca_file``, ``cert_file``, ``key_file``, ``user``, ``password``,
-``password_file``, ``node_id``; and ``timeout``, the join timeout's name in torch's own etcd
+``password_file``, ``insecure_plaintext_auth`` (``true`` to send the password without
+TLS), ``node_id``; and ``timeout``, the join timeout's name in torch's own etcd
 backend (``join_timeout`` wins if both are given). Each is a layer over the same typed
 configuration as ``elasticd agent`` (defaults, bounds and cross-checks from the schema);
 ``ELASTICD_*`` variables apply below it.
@@ -46,6 +47,7 @@ RDZV_CONF_KEYS = {
     "user": "etcd.user",
     "password": "etcd.password",
     "password_file": "etcd.password_file",
+    "insecure_plaintext_auth": "etcd.insecure_allow_plaintext_auth",
     "node_id": "node.id",
 }
 # Set by torchrun itself, not by the user.
@@ -104,7 +106,7 @@ def create_handler(params: RendezvousParameters) -> RendezvousHandler:
     client = EtcdClient(
         ",".join(e.endpoints), timeout_s=e.timeout_s,
         tls=TLSFiles(e.ca_file, e.cert_file, e.key_file), user=e.user,
-        password=e.resolved_password(),
+        password=e.resolved_password(), allow_plaintext_auth=e.insecure_allow_plaintext_auth,
     )
     settings = RendezvousSettings(
         min_nodes=cfg.job.min_nodes, max_nodes=cfg.job.max_nodes, node_ttl_s=cfg.node.ttl_s,

@@ -22,9 +22,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import IO, Any
 
+import structlog
+
 from elasticd.errors import EX_CONFIG, ConfigError, EtcdUnavailableError
-from elasticd.etcd.client import EtcdClient
+from elasticd.etcd.client import NOSPACE_FIX, EtcdClient
 from elasticd.logs import ensure_configured
+from elasticd.sensitive import scrub_text
 from elasticd.status import jsondoc
 from elasticd.status.model import (
     DEFAULT_WINDOW_S,
@@ -48,8 +51,10 @@ from elasticd.status.options import (
     unreachable_message,
 )
 from elasticd.status.output import emit_job, emit_job_list
-from elasticd.status.render import DEFAULT_MAX_ROWS
+from elasticd.status.render import DEFAULT_MAX_ROWS, printable
 
+log = structlog.get_logger(__name__)
+EXIT_INTERNAL = 1  # docs/status.md: 1 is also "degraded"; the stderr line tells them apart
 
 def _positive_float(text: str) -> float:
     try:
@@ -109,6 +114,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--etcd-user", metavar="USER", help="etcd user (with --etcd-password-file)")
     p.add_argument("--etcd-password-file", metavar="FILE",
                    help="file holding the etcd password (never passed on the command line)")
+    p.add_argument("--etcd-insecure-plaintext-auth", action="store_true",
+                   help="INSECURE: send the etcd password without TLS (trusted networks only)")
     p.add_argument("--timeout", type=_positive_float, default=DEFAULT_TIMEOUT_S, metavar="SECONDS",
                    help=f"give up on etcd after this long, exit 4 (default {DEFAULT_TIMEOUT_S:g})")
     p.add_argument("--json", action="store_true",
@@ -124,6 +131,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-rows", type=_non_negative_int, default=None, metavar="N",
                    help=f"node rows in the table, unhealthy first (default {DEFAULT_MAX_ROWS}; "
                         "0 = all)")
+    p.add_argument("--plot", metavar="FILE", default=None,
+                   help="draw the job's history (world size, steps/s, loss, events) into "
+                        "FILE.png or FILE.svg; needs the [plot] extra (matplotlib)")
 
 
 @dataclass
@@ -137,6 +147,7 @@ class _Io:
 
     def fail(self, code: int, message: str, *, job: str | None = None) -> int:
         """One line on stderr; with --json also an error document on stdout."""
+        message = scrub_text(printable(message))
         print(f"{PROG}: {message}", file=self.err, flush=True)
         if self.json:
             doc = jsondoc.error_document(code, message, job=job, endpoints=self.endpoints,
@@ -149,6 +160,10 @@ def run(args: argparse.Namespace, *, out: IO[str] | None = None, err: IO[str] | 
         now: Callable[[], float] = time.time, stop: threading.Event | None = None) -> int:
     """Run `elasticd status` with parsed ``args``; returns the exit code (never raises).
 
+    Whatever goes wrong, the operator gets one line and an exit code, never a traceback:
+    an unexpected error is reported as exit 1 with its type and message (records in etcd
+    are untrusted input, and a health check must not read a Python dump as an answer).
+
     Args:
         args: the namespace from the parser built by ``add_parser``.
         out, err: where to print (default: the process's stdout and stderr).
@@ -160,6 +175,18 @@ def run(args: argparse.Namespace, *, out: IO[str] | None = None, err: IO[str] | 
     io = _Io(out or sys.stdout, err or sys.stderr, now, json=bool(getattr(args, "json", False)),
              one_line=bool(getattr(args, "watch", False)))
     try:
+        return _run(args, io, now, stop)
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:  # the last line of defence: one line, never a traceback
+        log.debug("status_failed", exc_info=True)
+        return io.fail(EXIT_INTERNAL, f"internal error ({type(exc).__name__}: {exc}); "
+                       "please report it with the output of `elasticd status --json`")
+
+
+def _run(args: argparse.Namespace, io: _Io, now: Callable[[], float],
+         stop: threading.Event | None) -> int:
+    try:
         opts = options_from_args(args)
     except ConfigError as exc:
         return io.fail(EX_CONFIG, str(exc))
@@ -169,6 +196,10 @@ def run(args: argparse.Namespace, *, out: IO[str] | None = None, err: IO[str] | 
     except ConfigError as exc:
         return io.fail(EX_CONFIG, str(exc), job=opts.job)
     try:
+        if getattr(args, "plot", None):
+            from elasticd.status.plot import run_plot  # matplotlib only when asked for
+
+            return run_plot(client, opts, args.plot, out=io.out, fail=io.fail)
         if opts.watch:
             from elasticd.status.watch import run_watch  # keeps one-shot startup lean
 
@@ -190,15 +221,28 @@ def _run_once(client: EtcdClient, opts: StatusOptions, io: _Io) -> int:
         t = io.now()
         statuses = [derive_status(s, t, window_s=opts.window_s, events_limit=0) for s in snaps]
         emit_job_list(statuses, opts, io.out, revision=revision, now=t)
+        _warn_alarms(client, io)
         return EXIT_OK
     snap = read_job(client, opts.job)
     if snap is None:
         return io.fail(EXIT_UNKNOWN_JOB, unknown_job_message(opts), job=opts.job)
     status = derive_status(snap, io.now(), window_s=opts.window_s, events_limit=opts.events)
     emit_job(status, opts, io.out)
+    _warn_alarms(client, io)
     if status.exit_code != EXIT_OK:
-        print(f"{PROG}: {status_line(status)}", file=io.err, flush=True)
+        print(f"{PROG}: {printable(status_line(status))}", file=io.err, flush=True)
     return status.exit_code
+
+
+def _warn_alarms(client: EtcdClient, io: _Io) -> None:
+    """Name etcd's NOSPACE (or CORRUPT) alarm on stderr: the job cannot write while it lasts."""
+    try:
+        alarms = client.alarms()
+    except (ConfigError, EtcdUnavailableError):
+        return  # a role without maintenance rights may not list alarms: not the job's state
+    for alarm in alarms:
+        fix = NOSPACE_FIX if alarm == "NOSPACE" else "see etcd's log and docs"
+        print(f"{PROG}: etcd alarm {alarm} is active: {fix}", file=io.err, flush=True)
 
 
 def build_parser() -> argparse.ArgumentParser:

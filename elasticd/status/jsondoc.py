@@ -14,18 +14,16 @@ entries whose names look like credentials are replaced by ``"<redacted>"``.
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Sequence
 from datetime import datetime, timezone
 from importlib import resources
 from typing import Any
-from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
+from elasticd import sensitive
 from elasticd.status.model import JobStatus, NodeStatus, SeqEvent, exit_detail
 
 SCHEMA_VERSION = 1
 REDACTED = "<redacted>"
-_SECRET_NAME = re.compile(r"pass|secret|token|credential|signature|auth|api_?key", re.I)
 
 
 def rfc3339(ts: float | None) -> str | None:
@@ -37,25 +35,14 @@ def rfc3339(ts: float | None) -> str | None:
 
 
 def redact_url(url: str) -> str:
-    """Drop userinfo and query values from a URL; keep scheme, host, path and query names."""
-    try:
-        parts = urlsplit(url)
-    except ValueError:
-        return REDACTED
-    netloc = parts.netloc
-    if "@" in netloc:
-        netloc = "***@" + netloc.rsplit("@", 1)[1]
-    query = parts.query
-    if query:
-        query = urlencode([(k, REDACTED) for k, _ in parse_qsl(query, keep_blank_values=True)],
-                          safe="<>")
-    return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
+    """Drop userinfo and query values from a URL (elasticd.sensitive's one rule)."""
+    return sensitive.redact_url(url, query_mask=REDACTED)
 
 
 def redact_detail(detail: Any) -> Any:
     """Copy an event detail with credential-looking entries replaced, recursively."""
     if isinstance(detail, dict):
-        return {k: REDACTED if _SECRET_NAME.search(str(k)) else redact_detail(v)
+        return {k: REDACTED if sensitive.is_secret_name(str(k)) else redact_detail(v)
                 for k, v in detail.items()}
     if isinstance(detail, list):
         return [redact_detail(v) for v in detail]
@@ -83,6 +70,7 @@ def _node(n: NodeStatus, now: float) -> dict[str, Any]:
         "started_at": rfc3339(n.started_at),
         "last_exit": n.last_exit,
         "lost_at": rfc3339(n.lost_at),
+        "log_dir": n.log_dir,
     }
 
 

@@ -17,9 +17,10 @@ Exposed series (all prefixed ``elasticd_``)::
     last_checkpoint_step, last_checkpoint_timestamp_seconds
     agent_info{elasticd_job, node, version}    constant 1
 
-Binding: ``serve`` listens on ``0.0.0.0`` by default, because Prometheus scrapes from
-another machine; the metrics hold no secrets (no URLs, no credentials). Pass
-``addr="127.0.0.1"`` (agent config ``metrics_addr``) to keep them on the node.
+Binding: ``serve`` listens on ``127.0.0.1`` unless told otherwise (``metrics.addr`` /
+``--metrics-addr``, passed through the runner): the metrics hold no secrets, but they name
+the job and its nodes, and every listening socket on all interfaces is attack surface an
+operator should choose, not inherit. Set the address Prometheus scrapes.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from elasticd.errors import ConfigError
 log = structlog.get_logger(__name__)
 
 RESTART_CAUSES = ("failure", "membership", "hang")
-DEFAULT_METRICS_ADDR = "0.0.0.0"
+DEFAULT_METRICS_ADDR = "127.0.0.1"
 # Rendezvous and recovery take from sub-second (graceful leave) to minutes (spot capacity).
 DURATION_BUCKETS_S = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 CHECKPOINT_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)

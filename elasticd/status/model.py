@@ -25,7 +25,7 @@ import structlog
 
 from elasticd.errors import ConfigError, EtcdUnavailableError
 from elasticd.etcd.client import KV, EtcdClient
-from elasticd.keys import ROOT, JobKeys, job_of_key, round_of_key
+from elasticd.keys import ROOT, JobKeys, job_of_key, parse_ascii_int, round_of_key
 from elasticd.records import CheckpointPointer, Event, NodeRecord, Progress, RoundState
 
 log = structlog.get_logger(__name__)
@@ -91,6 +91,7 @@ class NodeStatus:
     started_at: float | None = None
     last_exit: str | None = None
     lost_at: float | None = None  # time of the node's newest "lost" event, if any
+    log_dir: str | None = None  # where the node keeps its worker logs
 
 
 @dataclass(frozen=True)
@@ -171,7 +172,7 @@ def parse_job_kvs(job: str, kvs: Iterable[KV], revision: int) -> JobSnapshot:
         elif rest.startswith("events/"):
             # events/<seq> or, as the agent writes them, events/<seq>-<node> (seq: µs).
             head = rest[len("events/"):].split("-", 1)[0]
-            ev = _decode(Event, kv, unreadable) if head.isdigit() else None
+            ev = _decode(Event, kv, unreadable) if parse_ascii_int(head) is not None else None
             if ev is not None:
                 events.append(SeqEvent(int(head), ev))
         elif kv.key == keys.rdzv_state:
@@ -357,7 +358,7 @@ def _node_rows(snap: JobSnapshot, members: Sequence[str], lost_at: dict[str, flo
             ranks=tuple(rec.ranks), local_world_size=rec.local_world_size,
             restarts=rec.restarts, round=rec.round,
             heartbeat_at=rec.heartbeat_at or None, version=rec.version, pid=rec.pid,
-            started_at=rec.started_at or None, last_exit=rec.last_exit,
+            started_at=rec.started_at or None, last_exit=rec.last_exit, log_dir=rec.log_dir,
         ))
     for node in members:
         if node not in live:

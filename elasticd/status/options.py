@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from elasticd.errors import ConfigError
 from elasticd.etcd.client import EtcdClient, TLSFiles, parse_endpoints
 from elasticd.keys import JobKeys, validate_job_name
+from elasticd.sensitive import read_secret_file
 from elasticd.status.model import DEFAULT_WINDOW_S
 
 DEFAULT_ETCD = "127.0.0.1:2379"
@@ -36,19 +36,11 @@ class StatusOptions:
     tls: TLSFiles = field(default_factory=TLSFiles)
     user: str | None = None
     password: str | None = field(default=None, repr=False)  # never printed or logged
+    insecure_plaintext_auth: bool = False  # send the password without TLS (opt-in)
 
     @property
     def endpoint_list(self) -> list[str]:
         return [f"{h}:{p}" for h, p in parse_endpoints(self.endpoints)]
-
-
-def _read_password(path: str) -> str:
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except OSError as exc:
-        raise ConfigError(f"cannot read --etcd-password-file {path!r}: {exc.strerror}; "
-                          "check the path and its permissions") from exc
-    return text.rstrip("\r\n")
 
 
 def options_from_args(args: argparse.Namespace) -> StatusOptions:
@@ -76,14 +68,17 @@ def options_from_args(args: argparse.Namespace) -> StatusOptions:
         max_rows=getattr(args, "max_rows", None),
         tls=TLSFiles(getattr(args, "etcd_ca", None), getattr(args, "etcd_cert", None),
                      getattr(args, "etcd_key", None)),
-        user=user or None, password=_read_password(pw_file) if pw_file else None,
+        user=user or None,
+        password=read_secret_file(pw_file, "--etcd-password-file") if pw_file else None,
+        insecure_plaintext_auth=bool(getattr(args, "etcd_insecure_plaintext_auth", False)),
     )
 
 
 def make_client(opts: StatusOptions) -> EtcdClient:
     """An etcd client whose every call gives up after ``opts.timeout_s``."""
     return EtcdClient(opts.endpoints, timeout_s=opts.timeout_s, tls=opts.tls,
-                      user=opts.user, password=opts.password)
+                      user=opts.user, password=opts.password,
+                      allow_plaintext_auth=opts.insecure_plaintext_auth)
 
 
 def unreachable_message(opts: StatusOptions, exc: Exception) -> str:

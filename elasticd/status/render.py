@@ -7,20 +7,27 @@ so a row is always one line and never wraps into a staircase. The full values ar
 ``--json``. Colour comes from rich, which turns it off by itself when stdout is not a
 terminal or ``NO_COLOR`` is set (https://no-color.org); styles are only hints, every fact
 is also in the text.
+
+Everything shown comes from etcd, which training code or another tenant may write: a
+node id, host or event message can carry terminal control sequences (``ESC [ 2 J`` clears
+the screen; others retitle the window or fake lines). Every ``Text`` built here goes
+through :func:`printable`, which shows control and bidi-format characters as visible
+escapes (``\x1b``) instead of sending them to the terminal.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import IO
+from typing import IO, Any
 
 from rich import box
 from rich.cells import cell_len
 from rich.console import Console, ConsoleOptions, Group, RenderableType, RenderResult
 from rich.table import Table
-from rich.text import Text
+from rich.text import Text as _RichText
 
 from elasticd.status.jsondoc import redact_url
 from elasticd.status.model import (
@@ -51,6 +58,21 @@ NODE_STATE_STYLE = {
 EVENT_STYLE = {"failure": "red", "lost": "red", "hang": "red", "lease_lost": "red",
                "drain": "yellow", "notice": "yellow", "leave": "yellow"}
 DEFAULT_MAX_ROWS = 40
+# C0/C1 controls and DEL, plus Unicode format characters that reorder or hide text
+# (bidi overrides/isolates, zero-width joiners): the characters a hostile record uses.
+_UNPRINTABLE = re.compile("[\x00-\x1f\x7f-\x9f\u200b-\u200f\u2028-\u202e\u2060-\u206f\ufeff]")
+
+
+def printable(text: str) -> str:
+    """``text`` with every control or format character replaced by a visible escape."""
+    return _UNPRINTABLE.sub(lambda m: m.group().encode("unicode_escape").decode("ascii"), text)
+
+
+class Text(_RichText):
+    """rich's ``Text`` whose content always passes through :func:`printable`."""
+
+    def __init__(self, text: str = "", *args: Any, **kwargs: Any) -> None:
+        super().__init__(printable(str(text)), *args, **kwargs)
 _GAP = 3  # SIMPLE_HEAD, pad_edge=False: one pad, one divider, one pad between columns
 
 

@@ -34,6 +34,7 @@ from elasticd.status.model import (
 )
 from elasticd.status.options import StatusOptions, unknown_job_message
 from elasticd.status.output import emit_job, emit_job_list
+from elasticd.status.plot import trend_line
 from elasticd.status.render import DEFAULT_MAX_ROWS, make_console, render_job, render_job_list
 
 TICK_S = 1.0  # refresh ages on screen this often (from the local mirror, not from etcd)
@@ -99,6 +100,12 @@ class _Frames:
         snap = parse_job_kvs(self.opts.job, kvs, rev)
         return derive_status(snap, self.now(), window_s=self.opts.window_s,
                              events_limit=self.opts.events), rev
+
+    def trend(self) -> str:
+        """Steps/s and loss from the job's history record, as sparklines ("" without one)."""
+        key = JobKeys(self.opts.job or "").history if self.opts.job else None
+        kv = next((kv for kv in self.mirror.snapshot()[0] if kv.key == key), None)
+        return trend_line(kv.value) if kv is not None else ""
 
     def jobs(self) -> tuple[list[JobStatus], int]:
         kvs, rev = self.mirror.snapshot()
@@ -192,6 +199,9 @@ def _loop_screen(frames: _Frames, opts: StatusOptions, out: IO[str], stop: threa
                     rows = max(3, min(DEFAULT_MAX_ROWS, budget)) if console.is_terminal \
                         else DEFAULT_MAX_ROWS
                 parts.append(render_job(status, max_rows=rows))
+                trend = frames.trend()
+                if trend:
+                    parts.append(Text(trend))
         else:
             statuses, rev = frames.jobs()
             parts.append(render_job_list(statuses, frames.now()))

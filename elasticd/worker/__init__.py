@@ -9,9 +9,16 @@ stop at the same step on a drain; ``report_progress()`` feeds hang detection and
 from elasticd.data import (
     BatchPlan,
     ElasticBatchSampler,
+    ElasticDistributedSampler,
     ElasticSampler,
+    PositionedBatchSampler,
+    PositionedSampler,
+    SampleKey,
+    SeededDataset,
     accumulation_contexts,
     plan_global_batch,
+    sample_generator,
+    sample_seed,
 )
 from elasticd.worker.context import (
     WorkerContext,
@@ -25,15 +32,24 @@ from elasticd.worker.context import (
     stop_requested_locally,
 )
 from elasticd.worker.fence import AgentCommitFence, agent_fence
+from elasticd.worker.loop import ElasticLoop
 
 __all__ = [
     "AgentCommitFence",
     "BatchPlan",
     "ElasticBatchSampler",
+    "ElasticDistributedSampler",
+    "ElasticLoop",
     "ElasticSampler",
+    "PositionedBatchSampler",
+    "PositionedSampler",
+    "SampleKey",
+    "SeededDataset",
     "accumulation_contexts",
     "agent_fence",
     "plan_global_batch",
+    "sample_generator",
+    "sample_seed",
     "WorkerContext",
     "context",
     "control_client",

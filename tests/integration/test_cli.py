@@ -15,7 +15,7 @@ pytestmark = pytest.mark.timeout(60)
 # `run` and `agent` share one flag per config key (elasticd.config.flags).
 NODE_FLAGS = ["--standalone", "--job", "--nnodes", "--checkpoint-url", "--etcd", "--etcd-ca",
               "--etcd-cert", "--etcd-key", "--etcd-user", "--etcd-password-file",
-              "--etcd-timeout", "--etcd-connect-timeout", "--etcd-data-dir", "--node-id",
+              "--etcd-insecure-plaintext-auth", "--etcd-timeout", "--etcd-connect-timeout", "--etcd-data-dir", "--node-id",
               "--local-addr", "--node-ttl", "--join-timeout", "--last-call-timeout",
               "--close-timeout", "--store-timeout",
               "--nproc-per-node", "--workdir", "--monitor-interval", "--hang-timeout",
@@ -27,8 +27,8 @@ SURFACE = {
     "run": ["--config", *NODE_FLAGS],
     "agent": ["--config", "--check-config", *NODE_FLAGS],
     "status": ["--job", "--etcd", "--etcd-ca", "--etcd-cert", "--etcd-key", "--etcd-user",
-               "--etcd-password-file", "--timeout", "--json", "--watch", "--events", "--window",
-               "--max-rows"],
+               "--etcd-password-file", "--etcd-insecure-plaintext-auth", "--timeout", "--json", "--watch", "--events", "--window",
+               "--max-rows", "--plot"],
     "checkpoints": None,  # owned by elasticd.cli_checkpoints; only its presence is pinned here
     "etcd": ["--members", "--data-dir"],
 }

@@ -333,7 +333,9 @@ def test_invalid_values_name_key_value_origin_and_fix(tmp_path, extra, env, key,
         ('[etcd]\nendpoints = ["e:2379"]\ncert_file = "/c"\nkey_file = "/k"\n',
          "etcd.cert_file", "etcd.ca_file"),
         ('[etcd]\nca_file = "/ca"\n', "etcd.ca_file", "embedded"),
-        ('[etcd]\nendpoints = ["https://e:2379"]\n', "etcd.endpoints", "etcd.ca_file"),
+        ('[etcd]\nendpoints = ["https://e:2379", "e2:2379"]\n', "etcd.endpoints", "mix schemes"),
+        ('[etcd]\nendpoints = ["e:2379"]\nuser = "u"\npassword_file = "/f"\n', "etcd.user",
+         "insecure_allow_plaintext_auth"),
         ('[job]\nname = "d"\nstandalone = true\n[etcd]\nendpoints = "e"\n',
          "job.standalone", "etcd.endpoints"),
         ('[job]\nname = "d"\nstandalone = true\nnnodes = "1:4"\n', "job.standalone", "nnodes"),
@@ -392,7 +394,7 @@ def test_password_file_is_read_and_validated(tmp_path):
     """password_file: read lazily without its trailing newline; empty files refused."""
     secret = tmp_path / "pw"
     secret.write_text("s3cret\n")
-    text = MINIMAL + f'[etcd]\nendpoints = ["e"]\nuser = "u"\npassword_file = "{secret}"\n'
+    text = MINIMAL + f'[etcd]\nendpoints = ["https://e"]\nuser = "u"\npassword_file = "{secret}"\n'
     config = load(tmp_path, text)
     assert config.etcd.resolved_password() == "s3cret"
     assert "s3cret" not in render_effective(config)
@@ -422,7 +424,7 @@ def test_nproc_per_node_resolution():
 # --- masking and rendering ---------------------------------------------------------
 
 SECRET_TEXT = MINIMAL.replace('"demo"', '"demo"\ncheckpoint_url = "s3://AKIA:topsecret@b/x"') + (
-    '[etcd]\nendpoints = ["e1:2379"]\nuser = "root"\npassword = "hunter2"\n'
+    '[etcd]\nendpoints = ["https://e1:2379"]\nuser = "root"\npassword = "hunter2"\n'
     '[workers.env]\nHF_TOKEN = "hf_abc"\nAWS_SECRET_ACCESS_KEY = "zzz"\nOMP_NUM_THREADS = "4"\n'
 )
 
@@ -431,7 +433,7 @@ def test_masked_hides_passwords_url_credentials_and_secret_env(tmp_path):
     """masked() replaces passwords, URL passwords and secret-looking env values with ***."""
     masked = load(tmp_path, SECRET_TEXT).masked()
     assert masked.etcd.password == MASK
-    assert masked.job.checkpoint_url == f"s3://AKIA:{MASK}@b/x"
+    assert masked.job.checkpoint_url == f"s3://{MASK}@b/x"  # the whole userinfo
     assert masked.workers.env["HF_TOKEN"] == MASK
     assert masked.workers.env["AWS_SECRET_ACCESS_KEY"] == MASK
     assert masked.workers.env["OMP_NUM_THREADS"] == "4"

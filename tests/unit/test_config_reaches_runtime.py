@@ -32,7 +32,7 @@ def _rows(tmp_path) -> dict[str, tuple[dict[str, Any], Check, Any]]:
     """key -> (overrides, how to read the runtime value, expected runtime value)."""
     pw = tmp_path / "pw"
     pw.write_text("s3cret\n")
-    auth = {"etcd.user": "u"}
+    auth = {"etcd.user": "u", "etcd.ca_file": "/ca.pem"}  # auth needs TLS
     tls = {"etcd.ca_file": "/ca.pem", "etcd.cert_file": "/c.pem", "etcd.key_file": "/k.pem"}
     return {
         "job.name": ({"job.name": "other"}, lambda s: s.job, "other"),
@@ -49,6 +49,9 @@ def _rows(tmp_path) -> dict[str, tuple[dict[str, Any], Check, Any]]:
         "etcd.password": ({**auth, "etcd.password": "pw2"}, lambda s: s.etcd_password, "pw2"),
         "etcd.password_file": ({**auth, "etcd.password_file": str(pw)},
                                lambda s: s.etcd_password, "s3cret"),
+        "etcd.insecure_allow_plaintext_auth": ({"etcd.user": "u", "etcd.password": "pw2",
+                                                "etcd.insecure_allow_plaintext_auth": "true"},
+                                               lambda s: s.etcd_insecure_plaintext_auth, True),
         "etcd.timeout_s": ({"etcd.timeout_s": "7"}, lambda s: s.etcd_timeout_s, 7.0),
         "etcd.connect_timeout_s": ({"etcd.connect_timeout_s": "9"},
                                    lambda s: s.etcd_connect_timeout_s, 9.0),

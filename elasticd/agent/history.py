@@ -1,0 +1,84 @@
+"""The agent's writer of the job's progress history (``/elasticd/<job>/history``).
+
+The policy (when a sample is due, how the record stays bounded) is the pure
+``elasticd.history.append_sample``; this is the thin etcd part: read the record, append,
+write it back with a compare on its mod_revision (two agents never interleave a lost
+update) and on this node's incarnation (a zombie writes nothing). Best effort like every
+record of ``JobRecorder``: a failed or refused write drops the sample, never a step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import structlog
+
+from elasticd.errors import TransientError
+from elasticd.etcd.client import EtcdClient
+from elasticd.history import History, Sample, append_sample
+from elasticd.keys import JobKeys
+from elasticd.records import CheckpointPointer
+
+log = structlog.get_logger(__name__)
+
+
+class EtcdHistoryWriter:
+    """Appends ``Sample`` s to one job's history record, fenced by ``fence``.
+
+    Args:
+        client: the agent's etcd client.
+        keys: the job's key builder.
+        fence: extra compares of every write (the node's incarnation).
+    """
+
+    def __init__(self, client: EtcdClient, keys: JobKeys,
+                 fence: Callable[[Any], list[Any]]) -> None:
+        self.client = client
+        self.keys = keys
+        self.fence = fence
+        self._last_t = 0.0
+        self._last_world = -1
+        self._interval_s = 0.0  # of the record last seen; skips I/O for samples not yet due
+
+    def append(self, t: float, step: int, world_size: int, samples_per_s: float, round_: int,
+               loss: float | None = None) -> bool:
+        """Append a sample if one is due; returns True when it was written."""
+        if t - self._last_t < self._interval_s and world_size == self._last_world:
+            return False  # not due by the record we last saw: no etcd read at all
+        try:
+            kv = self.client.get(self.keys.history)
+            history = History()
+            if kv is not None:
+                try:
+                    history = History.from_json(kv.value)
+                except ValueError as exc:  # replace a malformed record rather than crash
+                    log.warning("history_record_replaced", error=str(exc))
+            ptr = self.client.get(self.keys.checkpoint_latest)
+            ckpt = None
+            if ptr is not None:
+                try:
+                    ckpt = CheckpointPointer.from_json(ptr.value).step
+                except (ValueError, TypeError):
+                    ckpt = None
+            new = append_sample(history, Sample(t, step, world_size, samples_per_s, round_, loss,
+                                                ckpt))
+            if new is None:
+                self._remember(history)
+                return False
+            rev = kv.mod_revision if kv is not None else 0
+            ok, _ = self.client.txn(
+                lambda tx: [tx.mod(self.keys.history) == rev, *self.fence(tx)],
+                lambda tx: [tx.put(self.keys.history, new.to_json())])
+        except TransientError as exc:
+            log.warning("history_sample_dropped", error=str(exc))
+            return False
+        if ok:
+            self._remember(new)
+        return bool(ok)
+
+    def _remember(self, history: History) -> None:
+        if history.samples:
+            self._last_t = history.samples[-1].t
+            self._last_world = history.samples[-1].world_size
+        self._interval_s = history.interval_s

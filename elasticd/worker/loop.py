@@ -1,0 +1,194 @@
+"""ElasticLoop: resume, per-step bookkeeping, drain and checkpoints in one object.
+
+What a torchrun script needs to become elastic is always the same four duties: load the
+newest checkpoint at start (model, optimizer, sampler position, RNG), tell the sampler
+after every optimizer step how much was trained, stop at the same step on every rank when
+a node is drained (and save that step), and checkpoint through the agent's fence now and
+then. ``ElasticLoop`` does all four around the script's own loop, so the change is a few
+lines (docs/worker-api.md opens with the diff of the PyTorch DDP tutorial)::
+
+    loop = ElasticLoop({"model": model, "optimizer": optimizer}, train_data.sampler)
+    first_epoch = loop.resume()
+    for epoch in range(first_epoch, max_epochs):
+        train_data.sampler.set_epoch(epoch)
+        for source, targets in loop.batches(train_data):
+            ...                                   # forward, backward, optimizer.step()
+
+``loop.batches`` yields the loader's batches; when the loop body has finished with one (the
+generator is resumed), that batch counts as trained. Prefetched batches never count.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
+
+import structlog
+import torch
+
+from elasticd.checkpoint.manager import CheckpointManager
+from elasticd.data.sampler import ElasticSampler
+from elasticd.data.stream import ElasticStream
+from elasticd.errors import ConfigError
+from elasticd.worker.context import context, fast_exit, report_progress, should_stop
+from elasticd.worker.fence import agent_fence
+
+log = structlog.get_logger(__name__)
+
+_RESERVED = ("sampler", "elastic_loop")
+
+
+def batch_len(batch: Any) -> int:
+    """Samples in one collated batch: the first dimension of its first tensor.
+
+    Raises:
+        ConfigError: No tensor or sized value to measure (call ``loop.step_done(n)`` instead).
+    """
+    value = batch
+    while True:
+        if isinstance(value, torch.Tensor):
+            return int(value.shape[0]) if value.dim() else 1
+        if isinstance(value, Mapping) and value:
+            value = next(iter(value.values()))
+        elif isinstance(value, (list, tuple)) and value:
+            if not isinstance(value[0], (torch.Tensor, Mapping, list, tuple)):
+                return len(value)
+            value = value[0]
+        else:
+            raise ConfigError(
+                f"cannot tell how many samples a batch of type {type(batch).__name__} holds; "
+                "iterate the loader yourself and call loop.step_done(samples_per_rank) after "
+                "each optimizer step")
+
+
+class ElasticLoop:
+    """Checkpointed, drainable, exactly-once training over an elastic sampler.
+
+    Args:
+        state: What to checkpoint besides the sampler, e.g. ``{"model": model,
+            "optimizer": optimizer}`` (the module itself, not the DDP wrapper).
+        sampler: An :class:`~elasticd.data.distributed.ElasticDistributedSampler`; or an
+            :class:`~elasticd.data.sampler.ElasticSampler` or
+            :class:`~elasticd.data.stream.ElasticStream` when one loader batch is one
+            optimizer step.
+        checkpoint_url: fsspec URL; default ``$ELASTICD_CHECKPOINT_URL`` (set by the agent),
+            else ``file://./checkpoints``.
+        save_every: Save a checkpoint (asynchronously) every this many steps; a drain and
+            the end of every epoch always save.
+        keep_last: Checkpoints kept.
+        manager: Use this :class:`CheckpointManager` instead of building one.
+
+    Raises:
+        ConfigError: ``state`` uses a reserved key, or ``save_every < 1``.
+    """
+
+    def __init__(self, state: Mapping[str, Any], sampler: Any, *, checkpoint_url: str | None = None,
+                 save_every: int = 50, keep_last: int = 3,
+                 manager: CheckpointManager | None = None) -> None:
+        clash = [k for k in _RESERVED if k in state]
+        if clash:
+            raise ConfigError(f"ElasticLoop state uses reserved key(s) {clash}; rename them")
+        if save_every < 1:
+            raise ConfigError(f"save_every must be >= 1, got {save_every}")
+        ctx = context()
+        self.ctx = ctx
+        self.sampler = sampler
+        # These count global batches (one step() per optimizer step), not samples per rank.
+        self._per_global_batch = isinstance(sampler, (ElasticSampler, ElasticStream))
+        self.save_every = save_every
+        self.steps_done = 0
+        self._saved_at = 0
+        self._live: Any = None  # the loader iterator batches() is walking
+        self._progress: dict[str, int] = {"steps_done": 0}
+        self._state = {**state, "sampler": sampler, "elastic_loop": self._progress}
+        url = checkpoint_url or ctx.checkpoint_url or "file://" + os.path.abspath("checkpoints")
+        self.manager = manager or CheckpointManager(url, job=ctx.job or "local",
+                                                    keep_last=keep_last, fence=agent_fence())
+
+    def resume(self) -> int:
+        """Load the newest valid checkpoint, if any; a collective.
+
+        Returns:
+            The epoch to start from: the interrupted one (the sampler continues at its
+            first untrained sample), the next one if it had finished, 0 on a fresh start.
+        """
+        loaded = self.manager.load_latest(self._state)
+        if loaded is None:
+            return 0
+        self.steps_done = self._saved_at = int(self._progress["steps_done"])
+        if self._epoch_done():
+            # Saved right after an epoch's last step (a drain there): start the next one now,
+            # so code that peeks at the loader before set_epoch() still finds batches.
+            self.sampler.set_epoch(int(self.sampler.epoch) + 1)
+        return int(self.sampler.epoch)
+
+    def batches(self, loader: Iterable[Any]) -> Iterator[Any]:
+        """Yield ``loader``'s batches; each one counts as trained once the body is done.
+
+        After each batch: the sampler advances, progress is reported, a drain saves and
+        exits 0 (all ranks at the same step), and every ``save_every`` steps a checkpoint
+        is started. At the end of the loader (the epoch) the sampler moves to the next
+        epoch and a checkpoint is committed.
+        A ``break`` out of the loop leaves the current batch uncounted.
+        """
+        it = iter(loader)
+        self._live = it
+        try:
+            for batch in it:
+                yield batch
+                self.step_done(None if self._per_global_batch else batch_len(batch))
+        finally:
+            self._live = None
+        # The loader ran out: the epoch is over for this loop, even if the sampler kept a
+        # tail that DataLoader(drop_last=True) dropped. Saved as "next epoch, position 0",
+        # a resume starts the next epoch, and code that peeks at the loader before
+        # set_epoch() still finds batches.
+        self.sampler.set_epoch(int(self.sampler.epoch) + 1)
+        if self.steps_done > self._saved_at:
+            self.save(blocking=True)
+
+    def _epoch_done(self) -> bool:
+        if hasattr(self.sampler, "epoch_done"):
+            return bool(self.sampler.epoch_done)
+        return int(self.sampler.steps_remaining) == 0
+
+    def step_done(self, samples_per_rank: int | None = None) -> None:
+        """Record one optimizer step; for loops that do not iterate :meth:`batches`.
+
+        Args:
+            samples_per_rank: Samples this rank trained in the step (ignored for an
+                ``ElasticSampler`` or ``ElasticStream``, whose step is one global batch).
+        """
+        if self._per_global_batch:
+            self.sampler.step()
+        else:
+            if samples_per_rank is None:
+                raise ConfigError("step_done() needs samples_per_rank for this sampler")
+            self.sampler.step(samples_per_rank)
+        self.steps_done += 1
+        self._progress["steps_done"] = self.steps_done
+        report_progress(self.steps_done - 1, epoch=int(self.sampler.epoch))
+        if should_stop(self.steps_done - 1):
+            self.save(blocking=True)
+            log.info("loop_drained", steps_done=self.steps_done, epoch=int(self.sampler.epoch))
+            self.manager.close()
+            # fast_exit skips finalisers: stop the DataLoader's worker processes now rather
+            # than leave them to notice (seconds later) that their parent is gone.
+            shutdown_workers = getattr(self._live, "_shutdown_workers", None)
+            if shutdown_workers is not None:
+                shutdown_workers()
+            fast_exit(0)
+        if self.steps_done % self.save_every == 0:
+            self.save()
+
+    def save(self, *, blocking: bool = False) -> None:
+        """Checkpoint the state as of the last finished step (a collective)."""
+        if self.steps_done == self._saved_at:
+            return  # this step is saved already; a second save would be refused as not newer
+        self.manager.save(self.steps_done, self._state, blocking=blocking)
+        self._saved_at = self.steps_done
+
+    def close(self) -> None:
+        """Wait for the last checkpoint and release the manager."""
+        self.manager.close()

@@ -1,0 +1,333 @@
+"""The control plane's trust boundaries, each closed against real parts: the embedded etcd
+against another local uid, an agent under a per-job etcd role over TLS, credentials in the
+clear, the worker log dir, NOSPACE, hostile records and the metrics bind address."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import shutil
+import socket
+import stat
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+from harness import PY, Node, wait_until
+
+from elasticd.errors import ConfigError
+from elasticd.etcd.client import EtcdClient, TLSFiles
+from elasticd.etcd.embedded import EmbeddedEtcd, ServerTLS, find_etcd_binary
+from elasticd.keys import JobKeys
+from elasticd.records import NodeRecord
+
+# Only names that predate the security work are imported here, so that on the old code each
+# test fails on the behaviour it pins, not on an import.
+
+NOBODY = 65534
+ETCDCTL = shutil.which("etcdctl") or os.path.join(os.path.dirname(find_etcd_binary()), "etcdctl")
+
+WAIT_SCRIPT = """\
+import os, sys, time
+open(sys.argv[1], "w").close()
+deadline = time.monotonic() + 90
+while not os.path.exists(sys.argv[2]) and time.monotonic() < deadline:
+    time.sleep(0.05)
+"""
+
+
+def _need_root() -> None:
+    if os.geteuid() != 0:
+        pytest.skip("needs root to run a client as another uid (65534); run the suite as root")
+
+
+def _etcdctl(endpoint: str, *args: str, uid: int | None = None, tls: list[str] | None = None,
+             timeout_s: float = 15.0) -> subprocess.CompletedProcess[str]:
+    argv = [ETCDCTL, f"--endpoints={endpoint}", "--dial-timeout=2s", "--command-timeout=3s",
+            *(tls or []), *args]
+    kw: dict = {"user": uid, "group": uid, "extra_groups": []} if uid is not None else {}
+    return subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s, cwd="/",
+                          env={"PATH": "/usr/bin:/bin", "ETCDCTL_API": "3"}, **kw)
+
+
+def _log_event(log: str, event: str) -> dict:
+    for line in log.splitlines():
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(rec, dict) and rec.get("event") == event:
+            return rec
+    raise AssertionError(f"no {event} in the agent's log:\n{log[-3000:]}")
+
+
+@pytest.mark.timeout(150)
+def test_standalone_etcd_and_worker_logs_are_private_to_their_owner(tmp_path):
+    """`elasticd run --standalone`: uid 65534 can neither read nor write a key of its etcd
+    (plaintext, TLS without a client cert, or the owner's cert files), while the owner can;
+    a log dir another user made first at the old predictable path is not used, and the
+    chosen one is the owner's, mode 0700, and logged."""
+    _need_root()
+    job = f"sec-{os.getpid()}-{int(time.time())}"
+    trap = Path(tempfile.gettempdir()) / f"elasticd-logs-{job}"  # the old predictable path
+    trap.mkdir()
+    os.chown(trap, NOBODY, NOBODY)
+    trap.chmod(0o777)
+    script = tmp_path / "wait.py"
+    script.write_text(WAIT_SCRIPT)
+    started, release = tmp_path / "started", tmp_path / "release"
+    node = Node([PY, "-m", "elasticd.cli", "run", "--standalone", "--job", job, "--log-format",
+                 "json", str(script), str(started), str(release)], {}, tmp_path / "agent.log")
+    try:
+        wait_until(lambda: started.exists() or not node.alive(), 90, "the worker to start")
+        assert node.alive(), node.log()[-3000:]
+        etcd_rec = _log_event(node.log(), "embedded_etcd_started")
+        endpoint = etcd_rec["endpoint"]
+        key = JobKeys(job).checkpoint_latest
+        tls_dir = etcd_rec.get("tls_dir") or str(tmp_path / "no-tls-dir")
+        owner_tls = [f"--cacert={tls_dir}/ca.pem", f"--cert={tls_dir}/client.pem",
+                     f"--key={tls_dir}/client-key.pem"]
+        attempts = {
+            "plaintext": (f"http://{endpoint}", []),
+            "tls without a client certificate": (f"https://{endpoint}", ["--insecure-transport=false",
+                                                                         "--insecure-skip-tls-verify"]),
+            "the owner's certificate files": (f"https://{endpoint}", owner_tls),
+        }
+        for what, (url, tls) in attempts.items():
+            put = _etcdctl(url, "put", key, '{"step": 999999}', uid=NOBODY, tls=tls)
+            assert put.returncode != 0, f"uid {NOBODY} wrote {key} over {what}: {put.stdout}"
+            get = _etcdctl(url, "get", "--prefix", "/", uid=NOBODY, tls=tls)
+            assert get.returncode != 0 and "/elasticd/" not in get.stdout, \
+                f"uid {NOBODY} read keys over {what}: {get.stdout[:300]}"
+        # The owner gets through: the endpoint was right, so the refusals above are real.
+        mine = _etcdctl(f"https://{endpoint}", "get", "--prefix", "--keys-only", JobKeys(job).prefix,
+                        tls=owner_tls)
+        assert mine.returncode == 0 and JobKeys(job).nodes_prefix in mine.stdout, mine.stderr
+
+        chosen = _log_event(node.log(), "worker_log_dir_chosen")["path"]
+        assert Path(chosen) != trap and not Path(chosen).is_relative_to(trap)
+        st = os.stat(chosen)
+        assert st.st_uid == os.geteuid() and stat.S_IMODE(st.st_mode) == 0o700
+        assert list(trap.iterdir()) == [], "worker logs went into a directory another user made"
+        assert _log_event(node.log(), "agent_started")["worker_log_dir"] == chosen
+        records = _etcdctl(f"https://{endpoint}", "get", "--prefix", "--print-value-only",
+                           JobKeys(job).nodes_prefix, tls=owner_tls)
+        assert json.loads(records.stdout.splitlines()[0])["log_dir"] == chosen  # status --json
+        release.touch()
+        assert node.wait(60) == 0, node.log()[-3000:]
+    finally:
+        node.cleanup()
+        shutil.rmtree(trap, ignore_errors=True)
+
+
+@pytest.fixture
+def auth_etcd(tmp_path):
+    """etcd over TLS (server certificate only) with auth on: root, and user agent-a whose
+    role may only touch /elasticd/job-a/."""
+    from integration.test_etcd_tls import make_pki
+
+    pki = make_pki(tmp_path / "pki")
+    server = EmbeddedEtcd(str(tmp_path / "etcd"),
+                          tls=ServerTLS(pki.server_cert, pki.server_key, pki.ca,
+                                        client_cert_auth=False)).start()
+    url = f"https://{server.endpoint}"
+    ca = [f"--cacert={pki.ca}"]
+    root = ca + ["--user=root:rootpw"]
+    steps = [
+        (ca, ["user", "add", "root", "--new-user-password=rootpw", "--interactive=false"]),
+        (ca, ["auth", "enable"]),
+        (root, ["role", "add", "elasticd-job-a"]),
+        (root, ["role", "grant-permission", "elasticd-job-a", "--prefix=true", "readwrite",
+                "/elasticd/job-a/"]),
+        (root, ["user", "add", "agent-a", "--new-user-password=pw-a", "--interactive=false"]),
+        (root, ["user", "grant-role", "agent-a", "elasticd-job-a"]),
+    ]
+    try:
+        for tls, args in steps:
+            proc = _etcdctl(url, *args, tls=tls)
+            assert proc.returncode == 0, f"etcdctl {' '.join(args)}: {proc.stderr}"
+        (tmp_path / "pw").write_text("pw-a\n")
+        (tmp_path / "wrong").write_text("not-the-password\n")
+        os.chmod(tmp_path / "pw", 0o600)
+        yield server, pki, tmp_path
+    finally:
+        server.stop(remove_data=True)
+
+
+def _elasticd(*args: str, timeout_s: float = 90) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "elasticd.cli", *args], capture_output=True,
+                          text=True, timeout=timeout_s)
+
+
+@pytest.mark.timeout(150)
+def test_agent_runs_a_job_under_a_per_job_role_over_tls(auth_etcd):
+    """`elasticd run` with a user whose role covers only /elasticd/job-a/ completes a real
+    one-node job; the same user cannot write another job's keys."""
+    server, pki, tmp = auth_etcd
+    script = tmp / "ok.py"
+    script.write_text("import os; print('rank', os.environ['RANK'])\n")
+    logs = tmp / "worker-logs"
+    proc = _elasticd("run", "--etcd", f"https://{server.endpoint}", "--etcd-ca", pki.ca,
+                     "--etcd-user", "agent-a", "--etcd-password-file", str(tmp / "pw"),
+                     "--job", "job-a", "--nnodes", "1", "--node-ttl", "2", "--local-addr",
+                     "127.0.0.1", "--log-format", "json", "--log-dir", str(logs), str(script))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    client = EtcdClient(f"https://{server.endpoint}", timeout_s=3, tls=TLSFiles(pki.ca),
+                        user="agent-a", password="pw-a")
+    try:
+        assert client.get_prefix("/elasticd/job-a/")[0], "the job left no keys"
+        with pytest.raises(ConfigError):
+            client.put("/elasticd/job-b/checkpoint/latest", b"{}")
+    finally:
+        client.close()
+
+
+@pytest.mark.timeout(90)
+def test_wrong_password_and_plaintext_credentials_are_config_errors(auth_etcd):
+    """A wrong password exits 78 with one line (run and status), never a traceback; a user
+    and password to a plaintext endpoint are refused before connecting, unless the loudly
+    named flag is given; https:// without a CA is TLS (system roots), not plaintext."""
+    server, pki, tmp = auth_etcd
+    https = f"https://{server.endpoint}"
+    script = tmp / "ok.py"
+    script.write_text("pass\n")
+    wrong = ["--etcd-user", "agent-a", "--etcd-password-file", str(tmp / "wrong")]
+    run = _elasticd("run", "--etcd", https, "--etcd-ca", pki.ca, *wrong, "--job", "job-a",
+                    "--log-format", "json", "--log-dir", str(tmp / "wl"), str(script))
+    status = _elasticd("status", "--etcd", https, "--etcd-ca", pki.ca, *wrong, "--job", "job-a")
+    for proc in (run, status):
+        assert proc.returncode == 78, proc.stderr[-3000:]
+        assert "Traceback" not in proc.stderr
+        errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("elasticd")]
+        assert len(errors) == 1 and "refused the credentials" in errors[0], proc.stderr[-3000:]
+        assert "not-the-password" not in proc.stderr
+
+    plain = _elasticd("run", "--etcd", server.endpoint, "--etcd-user", "agent-a",
+                      "--etcd-password-file", str(tmp / "pw"), "--job", "job-a", str(script),
+                      timeout_s=60)
+    assert plain.returncode == 78 and "clear text" in plain.stderr, plain.stderr[-2000:]
+    # The opt-in lets the client be built (the server speaks TLS, so the call then fails).
+    EtcdClient(server.endpoint, user="agent-a", password="pw-a", allow_plaintext_auth=True).close()
+
+    no_ca = EtcdClient(https, timeout_s=2)
+    try:
+        assert no_ca.secure
+        with pytest.raises(ConfigError, match="TLS"):  # our test CA is not a system root
+            no_ca.get("/elasticd/job-a/")
+    finally:
+        no_ca.close()
+
+
+@pytest.mark.timeout(60)
+def test_nospace_is_classified_and_named_by_status(tmp_path):
+    """With a tiny --quota-backend-bytes, filling etcd raises EtcdNoSpaceError naming NOSPACE,
+    and `elasticd status` names the NOSPACE alarm on stderr."""
+    from elasticd.errors import EtcdNoSpaceError
+    from elasticd.status.cli import build_parser, run
+
+    server = EmbeddedEtcd(str(tmp_path / "etcd"), quota_backend_bytes=2 * 1024 * 1024).start()
+    client = EtcdClient(server.endpoint, timeout_s=3)
+    try:
+        rec = NodeRecord(node="n1", host="h", pid=1, version="0", started_at=time.time())
+        client.put(JobKeys("full").node("n1"), rec.to_json())
+        blob = os.urandom(256 * 1024)
+        with pytest.raises(EtcdNoSpaceError, match="NOSPACE") as info:
+            for i in range(200):
+                client.put(f"/filler/{i}", blob)
+        assert "compact" in str(info.value)
+        assert client.alarms() == ["NOSPACE"]
+        err = io.StringIO()
+        code = run(build_parser().parse_args(["status", "--etcd", server.endpoint, "--job", "full"]),
+                   out=io.StringIO(), err=err)
+        assert code in (0, 1, 2), err.getvalue()
+        assert "etcd alarm NOSPACE" in err.getvalue()
+    finally:
+        client.close()
+        server.stop(remove_data=True)
+
+
+@pytest.mark.timeout(60)
+def test_status_survives_hostile_records_without_traceback_or_escapes(etcd_server, etcd_client):
+    """Node records that are JSON but not objects, or carry wrong types and terminal escape
+    sequences, never crash `elasticd status` and never reach the terminal raw."""
+    from elasticd.status.cli import build_parser, run
+
+    keys = JobKeys("victim")
+    evil = "\x1b]0;pwned\x07\x1b[2J\u202e"
+    etcd_client.put(keys.node("list"), b"[1, 2, 3]")
+    etcd_client.put(keys.node("str"), b'"just a string"')
+    etcd_client.put(keys.node("types"), b'{"node": 5, "host": [], "pid": "x", "version": 1}')
+    rec = NodeRecord(node=f"n{evil}", host=f"h{evil}", pid=1, version=evil, started_at=time.time(),
+                     state="training", last_exit=evil)
+    etcd_client.put(keys.node("esc"), rec.to_json())
+    etcd_client.put(keys.progress, b'{"round": "zero", "step": []}')
+    etcd_client.put(keys.event(1) + "-esc", json.dumps(
+        {"time": time.time(), "kind": "failure", "node": evil, "round": 0, "message": evil,
+         "detail": []}))
+    for extra in ([], ["--json"], ["--max-rows", "0", "--events", "50"]):
+        out, err = io.StringIO(), io.StringIO()
+        code = run(build_parser().parse_args(
+            ["status", "--etcd", etcd_server.endpoint, "--job", "victim", *extra]), out=out, err=err)
+        text = out.getvalue() + err.getvalue()
+        assert code in (0, 1, 2), text
+        assert "Traceback" not in text
+        for ch in ("\x1b", "\x07", "\u202e"):
+            assert ch not in text, f"{ch!r} reached the terminal with {extra}"
+    listing = io.StringIO()
+    assert run(build_parser().parse_args(["status", "--etcd", etcd_server.endpoint]),
+               out=listing, err=io.StringIO()) == 0
+
+
+def _listening(port: int) -> set[str]:
+    """The IPv4 addresses with a socket listening on ``port`` (from /proc/net/tcp)."""
+    out = set()
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        local, state = line.split()[1], line.split()[3]
+        addr, p = local.split(":")
+        if state == "0A" and int(p, 16) == port:
+            out.add(socket.inet_ntoa(bytes.fromhex(addr)[::-1]))
+    return out
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.timeout(60)
+def test_metrics_bind_loopback_by_default_and_the_configured_address(tmp_path):
+    """The exporter listens on 127.0.0.1 unless configured; metrics.addr travels config ->
+    NodeSpec -> the bound socket."""
+    from elasticd.agent.cli import node_spec
+    from elasticd.agent.runner import _make_metrics
+    from elasticd.config import load_config
+    from elasticd.status.metrics import AgentMetrics
+
+    server = AgentMetrics().serve(0)
+    try:
+        assert _listening(server.port) == {"127.0.0.1"}
+    finally:
+        server.stop()
+    default = load_config(None, {}, {"job.name": "m", "workers.command": "x.py"})
+    assert default.metrics.addr == "127.0.0.1"
+    port = _free_port()
+    cfg = load_config(None, {}, {"job.name": "m", "workers.command": "x.py", "metrics.port": port,
+                                 "metrics.addr": "127.0.0.2"})
+    spec = node_spec(cfg)
+    assert spec.metrics_addr == "127.0.0.2"
+    _make_metrics(spec)
+    assert _listening(port) == {"127.0.0.2"}
+
+
+@pytest.mark.timeout(60)
+def test_config_from_dev_zero_fails_fast():
+    """`elasticd agent --config /dev/zero --check-config` is a config error within seconds."""
+    t0 = time.monotonic()
+    proc = _elasticd("agent", "--config", "/dev/zero", "--check-config", timeout_s=30)
+    assert proc.returncode == 78 and "larger than" in proc.stderr, proc.stderr[-2000:]
+    assert time.monotonic() - t0 < 20

@@ -1,0 +1,100 @@
+"""`elasticd status --plot` and the history writer against a real etcd."""
+
+from __future__ import annotations
+
+import io
+import time
+
+import pytest
+from synthetic_job import SyntheticJob, write_synthetic_job
+
+from elasticd.agent.history import EtcdHistoryWriter
+from elasticd.history import History
+from elasticd.keys import JobKeys
+from elasticd.status.cli import build_parser, run
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def status(endpoint: str, *argv: str) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    args = build_parser().parse_args(["status", "--etcd", endpoint, "--timeout", "3", *argv])
+    return run(args, out=out, err=err), out.getvalue(), err.getvalue()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("suffix", [".png", ".svg"])
+def test_plot_of_a_synthetic_job_is_a_valid_image(etcd_server, etcd_client, tmp_path, suffix):
+    """A job with history, events and checkpoints is drawn into a real PNG/SVG and its path printed."""
+    pytest.importorskip("matplotlib", reason="the [plot] extra (matplotlib) is not installed")
+    write_synthetic_job(etcd_client, SyntheticJob("pic", nodes=4, events=40, history=120,
+                                                  recent_failure=True), now=time.time())
+    target = tmp_path / f"pic{suffix}"
+    code, out, err = status(etcd_server.endpoint, "--job", "pic", "--plot", str(target))
+    assert code == 0, err
+    assert out.startswith(str(target)) and "120 samples" in out
+    head = target.read_bytes()[:400]
+    if suffix == ".png":
+        assert head.startswith(PNG_MAGIC)
+    else:
+        assert b"<svg" in head
+    assert target.stat().st_size > 5_000
+
+
+@pytest.mark.timeout(60)
+def test_plot_without_history_or_loss_still_draws(etcd_server, etcd_client, tmp_path):
+    """No history record (an older agent) or no loss gives a picture and a note, not an error."""
+    pytest.importorskip("matplotlib", reason="the [plot] extra (matplotlib) is not installed")
+    write_synthetic_job(etcd_client, SyntheticJob("bare", nodes=2, events=5), now=time.time())
+    write_synthetic_job(etcd_client, SyntheticJob("noloss", nodes=2, events=5, history=10,
+                                                  history_loss=False), now=time.time())
+    code, out, _ = status(etcd_server.endpoint, "--job", "bare", "--plot", str(tmp_path / "b.png"))
+    assert code == 0 and "no history yet" in out
+    code, out, _ = status(etcd_server.endpoint, "--job", "noloss", "--plot", str(tmp_path / "n.svg"))
+    assert code == 0 and (tmp_path / "n.svg").read_bytes().find(b"<svg") >= 0
+    code, _, err = status(etcd_server.endpoint, "--job", "ghost", "--plot", str(tmp_path / "g.png"))
+    assert code == 3 and "unknown" in err and not (tmp_path / "g.png").exists()
+
+
+@pytest.mark.timeout(60)
+def test_history_writer_appends_when_due_and_is_fenced(etcd_client):
+    """The agent's writer appends due samples with the checkpoint step, skips early ones, and a failed fence writes nothing."""
+    keys = JobKeys("hist")
+    etcd_client.put(keys.checkpoint_latest, '{"step": 40, "round": 1, "manifest_url": "m", '
+                                            '"committed_at": 1.0}')
+    etcd_client.put("/fence", "x")
+    rev = etcd_client.get("/fence").create_revision
+    live = EtcdHistoryWriter(etcd_client, keys, lambda t: [t.create("/fence") == rev])
+    t0 = time.time()
+    assert live.append(t0, 10, 2, 100.0, 1, loss=0.5)
+    assert not live.append(t0 + 1, 11, 2, 100.0, 1)  # not due: interval 5 s
+    assert live.append(t0 + 2, 12, 1, 50.0, 2)  # a resize is due at once
+    zombie = EtcdHistoryWriter(etcd_client, keys, lambda t: [t.create("/fence") == rev + 1000])
+    assert not zombie.append(t0 + 60, 99, 2, 1.0, 3)
+    h = History.from_json(etcd_client.get(keys.history).value)
+    assert [(s.step, s.world_size, s.loss, s.checkpoint_step) for s in h.samples] == [
+        (10, 2, 0.5, 40), (12, 1, None, 40)]
+
+
+@pytest.mark.timeout(60)
+def test_watch_shows_the_trend_line(etcd_server, etcd_client):
+    """--watch draws steps/s and loss as a one-line sparkline from the history record."""
+    import threading
+
+    write_synthetic_job(etcd_client, SyntheticJob("tr", nodes=2, events=2, history=30),
+                        now=time.time())
+    out, stop = io.StringIO(), threading.Event()
+    args = build_parser().parse_args(["status", "--etcd", etcd_server.endpoint, "--job", "tr",
+                                      "--watch"])
+    t = threading.Thread(target=run, args=(args,), kwargs={"out": out, "err": io.StringIO(),
+                                                           "stop": stop})
+    t.start()
+    try:
+        deadline = time.monotonic() + 10
+        while "watching revision" not in out.getvalue() and time.monotonic() < deadline:
+            time.sleep(0.02)
+    finally:
+        stop.set()
+        t.join(timeout=10)
+    trend = [ln for ln in out.getvalue().splitlines() if ln.startswith("trend")]
+    assert trend and "steps/s" in trend[0] and "loss" in trend[0], out.getvalue()[-2000:]
