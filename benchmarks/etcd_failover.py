@@ -159,7 +159,7 @@ def run_scenario(name: str, args: argparse.Namespace, workdir: Path) -> dict:
         with Cluster(sdir) as nodes:
             script = [str(ROOT / "examples" / "train.py"), "--steps", "1000000", "--dataset-size",
                       "4096", "--global-batch", "8", "--micro-batch", "8", "--checkpoint-every",
-                      "20", "--step-sleep", "0.05", "--trace", str(trace), "--checkpoint-url",
+                      str(args.checkpoint_every), "--step-sleep", "0.05", "--trace", str(trace), "--checkpoint-url",
                       f"file://{sdir}/ckpt"]
             agents = [nodes.start(f"n{i}", [
                 PY, "-m", "elasticd.cli", "run", "--etcd", etcd.endpoints, "--job", f"fo-{name}",
@@ -243,7 +243,7 @@ def report(results: list[dict], info: dict, argv: list[str], busy: list[str], ar
         f"A 3-member etcd on loopback (etcd defaults: heartbeat 100 ms, election timeout "
         f"1000 ms), two `elasticd run` nodes given all three endpoints, `--node-ttl "
         f"{args.node_ttl} --etcd-timeout {args.etcd_timeout}`, examples/train.py "
-        f"(checkpoint every 20 steps, 0.05 s/step). The faulted member is the one agent n0 "
+        f"(checkpoint every {args.checkpoint_every} steps, 0.05 s/step). The faulted member is the one agent n0 "
         f"talks to. Probe stall: {args.probes} clients in the benchmark process looping "
         f"put+get; the longest gap between two successes of each, median and max over the "
         f"clients. `{args.after:.0f}` s of training follow each fault.",
@@ -258,6 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--node-ttl", type=int, default=5, help="agents' --node-ttl (default: the product's)")
     p.add_argument("--etcd-timeout", type=float, default=3.0, help="agents' and probes' call timeout")
     p.add_argument("--probes", type=int, default=6)
+    p.add_argument("--checkpoint-every", type=int, default=20, help="steps between checkpoints")
     p.add_argument("--after", type=float, default=6.0, help="seconds of training after each fault")
     p.add_argument("--workdir")
     p.add_argument("--no-doc", action="store_true")
@@ -277,7 +278,8 @@ def main(argv: list[str] | None = None) -> int:
     (workdir / "results.json").write_text(json.dumps({"machine": info, "results": results}, indent=1))
     text = report(results, info, sys.argv[1:], busy, args)
     if not args.no_doc:
-        replace_generated_block("etcd member failures", "etcd_failover", text)
+        replace_generated_block("etcd member failures", f"etcd_failover-ckpt{args.checkpoint_every}", text,
+                                generator="benchmarks/etcd_failover.py")
     print(text)
     return 0
 
