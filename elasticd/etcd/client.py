@@ -256,6 +256,7 @@ class EtcdClient:
         self.last_ok_at = -1e9
         self.last_error = ""
         self._watches: weakref.WeakSet[PrefixWatch] = weakref.WeakSet()
+        self._switch_logged_at = -1e9
 
     # -- plumbing ---------------------------------------------------------------------
     def _credentials(self) -> grpc.ChannelCredentials | None:
@@ -382,7 +383,12 @@ class EtcdClient:
             nxt = labels[(labels.index(used) + 1) % len(labels)] if used in labels else labels[0]
             raw._current_endpoint_label = nxt
             watches = list(self._watches)
-        log.info("etcd_endpoint_switched", failed=used, next=nxt)
+            # One line per outage, not per retry: log only the first switch after a success.
+            first = self.last_ok_at > self._switch_logged_at
+            if first:
+                self._switch_logged_at = time.monotonic()
+        if first:
+            log.info("etcd_endpoint_switched", failed=used, next=nxt)
         # A watch stream on a frozen or cut-off member never fails by itself, it goes quiet:
         # move every watch to the new endpoint (each resumes from its last revision + 1).
         for watch in watches:
