@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: venv test lint unit integration chaos soak demo bench clean
+.PHONY: venv test lint unit integration chaos soak demo bench clean compat
 
 venv: $(STAMP)
 
@@ -52,5 +52,22 @@ bench: $(STAMP)
 	$(PY) benchmarks/scale.py
 	$(PY) benchmarks/checkpoint.py
 
+# The newest torch we support (pyproject's upper bound), in a venv of its own: unit tests
+# and the agent integration tests. Not part of `make test` (a multi-GB torch install).
+COMPAT_VENV  ?= .venv-compat
+COMPAT_TORCH ?= 2.14.1
+COMPAT_STAMP := $(COMPAT_VENV)/.installed-$(COMPAT_TORCH)
+
+$(COMPAT_STAMP): pyproject.toml
+	$(PYTHON) -m venv $(COMPAT_VENV)
+	$(COMPAT_VENV)/bin/python -m pip install -q --upgrade pip
+	$(COMPAT_VENV)/bin/python -m pip install -q torch==$(COMPAT_TORCH)
+	$(COMPAT_VENV)/bin/python -m pip install -q -e '.[test]'
+	touch $(COMPAT_STAMP)
+
+compat: $(COMPAT_STAMP)
+	$(COMPAT_VENV)/bin/python -c 'import torch; print("compat: torch", torch.__version__)'
+	$(COMPAT_VENV)/bin/python -m pytest -q tests/unit tests/integration/agent $(PYTEST_ARGS)
+
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(COMPAT_VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -16,7 +16,7 @@ seconds, hits both alike:
 
 Each step also sleeps ``--device-ms`` (a stand-in for time on an accelerator, during which
 the CPU is idle), so a step takes about 20 ms on an idle machine. The parent process runs
-a real ``elasticd.agent.control.ControlChannel`` and hands the workers its
+a real ``elasticd.control.ControlChannel`` and hands the workers its
 ``ELASTICD_CONTROL_DIR``/``ELASTICD_CONTROL_SOCKET``, so progress reports go over the real
 Unix socket and ``should_stop`` stats the real drain file.
 
@@ -261,7 +261,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     import torch.multiprocessing as mp
 
     sys.path.insert(0, str(ROOT))
-    from elasticd.agent.control import ControlChannel
+    from elasticd.control import ControlChannel
 
     channel = ControlChannel().start()
     started = time.monotonic()

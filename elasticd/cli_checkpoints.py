@@ -129,9 +129,10 @@ def _size(n: int) -> str:
 
 def _print_table(infos: list[Any], out: IO[str]) -> None:
     # VALID goes last: when invalid it carries the reason, which can be long.
-    header = ("JOB", "STEP", "SAVED (UTC)", "SIZE", "WORLD", "SAVE ID", "VALID")
+    header = ("JOB", "STEP", "SAVED (UTC)", "SIZE", "WORLD", "RUN", "SAVE ID", "VALID")
     rows = [(i.job, str(i.step), _time(i.committed_at or i.created_at), _size(i.size),
-             str(i.world_size or "-"), i.save_id, "yes" if i.valid else f"no: {i.reason}")
+             str(i.world_size or "-"), i.run_id or "-", i.save_id,
+             "yes" if i.valid else f"no: {i.reason}")
             for i in infos]
     widths = [max(len(r[c]) for r in [header, *rows]) for c in range(len(header))]
     for row in [header, *rows]:

@@ -15,6 +15,7 @@ Layout (see docs/architecture.md)::
     /elasticd/<job>/progress                step, epoch, samples/s (JSON)
     /elasticd/<job>/history                 bounded progress samples for plots (elasticd/history.py)
     /elasticd/<job>/checkpoint/latest       fenced pointer to the newest committed checkpoint
+    /elasticd/<job>/run_id                  this run's id (created once; checkpoints carry it)
     /elasticd/<job>/events/<seq>            bounded event history (JSON)
 """
 
@@ -131,6 +132,10 @@ class JobKeys:
     @property
     def checkpoint_latest(self) -> str:
         return f"{self.prefix}checkpoint/latest"
+
+    @property
+    def run_id(self) -> str:
+        return f"{self.prefix}run_id"
 
     @property
     def events_prefix(self) -> str:

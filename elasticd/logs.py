@@ -77,25 +77,56 @@ def ensure_configured() -> None:
         configure_logging()
 
 
-def _refuse_unsafe(path: str, st: os.stat_result, *, leaf: bool) -> None:
+_LOG_DIR = ("worker log dir", "logging.worker_log_dir (--log-dir)")
+
+
+def _refuse_unsafe(path: str, st: os.stat_result, *, leaf: bool,
+                   what: tuple[str, str] = _LOG_DIR) -> None:
     """Raise if another user controls ``path`` (owner, or write access without sticky bit)."""
+    name, setting = what
     me = os.geteuid()
     if st.st_uid not in (me, 0) or (leaf and st.st_uid != me):
         raise ConfigError(
-            f"worker log dir {path!r} is owned by uid {st.st_uid}, not by this user (uid {me}): "
-            "that user could read and replace the workers' logs; set logging.worker_log_dir "
-            "(--log-dir) to a directory of your own, or remove this one"
+            f"{name} {path!r} is owned by uid {st.st_uid}, not by this user (uid {me}): "
+            f"that user could read and replace its files; set {setting} to a directory of "
+            "your own, or remove this one"
         )
     loose = st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
     if loose and (leaf or not st.st_mode & stat.S_ISVTX):
         raise ConfigError(
-            f"worker log dir {path!r} is writable by group/others (mode "
-            f"{stat.S_IMODE(st.st_mode):04o}): anyone could plant or swap log files; "
-            f"`chmod go-w {path}` (0700 is best), or set logging.worker_log_dir elsewhere"
+            f"{name} {path!r} is writable by group/others (mode "
+            f"{stat.S_IMODE(st.st_mode):04o}): anyone could plant or swap its files; "
+            f"`chmod go-w {path}` (0700 is best), or set {setting} elsewhere"
         )
 
 
-def check_log_root(path: str) -> None:
+def ensure_private_dir(path: str, what: tuple[str, str]) -> str:
+    """Check (as :func:`check_log_root`), create 0700 if missing, and check again.
+
+    Args:
+        path: the directory.
+        what: (its name, the setting that moves it), for the error message.
+
+    Returns:
+        The absolute path.
+
+    Raises:
+        ConfigError: another user controls it or an ancestor, or it cannot be created.
+    """
+    path = os.path.abspath(path)
+    check_log_root(path, what=what)
+    if not os.path.isdir(path):
+        try:
+            os.makedirs(path, mode=0o700, exist_ok=True)
+        except OSError as exc:
+            raise ConfigError(f"cannot create {what[0]} {path!r} ({exc.strerror}); set "
+                              f"{what[1]} to a writable directory") from exc
+        os.chmod(path, 0o700)
+        check_log_root(path, what=what)  # lost a race with someone who made it first
+    return path
+
+
+def check_log_root(path: str, *, what: tuple[str, str] = _LOG_DIR) -> None:
     """Check that ``path`` (existing or not) and its existing ancestors are ours.
 
     Every existing ancestor must be owned by this user or root, and not writable by
@@ -112,13 +143,13 @@ def check_log_root(path: str) -> None:
         st = None
     if st is not None:
         if not stat.S_ISDIR(st.st_mode):
-            raise ConfigError(f"worker log dir {path!r} exists but is not a directory; set "
-                              "logging.worker_log_dir (--log-dir) to a directory")
-        _refuse_unsafe(path, st, leaf=True)
+            raise ConfigError(f"{what[0]} {path!r} exists but is not a directory; set "
+                              f"{what[1]} to a directory")
+        _refuse_unsafe(path, st, leaf=True, what=what)
     parent = os.path.dirname(path)
     while True:
         try:
-            _refuse_unsafe(parent, os.stat(parent), leaf=False)
+            _refuse_unsafe(parent, os.stat(parent), leaf=False, what=what)
         except FileNotFoundError:
             pass
         if parent == os.path.dirname(parent):

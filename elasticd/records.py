@@ -155,13 +155,42 @@ class Progress(_Record):
 
 @dataclass(frozen=True)
 class CheckpointPointer(_Record):
-    """``/elasticd/<job>/checkpoint/latest``: the newest committed checkpoint (fenced CAS)."""
+    """``/elasticd/<job>/checkpoint/latest``: the newest committed checkpoint (fenced CAS).
+
+    ``high_water`` is the highest step ever committed for the job: the pointer may move
+    back to a lower step (a new round resuming from an older checkpoint), and retention
+    must never delete a save at or above it. ``run_id`` is the run that committed it.
+    Both are carried forward by :meth:`successor`, inside the same compare-and-swap.
+    """
 
     step: int
     round: int
     manifest_url: str
     committed_at: float
     world_size: int = 0
+    high_water: int = -1
+    run_id: str = ""
+
+    @property
+    def highest_step(self) -> int:
+        """The highest step ever committed (records written before ``high_water``: step)."""
+        return max(self.high_water, self.step)
+
+    @classmethod
+    def successor(cls, previous: CheckpointPointer | None, *, step: int, round_: int,
+                  manifest_url: str, committed_at: float, world_size: int = 0,
+                  run_id: str = "") -> CheckpointPointer:
+        """The pointer a commit writes over ``previous``, with the high-water step carried.
+
+        Args:
+            previous: the pointer read for the compare-and-swap (None: first commit).
+            step, round_, manifest_url, committed_at, world_size: the new commit.
+            run_id: the committing run ("" if unknown).
+        """
+        high = step if previous is None else max(previous.highest_step, step)
+        return cls(step=step, round=round_, manifest_url=manifest_url,
+                   committed_at=committed_at, world_size=world_size, high_water=high,
+                   run_id=run_id)
 
 
 @dataclass(frozen=True)

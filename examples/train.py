@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
                                     allow_uneven=True)
     url = args.checkpoint_url or "file://" + os.path.abspath("checkpoints")
     ckpt = CheckpointManager(url, job=ctx.job or "local", keep_last=args.keep,
-                             fence=worker.agent_fence())
+                             fence=worker.agent_fence(), run_id=ctx.run_id, resume=ctx.resume)
     progress = {"step": 0}
     state = {"model": model, "optim": optim, "sampler": sampler, "extra": progress}
     loaded = ckpt.load_latest(state)

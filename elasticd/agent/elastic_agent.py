@@ -28,10 +28,19 @@ from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, W
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.rendezvous import RendezvousGracefulExitError
 
-from elasticd.agent.control import ControlChannel
+from elasticd.agent.commits import CommitRetrier
 from elasticd.agent.policy import Decision, Facts, Verdict, decide
 from elasticd.agent.recorder import JobRecorder
 from elasticd.agent.warm import StandbyPool, warm_handlers
+from elasticd.agent.worker_env import scrub, spawn_environment
+from elasticd.control import ControlChannel
+from elasticd.control.api import (
+    ENV_AGENT_PID,
+    ENV_CHECKPOINT_URL,
+    ENV_JOB,
+    ENV_NODE,
+    ENV_ROUND,
+)
 from elasticd.errors import LeaseLostError, TransientError
 from elasticd.rendezvous.etcd_handler import EtcdRendezvousHandler
 from elasticd.retry import restart_backoff_s
@@ -77,7 +86,8 @@ class ElasticdAgent(LocalElasticAgent):
 
     def __init__(self, spec: Any, settings: SupervisionSettings, handler: EtcdRendezvousHandler,
                  control: ControlChannel, recorder: JobRecorder, *, logs_specs: Any,
-                 metrics: Any = None, notifier: Any = None, exit_barrier_timeout: float = 60) -> None:
+                 metrics: Any = None, notifier: Any = None, exit_barrier_timeout: float = 60,
+                 commits: CommitRetrier | None = None) -> None:
         super().__init__(spec, logs_specs=logs_specs, start_method="spawn",
                          exit_barrier_timeout=exit_barrier_timeout)
         self.settings = settings
@@ -87,6 +97,7 @@ class ElasticdAgent(LocalElasticAgent):
         self.metrics = metrics
         self.notifier = notifier
         self.outcome = Outcome()
+        self.commits = commits  # checkpoint commits etcd has not answered yet
         self.stop_signals = 0
         self.notice: str | None = None
         self._draining = False
@@ -123,31 +134,31 @@ class ElasticdAgent(LocalElasticAgent):
     def _static_worker_env(self) -> dict[str, str]:
         """What every worker of this agent gets on top of torch's per-worker variables."""
         extra = {
-            "ELASTICD_JOB": self.handler.keys.job,
-            "ELASTICD_NODE": self.handler.node_id,
-            "ELASTICD_AGENT_PID": str(os.getpid()),
+            ENV_JOB: self.handler.keys.job,
+            ENV_NODE: self.handler.node_id,
+            ENV_AGENT_PID: str(os.getpid()),
             "PYTHONUNBUFFERED": "1",
             **self.control.env(),
             **self.settings.worker_env,
         }
         if self.settings.checkpoint_url:
-            extra["ELASTICD_CHECKPOINT_URL"] = self.settings.checkpoint_url
-        return extra
-
-    def _setup_local_watchdog(self, envs: dict[int, dict[str, str]]) -> None:
-        # Called by _start_workers with each worker's environment, just before spawning.
-        extra = {**self._static_worker_env(), "ELASTICD_ROUND": str(self.handler.round)}
-        for env in envs.values():
-            env.update(extra)
-        self._worker_envs = {r: dict(e) for r, e in envs.items()}
-        super()._setup_local_watchdog(envs)
+            extra[ENV_CHECKPOINT_URL] = self.settings.checkpoint_url
+        return scrub(extra)  # workers never hold etcd credentials, even from [workers.env]
 
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
         self.control.clear_round()
         if not self._draining:
             self.control.clear_drain()
         self._resizing = False  # a resize ends when the re-formed group starts
-        with warm_handlers(self.standby):
+        if self.handler.round is None:  # never: torch starts workers after a rendezvous
+            raise RuntimeError("starting workers without a round: their commits could not be fenced")
+        # The public path: torch starts each worker with a copy of our environment plus its
+        # own variables, so the group's variables are set here for the spawn (and secrets
+        # removed), not injected through a private torch hook.
+        extra = {**self._static_worker_env(), ENV_ROUND: str(self.handler.round)}
+        self._worker_envs = {r: {**extra, "LOCAL_RANK": str(r)}
+                             for r in range(worker_group.spec.local_world_size)}
+        with spawn_environment(extra), warm_handlers(self.standby):
             pids = super()._start_workers(worker_group)
         self._group_started_at = time.monotonic()
         # torch's PContext.start() installs handlers that raise SignalException; a stop
@@ -158,6 +169,7 @@ class ElasticdAgent(LocalElasticAgent):
         return pids
 
     def _rendezvous(self, worker_group: WorkerGroup) -> None:
+        self._flush_commits("before the next rendezvous", self.settings.drain_grace_s)
         self._set_state("joining")
         try:
             super()._rendezvous(worker_group)
@@ -364,6 +376,7 @@ class ElasticdAgent(LocalElasticAgent):
             self._leave("drained", decision.reason)
             return True
         if v is Verdict.FINISH:
+            self._flush_commits("before finishing", self.settings.drain_grace_s)
             self._set_state("stopped")
             self.recorder.event("finished", "workers succeeded")
             self._exit_barrier()
@@ -430,7 +443,23 @@ class ElasticdAgent(LocalElasticAgent):
         self._log.warning("lease_lost", message=msg)
         self._initialize_workers(self._worker_group)  # re-registers a new lease first
 
+    def _flush_commits(self, why: str, timeout_s: float) -> None:
+        """Wait (bounded) for checkpoint commits etcd has not answered yet.
+
+        A new round changes the round state, which fences out every commit of the old
+        round, and leaving revokes our lease: either would turn a save that is merely
+        waiting for etcd into a lost one. Skipped once our lease is lost for good (we are
+        the zombie then: the new round refuses the old commit, as it must).
+        """
+        if self.commits is None or self.commits.pending() is None or self.handler.lease_lost.is_set():
+            return
+        self._log.info("checkpoint_commits_flushing", why=why, timeout_s=round(timeout_s, 1))
+        if not self.commits.flush(max(timeout_s, 0.0)):
+            self._log.warning("checkpoint_commits_still_pending", why=why)
+
     def _leave(self, kind: str, reason: str) -> None:
+        self._flush_commits("before leaving", max(self._drain_deadline - time.monotonic(), 0.0)
+                            if self._draining else self.settings.drain_grace_s)
         self._set_state("stopped")
         self.recorder.event("leave", reason)
         self.outcome = Outcome(kind, reason)

@@ -15,7 +15,9 @@ from typing import Any
 
 import structlog
 
+from elasticd.agent.commits import PendingCommit
 from elasticd.agent.history import EtcdHistoryWriter
+from elasticd.control.api import CommitOutcome
 from elasticd.errors import TransientError
 from elasticd.keys import JobKeys
 from elasticd.records import CheckpointPointer, Event, Progress
@@ -41,6 +43,7 @@ class JobRecorder:
         self._last_progress_at = 0.0
         self._last_progress: Progress | None = None
         self.history = EtcdHistoryWriter(self.client, self.keys, self._fence)
+        self.run_id = ""  # this run's id (/elasticd/<job>/run_id), stamped on the pointer
 
     def _fence(self, t: Any) -> list[Any]:
         return [t.create(self.keys.node(self.handler.node_id)) == self.handler.incarnation]
@@ -105,40 +108,124 @@ class JobRecorder:
         return CheckpointPointer.from_json(kv.value) if kv else None
 
     def commit_checkpoint(self, step: int, manifest_url: str, world_size: int,
-                          round_: int) -> tuple[bool, str]:
+                          round_: int) -> tuple[CommitOutcome, str]:
         """Point ``checkpoint/latest`` at a manifest if our round is current and the step newer.
 
         One transaction compares: the round state key unchanged since our round completed
         (so the job has not re-formed without us), our node key still our incarnation (our
         lease is alive), and the pointer unchanged since we read it (no concurrent commit).
 
+        Three outcomes, and only a verdict is a refusal: ``REFUSED`` when our round is
+        over (the round state moved, or we are in another round) or the pointer already
+        names something at least as new. ``UNKNOWN`` when etcd did not answer (down,
+        frozen, slow, out of space, token expired: any error), or our lease is gone while
+        the round is still ours (an etcd outage expired it; the agent re-registers in the
+        same round, or else finds the round moved and the retry is refused).
+
         Returns:
-            (committed, reason).
+            (outcome, reason).
         """
         h = self.handler
         if h.round is None or round_ != h.round:
-            return False, f"stale round {round_} (agent is in round {h.round})"
+            return CommitOutcome.REFUSED, f"stale round {round_} (agent is in round {h.round})"
         state_rev = h.round_state_revision
+        try:
+            for _ in range(3):  # the pointer moved under us: read it again and decide again
+                outcome, reason = self._try_commit(step, manifest_url, world_size, round_, state_rev)
+                if outcome is not None:
+                    return outcome, reason
+        except Exception as exc:  # noqa: BLE001 - no answer is not a no
+            log.warning("checkpoint_commit_unknown", step=step, round=round_, error=repr(exc))
+            return CommitOutcome.UNKNOWN, f"etcd did not answer: {exc!r}"
+        return CommitOutcome.UNKNOWN, "the pointer kept moving under concurrent commits"
+
+    def _try_commit(self, step: int, manifest_url: str, world_size: int, round_: int,
+                    state_rev: int) -> tuple[CommitOutcome | None, str]:
+        """One read-compare-swap; (None, why) when only the pointer moved (try again)."""
         current = self.client.get(self.keys.checkpoint_latest)
-        if current is not None:
-            cur = CheckpointPointer.from_json(current.value)
-            # Forward = a newer round, or the same round and a newer step. (A new round may
-            # resume from an older checkpoint when the newest turned out corrupt.)
-            if (cur.round, cur.step) >= (round_, step):
-                return False, (f"step {step} of round {round_} is not newer than the committed "
-                               f"step {cur.step} of round {cur.round}")
-        pointer = CheckpointPointer(step=step, round=round_, manifest_url=manifest_url,
-                                    committed_at=time.time(), world_size=world_size)
+        if _names(current, manifest_url):  # an earlier attempt went through after all
+            return CommitOutcome.COMMITTED, "already committed"
+        refused = _not_newer(current, step, round_)
+        if refused:
+            return CommitOutcome.REFUSED, refused
+        # successor() carries the job's high-water step (retention never deletes at or
+        # above it) and stamps this run's id, inside the same compare-and-swap.
+        pointer = CheckpointPointer.successor(
+            CheckpointPointer.from_json(current.value) if current is not None else None,
+            step=step, round_=round_, manifest_url=manifest_url, committed_at=time.time(),
+            world_size=world_size, run_id=self.run_id)
         ok, _ = self.client.txn(
             lambda t: [t.mod(self.keys.rdzv_state) == state_rev,
                        t.mod(self.keys.checkpoint_latest) == (current.mod_revision if current else 0),
                        *self._fence(t)],
             lambda t: [t.put(self.keys.checkpoint_latest, pointer.to_json())],
         )
+        if ok:
+            log.info("checkpoint_committed", step=step, round=round_, url=manifest_url)
+            return CommitOutcome.COMMITTED, "committed"
+        # Which compare failed decides the outcome: only a moved round state is a verdict.
+        state = self.client.get(self.keys.rdzv_state)
+        if state is None or state.mod_revision != state_rev:
+            return CommitOutcome.REFUSED, (f"fenced: round {round_} is no longer current "
+                                           "(the job re-formed without this node)")
+        node = self.client.get(self.keys.node(self.handler.node_id))
+        if node is None or node.create_revision != self.handler.incarnation:
+            return CommitOutcome.UNKNOWN, (f"our lease is gone while round {round_} is still "
+                                           "current (an etcd outage?); the agent re-registers")
+        return None, "the pointer moved"
+
+    def commit_intent(self, req: PendingCommit) -> tuple[CommitOutcome, str]:
+        """Commit a pending commit left by a previous agent of this node (before joining).
+
+        The fence without the lease (that agent's lease is gone): the round state's
+        mod_revision must still be the one the save's round formed with, i.e. nobody
+        re-formed the job since, and the pointer must move forward.
+
+        Returns:
+            (outcome, reason); ``UNKNOWN`` when etcd did not answer.
+        """
+        try:
+            current = self.client.get(self.keys.checkpoint_latest)
+            if _names(current, req.manifest_url):
+                return CommitOutcome.COMMITTED, "already committed"
+            refused = _not_newer(current, req.step, req.round)
+            if refused:
+                return CommitOutcome.REFUSED, refused
+            pointer = CheckpointPointer.successor(
+                CheckpointPointer.from_json(current.value) if current is not None else None,
+                step=req.step, round_=req.round, manifest_url=req.manifest_url,
+                committed_at=time.time(), world_size=req.world_size, run_id=self.run_id)
+            ok, _ = self.client.txn(
+                lambda t: [t.mod(self.keys.rdzv_state) == req.state_rev,
+                           t.mod(self.keys.checkpoint_latest) == (current.mod_revision if current else 0)],
+                lambda t: [t.put(self.keys.checkpoint_latest, pointer.to_json())],
+            )
+        except Exception as exc:  # noqa: BLE001 - no answer is not a no
+            return CommitOutcome.UNKNOWN, f"etcd did not answer: {exc!r}"
         if not ok:
-            return False, f"fenced: round {round_} is no longer current or the pointer moved"
-        log.info("checkpoint_committed", step=step, round=round_, url=manifest_url)
-        return True, "committed"
+            return CommitOutcome.REFUSED, (f"round {req.round} is no longer current (the job "
+                                           "re-formed since) or the pointer moved")
+        log.info("checkpoint_committed", step=req.step, round=req.round, url=req.manifest_url,
+                 from_intent=True)
+        return CommitOutcome.COMMITTED, "committed"
+
+
+def _names(current: Any, manifest_url: str) -> bool:
+    """True if the pointer KV ``current`` already names ``manifest_url``."""
+    return current is not None and CheckpointPointer.from_json(current.value).manifest_url == manifest_url
+
+
+def _not_newer(current: Any, step: int, round_: int) -> str:
+    """Why (step, round) may not replace the pointer ``current`` (a KV or None); "" if it may."""
+    if current is None:
+        return ""
+    cur = CheckpointPointer.from_json(current.value)
+    # Forward = a newer round, or the same round and a newer step. (A new round may
+    # resume from an older checkpoint when the newest turned out corrupt.)
+    if (cur.round, cur.step) >= (round_, step):
+        return (f"step {step} of round {round_} is not newer than the committed "
+                f"step {cur.step} of round {cur.round}")
+    return ""
 
 
 def pointer_dict(p: CheckpointPointer | None) -> dict[str, Any] | None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,14 +23,17 @@ from torch.distributed.elastic.rendezvous import (
     RendezvousError,
 )
 
-from elasticd.agent.control import ControlChannel
+from elasticd.agent.commits import CommitRetrier, PendingCommit, read_intents, write_intent
 from elasticd.agent.elastic_agent import ElasticdAgent, SupervisionSettings, print_summary
-from elasticd.agent.recorder import JobRecorder, pointer_dict
+from elasticd.agent.recorder import JobRecorder
+from elasticd.agent.run_identity import check_resume, ensure_run_id
+from elasticd.control import CommitRequest, ControlChannel
+from elasticd.control.api import CommitOutcome
 from elasticd.errors import ConfigError, EtcdUnavailableError, TransientError
 from elasticd.etcd.client import EtcdClient, TLSFiles
 from elasticd.etcd.embedded import EmbeddedEtcd
 from elasticd.keys import JobKeys
-from elasticd.logs import configure_logging, resolve_worker_log_dir
+from elasticd.logs import configure_logging, ensure_private_dir, resolve_worker_log_dir
 from elasticd.rendezvous.etcd_handler import EtcdRendezvousHandler, RendezvousSettings
 from elasticd.retry import call_with_retry
 
@@ -72,7 +76,9 @@ class NodeSpec:
     preemption: Any = None  # a started-on-demand PreemptionWatcher, or None
     notify_socket: str | None = None
     watchdog_usec: str | None = None
-    state_dir: str | None = None  # $STATE_DIRECTORY: default root of the worker logs
+    # $STATE_DIRECTORY: root of the worker logs and the pending commit intents.
+    state_dir: str | None = None
+    resume: str = "auto"  # another run's checkpoints: auto (refuse) | require | never
 
 
 def check_command(command: tuple[str, ...]) -> None:
@@ -126,10 +132,13 @@ def run_node(spec: NodeSpec) -> int:
     control: ControlChannel | None = None
     handler: EtcdRendezvousHandler | None = None
     agent: ElasticdAgent | None = None
+    commits: CommitRetrier | None = None
+    state_dir: str | None = None
     try:
         # Worker logs outlive the agent: private, never a predictable shared path. Chosen
         # first, so a refused log dir fails before anything starts.
         log_dir = resolve_worker_log_dir(spec.log_dir, spec.job, state_dir=spec.state_dir)
+        state_dir = _intents_dir(spec)
         endpoints, tls = spec.etcd_endpoints, spec.tls
         if not endpoints:
             # Private to this user: TLS with a generated client certificate (docs/security.md).
@@ -153,19 +162,35 @@ def run_node(spec: NodeSpec) -> int:
             node_id=spec.node_id)
         structlog.contextvars.bind_contextvars(job=spec.job, node=handler.node_id)
         recorder = JobRecorder(handler)
+        # The run's identity (docs/checkpoints.md#run-identity): stamped on the pointer,
+        # handed to workers, and checked against the stored checkpoints before any starts.
+        recorder.run_id = ensure_run_id(client, handler.keys)
+        supervision = check_resume(spec.supervision, spec.job, recorder.run_id, spec.resume)
         metrics = _make_metrics(spec)
 
-        def on_commit(m: dict[str, Any]) -> tuple[bool, str]:
-            ok, reason = recorder.commit_checkpoint(int(m["step"]), str(m["manifest_url"]),
-                                                    int(m.get("world_size", 0)), int(m.get("round", -1)))
-            if ok and metrics is not None:
-                metrics.set_last_checkpoint_step(int(m["step"]), committed_at=time.time())
-            return ok, reason
+        _commit_intents(recorder, state_dir, spec.job)
 
-        control = ControlChannel(
-            on_commit=on_commit,
-            on_latest=lambda m: {"pointer": pointer_dict(recorder.latest_checkpoint())},
-        ).start()
+        def committed(p: PendingCommit) -> None:
+            if metrics is not None:
+                metrics.set_last_checkpoint_step(p.step, committed_at=time.time())
+
+        # Commits etcd does not answer are retried here, by the agent (it owns the fencing
+        # token and outlives its workers), never refused: see elasticd.agent.commits.
+        commits = CommitRetrier(
+            lambda p: recorder.commit_checkpoint(p.step, p.manifest_url, p.world_size, p.round),
+            on_committed=committed)
+
+        def on_commit(m: CommitRequest) -> tuple[CommitOutcome, str]:
+            assert commits is not None
+            outcome, reason = commits.submit(PendingCommit(
+                step=m.step, manifest_url=m.manifest_url, world_size=m.world_size, round=m.round,
+                state_rev=handler.round_state_revision if handler else 0, job=spec.job))
+            if outcome is CommitOutcome.COMMITTED:
+                committed(PendingCommit(m.step, m.manifest_url, m.world_size, m.round, 0))
+            return outcome, reason
+
+        control = ControlChannel(on_commit=on_commit, on_latest=recorder.latest_checkpoint,
+                                 max_local_ranks=spec.nproc_per_node).start()
         worker_spec = WorkerSpec(
             role="default", local_world_size=spec.nproc_per_node, rdzv_handler=handler,
             entrypoint=sys.executable, args=("-m", "elasticd.agent.worker_exec", *spec.command),
@@ -173,9 +198,9 @@ def run_node(spec: NodeSpec) -> int:
             monitor_interval=spec.supervision.monitor_interval_s, local_addr=spec.local_addr,
         )
         logs = DefaultLogsSpecs(log_dir=log_dir, redirects=Std.ALL, tee=Std.ALL)
-        agent = ElasticdAgent(worker_spec, spec.supervision, handler, control, recorder,
+        agent = ElasticdAgent(worker_spec, supervision, handler, control, recorder,
                               logs_specs=logs, metrics=metrics,
-                              notifier=_make_notifier(spec))
+                              notifier=_make_notifier(spec), commits=commits)
         agent.install_signal_handlers()
         if agent.notifier is not None:
             handler.on_wait = agent.notifier.watchdog
@@ -203,6 +228,10 @@ def run_node(spec: NodeSpec) -> int:
         unreachable = isinstance(exc, (TransientError, RendezvousConnectionError))
         return EX_ETCD_UNREACHABLE if unreachable else 1
     finally:
+        if commits is not None and handler is not None:
+            pending = commits.close()
+            if pending is not None and state_dir is not None:  # the next agent retries it
+                write_intent(state_dir, handler.node_id, pending)
         if agent is not None:
             agent.standby.close()
         if spec.preemption is not None:
@@ -215,6 +244,34 @@ def run_node(spec: NodeSpec) -> int:
             client.close()
         if embedded is not None:
             embedded.stop()
+
+
+def _intents_dir(spec: NodeSpec) -> str:
+    """Where pending commit intents outlive the agent: ``$STATE_DIRECTORY/commit-intents/
+    <job>``, else ``<tmp>/elasticd-<uid>/commit-intents/<job>``; private to this user (a
+    directory another user made first is refused, never reused)."""
+    if spec.state_dir:
+        root = os.path.join(os.path.abspath(spec.state_dir.split(":")[0]), "commit-intents")
+    else:
+        root = os.path.join(tempfile.gettempdir(), f"elasticd-{os.geteuid()}", "commit-intents")
+    return ensure_private_dir(os.path.join(root, spec.job),
+                              ("commit intent dir", "$STATE_DIRECTORY (systemd StateDirectory=)"))
+
+
+def _commit_intents(recorder: JobRecorder, state_dir: str, job: str) -> None:
+    """Commit what a previous agent of this job left pending (before joining any round).
+
+    A drain taken during an etcd outage leaves its save uncommitted when the agent exits;
+    it is committed now if its round is still the job's newest (the round state unchanged:
+    nobody re-formed since), else it is refused like any zombie's. Either way the intent is
+    removed; it stays only while etcd does not answer.
+    """
+    for path, req in read_intents(state_dir, job):
+        outcome, reason = recorder.commit_intent(req)
+        log.info("checkpoint_commit_intent_resolved", path=str(path), step=req.step,
+                 round=req.round, outcome=outcome.value, reason=reason)
+        if outcome is not CommitOutcome.UNKNOWN:
+            path.unlink(missing_ok=True)
 
 
 def _record_lost(recorder: JobRecorder, handler: EtcdRendezvousHandler, lost: list[str],

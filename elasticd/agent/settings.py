@@ -53,5 +53,5 @@ def node_spec(cfg: AgentConfig, environ: Mapping[str, str]) -> NodeSpec:
         preemption=make_watcher(cfg.preemption.provider, base_url=cfg.preemption.base_url,
                                 poll_interval_s=cfg.preemption.poll_interval_s),
         notify_socket=environ.get("NOTIFY_SOCKET"), watchdog_usec=environ.get("WATCHDOG_USEC"),
-        state_dir=environ.get("STATE_DIRECTORY"),
+        state_dir=environ.get("STATE_DIRECTORY"), resume=cfg.job.resume,
     )

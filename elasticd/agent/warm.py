@@ -32,6 +32,7 @@ instead, or turn standbys off (``workers.warm_start = false``, ``--no-warm-start
 from __future__ import annotations
 
 import contextlib
+import importlib
 import json
 import os
 import signal
@@ -46,16 +47,25 @@ from typing import Any
 
 import structlog
 
+from elasticd.agent.worker_env import scrub
+from elasticd.control.api import ENV_ROUND
+
 log = structlog.get_logger(__name__)
 
 LAUNCHER = ("-m", "elasticd.agent.worker_exec")
+
+# What a standby imports ahead of its worker. Names, not imports: the standby process
+# becomes a worker, but the agent's code never depends on the worker API (elasticd.control
+# is the only seam between them).
+WARM_IMPORTS = ("torch", "torch._dynamo", "torch.distributed", "torch.nn.parallel", "torch.optim",
+                "elasticd.worker")
 
 # Variables the launcher sets per worker and round (torch's LocalElasticAgent and ours);
 # none is read when torch is imported. Everything else must match for a standby to be used.
 PER_ROUND_ENV = frozenset({
     "RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "WORLD_SIZE",
     "LOCAL_WORLD_SIZE", "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-    "TORCH_NCCL_ASYNC_ERROR_HANDLING", "ELASTICD_ROUND",
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING", ENV_ROUND,
 })
 PER_ROUND_PREFIXES = ("TORCHELASTIC_",)
 
@@ -119,7 +129,8 @@ class StandbyPool:
         for r in self.missing(range(max(envs, default=-1) + 1)):
             if r not in envs:
                 continue
-            env = {**os.environ, **envs[r]}
+            # A standby's own environment is a worker's: no etcd credential, ever.
+            env = scrub({**os.environ, **envs[r]})
             with open(self._log_path(r), "wb") as err:  # the standby keeps its own copy of the fd
                 proc = subprocess.Popen(
                     [sys.executable, "-m", "elasticd.agent.warm"], env=env, stdin=subprocess.PIPE,
@@ -155,7 +166,7 @@ class StandbyPool:
             _discard(sb)
             self.cold_starts += 1
             return None
-        msg = {"argv": list(args[3:]), "env": dict(env), "cwd": os.getcwd(),
+        msg = {"argv": list(args[3:]), "env": scrub(env), "cwd": os.getcwd(),
                "stdout": stdout, "stderr": stderr}
         try:
             assert sb.proc.stdin is not None
@@ -256,16 +267,11 @@ def main() -> None:
     threading.Thread(target=wait_for_handover, name="standby-handover", daemon=True).start()
     # The imports every worker pays for; torch._dynamo is what the first optimizer step
     # or DDP forward would import. Failures here are not fatal: the worker imports again.
-    try:
-        import torch  # noqa: F401
-        import torch._dynamo  # noqa: F401
-        import torch.distributed  # noqa: F401
-        import torch.nn.parallel  # noqa: F401
-        import torch.optim  # noqa: F401
-
-        import elasticd.worker  # noqa: F401
-    except Exception as exc:
-        sys.stderr.write(f"standby: import failed: {exc!r}\n")
+    for module in WARM_IMPORTS:
+        try:
+            importlib.import_module(module)
+        except Exception as exc:
+            sys.stderr.write(f"standby: import of {module} failed: {exc!r}\n")
     arrived.wait()
     msg = json.loads(handover[0])
     os.environ.clear()

@@ -21,13 +21,16 @@ from elasticd.checkpoint.api import (
     CheckpointPointer,
     CheckpointReadError,
     CheckpointSaveError,
+    CheckpointUnreadableError,
     CommitFence,
+    CommitOutcome,
     LoadedCheckpoint,
     SaveResult,
     SkippedCheckpoint,
 )
 from elasticd.checkpoint.catalog import list_checkpoints
 from elasticd.checkpoint.fence import MemoryCommitFence
+from elasticd.checkpoint.identity import ForeignCheckpointError, RunIdentity, new_run_id
 from elasticd.checkpoint.retention import RetentionPolicy
 
 __all__ = [
@@ -39,13 +42,18 @@ __all__ = [
     "CheckpointPointer",
     "CheckpointReadError",
     "CheckpointSaveError",
+    "CheckpointUnreadableError",
     "CommitFence",
+    "ForeignCheckpointError",
+    "CommitOutcome",
     "LoadedCheckpoint",
     "MemoryCommitFence",
     "RetentionPolicy",
+    "RunIdentity",
     "SaveResult",
     "SkippedCheckpoint",
     "list_checkpoints",
+    "new_run_id",
 ]
 
 

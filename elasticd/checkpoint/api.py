@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
+from elasticd.control.api import CommitOutcome
 from elasticd.errors import ConfigError, ElasticdError, TransientError
 from elasticd.records import CheckpointPointer
 
@@ -27,7 +28,9 @@ __all__ = [
     "CheckpointPointer",
     "CheckpointReadError",
     "CheckpointSaveError",
+    "CheckpointUnreadableError",
     "CommitFence",
+    "CommitOutcome",
     "LoadedCheckpoint",
     "SaveResult",
     "SkippedCheckpoint",
@@ -43,6 +46,13 @@ class CheckpointCorruptError(CheckpointError):
 
     Readers never raise this to the caller: they log it as the reason the checkpoint was
     skipped and fall back to the one before it.
+    """
+
+
+class CheckpointUnreadableError(CheckpointError):
+    """One path of one save cannot be read: permission denied, or a directory where a file
+    should be. Not corruption (the bytes may be fine) and not an outage (retrying will not
+    help): readers skip that save with the path named, and retention never deletes it.
     """
 
 
@@ -81,8 +91,15 @@ class CommitFence(Protocol):
     out corrupt. Requiring a strictly higher step would refuse every save of that job.)
     """
 
-    def commit(self, step: int, manifest_url: str, world_size: int) -> bool:
-        """Point ``latest`` at ``manifest_url``; False if refused (stale round, not newer)."""
+    def commit(self, step: int, manifest_url: str, world_size: int) -> CommitOutcome:
+        """Point ``latest`` at ``manifest_url``.
+
+        Returns:
+            ``COMMITTED``; ``REFUSED`` only when the fence compared and said no (stale
+            round, not newer); ``UNKNOWN`` when it could not tell (never raise for that).
+            A plain ``bool`` is accepted from older implementations (True/False =
+            committed/refused).
+        """
         ...
 
     def latest(self) -> CheckpointPointer | None:
@@ -103,6 +120,8 @@ class SaveResult:
             the previous save).
         write_s: seconds the background write took, manifest and fence commit included.
         committed: True once the manifest is written and, with a fence, the fence accepted.
+        outcome: the fence's answer (``UNKNOWN``: the bytes are kept and the agent keeps
+            trying to commit them; see :class:`CommitOutcome`).
     """
 
     step: int
@@ -112,6 +131,7 @@ class SaveResult:
     blocked_s: float
     write_s: float
     committed: bool = True
+    outcome: CommitOutcome = CommitOutcome.COMMITTED
 
 
 @dataclass(frozen=True)
@@ -162,6 +182,7 @@ class CheckpointInfo:
         valid: True if the manifest verifies and every listed file is present with its
             size (and, after ``--verify``, its checksum).
         reason: why it is not valid (None when valid).
+        run_id: the run that wrote it ("" when unknown or written before run ids).
     """
 
     job: str
@@ -174,6 +195,7 @@ class CheckpointInfo:
     size: int
     valid: bool
     reason: str | None = None
+    run_id: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict (for ``--json``)."""
@@ -188,4 +210,5 @@ class CheckpointInfo:
             "size": self.size,
             "valid": self.valid,
             "reason": self.reason,
+            "run_id": self.run_id,
         }

@@ -10,7 +10,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from elasticd.checkpoint.api import CheckpointCorruptError, CheckpointInfo
+from elasticd.checkpoint.api import (
+    CheckpointCorruptError,
+    CheckpointInfo,
+    CheckpointUnreadableError,
+)
+from elasticd.checkpoint.identity import ForeignCheckpointError, RunIdentity, refusal
+from elasticd.checkpoint.manifest import Manifest
 from elasticd.checkpoint.store import FsspecCheckpointStore, ListedSave, list_jobs, listing_problem
 
 
@@ -43,14 +49,62 @@ def list_checkpoints(
     return infos
 
 
+def check_resume(url: str, job: str, identity: RunIdentity, *,
+                 storage_options: Mapping[str, Any] | None = None) -> int | None:
+    """Before any worker starts: may this run start, given the checkpoints already there?
+
+    The agent calls it so that a run meeting another run's checkpoints stops at once with
+    exit 78, instead of every worker failing and being restarted.
+
+    Returns:
+        The newest step this run will resume from when it is its own (or, with
+        ``resume="require"``, another run's); None when it starts afresh.
+
+    Raises:
+        ForeignCheckpointError: ``auto`` and only another run's checkpoints exist, or
+            ``require`` and there is no checkpoint at all.
+        ConfigError: bad URL or job name.
+        OSError: storage failed (callers decide; workers check again when loading).
+    """
+    store = FsspecCheckpointStore(url, job, storage_options)
+    foreign: Manifest | None = None
+    for save in store.list_saves():  # newest first
+        if store.unreadable_reason(save):
+            continue
+        try:
+            manifest = store.read_manifest(save.step, save.save_id)
+        except (CheckpointCorruptError, CheckpointUnreadableError):
+            continue
+        if listing_problem(manifest, save) is not None or manifest.job != job:
+            continue
+        if identity.owns(manifest.run_id):
+            return manifest.step
+        foreign = foreign or manifest
+    if foreign is not None:
+        if identity.resume == "require":
+            return foreign.step
+        if identity.resume == "auto":
+            raise refusal(store.job_url, foreign.run_id, foreign.step, identity.run_id)
+        return None
+    if identity.resume == "require":
+        raise ForeignCheckpointError(
+            f"--resume require but job {job!r} has no loadable checkpoint under "
+            f"{store.job_url}; check --checkpoint-url and --job, or drop --resume")
+    return None
+
+
 def _inspect(store: FsspecCheckpointStore, save: ListedSave, verify: bool) -> CheckpointInfo:
     base: dict[str, Any] = {"job": store.job, "step": save.step, "save_id": save.save_id,
             "url": store.manifest_url(save.step, save.save_id),
             "created_at": save.created_at, "size": save.size}
     try:
+        problem = store.unreadable_reason(save)
+        if problem:
+            raise CheckpointUnreadableError(problem)
         manifest = store.read_manifest(save.step, save.save_id)
-    except CheckpointCorruptError as exc:
+    except (CheckpointCorruptError, CheckpointUnreadableError) as exc:
         return CheckpointInfo(**base, committed_at=None, world_size=0, valid=False, reason=str(exc))
+    base["run_id"] = manifest.run_id
     reason = listing_problem(manifest, save)
     if reason is None and manifest.job != store.job:
         reason = f"belongs to job {manifest.job!r}"
@@ -58,7 +112,7 @@ def _inspect(store: FsspecCheckpointStore, save: ListedSave, verify: bool) -> Ch
         try:
             for entry in manifest.files:
                 store.verify_file(save.step, save.save_id, entry)
-        except CheckpointCorruptError as exc:
+        except (CheckpointCorruptError, CheckpointUnreadableError) as exc:
             reason = str(exc)
     return CheckpointInfo(**base, committed_at=manifest.committed_at,
                           world_size=manifest.world_size, valid=reason is None, reason=reason)

@@ -11,6 +11,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from elasticd.checkpoint.api import CommitOutcome
 from elasticd.records import CheckpointPointer
 
 
@@ -33,12 +34,16 @@ class MemoryCommitFence:
 
         live = MemoryCommitFence(round_=2)
         zombie = live.for_round(1)
-        zombie.commit(500, url, 4)   # False: round 1 is not current
+        zombie.commit(500, url, 4)   # REFUSED: round 1 is not current
+
+    ``unreachable = True`` makes every commit answer ``UNKNOWN`` without changing the
+    pointer (an etcd outage, for tests of the three-valued commit).
     """
 
     def __init__(self, round_: int = 0, *, _shared: _Shared | None = None) -> None:
         self.writer_round = round_
         self._shared = _shared or _Shared(current_round=round_)
+        self.unreachable = False
 
     def for_round(self, round_: int) -> MemoryCommitFence:
         """A fence for a writer of ``round_`` sharing this one's pointer and current round."""
@@ -53,19 +58,22 @@ class MemoryCommitFence:
         with self._shared.lock:
             self._shared.current_round = value
 
-    def commit(self, step: int, manifest_url: str, world_size: int) -> bool:
+    def commit(self, step: int, manifest_url: str, world_size: int) -> CommitOutcome:
         """Point ``latest`` at ``manifest_url`` if this writer's round is current and the
-        pointer moves forward; False otherwise."""
+        pointer moves forward (``COMMITTED``); ``REFUSED`` otherwise; ``UNKNOWN`` while
+        ``unreachable`` is set."""
+        if self.unreachable:
+            return CommitOutcome.UNKNOWN
         with self._shared.lock:
             if self.writer_round != self._shared.current_round:
-                return False
+                return CommitOutcome.REFUSED
             old = self._shared.pointer
             if old is not None and (self.writer_round, step) <= (old.round, old.step):
-                return False
-            self._shared.pointer = CheckpointPointer(
-                step=step, round=self.writer_round, manifest_url=manifest_url,
+                return CommitOutcome.REFUSED
+            self._shared.pointer = CheckpointPointer.successor(
+                old, step=step, round_=self.writer_round, manifest_url=manifest_url,
                 committed_at=time.time(), world_size=world_size)
-            return True
+            return CommitOutcome.COMMITTED
 
     def latest(self) -> CheckpointPointer | None:
         """The current pointer."""

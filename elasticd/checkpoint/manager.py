@@ -13,8 +13,12 @@ Design, in the order a save happens (docs/checkpoints.md has the full story):
   then asks the fence, then prunes. At most one save is in flight: the next ``save``
   waits for it. Its error is raised by the next ``save``/``wait``/``load_latest``/``close``.
 - **Fencing.** With a fence, a written checkpoint counts only once ``fence.commit``
-  accepts it. A refusal means this worker is a zombie (its round is over) or not newer:
-  the save is deleted and :class:`elasticd.errors.FencedError` is raised on the next call.
+  accepts it. Under an elasticd agent the agent's fence is used by default. The answer has
+  three values (:class:`CommitOutcome`): a *refusal* (the fence compared and said no)
+  means this worker is a zombie (its round is over) or not newer: the save is deleted and
+  :class:`elasticd.errors.FencedError` is raised on the next call. *Unknown* (etcd
+  unreachable or slow, no answer from the agent) keeps the save, raises nothing, and
+  training goes on: the agent retries the commit and the pointer catches up later.
 - **Load.** Group rank 0 picks candidates (the fence pointer first, else the listing,
   newest first), broadcasts each; every rank reads and verifies it and reports back; the
   first candidate every rank could read is applied on all ranks. Torn or corrupt ones are
@@ -41,25 +45,37 @@ from elasticd.checkpoint.api import (
     CheckpointMismatchError,
     CheckpointReadError,
     CheckpointSaveError,
+    CheckpointUnreadableError,
     CommitFence,
+    CommitOutcome,
     LoadedCheckpoint,
     SaveResult,
     SkippedCheckpoint,
 )
 from elasticd.checkpoint.group import make_group
+from elasticd.checkpoint.identity import ForeignCheckpointError, RunIdentity
 from elasticd.checkpoint.manifest import (
     STATE_FILE,
     Manifest,
     new_save_id,
     step_dir_name,
 )
-from elasticd.checkpoint.restore import apply, owned
+from elasticd.checkpoint.restore import apply, owned, require_safe_torch
 from elasticd.checkpoint.retention import PruneDecision, RetentionPolicy, StoredSave, plan_prune
 from elasticd.checkpoint.staging import RESERVED_KEY, StateStager, resolve
 from elasticd.checkpoint.store import FsspecCheckpointStore, ListedSave, listing_problem
 from elasticd.errors import ConfigError, FencedError
 
 log = structlog.get_logger(__name__)
+
+class _AutoFence:
+    """The default of ``CheckpointManager(fence=...)``: the agent's fence under an agent."""
+
+    def __repr__(self) -> str:
+        return "AUTO_FENCE"
+
+
+AUTO_FENCE = _AutoFence()
 
 # How often a load lists again when files vanish under it (a prune racing a slow reader).
 _MAX_LISTINGS = 5
@@ -89,16 +105,23 @@ class CheckpointManager:
         world_size: default: from the process group, else 1.
         keep_last: newest checkpoints kept by pruning (>= 1).
         keep_every: also keep steps that are multiples of this (None: off).
-        fence: optional :class:`CommitFence`; without one the listing decides.
+        fence: a :class:`CommitFence`. Default (``AUTO_FENCE``): the agent's fence when
+            this process runs under an elasticd agent, else none (the listing decides).
+            Pass ``None`` to turn fencing off, or a fence (``MemoryCommitFence``) for tests
+            and single-process runs.
         process_group: group to coordinate over; default: the initialised default group,
             or none (single process).
         storage_options: passed to fsspec (e.g. ``{"endpoint_url": ...}`` for S3).
         grace_s: age after which torn or never-committed saves are pruned.
         clock: Unix-time source (tests inject one).
+        run_id: this run's id (``WorkerContext.run_id``, from the agent); its saves carry
+            it and only they are loaded and pruned. None: anonymous (loads any save).
+        resume: what to do with another run's checkpoints: ``"auto"`` (refuse if they are
+            all there is), ``"require"`` (resume the newest), ``"never"`` (ignore them).
 
     Raises:
-        ConfigError: bad URL, job, retention values, or rank/world_size disagreeing with
-            the process group.
+        ConfigError: bad URL, job, retention values, run id or resume mode, or
+            rank/world_size disagreeing with the process group.
     """
 
     def __init__(
@@ -110,19 +133,22 @@ class CheckpointManager:
         world_size: int | None = None,
         keep_last: int = 3,
         keep_every: int | None = None,
-        fence: CommitFence | None = None,
+        fence: CommitFence | None | _AutoFence = AUTO_FENCE,
         process_group: Any = None,
         storage_options: Mapping[str, Any] | None = None,
         grace_s: float = 600.0,
         clock: Callable[[], float] = time.time,
+        run_id: str | None = None,
+        resume: str = "auto",
     ) -> None:
+        self.identity = RunIdentity(run_id, resume)
         try:
             self.policy = RetentionPolicy(keep_last=keep_last, keep_every=keep_every, grace_s=grace_s)
         except ValueError as exc:
             raise ConfigError(f"checkpoint retention: {exc}") from exc
         self.store = FsspecCheckpointStore(url, job, storage_options)
         self.job = job
-        self.fence = fence
+        self.fence = _resolve_fence(fence)
         self._group = make_group(process_group, rank, world_size)
         self.rank = self._group.rank
         self.world_size = self._group.size
@@ -207,9 +233,11 @@ class CheckpointManager:
                 job=self.job, step=step, save_id=save_id, world_size=self.world_size,
                 created_at=created_at, committed_at=self._clock(), files=(entry,),
                 parts=tuple(user), sampler=_json_or_none(user.get("sampler")),
-                torch_version=torch.__version__, elasticd_version=elasticd.__version__)
+                torch_version=torch.__version__, elasticd_version=elasticd.__version__,
+                run_id=self.identity.run_id or "")
             self.store.write_manifest(manifest)
-            committed = self.fence is None or self.fence.commit(step, url, self.world_size)
+            outcome = (CommitOutcome.COMMITTED if self.fence is None
+                       else CommitOutcome.of(self.fence.commit(step, url, self.world_size)))
         except Exception as exc:  # noqa: BLE001 - surfaced on the next call
             inflight.error = CheckpointSaveError(
                 f"saving checkpoint step {step} to {url} failed: {exc!r}; the previous "
@@ -220,8 +248,16 @@ class CheckpointManager:
         write_s = time.perf_counter() - t0
         inflight.result = SaveResult(step=step, save_id=save_id, manifest_url=url,
                                      nbytes=entry.size, blocked_s=inflight.blocked_s,
-                                     write_s=write_s, committed=committed)
-        if not committed:
+                                     write_s=write_s, committed=bool(outcome), outcome=outcome)
+        if outcome is CommitOutcome.UNKNOWN:
+            # No answer is not a no: keep the bytes (the agent retries the commit, and the
+            # pointer catches up once etcd answers), raise nothing, keep training. Protect the
+            # save from our own pruning until a newer commit supersedes it.
+            self._log.warning("checkpoint_commit_unknown", step=step, url=url)
+            self._manifests[(step, save_id)] = manifest
+            self._protect["pending"] = (step, save_id)
+            return
+        if outcome is CommitOutcome.REFUSED:
             self._log.warning("checkpoint_commit_refused", step=step, url=url)
             inflight.error = FencedError(
                 f"checkpoint step {step} was written but the commit fence refused it: this "
@@ -231,6 +267,7 @@ class CheckpointManager:
             return
         self._manifests[(step, save_id)] = manifest
         self._protect["saved"] = (step, save_id)
+        self._protect.pop("pending", None)
         # The loaded checkpoint was protected as possibly the newest valid one; a fresh
         # commit is newer and known valid, so the old one may age out normally now.
         self._protect.pop("loaded", None)
@@ -313,9 +350,14 @@ class CheckpointManager:
         Raises:
             CheckpointMismatchError: the newest valid checkpoint is another job's or does
                 not fit the template (names the mismatch).
-            CheckpointReadError: storage failed while reading.
+            CheckpointReadError: storage failed (or memory ran out) while reading: the load
+                fails loudly rather than resuming from an older checkpoint.
+            ForeignCheckpointError: only another run's checkpoints exist and ``resume`` is
+                ``"auto"``; or ``"require"`` found none at all (both exit 78).
+            ConfigError: torch older than 2.10 (unsafe ``weights_only``).
         """
         self._check_open()
+        require_safe_torch()
         self._finish_inflight()
         t0 = time.perf_counter()
         skipped: list[SkippedCheckpoint] = []
@@ -325,6 +367,11 @@ class CheckpointManager:
                 if loaded is None:
                     self._log.info("checkpoint_not_found", url=self.store.job_url,
                                    skipped=len(skipped))
+                    if self.identity.resume == "require":
+                        raise ForeignCheckpointError(
+                            f"resume='require' but no loadable checkpoint of job {self.job!r} "
+                            f"exists under {self.store.job_url} ({len(skipped)} skipped); check "
+                            "--checkpoint-url and --job, or drop --resume to start afresh")
                 else:
                     self._log.info("checkpoint_loaded", step=loaded.step, url=loaded.manifest_url,
                                    saved_world_size=loaded.world_size, world_size=self.world_size,
@@ -340,7 +387,7 @@ class CheckpointManager:
         if self.is_writer:
             candidates = reader.candidates(
                 self.store, self.fence.latest() if self.fence is not None else None,
-                lambda url, reason: self._skip(skipped, url, reason), self._log)
+                lambda url, reason: self._skip(skipped, url, reason), self._log, self.identity)
         while True:
             msg: Any = None
             if candidates is not None:
@@ -348,6 +395,8 @@ class CheckpointManager:
                     msg = next(candidates)
                 except StopIteration:
                     msg = ("none",)
+                except ForeignCheckpointError as exc:
+                    msg = ("foreign", str(exc))
                 except CheckpointMismatchError as exc:
                     msg = ("mismatch", str(exc))
                 except Exception as exc:  # noqa: BLE001 - every rank must leave the loop
@@ -357,6 +406,8 @@ class CheckpointManager:
                 return None
             if msg[0] == "relist":
                 return _RELIST
+            if msg[0] == "foreign":
+                raise ForeignCheckpointError(msg[1])
             if msg[0] == "mismatch":
                 raise CheckpointMismatchError(msg[1])
             if msg[0] == "failed":
@@ -370,6 +421,8 @@ class CheckpointManager:
                 return self._apply(template, url, manifest, state, mapped, skipped)
             why = next(r for s, r in reports if s == worst)
             if worst == reader.FAILED:
+                # Storage errors and MemoryError on any rank: not evidence of corruption,
+                # so no rank may move on to an older checkpoint.
                 raise CheckpointReadError(f"reading checkpoint {url} failed: {why}; "
                                           "storage unreachable? the worker will be retried")
             self._skip(skipped, url, why)
@@ -412,13 +465,17 @@ class CheckpointManager:
             return []
         try:
             listed = self.store.list_saves()
-            saves = [StoredSave(s.step, s.save_id, s.created_at, self._committed(s)) for s in listed]
+            saves = [self._classify(s) for s in listed]
             self._manifests = {k: v for k, v in self._manifests.items()
                                if k in {(s.step, s.save_id) for s in listed}}
             pointer = self.fence.latest() if self.fence is not None else None
+            mine = self.identity.run_id
+            if pointer is not None and mine and pointer.run_id not in ("", mine):
+                pointer = None  # another run's pointer says nothing about our saves
             pointed = self.store.parse_manifest_url(pointer.manifest_url) if pointer else None
             decisions = plan_prune(saves, self.policy, now=self._clock(), pointer=pointed,
-                                   protect=frozenset(self._protect.values()))
+                                   protect=frozenset(self._protect.values()),
+                                   high_water=pointer.highest_step if pointer else None)
         except Exception as exc:  # noqa: BLE001 - retention must never stop training
             self._log.warning("checkpoint_prune_failed", error=repr(exc))
             return []
@@ -426,9 +483,21 @@ class CheckpointManager:
             self._delete(decision.save, decision.reason)
         return decisions
 
-    def _committed(self, save: ListedSave) -> bool:
+    def _classify(self, save: ListedSave) -> StoredSave:
+        """What retention needs to know of one listed save (reads its manifest, cached).
+
+        Storage errors other than one unreadable path propagate: the prune is abandoned
+        and retried later, since nothing is deleted on a guess.
+        """
+        def stored(committed: bool, **flags: bool) -> StoredSave:
+            return StoredSave(save.step, save.save_id, save.created_at, committed, **flags)
+
+        problem = self.store.unreadable_reason(save)
+        if problem is not None:
+            self._log.warning("checkpoint_unreadable", reason=problem)
+            return stored(False, unreadable=True)
         if not save.has_manifest:
-            return False
+            return stored(False)
         key = (save.step, save.save_id)
         manifest = self._manifests.get(key)
         if manifest is None:
@@ -437,8 +506,12 @@ class CheckpointManager:
             try:
                 manifest = self._manifests[key] = self.store.read_manifest(*key)
             except CheckpointCorruptError:
-                return False
-        return listing_problem(manifest, save) is None
+                return stored(False)
+            except CheckpointUnreadableError as exc:
+                self._log.warning("checkpoint_unreadable", reason=str(exc))
+                return stored(False, unreadable=True)
+        return stored(listing_problem(manifest, save) is None,
+                      foreign=not self.identity.may_prune(manifest.run_id))
 
     def _delete(self, save: StoredSave, reason: str) -> None:
         try:
@@ -449,6 +522,22 @@ class CheckpointManager:
             return
         self._manifests.pop((save.step, save.save_id), None)
         self._log.info("checkpoint_pruned", step=save.step, save_id=save.save_id, reason=reason)
+
+
+def _resolve_fence(fence: CommitFence | None | _AutoFence) -> CommitFence | None:
+    """The fence a manager uses: ``AUTO_FENCE`` means the agent's under an agent, else none.
+
+    Raises:
+        ConfigError: started by an agent but without ``ELASTICD_ROUND`` (see
+            ``elasticd.worker.agent_fence``): a commit must never go out unfenced.
+    """
+    if not isinstance(fence, _AutoFence):
+        return fence
+    # Imported here: the worker package imports torch.distributed machinery the CLI's
+    # checkpoint listing never needs.
+    from elasticd.worker.fence import agent_fence
+
+    return agent_fence()
 
 
 def _json_or_none(value: Any) -> dict[str, Any] | None:

@@ -10,6 +10,7 @@ one-line reason, which readers log before falling back to an older checkpoint.
 from __future__ import annotations
 
 import json
+import math
 import re
 import secrets
 import zlib
@@ -22,11 +23,14 @@ FORMAT = "elasticd-checkpoint"
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
 STATE_FILE = "state.pt"
-# A manifest is a few KiB; refusing big ones keeps a hostile store from exhausting memory.
+# A manifest is a few KiB. Readers fetch at most this many bytes (plus one, to tell "too
+# big" from "exactly the limit"), so a huge or hostile object never reaches memory whole.
 MAX_MANIFEST_BYTES = 1 << 20
 
 STEP_DIR_RE = re.compile(r"step-([0-9]{12})")  # fullmatch; ASCII digits only
 SAVE_ID_RE = re.compile(r"([0-9]{13})-([0-9a-f]{8})")
+# Run ids are born in the agent (or passed by the caller): 16 lowercase hex digits.
+RUN_ID_RE = re.compile(r"[0-9a-f]{16}")  # fullmatch
 FILE_NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}$")
 MAX_STEP = 10**12 - 1
 
@@ -98,6 +102,8 @@ class Manifest:
             loading uses the copy in the data file).
         torch_version: torch that wrote it.
         elasticd_version: elasticd that wrote it.
+        run_id: the run that wrote it ("" for an anonymous writer or a manifest written
+            before run ids existed); a run loads and prunes only its own saves.
     """
 
     job: str
@@ -111,6 +117,7 @@ class Manifest:
     sampler: dict[str, Any] | None = None
     torch_version: str = ""
     elasticd_version: str = ""
+    run_id: str = ""
 
     @property
     def total_bytes(self) -> int:
@@ -132,6 +139,7 @@ class Manifest:
             "sampler": self.sampler,
             "torch_version": self.torch_version,
             "elasticd_version": self.elasticd_version,
+            "run_id": self.run_id,
         }
 
     def to_json(self) -> bytes:
@@ -141,15 +149,22 @@ class Manifest:
         return json.dumps(body, indent=1, sort_keys=True).encode()
 
     @classmethod
-    def from_json(cls, data: bytes) -> Manifest:
+    def from_json(cls, data: bytes, where: str = "manifest") -> Manifest:
         """Parse and verify a manifest.
 
+        Args:
+            data: the bytes read (at most ``MAX_MANIFEST_BYTES + 1`` of them).
+            where: names the manifest (its path) in the size error.
+
         Raises:
-            CheckpointCorruptError: not JSON, wrong format or version, a field missing or
-                of the wrong type, an unsafe file name, or the self-checksum differs.
+            CheckpointCorruptError: over ``MAX_MANIFEST_BYTES``, not JSON, wrong format or
+                version, a field missing or of the wrong type or range, an unsafe file
+                name, or the self-checksum differs.
         """
         if len(data) > MAX_MANIFEST_BYTES:
-            raise CheckpointCorruptError(f"manifest is {len(data)} bytes, over the 1 MiB limit")
+            raise CheckpointCorruptError(
+                f"{where} is over the {MAX_MANIFEST_BYTES >> 20} MiB manifest limit (not read "
+                "further): not a manifest elasticd wrote; remove it or move it away")
         try:
             raw = json.loads(data)
         except (ValueError, UnicodeDecodeError) as exc:
@@ -169,21 +184,27 @@ class Manifest:
             raise CheckpointCorruptError("manifest self-checksum does not match its content")
         try:
             files = tuple(_file_entry(f) for f in _typed(raw, "files", list))
+            parts = _typed(raw, "parts", list)
+            if not all(isinstance(p, str) for p in parts):
+                raise TypeError("'parts' holds a non-string")
             manifest = cls(
                 job=_typed(raw, "job", str),
-                step=_typed(raw, "step", int),
+                step=_ranged(raw, "step", 0, MAX_STEP),
                 save_id=_typed(raw, "save_id", str),
-                world_size=_typed(raw, "world_size", int),
-                created_at=float(_typed(raw, "created_at", (int, float))),
-                committed_at=float(_typed(raw, "committed_at", (int, float))),
+                world_size=_ranged(raw, "world_size", 0, 1 << 24),
+                created_at=_time(raw, "created_at"),
+                committed_at=_time(raw, "committed_at"),
                 files=files,
-                parts=tuple(str(p) for p in _typed(raw, "parts", list)),
-                sampler=raw.get("sampler") if isinstance(raw.get("sampler"), dict) else None,
-                torch_version=str(raw.get("torch_version", "")),
-                elasticd_version=str(raw.get("elasticd_version", "")),
+                parts=tuple(parts),
+                sampler=_optional(raw, "sampler", dict, None),
+                torch_version=_optional(raw, "torch_version", str, ""),
+                elasticd_version=_optional(raw, "elasticd_version", str, ""),
+                run_id=_optional(raw, "run_id", str, ""),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise CheckpointCorruptError(f"manifest field invalid: {exc}") from None
+        if manifest.run_id and not RUN_ID_RE.fullmatch(manifest.run_id):
+            raise CheckpointCorruptError(f"manifest run_id {manifest.run_id!r} is malformed")
         if not SAVE_ID_RE.fullmatch(manifest.save_id):
             raise CheckpointCorruptError(f"manifest save_id {manifest.save_id!r} is malformed")
         names = [f.name for f in files]
@@ -202,6 +223,27 @@ def _typed(raw: dict[str, Any], key: str, kind: Any) -> Any:
     if isinstance(value, bool) or not isinstance(value, kind):
         raise TypeError(f"{key!r} has type {type(value).__name__}")
     return value
+
+
+def _ranged(raw: dict[str, Any], key: str, low: int, high: int) -> int:
+    value: int = _typed(raw, key, int)
+    if not low <= value <= high:
+        raise ValueError(f"{key!r} is {value}, outside [{low}, {high}]")
+    return value
+
+
+def _time(raw: dict[str, Any], key: str) -> float:
+    value = float(_typed(raw, key, (int, float)))
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"{key!r} is {value}, not a Unix time")
+    return value
+
+
+def _optional(raw: dict[str, Any], key: str, kind: type, default: Any) -> Any:
+    """An optional field: absent or null gives ``default``; present, it must be ``kind``."""
+    if raw.get(key) is None:
+        return default
+    return _typed(raw, key, kind)
 
 
 def _file_entry(raw: Any) -> FileEntry:

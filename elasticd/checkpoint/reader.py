@@ -10,7 +10,12 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from elasticd.checkpoint.api import CheckpointCorruptError, CheckpointMismatchError
+from elasticd.checkpoint.api import (
+    CheckpointCorruptError,
+    CheckpointMismatchError,
+    CheckpointUnreadableError,
+)
+from elasticd.checkpoint.identity import RunIdentity, refusal
 from elasticd.checkpoint.manifest import STATE_FILE, Manifest
 from elasticd.checkpoint.restore import deserialize, deserialize_file
 from elasticd.checkpoint.staging import RESERVED_KEY
@@ -21,8 +26,11 @@ from elasticd.checkpoint.store import (
 )
 from elasticd.records import CheckpointPointer
 
-# Outcome of one rank reading one candidate, ordered so that the worst (max) wins.
-OK, CORRUPT, VANISHED, FAILED = 0, 1, 2, 3
+# Outcome of one rank reading one candidate, ordered so that the worst (max) wins. Only
+# CORRUPT (decode, CRC, size) and UNREADABLE (one path: permission, a directory) skip to an
+# older checkpoint; FAILED (storage error, out of memory) fails the load loudly.
+OK, CORRUPT, UNREADABLE, VANISHED, FAILED = 0, 1, 2, 3, 4
+SKIPPED = (CORRUPT, UNREADABLE)
 
 
 def candidates(
@@ -30,17 +38,23 @@ def candidates(
     pointer: CheckpointPointer | None,
     skip: Callable[[str, str], None],
     log: Any,
+    identity: RunIdentity | None = None,
 ) -> Iterator[tuple[str, str, Manifest] | tuple[str]]:
     """Yield ``("try", manifest_url, manifest)`` newest first, skipping (``skip(url,
     reason)``) what the listing and the manifest alone show to be unusable.
 
     With a pointer, it comes first and only older checkpoints follow: anything newer, or
     another save of its step, was never committed. A pointer that is not a checkpoint of
-    this job (the URL changed since) is ignored with a warning, and the listing decides.
+    this job (the URL changed since) or of another run is ignored with a warning, and the
+    listing decides. This run's saves come first; another run's follow only with
+    ``resume="require"`` (see :mod:`elasticd.checkpoint.identity`).
 
     Raises:
         CheckpointMismatchError: a verified manifest belongs to another job.
+        ForeignCheckpointError: ``resume="auto"`` and only another run's checkpoints exist.
+        OSError: storage failed (the load fails; nothing is skipped because of it).
     """
+    identity = identity or RunIdentity()
     listed = {(s.step, s.save_id): s for s in store.list_saves()}
     skipped_here = False
 
@@ -50,6 +64,10 @@ def candidates(
         skip(url, reason)
 
     order = sorted(listed, key=lambda k: (k[0], listed[k].created_at, k[1]), reverse=True)
+    if pointer is not None and identity.run_id and pointer.run_id not in ("", identity.run_id):
+        log.warning("checkpoint_pointer_ignored", pointer=pointer.manifest_url,
+                    reason=f"committed by run {pointer.run_id}, not this run {identity.run_id}")
+        pointer = None
     if pointer is not None:
         key = store.parse_manifest_url(pointer.manifest_url)
         if key is None:
@@ -61,6 +79,7 @@ def candidates(
                     skip_one(store.manifest_url(*k), f"not committed by the fence (pointer is step "
                                                  f"{key[0]}): zombie or refused upload")
             order = [key] + [k for k in order if k[0] < key[0]]
+    foreign: list[tuple[str, Manifest]] = []
     for step, save_id in order:
         url = store.manifest_url(step, save_id)
         save = listed.get((step, save_id))
@@ -68,18 +87,33 @@ def candidates(
             skip_one(url, "pointed to by the fence but missing from storage")
             continue
         try:
+            problem = store.unreadable_reason(save)
+            if problem:
+                raise CheckpointUnreadableError(problem)
             manifest = store.read_manifest(step, save_id)
             problem = listing_problem(manifest, save)
             if problem:
                 raise CheckpointCorruptError(problem)
-        except CheckpointCorruptError as exc:
+        except (CheckpointCorruptError, CheckpointUnreadableError) as exc:
             skip_one(url, str(exc))
             continue
         if manifest.job != store.job:
             raise CheckpointMismatchError(
                 f"checkpoint {url} belongs to job {manifest.job!r}, not {store.job!r}: it was "
                 f"copied here or the job name changed; move it or load with job={manifest.job!r}")
+        if not identity.owns(manifest.run_id):
+            foreign.append((url, manifest))
+            continue
         yield ("try", url, manifest)
+    if foreign and identity.resume == "require":
+        # Deliberate resume of another run: its newest valid save, once ours are exhausted.
+        for url, manifest in foreign:
+            log.info("checkpoint_resuming_other_run", url=url, run_id=manifest.run_id,
+                     step=manifest.step)
+            yield ("try", url, manifest)
+    elif foreign and identity.resume == "auto":
+        newest = foreign[0][1]
+        raise refusal(store.job_url, newest.run_id, newest.step, identity.run_id)
     # Every candidate was unusable. If the listing changed meanwhile (a concurrent prune
     # deleted what we were about to read, or a new save landed), look again rather than
     # report "no checkpoint": a reader must never start from scratch because of a prune.
@@ -119,6 +153,9 @@ def read_state(store: FsspecCheckpointStore, manifest: Manifest,
         return VANISHED, str(exc) or "a data file disappeared while reading", None
     except CheckpointCorruptError as exc:
         return CORRUPT, str(exc), None
-    except Exception as exc:  # noqa: BLE001 - storage errors: report, don't skip
+    except CheckpointUnreadableError as exc:
+        return UNREADABLE, str(exc), None
+    except Exception as exc:  # noqa: BLE001 - storage errors, MemoryError: report, don't skip
+        # (ConfigError from a too-old torch lands here too and fails the load, as it must.)
         return FAILED, repr(exc), None
     return OK, None, state

@@ -11,6 +11,7 @@ overwritten.
 from __future__ import annotations
 
 import io
+import re
 from collections import OrderedDict
 from collections.abc import Mapping, MutableMapping
 from typing import Any
@@ -19,9 +20,41 @@ import torch
 
 from elasticd.checkpoint.api import CheckpointCorruptError, CheckpointMismatchError
 from elasticd.checkpoint.staging import unwrap
-from elasticd.errors import ElasticdError
+from elasticd.errors import ConfigError, ElasticdError
 
 _SHOWN = 4  # mismatched names shown in an error; the count says how many more
+# weights_only loading is bypassable before torch 2.6 and had memory-safety bugs fixed up to
+# 2.10; pyproject requires >=2.10, and this refuses a forced older install at load time.
+MIN_TORCH = (2, 10)
+SUPPORTED_TORCH = "torch>=2.10,<2.15"
+
+
+def torch_problem(version: str) -> str | None:
+    """Why checkpoints must not be loaded under torch ``version``, or None if it is safe.
+
+    Args:
+        version: ``torch.__version__`` (``"2.13.0+cpu"``, ``"2.10.0a0+git1234"``).
+    """
+    m = re.match(r"^(\d+)\.(\d+)", version)
+    if m is None:
+        return f"torch version {version!r} cannot be parsed"
+    found = (int(m.group(1)), int(m.group(2)))
+    if found < MIN_TORCH:
+        return (f"torch {version} is too old to load checkpoints safely: its "
+                "torch.load(weights_only=True) can be bypassed or crash on crafted files "
+                f"(fixed in {MIN_TORCH[0]}.{MIN_TORCH[1]})")
+    return None
+
+
+def require_safe_torch() -> None:
+    """Refuse to load anything from storage under a torch whose weights_only is unsound.
+
+    Raises:
+        ConfigError: the running torch is older than 2.10 (names the fix).
+    """
+    problem = torch_problem(torch.__version__)
+    if problem is not None:
+        raise ConfigError(f"{problem}; install {SUPPORTED_TORCH} (pip install 'torch==2.13.0')")
 
 
 def deserialize(data: bytes | bytearray, name: str) -> Any:
@@ -30,6 +63,8 @@ def deserialize(data: bytes | bytearray, name: str) -> Any:
     Raises:
         CheckpointCorruptError: the bytes are not a torch file, or hold anything but
             tensors and plain containers.
+        MemoryError, OSError: not corruption; the caller fails the load.
+        ConfigError: torch older than 2.10 (:func:`require_safe_torch`).
     """
     # BytesIO over a bytes object shares its buffer instead of copying it.
     return _load(io.BytesIO(data if isinstance(data, bytes) else bytes(data)), name, mmap=False)
@@ -42,16 +77,19 @@ def deserialize_file(path: str, name: str) -> Any:
     instead of three (read buffer, storages, template), and no fresh allocation to fault in.
 
     Raises:
-        CheckpointCorruptError: as :func:`deserialize`.
-        FileNotFoundError: the file vanished since it was verified.
+        CheckpointCorruptError, MemoryError, OSError, ConfigError: as :func:`deserialize`
+            (FileNotFoundError: the file vanished since it was verified).
     """
     return _load(path, name, mmap=True)
 
 
 def _load(source: Any, name: str, *, mmap: bool) -> Any:
+    require_safe_torch()
     try:
         return torch.load(source, map_location="cpu", weights_only=True, mmap=mmap)
-    except FileNotFoundError:
+    except (MemoryError, OSError):
+        # Out of memory or a failing disk says nothing about the bytes (already CRC-checked):
+        # the caller fails the load instead of skipping to an older checkpoint.
         raise
     except Exception as exc:  # noqa: BLE001 - any failure on untrusted bytes means "corrupt"
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__

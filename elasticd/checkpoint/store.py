@@ -26,9 +26,10 @@ from typing import Any
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
-from elasticd.checkpoint.api import CheckpointCorruptError
+from elasticd.checkpoint.api import CheckpointCorruptError, CheckpointUnreadableError
 from elasticd.checkpoint.manifest import (
     MANIFEST_NAME,
+    MAX_MANIFEST_BYTES,
     FileEntry,
     Manifest,
     checksum,
@@ -40,6 +41,9 @@ from elasticd.errors import ConfigError
 from elasticd.keys import JOB_NAME_RE, validate_job_name
 
 READ_CHUNK = 16 << 20
+# Errors that name a problem with one path, not with the storage as a whole: retrying does
+# not help, so readers skip that save (path named) instead of failing the whole load.
+_PATH_ERRORS = (PermissionError, IsADirectoryError, NotADirectoryError)
 
 
 class CheckpointVanishedError(CheckpointCorruptError):
@@ -51,12 +55,17 @@ class CheckpointVanishedError(CheckpointCorruptError):
 
 @dataclass(frozen=True)
 class ListedSave:
-    """A save directory as listed: names parsed, file sizes from the listing."""
+    """A save directory as listed: names parsed, file sizes from the listing.
+
+    ``dirs`` are entries of the save directory that are directories where only files
+    belong (``manifest.json/``): such a save cannot be read, and is never pruned.
+    """
 
     step: int
     save_id: str
     created_at: float
     files: Mapping[str, int]
+    dirs: frozenset[str] = frozenset()
 
     @property
     def has_manifest(self) -> bool:
@@ -229,22 +238,28 @@ class FsspecCheckpointStore:
         """
         self.fs.invalidate_cache(self.job_path)
         try:
-            found = self.fs.find(self.job_path, detail=True)
+            found = self.fs.find(self.job_path, detail=True, withdirs=True)
         except FileNotFoundError:
             return []
         groups: dict[tuple[int, str], dict[str, int]] = {}
+        dirs: dict[tuple[int, str], set[str]] = {}
         prefix = f"{self.job_path}/"
         for path, info in found.items():
             if not path.startswith(prefix):
                 continue
-            parts = path[len(prefix):].split("/")
+            parts = path.rstrip("/")[len(prefix):].split("/")
             if len(parts) != 3:
                 continue
             step = parse_step_dir(parts[0])
             if step is None or parse_save_id(parts[1]) is None:
                 continue
-            groups.setdefault((step, parts[1]), {})[parts[2]] = int(info.get("size") or 0)
-        saves = [ListedSave(step, sid, parse_save_id(sid) or 0.0, files)
+            files = groups.setdefault((step, parts[1]), {})
+            if info.get("type") == "directory":
+                dirs.setdefault((step, parts[1]), set()).add(parts[2])
+            else:
+                files[parts[2]] = int(info.get("size") or 0)
+        saves = [ListedSave(step, sid, parse_save_id(sid) or 0.0, files,
+                            frozenset(dirs.get((step, sid), ())))
                  for (step, sid), files in groups.items()]
         saves.sort(key=lambda s: (s.step, s.created_at, s.save_id), reverse=True)
         return saves
@@ -252,15 +267,23 @@ class FsspecCheckpointStore:
     def read_manifest(self, step: int, save_id: str) -> Manifest:
         """Read and verify one manifest, and check it names its own directory and job.
 
+        At most ``MAX_MANIFEST_BYTES + 1`` bytes are read (one ranged GET on object
+        stores), so an oversized object is refused without being fetched whole.
+
         Raises:
-            CheckpointCorruptError: missing, unreadable, or not this directory's manifest.
+            CheckpointCorruptError: missing, oversized, undecodable, or not this directory's
+                manifest.
+            CheckpointUnreadableError: permission denied, or the manifest is a directory.
+            OSError: the storage failed (transient: callers fail the load, never skip).
         """
         path = f"{self.save_path(step, save_id)}/{MANIFEST_NAME}"
         try:
-            data = self.fs.cat_file(path)
+            data = self.fs.cat_file(path, start=0, end=MAX_MANIFEST_BYTES + 1)
         except FileNotFoundError:
             raise CheckpointCorruptError("no manifest (save torn or still in flight)") from None
-        manifest = Manifest.from_json(data)
+        except _PATH_ERRORS as exc:
+            raise self._unreadable(path, exc) from None
+        manifest = Manifest.from_json(data, where=self.fs.unstrip_protocol(path))
         if manifest.step != step or manifest.save_id != save_id:
             raise CheckpointCorruptError(
                 f"manifest is for step {manifest.step} save {manifest.save_id}, not its "
@@ -275,10 +298,13 @@ class FsspecCheckpointStore:
             CheckpointVanishedError: the file is gone (pruned while we read).
             CheckpointCorruptError: wrong size or checksum.
         """
+        path = self._data_path(step, save_id, entry)
         try:
-            data = self.fs.cat_file(self._data_path(step, save_id, entry))
+            data = self.fs.cat_file(path)
         except FileNotFoundError:
             raise CheckpointVanishedError(f"data file {entry.name} disappeared while reading") from None
+        except _PATH_ERRORS as exc:
+            raise self._unreadable(path, exc) from None
         _check(entry, len(data), checksum(data))
         return data
 
@@ -315,10 +341,26 @@ class FsspecCheckpointStore:
                     turn = 1 - turn
         except FileNotFoundError:
             raise CheckpointVanishedError(f"data file {entry.name} disappeared while reading") from None
+        except _PATH_ERRORS as exc:
+            raise self._unreadable(self._data_path(step, save_id, entry), exc) from None
         finally:
             if pending is not None:
                 pending.join()
         _check(entry, size, crc[0])
+
+    def unreadable_reason(self, save: ListedSave) -> str | None:
+        """Why the listing alone shows ``save`` cannot be read (a directory where a file
+        belongs), naming the path; None otherwise."""
+        if not save.dirs:
+            return None
+        name = sorted(save.dirs)[0]
+        return (f"{self.save_url(save.step, save.save_id)}/{name} is a directory where a file "
+                "belongs: skipped and never pruned; remove or rename it")
+
+    def _unreadable(self, path: str, exc: OSError) -> CheckpointUnreadableError:
+        return CheckpointUnreadableError(
+            f"{self.fs.unstrip_protocol(path)} cannot be read ({type(exc).__name__}: "
+            f"{exc.strerror or exc}): skipped and never pruned; fix its permissions or move it")
 
     def local_path(self, step: int, save_id: str, entry: FileEntry) -> str | None:
         """The OS path of a data file on a local (or mounted shared) disk, else None."""

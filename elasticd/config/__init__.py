@@ -12,7 +12,7 @@ Precedence (later wins): built-in defaults < TOML file < ``ELASTICD_*`` environm
 
 TOML layout (every key is documented with its default in docs/configuration.md)::
 
-    [job]        name, nnodes, checkpoint_url, standalone
+    [job]        name, nnodes, checkpoint_url, standalone, resume
     [etcd]       endpoints, ca_file, cert_file, key_file, user, password,
                  password_file, timeout_s, connect_timeout_s, data_dir,
                  insecure_allow_plaintext_auth
@@ -37,7 +37,7 @@ environment anyway, so export the variable itself).
 
 Override keys (the ``overrides`` mapping, one per CLI flag) are the dotted names::
 
-    job.name  job.nnodes  job.checkpoint_url  job.standalone
+    job.name  job.nnodes  job.checkpoint_url  job.standalone  job.resume
     etcd.endpoints  etcd.ca_file  etcd.cert_file  etcd.key_file  etcd.user
     etcd.password  etcd.password_file  etcd.timeout_s  etcd.connect_timeout_s
     etcd.data_dir  etcd.insecure_allow_plaintext_auth

@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from elasticd.config.schema import LOG_FORMATS, LOG_LEVELS, PROVIDERS
+from elasticd.config.schema import LOG_FORMATS, LOG_LEVELS, PROVIDERS, RESUME_MODES
 
 
 @dataclass(frozen=True)
@@ -44,6 +44,9 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--nnodes", "job.nnodes", "N or MIN:MAX nodes (default 1)"),
     Flag("--checkpoint-url", "job.checkpoint_url",
          "fsspec URL handed to workers as ELASTICD_CHECKPOINT_URL", metavar="URL"),
+    Flag("--resume", "job.resume", "another run's checkpoints under the same URL and job: "
+         "auto refuses to start (exit 78), require resumes the newest, never ignores them",
+         choices=RESUME_MODES),
     Flag("--etcd", "etcd.endpoints", "etcd endpoints, comma-separated",
          metavar="HOST:PORT[,...]"),
     Flag("--etcd-ca", "etcd.ca_file", "CA bundle for TLS to etcd", metavar="FILE"),

@@ -24,6 +24,9 @@ class JobConfig:
     max_nodes: int = 1
     checkpoint_url: str | None = None
     standalone: bool = False
+    # Checkpoints of another run under the same URL and job: "auto" refuses to start,
+    # "require" resumes the newest of them, "never" ignores them (docs/checkpoints.md).
+    resume: str = "auto"
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,7 @@ SECTIONS = (
     "job", "etcd", "node", "rendezvous", "workers", "restart", "drain", "preemption", "logging",
     "metrics",
 )
+RESUME_MODES = ("auto", "require", "never")
 PROVIDERS = ("none", "aws", "gcp", "azure", "auto")
 LOG_FORMATS = ("auto", "json", "console")
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -316,6 +317,7 @@ KEYS: dict[str, Key] = {
         Key("job", "checkpoint_url", optional_string, None,
             'checkpoint_url = "s3://bucket/my-run"'),
         Key("job", "standalone", boolean, False, "standalone = true"),
+        Key("job", "resume", choice(*RESUME_MODES), "auto", 'resume = "require"'),
         Key("etcd", "endpoints", endpoints, (), 'endpoints = ["etcd-1:2379", "etcd-2:2379"]'),
         Key("etcd", "ca_file", optional_string, None, 'ca_file = "/etc/elasticd/tls/ca.pem"'),
         Key("etcd", "cert_file", optional_string, None,

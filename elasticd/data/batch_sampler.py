@@ -32,9 +32,17 @@ class ElasticBatchSampler(Sampler[list[int]]):
         """Pair a sampler with the batch plan for the same global batch and world size.
 
         Raises:
-            ConfigError: The plan was made for another global batch size or world size.
+            ConfigError: The plan was made for another global batch size or world size, or
+                ``sampler``/``plan`` is not an ElasticSampler/BatchPlan (named).
         """
         super().__init__()
+        if not isinstance(sampler, ElasticSampler):
+            raise ConfigError(f"ElasticBatchSampler needs an ElasticSampler, got "
+                              f"{type(sampler).__name__}; build one with ElasticSampler(dataset, "
+                              "global_batch_size=...)")
+        if not isinstance(plan, BatchPlan):
+            raise ConfigError(f"ElasticBatchSampler needs a BatchPlan, got {type(plan).__name__}; "
+                              "build one with plan_global_batch(global_batch, world_size, micro_batch)")
         if (plan.global_batch_size, plan.world_size) != (
             sampler.global_batch_size,
             sampler.num_replicas,

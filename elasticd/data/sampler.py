@@ -18,6 +18,7 @@ batch. The reference for behaviour (tail rule, small datasets, DataLoader worker
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterator, Mapping, Sized
 from itertools import chain
 from typing import Any
@@ -40,6 +41,44 @@ STATE_VERSION = 1
 # one step). Large enough to amortise torch's per-op overhead (~80 ns/index at 32k versus
 # ~350 ns/index at 1k, see docs/benchmarks.md), small enough to be O(1) memory: 32k int64.
 _CHUNK_POSITIONS = 32768
+
+
+def whole_number(what: str, value: Any, *, minimum: int, fix: str) -> int:
+    """``value`` as a Python int, or a ConfigError naming ``what``, the value and ``fix``.
+
+    Accepts ints and integer scalars that implement ``__index__`` (NumPy, 0-d tensors), so
+    the saved state stays plain JSON. Refuses bools and floats (even 8.0): a fractional
+    counter would otherwise be truncated silently.
+
+    Args:
+        what: the field's name in the message (``"global_batch_size"``).
+        value: what was given.
+        minimum: the smallest valid value.
+        fix: what to do instead, appended to the message.
+
+    Raises:
+        ConfigError: not an integer, or below ``minimum``.
+    """
+    if isinstance(value, (bool, float)):
+        number = None
+    else:
+        try:
+            number = operator.index(value)
+        except TypeError:
+            number = None
+    if number is None:
+        raise ConfigError(f"{what} must be a whole number, got {value!r} "
+                          f"({type(value).__name__}); {fix}")
+    if number < minimum:
+        raise ConfigError(f"{what} must be >= {minimum}, got {number}; {fix}")
+    return int(number)
+
+
+def _flag(what: str, value: Any, fix: str) -> bool:
+    numpy_bool = type(value).__module__ == "numpy" and isinstance(getattr(value, "item", int)(), bool)
+    if not isinstance(value, bool) and not numpy_bool:
+        raise ConfigError(f"{what} must be True or False, got {value!r} ({type(value).__name__}); {fix}")
+    return bool(value)
 
 
 def _world_from_torch(num_replicas: int | None, rank: int | None) -> tuple[int, int]:
@@ -103,11 +142,26 @@ class ElasticSampler(Sampler[int]):
         Raises:
             ConfigError: Empty or oversized dataset; ``global_batch_size`` < 1 or smaller
                 than the world size (a rank would have nothing to train); or
-                ``drop_last`` with a global batch larger than the dataset (no step at all).
+                ``drop_last`` with a global batch larger than the dataset (no step at all);
+                or a value of the wrong type (a float batch size, a str seed), named.
             ValueError: ``rank`` outside ``[0, num_replicas)``.
         """
         super().__init__()
-        n = dataset if isinstance(dataset, int) else len(dataset)
+        n = whole_number("dataset length", dataset if not isinstance(dataset, Sized) else len(dataset),
+                         minimum=0, fix="pass the dataset or its length as an int")
+        global_batch_size = whole_number(
+            "global_batch_size", global_batch_size, minimum=1,
+            fix="pass the number of samples per optimizer step over all ranks as an int, "
+                "e.g. global_batch_size=int(cfg.batch)")
+        seed = whole_number("seed", seed, minimum=-(2**63),
+                            fix="pass an int, the same on every rank and across restarts")
+        shuffle = _flag("shuffle", shuffle, "pass shuffle=True or shuffle=False")
+        drop_last = _flag("drop_last", drop_last, "pass drop_last=True or drop_last=False")
+        if num_replicas is not None:
+            num_replicas = whole_number("num_replicas", num_replicas, minimum=1,
+                                        fix="pass the world size as an int, or omit it")
+        if rank is not None:
+            rank = whole_number("rank", rank, minimum=0, fix="pass this rank as an int, or omit it")
         if not 1 <= n <= MAX_DATASET_LEN:
             raise ConfigError(
                 f"ElasticSampler needs a dataset of 1 to 2**62 samples, got {n}; "
@@ -202,7 +256,13 @@ class ElasticSampler(Sampler[int]):
 
         Args:
             epoch: Epoch number (``>= 0``).
+
+        Raises:
+            ConfigError: ``epoch`` is negative or not a whole number (a state saved after
+                it could never be loaded).
         """
+        epoch = whole_number("epoch", epoch, minimum=0,
+                             fix="epochs count from 0: loop over range(sampler.epoch, num_epochs)")
         if epoch == self._epoch:
             return
         if epoch < self._epoch:
@@ -223,12 +283,17 @@ class ElasticSampler(Sampler[int]):
         state saved after it resumes at the next global batch.
 
         Raises:
-            ValueError: ``num_steps < 1``.
+            ValueError: ``num_steps < 1`` or not a whole number.
             RuntimeError: The epoch has fewer steps left than ``num_steps``, i.e. the loop
                 and the sampler disagree about where the epoch ends.
         """
-        if num_steps < 1:
-            raise ValueError(f"num_steps must be >= 1, got {num_steps}")
+        if isinstance(num_steps, bool) or not isinstance(num_steps, int) or num_steps < 1:
+            try:
+                num_steps = operator.index(num_steps)
+            except TypeError:
+                num_steps = 0
+            if num_steps < 1:
+                raise ValueError(f"num_steps must be a whole number >= 1, got {num_steps!r}")
         left = self.steps_remaining
         if num_steps > left:
             raise RuntimeError(
@@ -306,8 +371,15 @@ class ElasticSampler(Sampler[int]):
         logged, since it changes which samples the rest of the epoch trains together.
 
         Raises:
-            ConfigError: The state is from an unknown version or another data order.
+            ConfigError: The state is None or not a mapping, from an unknown version or
+                another data order, or a field has the wrong type or range (named, with
+                the value; a fractional counter is refused, never truncated).
         """
+        if not isinstance(state, Mapping):
+            raise ConfigError(
+                f"sampler state is {state!r} ({type(state).__name__}), not a dict: the checkpoint "
+                "has no sampler entry, or another value was passed; pass the dict saved from "
+                "ElasticSampler.state_dict(), or skip load_state_dict to start the epoch afresh")
         if state.get("version") != STATE_VERSION:
             raise ConfigError(
                 f"sampler state version {state.get('version')!r} is not supported (this elasticd "
@@ -323,6 +395,19 @@ class ElasticSampler(Sampler[int]):
             "restore the original setting, or start a new epoch without loading the sampler "
             "state (the interrupted epoch's remaining samples are then not trained exactly once)"
         )
+        broken = "the state was edited or not written by ElasticSampler.state_dict()"
+        whole_number("sampler state dataset_len", state["dataset_len"], minimum=1, fix=broken)
+        whole_number("sampler state seed", state["seed"], minimum=-(2**63), fix=broken)
+        whole_number("sampler state global_batch_size", state["global_batch_size"], minimum=1,
+                     fix=broken)
+        for key in ("shuffle", "drop_last"):
+            _flag(f"sampler state {key}", state[key], broken)
+        if not isinstance(state["permutation"], str):
+            raise ConfigError(f"sampler state permutation is {state['permutation']!r}, not a "
+                              f"name; {broken}")
+        epoch = whole_number("sampler state epoch", state["epoch"], minimum=0, fix=broken)
+        trained = whole_number("sampler state samples_trained", state["samples_trained"], minimum=0,
+                               fix=broken)
         for key, mine in (
             ("dataset_len", self._n),
             ("seed", self._seed),
@@ -338,9 +423,6 @@ class ElasticSampler(Sampler[int]):
                 f"sampler state was written with permutation {state['permutation']!r}, this "
                 f"elasticd computes {PERMUTATION_ALGORITHM!r}; {fix}"
             )
-        epoch, trained = int(state["epoch"]), int(state["samples_trained"])
-        if epoch < 0 or trained < 0:
-            raise ConfigError(f"sampler state has a negative epoch or position: {dict(state)!r}")
         for key, mine in (
             ("global_batch_size", self._global_batch_size),
             ("drop_last", self._drop_last),

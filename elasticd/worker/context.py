@@ -30,7 +30,17 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 
-from elasticd.agent.control import DRAIN_FILE, DRAINABLE_PREFIX, STOPPED_PREFIX, ControlClient
+from elasticd.control import (
+    DRAIN_FILE,
+    DRAINABLE_PREFIX,
+    ENV_CONTROL_DIR,
+    ENV_CONTROL_SOCKET,
+    ENV_ROUND,
+    STOPPED_PREFIX,
+    ControlClient,
+    Progress,
+)
+from elasticd.errors import ConfigError
 
 DEFAULT_COLLECTIVE_TIMEOUT_S = 300.0
 PROGRESS_MIN_INTERVAL_S = 0.2
@@ -52,6 +62,10 @@ class WorkerContext:
     node: str | None
     checkpoint_url: str | None
     under_agent: bool  # started by an elasticd agent (drain file, fenced commits)
+    # The run's identity and resume mode (ELASTICD_RUN_ID/ELASTICD_RESUME from the agent),
+    # for CheckpointManager(run_id=..., resume=...). None/"auto" without an agent.
+    run_id: str | None = None
+    resume: str = "auto"
 
     @property
     def is_main(self) -> bool:
@@ -80,6 +94,37 @@ def _env_int(name: str, default: int) -> int:
     return int(raw) if raw not in (None, "") else default
 
 
+@dataclass(frozen=True)
+class AgentEnvironment:
+    """What an elasticd agent told this process through its environment."""
+
+    control_dir: str
+    socket_path: str
+    round: int
+
+
+def agent_environment() -> AgentEnvironment | None:
+    """The agent's control channel and round, or None when not started by an agent.
+
+    Raises:
+        ConfigError: ``ELASTICD_CONTROL_SOCKET`` is set (started by an agent) but
+            ``ELASTICD_ROUND`` is missing or not a round number. Running on would commit
+            checkpoints unfenced, so a zombie could overwrite the live job's pointer.
+    """
+    socket_path = os.environ.get(ENV_CONTROL_SOCKET)
+    if not socket_path:
+        return None
+    raw = os.environ.get(ENV_ROUND, "")
+    if not raw.isdigit():
+        raise ConfigError(
+            f"{ENV_CONTROL_SOCKET} is set (this process was started by an elasticd agent) "
+            f"but {ENV_ROUND}={raw!r} is not a round number, so checkpoint commits could not "
+            "be fenced. Start workers through `elasticd run`/`elasticd agent` (which set it), "
+            f"or unset {ENV_CONTROL_SOCKET} and {ENV_CONTROL_DIR} to run without an agent")
+    return AgentEnvironment(control_dir=os.environ.get(ENV_CONTROL_DIR, ""),
+                            socket_path=socket_path, round=int(raw))
+
+
 def init(backend: str | None = None, *, timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S) -> WorkerContext:
     """Set up the process group from torchrun's environment; idempotent.
 
@@ -90,9 +135,14 @@ def init(backend: str | None = None, *, timeout_s: float = DEFAULT_COLLECTIVE_TI
 
     Returns:
         The ``WorkerContext``.
+
+    Raises:
+        ConfigError: started by an agent without ``ELASTICD_ROUND`` (see
+            :func:`agent_environment`).
     """
     if _S.ctx is not None:
         return _S.ctx
+    agent = agent_environment()  # fail before any collective: a config error, not a hang
     world = _env_int("WORLD_SIZE", 1)
     rank = _env_int("RANK", 0)
     local_rank = _env_int("LOCAL_RANK", 0)
@@ -108,17 +158,18 @@ def init(backend: str | None = None, *, timeout_s: float = DEFAULT_COLLECTIVE_TI
         if backend == "nccl":
             kwargs["device_id"] = device
         dist.init_process_group(**kwargs)
-    round_raw = os.environ.get("ELASTICD_ROUND")
-    control_dir = os.environ.get("ELASTICD_CONTROL_DIR")
-    socket_path = os.environ.get("ELASTICD_CONTROL_SOCKET")
+    control_dir = agent.control_dir if agent else os.environ.get(ENV_CONTROL_DIR)
+    socket_path = agent.socket_path if agent else None
     _S.ctx = WorkerContext(
         rank=rank, world_size=world, local_rank=local_rank,
         local_world_size=_env_int("LOCAL_WORLD_SIZE", 1), device=device, backend=backend,
         restart_count=_env_int("TORCHELASTIC_RESTART_COUNT", 0),
-        round=int(round_raw) if round_raw and round_raw.lstrip("-").isdigit() else None,
+        round=agent.round if agent else None,
         job=os.environ.get("ELASTICD_JOB"), node=os.environ.get("ELASTICD_NODE"),
         checkpoint_url=os.environ.get("ELASTICD_CHECKPOINT_URL"),
         under_agent=bool(control_dir),
+        run_id=os.environ.get("ELASTICD_RUN_ID") or None,
+        resume=os.environ.get("ELASTICD_RESUME") or "auto",
     )
     _S.control_dir = Path(control_dir) if control_dir else None
     _S.client = ControlClient(socket_path) if socket_path else None
@@ -227,8 +278,8 @@ def report_progress(step: int, *, epoch: int = 0, samples: int = 0, force: bool 
         return
     _S.last_progress_at = now
     ctx = context()
-    _S.client.send({"op": "progress", "rank": ctx.rank, "step": step, "epoch": epoch,
-                    "samples": samples})
+    _S.client.send(Progress(local_rank=ctx.local_rank, rank=ctx.rank, step=max(step, -1),
+                            epoch=max(epoch, 0), samples=max(samples, 0)))
 
 
 def control_client() -> ControlClient | None:

@@ -1,13 +1,16 @@
 """The checkpoint commit fence as seen from a worker: ask the agent over the control socket.
 
 Only the agent knows whether its round is still the job's current round, so rank 0 asks
-it to compare-and-swap ``/elasticd/<job>/checkpoint/latest``. A frozen or partitioned
-agent never answers in time, so a zombie's checkpoint is never pointed to.
+it to compare-and-swap ``/elasticd/<job>/checkpoint/latest``. The answer has three values
+(``CommitOutcome``): committed; refused (the compare failed: this worker is a zombie);
+unknown. No answer in time (a frozen agent, a busy etcd) is *unknown*: the checkpoint is
+not pointed to, but neither is it deleted, and the agent retries the commit on its own.
 """
 
 from __future__ import annotations
 
-from elasticd.agent.control import ControlClient
+from elasticd.control import CommitReply, CommitRequest, ControlClient, LatestReply
+from elasticd.control.api import CommitOutcome
 from elasticd.records import CheckpointPointer
 
 
@@ -23,28 +26,38 @@ class AgentCommitFence:
         self.client = client
         self.round = round_
 
-    def commit(self, step: int, manifest_url: str, world_size: int) -> bool:
+    def commit(self, step: int, manifest_url: str, world_size: int) -> CommitOutcome:
+        """Ask the agent to commit; ``UNKNOWN`` when it did not answer or could not tell."""
         try:
-            reply = self.client.request({"op": "commit", "step": step, "manifest_url": manifest_url,
-                                         "world_size": world_size, "round": self.round})
+            reply = self.client.commit(CommitRequest(step=step, manifest_url=manifest_url,
+                                                     world_size=max(world_size, 1), round=self.round))
         except OSError:
-            return False  # no answer from the agent: never point at what we cannot vouch for
-        return bool(reply.get("ok"))
+            return CommitOutcome.UNKNOWN  # no answer is not a no: never delete on a guess
+        if isinstance(reply, CommitReply):
+            return reply.outcome
+        return CommitOutcome.UNKNOWN  # the agent rejected the request itself: not a fence verdict
 
     def latest(self) -> CheckpointPointer | None:
+        """The committed pointer; None when nothing is committed or the agent cannot tell."""
         try:
-            reply = self.client.request({"op": "latest"})
+            reply = self.client.latest()
         except OSError:
             return None
-        pointer = reply.get("pointer") if reply.get("ok") else None
-        return CheckpointPointer(**pointer) if pointer else None
+        return reply.pointer if isinstance(reply, LatestReply) and reply.ok else None
 
 
 def agent_fence() -> AgentCommitFence | None:
-    """The fence for this worker when it runs under an elasticd agent, else None."""
-    from elasticd.worker.context import context, control_client
+    """The fence for this worker when it runs under an elasticd agent, else None.
 
-    client, ctx = control_client(), context()
-    if client is None or ctx.round is None:
+    ``CheckpointManager`` calls this by default, so under an agent fencing is on without
+    a ``fence=`` argument. Does not initialise the process group.
+
+    Raises:
+        ConfigError: started by an agent without ``ELASTICD_ROUND``.
+    """
+    from elasticd.worker.context import agent_environment, control_client
+
+    env = agent_environment()
+    if env is None:
         return None
-    return AgentCommitFence(client, ctx.round)
+    return AgentCommitFence(control_client() or ControlClient(env.socket_path), env.round)

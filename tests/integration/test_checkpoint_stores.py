@@ -98,11 +98,13 @@ def test_two_saves_of_one_step_never_interleave(store):
     # Each writer prunes after its commit, so the older copy may be gone already.
     infos = list_checkpoints(store[0], "demo", storage_options=store[1], verify=True)
     assert infos and all(i.step == 7 and i.valid for i in infos)
-    _mgr(store).prune()
-    assert len(_mgr(store).store.list_saves()) == 1  # "superseded" removed the older copy
     w = torch.full((1000,), 5.0)
     _mgr(store).load_latest({"w": w})
     assert torch.equal(w, torch.zeros(1000)) or torch.equal(w, torch.ones(1000))
+    # Step 7 is the newest committed step: both copies stay (retention never deletes at or
+    # above it). Once step 8 commits, "superseded" removes the older copy of 7.
+    _mgr(store).save(8, {"w": torch.ones(1000)}, blocking=True)
+    assert sorted(s.step for s in _mgr(store).store.list_saves()) == [7, 8]
 
 
 def test_retention_under_a_concurrent_reader(store):

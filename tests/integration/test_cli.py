@@ -13,7 +13,7 @@ pytestmark = pytest.mark.timeout(60)
 
 # Changing the CLI is a user-visible change: update this list, the docs and the CHANGELOG.
 # `run` and `agent` share one flag per config key (elasticd.config.flags).
-NODE_FLAGS = ["--standalone", "--job", "--nnodes", "--checkpoint-url", "--etcd", "--etcd-ca",
+NODE_FLAGS = ["--standalone", "--job", "--nnodes", "--checkpoint-url", "--resume", "--etcd", "--etcd-ca",
               "--etcd-cert", "--etcd-key", "--etcd-user", "--etcd-password-file",
               "--etcd-insecure-plaintext-auth", "--etcd-timeout", "--etcd-connect-timeout", "--etcd-data-dir", "--node-id",
               "--local-addr", "--node-ttl", "--join-timeout", "--last-call-timeout",

@@ -9,10 +9,10 @@ import pytest
 import torch
 from harness import wait_until
 
-from elasticd.agent.control import ControlChannel, ControlClient
-from elasticd.agent.recorder import JobRecorder, pointer_dict
+from elasticd.agent.recorder import JobRecorder
 from elasticd.checkpoint import CheckpointManager
 from elasticd.checkpoint.catalog import list_checkpoints
+from elasticd.control import ControlChannel, ControlClient
 from elasticd.errors import FencedError
 from elasticd.etcd.client import EtcdClient
 from elasticd.rendezvous.etcd_handler import EtcdRendezvousHandler, RendezvousSettings
@@ -21,18 +21,17 @@ from elasticd.worker.fence import AgentCommitFence
 pytestmark = pytest.mark.timeout(90)
 
 
-def _handler(etcd, name, min_nodes):
+def _handler(etcd, name, min_nodes, ttl_s=2):
     client = EtcdClient(etcd.endpoint, timeout_s=2)
-    settings = RendezvousSettings(min_nodes=min_nodes, max_nodes=2, node_ttl_s=2, join_timeout_s=30,
+    settings = RendezvousSettings(min_nodes=min_nodes, max_nodes=2, node_ttl_s=ttl_s, join_timeout_s=30,
                                   last_call_timeout_s=0.5, local_addr="127.0.0.1")
     return EtcdRendezvousHandler(client, "fence", settings, node_id=name)
 
 
 def _channel(recorder):
     return ControlChannel(
-        on_commit=lambda m: recorder.commit_checkpoint(int(m["step"]), m["manifest_url"],
-                                                       int(m["world_size"]), int(m["round"])),
-        on_latest=lambda m: {"pointer": pointer_dict(recorder.latest_checkpoint())}).start()
+        on_commit=lambda m: recorder.commit_checkpoint(m.step, m.manifest_url, m.world_size, m.round),
+        on_latest=recorder.latest_checkpoint).start()
 
 
 def test_zombie_commit_is_refused_and_its_files_pruned(etcd_server, tmp_path):
@@ -84,3 +83,45 @@ def test_zombie_commit_is_refused_and_its_files_pruned(etcd_server, tmp_path):
         for h in (a, b):
             h.shutdown()
             h.client.close()
+
+
+def test_commit_without_an_answer_is_unknown_and_the_upload_is_kept(etcd_server, tmp_path):
+    """etcd frozen: the commit is UNKNOWN (not refused), the save stays, no FencedError; the
+    agent's retry commits it once etcd is back. A lease lost to the outage while the round is
+    still ours is UNKNOWN too, never a zombie verdict."""
+    from elasticd.agent.commits import CommitRetrier, PendingCommit
+    from elasticd.checkpoint.api import CommitOutcome
+
+    url = f"file://{tmp_path}/ckpt"
+    a = _handler(etcd_server, "a", 1, ttl_s=30)  # the lease outlives the short freeze here
+    a.next_rendezvous()
+    rec = JobRecorder(a)
+    retrier = CommitRetrier(lambda p: rec.commit_checkpoint(p.step, p.manifest_url, p.world_size, p.round),
+                            initial_s=0.05, max_s=0.2)
+    chan = ControlChannel(
+        on_commit=lambda m: retrier.submit(PendingCommit(m.step, m.manifest_url, m.world_size, m.round,
+                                                         a.round_state_revision)),
+        on_latest=rec.latest_checkpoint).start()
+    try:
+        mgr = CheckpointManager(url, job="fence", rank=0, world_size=1,
+                                fence=AgentCommitFence(ControlClient(chan.socket_path), a.round))
+        mgr.save(1, {"w": torch.ones(4)}, blocking=True)
+        etcd_server.pause()
+        try:
+            mgr.save(2, {"w": torch.full((4,), 2.0)}, blocking=True)  # raises nothing
+            assert mgr.wait().outcome is CommitOutcome.UNKNOWN
+            assert retrier.pending() is not None
+        finally:
+            etcd_server.resume()
+        assert {i.step for i in list_checkpoints(url, "fence")} >= {2}, "the upload was deleted"
+        wait_until(lambda: rec.latest_checkpoint().step == 2, 20, "the retry to commit step 2")
+
+        a._keeper.stop(revoke=True)  # our lease is gone; the round state is unchanged
+        outcome, reason = rec.commit_checkpoint(3, "u3", 1, a.round)
+        assert outcome is CommitOutcome.UNKNOWN and "lease" in reason
+        mgr.close()
+    finally:
+        retrier.close()
+        chan.close()
+        a.shutdown()
+        a.client.close()

@@ -41,6 +41,7 @@ def _rows(tmp_path) -> dict[str, tuple[dict[str, Any], Check, Any]]:
                                lambda s: s.supervision.checkpoint_url, "s3://b/x"),
         "job.standalone": ({"job.standalone": "true", "etcd.endpoints": ""},
                            lambda s: (s.etcd_endpoints, s.local_addr), (None, "127.0.0.1")),
+        "job.resume": ({"job.resume": "require"}, lambda s: s.resume, "require"),
         "etcd.endpoints": ({"etcd.endpoints": "h1:1,h2:2"}, lambda s: s.etcd_endpoints, "h1:1,h2:2"),
         "etcd.ca_file": ({"etcd.ca_file": "/ca.pem"}, lambda s: s.tls.ca_file, "/ca.pem"),
         "etcd.cert_file": (tls, lambda s: s.tls.cert_file, "/c.pem"),
@@ -171,6 +172,7 @@ def test_runtime_defaults_equal_the_schema():
     assert sup["hang_timeout_s"] == d["workers.hang_timeout_s"]
     assert sup["monitor_interval_s"] == d["workers.monitor_interval_s"]
     assert sup["warm_start"] == d["workers.warm_start"]
+    assert node["resume"] == d["job.resume"]
 
 
 def test_every_flag_is_documented():

@@ -42,7 +42,6 @@ CONTRACT: dict[str, tuple[str, ...] | None] = {
     f"{LOCAL_AGENT}:_restart_workers": ("worker_group",),
     f"{LOCAL_AGENT}:_exit_barrier": (),
     f"{LOCAL_AGENT}:_record_worker_events": ("result",),
-    f"{LOCAL_AGENT}:_setup_local_watchdog": ("envs",),
     f"{LOCAL_AGENT}:_worker_group": None,
     f"{LOCAL_AGENT}:_remaining_restarts": None,
     f"{LOCAL_AGENT}:_pcontext": None,

@@ -1,0 +1,58 @@
+"""The control channel's contract: environment variables, runtime-directory names, and the
+three-valued outcome of a checkpoint commit (re-exported by ``elasticd.checkpoint``, whose
+fence contract it is; defined here so that the worker API need not import the checkpoint
+package, and storage libraries with it, to talk to its agent).
+
+Both sides import these names from here, so neither the agent (``elasticd.agent``) nor
+the worker API (``elasticd.worker``) imports the other. See the package docstring for the
+protocol.
+"""
+
+from __future__ import annotations
+
+import enum
+
+# Environment an agent hands its workers (and nothing else from the agent's own config:
+# see ``elasticd.agent.elastic_agent.scrub_secrets``).
+ENV_CONTROL_DIR = "ELASTICD_CONTROL_DIR"
+ENV_CONTROL_SOCKET = "ELASTICD_CONTROL_SOCKET"
+ENV_ROUND = "ELASTICD_ROUND"
+ENV_JOB = "ELASTICD_JOB"
+ENV_NODE = "ELASTICD_NODE"
+ENV_AGENT_PID = "ELASTICD_AGENT_PID"
+ENV_CHECKPOINT_URL = "ELASTICD_CHECKPOINT_URL"
+
+# Files in the runtime directory (mode 0700).
+DRAIN_FILE = "drain"
+SOCKET_FILE = "control.sock"
+STOPPED_PREFIX = "stopped-"
+DRAINABLE_PREFIX = "drainable-"
+
+
+class CommitOutcome(enum.Enum):
+    """What became of one commit: the fence's answer has three values, not two.
+
+    - ``COMMITTED``: the pointer names the checkpoint now.
+    - ``REFUSED``: the fence compared and said no (the writer's round is over, or a newer
+      checkpoint is committed): the writer is a zombie or late; its upload may be deleted.
+    - ``UNKNOWN``: no answer (etcd unreachable or slow, the agent busy, any other error).
+      The upload is kept, nothing is raised, training goes on; the agent retries the commit
+      and the pointer catches up once etcd answers. Nothing is ever deleted on a guess.
+
+    ``bool(outcome)`` is True only for ``COMMITTED``, so code written against the old
+    boolean contract (``if fence.commit(...)``) keeps its meaning for that case.
+    """
+
+    COMMITTED = "committed"
+    REFUSED = "refused"
+    UNKNOWN = "unknown"
+
+    def __bool__(self) -> bool:
+        return self is CommitOutcome.COMMITTED
+
+    @classmethod
+    def of(cls, value: CommitOutcome | bool) -> CommitOutcome:
+        """Normalise a fence's answer: a legacy ``bool`` means committed or refused."""
+        if isinstance(value, CommitOutcome):
+            return value
+        return cls.COMMITTED if value else cls.REFUSED

@@ -1,0 +1,154 @@
+"""The worker side of the control channel: a small client that never blocks training long.
+
+Progress reports are fire-and-forget (dropped, never queued, when the agent is not
+reading); requests wait for their reply up to ``timeout_s`` and raise ``OSError`` when
+none came, which callers treat as "unknown", never as "no".
+"""
+
+from __future__ import annotations
+
+import itertools
+import socket
+import threading
+from typing import Any
+
+from elasticd.control.messages import (
+    MAX_LINE_BYTES,
+    CommitReply,
+    CommitRequest,
+    ErrorReply,
+    LatestReply,
+    LatestRequest,
+    MessageError,
+    Ping,
+    Pong,
+    Progress,
+    Reply,
+    parse_reply,
+    serialise,
+)
+
+# Replies a request may skip (errors about earlier torn lines) before giving up.
+_MAX_SKIPPED_REPLIES = 16
+
+
+class ControlClient:
+    """Worker side of the channel (used by ``elasticd.worker``).
+
+    Args:
+        socket_path: the agent's ``control.sock`` (``ELASTICD_CONTROL_SOCKET``).
+        timeout_s: how long a request waits for its reply.
+    """
+
+    def __init__(self, socket_path: str, timeout_s: float = 10.0) -> None:
+        self.path = socket_path
+        self.timeout_s = timeout_s
+        self._sock: socket.socket | None = None
+        self._file: Any = None
+        self._backlog = b""  # the unsent tail of a progress line
+        self._lock = threading.Lock()
+        self._ids = itertools.count(1)
+
+    def _connect(self) -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(self.timeout_s)
+        sock.connect(self.path)
+        self._sock, self._file = sock, sock.makefile("rb")
+
+    def send(self, msg: Progress) -> None:
+        """Fire and forget (progress): never blocks training.
+
+        If the agent is not reading (frozen, busy), the message is dropped rather than
+        waiting; a line that went out only in part is completed on a later call, so the
+        stream never carries a torn line. Errors are swallowed: the agent may be restarting.
+        """
+        with self._lock:
+            try:
+                if self._sock is None:
+                    self._connect()
+                assert self._sock is not None
+                if self._backlog:
+                    self._backlog = self._backlog[self._send_nowait(self._backlog):]
+                    if self._backlog:
+                        return  # still blocked: drop this report
+                data = serialise(msg)
+                self._backlog = data[self._send_nowait(data):]
+            except OSError:
+                self._close()
+
+    def _send_nowait(self, data: bytes) -> int:
+        assert self._sock is not None
+        try:
+            return self._sock.send(data, socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return 0
+
+    def request(self, msg: CommitRequest | LatestRequest | Ping) -> Reply:
+        """Send a request (its ``id`` is assigned here) and wait for its reply.
+
+        Returns:
+            The reply with the same id; an :class:`ErrorReply` if the agent rejected it.
+
+        Raises:
+            OSError: the agent did not answer within ``timeout_s``, closed the
+                connection, or answered with an invalid line.
+        """
+        with self._lock:
+            rid = next(self._ids)
+            line = serialise(type(msg)(**{**vars(msg), "id": rid}))
+            try:
+                if self._sock is None:
+                    self._connect()
+                assert self._sock is not None and self._file is not None
+                if self._backlog:  # finish a torn progress line first
+                    self._sock.sendall(self._backlog)
+                    self._backlog = b""
+                self._sock.sendall(line)
+                for _ in range(_MAX_SKIPPED_REPLIES):
+                    raw = self._file.readline(MAX_LINE_BYTES + 1)
+                    if not raw:
+                        raise OSError("control socket closed by the agent")
+                    try:
+                        reply = parse_reply(raw)
+                    except MessageError as exc:
+                        raise OSError(f"invalid reply from the agent: {exc}") from exc
+                    if reply.id == rid:
+                        return reply
+                raise OSError("no reply to this request from the agent")
+            except OSError:
+                self._close()
+                raise
+
+    def commit(self, req: CommitRequest) -> CommitReply | ErrorReply:
+        """Ask for a fenced commit. Raises OSError when the agent did not answer."""
+        reply = self.request(req)
+        if not isinstance(reply, CommitReply | ErrorReply):
+            raise OSError(f"unexpected reply {reply.op!r} to a commit")
+        return reply
+
+    def latest(self) -> LatestReply | ErrorReply:
+        """Ask for the committed pointer. Raises OSError when the agent did not answer."""
+        reply = self.request(LatestRequest())
+        if not isinstance(reply, LatestReply | ErrorReply):
+            raise OSError(f"unexpected reply {reply.op!r} to latest")
+        return reply
+
+    def ping(self) -> bool:
+        """True if the agent answered."""
+        try:
+            return isinstance(self.request(Ping()), Pong)
+        except OSError:
+            return False
+
+    def _close(self) -> None:
+        if self._sock is not None:
+            try:
+                self._sock.close()
+            except OSError:
+                pass
+        self._sock = self._file = None
+        self._backlog = b""
+
+    def close(self) -> None:
+        with self._lock:
+            self._close()

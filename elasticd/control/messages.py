@@ -1,0 +1,245 @@
+"""The control channel's messages: every type on the wire, and their only parser.
+
+One JSON object per line over the agent's Unix socket. Every field is checked by type
+and bound before anything acts on it: ints are real ints (not bools, not floats) within
+bounds, strings are bounded, lines are bounded (``MAX_LINE_BYTES``), and an unknown op
+is answered with an error naming it. Why so strict on a private socket: a worker runs
+arbitrary user code, and a bug there (or a hostile script) must not grow the agent's
+memory or crash the thread that commits checkpoints for the whole node.
+
+Requests carry an ``id`` (except ``progress``, which is fire-and-forget and never
+answered); replies echo it, so a client skips any reply that is not for its request
+(an error answering a torn line, say) and never reads a stale answer.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from elasticd.control.api import CommitOutcome
+from elasticd.errors import ElasticdError
+from elasticd.records import CheckpointPointer
+
+MAX_LINE_BYTES = 64 * 1024
+MAX_STR = 4096  # a manifest URL, a reason
+MAX_COUNT = 2**62  # steps, epochs, samples, rounds, world sizes, request ids
+MAX_RANK = 2**20  # the parser's bound; the server bounds local ranks by its own size
+
+
+class MessageError(ElasticdError):
+    """A line that is not a valid control message; the text names the field and the bound."""
+
+
+@dataclass(frozen=True)
+class Progress:
+    """A worker's last completed step (fire-and-forget: no reply)."""
+
+    local_rank: int
+    rank: int
+    step: int
+    epoch: int = 0
+    samples: int = 0
+    op = "progress"
+
+
+@dataclass(frozen=True)
+class CommitRequest:
+    """Ask the agent to point ``checkpoint/latest`` at a written manifest (fenced)."""
+
+    step: int
+    manifest_url: str
+    world_size: int
+    round: int
+    id: int = 0
+    op = "commit"
+
+
+@dataclass(frozen=True)
+class CommitReply:
+    """The commit's outcome (three values: see :class:`CommitOutcome`) and why."""
+
+    outcome: CommitOutcome
+    reason: str
+    id: int = 0
+    op = "commit_reply"
+
+
+@dataclass(frozen=True)
+class LatestRequest:
+    """Ask the agent for the committed pointer."""
+
+    id: int = 0
+    op = "latest"
+
+
+@dataclass(frozen=True)
+class LatestReply:
+    """The committed pointer (None: nothing committed); ``ok`` False: etcd did not answer."""
+
+    ok: bool
+    pointer: CheckpointPointer | None = None
+    reason: str = ""
+    id: int = 0
+    op = "latest_reply"
+
+
+@dataclass(frozen=True)
+class Ping:
+    """Is the agent there?"""
+
+    id: int = 0
+    op = "ping"
+
+
+@dataclass(frozen=True)
+class Pong:
+    """The agent is there."""
+
+    id: int = 0
+    op = "pong"
+
+
+@dataclass(frozen=True)
+class ErrorReply:
+    """The request was invalid (``id`` is None when the line could not be parsed at all)."""
+
+    reason: str
+    id: int | None = None
+    op = "error"
+
+
+Request = Progress | CommitRequest | LatestRequest | Ping
+Reply = CommitReply | LatestReply | Pong | ErrorReply
+
+
+# -- validation -------------------------------------------------------------------------
+def _int(obj: dict[str, Any], name: str, lo: int, hi: int, default: int | None = None) -> int:
+    value = obj.get(name, default)
+    if type(value) is not int:  # bool is an int subclass and floats are not counts
+        raise MessageError(f"field {name!r} must be an integer, got {type(value).__name__}")
+    if not lo <= value < hi:
+        raise MessageError(f"field {name!r} = {value} is outside [{lo}, {hi})")
+    return value
+
+
+def _str(obj: dict[str, Any], name: str, default: str | None = None) -> str:
+    value = obj.get(name, default)
+    if not isinstance(value, str):
+        raise MessageError(f"field {name!r} must be a string, got {type(value).__name__}")
+    if len(value) > MAX_STR:
+        raise MessageError(f"field {name!r} is {len(value)} characters long (at most {MAX_STR})")
+    return value
+
+
+def _object(line: bytes) -> dict[str, Any]:
+    if len(line) > MAX_LINE_BYTES:
+        raise MessageError(f"line of {len(line)} bytes exceeds {MAX_LINE_BYTES}")
+    try:
+        obj = json.loads(line)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise MessageError(f"not JSON: {exc}") from None
+    if not isinstance(obj, dict):
+        raise MessageError(f"a message is a JSON object, got {type(obj).__name__}")
+    return obj
+
+
+def request_id(line: bytes) -> int | None:
+    """The ``id`` of a request line if it has a valid one (to address an error reply)."""
+    try:
+        return _int(_object(line), "id", 0, MAX_COUNT)
+    except MessageError:
+        return None
+
+
+def parse_request(line: bytes) -> Request:
+    """Parse and validate one request line (worker to agent).
+
+    Raises:
+        MessageError: not JSON, not an object, too long, an unknown op, or a field of the
+            wrong type or out of bounds; the message names which.
+    """
+    obj = _object(line)
+    op = obj.get("op")
+    if op == "progress":
+        return Progress(local_rank=_int(obj, "local_rank", 0, MAX_RANK),
+                        rank=_int(obj, "rank", 0, MAX_RANK), step=_int(obj, "step", -1, MAX_COUNT),
+                        epoch=_int(obj, "epoch", 0, MAX_COUNT, 0),
+                        samples=_int(obj, "samples", 0, MAX_COUNT, 0))
+    rid = _int(obj, "id", 0, MAX_COUNT, 0)
+    if op == "commit":
+        return CommitRequest(step=_int(obj, "step", 0, MAX_COUNT),
+                             manifest_url=_str(obj, "manifest_url"),
+                             world_size=_int(obj, "world_size", 1, MAX_COUNT),
+                             round=_int(obj, "round", 0, MAX_COUNT), id=rid)
+    if op == "latest":
+        return LatestRequest(id=rid)
+    if op == "ping":
+        return Ping(id=rid)
+    if op is None:
+        raise MessageError("no 'op' field (known ops: progress, commit, latest, ping)")
+    shown = op if isinstance(op, str) and len(op) <= 64 else type(op).__name__
+    raise MessageError(f"unknown op {shown!r} (known: progress, commit, latest, ping)")
+
+
+def parse_reply(line: bytes) -> Reply:
+    """Parse and validate one reply line (agent to worker).
+
+    Raises:
+        MessageError: as :func:`parse_request`.
+    """
+    obj = _object(line)
+    op = obj.get("op")
+    if op == "error":
+        raw_id = obj.get("id")
+        return ErrorReply(reason=_str(obj, "reason", ""),
+                          id=None if raw_id is None else _int(obj, "id", 0, MAX_COUNT))
+    rid = _int(obj, "id", 0, MAX_COUNT, 0)
+    if op == "commit_reply":
+        raw = _str(obj, "outcome")
+        try:
+            outcome = CommitOutcome(raw)
+        except ValueError:
+            raise MessageError(f"field 'outcome' = {raw!r} is not one of "
+                               f"{[o.value for o in CommitOutcome]}") from None
+        return CommitReply(outcome=outcome, reason=_str(obj, "reason", ""), id=rid)
+    if op == "latest_reply":
+        ok = obj.get("ok")
+        if not isinstance(ok, bool):
+            raise MessageError("field 'ok' must be a boolean")
+        raw_pointer = obj.get("pointer")
+        pointer = None
+        if raw_pointer is not None:
+            if not isinstance(raw_pointer, dict):
+                raise MessageError("field 'pointer' must be an object or null")
+            try:
+                pointer = CheckpointPointer.from_json(json.dumps(raw_pointer))
+            except (TypeError, ValueError, KeyError) as exc:
+                raise MessageError(f"field 'pointer' is not a checkpoint pointer: {exc}") from None
+        return LatestReply(ok=ok, pointer=pointer, reason=_str(obj, "reason", ""), id=rid)
+    if op == "pong":
+        return Pong(id=rid)
+    shown = op if isinstance(op, str) and len(op) <= 64 else type(op).__name__
+    raise MessageError(f"unknown reply op {shown!r}")
+
+
+def serialise(msg: Request | Reply) -> bytes:
+    """One message as a JSON line (newline included).
+
+    Raises:
+        MessageError: the line would exceed ``MAX_LINE_BYTES``.
+    """
+    body: dict[str, Any] = {"op": msg.op}
+    for name, value in vars(msg).items():
+        if isinstance(value, CommitOutcome):
+            value = value.value
+        elif isinstance(value, CheckpointPointer):
+            value = json.loads(value.to_json())
+        body[name] = value
+    if isinstance(msg, CommitReply):
+        body["ok"] = msg.outcome is CommitOutcome.COMMITTED  # for readers of the old reply
+    line = json.dumps(body, separators=(",", ":")).encode() + b"\n"
+    if len(line) > MAX_LINE_BYTES:
+        raise MessageError(f"{msg.op} message of {len(line)} bytes exceeds {MAX_LINE_BYTES}")
+    return line

@@ -1,0 +1,274 @@
+"""The agent side of the control channel: the runtime directory and the socket server.
+
+A private runtime directory (mode 0700) per agent, passed to workers as
+``ELASTICD_CONTROL_DIR``, holds the drain/stopped/drainable markers (see the package
+docstring) and ``control.sock``, served here. Every line is validated
+(``elasticd.control.messages``) and the per-rank table is bounded by the node's local
+world size, so no worker can grow the agent's memory or stop the commit path by sending
+garbage.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socketserver
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from elasticd.control.api import (
+    DRAIN_FILE,
+    DRAINABLE_PREFIX,
+    ENV_CONTROL_DIR,
+    ENV_CONTROL_SOCKET,
+    SOCKET_FILE,
+    STOPPED_PREFIX,
+    CommitOutcome,
+)
+from elasticd.control.messages import (
+    MAX_LINE_BYTES,
+    CommitReply,
+    CommitRequest,
+    ErrorReply,
+    LatestReply,
+    LatestRequest,
+    MessageError,
+    Ping,
+    Pong,
+    Progress,
+    Reply,
+    parse_request,
+    request_id,
+    serialise,
+)
+from elasticd.records import CheckpointPointer
+
+log = structlog.get_logger(__name__)
+
+MAX_CONNECTIONS = 256  # a node has a few workers; each holds one connection
+
+
+@dataclass
+class RankProgress:
+    """Latest progress report of one local worker."""
+
+    step: int = -1
+    epoch: int = 0
+    samples_trained: int = 0
+    updated_at: float = 0.0  # monotonic, agent clock
+    rank: int = -1  # global rank
+
+
+@dataclass
+class ProgressBoard:
+    """What the agent knows of its workers' progress (thread-safe), by local rank.
+
+    Reports for a local rank outside ``[0, max_local_ranks)`` are rejected, so the table
+    never holds more than one entry per local worker.
+    """
+
+    max_local_ranks: int = 1024
+    ranks: dict[int, RankProgress] = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    last_advance: float = 0.0  # monotonic time any rank last advanced its step
+    first_advance: float = 0.0  # ... and first did, in this worker group
+
+    def report(self, local_rank: int, step: int, epoch: int, samples: int, rank: int = -1) -> bool:
+        """Record one report. Returns False (and records nothing) for an out-of-range rank."""
+        if not 0 <= local_rank < self.max_local_ranks:
+            return False
+        now = time.monotonic()
+        with self.lock:
+            p = self.ranks.setdefault(local_rank, RankProgress())
+            if step > p.step:
+                self.last_advance = now
+                self.first_advance = self.first_advance or now
+            p.step, p.epoch, p.samples_trained, p.updated_at, p.rank = step, epoch, samples, now, rank
+        return True
+
+    def reset(self) -> None:
+        with self.lock:
+            self.ranks.clear()
+            self.last_advance = self.first_advance = 0.0
+
+    def max_step(self) -> int:
+        with self.lock:
+            return max((p.step for p in self.ranks.values()), default=-1)
+
+    def snapshot(self) -> dict[int, RankProgress]:
+        with self.lock:
+            return {r: RankProgress(p.step, p.epoch, p.samples_trained, p.updated_at, p.rank)
+                    for r, p in self.ranks.items()}
+
+
+CommitHandler = Callable[[CommitRequest], tuple[CommitOutcome, str]]
+LatestHandler = Callable[[], CheckpointPointer | None]
+
+
+class ControlChannel:
+    """Owns the runtime directory and the control socket server of one agent.
+
+    Args:
+        on_commit: called for each commit request; returns (outcome, reason). An
+            exception counts as ``UNKNOWN`` (never as a refusal: see ``CommitOutcome``).
+        base_dir: parent of the runtime directory (``tempfile``'s default, $TMPDIR or /tmp,
+            if None).
+        on_latest: returns the committed pointer; an exception answers ``ok: false``.
+        max_local_ranks: progress reports are accepted for local ranks ``[0, this)``.
+    """
+
+    def __init__(self, on_commit: CommitHandler | None = None, base_dir: str | None = None,
+                 on_latest: LatestHandler | None = None, *, max_local_ranks: int = 1024) -> None:
+        self.dir = Path(tempfile.mkdtemp(prefix="elasticd-", dir=base_dir))
+        os.chmod(self.dir, 0o700)
+        self.progress = ProgressBoard(max_local_ranks=max_local_ranks)
+        self._on_commit = on_commit
+        self._on_latest = on_latest
+        self._server: socketserver.ThreadingUnixStreamServer | None = None
+        self._thread: threading.Thread | None = None
+        self._connections = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        self.rejected = 0  # invalid messages so far (tests, logs)
+
+    @property
+    def socket_path(self) -> str:
+        return str(self.dir / SOCKET_FILE)
+
+    def env(self) -> dict[str, str]:
+        """Environment variables that point workers at this channel."""
+        return {ENV_CONTROL_DIR: str(self.dir), ENV_CONTROL_SOCKET: self.socket_path}
+
+    def start(self) -> ControlChannel:
+        channel = self
+
+        class Handler(socketserver.StreamRequestHandler):
+            def handle(self) -> None:
+                if not channel._connections.acquire(blocking=False):
+                    log.warning("control_connection_refused", reason=f"over {MAX_CONNECTIONS} connections")
+                    return
+                try:
+                    channel._serve(self.rfile, self.wfile)
+                finally:
+                    channel._connections.release()
+
+        class Server(socketserver.ThreadingUnixStreamServer):
+            daemon_threads = True
+
+        self._server = Server(self.socket_path, Handler)
+        self._thread = threading.Thread(target=self._server.serve_forever, name="control",
+                                        kwargs={"poll_interval": 0.2}, daemon=True)
+        self._thread.start()
+        return self
+
+    def _serve(self, rfile: Any, wfile: Any) -> None:
+        """Answer one connection's lines until it closes (or sends an over-long line)."""
+        while True:
+            raw = rfile.readline(MAX_LINE_BYTES + 1)
+            if not raw:
+                return
+            if len(raw) > MAX_LINE_BYTES and not raw.endswith(b"\n"):
+                # The stream cannot be resynchronised inside an over-long line: answer and drop it.
+                self._write(wfile, ErrorReply(f"line exceeds {MAX_LINE_BYTES} bytes; connection closed"))
+                return
+            reply = self.dispatch(raw)
+            if reply is not None and not self._write(wfile, reply):
+                return
+
+    @staticmethod
+    def _write(wfile: Any, reply: Reply) -> bool:
+        try:
+            wfile.write(serialise(reply))
+            wfile.flush()
+        except (OSError, MessageError):
+            return False
+        return True
+
+    def dispatch(self, raw: bytes) -> Reply | None:
+        """Validate one line and act on it; the reply to send (None for progress)."""
+        try:
+            msg = parse_request(raw)
+        except MessageError as exc:
+            self._reject(str(exc))
+            if b'"progress"' in raw[:256]:
+                return None  # fire-and-forget: the client reads no reply to it
+            return ErrorReply(str(exc), request_id(raw))
+        if isinstance(msg, Progress):
+            if not self.progress.report(msg.local_rank, msg.step, msg.epoch, msg.samples, msg.rank):
+                self._reject(f"local rank {msg.local_rank} is outside "
+                             f"[0, {self.progress.max_local_ranks})")
+            return None
+        if isinstance(msg, CommitRequest):
+            return self._commit(msg)
+        if isinstance(msg, LatestRequest):
+            return self._latest(msg)
+        assert isinstance(msg, Ping)
+        return Pong(id=msg.id)
+
+    def _reject(self, reason: str) -> None:
+        self.rejected += 1
+        if self.rejected <= 10 or self.rejected % 1000 == 0:  # calm logs under a flood
+            log.warning("control_message_rejected", reason=reason, rejected=self.rejected)
+
+    def _commit(self, msg: CommitRequest) -> CommitReply:
+        if self._on_commit is None:
+            return CommitReply(CommitOutcome.COMMITTED, "no fence configured", msg.id)
+        try:
+            outcome, reason = self._on_commit(msg)
+        except Exception as exc:  # noqa: BLE001 - an error is not an answer: UNKNOWN, never REFUSED
+            log.warning("commit_request_failed", error=repr(exc), step=msg.step)
+            outcome, reason = CommitOutcome.UNKNOWN, f"agent error: {exc!r}"[:1000]
+        return CommitReply(outcome, reason[:1000], msg.id)
+
+    def _latest(self, msg: LatestRequest) -> LatestReply:
+        if self._on_latest is None:
+            return LatestReply(ok=True, pointer=None, id=msg.id)
+        try:
+            return LatestReply(ok=True, pointer=self._on_latest(), id=msg.id)
+        except Exception as exc:  # noqa: BLE001 - etcd down: the worker falls back to listing
+            return LatestReply(ok=False, reason=repr(exc)[:1000], id=msg.id)
+
+    # -- drain and stop markers ----------------------------------------------------------
+    def request_drain(self, reason: str) -> None:
+        tmp = self.dir / (DRAIN_FILE + ".tmp")
+        tmp.write_text(reason)
+        tmp.rename(self.dir / DRAIN_FILE)
+
+    def drain_requested(self) -> bool:
+        return (self.dir / DRAIN_FILE).exists()
+
+    def clear_round(self) -> None:
+        """Forget per-round markers before starting a new worker group."""
+        for prefix in (STOPPED_PREFIX, DRAINABLE_PREFIX):
+            for p in self.dir.glob(prefix + "*"):
+                p.unlink(missing_ok=True)
+        self.progress.reset()
+
+    def clear_drain(self) -> None:
+        (self.dir / DRAIN_FILE).unlink(missing_ok=True)
+
+    def stopped_markers(self) -> dict[int, dict[str, Any]]:
+        """``stopped-<rank>`` markers written by workers that exited for a drain."""
+        out: dict[int, dict[str, Any]] = {}
+        for p in self.dir.glob(STOPPED_PREFIX + "*"):
+            try:
+                out[int(p.name[len(STOPPED_PREFIX):])] = json.loads(p.read_text() or "{}")
+            except (ValueError, OSError):
+                continue
+        return out
+
+    def workers_drainable(self) -> bool:
+        """True once a worker of the current group called ``should_stop`` (``drainable-<rank>``)."""
+        return any(self.dir.glob(DRAINABLE_PREFIX + "*"))
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+        shutil.rmtree(self.dir, ignore_errors=True)

@@ -1,0 +1,102 @@
+"""Run identity end to end: real agents, real embedded etcd, examples/train.py, local files.
+
+Two runs that share a checkpoint URL and a job name must not resume from each other by
+accident (issue 11 section 3): a second ``--standalone`` run (a fresh etcd, so a new run
+id) refuses with exit 78, ``--resume require`` takes over on purpose, and a run still
+known in etcd resumes its own checkpoints without any flag.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+
+import pytest
+from harness import PY, ROOT, Node, wait_until
+
+from elasticd.checkpoint.catalog import list_checkpoints
+from elasticd.errors import EX_CONFIG
+
+SCRIPT = str(ROOT / "examples" / "train.py")
+ARGS = ["--dataset-size", "64", "--global-batch", "8", "--micro-batch", "8",
+        "--checkpoint-every", "3"]
+
+
+def _standalone(tmp_path, url: str, tag: str, steps: int, extra: list[str] | None = None) -> Node:
+    argv = [PY, "-m", "elasticd.cli", "run", "--standalone", "--job", "shared",
+            "--nproc-per-node", "1", "--log-format", "json", "--no-warm-start",
+            "--checkpoint-url", url, *(extra or []), SCRIPT, "--steps", str(steps), *ARGS]
+    return Node(argv, {}, tmp_path / f"{tag}.log")
+
+
+def _exit_code(node: Node, timeout_s: float) -> int:
+    """The node's exit code; on a timeout, fail with its log (generous bounds: a loaded box)."""
+    try:
+        return node.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        raise AssertionError(f"no exit within {timeout_s:.0f}s:\n{node.log()[-3000:]}") from None
+
+
+def _resumed_from(node: Node) -> list:
+    out = []
+    for line in node.log().splitlines():
+        try:
+            row = json.loads(line[line.index("{"):])
+        except ValueError:
+            continue
+        if isinstance(row, dict) and row.get("event") == "started":
+            out.append(row.get("resumed_from"))
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_second_standalone_run_refuses_then_resumes_on_request(tmp_path):
+    """Run 1 saves; run 2 (new run id) exits 78 naming run 1 and its step; --resume require resumes."""
+    url = f"file://{tmp_path}/ckpt"
+    started: list[Node] = []
+    try:
+        first = _standalone(tmp_path, url, "first", steps=6)
+        started.append(first)
+        assert _exit_code(first, 180) == 0, first.log()[-3000:]
+        saved = list_checkpoints(url, "shared")
+        run1 = saved[0].run_id
+        assert len(run1) == 16 and saved[0].step == 5
+
+        second = _standalone(tmp_path, url, "second", steps=9)
+        started.append(second)
+        assert _exit_code(second, 150) == EX_CONFIG, second.log()[-3000:]
+        log = second.log()
+        assert run1 in log and "newest step 5" in log and "--resume require" in log
+        assert {i.step for i in list_checkpoints(url, "shared")} == {i.step for i in saved}
+
+        third = _standalone(tmp_path, url, "third", steps=9, extra=["--resume", "require"])
+        started.append(third)
+        assert _exit_code(third, 180) == 0, third.log()[-3000:]
+        assert _resumed_from(third) == [5]
+        after = list_checkpoints(url, "shared")
+        assert after[0].step == 8 and after[0].run_id not in ("", run1)
+        assert any(i.run_id == run1 for i in after), "run 1's saves were pruned by run 3"
+    finally:
+        for node in started:
+            node.cleanup()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_run_known_in_etcd_resumes_its_own_checkpoints(nodes, tmp_path):
+    """Same etcd, same job: an agent killed and restarted keeps the run id and resumes."""
+    url = f"file://{tmp_path}/ckpt"
+    extra = ["--checkpoint-url", url, "--no-warm-start"]
+    args = ["--steps", "20", "--step-sleep", "0.1", *ARGS]
+    first = nodes.start("known", SCRIPT, nnodes="1", extra=extra, script_args=args)
+    wait_until(lambda: any(i.valid for i in list_checkpoints(url, "known")), 180,
+               "a first checkpoint")
+    first.signal(signal.SIGKILL)
+    first.wait(60)
+    again = nodes.start("known", SCRIPT, nnodes="1", extra=extra, script_args=args)
+    assert _exit_code(again, 210) == 0, again.log()[-3000:]
+    resumed = _resumed_from(again)
+    assert resumed and resumed[0] is not None and resumed[0] >= 2, resumed
+    assert len({i.run_id for i in list_checkpoints(url, "known")}) == 1

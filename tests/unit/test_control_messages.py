@@ -1,0 +1,141 @@
+"""The control channel's messages: strict parsing, bounds, and the server's bounded tables."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from elasticd.checkpoint.api import CommitOutcome
+from elasticd.control import (
+    CommitReply,
+    CommitRequest,
+    ControlChannel,
+    ErrorReply,
+    LatestReply,
+    LatestRequest,
+    MessageError,
+    Ping,
+    Pong,
+    Progress,
+    parse_reply,
+    parse_request,
+    serialise,
+)
+from elasticd.control.messages import MAX_LINE_BYTES, MAX_STR
+from elasticd.records import CheckpointPointer
+
+
+def _line(**obj: object) -> bytes:
+    return json.dumps(obj).encode() + b"\n"
+
+
+@pytest.mark.parametrize("msg", [
+    Progress(local_rank=1, rank=5, step=10, epoch=2, samples=640),
+    CommitRequest(step=10, manifest_url="file:///c/j/step-10/x/manifest.json", world_size=4, round=3, id=7),
+    LatestRequest(id=2),
+    Ping(id=9),
+])
+def test_requests_round_trip(msg):
+    """Every request type serialises to one line and parses back to an equal value."""
+    line = serialise(msg)
+    assert line.endswith(b"\n") and line.count(b"\n") == 1
+    assert parse_request(line) == msg
+
+
+@pytest.mark.parametrize("msg", [
+    CommitReply(CommitOutcome.UNKNOWN, "etcd did not answer", id=3),
+    CommitReply(CommitOutcome.REFUSED, "fenced", id=4),
+    LatestReply(ok=True, pointer=CheckpointPointer(step=5, round=1, manifest_url="u",
+                                                  committed_at=1.0, world_size=2), id=5),
+    LatestReply(ok=False, reason="etcd down", id=6),
+    Pong(id=1),
+    ErrorReply("bad", id=None),
+])
+def test_replies_round_trip(msg):
+    """Every reply type serialises to one line and parses back to an equal value."""
+    assert parse_reply(serialise(msg)) == msg
+
+
+@pytest.mark.parametrize("obj, fragment", [
+    ({"op": "commit", "step": True, "manifest_url": "u", "world_size": 1, "round": 0}, "'step' must be an integer"),
+    ({"op": "commit", "step": 1.5, "manifest_url": "u", "world_size": 1, "round": 0}, "'step' must be an integer"),
+    ({"op": "commit", "step": "1", "manifest_url": "u", "world_size": 1, "round": 0}, "'step' must be an integer"),
+    ({"op": "commit", "step": -1, "manifest_url": "u", "world_size": 1, "round": 0}, "'step' = -1 is outside"),
+    ({"op": "commit", "step": 2**70, "manifest_url": "u", "world_size": 1, "round": 0}, "is outside"),
+    ({"op": "commit", "step": 1, "manifest_url": "u" * (MAX_STR + 1), "world_size": 1, "round": 0}, "characters long"),
+    ({"op": "commit", "step": 1, "manifest_url": 5, "world_size": 1, "round": 0}, "must be a string"),
+    ({"op": "commit", "step": 1, "manifest_url": "u", "world_size": 0, "round": 0}, "'world_size' = 0"),
+    ({"op": "commit", "step": 1, "manifest_url": "u", "world_size": 1}, "'round' must be an integer"),
+    ({"op": "progress", "local_rank": 10**9, "rank": 0, "step": 1}, "'local_rank' = 1000000000 is outside"),
+    ({"op": "progress", "local_rank": 0, "rank": -3, "step": 1}, "'rank' = -3"),
+    ({"op": "format_disk"}, "unknown op 'format_disk'"),
+    ({"step": 1}, "no 'op' field"),
+])
+def test_invalid_requests_are_rejected_naming_the_field(obj, fragment):
+    """Wrong types (bools, floats, strings for ints), out-of-bound values and unknown ops are
+    rejected with a message naming the field or op."""
+    with pytest.raises(MessageError, match=fragment.replace("(", r"\(").replace("[", r"\[")):
+        parse_request(_line(**obj))
+
+
+def test_non_objects_and_overlong_lines_are_rejected():
+    """A JSON array, invalid JSON and a line over 64 KiB are rejected before any field is read."""
+    for raw in (b"[1,2]\n", b"{nope\n", b"\xff\xfe\n"):
+        with pytest.raises(MessageError):
+            parse_request(raw)
+    with pytest.raises(MessageError, match="exceeds"):
+        parse_request(b'{"op":"ping","pad":"' + b"x" * MAX_LINE_BYTES + b'"}\n')
+
+
+def test_unknown_outcome_in_a_reply_is_rejected():
+    """A commit reply must carry one of the three outcomes."""
+    with pytest.raises(MessageError, match="outcome"):
+        parse_reply(_line(op="commit_reply", outcome="maybe", reason="", id=1))
+
+
+def test_server_rejects_unknown_op_with_a_reply_naming_it():
+    """The dispatcher answers an unknown op with an error that names it and echoes the id."""
+    chan = ControlChannel()
+    try:
+        reply = chan.dispatch(_line(op="reboot", id=4))
+        assert isinstance(reply, ErrorReply) and "reboot" in reply.reason and reply.id == 4
+        assert chan.dispatch(_line(op="progress", local_rank="x")) is None  # never answered
+    finally:
+        chan.close()
+
+
+def test_progress_table_is_bounded_by_local_ranks():
+    """A worker reporting rank 10**9, or 100000 distinct ranks, does not grow the agent's table."""
+    chan = ControlChannel(max_local_ranks=2)
+    try:
+        assert chan.dispatch(_line(op="progress", local_rank=10**9, rank=0, step=1)) is None
+        for r in range(100_000):
+            chan.dispatch(serialise(Progress(local_rank=r % 1000, rank=r, step=r)))
+        assert set(chan.progress.snapshot()) <= {0, 1}
+        assert chan.rejected >= 100_000 - 200
+    finally:
+        chan.close()
+
+
+def test_commit_handler_error_is_unknown_never_refused():
+    """An exception in the agent's commit handler answers UNKNOWN (the worker keeps its upload)."""
+    def boom(req: CommitRequest) -> tuple[CommitOutcome, str]:
+        raise RuntimeError("etcdserver: mvcc: database space exceeded")
+
+    chan = ControlChannel(on_commit=boom)
+    try:
+        reply = chan.dispatch(serialise(CommitRequest(step=1, manifest_url="u", world_size=1, round=0, id=3)))
+        assert isinstance(reply, CommitReply)
+        assert reply.outcome is CommitOutcome.UNKNOWN and reply.id == 3
+    finally:
+        chan.close()
+
+
+def test_runtime_dir_is_private():
+    """The runtime directory is mode 0700."""
+    chan = ControlChannel()
+    try:
+        assert chan.dir.stat().st_mode & 0o777 == 0o700
+    finally:
+        chan.close()
