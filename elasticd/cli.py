@@ -1,4 +1,4 @@
-"""The ``elasticd`` command line: ``run``, ``agent``, ``status``, ``checkpoints``.
+"""The ``elasticd`` command line: ``run``, ``agent``, ``status``, ``checkpoints``, ``etcd``.
 
 Exit codes shared by all subcommands: 0 success, 1 failure, 4 etcd unreachable,
 78 configuration error (EX_CONFIG: systemd's ``RestartPreventExitStatus=78`` stops a
@@ -58,12 +58,13 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="elasticd", description="The elasticd command line: run, agent, status, checkpoints.")
+    parser = _Parser(prog="elasticd", description="The elasticd command line: run, agent, status, checkpoints, etcd.")
     parser.add_argument("--version", action="version", version=f"elasticd {__version__}")
     sub = parser.add_subparsers(dest="subcommand", metavar="COMMAND", parser_class=_Parser)
     sub.required = True
     _add_run_parser(sub)
-    for name in ("elasticd.agent.cli", "elasticd.status.cli", "elasticd.cli_checkpoints"):
+    for name in ("elasticd.agent.cli", "elasticd.status.cli", "elasticd.cli_checkpoints",
+                 "elasticd.cli_etcd"):
         try:
             module = __import__(name, fromlist=["add_parser"])
         except ImportError:

@@ -33,3 +33,19 @@ def etcd_client(etcd_server):
         yield client
     finally:
         client.close()
+
+
+@pytest.fixture
+def etcd_cluster(tmp_path):
+    """A 3-member etcd cluster on 127.0.0.1 (free ports, one data dir each), stopped after
+    the test; ``etcd_cluster.endpoints`` is the ``--etcd`` value naming every member."""
+    from elasticd.etcd.cluster import EmbeddedEtcdCluster
+
+    cluster = EmbeddedEtcdCluster(3, str(tmp_path / "etcd-cluster"))
+    cluster.start()
+    try:
+        yield cluster
+    finally:
+        for i in range(len(cluster.members)):
+            cluster.kill(i)  # SIGKILL: a graceful stop of the last members waits on the first
+        cluster.stop()

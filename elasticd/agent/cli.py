@@ -14,6 +14,7 @@ import sys
 
 from elasticd.config import load_config, render_effective, security_warnings
 from elasticd.config.flags import add_config_flags, flag_names, overrides_from_args
+from elasticd.config.loader import availability_warnings
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -36,6 +37,8 @@ def run(args: argparse.Namespace) -> int:
         # stderr: stdout stays a loadable TOML file; each warning names the setting and the fix.
         for warning in security_warnings(cfg):
             sys.stderr.write(f"elasticd: warning: insecure setting: {warning}\n")
+        for warning in availability_warnings(cfg):
+            sys.stderr.write(f"elasticd: warning: no etcd fail-over: {warning}\n")
         return 0
     # torch is imported only when the agent really runs (a config check answers at once).
     from elasticd.agent.runner import run_node

@@ -140,6 +140,21 @@ def load_config(
     return config
 
 
+def availability_warnings(config: AgentConfig) -> list[str]:
+    """Settings that keep a job from riding through an etcd member failure (one line each).
+
+    An agent talks to one etcd member at a time and moves to the next listed endpoint when
+    a call fails; given one endpoint it has nowhere to go (docs/deployment.md, "The etcd
+    cluster: members, failover, backup").
+    """
+    endpoints = config.etcd.endpoints
+    if len(endpoints) == 1 and not config.etcd.embedded:
+        return [f"etcd.endpoints names one endpoint ({endpoints[0]}): if etcd runs as a cluster, "
+                "list every member (e.g. --etcd etcd-1:2379,etcd-2:2379,etcd-3:2379) so the "
+                "agent can move to another member when this one fails"]
+    return []
+
+
 def security_warnings(config: AgentConfig) -> list[str]:
     """The insecure settings ``config`` shows, one line each (``--check-config`` prints them).
 

@@ -30,6 +30,7 @@ import re
 import threading
 import time
 import types
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -254,6 +255,8 @@ class EtcdClient:
         # away say "etcd unreachable" rather than "timed out".
         self.last_ok_at = -1e9
         self.last_error = ""
+        self._watches: weakref.WeakSet[PrefixWatch] = weakref.WeakSet()
+        self._switch_logged_at = -1e9
 
     # -- plumbing ---------------------------------------------------------------------
     def _credentials(self) -> grpc.ChannelCredentials | None:
@@ -344,8 +347,11 @@ class EtcdClient:
     def call(self, fn: Callable[[etcd3.MultiEndpointEtcd3Client], Any]) -> Any:
         """Run ``fn(raw_client)`` and translate its errors (see module docstring)."""
         start = time.monotonic()
+        raw: etcd3.MultiEndpointEtcd3Client | None = None
+        used = None
         try:
             raw = self.raw()
+            used = raw._current_endpoint_label
             result = fn(raw)
             self.last_ok_at = time.monotonic()
             return result
@@ -354,10 +360,39 @@ class EtcdClient:
             if isinstance(err, EtcdUnavailableError):
                 self.last_trouble_at = time.monotonic()
                 self.last_error = str(err)
+                self._fail_over(raw, used)
             raise err from exc
         finally:
             if time.monotonic() - start > SLOW_CALL_S:
                 self.last_trouble_at = time.monotonic()
+
+    def _fail_over(self, raw: etcd3.MultiEndpointEtcd3Client | None, used: Any) -> None:
+        """Point the next call at the next endpoint after one failed transiently.
+
+        python3-etcd3 moves off an endpoint only once it is marked failed, and with
+        ``time_retry=0`` (see the module docstring) none ever is: without this a client whose
+        member died or froze would retry that member forever while the others serve.
+        Only the first of several concurrent failures on one endpoint moves on.
+        """
+        if raw is None or len(raw.endpoints) < 2:
+            return
+        with self._lock:
+            if raw._current_endpoint_label != used:
+                return  # another thread already moved on
+            labels = list(raw.endpoints)
+            nxt = labels[(labels.index(used) + 1) % len(labels)] if used in labels else labels[0]
+            raw._current_endpoint_label = nxt
+            watches = list(self._watches)
+            # One line per outage, not per retry: log only the first switch after a success.
+            first = self.last_ok_at > self._switch_logged_at
+            if first:
+                self._switch_logged_at = time.monotonic()
+        if first:
+            log.info("etcd_endpoint_switched", failed=used, next=nxt)
+        # A watch stream on a frozen or cut-off member never fails by itself, it goes quiet:
+        # move every watch to the new endpoint (each resumes from its last revision + 1).
+        for watch in watches:
+            watch.reconnect()
 
     def alarms(self) -> list[str]:
         """The names of etcd's active alarms (``NOSPACE``, ``CORRUPT``), empty when none."""
@@ -480,11 +515,20 @@ class EtcdClient:
     def grant_lease(self, ttl_s: int) -> int:
         return int(self.call(lambda c: c.lease(int(ttl_s)).id))
 
-    def refresh_lease(self, lease_id: int) -> int:
-        """Send one keep-alive. Returns the remaining TTL; <= 0 means the lease is gone."""
+    def refresh_lease(self, lease_id: int, timeout_s: float | None = None) -> int:
+        """Send one keep-alive. Returns the remaining TTL; <= 0 means the lease is gone.
+
+        Args:
+            timeout_s: deadline of this keep-alive (default: the client's ``timeout_s``).
+        """
 
         def refresh(c: etcd3.MultiEndpointEtcd3Client) -> int:
-            responses = list(c.refresh_lease(lease_id))
+            if timeout_s is None:
+                responses = list(c.refresh_lease(lease_id))
+            else:
+                responses = list(c.leasestub.LeaseKeepAlive(
+                    iter([etcd3.etcdrpc.LeaseKeepAliveRequest(ID=lease_id)]), timeout_s,
+                    credentials=c.call_credentials, metadata=c.metadata))
             return int(responses[0].TTL) if responses else 0
 
         return self.call(refresh)
@@ -521,6 +565,8 @@ class EtcdClient:
         See ``PrefixWatch``.
         """
         watch = PrefixWatch(self, prefix, on_events, on_resync, name=name)
+        with self._lock:
+            self._watches.add(watch)
         watch.start()
         return watch
 
@@ -576,6 +622,12 @@ class PrefixWatch:
     @property
     def revision(self) -> int:
         return self._revision
+
+    def reconnect(self) -> None:
+        """Drop the current stream and resume from the last revision + 1 (the client moved
+        to another endpoint)."""
+        self.connected.clear()
+        self._broken.set()
 
     def _callback(self, response: Any) -> None:
         if self._stop.is_set():
@@ -677,10 +729,13 @@ class LeaseKeeper:
 
     def _run(self) -> None:
         interval = max(self.ttl_s / 3.0, 0.2)
+        # A keep-alive sent to a frozen or dead member must not eat the TTL: bounded by a
+        # third of it, the retry on the next member still lands before the lease expires.
+        call_timeout_s = min(self.client.timeout_s, interval)
         failing = False
         while not self._stop.wait(interval if not failing else min(interval, 0.25)):
             try:
-                ttl = self.client.refresh_lease(self.lease_id)
+                ttl = self.client.refresh_lease(self.lease_id, timeout_s=call_timeout_s)
             except Exception as exc:
                 if not failing:
                     log.warning("lease_keepalive_failed", lease=hex(self.lease_id), error=str(exc))

@@ -30,6 +30,7 @@ SURFACE = {
                "--etcd-password-file", "--etcd-insecure-plaintext-auth", "--timeout", "--json", "--watch", "--events", "--window",
                "--max-rows", "--plot"],
     "checkpoints": None,  # owned by elasticd.cli_checkpoints; only its presence is pinned here
+    "etcd": ["--members", "--data-dir"],
 }
 
 

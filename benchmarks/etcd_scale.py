@@ -1,0 +1,357 @@
+"""Rendezvous at scale with one process per node: round, recovery, etcd load, watch fan-out.
+
+Each simulated node is a Python process of its own (forked from a zygote that imported
+torch once, so the imported modules are shared copy-on-write) running the real
+``EtcdRendezvousHandler`` (its own ``EtcdClient``: a lease, the ``nodes/`` and ``rdzv/``
+watches) and no workers, with ``RendezvousSettings(min_nodes=N-1, max_nodes=N,
+node_ttl_s=--ttl)``. The parent starts one embedded etcd, starts the N processes, waits
+until all are connected, then:
+
+1. releases them at once: **round** = release → the last node has its rank (the round
+   closes when N have joined);
+2. lets the job sit for ``--window`` s: **steady state** per node per minute from etcd's
+   own counters (``/metrics``: gRPC requests, keep-alives, bytes, puts+txns);
+3. SIGKILLs one node: **recovery** = kill → every survivor has its rank in the next round
+   (survivors poll ``num_nodes_waiting()`` every 50 ms, like the agent's monitor loop, then
+   call ``next_rendezvous``); this includes the lease TTL (the dead node is noticed when
+   its lease expires) and the last-call wait (``last_call_timeout_s`` = 1 s, the round is
+   below max_nodes);
+4. counts **watch events** etcd sent (``etcd_debugging_mvcc_events_total``) for the round
+   and for the recovery, and the watchers it holds (``etcd_debugging_mvcc_watcher_total``);
+5. reads the etcd server's CPU seconds and RSS from /proc.
+
+Usage::
+
+    .venv/bin/python benchmarks/etcd_scale.py --sizes 8,64           # ~3 min
+    .venv/bin/python benchmarks/etcd_scale.py --sizes 128 --no-doc
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import (  # noqa: E402
+    PY,
+    ROOT,
+    machine_info,
+    machine_line,
+    other_load,
+    replace_generated_block,
+    sigterm_as_interrupt,
+    stat_fields,
+)
+
+COUNTERS = {
+    "requests": ("grpc_server_msg_received_total", None),
+    "keepalives": ("grpc_server_msg_received_total", 'grpc_method="LeaseKeepAlive"'),
+    "bytes_in": ("etcd_network_client_grpc_received_bytes_total", None),
+    "bytes_out": ("etcd_network_client_grpc_sent_bytes_total", None),
+    "writes": ("etcd_mvcc_put_total", None),
+    "txns": ("etcd_mvcc_txn_total", None),
+    "watch_events": ("etcd_debugging_mvcc_events_total", None),
+    "watchers": ("etcd_debugging_mvcc_watcher_total", None),
+}
+
+
+# -- zygote and children: the simulated nodes ------------------------------------------------
+def zygote_main(args: argparse.Namespace) -> int:
+    """Import torch and elasticd once, then fork one process per simulated node.
+
+    Forking from a warm zygote (no gRPC channel exists before the fork; each child builds
+    its own) shares the ~150 MB of imported modules copy-on-write: a spawned process per
+    node would hold all of it privately, and 64 of them would not fit next to the other
+    work on this machine.
+    """
+    import gc
+
+    from elasticd.etcd.client import EtcdClient  # noqa: F401 - imported before the fork
+    from elasticd.rendezvous.etcd_handler import EtcdRendezvousHandler  # noqa: F401
+
+    gc.freeze()  # keep the collector from touching (and so copying) the shared heap
+    pids = []
+    for i in range(args.total):
+        pid = os.fork()
+        if pid == 0:
+            try:
+                code = child_main(args, i)
+            except BaseException as exc:  # report, never return into the zygote's loop
+                _emit({"i": i, "error": f"{type(exc).__name__}: {exc}", "t": time.time()})
+                code = 1
+            os._exit(code)
+        pids.append(pid)
+    for pid in pids:
+        os.waitpid(pid, 0)
+    return 0
+
+
+def _emit(rec: dict) -> None:
+    # One write() of less than PIPE_BUF bytes: lines of concurrent children never interleave.
+    os.write(1, (json.dumps(rec) + "\n").encode())
+
+
+def child_main(args: argparse.Namespace, index: int) -> int:
+    """One handler; "ready"; once the go file exists rendezvous, then re-rendezvous whenever
+    nodes wait, until the stop file exists."""
+    from elasticd.etcd.client import EtcdClient
+    from elasticd.rendezvous.etcd_handler import EtcdRendezvousHandler, RendezvousSettings
+
+    go, stop = Path(args.ctl, "go"), Path(args.ctl, "stop")
+    settings = RendezvousSettings(min_nodes=args.total - 1, max_nodes=args.total, node_ttl_s=args.ttl,
+                                  join_timeout_s=args.round_timeout, local_addr="127.0.0.1")
+    handler = EtcdRendezvousHandler(EtcdClient(args.endpoint, timeout_s=5.0), args.job, settings,
+                                    node_id=f"sim-{index}")
+    _emit({"i": index, "ready": True, "pid": os.getpid()})
+    while not go.exists():
+        time.sleep(0.01)
+    while not stop.exists():
+        info = handler.next_rendezvous()
+        _emit({"i": index, "rank": info.rank, "world": info.world_size, "t": time.time()})
+        while not stop.exists() and handler.num_nodes_waiting() == 0:
+            time.sleep(0.05)
+    return 0
+
+
+# -- parent -------------------------------------------------------------------------------
+def scrape(endpoint: str) -> dict[str, float]:
+    text = urllib.request.urlopen(f"http://{endpoint}/metrics", timeout=10).read().decode()
+    out = dict.fromkeys(COUNTERS, 0.0)
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        name_labels, _, value = line.rpartition(" ")
+        name = name_labels.split("{", 1)[0]
+        for key, (metric, label) in COUNTERS.items():
+            if name == metric and (label is None or label in name_labels):
+                out[key] += float(value)
+    return out
+
+
+def cpu_s(pid: int) -> float:
+    fields = stat_fields(pid)
+    return sum(int(x) for x in fields[11:13]) / os.sysconf("SC_CLK_TCK") if fields else 0.0
+
+
+def rss_mb(pid: int) -> float:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024.0
+    except OSError:
+        pass
+    return 0.0
+
+
+def private_mb(pid: int) -> float:
+    """Private (not shared) resident memory of a process, from smaps_rollup."""
+    try:
+        total = 0
+        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+            if line.startswith(("Private_Clean:", "Private_Dirty:")):
+                total += int(line.split()[1])
+        return total / 1024.0
+    except OSError:
+        return 0.0
+
+
+class Zygote:
+    """The zygote process and what its children printed, by node index."""
+
+    def __init__(self, args: argparse.Namespace, endpoint: str, job: str, n: int, workdir: Path) -> None:
+        self.ctl = workdir / f"ctl-{n}"
+        self.ctl.mkdir(parents=True, exist_ok=True)
+        self.lines: dict[int, list[dict]] = {i: [] for i in range(n)}
+        self.lock = threading.Lock()
+        with open(workdir / f"zygote-{n}.err", "w") as err:
+            self.proc = subprocess.Popen(
+                [PY, __file__, "--zygote", "--endpoint", endpoint, "--job", job, "--total", str(n),
+                 "--ttl", str(args.ttl), "--round-timeout", str(args.round_timeout), "--ctl", str(self.ctl)],
+                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=err, text=True, cwd=str(ROOT),
+                start_new_session=True)
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:  # type: ignore[union-attr]
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            with self.lock:
+                self.lines[rec["i"]].append(rec)
+
+    def all_have(self, pred, among=None) -> bool:  # type: ignore[no-untyped-def]
+        with self.lock:
+            return all(any(pred(r) for r in self.lines[i]) for i in (among or self.lines))
+
+    def first_t(self, i: int, pred) -> float:  # type: ignore[no-untyped-def]
+        with self.lock:
+            return next(r["t"] for r in self.lines[i] if pred(r))
+
+    def pid(self, i: int) -> int:
+        with self.lock:
+            return next(r["pid"] for r in self.lines[i] if "pid" in r)
+
+    def errors(self) -> list[str]:
+        with self.lock:
+            return [r["error"] for rs in self.lines.values() for r in rs if "error" in r]
+
+    def close(self) -> None:
+        (self.ctl / "stop").touch()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=10)
+
+
+def _wait(pred, timeout_s: float, what: str) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout_s
+    while not pred():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"timed out after {timeout_s:.0f}s waiting for {what}")
+        time.sleep(0.05)
+
+
+def run_size(n: int, args: argparse.Namespace, workdir: Path) -> dict:
+    from elasticd.etcd.embedded import EmbeddedEtcd
+
+    etcd = EmbeddedEtcd(data_dir=str(workdir / f"etcd-{n}")).start()
+    assert etcd.proc is not None
+    epid = etcd.proc.pid
+    zyg: Zygote | None = None
+    r: dict = {"n": n}
+    try:
+        t_spawn = time.time()
+        zyg = Zygote(args, etcd.endpoint, f"scale-{n}", n, workdir)
+        z = zyg
+        _wait(lambda: z.all_have(lambda x: "ready" in x) or bool(z.errors()), args.round_timeout * 2,
+              "every simulated node to connect")
+        if z.errors():
+            raise RuntimeError(f"simulated nodes failed: {z.errors()[:2]}")
+        r["spawn_s"] = round(time.time() - t_spawn, 1)
+        pids = [z.pid(i) for i in range(n)]
+        r["sim_private_mb"] = round(sum(private_mb(p) for p in pids) / n, 1)
+        c0, cpu0 = scrape(etcd.endpoint), cpu_s(epid)
+        go = time.time()
+        (z.ctl / "go").touch()
+        _wait(lambda: z.all_have(lambda x: "rank" in x), args.round_timeout, "round 1")
+        r["round_s"] = round(max(z.first_t(i, lambda x: "rank" in x) for i in range(n)) - go, 2)
+        c1, cpu1 = scrape(etcd.endpoint), cpu_s(epid)
+        r["round_watch_events"] = c1["watch_events"] - c0["watch_events"]
+        r["round_requests"] = c1["requests"] - c0["requests"]
+        r["round_etcd_cpu_s"] = round(cpu1 - cpu0, 2)
+        r["watchers"] = c1["watchers"]
+        time.sleep(args.settle)
+        a, cpu_a, ta = scrape(etcd.endpoint), cpu_s(epid), time.monotonic()
+        time.sleep(args.window)
+        b, cpu_b, tb = scrape(etcd.endpoint), cpu_s(epid), time.monotonic()
+        minutes = (tb - ta) / 60.0
+        r["per_node_min"] = {k: round((b[k] - a[k]) / n / minutes, 1) for k in
+                             ("requests", "keepalives", "bytes_in", "bytes_out", "writes", "txns")}
+        r["steady_etcd_cpu_pct"] = round(100.0 * (cpu_b - cpu_a) / (tb - ta), 1)
+        r["etcd_rss_mb"] = round(rss_mb(epid), 1)
+        # recovery after one node is lost
+        survivors = list(range(n - 1))
+        before = scrape(etcd.endpoint)
+        t_kill = time.time()
+        os.kill(pids[-1], signal.SIGKILL)
+        shrunk = lambda x: "rank" in x and x["world"] == n - 1  # noqa: E731
+        _wait(lambda: z.all_have(shrunk, survivors), args.round_timeout, "the survivors' next round")
+        r["recovery_s"] = round(max(z.first_t(i, shrunk) for i in survivors) - t_kill, 2)
+        after, cpu_end = scrape(etcd.endpoint), cpu_s(epid)
+        r["recovery_watch_events"] = after["watch_events"] - before["watch_events"]
+        r["recovery_requests"] = after["requests"] - before["requests"]
+        r["etcd_cpu_total_s"] = round(cpu_end - cpu0, 2)
+        r["etcd_rss_mb_end"] = round(rss_mb(epid), 1)
+        r["errors"] = z.errors()[:3]
+    finally:
+        if zyg is not None:
+            zyg.close()
+        etcd.stop()
+    return r
+
+
+def report(results: list[dict], info: dict, argv: list[str], busy: list[str], args: argparse.Namespace) -> str:
+    rows = ["| N | round (s) | recovery after 1 node lost (s) | watch events: round | watch events: "
+            "recovery | watchers | requests /node/min | keep-alives /node/min | bytes in+out "
+            "/node/min | etcd CPU: round (s) | etcd CPU steady (%) | etcd RSS (MB) | "
+            "private MB per node process |",
+            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in results:
+        if "error" in r:
+            rows.append(f"| {r['n']} | error: {r['error'][:90]} |" + " |" * 11)
+            continue
+        m = r["per_node_min"]
+        rows.append(f"| {r['n']} | {r['round_s']} | {r['recovery_s']} | {r['round_watch_events']:,.0f} | "
+                    f"{r['recovery_watch_events']:,.0f} | {r['watchers']:,.0f} | {m['requests']} | "
+                    f"{m['keepalives']} | {m['bytes_in'] + m['bytes_out']:,.0f} | "
+                    f"{r['round_etcd_cpu_s']} | {r['steady_etcd_cpu_pct']} | {r['etcd_rss_mb_end']} | "
+                    f"{r['sim_private_mb']} |")
+    shared = (f" The machine was shared (other busy processes at the start: {len(busy)}); times "
+              "are ±30 %, counts are exact.") if busy else ""
+    return "\n".join([
+        f"Measured {machine_line(info)}.{shared}",
+        "",
+        "```",
+        f".venv/bin/python benchmarks/etcd_scale.py {' '.join(argv)}".rstrip(),
+        "```",
+        "",
+        f"One process per simulated node, forked from a zygote that imported torch (the real "
+        f"`EtcdRendezvousHandler`, its own gRPC connection, lease and watches; no workers), one "
+        f"embedded etcd, `min_nodes=N-1, max_nodes=N, node_ttl_s={args.ttl}`. Recovery includes "
+        f"the TTL ({args.ttl} s) and the 1 s last call. Steady state over {args.window:.0f} s.",
+        "",
+        *rows,
+    ])
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--sizes", default="8,64")
+    p.add_argument("--ttl", type=int, default=5)
+    p.add_argument("--window", type=float, default=20.0)
+    p.add_argument("--settle", type=float, default=3.0)
+    p.add_argument("--round-timeout", type=float, default=180.0)
+    p.add_argument("--workdir")
+    p.add_argument("--no-doc", action="store_true")
+    p.add_argument("--zygote", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--endpoint", help=argparse.SUPPRESS)
+    p.add_argument("--job", help=argparse.SUPPRESS)
+    p.add_argument("--total", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--ctl", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.zygote:
+        return zygote_main(args)
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="elasticd-etcd-scale-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    info, busy = machine_info(), other_load()
+    results = []
+    with sigterm_as_interrupt():
+        for n in [int(x) for x in args.sizes.split(",") if x]:
+            try:
+                r = run_size(n, args, workdir)
+            except RuntimeError as exc:
+                r = {"n": n, "error": str(exc)}
+            results.append(r)
+            print(json.dumps(r), flush=True)
+    (workdir / "results.json").write_text(json.dumps({"machine": info, "results": results}, indent=1))
+    text = report(results, info, sys.argv[1:], busy, args)
+    if not args.no_doc:
+        replace_generated_block("Rendezvous at scale, one process per node", "etcd_scale", text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
