@@ -3,7 +3,6 @@
 - ``ConfigError``: the operator must fix the config or command line. Never retried;
   the CLI exits 78 (EX_CONFIG) so systemd does not restart-loop on it.
 - ``TransientError``: etcd or storage hiccups; retried with backoff (elasticd.retry).
-- ``FatalError``: the node cannot continue; exit non-zero and let systemd restart it.
 
 Rendezvous errors reuse torch's hierarchy (``RendezvousError`` and subclasses) so that
 torch's agent and launcher understand them.
@@ -44,9 +43,6 @@ class EtcdNoSpaceError(EtcdUnavailableError):
     ``elasticd status``: it does not go away by waiting (docs/deployment.md).
     """
 
-
-class FatalError(ElasticdError):
-    """This node cannot go on (restart budget spent, non-retryable worker error)."""
 
 
 class LeaseLostError(ElasticdError):
