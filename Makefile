@@ -19,7 +19,10 @@ $(STAMP): pyproject.toml
 	# A CPU build of torch from the local wheel cache; users bring their own CUDA torch.
 	$(PY) -m pip install -q torch==2.13.0
 	@echo "== installing elasticd (editable) with its test and plot tools"
-	$(PY) -m pip install -q -e '.[test]'
+	# torch==2.13.0 is repeated here on purpose: with an extra (`.[test]`), pip 26's resolver
+	# otherwise backtracks to the newest torch the range allows (2.14.1, a CUDA build of
+	# several GB) even though 2.13.0 is installed and satisfies it.
+	$(PY) -m pip install -q -e '.[test]' torch==2.13.0
 	touch $(STAMP)
 	@echo "== $(VENV) ready"
 
