@@ -65,7 +65,7 @@ $(COMPAT_STAMP): pyproject.toml
 	$(PYTHON) -m venv $(COMPAT_VENV)
 	$(COMPAT_VENV)/bin/python -m pip install -q --upgrade pip
 	$(COMPAT_VENV)/bin/python -m pip install -q torch==$(COMPAT_TORCH)
-	$(COMPAT_VENV)/bin/python -m pip install -q -e '.[test]'
+	$(COMPAT_VENV)/bin/python -m pip install -q -e '.[test]' torch==$(COMPAT_TORCH)
 	touch $(COMPAT_STAMP)
 
 compat: $(COMPAT_STAMP)
