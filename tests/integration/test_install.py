@@ -30,9 +30,10 @@ def _link_torch_only(target: Path) -> Path:
     dist = importlib.metadata.distribution("torch")
     site = Path(str(dist.locate_file("")))
     target.mkdir()
-    tops = (dist.read_text("top_level.txt") or "torch\n").split()
-    info = Path(str(dist._path))  # type: ignore[attr-defined]
-    for name in [*tops, info.name]:
+    # Every top-level name torch's files live under (torch, torchgen, functorch, its
+    # dist-info): top_level.txt is not always complete (torch 2.14.1's omits torchgen).
+    tops = {str(f).split("/")[0] for f in dist.files or () if not str(f).startswith("..")}
+    for name in sorted(tops):
         if (site / name).exists():
             (target / name).symlink_to(site / name)
     return target

@@ -303,8 +303,8 @@ def _free_port() -> int:
 def test_metrics_bind_loopback_by_default_and_the_configured_address(tmp_path):
     """The exporter listens on 127.0.0.1 unless configured; metrics.addr travels config ->
     NodeSpec -> the bound socket."""
-    from elasticd.agent.cli import node_spec
     from elasticd.agent.runner import _make_metrics
+    from elasticd.agent.settings import node_spec
     from elasticd.config import load_config
     from elasticd.status.metrics import AgentMetrics
 
@@ -318,7 +318,7 @@ def test_metrics_bind_loopback_by_default_and_the_configured_address(tmp_path):
     port = _free_port()
     cfg = load_config(None, {}, {"job.name": "m", "workers.command": "x.py", "metrics.port": port,
                                  "metrics.addr": "127.0.0.2"})
-    spec = node_spec(cfg)
+    spec = node_spec(cfg, {})
     assert spec.metrics_addr == "127.0.0.2"
     _make_metrics(spec)
     assert _listening(port) == {"127.0.0.2"}
