@@ -33,6 +33,24 @@ PY = sys.executable
 DOC = ROOT / "docs" / "benchmarks.md"
 
 
+# -- etcd's own metrics -------------------------------------------------------------------
+def scrape_etcd(endpoint: str, counters: dict[str, tuple[str, str | None]]) -> dict[str, float]:
+    """Sum etcd's Prometheus counters: ``{key: (metric name, label substring or None)}``."""
+    import urllib.request
+
+    text = urllib.request.urlopen(f"http://{endpoint}/metrics", timeout=10).read().decode()
+    out = dict.fromkeys(counters, 0.0)
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        name_labels, _, value = line.rpartition(" ")
+        name = name_labels.split("{", 1)[0]
+        for key, (metric, label) in counters.items():
+            if name == metric and (label is None or label in name_labels):
+                out[key] += float(value)
+    return out
+
+
 # -- processes ---------------------------------------------------------------------------
 def stat_fields(pid: int) -> list[bytes] | None:
     try:

@@ -37,7 +37,6 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -49,6 +48,7 @@ from benchmarks.common import (  # noqa: E402
     machine_line,
     other_load,
     replace_generated_block,
+    scrape_etcd,
     sigterm_as_interrupt,
     stat_fields,
 )
@@ -124,20 +124,6 @@ def child_main(args: argparse.Namespace, index: int) -> int:
 
 
 # -- parent -------------------------------------------------------------------------------
-def scrape(endpoint: str) -> dict[str, float]:
-    text = urllib.request.urlopen(f"http://{endpoint}/metrics", timeout=10).read().decode()
-    out = dict.fromkeys(COUNTERS, 0.0)
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        name_labels, _, value = line.rpartition(" ")
-        name = name_labels.split("{", 1)[0]
-        for key, (metric, label) in COUNTERS.items():
-            if name == metric and (label is None or label in name_labels):
-                out[key] += float(value)
-    return out
-
-
 def cpu_s(pid: int) -> float:
     fields = stat_fields(pid)
     return sum(int(x) for x in fields[11:13]) / os.sysconf("SC_CLK_TCK") if fields else 0.0
@@ -242,20 +228,20 @@ def run_size(n: int, args: argparse.Namespace, workdir: Path) -> dict:
         r["spawn_s"] = round(time.time() - t_spawn, 1)
         pids = [z.pid(i) for i in range(n)]
         r["sim_private_mb"] = round(sum(private_mb(p) for p in pids) / n, 1)
-        c0, cpu0 = scrape(etcd.endpoint), cpu_s(epid)
+        c0, cpu0 = scrape_etcd(etcd.endpoint, COUNTERS), cpu_s(epid)
         go = time.time()
         (z.ctl / "go").touch()
         _wait(lambda: z.all_have(lambda x: "rank" in x), args.round_timeout, "round 1")
         r["round_s"] = round(max(z.first_t(i, lambda x: "rank" in x) for i in range(n)) - go, 2)
-        c1, cpu1 = scrape(etcd.endpoint), cpu_s(epid)
+        c1, cpu1 = scrape_etcd(etcd.endpoint, COUNTERS), cpu_s(epid)
         r["round_watch_events"] = c1["watch_events"] - c0["watch_events"]
         r["round_requests"] = c1["requests"] - c0["requests"]
         r["round_etcd_cpu_s"] = round(cpu1 - cpu0, 2)
         r["watchers"] = c1["watchers"]
         time.sleep(args.settle)
-        a, cpu_a, ta = scrape(etcd.endpoint), cpu_s(epid), time.monotonic()
+        a, cpu_a, ta = scrape_etcd(etcd.endpoint, COUNTERS), cpu_s(epid), time.monotonic()
         time.sleep(args.window)
-        b, cpu_b, tb = scrape(etcd.endpoint), cpu_s(epid), time.monotonic()
+        b, cpu_b, tb = scrape_etcd(etcd.endpoint, COUNTERS), cpu_s(epid), time.monotonic()
         minutes = (tb - ta) / 60.0
         r["per_node_min"] = {k: round((b[k] - a[k]) / n / minutes, 1) for k in
                              ("requests", "keepalives", "bytes_in", "bytes_out", "writes", "txns")}
@@ -263,13 +249,13 @@ def run_size(n: int, args: argparse.Namespace, workdir: Path) -> dict:
         r["etcd_rss_mb"] = round(rss_mb(epid), 1)
         # recovery after one node is lost
         survivors = list(range(n - 1))
-        before = scrape(etcd.endpoint)
+        before = scrape_etcd(etcd.endpoint, COUNTERS)
         t_kill = time.time()
         os.kill(pids[-1], signal.SIGKILL)
         shrunk = lambda x: "rank" in x and x["world"] == n - 1  # noqa: E731
         _wait(lambda: z.all_have(shrunk, survivors), args.round_timeout, "the survivors' next round")
         r["recovery_s"] = round(max(z.first_t(i, shrunk) for i in survivors) - t_kill, 2)
-        after, cpu_end = scrape(etcd.endpoint), cpu_s(epid)
+        after, cpu_end = scrape_etcd(etcd.endpoint, COUNTERS), cpu_s(epid)
         r["recovery_watch_events"] = after["watch_events"] - before["watch_events"]
         r["recovery_requests"] = after["requests"] - before["requests"]
         r["etcd_cpu_total_s"] = round(cpu_end - cpu0, 2)

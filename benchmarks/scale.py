@@ -40,7 +40,6 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -53,6 +52,7 @@ from benchmarks.common import (  # noqa: E402
     machine_line,
     other_load,
     replace_generated_block,
+    scrape_etcd,
     sigterm_as_interrupt,
     stat_fields,
 )
@@ -203,20 +203,6 @@ class CountingProxy:
 
 
 # -- the parent ------------------------------------------------------------------------------
-def scrape_etcd(endpoint: str) -> dict[str, float]:
-    text = urllib.request.urlopen(f"http://{endpoint}/metrics", timeout=10).read().decode()
-    out = dict.fromkeys(ETCD_COUNTERS, 0.0)
-    for line in text.splitlines():
-        if line.startswith("#") or not line:
-            continue
-        name_labels, _, value = line.rpartition(" ")
-        name = name_labels.split("{", 1)[0]
-        for key, (metric, label) in ETCD_COUNTERS.items():
-            if name == metric and (label is None or label in name_labels):
-                out[key] += float(value)
-    return out
-
-
 def run_size(system: str, n: int, args: argparse.Namespace, workdir: Path) -> dict:
     """One round of N simulated nodes, then the steady-state counters over the window."""
     procs: list[subprocess.Popen] = []
@@ -228,7 +214,7 @@ def run_size(system: str, n: int, args: argparse.Namespace, workdir: Path) -> di
 
             etcd = EmbeddedEtcd(data_dir=str(workdir / f"etcd-{n}")).start()
             endpoint = etcd.endpoint
-            sample = lambda: scrape_etcd(endpoint)  # noqa: E731
+            sample = lambda: scrape_etcd(endpoint, ETCD_COUNTERS)  # noqa: E731
         else:
             from datetime import timedelta
 

@@ -10,6 +10,8 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 
+from harness import Node, elasticd_argv  # noqa: E402
+
 from elasticd.etcd.client import EtcdClient  # noqa: E402
 from elasticd.etcd.embedded import EmbeddedEtcd  # noqa: E402
 
@@ -49,3 +51,29 @@ def etcd_cluster(tmp_path):
         for i in range(len(cluster.members)):
             cluster.kill(i)  # SIGKILL: a graceful stop of the last members waits on the first
         cluster.stop()
+
+
+@pytest.fixture
+def nodes(tmp_path, etcd_server):
+    """Real agents (``elasticd run`` processes) against ``etcd_server``: start nodes with ``nodes.start(job, script, ...)``; all are killed after the test."""
+
+    class Factory:
+        def __init__(self) -> None:
+            self.started: list[Node] = []
+            self.etcd = etcd_server
+
+        def start(self, job: str, script: str, *, env: dict[str, str] | None = None,
+                  name: str | None = None, **kw) -> Node:
+            idx = len(self.started)
+            node_id = name or f"n{idx}"
+            node = Node(elasticd_argv(etcd_server.endpoint, job, script, node_id=node_id, **kw),
+                        env or {}, tmp_path / f"{node_id}.log")
+            self.started.append(node)
+            return node
+
+    factory = Factory()
+    try:
+        yield factory
+    finally:
+        for node in factory.started:
+            node.cleanup()
