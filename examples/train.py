@@ -62,75 +62,118 @@ def make_model(dtype: torch.dtype, seed: int) -> nn.Module:
     return nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 1)).to(dtype)
 
 
+def make_sampler(args: argparse.Namespace, old: worker.ElasticSampler | None = None) -> worker.ElasticSampler:
+    """The sampler for the current world size, at ``old``'s position (if given)."""
+    sampler = worker.ElasticSampler(args.dataset_size, global_batch_size=args.global_batch,
+                                    seed=args.seed)
+    if old is not None:
+        sampler.load_state_dict(old.state_dict())
+    return sampler
+
+
+def load_checkpoint(ckpt: CheckpointManager, state: dict) -> int:
+    """Load the newest checkpoint into ``state``; its step, or -1 when there is none."""
+    loaded = ckpt.load_latest(state)
+    return loaded.step if loaded else -1
+
+
+def train_epochs(args, ctx, step, x, y, ddp, optim, sampler, plan, live, trace, log, state, ckpt) -> int:
+    """Train until ``args.steps``; returns the next step. Raises ``worker.Reformed``."""
+    progress = state["extra"]
+    while step < args.steps:
+        epoch = sampler.epoch
+        for share in sampler.iter_steps():
+            t0 = time.perf_counter()
+            with live.guard():  # a failed collective (a peer died) re-forms the group
+                sizes = plan.micro_batch_sizes(ctx.rank)
+                total, start = 0.0, 0
+                for size, sync_ctx in zip(sizes, worker.accumulation_contexts(ddp, plan), strict=True):
+                    idx = torch.tensor(share[start:start + size], dtype=torch.long)
+                    start += size
+                    with sync_ctx:
+                        loss = nn.functional.mse_loss(ddp(x[idx].to(ctx.device)), y[idx].to(ctx.device))
+                        (loss * plan.loss_scale(size)).backward()
+                    total += loss.item() * size
+                optim.step()
+                optim.zero_grad(set_to_none=True)
+                sampler.step()
+                progress["step"] = step
+                if trace is not None:
+                    trace.write(json.dumps({"step": step, "epoch": epoch, "rank": ctx.rank,
+                                            "round": ctx.round, "pid": os.getpid(),
+                                            "idx": list(share)}) + "\n")
+                    trace.flush()
+                if args.step_sleep:
+                    time.sleep(args.step_sleep)
+                if ctx.rank == 0:
+                    log(step=step, epoch=epoch, world_size=ctx.world_size,
+                        samples_trained=sampler.samples_trained,
+                        loss=round(total / max(len(share), 1), 6),
+                        step_s=round(time.perf_counter() - t0, 4), round=ctx.round)
+                worker.report_progress(step, epoch=epoch, samples=(step + 1) * args.global_batch)
+                done = step + 1 >= args.steps
+                if live.step_done(step):  # a drain without live re-formation
+                    ckpt.save(step, state, blocking=True)  # commit before exiting 0
+                    if ctx.rank == 0:
+                        log(event="drained", step=step)
+                    ckpt.close()
+                    # Committed: leave without the 1-3 s interpreter teardown the restart
+                    # would wait for (this script registers no atexit work).
+                    worker.fast_exit(0)
+                if done or (step + 1) % args.checkpoint_every == 0:
+                    ckpt.save(step, state, blocking=done)
+            step += 1
+            if done:
+                break
+        else:
+            sampler.set_epoch(epoch + 1)  # epoch complete: the next one starts at position 0
+    return step
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     ctx = worker.init()
     dtype = getattr(torch, args.dtype)
     x, y = make_data(args.dataset_size, dtype, args.seed)
     model = make_model(dtype, args.seed).to(ctx.device)
-    ddp = DDP(model) if dist.is_initialized() else model
     optim = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
-    sampler = worker.ElasticSampler(args.dataset_size, global_batch_size=args.global_batch,
-                                    seed=args.seed)
-    plan = worker.plan_global_batch(args.global_batch, ctx.world_size, args.micro_batch,
-                                    allow_uneven=True)
+    sampler = make_sampler(args)
     url = args.checkpoint_url or "file://" + os.path.abspath("checkpoints")
     ckpt = CheckpointManager(url, job=ctx.job or "local", keep_last=args.keep,
                              fence=worker.agent_fence(), run_id=ctx.run_id, resume=ctx.resume)
     progress = {"step": 0}
     state = {"model": model, "optim": optim, "sampler": sampler, "extra": progress}
-    loaded = ckpt.load_latest(state)
-    step = loaded.step + 1 if loaded else 0
+    # Live re-formation: on a membership change the state stays in memory and is sent to
+    # ranks that are behind or new; the checkpoint is read only when no rank holds it.
+    live = worker.LiveState(state, checkpoint=ckpt)
+    resumed_from = live.resume(lambda: load_checkpoint(ckpt, state))
+    step = resumed_from + 1
     log = lambda **kv: print(json.dumps(kv), flush=True)  # noqa: E731
-    if ctx.rank == 0:
-        log(event="started", resumed_from=loaded.step if loaded else None, world_size=ctx.world_size,
-            micro_batch=plan.micro_batch_size, accumulation=plan.accumulation_steps)
     trace = open(args.trace, "a") if args.trace else None  # noqa: SIM115
+    first = True
 
     while step < args.steps:
-        epoch = sampler.epoch
-        for share in sampler.iter_steps():
-            t0 = time.perf_counter()
-            sizes = plan.micro_batch_sizes(ctx.rank)
-            total, start = 0.0, 0
-            for size, sync_ctx in zip(sizes, worker.accumulation_contexts(ddp, plan), strict=True):
-                idx = torch.tensor(share[start:start + size], dtype=torch.long)
-                start += size
-                with sync_ctx:
-                    loss = nn.functional.mse_loss(ddp(x[idx].to(ctx.device)), y[idx].to(ctx.device))
-                    (loss * plan.loss_scale(size)).backward()
-                total += loss.item() * size
-            optim.step()
-            optim.zero_grad(set_to_none=True)
-            sampler.step()
-            if trace is not None:
-                trace.write(json.dumps({"step": step, "epoch": epoch, "rank": ctx.rank, "round": ctx.round,
-                                        "idx": list(share)}) + "\n")
-                trace.flush()
-            if args.step_sleep:
-                time.sleep(args.step_sleep)
+        # (Re)built for the current group: after a re-formation the world size, the rank
+        # and the process group changed.
+        ctx = worker.context()
+        sampler = state["sampler"] = make_sampler(args, sampler)
+        ddp = DDP(model) if dist.is_initialized() else model
+        plan = worker.plan_global_batch(args.global_batch, ctx.world_size, args.micro_batch,
+                                        allow_uneven=True)
+        if ctx.rank == 0 and first:
+            log(event="started", resumed_from=resumed_from if resumed_from >= 0 else None,
+                world_size=ctx.world_size, micro_batch=plan.micro_batch_size,
+                accumulation=plan.accumulation_steps)
+        first = False
+        try:
+            step = train_epochs(args, ctx, step, x, y, ddp, optim, sampler, plan, live, trace, log,
+                                state, ckpt)
+        except worker.Reformed:
+            step = live.step + 1  # continue after the newest step any rank completed
             if ctx.rank == 0:
-                log(step=step, epoch=epoch, world_size=ctx.world_size,
-                    samples_trained=sampler.samples_trained, loss=round(total / max(len(share), 1), 6),
-                    step_s=round(time.perf_counter() - t0, 4), round=ctx.round)
-            worker.report_progress(step, epoch=epoch, samples=(step + 1) * args.global_batch)
-            progress["step"] = step
-            done = step + 1 >= args.steps
-            if worker.should_stop(step):
-                ckpt.save(step, state, blocking=True)  # a drain: commit before exiting 0
-                if ctx.rank == 0:
-                    log(event="drained", step=step)
-                ckpt.close()
-                # Committed: leave without the 1-3 s interpreter teardown the restart
-                # would wait for (this script registers no atexit work).
-                worker.fast_exit(0)
-            if done or (step + 1) % args.checkpoint_every == 0:
-                ckpt.save(step, state, blocking=done)
-            step += 1
-            if done:
-                break
-        else:
-            sampler.set_epoch(epoch + 1)  # epoch complete: the next one starts at position 0
+                log(event="reformed", step=live.step, world_size=worker.context().world_size,
+                    round=worker.context().round)
+    ctx = worker.context()
     ckpt.close()
     if args.final_params and ctx.rank == 0:
         torch.save({k: v.detach().cpu() for k, v in model.state_dict().items()}, args.final_params)

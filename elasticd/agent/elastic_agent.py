@@ -30,6 +30,7 @@ from torch.distributed.elastic.rendezvous import RendezvousGracefulExitError
 from elasticd.agent.commits import CommitRetrier
 from elasticd.agent.policy import Decision, Facts, Verdict, decide
 from elasticd.agent.recorder import JobRecorder
+from elasticd.agent.reform import LiveReformer, live_tick
 from elasticd.agent.summary import failure_summary, first_failure, print_summary
 from elasticd.agent.warm import StandbyPool, warm_handlers
 from elasticd.agent.worker_env import scrub, spawn_environment
@@ -38,6 +39,7 @@ from elasticd.control.api import (
     ENV_AGENT_PID,
     ENV_CHECKPOINT_URL,
     ENV_JOB,
+    ENV_LIVE,
     ENV_NODE,
     ENV_ROUND,
 )
@@ -69,6 +71,8 @@ class SupervisionSettings:
     warm_start: bool = True  # keep a standby per local rank (see elasticd.agent.warm)
     standby_delay_s: float = 2.0  # start standbys this long after the group's first step
     standby_after_s: float = 30.0  # ... or this long after the group started (plain scripts)
+    live_reform: bool = True  # re-form workers on the worker API in place (elasticd.agent.reform)
+    live_reform_timeout_s: float = 30.0  # ... or fall back to a restart after this long
 
 
 @dataclass
@@ -119,6 +123,8 @@ class ElasticdAgent(LocalElasticAgent):
         self._group_started_at = 0.0
         self._done_at: float | None = None  # when every local worker's script had returned
         self._done_checked_at = 0.0
+        self.live = LiveReformer(control.dir, enabled=settings.live_reform,
+                                 timeout_s=settings.live_reform_timeout_s)
 
     # -- signals: flags only -------------------------------------------------------------
     def _on_signal(self, signum: int, frame: Any) -> None:
@@ -147,12 +153,15 @@ class ElasticdAgent(LocalElasticAgent):
             **self.control.env(),
             **self.settings.worker_env,
         }
+        if self.settings.live_reform:
+            extra[ENV_LIVE] = "1"
         if self.settings.checkpoint_url:
             extra[ENV_CHECKPOINT_URL] = self.settings.checkpoint_url
         return scrub(extra)  # workers never hold etcd credentials, even from [workers.env]
 
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
         self.control.clear_round()
+        self.live.reset_group()
         if not self._draining:
             self.control.clear_drain()
         self._resizing = False  # a resize ends when the re-formed group starts
@@ -242,6 +251,8 @@ class ElasticdAgent(LocalElasticAgent):
                 self._log.info("agent_decided", verdict=decision.verdict.value, reason=decision.reason,
                                round=self.handler.round)
             self._last_decision = decision.reason
+            if live_tick(self, decision.verdict.value, facts.membership):
+                continue  # the workers re-form in place (elasticd.agent.reform)
             done = self._act(decision, result)
             if done:
                 self.standby.close()

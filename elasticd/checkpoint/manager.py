@@ -166,6 +166,17 @@ class CheckpointManager:
         self._manifests: dict[tuple[int, str], Manifest] = {}
         self._log = log.bind(job=job, rank=self.rank)
 
+    def regroup(self, process_group: Any = None) -> None:
+        """Coordinate through a new process group from now on (after a live re-formation).
+
+        An asynchronous save still in flight finishes on its own thread (its commit is
+        fenced by the round it was taken in); the next save uses the new group's ranks.
+        """
+        self._group = make_group(process_group, None, None)
+        self.rank = self._group.rank
+        self.world_size = self._group.size
+        self._log = log.bind(job=self.job, rank=self.rank)
+
     @property
     def is_writer(self) -> bool:
         """True on the rank that writes checkpoints (group rank 0)."""

@@ -60,3 +60,11 @@ class CommitOutcome(enum.Enum):
         if isinstance(value, CommitOutcome):
             return value
         return cls.COMMITTED if value else cls.REFUSED
+
+# Live re-formation (elasticd.control.reform): the worker group re-forms in place.
+ENV_LIVE = "ELASTICD_LIVE"  # "1": the agent re-forms live workers in place on a membership change
+LIVE_PREFIX = "live-"  # live-<rank>: this worker re-forms in place when told (worker API)
+PARKED_PREFIX = "parked-"  # parked-<rank>: left its process group, waits for the next round
+REFORMED_PREFIX = "reformed-"  # reformed-<rank>: re-formed in the round it names
+PARK_FILE = "park"  # the agent asks live workers to leave their group at the next agreed step
+REFORM_FILE = "reform.json"  # the agent's order: the new round's ranks and bootstrap address

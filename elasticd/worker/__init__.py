@@ -32,6 +32,7 @@ from elasticd.worker.context import (
     stop_requested_locally,
 )
 from elasticd.worker.fence import AgentCommitFence, agent_fence
+from elasticd.worker.live import LiveState, Reformed
 from elasticd.worker.loop import ElasticLoop
 
 __all__ = [
@@ -41,6 +42,8 @@ __all__ = [
     "ElasticDistributedSampler",
     "ElasticLoop",
     "ElasticSampler",
+    "LiveState",
+    "Reformed",
     "PositionedBatchSampler",
     "PositionedSampler",
     "SampleKey",

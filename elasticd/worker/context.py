@@ -42,6 +42,7 @@ from elasticd.control import (
     ControlClient,
     Progress,
 )
+from elasticd.control.api import ENV_LIVE, PARK_FILE
 from elasticd.errors import EX_CONFIG, ConfigError
 
 DEFAULT_COLLECTIVE_TIMEOUT_S = 300.0
@@ -109,6 +110,7 @@ class AgentEnvironment:
     round: int
     run_id: str | None = None  # ELASTICD_RUN_ID: this run's identity (docs/checkpoints.md)
     resume: str = "auto"  # ELASTICD_RESUME: what to do with another run's checkpoints
+    live: bool = False  # ELASTICD_LIVE=1: the agent re-forms live workers in place
 
 
 def agent_environment() -> AgentEnvironment | None:
@@ -132,7 +134,8 @@ def agent_environment() -> AgentEnvironment | None:
     return AgentEnvironment(control_dir=os.environ.get(ENV_CONTROL_DIR, ""),
                             socket_path=socket_path, round=int(raw),
                             run_id=os.environ.get("ELASTICD_RUN_ID") or None,
-                            resume=os.environ.get("ELASTICD_RESUME") or "auto")
+                            resume=os.environ.get("ELASTICD_RESUME") or "auto",
+                            live=os.environ.get(ENV_LIVE) == "1")
 
 
 def init(backend: str | None = None, *, timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S) -> WorkerContext:
@@ -228,6 +231,81 @@ def _settle_pending() -> None:
         pass
 
 
+def current_round() -> int | None:
+    """The round this worker trains in now (it changes on a live re-formation)."""
+    return _S.ctx.round if _S.ctx is not None else None
+
+
+def leave_group() -> None:
+    """Leave the process group without waiting on peers (live re-formation).
+
+    The group is aborted first: its connections close, so every peer blocked in a
+    collective with this rank fails at once instead of waiting for the collective timeout
+    (the failure spreads through the whole old group within milliseconds). Then the
+    pending stop-flag all-reduce is settled and the group destroyed; the destroyed gloo
+    group objects stay referenced (``elasticd.teardown``), so no destructor runs in the
+    main thread.
+    """
+    if dist.is_initialized():
+        for group in {id(g): g for g in (_S.stop_group, dist.group.WORLD) if g is not None}.values():
+            try:
+                group.abort()
+            except (RuntimeError, AttributeError):  # already aborted, or a backend without it
+                pass
+    _settle_pending()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    _S.stop_group = None
+    _S.stopped = False
+
+
+def rejoin(rank: int, world_size: int, round_: int, master_addr: str, master_port: int, *,
+           timeout_s: float) -> WorkerContext:
+    """Join the process group of a new round (live re-formation) and update the context.
+
+    The new round's global rank 0 hosts its TCPStore at ``master_addr:master_port`` (the
+    same bootstrap a worker started in that round uses), so survivors and fresh workers
+    form one group.
+
+    Args:
+        rank: this worker's global rank in the new round.
+        world_size: the new round's world size.
+        round_: the new round (checkpoint commits are fenced by it).
+        master_addr: the new round's bootstrap host.
+        master_port: ... and port.
+        timeout_s: bound on forming the group and on its collectives.
+
+    Returns:
+        The new ``WorkerContext``.
+
+    Raises:
+        RuntimeError: the group could not be formed within ``timeout_s``.
+    """
+    import dataclasses
+
+    ctx = context()
+    kwargs: dict[str, Any] = {"backend": ctx.backend, "timeout": timedelta(seconds=timeout_s),
+                              "init_method": f"tcp://{master_addr}:{master_port}",
+                              "rank": rank, "world_size": world_size}
+    if ctx.backend == "nccl":
+        kwargs["device_id"] = ctx.device
+    dist.init_process_group(**kwargs)
+    _S.ctx = dataclasses.replace(ctx, rank=rank, world_size=world_size, round=round_)
+    _S.stop_group = dist.new_group(backend="gloo") if ctx.backend != "gloo" else dist.group.WORLD
+    _S.pending, _S.stopped = None, False
+    return _S.ctx
+
+
+def park_requested() -> bool:
+    """True if this node's agent asked live workers to leave the group at the next agreed step."""
+    return _S.control_dir is not None and (_S.control_dir / PARK_FILE).exists()
+
+
+def control_dir() -> Path | None:
+    """The agent's runtime directory (None without an agent)."""
+    return _S.control_dir
+
+
 def context() -> WorkerContext:
     """The context of ``init()`` (calls it with defaults if needed)."""
     return _S.ctx or init()
@@ -266,7 +344,7 @@ def should_stop(step: int | None = None, *, every: int = 1) -> bool:
         if step % every:
             return False
     ctx = context()
-    local = 1 if stop_requested_locally() else 0
+    local = 1 if stop_requested_locally() or park_requested() else 0
     if dist.is_initialized() and ctx.world_size > 1:
         assert _S.flag is not None
         stop = False

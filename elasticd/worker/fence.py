@@ -30,12 +30,20 @@ class AgentCommitFence:
         """Ask the agent to commit; ``UNKNOWN`` when it did not answer or could not tell."""
         try:
             reply = self.client.commit(CommitRequest(step=step, manifest_url=manifest_url,
-                                                     world_size=max(world_size, 1), round=self.round))
+                                                     world_size=max(world_size, 1), round=self._round()))
         except OSError:
             return CommitOutcome.UNKNOWN  # no answer is not a no: never delete on a guess
         if isinstance(reply, CommitReply):
             return reply.outcome
         return CommitOutcome.UNKNOWN  # the agent rejected the request itself: not a fence verdict
+
+    def _round(self) -> int:
+        # After a live re-formation the worker trains in a later round than it started in;
+        # its commits must be fenced by that round, not the one in its environment.
+        from elasticd.worker.context import current_round
+
+        live = current_round()
+        return live if live is not None and live > self.round else self.round
 
     def latest(self) -> CheckpointPointer | None:
         """The committed pointer; None when nothing is committed or the agent cannot tell."""

@@ -1,0 +1,343 @@
+"""Live re-formation, worker side: keep the training state in memory through a membership change.
+
+In data-parallel training every surviving rank holds the whole model and optimizer state,
+so a lost, drained or joining node need not cost a restart and a checkpoint load.
+:class:`LiveState` registers that state; on a membership change (a collective that failed
+because a peer died, or the agent's order to leave the group at an agreed step) the worker
+
+1. abandons the current step (``optimizer.step()`` never ran for it, gradients are
+   zeroed): a half-finished step is never applied;
+2. leaves the old process group without waiting on dead peers and tells its agent
+   (``parked-<local_rank>``), which opens the next round at once;
+3. joins the new round's group (the agent's ``reform.json``: ranks, bootstrap address);
+4. agrees with every rank on the newest completed step; one rank that completed it
+   broadcasts model, optimizer, sampler position and RNG state to every rank that is
+   behind or new (a joining worker receives its state this way: no storage read);
+5. raises :class:`Reformed`, so the loop rebuilds what holds the old group (the DDP
+   wrapper, the batch plan) and continues with step ``live.step + 1``.
+
+When nobody holds a usable state (all ranks fresh: a job start, or after a restart), the
+checkpoint is loaded as before. When the re-formation fails within its bound, the worker
+logs why and exits 0 with a stopped marker: the agent restarts the group from the newest
+checkpoint (today's path). Under plain torchrun, or with live re-formation off, the
+object does nothing but call ``should_stop``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import time
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import structlog
+import torch
+import torch.distributed as dist
+
+from elasticd.checkpoint import rng
+from elasticd.control.api import LIVE_PREFIX, PARKED_PREFIX, REFORMED_PREFIX, STOPPED_PREFIX
+from elasticd.control.reform import read_order, write_marker
+import elasticd.worker.context  # noqa: E402,F401 - loaded here, looked up below
+
+wctx = sys.modules["elasticd.worker.context"]  # the module, not the package's context()
+
+log = structlog.get_logger(__name__)
+
+POLL_S = 0.01
+MAX_REFORMS_PER_STEP = 3  # the same step failing again and again is a bug, not a peer
+
+
+class Reformed(Exception):  # noqa: N818 - a signal to the loop, not an error
+    """The process group was re-formed: rebuild DDP/batch plan, continue at ``live.step + 1``."""
+
+
+def _is_collective_failure(exc: BaseException) -> bool:
+    """A failure caused by a peer (connection closed/reset, timeout), not by the script."""
+    if isinstance(exc, (dist.DistError, ConnectionError)):
+        return True
+    text = str(exc).lower()
+    return isinstance(exc, RuntimeError) and any(w in text for w in (
+        "gloo", "connection closed", "connection reset", "broken pipe", "timed out", "nccl",
+        "socket"))
+
+
+def _split(obj: Any, tensors: list[torch.Tensor]) -> Any:
+    """``obj`` with every tensor replaced by its index in ``tensors`` (appended)."""
+    if isinstance(obj, torch.Tensor):
+        tensors.append(obj.detach())
+        return ("__t__", len(tensors) - 1, tuple(obj.shape), str(obj.dtype).split(".")[-1])
+    if isinstance(obj, dict):
+        return {k: _split(v, tensors) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_split(v, tensors) for v in obj]
+    if isinstance(obj, tuple):
+        return ("__tuple__", [_split(v, tensors) for v in obj])
+    return obj
+
+
+def _join(obj: Any, tensors: list[torch.Tensor]) -> Any:
+    if isinstance(obj, tuple) and obj and obj[0] == "__t__":
+        return tensors[obj[1]]
+    if isinstance(obj, tuple) and obj and obj[0] == "__tuple__":
+        return tuple(_join(v, tensors) for v in obj[1])
+    if isinstance(obj, dict):
+        return {k: _join(v, tensors) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_join(v, tensors) for v in obj]
+    return obj
+
+
+def _metas(obj: Any, out: list[tuple[tuple[int, ...], str]]) -> None:
+    if isinstance(obj, tuple) and obj and obj[0] == "__t__":
+        out.append((obj[2], obj[3]))
+    elif isinstance(obj, tuple) and obj and obj[0] == "__tuple__":
+        for v in obj[1]:
+            _metas(v, out)
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            _metas(v, out)
+    elif isinstance(obj, list):
+        for v in obj:
+            _metas(v, out)
+
+
+def broadcast_state(sd: dict[str, Any] | None, src: int, device: torch.device) -> dict[str, Any]:
+    """Broadcast a nested state dict from ``src``: the structure once, the tensors as one
+    flat buffer per dtype (so a large model moves at the link's speed, not pickle's).
+
+    Args:
+        sd: the state on ``src`` (ignored elsewhere).
+        src: global rank that holds it.
+        device: where the flat buffers live (the GPU for NCCL).
+
+    Returns:
+        The state on every rank (tensors freshly allocated on receivers).
+    """
+    tensors: list[torch.Tensor] = []
+    skeleton = _split(sd, tensors) if dist.get_rank() == src else None
+    box = [skeleton]
+    dist.broadcast_object_list(box, src=src)
+    skeleton = box[0]
+    metas: list[tuple[tuple[int, ...], str]] = []
+    _metas(skeleton, metas)
+    if dist.get_rank() != src:
+        tensors = [torch.empty(shape, dtype=getattr(torch, dt)) for shape, dt in metas]
+    by_dtype: dict[str, list[int]] = {}
+    for i, (_, dt) in enumerate(metas):
+        by_dtype.setdefault(dt, []).append(i)
+    for dt in sorted(by_dtype):
+        idx = by_dtype[dt]
+        if dist.get_rank() == src:
+            flat = torch.cat([tensors[i].reshape(-1).to(device) for i in idx])
+        else:
+            flat = torch.empty(sum(tensors[i].numel() for i in idx), dtype=getattr(torch, dt),
+                               device=device)
+        dist.broadcast(flat, src=src)
+        if dist.get_rank() != src:
+            offset = 0
+            for i in idx:
+                n = tensors[i].numel()
+                tensors[i] = flat[offset:offset + n].view(tensors[i].shape).to("cpu").clone()
+                offset += n
+    return _join(skeleton, tensors)
+
+
+class LiveState:
+    """The state a worker keeps in memory across membership changes.
+
+    Args:
+        state: what to keep, e.g. ``{"model": model, "optim": optim, "sampler": sampler,
+            "extra": progress}``: objects with ``state_dict``/``load_state_dict``, or
+            plain dicts (updated in place). The module itself, not the DDP wrapper.
+        checkpoint: a :class:`~elasticd.checkpoint.CheckpointManager` to move to the new
+            group after each re-formation.
+        timeout_s: bound on one re-formation (waiting for the order, forming the new
+            group, the state transfer); past it the worker falls back to a restart.
+
+    Attributes:
+        step: the last step this rank completed (-1: none yet).
+        enabled: live re-formation is on (under an agent that enables it, with a group).
+        reforms: re-formations so far in this process.
+    """
+
+    def __init__(self, state: Mapping[str, Any], *, checkpoint: Any = None,
+                 timeout_s: float = 60.0) -> None:
+        self.state = state  # by reference: the loop may swap an entry (a resharded sampler)
+        self.checkpoint = checkpoint
+        self.step = -1
+        self.timeout_s = timeout_s
+        self.reforms = 0
+        self._has_state = False
+        self._failures_at: dict[int, int] = {}
+        env = wctx.agent_environment()
+        ctx = wctx.context()
+        self.enabled = bool(env is not None and env.live and dist.is_initialized()
+                            and wctx.control_dir() is not None)
+        if self.enabled:
+            cdir = wctx.control_dir()
+            assert cdir is not None
+            write_marker(cdir, LIVE_PREFIX, ctx.local_rank, pid=_pid())
+        self._log = log.bind(rank=ctx.rank, local_rank=ctx.local_rank)
+
+    # -- the loop's three calls ---------------------------------------------------------
+    def resume(self, load: Callable[[], int]) -> int:
+        """Get the state: from a peer that holds it, else by ``load()`` (the checkpoint).
+
+        A collective. ``load`` loads the newest checkpoint into the state on every rank
+        and returns its step (-1 if none); it runs only when no rank holds a state.
+
+        Returns:
+            The last completed step (-1 on a fresh start).
+        """
+        if not self.enabled:
+            self.step = load()
+            self._has_state = True
+            return self.step
+        self._sync(load)
+        return self.step
+
+    def step_done(self, step: int) -> bool:
+        """Record that ``step`` completed (after ``optimizer.step()``); agree on stops.
+
+        Returns:
+            True when the script should save and exit 0 (a drain, as with
+            ``should_stop``). With live re-formation on, a drain of this node exits here
+            (the survivors keep the state), and a drain or join elsewhere re-forms the
+            group here and raises :class:`Reformed`.
+        """
+        self.step = step
+        self._has_state = True
+        if not wctx.should_stop(step):
+            return False
+        if not self.enabled:
+            return True
+        if wctx.stop_requested_locally():
+            self._log.info("live_drained", step=step)
+            wctx.fast_exit(0)  # survivors hold this state: no checkpoint to write
+        self._reform("agreed_stop")
+        raise Reformed(f"re-formed at the agreed step {step}")
+
+    @contextlib.contextmanager
+    def guard(self) -> Iterator[None]:
+        """Wrap one training step: a collective failure re-forms the group.
+
+        Raises:
+            Reformed: the group was re-formed; the step was abandoned (never applied).
+        """
+        try:
+            yield
+        except Reformed:
+            raise
+        except Exception as exc:
+            if not self.enabled or not _is_collective_failure(exc):
+                raise
+            tries = self._failures_at.get(self.step, 0) + 1
+            self._failures_at[self.step] = tries
+            if tries > MAX_REFORMS_PER_STEP:
+                raise
+            self._abandon_step()
+            self._log.info("collective_failed", step=self.step + 1, error=str(exc)[:200])
+            self._reform("collective_failed")
+            raise Reformed(f"re-formed after a failed collective: {exc}") from None
+
+    # -- re-formation ---------------------------------------------------------------------
+    def _abandon_step(self) -> None:
+        for obj in self.state.values():
+            if isinstance(obj, torch.optim.Optimizer):
+                obj.zero_grad(set_to_none=True)
+            elif isinstance(obj, torch.nn.Module):
+                obj.zero_grad(set_to_none=True)
+
+    def _reform(self, reason: str) -> None:
+        ctx = wctx.context()
+        cdir = wctx.control_dir()
+        assert cdir is not None
+        old_round = ctx.round if ctx.round is not None else -1
+        t0 = time.monotonic()
+        wctx.leave_group()
+        (cdir / f"{STOPPED_PREFIX}{ctx.rank}").unlink(missing_ok=True)  # not a drain: we stay
+        write_marker(cdir, PARKED_PREFIX, ctx.local_rank, round=old_round, step=self.step,
+                     reason=reason)
+        deadline = t0 + self.timeout_s
+        order = read_order(cdir)
+        while order is None or order.round <= old_round or ctx.local_rank not in order.ranks:
+            if time.monotonic() >= deadline:
+                self._fall_back(f"no new round within {self.timeout_s:.0f}s")
+            time.sleep(POLL_S)
+            order = read_order(cdir)
+        try:
+            wctx.rejoin(order.ranks[ctx.local_rank], order.world_size, order.round,
+                        order.master_addr, order.master_port,
+                        timeout_s=max(deadline - time.monotonic(), 1.0))
+            formed = time.monotonic()
+            if self.checkpoint is not None:
+                self.checkpoint.regroup()
+            self._sync(None)
+        except Exception as exc:  # noqa: BLE001 - any failure here ends in the restart path
+            self._fall_back(f"re-forming round {order.round} failed: {exc!r}"[:300])
+        self.reforms += 1
+        (cdir / f"{PARKED_PREFIX}{ctx.local_rank}").unlink(missing_ok=True)
+        write_marker(cdir, REFORMED_PREFIX, ctx.local_rank, round=order.round, step=self.step)
+        self._log.info("live_reformed", round=order.round, world_size=order.world_size,
+                       rank=order.ranks[ctx.local_rank], step=self.step, reason=reason,
+                       group_s=round(formed - t0, 3), total_s=round(time.monotonic() - t0, 3))
+
+    def _sync(self, load: Callable[[], int] | None) -> None:
+        """Agree on the newest completed step; its holder broadcasts to those behind."""
+        ctx = wctx.context()
+        mine = torch.tensor([self.step if self._has_state else -2], dtype=torch.int64)
+        steps = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size())]
+        dist.all_gather(steps, mine)
+        values = [int(t.item()) for t in steps]
+        newest = max(values)
+        if newest == -2:  # nobody holds a state: a fresh start or a full restart
+            if load is None:
+                raise RuntimeError("no rank holds a usable state")
+            self.step = load()
+            self._has_state = True
+            return
+        src = values.index(newest)
+        if all(v == newest for v in values):
+            return
+        t0 = time.monotonic()
+        sd = self._collect() if ctx.rank == src else None
+        received = broadcast_state(sd, src, ctx.device if ctx.backend == "nccl" else torch.device("cpu"))
+        if ctx.rank != src and values[ctx.rank] != newest:
+            self._apply(received)
+        self.step = newest
+        self._has_state = True
+        self._log.info("live_state_received" if values[ctx.rank] != newest else "live_state_sent",
+                       step=newest, source=src, seconds=round(time.monotonic() - t0, 3))
+
+    def _collect(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"__rng__": rng.capture(), "__step__": self.step}
+        for name, obj in self.state.items():
+            out[name] = obj.state_dict() if hasattr(obj, "state_dict") else dict(obj)
+        return out
+
+    def _apply(self, sd: dict[str, Any]) -> None:
+        for name, obj in self.state.items():
+            if hasattr(obj, "load_state_dict"):
+                obj.load_state_dict(sd[name])
+            else:
+                obj.clear()
+                obj.update(sd[name])
+        rng.restore([sd["__rng__"]], 0)
+
+    def _fall_back(self, why: str) -> None:
+        """In-place re-formation failed: exit 0 as stopped, so the agent restarts the group."""
+        ctx = wctx.context()
+        cdir = wctx.control_dir()
+        self._log.warning("live_reform_fell_back", reason=why, step=self.step)
+        if cdir is not None:
+            (cdir / f"{PARKED_PREFIX}{ctx.local_rank}").unlink(missing_ok=True)
+            write_marker(cdir, STOPPED_PREFIX, ctx.rank, step=self.step, round=ctx.round,
+                         live_fallback=why)
+        wctx.fast_exit(0)
+
+
+def _pid() -> int:
+    import os
+
+    return os.getpid()

@@ -1,0 +1,79 @@
+"""Live re-formation's pure parts: the agent's decision, the order's validation, and the
+state transfer's (un)flattening."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from elasticd.agent.reform import LiveFacts, LiveVerdict, decide_live
+from elasticd.control.reform import ReformOrder
+from elasticd.worker.live import _is_collective_failure, _join, _split
+
+BASE = LiveFacts(enabled=True, workers_live=True, group_state="HEALTHY", verdict="continue")
+
+
+def _v(**kw) -> LiveVerdict:
+    return decide_live(dataclasses.replace(BASE, **kw)).verdict
+
+
+def test_plain_scripts_and_a_disabled_agent_keep_the_restart_path():
+    """No live markers, live off, or our own drain: the restart policy decides."""
+    assert _v(workers_live=False, verdict="restart_membership") is LiveVerdict.NONE
+    assert _v(enabled=False, parked_any_failure=True) is LiveVerdict.NONE
+    assert _v(draining=True, verdict="restart_membership") is LiveVerdict.NONE
+
+
+def test_a_failed_collective_opens_the_next_round_at_once():
+    """A worker's failed collective re-forms now, without waiting for the dead node's lease."""
+    assert _v(parked_any_failure=True) is LiveVerdict.REFORM
+
+
+def test_membership_changes_reform_and_joins_park_first():
+    """Lost/left peers re-form in place; joiners first make workers leave at an agreed step."""
+    assert _v(verdict="restart_membership", membership="member_lost") is LiveVerdict.REFORM
+    assert _v(verdict="start_resize", membership="join") is LiveVerdict.PARK
+    assert _v(verdict="start_resize", membership="join", parking=True) is LiveVerdict.WAIT
+    assert _v(verdict="start_resize", membership="join", parking=True, parked_all=True) is LiveVerdict.REFORM
+
+
+def test_a_reformation_completes_or_falls_back_after_its_bound():
+    """Every worker confirms: done; the bound passes first: fall back to a restart."""
+    assert _v(reforming=True) is LiveVerdict.WAIT
+    assert _v(reforming=True, reformed_all=True) is LiveVerdict.DONE
+    assert _v(reforming=True, deadline_passed=True) is LiveVerdict.FALLBACK
+    assert _v(reforming=True, group_state="SUCCEEDED") is LiveVerdict.ABANDON
+
+
+def test_the_policy_acts_first_on_stops_and_fences():
+    """A stop signal, a drain or a lost lease is never overridden by live re-formation."""
+    for verdict in ("start_drain", "fence", "hard_stop", "leave"):
+        assert _v(verdict=verdict, parked_all=True) is LiveVerdict.NONE
+
+
+def test_order_round_trips_and_rejects_garbage():
+    """The order file is validated: bad ranks, ports or types read as invalid."""
+    order = ReformOrder(round=7, world_size=3, master_addr="10.0.0.1", master_port=29500, ranks={0: 2, 1: 1})
+    assert ReformOrder.from_json(order.to_json()) == order
+    for bad in ('{"round": 1}', '[]', order.to_json().replace("29500", "70000"),
+                order.to_json().replace('"0": 2', '"0": 5')):
+        with pytest.raises(ValueError):
+            ReformOrder.from_json(bad)
+
+
+def test_state_split_and_join_preserve_structure_and_tensors():
+    """The broadcast's skeleton/tensor split is lossless (tuples, lists, nested dicts)."""
+    sd = {"a": torch.arange(3.0), "b": [1, (torch.ones(2, 2), "x")], "c": {"d": 5}}
+    tensors: list[torch.Tensor] = []
+    back = _join(_split(sd, tensors), tensors)
+    assert torch.equal(back["a"], sd["a"]) and back["b"][0] == 1 and back["b"][1][1] == "x"
+    assert torch.equal(back["b"][1][0], torch.ones(2, 2)) and back["c"] == {"d": 5}
+
+
+def test_only_peer_failures_trigger_a_reformation():
+    """A script bug (shape error) is re-raised; gloo's connection errors re-form."""
+    assert _is_collective_failure(RuntimeError("[pair.cc:537] Read error: Connection reset by peer"))
+    assert not _is_collective_failure(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
+    assert not _is_collective_failure(ValueError("bad"))
