@@ -62,10 +62,12 @@ def make_model(dtype: torch.dtype, seed: int) -> nn.Module:
     return nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 1)).to(dtype)
 
 
-def make_sampler(args: argparse.Namespace, old: worker.ElasticSampler | None = None) -> worker.ElasticSampler:
-    """The sampler for the current world size, at ``old``'s position (if given)."""
+def make_sampler(args: argparse.Namespace, old: worker.ElasticSampler | None = None,
+                 world: int | None = None) -> worker.ElasticSampler:
+    """The sampler for the current world size (or ``world``), at ``old``'s position (if given)."""
     sampler = worker.ElasticSampler(args.dataset_size, global_batch_size=args.global_batch,
-                                    seed=args.seed)
+                                    seed=args.seed, num_replicas=world,
+                                    rank=0 if world is not None else None)
     if old is not None:
         sampler.load_state_dict(old.state_dict())
     return sampler
@@ -82,7 +84,13 @@ def train_epochs(args, ctx, step, x, y, ddp, optim, sampler, plan, live, trace, 
     progress = state["extra"]
     while step < args.steps:
         epoch = sampler.epoch
+        # The whole global batch of each step, for the trace: a step that one rank
+        # completed before a peer died is in the model with every rank's share, even the
+        # shares of ranks that never wrote their row.
+        whole = make_sampler(args, sampler, world=1) if trace is not None else None
+        wholes = whole.iter_steps() if whole is not None else None
         for share in sampler.iter_steps():
+            batch = next(wholes) if wholes is not None else None
             t0 = time.perf_counter()
             with live.guard():  # a failed collective (a peer died) re-forms the group
                 sizes = plan.micro_batch_sizes(ctx.rank)
@@ -101,7 +109,7 @@ def train_epochs(args, ctx, step, x, y, ddp, optim, sampler, plan, live, trace, 
                 if trace is not None:
                     trace.write(json.dumps({"step": step, "epoch": epoch, "rank": ctx.rank,
                                             "round": ctx.round, "pid": os.getpid(),
-                                            "idx": list(share)}) + "\n")
+                                            "idx": list(share), "global": batch}) + "\n")
                     trace.flush()
                 if args.step_sleep:
                     time.sleep(args.step_sleep)

@@ -129,6 +129,16 @@ def trained_samples(trace_path: Path) -> Counter:
     for r in rows:
         last[r["step"]] = max(last.get(r["step"], -1), r["round"] or 0)
     counts: Counter = Counter()
+    if rows and all("global" in r for r in rows):
+        # Rows carry the step's whole global batch: count each step once, from any row of
+        # its final attempt (after a live re-formation a step completed by one survivor is
+        # in the model with every rank's share, though only that survivor wrote its row).
+        seen: set[int] = set()
+        for r in rows:
+            if (r["round"] or 0) == last[r["step"]] and r["step"] not in seen:
+                seen.add(r["step"])
+                counts.update((r["epoch"], i) for i in r["global"])
+        return counts
     for r in rows:
         if (r["round"] or 0) == last[r["step"]]:
             counts.update((r["epoch"], i) for i in r["idx"])

@@ -109,6 +109,8 @@ class WorkersConfig:
     monitor_interval_s: float = 0.1
     hang_timeout_s: float = 0.0
     warm_start: bool = True
+    live_reform: bool = True
+    live_reform_timeout_s: float = 30.0
 
     def resolve_nproc_per_node(self, device_count: Callable[[], int] | None = None) -> int:
         """Return the number of workers to start on this node.

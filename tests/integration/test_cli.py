@@ -19,7 +19,7 @@ NODE_FLAGS = ["--standalone", "--job", "--nnodes", "--checkpoint-url", "--resume
               "--local-addr", "--node-ttl", "--join-timeout", "--last-call-timeout",
               "--close-timeout", "--store-timeout",
               "--nproc-per-node", "--workdir", "--monitor-interval", "--hang-timeout",
-              "--no-warm-start", "--max-restarts", "--restart-backoff", "--restart-backoff-max",
+              "--no-warm-start", "--no-live-reform", "--live-reform-timeout", "--max-restarts", "--restart-backoff", "--restart-backoff-max",
               "--drain-grace", "--resize-grace", "--plain-stop", "--done-exit", "--preemption", "--preemption-url",
               "--preemption-poll", "--log-format", "--log-level", "--log-dir", "--metrics-port",
               "--metrics-addr"]

@@ -80,6 +80,10 @@ def _rows(tmp_path) -> dict[str, tuple[dict[str, Any], Check, Any]]:
                                    lambda s: s.supervision.hang_timeout_s, 100.0),
         "workers.warm_start": ({"workers.warm_start": "false"},
                                lambda s: s.supervision.warm_start, False),
+        "workers.live_reform": ({"workers.live_reform": "false"},
+                                lambda s: s.supervision.live_reform, False),
+        "workers.live_reform_timeout_s": ({"workers.live_reform_timeout_s": "7"},
+                                          lambda s: s.supervision.live_reform_timeout_s, 7.0),
         "restart.max_restarts": ({"restart.max_restarts": "5"},
                                  lambda s: s.supervision.max_restarts, 5),
         "restart.backoff_s": ({"restart.backoff_s": "2"},
@@ -177,6 +181,8 @@ def test_runtime_defaults_equal_the_schema():
     assert sup["hang_timeout_s"] == d["workers.hang_timeout_s"]
     assert sup["monitor_interval_s"] == d["workers.monitor_interval_s"]
     assert sup["warm_start"] == d["workers.warm_start"]
+    assert sup["live_reform"] == d["workers.live_reform"]
+    assert sup["live_reform_timeout_s"] == d["workers.live_reform_timeout_s"]
     assert node["resume"] == d["job.resume"]
 
 

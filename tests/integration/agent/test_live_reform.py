@@ -67,3 +67,28 @@ def test_kill_reforms_in_place_with_the_same_workers_and_the_same_result(nodes, 
     for name, value in a_params.items():
         assert torch.allclose(value, b_params[name], rtol=1e-9, atol=1e-12), name
     assert trained_samples(tmp_path / "trace-a.jsonl") == trained_samples(trace)
+
+
+def test_a_failed_reformation_falls_back_to_the_restart_path_and_says_why(nodes, tmp_path):
+    """One survivor's worker is frozen while a peer is killed: in place cannot complete,
+    so after ``live_reform_timeout_s`` the agents restart their workers from the newest
+    checkpoint (one log line says why) and the job still trains every step."""
+    trace = tmp_path / "trace-f.jsonl"
+    args = example_args(tmp_path, "f", steps=60, dataset_size=480)
+    b = [nodes.start("live-f", SCRIPT, nnodes="2:3", extra=_args(tmp_path, "f", "--live-reform-timeout", "4"),
+                     script_args=args) for _ in range(3)]
+    wait_until(lambda: max(_steps(trace), default=-1) >= 12, 120, "step 12 at world 3")
+    frozen = set(b[1].tree()) & {r["pid"] for r in read_jsonl(trace)}
+    assert len(frozen) == 1, frozen
+    for pid in frozen:
+        import os
+
+        os.kill(pid, signal.SIGSTOP)
+    b[2].signal(signal.SIGKILL)
+    for n in b[:2]:
+        assert n.wait(180) == 0, n.log()[-3000:]
+    logs = b[0].log() + b[1].log()
+    assert "live_reform_fell_back" in logs and "did not re-form within the bound" in logs
+    rows = read_jsonl(trace)
+    assert sorted({r["step"] for r in rows}) == list(range(60))
+    assert {r["pid"] for r in rows if r["step"] == 59}.isdisjoint(frozen), "the frozen worker was not replaced"
