@@ -5,6 +5,9 @@ its own, 1 gloo worker each, all on 127.0.0.1), launched by
 
 - ``elasticd``: ``elasticd run --etcd ... --nnodes 2:4 --node-ttl 2`` (etcd: one embedded
   member on free ports, shared by all runs, one job name per run);
+- ``elasticd-live``: the same agent; ``examples/train.py`` (``LiveState``) re-forms its
+  process group in place, the survivors' state is sent to new ranks (``elasticd`` and
+  ``elasticd-cold`` run with ``--no-live-reform``: the restart path);
 - ``torchrun default``: ``torchrun --rdzv-backend c10d --nnodes 2:4 --max-restarts 100``;
 - ``torchrun tuned``: the same plus ``--rdzv-conf last_call_timeout=1,keep_alive_interval=1,
   keep_alive_max_attempt=2``.
@@ -67,10 +70,10 @@ from benchmarks.common import (  # noqa: E402
     torchrun_argv,
     wait_until,
 )
-from benchmarks.recovery_report import agent_breakdown, write_report  # noqa: E402
+from benchmarks.recovery_report import agent_breakdown, live_breakdown, write_report  # noqa: E402
 
 CKPT_LOADED = re.compile(r"checkpoint_loaded\b.*?\bseconds[=\"': ]+([0-9.]+)")
-SYSTEMS = ("elasticd", "elasticd-cold", "torchrun-default", "torchrun-tuned")
+SYSTEMS = ("elasticd-live", "elasticd", "elasticd-cold", "torchrun-default", "torchrun-tuned")
 SCENARIOS = ("sigkill", "sigstop", "sigterm", "join")
 NODES = 3
 NNODES = "2:4"
@@ -121,8 +124,10 @@ def start_node(cluster: Cluster, system: str, idx: int, job: str, endpoint: str,
     logs = cluster.workdir / "logs" / name
     logs.mkdir(parents=True, exist_ok=True)
     if system.startswith("elasticd"):
-        # elasticd-cold: the same agent with its warm standby workers turned off.
-        flags = ["--no-warm-start"] if system == "elasticd-cold" else []
+        # elasticd-live: the workers re-form in place (examples/train.py uses LiveState);
+        # elasticd: the restart path (warm standbys); elasticd-cold: standbys off too.
+        flags = {"elasticd-live": [], "elasticd": ["--no-live-reform"],
+                 "elasticd-cold": ["--no-live-reform", "--no-warm-start"]}[system]
         argv = elasticd_argv(endpoint, job, name, NNODES, 1, [*flags, *src.args()], logs)
         env = {}
     else:
@@ -191,7 +196,10 @@ def run_trial(system: str, scenario: str, rep: int, etcd_endpoint: str, script: 
         trial.ckpt_load_s = checkpoint_load_s([n.lines for n in cluster.nodes], t0)
         if not trial.recovered:
             trial.note = f"did not recover within {timeout:.0f}s"
-        if system.startswith("elasticd") and trial.recovered:
+        if system == "elasticd-live" and trial.recovered:
+            survivors = [n for n in cluster.nodes if n is not victim or scenario == "join"]
+            trial.phases = live_breakdown([n.lines for n in survivors], t0, trial.new_world, records)
+        elif system.startswith("elasticd") and trial.recovered:
             survivors = [n for n in cluster.nodes if n is not victim or scenario == "join"]
             trial.phases = agent_breakdown([n.lines for n in survivors], t0, trial.new_world,
                                            records, src.is_bench)

@@ -27,7 +27,7 @@ SCENARIO_TITLES = {
     "sigterm": "SIGTERM to a node's launcher",
     "join": "a 4th node joins",
 }
-SYSTEM_TITLES = {"elasticd": "elasticd", "elasticd-cold": "elasticd, `--no-warm-start`",
+SYSTEM_TITLES = {"elasticd-live": "elasticd, live re-formation", "elasticd": "elasticd, restart", "elasticd-cold": "elasticd, `--no-warm-start`",
                  "torchrun-default": "torchrun, defaults", "torchrun-tuned": "torchrun, tuned"}
 # (elasticd goal in s, torchrun default, torchrun tuned) measured earlier on this machine.
 REFERENCE = {
@@ -36,6 +36,9 @@ REFERENCE = {
     "sigterm": (5.0, "48 s", "9.1 s"),
     "join": (5.0, "10.3 s", "12.3 s"),
 }
+# Live re-formation's goals (issue 14), s: kill 1.0, freeze TTL (2) + 0.5, drain 0.5, join 2.
+LIVE_GOALS = {"sigkill": 1.0, "sigstop": 2.5, "sigterm": 0.5, "join": 2.0}
+LIVE_PHASES = ("detection", "rendezvous", "re-form + state + first step")
 PHASES = ("drain", "new agent start-up", "detection", "stop old workers", "rendezvous", "agent starts workers",
           "worker ready", "first step")
 
@@ -108,6 +111,42 @@ def agent_breakdown(node_lines: list[list[tuple[float, str]]], t0: float, new_wo
     return out
 
 
+def live_breakdown(node_lines: list[list[tuple[float, str]]], t0: float, new_world: int,
+                   records: list[dict]) -> dict[str, float]:
+    """Seconds per phase of a live re-formation (boundaries: the slowest surviving agent).
+
+    detection: fault -> every surviving agent started the re-formation
+    (``live_reform_started``: a failed collective, a lease, a drain or a join);
+    rendezvous: -> every agent ordered its workers into the new round;
+    re-form + state + first step: -> every rank finished the first step at the new size.
+    """
+    started, ordered = [], []
+    for lines in node_lines:
+        evs = _agent_events(lines, t0)
+        s = [e["_t"] for e in evs if e["event"] == "live_reform_started"]
+        o = [e["_t"] for e in evs if e["event"] == "live_reform_ordered"]
+        if s and o:
+            started.append(min(s))
+            ordered.append(min(o))
+    first = first_step_at(records, new_world, t0, 1)
+    if not started or first is None:
+        return {}
+    return {"detection": max(started) - t0, "rendezvous": max(ordered) - max(started),
+            "re-form + state + first step": first[1] - max(ordered)}
+
+
+def live_table(results: dict) -> str:
+    rows = ["| scenario | " + " | ".join(LIVE_PHASES) + " | total |", "|---|" + "---:|" * (len(LIVE_PHASES) + 1)]
+    for scenario in SCENARIO_TITLES:
+        ts = [t for t in _trials(results, "elasticd-live", scenario) if t["recovered"] and t["phases"]]
+        if not ts:
+            continue
+        cells = [summary([t["phases"].get(p) for t in ts]).replace("n/a", "–") for p in LIVE_PHASES]
+        rows.append(f"| {SCENARIO_TITLES[scenario]} | " + " | ".join(cells)
+                    + f" | {summary([t['recovery_s'] for t in ts])} |")
+    return "\n".join(rows)
+
+
 def _trials(results: dict, system: str, scenario: str) -> list[dict]:
     return [t for t in results["trials"] if t["system"] == system and t["scenario"] == scenario]
 
@@ -139,7 +178,12 @@ def main_table(results: dict) -> str:
             time_s = summary([t["recovery_s"] for t in ok]) if ok else \
                 f"did not recover in {_bound(ts[0])}"
             lost = summary([t["steps_lost"] for t in ok], "{:.0f}") if ok else "–"
-            if system == "elasticd":
+            if system == "elasticd-live":
+                goal = LIVE_GOALS[scenario]
+                met = ok and statistics.median([t["recovery_s"] for t in ok]) <= goal and len(ok) == len(ts) \
+                    and all(t["steps_lost"] == 0 for t in ok)
+                ref = f"goal ≤ {goal:g} s, 0 lost: **{'met' if met else 'missed'}**"
+            elif system == "elasticd":
                 ref = _verdict(scenario, ts)
             elif system == "elasticd-cold":
                 ref = "same run, standbys off"
@@ -236,6 +280,10 @@ def build_markdown(results: dict) -> str:
         "the new one + 1, floored at 0. " + script_notes(results["script"]),
         "",
         main_table(results),
+        "",
+        "Where live re-formation's seconds go (from the agents' JSON logs; the slowest node):",
+        "",
+        live_table(results),
         "",
         f"Floor, a cold worker start at world 1 (exec → first step): "
         f"{summary([c['first_step_s'] for c in cold], '{:.2f}')} s"

@@ -32,7 +32,7 @@ from elasticd.agent.policy import Decision, Facts, Verdict, decide
 from elasticd.agent.recorder import JobRecorder
 from elasticd.agent.reform import LiveReformer, live_tick
 from elasticd.agent.summary import failure_summary, first_failure, print_summary
-from elasticd.agent.warm import StandbyPool, warm_handlers
+from elasticd.agent.warm import StandbyPool, torch_loaded, warm_handlers
 from elasticd.agent.worker_env import scrub, spawn_environment
 from elasticd.control import ControlChannel
 from elasticd.control.api import (
@@ -123,6 +123,7 @@ class ElasticdAgent(LocalElasticAgent):
         self._group_started_at = 0.0
         self._done_at: float | None = None  # when every local worker's script had returned
         self._done_checked_at = 0.0
+        self._running_checked_at = 0.0
         self.live = LiveReformer(control.dir, enabled=settings.live_reform,
                                  timeout_s=settings.live_reform_timeout_s)
 
@@ -271,8 +272,21 @@ class ElasticdAgent(LocalElasticAgent):
             return
         board, now = self.control.progress, time.monotonic()
         trained = board.max_step() >= 0 and now - board.first_advance >= self.settings.standby_delay_s
-        if trained or now - self._group_started_at >= self.settings.standby_after_s:
+        if trained or now - self._group_started_at >= self.settings.standby_after_s or self._workers_running(now):
             self.standby.fill(self._worker_envs)
+
+    def _workers_running(self, now: float) -> bool:
+        """A plain script's group runs (every worker has imported torch), checked ≤ 1/s.
+
+        Such scripts report no steps, so this is what lets their standbys be refilled as
+        soon as the new group runs rather than ``standby_after_s`` later: a second fault
+        soon after the first then still finds a warm worker.
+        """
+        if now - self._running_checked_at < 1.0 or self._pcontext is None:
+            return False
+        self._running_checked_at = now
+        pids = list(self._pcontext.pids().values())
+        return bool(pids) and all(torch_loaded(p) for p in pids)
 
     def _facts(self, result: RunResult) -> Facts:
         now = time.monotonic()

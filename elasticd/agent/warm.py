@@ -79,6 +79,19 @@ def _per_round(name: str) -> bool:
     return name in PER_ROUND_ENV or name.startswith(PER_ROUND_PREFIXES)
 
 
+def torch_loaded(pid: int) -> bool:
+    """True once process ``pid`` has mapped libtorch (its imports are done), from /proc.
+
+    Lets the agent refill standbys as soon as a plain script's workers run, without
+    competing with their imports; False when /proc cannot tell.
+    """
+    try:
+        with open(f"/proc/{pid}/maps", "rb") as fh:
+            return any(b"libtorch" in line for line in fh)
+    except OSError:
+        return False
+
+
 def env_mismatch(standby_env: Mapping[str, str], worker_env: Mapping[str, str]) -> list[str]:
     """Names whose value differs between a standby's and a worker's environment. Pure.
 

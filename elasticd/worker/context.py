@@ -86,7 +86,8 @@ class _State:
     stopped: bool = False
     drainable_noted: bool = False  # drainable-<rank> written for the agent
     last_progress_at: float = 0.0
-    flag: torch.Tensor | None = None
+    flag: torch.Tensor | None = None  # [any rank asked to stop, -(every rank drains)]
+    all_drain: bool = False  # at the last agreed stop, every rank's own node was draining
     stop_group: Any = None  # CPU (gloo) group for the stop flag
     pending: Any = None  # async all-reduce work of the previous should_stop()
     old_sigterm: Any = None
@@ -189,7 +190,7 @@ def init(backend: str | None = None, *, timeout_s: float = DEFAULT_COLLECTIVE_TI
     if not control_dir:
         # Under plain torchrun (or by hand) a SIGTERM asks for a graceful stop.
         _S.old_sigterm = signal.signal(signal.SIGTERM, _on_sigterm)
-    _S.flag = torch.zeros(1, dtype=torch.int32)
+    _S.flag = torch.zeros(2, dtype=torch.int32)
     _install_teardown_guards()
     if dist.is_initialized():
         _S.stop_group = dist.new_group(backend="gloo") if backend != "gloo" else dist.group.WORLD
@@ -296,6 +297,11 @@ def rejoin(rank: int, world_size: int, round_: int, master_addr: str, master_por
     return _S.ctx
 
 
+def every_rank_draining() -> bool:
+    """At the last agreed stop, was every rank's own node draining (nobody stays)?"""
+    return _S.all_drain
+
+
 def park_requested() -> bool:
     """True if this node's agent asked live workers to leave the group at the next agreed step."""
     return _S.control_dir is not None and (_S.control_dir / PARK_FILE).exists()
@@ -344,20 +350,25 @@ def should_stop(step: int | None = None, *, every: int = 1) -> bool:
         if step % every:
             return False
     ctx = context()
-    local = 1 if stop_requested_locally() or park_requested() else 0
+    draining = stop_requested_locally()
+    local = 1 if draining or park_requested() else 0
     if dist.is_initialized() and ctx.world_size > 1:
         assert _S.flag is not None
         stop = False
         if _S.pending is not None:
             _S.pending.wait()  # started a whole step ago: normally already complete
             _S.pending = None
-            stop = int(_S.flag.item()) > 0
+            stop = int(_S.flag[0].item()) > 0
+            # MAX of -drain is -1 only when every rank's node drains (a whole-job stop).
+            _S.all_drain = stop and int(_S.flag[1].item()) < 0
         if not stop:
-            _S.flag.fill_(local)
+            _S.flag[0] = local
+            _S.flag[1] = -1 if draining else 0
             _S.pending = dist.all_reduce(_S.flag, op=dist.ReduceOp.MAX, group=_S.stop_group,
                                          async_op=True)
     else:
         stop = bool(local)
+        _S.all_drain = draining
     if stop and not _S.stopped:
         _S.stopped = True
         _mark_stopped(ctx, step)
@@ -423,7 +434,7 @@ def shutdown() -> None:
         signal.signal(signal.SIGTERM, _S.old_sigterm)
     _S.ctx, _S.client, _S.control_dir, _S.flag = None, None, None, None
     _S.stop_group, _S.pending, _S.old_sigterm = None, None, None
-    _S.stopped = _S.sigterm = _S.drainable_noted = False
+    _S.stopped = _S.sigterm = _S.drainable_noted = _S.all_drain = False
 
 
 def fast_exit(code: int = 0) -> NoReturn:

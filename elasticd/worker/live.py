@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -35,16 +36,17 @@ import structlog
 import torch
 import torch.distributed as dist
 
+import elasticd.worker.context  # noqa: E402,F401 - loaded here, looked up below
 from elasticd.checkpoint import rng
 from elasticd.control.api import LIVE_PREFIX, PARKED_PREFIX, REFORMED_PREFIX, STOPPED_PREFIX
 from elasticd.control.reform import read_order, write_marker
-import elasticd.worker.context  # noqa: E402,F401 - loaded here, looked up below
 
 wctx = sys.modules["elasticd.worker.context"]  # the module, not the package's context()
 
 log = structlog.get_logger(__name__)
 
 POLL_S = 0.01
+WATCH_S = 0.05  # how often the watcher thread looks for an order while the loop trains
 MAX_REFORMS_PER_STEP = 3  # the same step failing again and again is a bug, not a peer
 
 
@@ -59,7 +61,7 @@ def _is_collective_failure(exc: BaseException) -> bool:
     text = str(exc).lower()
     return isinstance(exc, RuntimeError) and any(w in text for w in (
         "gloo", "connection closed", "connection reset", "broken pipe", "timed out", "nccl",
-        "socket"))
+        "socket", "abort"))
 
 
 def _split(obj: Any, tensors: list[torch.Tensor]) -> Any:
@@ -179,6 +181,36 @@ class LiveState:
             assert cdir is not None
             write_marker(cdir, LIVE_PREFIX, ctx.local_rank, pid=_pid())
         self._log = log.bind(rank=ctx.rank, local_rank=ctx.local_rank)
+        self._in_reform = False
+        if self.enabled:
+            threading.Thread(target=self._watch, name="elasticd-live-watch", daemon=True).start()
+
+    def _watch(self) -> None:
+        """Abort the old group once the agent ordered a newer round.
+
+        A frozen peer (SIGSTOP, a hung host) keeps its sockets open, so the survivors'
+        collective with it never fails; the main thread is blocked in C++ where no Python
+        signal handler runs. The agent orders the next round once the frozen node's lease
+        expires; aborting the old group from this thread makes the blocked collective fail
+        at once, and the loop re-forms as after a kill.
+        """
+        cdir = wctx.control_dir()
+        assert cdir is not None
+        while True:
+            time.sleep(WATCH_S)
+            if self._in_reform:
+                continue
+            order = read_order(cdir)
+            current = wctx.current_round()
+            if order is None or current is None or order.round <= current or self._in_reform:
+                continue
+            for group in (dist.group.WORLD, getattr(wctx._S, "stop_group", None)):
+                try:
+                    if group is not None and not self._in_reform:
+                        group.abort()
+                except (RuntimeError, AttributeError, ValueError):
+                    pass
+            time.sleep(1.0)  # the loop notices (a failed collective) and re-forms
 
     # -- the loop's three calls ---------------------------------------------------------
     def resume(self, load: Callable[[], int]) -> int:
@@ -202,7 +234,7 @@ class LiveState:
 
         Returns:
             True when the script should save and exit 0 (a drain, as with
-            ``should_stop``). With live re-formation on, a drain of this node exits here
+            ``should_stop``; with live re-formation only when every node drains). With live re-formation on, a drain of this node exits here
             (the survivors keep the state), and a drain or join elsewhere re-forms the
             group here and raises :class:`Reformed`.
         """
@@ -210,8 +242,8 @@ class LiveState:
         self._has_state = True
         if not wctx.should_stop(step):
             return False
-        if not self.enabled:
-            return True
+        if not self.enabled or wctx.every_rank_draining():
+            return True  # nobody stays to hold the state: save it and exit (the caller)
         if wctx.stop_requested_locally():
             self._log.info("live_drained", step=step)
             wctx.fast_exit(0)  # survivors hold this state: no checkpoint to write
@@ -244,9 +276,7 @@ class LiveState:
     # -- re-formation ---------------------------------------------------------------------
     def _abandon_step(self) -> None:
         for obj in self.state.values():
-            if isinstance(obj, torch.optim.Optimizer):
-                obj.zero_grad(set_to_none=True)
-            elif isinstance(obj, torch.nn.Module):
+            if isinstance(obj, (torch.optim.Optimizer, torch.nn.Module)):
                 obj.zero_grad(set_to_none=True)
 
     def _reform(self, reason: str) -> None:
@@ -255,6 +285,13 @@ class LiveState:
         assert cdir is not None
         old_round = ctx.round if ctx.round is not None else -1
         t0 = time.monotonic()
+        self._in_reform = True
+        try:
+            self._reform_inner(reason, ctx, cdir, old_round, t0)
+        finally:
+            self._in_reform = False
+
+    def _reform_inner(self, reason: str, ctx: Any, cdir: Any, old_round: int, t0: float) -> None:
         wctx.leave_group()
         (cdir / f"{STOPPED_PREFIX}{ctx.rank}").unlink(missing_ok=True)  # not a drain: we stay
         write_marker(cdir, PARKED_PREFIX, ctx.local_rank, round=old_round, step=self.step,

@@ -1,7 +1,9 @@
 """End to end: resizes change nothing in the math (issue: worker API).
 
 The example trains in float64 (a) on 2 nodes without faults and (b) on 3 nodes with one
-SIGKILLed mid-epoch and a node added back later. Final parameters must be ``allclose``
+SIGKILLed mid-epoch and a node added back later. The example uses ``LiveState``, so (b)
+re-forms in place (issue 14): the survivors keep their worker processes through the kill
+and the join, and the joiner receives its state from a peer. Final parameters must be ``allclose``
 (rtol 1e-9: only the reduction order differs), and the samples trained — counting each
 step's final attempt, since steps after the last checkpoint are retrained — are the same.
 """
@@ -38,7 +40,8 @@ def _steps(trace_path):
 
 def test_resizes_match_a_run_without_failures(nodes, tmp_path):
     """3 nodes, SIGKILL of one, a node added back (0 steps lost at that join): same final
-    parameters and samples as 2 nodes."""
+    parameters and samples as 2 nodes; the survivors' workers are never restarted (live
+    re-formation), and the joiner's state comes from a peer, not from storage."""
     ref = [nodes.start("det-a", SCRIPT, nnodes="2", extra=_args(tmp_path, "a"),
                        script_args=_script_args(tmp_path, "a")) for _ in range(2)]
     for n in ref:
@@ -48,20 +51,29 @@ def test_resizes_match_a_run_without_failures(nodes, tmp_path):
     b = [nodes.start("det-b", SCRIPT, nnodes="2:3", extra=_args(tmp_path, "b"),
                      script_args=_script_args(tmp_path, "b")) for _ in range(3)]
     wait_until(lambda: max(_steps(trace_b), default=-1) >= 17, 120, "step 17 at world 3")
+    victim = set(b[2].tree())
     b[2].signal(signal.SIGKILL)
-    round_at_kill = max(r["round"] or 0 for r in read_jsonl(trace_b))
+    rows_at_kill = read_jsonl(trace_b)
+    round_at_kill = max(r["round"] or 0 for r in rows_at_kill)
+    survivor_pids = {r["pid"] for r in rows_at_kill} - victim
     wait_until(lambda: any((r["round"] or 0) > round_at_kill for r in read_jsonl(trace_b)), 120,
                "training at world 2 after the kill")
     b.append(nodes.start("det-b", SCRIPT, nnodes="2:3", extra=_args(tmp_path, "b"),
                          script_args=_script_args(tmp_path, "b")))
     wait_until(lambda: any(r["rank"] == 2 and (r["round"] or 0) > round_at_kill + 1
                            for r in read_jsonl(trace_b)), 120, "world 3 again after the rejoin")
+    joiner = set(b[3].tree())
     for n in (b[0], b[1], b[3]):
         assert n.wait(180) == 0, n.log()[-3000:]
 
     # The rejoin is a resize (drain-on-join): the round it forms resumes at exactly the
     # step after the one the previous round stopped at; nothing is retrained.
     rows_b = read_jsonl(trace_b)
+    after_kill = {r["pid"] for r in rows_b if (r["round"] or 0) > round_at_kill}
+    assert after_kill - joiner <= survivor_pids, "a survivor's worker was restarted (no live re-formation)"
+    assert not any("live_reform_fell_back" in n.log() for n in b)
+    assert "live_state_received" in b[3].log() and "checkpoint_loaded" not in b[3].log(), \
+        "the joiner did not get its state from a peer"
     join_round = min(r["round"] for r in rows_b if r["rank"] == 2 and (r["round"] or 0) > round_at_kill + 1)
     before = max(r["round"] or 0 for r in rows_b if (r["round"] or 0) < join_round)
     last_before = max(r["step"] for r in rows_b if (r["round"] or 0) == before)
