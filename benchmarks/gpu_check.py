@@ -14,13 +14,17 @@ b. throughput: ``examples/train.py`` under ``elasticd run --standalone`` with on
 c. recovery: SIGKILL to the worker's process group (the agent survives), seconds to the
    first step of the restarted worker, steps lost, resumed from the newest committed
    checkpoint; then SIGTERM to the agent (a drain): seconds to exit 0, steps lost 0;
-d. live re-formation: not built (issue 14), reported as skipped;
+d. live re-formation's communicator mechanism (``benchmarks/gpu_live_probe.py``): with 2+
+   GPUs, rank 1 of an NCCL pair is SIGKILLed mid-all-reduce, rank 0 aborts the group from
+   a watcher thread (time to the error), forms a new group with a fresh joiner and sends
+   it 1 GiB of model state (time, checked byte for byte); with 1 GPU, abort of a live NCCL
+   group and a new group of one;
 e. checkpoints: ``CheckpointManager.save`` of ~1.4 GiB of CUDA model and Adam state into
    pinned host buffers: the time ``save()`` blocks the loop, the time until the
    device-to-host copy is done, until committed; against a synchronous ``torch.save``;
    the loaded state must equal the state at ``save()`` (it is mutated right after).
 
-``--cpu-dry-run`` runs b, c and e on the CPU (gloo, tiny sizes) so the script is tested
+``--cpu-dry-run`` runs b, c, d and e on the CPU (gloo, tiny sizes) so the script is tested
 without a GPU. Results: a summary on stdout and ``$OUT/gpu_check.json`` (or
 ``./gpu_check.json``). Exit 0 when every check passed (or CUDA is absent without
 ``--cpu-dry-run``: skipped), 1 otherwise.
@@ -51,8 +55,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import PY, NodeProc, json_in_line, wait_until  # noqa: E402
+from benchmarks.gpu_live_probe import probe  # noqa: E402
 
-REFORMATION = "live re-formation: not built (issue 14), skipped"
 
 
 @dataclass(frozen=True)
@@ -434,7 +438,14 @@ def summary(results: dict[str, Any]) -> str:
         lines.append(f"c SIGTERM drain [{'ok' if d.get('ok') else 'FAIL'}]: exit {d.get('exit_code')} in "
                      f"{d.get('exit_s')} s, drained at {d.get('drained_step')}, checkpoint "
                      f"{d.get('newest_checkpoint')}, steps lost {d.get('steps_lost')} {d.get('note', '')}")
-    lines.append(f"d {REFORMATION}")
+    lr = results.get("reformation") or {}
+    if lr:
+        s, j = lr.get("survivor", {}), lr.get("joiner", {})
+        lines.append(f"d live re-formation [{'ok' if lr.get('ok') else 'FAIL'}] ({lr.get('backend')}, "
+                     f"{lr.get('ranks')} rank(s)): kill -> error {s.get('abort_to_error_s')} s after the "
+                     f"abort (failed by itself: {s.get('failed_before_abort')}), new group "
+                     f"{s.get('new_group_s')} s, state {j.get('gib')} GiB sent in {s.get('state_sent_s')} s, "
+                     f"equal {j.get('state_equal')}")
     ck = results.get("checkpoint") or {}
     for s in ck.get("saves", []):
         lines.append(f"e save #{s['step']} of {ck['state_gib']} GiB ({ck['device']}): save() blocked "
@@ -453,7 +464,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--cpu-dry-run", action="store_true", help="run b, c, e on the CPU, tiny sizes")
     p.add_argument("--budget-s", type=float, default=330.0, help="stop everything after this long")
-    p.add_argument("--only", default="b,c,e", help="comma-separated subset of b,c,e")
+    p.add_argument("--only", default="b,c,d,e", help="comma-separated subset of b,c,d,e")
     p.add_argument("--workdir", help="scratch directory (default: a temp dir, removed at the end)")
     args = p.parse_args(argv)
     started = time.time()
@@ -462,8 +473,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     results: dict[str, Any] = {"mode": "cpu-dry-run" if args.cpu_dry_run else "gpu",
-                               "environment": environment(), "reformation": REFORMATION,
-                               "errors": {}}
+                               "environment": environment(), "errors": {}}
     say(json.dumps({"environment": results["environment"]}))
     if not torch.cuda.is_available() and not args.cpu_dry_run:
         results.update(mode="skipped", ok=True, wall_s=0.0,
@@ -488,13 +498,13 @@ def main(argv: list[str] | None = None) -> int:
     old_term = signal.signal(signal.SIGTERM, on_alarm)
     signal.alarm(max(1, int(args.budget_s)))
     try:
-        steps = [("b", "throughput"), ("c", "recovery"), ("e", "checkpoint")]
+        steps = [("b", "throughput"), ("c", "recovery"), ("d", "reformation"), ("e", "checkpoint")]
         early: Run | None = None
         if args.cpu_dry_run and {"b", "c"} <= only:
             # No figures to protect on the CPU: b's job runs alongside c's, which keeps the
             # dry run (and its test) short on a small machine.
             early = start_throughput(workdir, nproc, sz, runs)
-            steps = [steps[1], steps[0], steps[2]]
+            steps = [steps[1], steps[0], steps[2], steps[3]]
         for key, name in steps:
             if key not in only:
                 continue
@@ -505,6 +515,10 @@ def main(argv: list[str] | None = None) -> int:
                                                nproc, sz)
                 elif key == "c":
                     results[name] = kill_and_drain(workdir, nproc, sz, runs)
+                elif key == "d":
+                    results[name] = probe("gloo" if args.cpu_dry_run else "nccl",
+                                          2 if args.cpu_dry_run or torch.cuda.device_count() >= 2 else 1,
+                                          8 if args.cpu_dry_run else 1024, 60.0)
                 else:
                     results[name] = checkpoint(workdir, sz)
             except Exception:  # noqa: BLE001 - one failed step must not hide the others
@@ -517,7 +531,6 @@ def main(argv: list[str] | None = None) -> int:
             say(json.dumps({name: _short(results.get(name))}))
             if "budget" in results["errors"].get(name, ""):
                 break
-        say(REFORMATION)
     finally:
         signal.alarm(0)
         signal.signal(signal.SIGALRM, old_alarm)
@@ -526,11 +539,12 @@ def main(argv: list[str] | None = None) -> int:
             run.node.kill()
         if not args.workdir:
             shutil.rmtree(workdir, ignore_errors=True)
-    steps_ok = [results[k].get("ok") for k in ("throughput", "checkpoint") if k in results]
+    steps_ok = [results[k].get("ok") for k in ("throughput", "reformation", "checkpoint") if k in results]
     if "recovery" in results:
         steps_ok += [results["recovery"]["kill"].get("ok"), results["recovery"]["drain"].get("ok")]
     results["ok"] = bool(steps_ok) and all(steps_ok) and not results["errors"] and \
-        len([k for k in ("throughput", "recovery", "checkpoint") if k in results]) == len(only & {"b", "c", "e"})
+        len([k for k in ("throughput", "recovery", "reformation", "checkpoint") if k in results]) == \
+        len(only & {"b", "c", "d", "e"})
     results["wall_s"] = round(time.time() - started, 1)
     out_dir.mkdir(parents=True, exist_ok=True)
     out_path.write_text(json.dumps(results, indent=1, default=str))

@@ -30,7 +30,8 @@ def _processes_mentioning(text: str) -> list[int]:
 
 def test_cpu_dry_run_passes_every_check_and_writes_the_json(tmp_path):
     """The dry run trains, survives a worker SIGKILL (resumes from the committed checkpoint),
-    drains on SIGTERM with 0 steps lost, round-trips a checkpoint, exits 0, writes every
+    drains on SIGTERM with 0 steps lost, re-forms a group after a peer's SIGKILL and sends
+    the state to a joiner, round-trips a checkpoint, exits 0, writes every
     result key to $OUT/gpu_check.json, and leaves no agent or worker behind."""
     work = tmp_path / "work"
     env = {**os.environ, "OUT": str(tmp_path / "out"), "PYTHONUNBUFFERED": "1"}
@@ -42,8 +43,9 @@ def test_cpu_dry_run_passes_every_check_and_writes_the_json(tmp_path):
         leftovers = _processes_mentioning(str(work))
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     assert leftovers == [], f"processes left behind: {leftovers}"
-    assert "live re-formation: not built (issue 14), skipped" in proc.stdout
+    assert "d live re-formation [ok] (gloo, 2 rank(s))" in proc.stdout
     results = json.loads((tmp_path / "out" / "gpu_check.json").read_text())
+    assert results["reformation"]["joiner"]["state_equal"] is True
     assert {"mode", "environment", "throughput", "recovery", "reformation", "checkpoint",
             "errors", "ok", "wall_s"} <= set(results)
     assert results["mode"] == "cpu-dry-run" and results["ok"] is True and results["errors"] == {}
