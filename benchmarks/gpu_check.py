@@ -58,7 +58,6 @@ from benchmarks.common import PY, NodeProc, json_in_line, wait_until  # noqa: E4
 from benchmarks.gpu_live_probe import probe  # noqa: E402
 
 
-
 @dataclass(frozen=True)
 class Sizes:
     """How big each step is: real on a GPU, tiny for the CPU dry run."""
