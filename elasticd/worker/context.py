@@ -285,6 +285,10 @@ def rejoin(rank: int, world_size: int, round_: int, master_addr: str, master_por
     import dataclasses
 
     ctx = context()
+    if rank != 0:
+        # The TCPStore client backs off exponentially (seconds) when it connects before the
+        # new rank 0 listens; wait for the port here, in 10 ms polls, instead.
+        _wait_for_port(master_addr, master_port, time.monotonic() + timeout_s)
     kwargs: dict[str, Any] = {"backend": ctx.backend, "timeout": timedelta(seconds=timeout_s),
                               "init_method": f"tcp://{master_addr}:{master_port}",
                               "rank": rank, "world_size": world_size}
@@ -300,6 +304,17 @@ def rejoin(rank: int, world_size: int, round_: int, master_addr: str, master_por
 def every_rank_draining() -> bool:
     """At the last agreed stop, was every rank's own node draining (nobody stays)?"""
     return _S.all_drain
+
+
+def _wait_for_port(host: str, port: int, deadline: float) -> None:
+    import socket
+
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection((host, port), timeout=0.2):
+                return
+        except OSError:
+            time.sleep(0.01)
 
 
 def park_requested() -> bool:
