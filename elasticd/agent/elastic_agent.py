@@ -240,6 +240,10 @@ class ElasticdAgent(LocalElasticAgent):
         # (a node joining a running job waits for the members to stop their workers).
         static = self._static_worker_env()
         self.standby.fill({r: {**static, "LOCAL_RANK": str(r)} for r in range(wg.spec.local_world_size)})
+        if self.settings.live_reform and self.standby.enabled and self._joining_running_job():
+            # A node joining a running job: members re-forming in place park their workers
+            # only from the round on, so join once our workers can start at once.
+            self._wait_for_standbys(wg.spec.local_world_size)
         self._initialize_workers(wg)
         result = RunResult(state=WorkerState.HEALTHY)
         while True:
@@ -274,6 +278,25 @@ class ElasticdAgent(LocalElasticAgent):
         trained = board.max_step() >= 0 and now - board.first_advance >= self.settings.standby_delay_s
         if trained or now - self._group_started_at >= self.settings.standby_after_s or self._workers_running(now):
             self.standby.fill(self._worker_envs)
+
+    def _joining_running_job(self) -> bool:
+        """A final round without us exists: we join a job that trains (one read, best effort)."""
+        from elasticd.records import RoundState
+
+        try:
+            kv = self.handler.client.get(self.handler.keys.rdzv_state)
+            state = RoundState.from_json(kv.value) if kv is not None else None
+        except Exception:  # noqa: BLE001 - only an optimisation: a failed read means "no"
+            return False
+        return state is not None and state.phase == "final" and self.handler.node_id not in state.members
+
+    def _wait_for_standbys(self, n: int, timeout_s: float = 60.0) -> None:
+        start = time.monotonic()
+        while time.monotonic() - start < timeout_s and not self.stop_signals:
+            if self.standby.ready(range(n)):
+                self._log.info("standbys_ready", seconds=round(time.monotonic() - start, 2))
+                return
+            time.sleep(0.05)
 
     def _workers_running(self, now: float) -> bool:
         """A plain script's group runs (every worker has imported torch), checked ≤ 1/s.

@@ -102,6 +102,9 @@ def env_mismatch(standby_env: Mapping[str, str], worker_env: Mapping[str, str]) 
     return sorted(n for n in names if standby_env.get(n) != worker_env.get(n))
 
 
+READY_PREFIX = "standby-ready-"  # in the control dir: this standby finished its imports
+
+
 @dataclass
 class Standby:
     """One warm process for one local rank."""
@@ -125,6 +128,17 @@ class StandbyPool:
         self._slots: dict[int, Standby] = {}
         self.handed_over = 0  # hand-overs so far (tests, logs)
         self.cold_starts = 0
+
+    def ready(self, local_ranks: range) -> bool:
+        """Every local rank has a live standby whose imports are done."""
+        for r in local_ranks:
+            sb = self._slots.get(r)
+            if sb is None or sb.proc.poll() is not None:
+                return False
+            cdir = sb.env.get("ELASTICD_CONTROL_DIR", "")
+            if not cdir or not Path(cdir, f"{READY_PREFIX}{sb.proc.pid}").exists():
+                return False
+        return True
 
     def missing(self, local_ranks: range) -> list[int]:
         """Local ranks without a live standby."""
@@ -290,6 +304,10 @@ def main() -> None:
             importlib.import_module(module)
         except Exception as exc:
             sys.stderr.write(f"standby: import of {module} failed: {exc!r}\n")
+    control_dir = os.environ.get("ELASTICD_CONTROL_DIR")
+    if control_dir:  # tell the agent the imports are done (StandbyPool.ready)
+        with contextlib.suppress(OSError):
+            Path(control_dir, f"{READY_PREFIX}{os.getpid()}").touch()
     arrived.wait()
     msg = json.loads(handover[0])
     os.environ.clear()

@@ -145,6 +145,40 @@ def broadcast_state(sd: dict[str, Any] | None, src: int, device: torch.device) -
     return _join(skeleton, tensors)
 
 
+def shutdown_tcp_connections() -> int:
+    """Shut down this process's connected TCP sockets (not listeners, not HTTP(S)).
+
+    Used only while the old group's collective is stuck on a frozen peer and a newer round
+    was ordered: the waiting thread sees the connection closed and fails, as after a kill.
+    gloo gives no other way to wake a local wait (``abort()`` does not).
+
+    Returns:
+        How many sockets were shut down.
+    """
+    import os
+    import socket
+
+    count = 0
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            if not os.readlink(f"/proc/self/fd/{name}").startswith("socket:"):
+                continue
+            s = socket.socket(fileno=os.dup(int(name)))
+        except (OSError, ValueError):
+            continue
+        try:
+            if s.family in (socket.AF_INET, socket.AF_INET6) and s.type == socket.SOCK_STREAM:
+                peer = s.getpeername()  # raises for listeners and unconnected sockets
+                if peer[1] not in (80, 443):  # a user's HTTP(S) connection is not the group's
+                    s.shutdown(socket.SHUT_RDWR)
+                    count += 1
+        except OSError:
+            pass
+        finally:
+            s.close()  # closes our duplicate only
+    return count
+
+
 class LiveState:
     """The state a worker keeps in memory across membership changes.
 
@@ -210,6 +244,12 @@ class LiveState:
                         group.abort()
                 except (RuntimeError, AttributeError, ValueError):
                     pass
+            # gloo's abort closes our connections (peers waiting on us fail) but does not
+            # wake our own wait on a frozen peer: shutting the connections down does.
+            time.sleep(0.2)
+            if not self._in_reform and (wctx.current_round() or 0) < order.round:
+                closed = shutdown_tcp_connections()
+                self._log.info("live_connections_shut_down", count=closed, round=order.round)
             time.sleep(1.0)  # the loop notices (a failed collective) and re-forms
 
     # -- the loop's three calls ---------------------------------------------------------
