@@ -46,6 +46,7 @@ wctx = sys.modules["elasticd.worker.context"]  # the module, not the package's c
 log = structlog.get_logger(__name__)
 
 POLL_S = 0.01
+BIG_TENSOR_BYTES = 1 << 20  # tensors this large are broadcast alone; smaller ones per dtype, flat
 WATCH_S = 0.05  # how often the watcher thread looks for an order while the loop trains
 MAX_REFORMS_PER_STEP = 3  # the same step failing again and again is a bug, not a peer
 
@@ -105,8 +106,9 @@ def _metas(obj: Any, out: list[tuple[tuple[int, ...], str]]) -> None:
 
 
 def broadcast_state(sd: dict[str, Any] | None, src: int, device: torch.device) -> dict[str, Any]:
-    """Broadcast a nested state dict from ``src``: the structure once, the tensors as one
-    flat buffer per dtype (so a large model moves at the link's speed, not pickle's).
+    """Broadcast a nested state dict from ``src``: the structure once, large tensors one by
+    one in place, small ones as one flat buffer per dtype (a large model moves at the link's
+    speed, not pickle's, and with no extra copy).
 
     Args:
         sd: the state on ``src`` (ignored elsewhere).
@@ -124,9 +126,17 @@ def broadcast_state(sd: dict[str, Any] | None, src: int, device: torch.device) -
     metas: list[tuple[tuple[int, ...], str]] = []
     _metas(skeleton, metas)
     if dist.get_rank() != src:
-        tensors = [torch.empty(shape, dtype=getattr(torch, dt)) for shape, dt in metas]
+        tensors = [torch.empty(shape, dtype=getattr(torch, dt), device="meta") for shape, dt in metas]
     by_dtype: dict[str, list[int]] = {}
-    for i, (_, dt) in enumerate(metas):
+    for i, (shape, dt) in enumerate(metas):
+        if tensors[i].numel() * tensors[i].element_size() >= BIG_TENSOR_BYTES:
+            # Large tensors go as they are: no copy into (and out of) a flat buffer.
+            t = tensors[i] if dist.get_rank() == src else torch.empty(shape, dtype=getattr(torch, dt),
+                                                                     device=device)
+            t = t.to(device).contiguous()
+            dist.broadcast(t, src=src)
+            tensors[i] = t.to("cpu") if dist.get_rank() != src else tensors[i]
+            continue
         by_dtype.setdefault(dt, []).append(i)
     for dt in sorted(by_dtype):
         idx = by_dtype[dt]
