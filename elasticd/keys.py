@@ -79,6 +79,13 @@ class JobKeys:
     def node(self, node_id: str) -> str:
         return f"{self.nodes_prefix}{validate_node_id(node_id)}"
 
+    @property
+    def beats_prefix(self) -> str:
+        return f"{self.prefix}beats/"
+
+    def beat(self, node_id: str) -> str:
+        return f"{self.beats_prefix}{validate_node_id(node_id)}"
+
     # rendezvous
     @property
     def rdzv_prefix(self) -> str:

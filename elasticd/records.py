@@ -154,6 +154,22 @@ class Progress(_Record):
 
 
 @dataclass(frozen=True)
+class Beat(_Record):
+    """``/elasticd/<job>/beats/<node>``: a node's liveness and its own newest step.
+
+    Written by every agent every few seconds on its lease, and watched by no agent (only
+    `elasticd status` reads it), so a beat costs one write per node, not one event per
+    node per peer: the node record under ``nodes/``, which every peer watches, changes
+    only when the node's state does.
+    """
+
+    at: float  # when the agent wrote it (its clock)
+    round: int = -1
+    step: int = -1  # the newest step its workers reported (-1: none yet)
+    local_world_size: int = 0
+
+
+@dataclass(frozen=True)
 class CheckpointPointer(_Record):
     """``/elasticd/<job>/checkpoint/latest``: the newest committed checkpoint (fenced CAS).
 

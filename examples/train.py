@@ -109,11 +109,13 @@ def main(argv: list[str] | None = None) -> int:
                 trace.flush()
             if args.step_sleep:
                 time.sleep(args.step_sleep)
+            mean_loss = round(total / max(len(share), 1), 6)
             if ctx.rank == 0:
                 log(step=step, epoch=epoch, world_size=ctx.world_size,
-                    samples_trained=sampler.samples_trained, loss=round(total / max(len(share), 1), 6),
+                    samples_trained=sampler.samples_trained, loss=mean_loss,
                     step_s=round(time.perf_counter() - t0, 4), round=ctx.round)
-            worker.report_progress(step, epoch=epoch, samples=(step + 1) * args.global_batch)
+            worker.report_progress(step, epoch=epoch, samples=(step + 1) * args.global_batch,
+                                   loss=mean_loss)
             progress["step"] = step
             done = step + 1 >= args.steps
             if worker.should_stop(step):

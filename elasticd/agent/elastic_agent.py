@@ -63,7 +63,7 @@ class SupervisionSettings:
     hang_timeout_s: float = 0.0  # 0 = off
     attribution_window_s: float = 3.0
     monitor_interval_s: float = 0.1
-    heartbeat_interval_s: float = 30.0
+    beat_interval_s: float = 2.0  # how often the node's beat (liveness, step) is written
     checkpoint_url: str | None = None
     worker_env: dict[str, str] = field(default_factory=dict)
     warm_start: bool = True  # keep a standby per local rank (see elasticd.agent.warm)
@@ -193,7 +193,7 @@ class ElasticdAgent(LocalElasticAgent):
             self.recorder.event("lease_lost", f"lease lost; round {lost_round} superseded by "
                                 f"{h.round}; rejoined", old_round=lost_round)
         ranks = [w.global_rank for w in worker_group.workers]
-        self._set_state("training", ranks=ranks)
+        self._set_state("training", ranks=ranks, local_world_size=worker_group.spec.local_world_size)
         self.recorder.event("round", f"round {h.round} formed with {worker_group.group_world_size} nodes",
                             world_size=worker_group.group_world_size, ranks=ranks,
                             rendezvous_s=round(h.rendezvous_s, 3))
@@ -214,7 +214,6 @@ class ElasticdAgent(LocalElasticAgent):
         try:
             self.handler.update_record(state=state, round=self.handler.round if self.handler.round is not None else -1,
                                        restarts=self._restarts_used(), **changes)
-            self._last_heartbeat = time.monotonic()
         except (LeaseLostError, TransientError) as exc:
             self._log.warning("node_record_not_updated", state=state, error=str(exc))
 
@@ -350,16 +349,21 @@ class ElasticdAgent(LocalElasticAgent):
         if wg.group_rank == 0 and board.max_step() >= 0:
             snap = board.snapshot()
             top = max(snap.values(), key=lambda p: p.step)
+            losses = [p.loss for p in snap.values() if p.loss is not None and p.step == top.step]
             self.recorder.progress(top.step, top.epoch, top.samples_trained,
-                                   (wg.group_world_size or 0) * wg.spec.local_world_size)
+                                   (wg.group_world_size or 0) * wg.spec.local_world_size,
+                                   loss=sum(losses) / len(losses) if losses else None)
             if self.metrics is not None:
                 self.metrics.set_step(top.step)
         if self._fault_at is not None and board.max_step() >= 0 and wg.state == WorkerState.HEALTHY:
             if self.metrics is not None:
                 self.metrics.observe_recovery_s(now - self._fault_at)
             self._fault_at = None
-        if now - self._last_heartbeat >= self.settings.heartbeat_interval_s:
-            self._set_state("draining" if self._draining else "training")
+        if now - self._last_heartbeat >= self.settings.beat_interval_s:
+            # The beat, not the node record: peers watch nodes/, so a periodic record
+            # rewrite would cost every peer an event; nobody watches beats/.
+            self._last_heartbeat = now
+            self.recorder.beat(board.max_step(), wg.spec.local_world_size)
         if self.notifier is not None:
             self.notifier.watchdog()
 

@@ -20,7 +20,7 @@ from elasticd.agent.history import EtcdHistoryWriter
 from elasticd.control.api import CommitOutcome
 from elasticd.errors import TransientError
 from elasticd.keys import JobKeys
-from elasticd.records import CheckpointPointer, Event, Progress
+from elasticd.records import Beat, CheckpointPointer, Event, Progress
 from elasticd.rendezvous.etcd_handler import EtcdRendezvousHandler
 from elasticd.retry import call_with_retry
 
@@ -28,7 +28,9 @@ log = structlog.get_logger(__name__)
 
 MAX_EVENTS = 256
 PRUNE_EVERY = 16
-PROGRESS_INTERVAL_S = 5.0
+# The job's progress record is one key written by rank 0's agent: cheap at any size, so
+# often enough that `status` is never seconds behind the training log.
+PROGRESS_INTERVAL_S = 1.0
 
 
 class JobRecorder:
@@ -101,6 +103,22 @@ class JobRecorder:
         if ok:
             self._last_progress, self._last_progress_at = prog, now
             self.history.append(now, step, world_size, prog.samples_per_s, rnd, loss)
+
+    def beat(self, step: int, local_world_size: int) -> None:
+        """Write this node's beat (``beats/<node>``, on its lease; see ``records.Beat``).
+
+        Best effort: a beat that fails is the next one's job, and a lost lease is the
+        rendezvous handler's to detect, not this writer's.
+        """
+        lease = self.handler.lease_id
+        if not lease:
+            return
+        rnd = self.handler.round if self.handler.round is not None else -1
+        beat = Beat(at=time.time(), round=rnd, step=step, local_world_size=local_world_size)
+        try:
+            self.client.put(self.keys.beat(self.handler.node_id), beat.to_json(), lease=lease)
+        except Exception as exc:  # noqa: BLE001 - unreachable, or the lease just expired
+            log.debug("beat_not_written", error=str(exc))
 
     # -- checkpoint pointer (the fenced commit) ------------------------------------------
     def latest_checkpoint(self) -> CheckpointPointer | None:

@@ -35,8 +35,6 @@ from elasticd.status.model import (
     EXIT_OK,
     EXIT_UNKNOWN_JOB,
     derive_status,
-    read_all_jobs,
-    read_job,
     status_line,
 )
 from elasticd.status.options import (
@@ -52,6 +50,7 @@ from elasticd.status.options import (
 )
 from elasticd.status.output import emit_job, emit_job_list
 from elasticd.status.render import DEFAULT_MAX_ROWS, printable
+from elasticd.status.snapshot import read_all_jobs, read_job
 
 log = structlog.get_logger(__name__)
 EXIT_INTERNAL = 1  # docs/status.md: 1 is also "degraded"; the stderr line tells them apart
@@ -126,8 +125,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--events", type=_non_negative_int, default=DEFAULT_EVENTS, metavar="N",
                    help=f"show the last N events (default {DEFAULT_EVENTS})")
     p.add_argument("--window", type=_positive_float, default=DEFAULT_WINDOW_S, metavar="SECONDS",
-                   help="failures younger than this make a training job degraded "
-                        f"(default {DEFAULT_WINDOW_S:g})")
+                   help="mention the job's last recovery for this long after it (information, "
+                        f"not health: a job at full size exits 0) (default {DEFAULT_WINDOW_S:g})")
     p.add_argument("--max-rows", type=_non_negative_int, default=None, metavar="N",
                    help=f"node rows in the table, unhealthy first (default {DEFAULT_MAX_ROWS}; "
                         "0 = all)")
