@@ -111,8 +111,11 @@ def main() -> int:
             killed_at = max(r["step"] for r in steps(nodes))
             wait_for(lambda: sum(r["world_size"] == 1 for r in steps(nodes)) >= 3, 60,
                      "training at world size 1")
-            print(f"   node-a trains on alone {time.time() - t_kill:.1f}s after the kill, resumed from "
-                  "its newest checkpoint")
+            resumed = min(r["step"] for r in steps(nodes) if r["world_size"] == 1)
+            retrained = max(killed_at - resumed + 1, 0)
+            print(f"   node-a trains on alone {time.time() - t_kill:.1f}s after the kill, from step "
+                  f"{resumed}: {retrained} step(s) retrained (the last step before the kill was "
+                  f"{killed_at}; a restart resumes from the newest checkpoint)")
             show_loss(nodes)
             status(etcd.endpoint)
 
