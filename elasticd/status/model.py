@@ -200,14 +200,21 @@ def _progress_now(snap: JobSnapshot, current: int | None) -> Progress | None:
 
 
 def _recovery(snap: JobSnapshot, state: str, now: float, window_s: float) -> tuple[float | None, str | None]:
-    """When the job last came back to training after trouble (within ``window_s``)."""
+    """When the job last came back to training after trouble (within ``window_s``): the
+    first round formed after the newest trouble event, not the newest round (a later
+    join re-forms the job too, and is not a recovery)."""
     rs = snap.round_state
     if state != "training" or rs is None or not rs.completed_at:
         return None, None
     trouble = _last(snap.events, TROUBLE_EVENT_KINDS)
-    if trouble is None or trouble.event.time > rs.completed_at or now - rs.completed_at > window_s:
+    if trouble is None or trouble.event.time > rs.completed_at:
         return None, None
-    return rs.completed_at, describe_event(trouble, now)
+    after = [se.event.time for se in snap.events
+             if se.event.kind == "round" and se.event.time >= trouble.event.time]
+    at = min(after) if after else rs.completed_at
+    if now - at > window_s:
+        return None, None
+    return at, describe_event(trouble, now)
 
 
 def derive_status(snap: JobSnapshot, now: float, *, window_s: float = DEFAULT_WINDOW_S,

@@ -127,6 +127,10 @@ def test_health_is_about_now_and_a_recovery_is_information(kind):
     # A fault after the round formed is not a recovery of this round.
     after = derive_status(snap(events=[ev(1, kind, age_s=5)]), NOW)
     assert after.recovered_at is None
+    # The recovery is the first round after the fault, not a later join's round.
+    joined = derive_status(snap(events=[ev(1, kind, age_s=300), ev(2, "round", age_s=290),
+                                        ev(3, "join", age_s=95), ev(4, "round", age_s=90)]), NOW)
+    assert joined.recovered_at == NOW - 290 and joined.exit_code == EXIT_OK
 
 
 def test_benign_recent_events_do_not_degrade():
