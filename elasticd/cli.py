@@ -64,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.required = True
     _add_run_parser(sub)
     for name in ("elasticd.agent.cli", "elasticd.status.cli", "elasticd.cli_checkpoints",
-                 "elasticd.cli_etcd"):
+                 "elasticd.cli_etcd", "elasticd.cli_control"):
         try:
             module = __import__(name, fromlist=["add_parser"])
         except ImportError:
@@ -77,6 +77,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _error(args: argparse.Namespace, message: str) -> None:
+    """The last line of a failed command; one JSON object when an agent logs JSON."""
+    if args.subcommand in ("run", "agent"):
+        from elasticd.logs import error_line
+
+        error_line(message)
+    else:
+        sys.stderr.write(message + "\n")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -85,10 +95,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _run_command(args)
         return int(args.func(args))
     except ConfigError as exc:
-        sys.stderr.write(f"elasticd: configuration error: {scrub_text(str(exc))}\n")
+        _error(args, f"elasticd: configuration error: {scrub_text(str(exc))}")
         return EX_CONFIG
     except ElasticdError as exc:
-        sys.stderr.write(f"elasticd: {scrub_text(str(exc))}\n")
+        _error(args, f"elasticd: {scrub_text(str(exc))}")
         return exc.exit_code
     except KeyboardInterrupt:
         return 130
