@@ -40,6 +40,10 @@ def _run_command(args: argparse.Namespace) -> int:
     if cfg.etcd.embedded and not cfg.job.standalone:
         raise ConfigError("no etcd: pass --etcd HOST:PORT to join a job, or --standalone for a "
                           "single machine")
+    from elasticd.agent.remote_control import refuse_early
+
+    if refuse_early(cfg):  # `elasticd stop`/`drain`: exit 0 at once, before importing torch
+        return 0
     # torch is imported only now, after the flags were validated (a typo answers at once).
     from elasticd.agent.runner import run_node
     from elasticd.agent.settings import node_spec

@@ -1,0 +1,98 @@
+"""`elasticd stop` / `drain` / `start` against real etcd and real agents: the whole job or
+one node drains at a step boundary, a stopped job stays stopped, bad names touch nothing."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from harness import ROOT, read_jsonl, wait_until
+
+from elasticd.cli import main
+from elasticd.keys import JobKeys
+
+SCRIPT = str(ROOT / "tests" / "workers" / "drainable.py")
+pytestmark = pytest.mark.timeout(120)
+
+
+def _env(tmp_path):
+    # Periodic saves off: the only checkpoint is the one the stop/drain takes.
+    return {"OUT": str(tmp_path / "steps.jsonl"), "CKPT": str(tmp_path / "ckpt.json"),
+            "STEP_S": "0.05", "CKPT_EVERY": "100000"}
+
+
+def _world_rows(out, world):
+    return [r for r in read_jsonl(out) if r["world"] == world]
+
+
+def test_drain_then_stop_lose_no_step_and_keep_nodes_out(nodes, tmp_path, capsys):
+    """One 2-node job, driven from the CLI. `drain --node n1`: n1 exits 0, n0 goes on at
+    world 1 from exactly the next step, and a relaunched n1 exits 0 without joining (and
+    says how to clear it) until `start --node n1`. After n1 rejoined, `stop`: both agents
+    exit 0, every rank's last step is the same, the checkpoint is at that step, and the
+    job stays stopped until `start`."""
+    env, out, ep, job = _env(tmp_path), tmp_path / "steps.jsonl", nodes.etcd.endpoint, "sd1"
+    a = nodes.start(job, SCRIPT, env=env, nnodes="1:2", name="n0")
+    b = nodes.start(job, SCRIPT, env=env, nnodes="1:2", name="n1")
+    wait_until(lambda: len(_world_rows(out, 2)) >= 6, 60, "world 2 steps")
+
+    assert main(["drain", "--job", job, "--node", "n1", "--etcd", ep, "--wait", "60"]) == 0
+    captured = capsys.readouterr()
+    assert "drained and left" in captured.out and "waiting for 1 node" in captured.err, captured
+    assert b.wait(20) == 0, b.log()[-2000:]
+    refused = nodes.start(job, SCRIPT, env=env, nnodes="1:2", name="n1")
+    wait_until(lambda: len(_world_rows(out, 1)) >= 3, 60, "steps at world 1")
+    rows = read_jsonl(out)
+    last_at_2 = max(r["step"] for r in rows if r["world"] == 2)
+    assert min(r["step"] for r in rows if r["world"] == 1) == last_at_2 + 1, "a step was lost"
+    assert refused.wait(30) == 0, refused.log()[-2000:]
+    assert "agent_not_joining" in refused.log()
+    assert f"elasticd start --job {job} --node n1" in refused.log()
+    assert a.alive()
+
+    assert main(["start", "--job", job, "--node", "n1", "--etcd", ep]) == 0
+    last_at_1 = max(r["step"] for r in read_jsonl(out) if r["world"] == 1)
+    b2 = nodes.start(job, SCRIPT, env=env, nnodes="1:2", name="n1")
+    wait_until(lambda: len([r for r in _world_rows(out, 2) if r["step"] > last_at_1]) >= 4, 60,
+               "n1 back: world 2 steps")
+
+    assert main(["stop", "--job", job, "--etcd", ep, "--wait", "60"]) == 0
+    assert "stopped: every node left" in capsys.readouterr().out
+    assert a.wait(20) == 0 and b2.wait(20) == 0, a.log()[-2000:] + b2.log()[-2000:]
+    final = [r for r in read_jsonl(out) if r["step"] > last_at_1]
+    last = {r["rank"]: r["step"] for r in final}
+    assert len(last) == 2 and len(set(last.values())) == 1, f"ranks stopped apart: {last}"
+    assert json.loads((tmp_path / "ckpt.json").read_text())["step"] == last[0]
+    assert "agent_stopped_by_operator" in a.log()
+
+    from elasticd.agent.remote_control import refusal_at_start
+    from elasticd.etcd.client import EtcdClient
+
+    client = EtcdClient(ep, timeout_s=2.0)
+    try:
+        kept_out = refusal_at_start(client, JobKeys(job), "n0")
+        assert kept_out is not None and kept_out.node is None, "the job is not marked stopped"
+        assert main(["start", "--job", job, "--etcd", ep]) == 0
+        assert refusal_at_start(client, JobKeys(job), "n0") is None
+    finally:
+        client.close()
+
+
+def test_unknown_job_or_node_is_refused_and_writes_nothing(etcd_client, etcd_server, capsys):
+    """stop/drain/start of an unknown job, or drain of a node that is not live, exit 3
+    with a message naming the problem and the fix, and leave etcd's revision unchanged."""
+    keys = JobKeys("known")
+    etcd_client.put(keys.run_id, "0123456789abcdef")
+    etcd_client.put(keys.node("n0"), "{}")
+    ep = etcd_server.endpoint
+    _, before = etcd_client.get_prefix("/elasticd/")
+    assert main(["stop", "--job", "nope", "--etcd", ep]) == 3
+    assert "job 'nope' unknown" in capsys.readouterr().err
+    assert main(["drain", "--job", "known", "--node", "ghost", "--etcd", ep]) == 3
+    err = capsys.readouterr().err
+    assert "node 'ghost' is not a live node" in err and "live: n0" in err, err
+    assert main(["drain", "--job", "nope", "--node", "n0", "--etcd", ep]) == 3
+    assert main(["start", "--job", "nope", "--etcd", ep]) == 3
+    _, after = etcd_client.get_prefix("/elasticd/")
+    assert after == before, "a refused command wrote to etcd"
+    assert main(["stop", "--job", "bad/name", "--etcd", ep]) == 78
