@@ -27,7 +27,7 @@ def test_drain_applies_to_its_node_only_and_stop_to_every_node():
     mark = StopMark(1.0, by="ops@h", reason="disk swap").to_json().encode()
     drain = pending_request([_kv(KEYS.drain_mark("a"), mark)], KEYS, "a")
     assert drain == StopRequest("j", "a", StopMark(1.0, "ops@h", "disk swap"))
-    assert "node 'a' drained by ops@h (elasticd drain): disk swap" == drain.reason
+    assert drain.reason == "node 'a' drained by ops@h (elasticd drain): disk swap"
     both = pending_request([_kv(KEYS.drain_mark("a"), mark), _kv(KEYS.stop_mark)], KEYS, "a")
     assert both is not None and both.node is None
 
