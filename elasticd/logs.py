@@ -46,13 +46,16 @@ def redact_secrets(_logger: Any, _name: str, event: MutableMapping[str, Any]) ->
     return event
 
 
-def configure_logging(fmt: str = "auto", *, level: str = "info", stream: TextIO | None = None) -> None:
+def configure_logging(fmt: str = "auto", *, level: str = "info", stream: TextIO | None = None,
+                      stdlib: bool = True) -> None:
     """Configure structlog and the stdlib root logger once.
 
     Args:
         fmt: ``"json"``, ``"console"``, or ``"auto"`` (console on a TTY, JSON otherwise).
         level: minimum level name.
         stream: where lines go (stderr by default).
+        stdlib: also route the stdlib root logger (and ``warnings``) through the same
+            rendering; False in workers, whose stdlib logging belongs to the user's script.
     """
     global _configured, _format
     stream = stream or sys.stderr
@@ -75,11 +78,11 @@ def configure_logging(fmt: str = "auto", *, level: str = "info", stream: TextIO 
         cache_logger_on_first_use=False,
     )
     # torch elastic logs through the stdlib; keep its INFO chatter out, warnings in.
-    if fmt == "json":
+    if stdlib and fmt == "json":
         # One JSON object per line there too: a plain-text torch warning would break
         # `journalctl -o cat | jq` at that line.
         _stdlib_to_json(stream, shared, renderer)
-    else:
+    elif stdlib:
         logging.basicConfig(stream=stream, level=logging.WARNING,
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     _configured, _format = True, fmt
@@ -90,9 +93,11 @@ def _stdlib_to_json(stream: TextIO, shared: list[Any], renderer: Any) -> None:
     handler.setFormatter(structlog.stdlib.ProcessorFormatter(
         processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, renderer],
         foreign_pre_chain=[structlog.stdlib.add_logger_name, *shared]))
+    handler.set_name("elasticd-json")
     root = logging.getLogger()
     for old in list(root.handlers):
-        root.removeHandler(old)
+        if old.get_name() == "elasticd-json":  # configured again: replace ours, keep others'
+            root.removeHandler(old)
     root.addHandler(handler)
     root.setLevel(logging.WARNING)
     logging.captureWarnings(True)  # warnings.warn() goes through the same handler
@@ -109,10 +114,11 @@ def configure_worker_logging(fmt: str | None) -> None:
     ``fmt`` is the agent's resolved format (``ELASTICD_LOG_FORMAT``, read by the
     launcher). Only ``"json"`` changes anything: in console mode the worker's output is
     left exactly as before (torch prefixes each line with ``[default<rank>]:``).
-    Events go to stderr, as the agent's do.
+    Events go to stderr, as the agent's do. The stdlib root logger is left alone: the
+    user's script may configure it (its lines are wrapped by the agent like any output).
     """
     if fmt == "json":
-        configure_logging("json")
+        configure_logging("json", stdlib=False)
 
 
 def error_line(message: str, *, event: str = "agent_error", **fields: Any) -> None:

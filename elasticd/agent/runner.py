@@ -236,8 +236,9 @@ def run_node(spec: NodeSpec) -> int:
         handler.on_members_lost = lambda lost, rnd: _record_lost(recorder, handler, lost, rnd)
         if spec.preemption is not None:
             spec.preemption.start(lambda notice: _on_notice(agent, recorder, notice))
+        drain = agent.request_drain  # from the watch thread: only sets flags
         remote = RemoteStopWatch(client, handler.keys, handler.node_id,
-                                 lambda req, a=agent: a.request_drain(req.reason)).start()
+                                 lambda req: drain(req.reason)).start()
         log.info("agent_started", endpoints=client.endpoint_label(), nproc_per_node=spec.nproc_per_node,
                  nnodes=f"{spec.min_nodes}:{spec.max_nodes}", command=list(spec.command),
                  worker_log_dir=log_dir)

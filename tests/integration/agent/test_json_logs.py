@@ -12,8 +12,8 @@ SCRIPT = str(ROOT / "tests" / "workers" / "chatty.py")
 pytestmark = pytest.mark.timeout(120)
 
 
-def _start(nodes, tmp_path, job: str, fmt: str):
-    return nodes.start(job, SCRIPT, name=f"{job}-node", nnodes="1", nproc=2,
+def _start(nodes, tmp_path, job: str, fmt: str, nproc: int):
+    return nodes.start(job, SCRIPT, name=f"{job}-node", nnodes="1", nproc=nproc,
                        extra=["--log-format", fmt, "--checkpoint-url",
                               (tmp_path / f"ckpt-{job}").as_uri()])
 
@@ -23,8 +23,8 @@ def test_json_mode_every_line_is_one_json_object(nodes, tmp_path):
     object: worker prints are wrapped with rank, local rank and stream, and the workers'
     own checkpoint_saved/checkpoint_loaded events are JSON too. In console mode the
     workers' lines keep torch's `[default0]:` prefix."""
-    js = _start(nodes, tmp_path, "jlog", "json")
-    console = _start(nodes, tmp_path, "clog", "console")
+    js = _start(nodes, tmp_path, "jlog", "json", 2)
+    console = _start(nodes, tmp_path, "clog", "console", 1)
     assert js.wait(90) == 0, js.log()[-3000:]
     assert console.wait(90) == 0, console.log()[-3000:]
 
@@ -50,5 +50,5 @@ def test_json_mode_every_line_is_one_json_object(nodes, tmp_path):
     assert any(e.get("event") == "agent_exited" for e in events)
 
     text = console.log()
-    assert "[default0]:hello from rank 0" in text and "[default1]:rank 1 on stderr" in text
+    assert "[default0]:hello from rank 0" in text and "[default0]:rank 0 on stderr" in text
     assert "worker_output" not in text
