@@ -9,7 +9,7 @@ import pytest
 from harness import ROOT
 
 SCRIPT = str(ROOT / "tests" / "workers" / "chatty.py")
-pytestmark = pytest.mark.timeout(120)
+pytestmark = pytest.mark.timeout(180)
 
 
 def _start(nodes, tmp_path, job: str, fmt: str, nproc: int):
@@ -25,8 +25,8 @@ def test_json_mode_every_line_is_one_json_object(nodes, tmp_path):
     workers' lines keep torch's `[default0]:` prefix."""
     js = _start(nodes, tmp_path, "jlog", "json", 2)
     console = _start(nodes, tmp_path, "clog", "console", 1)
-    assert js.wait(90) == 0, js.log()[-3000:]
-    assert console.wait(90) == 0, console.log()[-3000:]
+    assert js.wait(150) == 0, js.log()[-3000:]
+    assert console.wait(150) == 0, console.log()[-3000:]
 
     lines = [ln for ln in js.log().splitlines() if ln.strip()]
     events = []
