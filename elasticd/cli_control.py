@@ -108,6 +108,8 @@ def run(args: argparse.Namespace, *, out: IO[str] | None = None, err: IO[str] | 
         return code
 
     try:
+        if not args.timeout > 0:
+            raise ConfigError(f"--timeout must be > 0 seconds, got {args.timeout:g}")
         opts = options_from_args(args)
         node = validate_node_id(args.node) if getattr(args, "node", None) else None
         client = make_client(opts)
