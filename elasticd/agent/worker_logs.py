@@ -14,8 +14,8 @@ interleave with the agent's own events):
 - a plain line becomes ``{"event": "worker_output", "rank", "local_rank", "stream",
   "line", "job", "node", "level", "timestamp"}``;
 - a line that is already a JSON object (the worker API's own events in JSON mode, e.g.
-  ``checkpoint_saved``) is kept as it is, with ``rank``, ``local_rank``, ``stream`` and
-  ``source: "worker"`` added, so ``jq 'select(.event == "checkpoint_saved")'`` finds it.
+  ``checkpoint_saved``) is kept as it is, with ``rank``, ``local_rank``, ``stream`` (unless
+  it has its own) and ``source: "worker"`` added, so ``jq 'select(.event == "checkpoint_saved")'`` finds it.
 
 A line longer than :data:`MAX_LINE_CHARS` is cut (with ``truncated: true``): a worker
 printing a megabyte without a newline must not hold the agent's memory.
@@ -74,7 +74,7 @@ def wrap_line(line: str, f: TailedFile, *, job: str, node: str, now: float) -> d
         if isinstance(parsed, dict) and "event" in parsed:
             parsed.setdefault("job", job)
             parsed.setdefault("node", node)
-            return {**parsed, **where, "source": "worker"}
+            return {**where, **parsed, "source": "worker"}  # the worker's own fields win
     ts = datetime.fromtimestamp(now, tz=timezone.utc).isoformat().replace("+00:00", "Z")
     out: dict[str, Any] = {"event": "worker_output", **where, "line": scrub(text, "line"),
                            "job": job, "node": node, "level": "info", "timestamp": ts}
