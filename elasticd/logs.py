@@ -89,11 +89,20 @@ def configure_logging(fmt: str = "auto", *, level: str = "info", stream: TextIO 
 
 
 def _stdlib_to_json(stream: TextIO, shared: list[Any], renderer: Any) -> None:
-    handler = logging.StreamHandler(stream)
-    handler.setFormatter(structlog.stdlib.ProcessorFormatter(
+    formatter = structlog.stdlib.ProcessorFormatter(
         processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, renderer],
-        foreign_pre_chain=[structlog.stdlib.add_logger_name, *shared]))
+        foreign_pre_chain=[structlog.stdlib.add_logger_name, *shared])
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(formatter)
     handler.set_name("elasticd-json")
+    # torch's registered loggers ("torch", ...) do not propagate: they have stream handlers
+    # of their own with a glog-style format ("E1130 21:54:00.339 ... failed (exitcode: 1)").
+    # Keep their routing and levels, render them as JSON.
+    for name, logger in list(logging.root.manager.loggerDict.items()):
+        if (name == "torch" or name.startswith("torch.")) and isinstance(logger, logging.Logger):
+            for h in logger.handlers:
+                if type(h) is logging.StreamHandler:
+                    h.setFormatter(formatter)
     root = logging.getLogger()
     for old in list(root.handlers):
         if old.get_name() == "elasticd-json":  # configured again: replace ours, keep others'
