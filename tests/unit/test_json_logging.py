@@ -15,8 +15,10 @@ from elasticd import logs
 def test_structlog_torch_stdlib_and_warnings_are_json_lines(monkeypatch):
     """An event, a torch elastic error (torch's own glog-style handler), another stdlib
     logger and warnings.warn each come out as one parseable JSON line."""
-    torch_logger = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
-    torch_root = logging.getLogger("torch")
+    # A torch-namespace logger that, like torch's registered ones, does not propagate and
+    # has a stream handler of its own.
+    torch_root = logging.getLogger("torch.elasticd_probe")
+    torch_logger = torch_root
     out = io.StringIO()
     probe = logging.StreamHandler(out)  # stands in for torch's own stream handler
     torch_root.addHandler(probe)
