@@ -3,7 +3,10 @@ one node drains at a step boundary, a stopped job stays stopped, bad names touch
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import sys
+from pathlib import Path
 
 import pytest
 from harness import ROOT, read_jsonl, wait_until
@@ -12,6 +15,22 @@ from elasticd.cli import main
 from elasticd.keys import JobKeys
 
 SCRIPT = str(ROOT / "tests" / "workers" / "drainable.py")
+
+
+def _worker_env_tests():
+    # The TLS+auth etcd fixture lives in test_worker_env.py (tests/integration is no package).
+    path = Path(__file__).with_name("test_worker_env.py")
+    spec = importlib.util.spec_from_file_location("elasticd_test_worker_env", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+_ENV_TESTS = _worker_env_tests()
+auth_etcd = _ENV_TESTS.auth_etcd  # a fixture: etcd over TLS with auth, user root / SECRET
+SECRET = _ENV_TESTS.SECRET
 pytestmark = pytest.mark.timeout(240)
 
 
@@ -96,3 +115,30 @@ def test_unknown_job_or_node_is_refused_and_writes_nothing(etcd_client, etcd_ser
     _, after = etcd_client.get_prefix("/elasticd/")
     assert after == before, "a refused command wrote to etcd"
     assert main(["stop", "--job", "bad/name", "--etcd", ep]) == 78
+
+
+def test_stop_is_authorised_like_any_etcd_client(auth_etcd, tmp_path, capsys):
+    """On an etcd with TLS and auth, `stop` without credentials is refused by etcd and
+    writes nothing; with the status flags (CA, client cert, user, password file) it works."""
+    from elasticd.etcd.client import EtcdClient, TLSFiles
+
+    server, pki = auth_etcd
+    tls = TLSFiles(pki.ca, pki.client_cert, pki.client_key)
+    root = EtcdClient(server.endpoint, timeout_s=3.0, tls=tls, user="root", password=SECRET)
+    pw = tmp_path / "pw"
+    pw.write_text(SECRET)
+    pw.chmod(0o600)
+    tls_flags = ["--etcd", server.endpoint, "--etcd-ca", pki.ca, "--etcd-cert", pki.client_cert,
+                 "--etcd-key", pki.client_key]
+    try:
+        keys = JobKeys("authjob")
+        root.put(keys.run_id, "0123456789abcdef")
+        code = main(["stop", "--job", "authjob", *tls_flags, "--wait", "0"])
+        assert code == 78, "etcd let an unauthenticated client stop the job"
+        assert "permission denied" in capsys.readouterr().err
+        assert root.get(keys.stop_mark) is None
+        assert main(["stop", "--job", "authjob", *tls_flags, "--etcd-user", "root",
+                     "--etcd-password-file", str(pw), "--wait", "0"]) == 0
+        assert root.get(keys.stop_mark) is not None
+    finally:
+        root.close()
