@@ -17,6 +17,8 @@ Layout (see docs/architecture.md)::
     /elasticd/<job>/checkpoint/latest       fenced pointer to the newest committed checkpoint
     /elasticd/<job>/run_id                  this run's id (created once; checkpoints carry it)
     /elasticd/<job>/events/<seq>            bounded event history (JSON)
+    /elasticd/<job>/control/stop            the job is stopped (`elasticd stop`); agents leave/stay out
+    /elasticd/<job>/control/drain/<node>    that node is drained (`elasticd drain`); it leaves/stays out
 """
 
 from __future__ import annotations
@@ -158,6 +160,22 @@ class JobKeys:
 
     def event(self, seq: int) -> str:
         return f"{self.events_prefix}{seq:016d}"
+
+    # operator control (`elasticd stop` / `drain` / `start`): no lease, cleared by `start`
+    @property
+    def control_prefix(self) -> str:
+        return f"{self.prefix}control/"
+
+    @property
+    def stop_mark(self) -> str:
+        return f"{self.control_prefix}stop"
+
+    @property
+    def drain_marks_prefix(self) -> str:
+        return f"{self.control_prefix}drain/"
+
+    def drain_mark(self, node_id: str) -> str:
+        return f"{self.drain_marks_prefix}{validate_node_id(node_id)}"
 
 
 def round_of_key(key: str, root: str) -> int | None:

@@ -210,6 +210,16 @@ class CheckpointPointer(_Record):
 
 
 @dataclass(frozen=True)
+class StopMark(_Record):
+    """``/elasticd/<job>/control/stop`` and ``.../control/drain/<node>``: written by
+    ``elasticd stop`` / ``elasticd drain``, obeyed by agents, cleared by ``elasticd start``."""
+
+    requested_at: float
+    by: str = ""  # user@host of the operator's command
+    reason: str = ""
+
+
+@dataclass(frozen=True)
 class Event(_Record):
     """``/elasticd/<job>/events/<seq>``: one entry of the bounded event history."""
 

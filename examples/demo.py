@@ -65,11 +65,14 @@ def steps(nodes: list[Node]) -> list[dict]:
     rows = []
     for n in nodes:
         for line in n.log_path.read_text(errors="replace").splitlines():
-            if line.startswith("[default0]:{\"step\""):
-                try:
-                    rows.append(json.loads(line.split(":", 1)[1]))
-                except ValueError:
-                    pass
+            # JSON logs: each worker line is a worker_output event (docs/operations.md)
+            try:
+                rec = json.loads(line)
+                if rec.get("event") == "worker_output" and rec.get("local_rank") == 0 \
+                        and rec["line"].startswith('{"step"'):
+                    rows.append(json.loads(rec["line"]))
+            except (ValueError, AttributeError, KeyError):
+                pass
     return sorted(rows, key=lambda r: (r.get("round") or 0, r["step"]))
 
 

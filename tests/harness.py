@@ -116,6 +116,21 @@ def read_jsonl(path: Path) -> list[dict]:
     return out
 
 
+def worker_lines(log_text: str, *, local_rank: int = 0) -> list[str]:
+    """What one local rank printed, from a node log in JSON mode (the harness's default):
+    each worker line is a ``worker_output`` event (elasticd.agent.worker_logs)."""
+    out = []
+    for line in log_text.splitlines():
+        try:
+            obj = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(obj, dict) and obj.get("event") == "worker_output" \
+                and obj.get("local_rank") == local_rank:
+            out.append(obj["line"])
+    return out
+
+
 def no_leftovers(nodes: list[Node]) -> list[int]:
     """PIDs of any node process still alive (should be empty after cleanup)."""
     from elasticd.process import pid_alive

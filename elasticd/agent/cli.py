@@ -40,6 +40,10 @@ def run(args: argparse.Namespace) -> int:
         for warning in availability_warnings(cfg):
             sys.stderr.write(f"elasticd: warning: no etcd fail-over: {warning}\n")
         return 0
+    from elasticd.agent.remote_control import refuse_early
+
+    if refuse_early(cfg):  # `elasticd stop`/`drain`: exit 0 at once, before importing torch
+        return 0
     # torch is imported only when the agent really runs (a config check answers at once).
     from elasticd.agent.runner import run_node
     from elasticd.agent.settings import node_spec

@@ -36,8 +36,9 @@ import signal
 import sys
 from typing import NoReturn
 
-from elasticd.control.api import DONE_PREFIX
+from elasticd.control.api import DONE_PREFIX, ENV_LOG_FORMAT
 from elasticd.errors import EX_CONFIG, ConfigError
+from elasticd.logs import configure_worker_logging
 from elasticd.process import die_with_parent
 from elasticd.teardown import end_process, keep_groups_on_destroy
 
@@ -47,6 +48,8 @@ def main(argv: list[str]) -> NoReturn:
     die_with_parent(int(agent_pid) if agent_pid else None)
     faulthandler.register(signal.SIGUSR1, all_threads=True, chain=False)
     keep_groups_on_destroy()
+    # JSON when the agent logs JSON: the worker API's events stay one object per line.
+    configure_worker_logging(os.environ.get(ENV_LOG_FORMAT))
     as_module = bool(argv) and argv[0] == "-m"
     if as_module:
         argv = argv[1:]
