@@ -30,6 +30,7 @@ from elasticd.etcd.client import EtcdClient
 from elasticd.keys import JobKeys, validate_node_id
 from elasticd.records import CheckpointPointer, NodeRecord, Progress, RecordError
 from elasticd.sensitive import scrub_text
+from elasticd.status.options import add_etcd_connection_flags
 from elasticd.stopmarks import (
     NotFoundError,
     clear_marks,
@@ -42,25 +43,6 @@ from elasticd.stopmarks import (
 DEFAULT_WAIT_S = 180.0  # above the default drain grace (60 s) plus a re-formation
 EXIT_TIMED_OUT = 1
 _PROGRESS_EVERY_S = 5.0
-
-
-def add_etcd_connection_flags(p: argparse.ArgumentParser) -> None:
-    """The etcd connection flags of ``elasticd status`` (same names, same meaning), read by
-    ``elasticd.status.options.options_from_args``."""
-    from elasticd.status.options import DEFAULT_ETCD, DEFAULT_TIMEOUT_S
-
-    p.add_argument("--etcd", metavar="ENDPOINTS", default=None,
-                   help=f"etcd endpoints, HOST:PORT[,HOST:PORT...] (default {DEFAULT_ETCD})")
-    p.add_argument("--etcd-ca", metavar="FILE", help="CA bundle to verify etcd's certificate")
-    p.add_argument("--etcd-cert", metavar="FILE", help="client certificate for etcd (with --etcd-key)")
-    p.add_argument("--etcd-key", metavar="FILE", help="client key for etcd (with --etcd-cert)")
-    p.add_argument("--etcd-user", metavar="USER", help="etcd user (with --etcd-password-file)")
-    p.add_argument("--etcd-password-file", metavar="FILE",
-                   help="file holding the etcd password (never passed on the command line)")
-    p.add_argument("--etcd-insecure-plaintext-auth", action="store_true",
-                   help="INSECURE: send the etcd password without TLS (trusted networks only)")
-    p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, metavar="SECONDS",
-                   help=f"give up on each etcd call after this long, exit 4 (default {DEFAULT_TIMEOUT_S:g})")
 
 
 def add_parser(sub: Any) -> None:
@@ -85,7 +67,7 @@ def add_parser(sub: Any) -> None:
         if p is not stop:
             p.add_argument("--node", required=node_required, metavar="NODE",
                            help="node id (as in `elasticd status --job J`)")
-        add_etcd_connection_flags(p)
+        add_etcd_connection_flags(p, timeout_type=float)
         if p is not start:
             p.add_argument("--wait", type=float, default=DEFAULT_WAIT_S, metavar="SECONDS",
                            help=f"wait this long for the drain to finish (default "

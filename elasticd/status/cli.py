@@ -38,11 +38,10 @@ from elasticd.status.model import (
     status_line,
 )
 from elasticd.status.options import (
-    DEFAULT_ETCD,
     DEFAULT_EVENTS,
-    DEFAULT_TIMEOUT_S,
     PROG,
     StatusOptions,
+    add_etcd_connection_flags,
     make_client,
     options_from_args,
     unknown_job_message,
@@ -105,18 +104,7 @@ def _exit_78_on_bad_flags(p: argparse.ArgumentParser) -> None:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The flags of `elasticd status` (shared flag names with the other subcommands)."""
     p.add_argument("--job", metavar="NAME", help="job to show; without it, list all jobs")
-    p.add_argument("--etcd", metavar="ENDPOINTS", default=None,
-                   help=f"etcd endpoints, HOST:PORT[,HOST:PORT...] (default {DEFAULT_ETCD})")
-    p.add_argument("--etcd-ca", metavar="FILE", help="CA bundle to verify etcd's certificate")
-    p.add_argument("--etcd-cert", metavar="FILE", help="client certificate for etcd (with --etcd-key)")
-    p.add_argument("--etcd-key", metavar="FILE", help="client key for etcd (with --etcd-cert)")
-    p.add_argument("--etcd-user", metavar="USER", help="etcd user (with --etcd-password-file)")
-    p.add_argument("--etcd-password-file", metavar="FILE",
-                   help="file holding the etcd password (never passed on the command line)")
-    p.add_argument("--etcd-insecure-plaintext-auth", action="store_true",
-                   help="INSECURE: send the etcd password without TLS (trusted networks only)")
-    p.add_argument("--timeout", type=_positive_float, default=DEFAULT_TIMEOUT_S, metavar="SECONDS",
-                   help=f"give up on etcd after this long, exit 4 (default {DEFAULT_TIMEOUT_S:g})")
+    add_etcd_connection_flags(p, timeout_type=_positive_float)
     p.add_argument("--json", action="store_true",
                    help="print the versioned JSON document (docs/status.md) instead of tables")
     p.add_argument("--watch", action="store_true",

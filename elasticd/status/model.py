@@ -261,6 +261,8 @@ def derive_status(snap: JobSnapshot, now: float, *, window_s: float = DEFAULT_WI
             degraded_reasons.append(reason)
         if rs and len(members) < rs.max_nodes:
             degraded_reasons.append(f"{len(members)} of max {rs.max_nodes} nodes")
+            if snap.drain_marks:
+                degraded_reasons.append(f"kept out by `elasticd drain`: {_names(list(snap.drain_marks))}")
     degraded = bool(degraded_reasons)
     if state == "training":
         exit_code = EXIT_DEGRADED if degraded else EXIT_OK
@@ -312,6 +314,11 @@ def _state_and_reason(snap: JobSnapshot, members: list[str], live: dict[str, Nod
             return "stopped", f"job finished {format_age(now - terminal.event.time)} ago"
         return "stopped", "rendezvous closed"
     if not snap.nodes or all(n.state == "stopped" for n in snap.nodes):
+        if snap.stop_mark is not None:
+            by = f" by {snap.stop_mark.by}" if snap.stop_mark.by else ""
+            return "stopped", (f"stopped with `elasticd stop`{by} "
+                               f"{format_age(now - snap.stop_mark.requested_at)} ago; "
+                               f"`elasticd start --job {snap.job}` lets agents join again")
         if snap.nodes:
             return "stopped", f"all {len(snap.nodes)} agent(s) stopped"
         last = snap.events[-1] if snap.events else None

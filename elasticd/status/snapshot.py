@@ -22,7 +22,15 @@ import structlog
 from elasticd.errors import ConfigError, EtcdUnavailableError
 from elasticd.etcd.client import KV, EtcdClient
 from elasticd.keys import ROOT, JobKeys, job_of_key, parse_ascii_int, round_of_key
-from elasticd.records import Beat, CheckpointPointer, Event, NodeRecord, Progress, RoundState
+from elasticd.records import (
+    Beat,
+    CheckpointPointer,
+    Event,
+    NodeRecord,
+    Progress,
+    RoundState,
+    StopMark,
+)
 from elasticd.rendezvous.protocol import LEAVE_KINDS
 
 log = structlog.get_logger(__name__)
@@ -56,6 +64,8 @@ class JobSnapshot:
     failures: dict[int, tuple[str, ...]] = field(default_factory=dict)  # round -> nodes
     left: dict[int, dict[str, str]] = field(default_factory=dict)  # round -> {node: kind}
     beats: dict[str, Beat] = field(default_factory=dict)  # live node -> its newest beat
+    stop_mark: StopMark | None = None  # `elasticd stop` asked the whole job to stop
+    drain_marks: tuple[str, ...] = ()  # nodes `elasticd drain` keeps out, by name
     unreadable: tuple[str, ...] = ()  # keys whose value did not decode
 
 
@@ -89,6 +99,8 @@ def parse_job_kvs(job: str, kvs: Iterable[KV], revision: int) -> JobSnapshot:
     failures: dict[int, list[str]] = {}
     left: dict[int, dict[str, str]] = {}
     beats: dict[str, Beat] = {}
+    stop_mark: StopMark | None = None
+    drain_marks: list[str] = []
     unreadable: list[str] = []
     for kv in kvs:
         if not kv.key.startswith(prefix):
@@ -111,6 +123,10 @@ def parse_job_kvs(job: str, kvs: Iterable[KV], revision: int) -> JobSnapshot:
                 # The kind is shown, never trusted: anything but a known kind reads "left".
                 left.setdefault(rnd, {})[kv.key.rsplit("/", 1)[-1]] = \
                     kind if kind in LEAVE_KINDS else "left"
+        elif kv.key == keys.stop_mark:
+            stop_mark = _decode(StopMark, kv, unreadable)
+        elif kv.key.startswith(keys.drain_marks_prefix):
+            drain_marks.append(kv.key.rsplit("/", 1)[-1])
         elif rest.startswith("beats/"):
             beat = _decode(Beat, kv, unreadable)
             if beat is not None:
@@ -139,6 +155,7 @@ def parse_job_kvs(job: str, kvs: Iterable[KV], revision: int) -> JobSnapshot:
         job=job, revision=revision, round_state=round_state, closed=closed, nodes=tuple(nodes),
         progress=progress, checkpoint=checkpoint, events=tuple(events), joins=joins,
         failures={r: tuple(sorted(ns)) for r, ns in failures.items()}, left=left, beats=beats,
+        stop_mark=stop_mark, drain_marks=tuple(sorted(drain_marks)),
         unreadable=tuple(unreadable),
     )
 

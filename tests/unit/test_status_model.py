@@ -8,7 +8,15 @@ import pytest
 
 from elasticd.etcd.client import KV
 from elasticd.keys import JobKeys
-from elasticd.records import Beat, CheckpointPointer, Event, NodeRecord, Progress, RoundState
+from elasticd.records import (
+    Beat,
+    CheckpointPointer,
+    Event,
+    NodeRecord,
+    Progress,
+    RoundState,
+    StopMark,
+)
 from elasticd.status.model import (
     EXIT_DEGRADED,
     EXIT_NOT_TRAINING,
@@ -71,6 +79,8 @@ def test_parse_decodes_records_and_skips_store_keys():
         kv(K.left(5, "c"), "\x1b[2Jhostile"),
         kv(K.beat("a"), Beat(at=NOW, round=5, step=9).to_json()),
         kv(K.beat("b"), "[]"),
+        kv(K.stop_mark, StopMark(requested_at=NOW, by="ops").to_json()),
+        kv(K.drain_mark("c"), StopMark(requested_at=NOW).to_json()),
     ]
     s = parse_job_kvs("demo", kvs, 42)
     assert s.round_state == rs and s.closed and s.revision == 42
@@ -80,6 +90,7 @@ def test_parse_decodes_records_and_skips_store_keys():
     assert s.joins == {5: 1, 6: 2} and s.failures == {5: ("a",)}
     assert s.left == {5: {"b": "drained", "c": "left"}}  # an unknown kind is never shown
     assert s.beats == {"a": Beat(at=NOW, round=5, step=9)}
+    assert s.stop_mark == StopMark(requested_at=NOW, by="ops") and s.drain_marks == ("c",)
     assert s.unreadable == (K.beat("b"),)
 
 
@@ -335,3 +346,15 @@ def test_exit_detail_reads_torch_negative_codes_as_signals(detail, text):
     from elasticd.status.model import exit_detail
 
     assert exit_detail(detail) == text
+
+
+def test_operator_stop_and_drain_marks_are_named():
+    """A job stopped with `elasticd stop` says so and how to start it again; a node kept out
+    by `elasticd drain` is named among the reasons a job is below max size."""
+    stopped = derive_status(replace(snap(live=[]), stop_mark=StopMark(requested_at=NOW - 60,
+                                                                       by="ops@host")), NOW)
+    assert stopped.state == "stopped" and "elasticd stop` by ops@host 1m00s ago" in stopped.reason
+    assert "elasticd start --job demo" in stopped.reason
+    small = derive_status(replace(snap(max_nodes=3), drain_marks=("c",)), NOW)
+    assert small.exit_code == EXIT_DEGRADED
+    assert small.degraded_reasons == ("2 of max 3 nodes", "kept out by `elasticd drain`: c")
