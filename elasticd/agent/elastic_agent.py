@@ -28,7 +28,7 @@ from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElas
 from torch.distributed.elastic.rendezvous import RendezvousGracefulExitError
 
 from elasticd.agent.commits import CommitRetrier
-from elasticd.agent.policy import Decision, Facts, Verdict, decide
+from elasticd.agent.policy import Decision, Facts, GroupState, Verdict, decide
 from elasticd.agent.recorder import JobRecorder
 from elasticd.agent.summary import failure_summary, first_failure, print_summary
 from elasticd.agent.warm import StandbyPool, warm_handlers
@@ -43,7 +43,13 @@ from elasticd.control.api import (
 )
 from elasticd.errors import LeaseLostError, TransientError
 from elasticd.rendezvous.etcd_handler import EtcdRendezvousHandler
-from elasticd.rendezvous.protocol import LEFT_DRAINED, LEFT_FINISHED
+from elasticd.rendezvous.protocol import (
+    LEFT_DRAINED,
+    LEFT_FINISHED,
+    Attribution,
+    MembershipChange,
+    attribute_failure,
+)
 from elasticd.retry import restart_backoff_s
 
 log = structlog.get_logger(__name__)
@@ -265,26 +271,27 @@ class ElasticdAgent(LocalElasticAgent):
 
     def _facts(self, result: RunResult) -> Facts:
         now = time.monotonic()
-        state = result.state.name
-        attribution, window_passed = "", False
-        if state in ("FAILED", "UNHEALTHY") and not self._draining:
+        state = GroupState[result.state.name]
+        attribution: Attribution | None = None
+        window_passed = False
+        if state in (GroupState.FAILED, GroupState.UNHEALTHY) and not self._draining:
             if self._failure_seen_at is None:
                 self._failure_seen_at = now
                 self._fault_at = self._fault_at or now
                 self._report_failure(result)
-            attribution, why = self._attribute()
+            attribution, _ = self._attribute()
             window_passed = now - self._failure_seen_at >= self.settings.attribution_window_s
         board = self.control.progress
         hang = bool(self.settings.hang_timeout_s > 0 and board.last_advance > 0
                     and now - board.last_advance > self.settings.hang_timeout_s)
         codes = tuple(f.exitcode for f in result.failures.values()) if result.failures else ()
         self._heartbeat(now)
-        waiting = self.handler.membership() if state == "HEALTHY" else None
+        waiting = self.handler.membership() if state is GroupState.HEALTHY else None
         nodes_waiting = waiting.count if waiting is not None else 0
         done = self._workers_done(state, now)
         # Stopped markers: when SUCCEEDED, the workers stopped for a drain; when HEALTHY, they
         # are stopping. Globbed only when it can matter (a tick costs no file system scan).
-        look_for_markers = state == "SUCCEEDED" or nodes_waiting > 0 or done
+        look_for_markers = state is GroupState.SUCCEEDED or nodes_waiting > 0 or done
         # Drainable markers matter when nodes wait (resize or restart) and on a stop signal.
         look_for_drainable = nodes_waiting > 0 or (self.stop_signals > 0 and not self._draining)
         return Facts(
@@ -295,7 +302,7 @@ class ElasticdAgent(LocalElasticAgent):
             stopped_for_drain=bool(self.control.stopped_markers()) if look_for_markers else False,
             lease_lost=self.handler.lease_lost.is_set(),
             nodes_waiting=nodes_waiting,
-            membership=waiting.kind.value if waiting is not None and nodes_waiting else "",
+            membership=waiting.kind if waiting is not None and nodes_waiting else MembershipChange.NONE,
             membership_reason=waiting.reason if waiting is not None and nodes_waiting else "",
             resize_enabled=self.settings.resize_grace_s > 0,
             workers_drainable=look_for_drainable and self.control.workers_drainable(),
@@ -313,7 +320,7 @@ class ElasticdAgent(LocalElasticAgent):
             and now - self._done_at >= self.settings.done_exit_s,
         )
 
-    def _workers_done(self, state: str, now: float) -> bool:
+    def _workers_done(self, state: GroupState, now: float) -> bool:
         """True once every local worker's script returned with 0 (``done-<rank>`` markers).
 
         Looked at on every tick once the group ended, and once a second while it runs (a
@@ -321,7 +328,7 @@ class ElasticdAgent(LocalElasticAgent):
         """
         if self._done_at is not None:
             return True
-        if state == "HEALTHY" and now - self._done_checked_at < 1.0:
+        if state is GroupState.HEALTHY and now - self._done_checked_at < 1.0:
             return False
         self._done_checked_at = now
         if self.control.done_count() < self._worker_group.spec.local_world_size:
@@ -329,9 +336,7 @@ class ElasticdAgent(LocalElasticAgent):
         self._done_at = now
         return True
 
-    def _attribute(self) -> tuple[str, str]:
-        from elasticd.rendezvous.protocol import attribute_failure
-
+    def _attribute(self) -> tuple[Attribution, str]:
         rnd = self.handler.round if self.handler.round is not None else -1
         return attribute_failure(self.handler.view(), rnd, self.handler.node_id)
 

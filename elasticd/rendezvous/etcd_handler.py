@@ -49,8 +49,11 @@ from elasticd.rendezvous.protocol import (
     RendezvousView,
     Waiting,
     decide_join,
+    loss_grace,
     lost_members,
+    may_resurrect,
     nodes_waiting,
+    outage_window_s,
 )
 from elasticd.rendezvous.session import NodeSession, retry_rdzv
 from elasticd.rendezvous.view import WatchedView
@@ -368,8 +371,9 @@ class EtcdRendezvousHandler(RendezvousHandler):
         retry_rdzv("close", lambda: self.client.put(self.keys.rdzv_closed, b"1"),
                     time.monotonic() + self.settings.close_timeout_s)
 
-    def _outage_grace_s(self) -> float:
-        return self.settings.node_ttl_s + 5.0
+    def _etcd_trouble(self) -> bool:
+        """This node saw etcd fail or stall recently enough to explain expired leases."""
+        return self.client.trouble_within(outage_window_s(self.settings.node_ttl_s))
 
     def num_nodes_waiting(self) -> int:
         """Answered from the watch cache: no etcd request. See ``membership``."""
@@ -385,7 +389,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
         After an etcd outage every lease may expire at once (a frozen single-member etcd
         revokes them all when it resumes). Members lost right after this node itself saw
         etcd trouble get a grace period to re-register (``try_resurrect``) before the loss
-        counts as a membership change (count 0 meanwhile).
+        counts as a membership change (count 0 meanwhile): ``protocol.loss_grace``.
         """
         if self.lease_lost.is_set():
             return Waiting(1, "this node's lease was lost", MembershipChange.LEASE_LOST)
@@ -398,13 +402,12 @@ class EtcdRendezvousHandler(RendezvousHandler):
                 if view.state and view.state.round == my_round else [])
         with self._view.cond:
             lost = [m for m in lost if m not in self._view.left]  # a clean leave needs no grace
-        if lost and self.client.trouble_within(self._outage_grace_s()):
-            now = time.monotonic()
-            self._loss_seen_at = self._loss_seen_at or now
-            if now - self._loss_seen_at < self.settings.node_ttl_s + 2.0:
-                return Waiting()
-        elif not lost:
-            self._loss_seen_at = None
+        grace = loss_grace(lost, etcd_trouble=bool(lost) and self._etcd_trouble(),
+                           loss_seen_at=self._loss_seen_at, now=time.monotonic(),
+                           node_ttl_s=self.settings.node_ttl_s)
+        self._loss_seen_at = grace.loss_seen_at
+        if grace.hold:
+            return Waiting()
         if waiting.count and waiting.reason != self._last_reason:
             self._log.info("membership_changed", reason=waiting.reason, kind=waiting.kind.value,
                            round=my_round)
@@ -414,25 +417,21 @@ class EtcdRendezvousHandler(RendezvousHandler):
     def try_resurrect(self) -> bool:
         """Re-register after our lease expired because *etcd* was away, keeping our round.
 
-        Allowed only if etcd failed or stalled recently as seen from here, and the job is
-        still in our final round with us as a member: then nobody moved on, and the new
-        lease (a new incarnation) simply replaces the old one. Otherwise we were the ones
-        away (frozen, partitioned) and must rejoin as a new member.
+        The decision is ``protocol.may_resurrect``: only after etcd trouble seen from
+        here, and only while the job is still in our final round with us as a member.
+
+        Returns:
+            True if this node re-registered in its round (its workers may go on).
         """
         my_round = self.session.round
-        if not self.lease_lost.is_set() or my_round is None:
-            return False
-        if not self.client.trouble_within(self._outage_grace_s()):
-            return False
-        view, _ = self._view.snapshot()
-        state = view.state
-        if state is None or state.round != my_round or state.phase != "final" \
-                or self.node_id not in state.members:
+        allowed, reason = may_resurrect(self._view.snapshot()[0].state, my_round, self.node_id,
+                                        lease_lost=self.lease_lost.is_set(),
+                                        etcd_trouble=self._etcd_trouble())
+        if not allowed:
             return False
         self.session.register(time.monotonic() + self.settings.join_timeout_s)
         self.session.lease_loss = None
-        self._log.warning("lease_resurrected", round=my_round,
-                          reason="lease expired during an etcd outage; same round")
+        self._log.warning("lease_resurrected", round=my_round, reason=reason)
         return True
 
     def view(self) -> RendezvousView:
