@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 from elasticd.errors import ElasticdError
 from elasticd.etcd.client import KV, EtcdClient
+from elasticd.etcd.txn import Exists, Put
 from elasticd.keys import JobKeys
 from elasticd.records import NodeRecord, RecordError, StopMark
 
@@ -141,8 +142,7 @@ def write_stop(client: EtcdClient, keys: JobKeys, *, reason: str = "", by: str =
         EtcdUnavailableError: etcd did not answer.
     """
     mark = StopMark(requested_at=time.time() if now is None else now, by=by, reason=reason)
-    ok, _ = client.txn(lambda t: [t.version(keys.run_id) > 0],
-                       lambda t: [t.put(keys.stop_mark, mark.to_json())])
+    ok = client.txn([Exists(keys.run_id)], [Put(keys.stop_mark, mark.to_json())])
     if not ok:
         raise _unknown_job(keys, client.endpoint_label())
 
@@ -159,8 +159,8 @@ def write_drain(client: EtcdClient, keys: JobKeys, node: str, *, reason: str = "
     """
     mark = StopMark(requested_at=time.time() if now is None else now, by=by, reason=reason)
     node_key = keys.node(node)
-    ok, _ = client.txn(lambda t: [t.version(keys.run_id) > 0, t.version(node_key) > 0],
-                       lambda t: [t.put(keys.drain_mark(node), mark.to_json())])
+    ok = client.txn([Exists(keys.run_id), Exists(node_key)],
+                    [Put(keys.drain_mark(node), mark.to_json())])
     if ok:
         return
     if client.get(keys.run_id) is None:

@@ -13,8 +13,8 @@ import os
 import sys
 
 from elasticd.config import load_config, render_effective, security_warnings
+from elasticd.config.checks import availability_warnings
 from elasticd.config.flags import add_config_flags, flag_names, overrides_from_args
-from elasticd.config.loader import availability_warnings
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:

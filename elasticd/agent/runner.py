@@ -182,7 +182,7 @@ def run_node(spec: NodeSpec) -> int:
         if refused is not None:
             log.warning("agent_not_joining", reason=refused.reason, fix=restart_hint(refused))
             return 0
-        recorder = JobRecorder(handler)
+        recorder = JobRecorder(handler.session)
         # The run's identity (docs/checkpoints.md#run-identity): stamped on the pointer,
         # handed to workers, and checked against the stored checkpoints before any starts.
         recorder.run_id = ensure_run_id(client, handler.keys)

@@ -34,6 +34,8 @@ import os
 import runpy
 import signal
 import sys
+import time
+from collections.abc import Iterable
 from typing import NoReturn
 
 from elasticd.control.api import DONE_PREFIX, ENV_LOG_FORMAT
@@ -111,3 +113,15 @@ def _mark_done() -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1:])
+
+
+def request_stacks(pids: Iterable[int], *, settle_s: float = 0.5) -> None:
+    """The agent's side of the SIGUSR1 contract above: ask each worker for the stacks of
+    all its threads (they land in the worker's stderr log), then give faulthandler
+    ``settle_s`` to write them before the caller stops the workers."""
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGUSR1)
+        except ProcessLookupError:
+            pass
+    time.sleep(settle_s)

@@ -58,13 +58,8 @@ text (converted as for the environment). ``workers.env`` overrides are a mapping
 merged variable by variable over the file's table.
 """
 
-from elasticd.config.loader import (
-    ENV_PREFIX,
-    RESERVED_WORKER_ENV,
-    load_config,
-    render_effective,
-    security_warnings,
-)
+from elasticd.config.checks import availability_warnings, security_warnings, validate_config
+from elasticd.config.loader import ENV_PREFIX, RESERVED_WORKER_ENV, load_config, render_effective
 from elasticd.config.model import (
     MASK,
     AgentConfig,
@@ -95,7 +90,9 @@ __all__ = [
     "RendezvousConfig",
     "RestartConfig",
     "WorkersConfig",
+    "availability_warnings",
     "load_config",
     "render_effective",
     "security_warnings",
+    "validate_config",
 ]

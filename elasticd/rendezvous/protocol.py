@@ -264,7 +264,16 @@ def nodes_waiting(view: RendezvousView, my_round: int, *, max_nodes: int) -> Wai
     return Waiting()
 
 
-def attribute_failure(view: RendezvousView, my_round: int, me: str) -> tuple[str, str]:
+class Attribution(enum.Enum):
+    """Whose fault a local worker failure is (see ``attribute_failure``)."""
+
+    MEMBERSHIP = "membership"  # a peer is gone or a newer round exists: spends nothing
+    ROOT = "root"  # every live peer reported too and ours was first: spends the budget
+    VICTIM = "victim"  # every live peer reported and another was first: spends nothing
+    UNDECIDED = "undecided"  # wait for more reports (``ROOT`` once the window passes)
+
+
+def attribute_failure(view: RendezvousView, my_round: int, me: str) -> tuple[Attribution, str]:
     """Decide whether a local worker failure is this node's fault. Pure.
 
     When one worker dies, its peers' collectives fail within milliseconds, so every node
@@ -272,25 +281,95 @@ def attribute_failure(view: RendezvousView, my_round: int, me: str) -> tuple[str
     that coincides with a peer leaving is a membership change and spends nothing.
 
     Returns:
-        (verdict, reason) with verdict one of ``"membership"`` (a peer is gone or a newer
-        round exists), ``"root"`` (every live peer reported a failure too and ours was
-        first), ``"victim"`` (every live peer reported and another was first), or
-        ``"undecided"`` (wait for more reports; the caller treats it as ``"root"`` once
-        its attribution window passes).
+        (verdict, reason) with verdict ``MEMBERSHIP`` (a peer is gone or a newer round
+        exists), ``ROOT`` (every live peer reported a failure too and ours was first),
+        ``VICTIM`` (every live peer reported and another was first), or ``UNDECIDED``
+        (wait for more reports; the caller treats it as ``ROOT`` once its attribution
+        window passes).
     """
     state = view.state
     if state is None:
-        return "undecided", "no round state"
+        return Attribution.UNDECIDED, "no round state"
     if state.round > my_round:
-        return "membership", f"round {state.round} superseded our round {my_round}"
+        return Attribution.MEMBERSHIP, f"round {state.round} superseded our round {my_round}"
     gone = departures(view, state)
     if gone.any:
         names = ",".join((*gone.lost, *gone.drained, *gone.finished))
-        return "membership", f"peer(s) {names} left round {my_round}"
+        return Attribution.MEMBERSHIP, f"peer(s) {names} left round {my_round}"
     reporters = list(view.failures.get(my_round, ()))
     others = [m for m in state.members if m != me]
     if me in reporters and all(m in reporters for m in others):
         if reporters[0] == me:
-            return "root", f"first failure report of round {my_round}"
-        return "victim", f"{reporters[0]} failed first in round {my_round}"
-    return "undecided", f"waiting for failure reports of round {my_round}"
+            return Attribution.ROOT, f"first failure report of round {my_round}"
+        return Attribution.VICTIM, f"{reporters[0]} failed first in round {my_round}"
+    return Attribution.UNDECIDED, f"waiting for failure reports of round {my_round}"
+
+
+# --- etcd outages -------------------------------------------------------------------------
+# After an etcd outage every lease may expire at once (a frozen single-member etcd revokes
+# them all when it resumes, etcd#15247). Both decisions below tell "etcd was away" from
+# "the node was away" by whether this node itself saw etcd fail or stall recently.
+
+
+def outage_window_s(node_ttl_s: float) -> float:
+    """How recent a sign of etcd trouble must be to explain an expired lease (seconds)."""
+    return node_ttl_s + 5.0
+
+
+@dataclass(frozen=True)
+class LossGrace:
+    """What ``loss_grace`` decided, and the memory to pass to its next call."""
+
+    hold: bool  # report no membership change yet: the lost members may re-register
+    loss_seen_at: float | None  # first sight of lost members after etcd trouble
+    reason: str = ""
+
+
+def loss_grace(lost: Sequence[str], *, etcd_trouble: bool, loss_seen_at: float | None,
+               now: float, node_ttl_s: float) -> LossGrace:
+    """Whether to hold back the loss of ``lost`` members for a grace period. Pure.
+
+    Members lost right after this node saw etcd trouble (``etcd_trouble``: within
+    ``outage_window_s``) get ``node_ttl_s + 2`` seconds from the first sight of the loss
+    to re-register (``may_resurrect``) before it counts as a membership change.
+
+    Args:
+        lost: members of our round without a live lease that did not leave cleanly.
+        etcd_trouble: this node saw etcd fail or stall within ``outage_window_s``.
+        loss_seen_at: the memory returned by the previous call (None at first).
+        now: monotonic time.
+        node_ttl_s: the lease TTL.
+
+    Returns:
+        The decision and the memory for the next call (reset once nobody is lost).
+    """
+    if lost and etcd_trouble:
+        seen = loss_seen_at or now
+        if now - seen < node_ttl_s + 2.0:
+            return LossGrace(True, seen, f"members {','.join(lost)} lost right after an etcd "
+                             "outage: waiting for them to re-register")
+        return LossGrace(False, seen)
+    if not lost:
+        return LossGrace(False, None)
+    return LossGrace(False, loss_seen_at)
+
+
+def may_resurrect(state: RoundState | None, my_round: int | None, me: str, *,
+                  lease_lost: bool, etcd_trouble: bool) -> tuple[bool, str]:
+    """Whether this node may re-register in its own round after its lease expired. Pure.
+
+    Allowed only if etcd failed or stalled recently as seen from here (``etcd_trouble``),
+    and the job is still in our final round with us as a member: then nobody moved on,
+    and a new lease (a new incarnation) simply replaces the old one. Otherwise we were
+    the ones away (frozen, partitioned) and must rejoin as a new member.
+
+    Returns:
+        (allowed, reason).
+    """
+    if not lease_lost or my_round is None:
+        return False, "our lease is alive, or we were never in a round"
+    if not etcd_trouble:
+        return False, "etcd was fine: this node was away (frozen or cut off)"
+    if state is None or state.round != my_round or state.phase != "final" or me not in state.members:
+        return False, f"the job moved on from round {my_round}"
+    return True, "lease expired during an etcd outage; same round"

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from elasticd.config import load_config
-from elasticd.config.loader import availability_warnings
+from elasticd.config.checks import availability_warnings
 
 BASE = {"job.name": "j", "workers.command": ("train.py",)}
 

@@ -19,14 +19,18 @@ from elasticd.rendezvous.protocol import (
     LEFT_FINISHED,
     Action,
     ActionKind,
+    Attribution,
     JoinProgress,
     MembershipChange,
     RendezvousView,
     Waiting,
     attribute_failure,
     decide_join,
+    loss_grace,
+    may_resurrect,
     nodes_waiting,
     order_members,
+    outage_window_s,
 )
 
 NOW = 100.0
@@ -268,35 +272,84 @@ def test_drained_member_opens_next_round_for_late_arrival():
 def test_failure_with_lost_peer_is_membership():
     """A worker failure while a peer's lease is gone is a membership change, not our fault."""
     v = view(final(1, ["a", "b"]), {"a"}, failures={1: ["a"]})
-    assert attribute_failure(v, 1, "a")[0] == "membership"
+    assert attribute_failure(v, 1, "a")[0] is Attribution.MEMBERSHIP
 
 
 def test_failure_after_peer_left_cleanly_is_membership():
     """A worker failure after a peer drained (or finished) and left is not our fault."""
     for kind in (LEFT_DRAINED, LEFT_FINISHED):
         v = view(final(1, ["a", "b"]), {"a"}, failures={1: ["a"]}, left={1: {"b": kind}})
-        assert attribute_failure(v, 1, "a")[0] == "membership"
+        assert attribute_failure(v, 1, "a")[0] is Attribution.MEMBERSHIP
 
 
 def test_failure_after_newer_round_is_membership():
     """A failure when a newer round exists is a membership change."""
-    assert attribute_failure(view(open_(2, ["a", "b"]), {"a", "b"}), 1, "a")[0] == "membership"
+    assert attribute_failure(view(open_(2, ["a", "b"]), {"a", "b"}), 1, "a")[0] is Attribution.MEMBERSHIP
 
 
 def test_first_reporter_is_root_others_are_victims():
     """When every member reported, the first reporter is the root cause, the rest victims."""
     v = view(final(1, ["a", "b", "c"]), {"a", "b", "c"}, failures={1: ["b", "a", "c"]})
-    assert attribute_failure(v, 1, "b")[0] == "root"
+    assert attribute_failure(v, 1, "b")[0] is Attribution.ROOT
     verdict, why = attribute_failure(v, 1, "a")
-    assert verdict == "victim" and "b" in why
+    assert verdict is Attribution.VICTIM and "b" in why
 
 
 def test_partial_reports_are_undecided():
     """Until every live member reported (us included), the verdict is undecided."""
     v = view(final(1, ["a", "b", "c"]), {"a", "b", "c"}, failures={1: ["a", "b"]})
-    assert attribute_failure(v, 1, "a")[0] == "undecided"
-    assert attribute_failure(view(final(1, ["a", "b"]), {"a", "b"}, failures={1: ["b"]}), 1, "a")[0] == "undecided"
-    assert attribute_failure(view(None, {"a"}), 1, "a")[0] == "undecided"
+    assert attribute_failure(v, 1, "a")[0] is Attribution.UNDECIDED
+    assert attribute_failure(view(final(1, ["a", "b"]), {"a", "b"}, failures={1: ["b"]}), 1, "a")[0] is Attribution.UNDECIDED
+    assert attribute_failure(view(None, {"a"}), 1, "a")[0] is Attribution.UNDECIDED
+
+
+# --- etcd outages: loss grace, resurrect eligibility -------------------------------------
+
+
+def test_loss_after_etcd_trouble_is_held_for_ttl_plus_two():
+    """Members lost right after etcd trouble are held back for node_ttl_s + 2 s from first sight."""
+    g = loss_grace(["b"], etcd_trouble=True, loss_seen_at=None, now=NOW, node_ttl_s=5)
+    assert g.hold and g.loss_seen_at == NOW and "b" in g.reason
+    g = loss_grace(["b"], etcd_trouble=True, loss_seen_at=g.loss_seen_at, now=NOW + 6.9, node_ttl_s=5)
+    assert g.hold and g.loss_seen_at == NOW
+    g = loss_grace(["b"], etcd_trouble=True, loss_seen_at=g.loss_seen_at, now=NOW + 7.0, node_ttl_s=5)
+    assert not g.hold and g.loss_seen_at == NOW  # grace over: the loss counts
+
+
+def test_loss_without_etcd_trouble_counts_at_once():
+    """A member lost while etcd was fine is a membership change at once (no grace)."""
+    g = loss_grace(["b"], etcd_trouble=False, loss_seen_at=None, now=NOW, node_ttl_s=5)
+    assert not g.hold and g.loss_seen_at is None
+    # a loss first seen during trouble keeps its first sight while trouble fades
+    assert loss_grace(["b"], etcd_trouble=False, loss_seen_at=NOW - 1, now=NOW,
+                      node_ttl_s=5).loss_seen_at == NOW - 1
+
+
+def test_loss_grace_memory_resets_once_nobody_is_lost():
+    """Once every member is back, the next loss gets a fresh grace period."""
+    g = loss_grace([], etcd_trouble=True, loss_seen_at=NOW - 100, now=NOW, node_ttl_s=5)
+    assert not g.hold and g.loss_seen_at is None
+    assert loss_grace(["b"], etcd_trouble=True, loss_seen_at=g.loss_seen_at, now=NOW,
+                      node_ttl_s=5).hold
+
+
+def test_outage_window_is_ttl_plus_five():
+    """etcd trouble explains an expired lease for node_ttl_s + 5 s."""
+    assert outage_window_s(5) == 10.0
+
+
+def test_resurrect_only_after_etcd_trouble_in_our_final_round():
+    """A node re-registers in its round only if etcd was away and the round is still its final one."""
+    state = final(3, ["a", "b"])
+    assert may_resurrect(state, 3, "a", lease_lost=True, etcd_trouble=True)[0]
+    assert not may_resurrect(state, 3, "a", lease_lost=True, etcd_trouble=False)[0]  # we were away
+    assert not may_resurrect(state, 3, "a", lease_lost=False, etcd_trouble=True)[0]  # lease alive
+    assert not may_resurrect(state, None, "a", lease_lost=True, etcd_trouble=True)[0]  # no round yet
+    assert not may_resurrect(final(4, ["a", "b"]), 3, "a", lease_lost=True, etcd_trouble=True)[0]
+    assert not may_resurrect(open_(4, ["a", "b"]), 3, "a", lease_lost=True, etcd_trouble=True)[0]
+    assert not may_resurrect(final(3, ["b"]), 3, "a", lease_lost=True, etcd_trouble=True)[0]
+    assert not may_resurrect(None, 3, "a", lease_lost=True, etcd_trouble=True)[0]
+
 
 
 # --- simulation: many nodes, one CAS store, random interleavings ------------------------
