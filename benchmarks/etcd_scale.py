@@ -209,14 +209,53 @@ def _wait(pred, timeout_s: float, what: str) -> None:  # type: ignore[no-untyped
         time.sleep(0.05)
 
 
-def run_size(n: int, args: argparse.Namespace, workdir: Path) -> dict:
-    from elasticd.etcd.embedded import EmbeddedEtcd
+class Etcd:
+    """One embedded etcd (``--members 1``) or a local cluster (``--members 3``): its client
+    endpoints, the member that serves /metrics (every member counts its own watch events
+    and clients: all are summed), and CPU/RSS summed over the members."""
 
-    etcd = EmbeddedEtcd(data_dir=str(workdir / f"etcd-{n}")).start()
-    assert etcd.proc is not None
-    epid = etcd.proc.pid
+    def __init__(self, members: int, root: Path) -> None:
+        from elasticd.etcd.cluster import EmbeddedEtcdCluster
+        from elasticd.etcd.embedded import EmbeddedEtcd
+
+        self.cluster = None
+        self.single = None
+        if members == 1:
+            self.single = EmbeddedEtcd(data_dir=str(root)).start()
+            self.servers = [self.single]
+        else:
+            root.mkdir(parents=True, exist_ok=True)
+            self.cluster = EmbeddedEtcdCluster(members, root_dir=str(root)).start()
+            self.servers = list(self.cluster.members)
+        self.endpoint = ",".join(m.endpoint for m in self.servers)
+
+    def pids(self) -> list[int]:
+        return [m.proc.pid for m in self.servers if m.proc is not None]
+
+    def scrape(self) -> dict:
+        total: dict = {}
+        for m in self.servers:
+            for k, v in scrape_etcd(m.endpoint, COUNTERS).items():
+                total[k] = total.get(k, 0) + v
+        return total
+
+    def cpu(self) -> float:
+        return sum(cpu_s(p) for p in self.pids())
+
+    def rss(self) -> float:
+        return sum(rss_mb(p) for p in self.pids())
+
+    def stop(self) -> None:
+        if self.cluster is not None:
+            self.cluster.stop()
+        if self.single is not None:
+            self.single.stop()
+
+
+def run_size(n: int, args: argparse.Namespace, workdir: Path) -> dict:
+    etcd = Etcd(args.members, workdir / f"etcd-{n}")
     zyg: Zygote | None = None
-    r: dict = {"n": n}
+    r: dict = {"n": n, "members": args.members}
     try:
         t_spawn = time.time()
         zyg = Zygote(args, etcd.endpoint, f"scale-{n}", n, workdir)
@@ -228,38 +267,40 @@ def run_size(n: int, args: argparse.Namespace, workdir: Path) -> dict:
         r["spawn_s"] = round(time.time() - t_spawn, 1)
         pids = [z.pid(i) for i in range(n)]
         r["sim_private_mb"] = round(sum(private_mb(p) for p in pids) / n, 1)
-        c0, cpu0 = scrape_etcd(etcd.endpoint, COUNTERS), cpu_s(epid)
+        c0, cpu0 = etcd.scrape(), etcd.cpu()
         go = time.time()
         (z.ctl / "go").touch()
         _wait(lambda: z.all_have(lambda x: "rank" in x), args.round_timeout, "round 1")
         r["round_s"] = round(max(z.first_t(i, lambda x: "rank" in x) for i in range(n)) - go, 2)
-        c1, cpu1 = scrape_etcd(etcd.endpoint, COUNTERS), cpu_s(epid)
+        c1, cpu1 = etcd.scrape(), etcd.cpu()
         r["round_watch_events"] = c1["watch_events"] - c0["watch_events"]
         r["round_requests"] = c1["requests"] - c0["requests"]
         r["round_etcd_cpu_s"] = round(cpu1 - cpu0, 2)
         r["watchers"] = c1["watchers"]
         time.sleep(args.settle)
-        a, cpu_a, ta = scrape_etcd(etcd.endpoint, COUNTERS), cpu_s(epid), time.monotonic()
+        a, cpu_a, ta = etcd.scrape(), etcd.cpu(), time.monotonic()
         time.sleep(args.window)
-        b, cpu_b, tb = scrape_etcd(etcd.endpoint, COUNTERS), cpu_s(epid), time.monotonic()
+        b, cpu_b, tb = etcd.scrape(), etcd.cpu(), time.monotonic()
         minutes = (tb - ta) / 60.0
         r["per_node_min"] = {k: round((b[k] - a[k]) / n / minutes, 1) for k in
                              ("requests", "keepalives", "bytes_in", "bytes_out", "writes", "txns")}
         r["steady_etcd_cpu_pct"] = round(100.0 * (cpu_b - cpu_a) / (tb - ta), 1)
-        r["etcd_rss_mb"] = round(rss_mb(epid), 1)
+        r["etcd_rss_mb"] = round(etcd.rss(), 1)
+        r["steady_watch_events_per_node_min"] = round((b["watch_events"] - a["watch_events"]) / n / minutes, 1)
         # recovery after one node is lost
         survivors = list(range(n - 1))
-        before = scrape_etcd(etcd.endpoint, COUNTERS)
+        before = etcd.scrape()
         t_kill = time.time()
         os.kill(pids[-1], signal.SIGKILL)
         shrunk = lambda x: "rank" in x and x["world"] == n - 1  # noqa: E731
         _wait(lambda: z.all_have(shrunk, survivors), args.round_timeout, "the survivors' next round")
         r["recovery_s"] = round(max(z.first_t(i, shrunk) for i in survivors) - t_kill, 2)
-        after, cpu_end = scrape_etcd(etcd.endpoint, COUNTERS), cpu_s(epid)
+        after, cpu_end = etcd.scrape(), etcd.cpu()
         r["recovery_watch_events"] = after["watch_events"] - before["watch_events"]
         r["recovery_requests"] = after["requests"] - before["requests"]
         r["etcd_cpu_total_s"] = round(cpu_end - cpu0, 2)
-        r["etcd_rss_mb_end"] = round(rss_mb(epid), 1)
+        r["etcd_rss_mb_end"] = round(etcd.rss(), 1)
+        r["recovery_etcd_cpu_s"] = round(cpu_end - cpu_b, 2)
         r["errors"] = z.errors()[:3]
     finally:
         if zyg is not None:
@@ -269,21 +310,22 @@ def run_size(n: int, args: argparse.Namespace, workdir: Path) -> dict:
 
 
 def report(results: list[dict], info: dict, argv: list[str], busy: list[str], args: argparse.Namespace) -> str:
-    rows = ["| N | round (s) | recovery after 1 node lost (s) | watch events: round | watch events: "
-            "recovery | watchers | requests /node/min | keep-alives /node/min | bytes in+out "
-            "/node/min | etcd CPU: round (s) | etcd CPU steady (%) | etcd RSS (MB) | "
-            "private MB per node process |",
-            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    rows = ["| N | round (s) | recovery after 1 node lost (s) | watch events: round (per N) | "
+            "watch events: recovery (per N) | watchers | requests /node/min | keep-alives /node/min "
+            "| bytes in+out /node/min | etcd CPU: round (s) | etcd CPU: recovery (s) | etcd CPU "
+            "steady (%) | etcd RSS (MB) | private MB per node process |",
+            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in results:
         if "error" in r:
-            rows.append(f"| {r['n']} | error: {r['error'][:90]} |" + " |" * 11)
+            rows.append(f"| {r['n']} | error: {r['error'][:90]} |" + " |" * 12)
             continue
-        m = r["per_node_min"]
-        rows.append(f"| {r['n']} | {r['round_s']} | {r['recovery_s']} | {r['round_watch_events']:,.0f} | "
-                    f"{r['recovery_watch_events']:,.0f} | {r['watchers']:,.0f} | {m['requests']} | "
+        m, n = r["per_node_min"], r["n"]
+        rows.append(f"| {n} | {r['round_s']} | {r['recovery_s']} | {r['round_watch_events']:,.0f} "
+                    f"({r['round_watch_events'] / n:.1f}) | {r['recovery_watch_events']:,.0f} "
+                    f"({r['recovery_watch_events'] / n:.1f}) | {r['watchers']:,.0f} | {m['requests']} | "
                     f"{m['keepalives']} | {m['bytes_in'] + m['bytes_out']:,.0f} | "
-                    f"{r['round_etcd_cpu_s']} | {r['steady_etcd_cpu_pct']} | {r['etcd_rss_mb_end']} | "
-                    f"{r['sim_private_mb']} |")
+                    f"{r['round_etcd_cpu_s']} | {r.get('recovery_etcd_cpu_s', '–')} | "
+                    f"{r['steady_etcd_cpu_pct']} | {r['etcd_rss_mb_end']} | {r['sim_private_mb']} |")
     shared = (f" The machine was shared (other busy processes at the start: {len(busy)}); times "
               "are ±30 %, counts are exact.") if busy else ""
     return "\n".join([
@@ -295,7 +337,8 @@ def report(results: list[dict], info: dict, argv: list[str], busy: list[str], ar
         "",
         f"One process per simulated node, forked from a zygote that imported torch (the real "
         f"`EtcdRendezvousHandler`, its own gRPC connection, lease and watches; no workers), one "
-        f"embedded etcd, `min_nodes=N-1, max_nodes=N, node_ttl_s={args.ttl}`. Recovery includes "
+        f"{'embedded etcd' if args.members == 1 else f'local etcd cluster of {args.members} members (elasticd.etcd.cluster; counters and CPU/RSS summed over the members)'}, "
+        f"`min_nodes=N-1, max_nodes=N, node_ttl_s={args.ttl}`. Recovery includes "
         f"the TTL ({args.ttl} s) and the 1 s last call. Steady state over {args.window:.0f} s.",
         "",
         *rows,
@@ -306,6 +349,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sizes", default="8,64")
     p.add_argument("--ttl", type=int, default=5)
+    p.add_argument("--members", type=int, default=1, help="etcd members (3: a local cluster)")
     p.add_argument("--window", type=float, default=20.0)
     p.add_argument("--settle", type=float, default=3.0)
     p.add_argument("--round-timeout", type=float, default=180.0)
