@@ -164,7 +164,7 @@ def run_node(spec: NodeSpec) -> int:
         # node that gives up or crashes out of run() is re-formed around, as before.
         handler.leave_kind = None
         structlog.contextvars.bind_contextvars(job=spec.job, node=handler.node_id)
-        recorder = JobRecorder(handler)
+        recorder = JobRecorder(handler.session)
         # The run's identity (docs/checkpoints.md#run-identity): stamped on the pointer,
         # handed to workers, and checked against the stored checkpoints before any starts.
         recorder.run_id = ensure_run_id(client, handler.keys)
