@@ -119,19 +119,6 @@ def order_members(previous: Sequence[str], joined: Sequence[str], max_nodes: int
     return tuple((kept + newcomers)[:max_nodes])
 
 
-def lost_members(state: RoundState, alive: frozenset[str],
-                 left: Mapping[str, str] | None = None) -> list[str]:
-    """Members of a final round whose lease is gone and who did not leave cleanly.
-
-    Args:
-        state: the round.
-        alive: nodes with a live lease.
-        left: the round's clean leaves (node -> kind); such members are not lost.
-    """
-    gone = left or {}
-    return [m for m in state.members if m not in alive and m not in gone]
-
-
 @dataclass(frozen=True)
 class Departures:
     """Members of a final round without a live lease, by how they went."""
