@@ -201,6 +201,26 @@ class Zygote:
             self.proc.wait(timeout=10)
 
 
+def _watch_expiry(endpoint: str, key: str) -> list[float]:
+    """Start watching ``key``; the returned list gets the wall time of its deletion."""
+    from elasticd.etcd.client import EtcdClient
+
+    seen: list[float] = []
+    client = EtcdClient(endpoint, timeout_s=5.0)
+
+    def on_events(events) -> None:  # type: ignore[no-untyped-def]
+        if not seen and any(e.value is None for e in events):
+            seen.append(time.time())
+
+    try:
+        w = client.watch_prefix(key, on_events, lambda kvs, rev: None, name="expiry",
+                                range_end=key + "\0")
+    except TypeError:  # a tree before range watches (measuring the old protocol)
+        w = client.watch_prefix(key, on_events, lambda kvs, rev: None, name="expiry")
+    w.connected.wait(10)
+    return seen
+
+
 def _wait(pred, timeout_s: float, what: str) -> None:  # type: ignore[no-untyped-def]
     deadline = time.monotonic() + timeout_s
     while not pred():
@@ -224,8 +244,16 @@ class Etcd:
             self.single = EmbeddedEtcd(data_dir=str(root)).start()
             self.servers = [self.single]
         else:
-            root.mkdir(parents=True, exist_ok=True)
-            self.cluster = EmbeddedEtcdCluster(members, root_dir=str(root)).start()
+            for attempt in range(3):  # a free port can be taken between its pick and etcd's bind
+                sub = root / f"try{attempt}"
+                sub.mkdir(parents=True, exist_ok=True)
+                try:
+                    self.cluster = EmbeddedEtcdCluster(members, root_dir=str(sub)).start()
+                    break
+                except Exception:
+                    if attempt == 2:
+                        raise
+            assert self.cluster is not None
             self.servers = list(self.cluster.members)
         self.endpoint = ",".join(m.endpoint for m in self.servers)
 
@@ -268,11 +296,14 @@ def run_size(n: int, args: argparse.Namespace, workdir: Path) -> dict:
         pids = [z.pid(i) for i in range(n)]
         r["sim_private_mb"] = round(sum(private_mb(p) for p in pids) / n, 1)
         c0, cpu0 = etcd.scrape(), etcd.cpu()
+        sim0 = sum(cpu_s(p) for p in pids)
         go = time.time()
         (z.ctl / "go").touch()
         _wait(lambda: z.all_have(lambda x: "rank" in x), args.round_timeout, "round 1")
         r["round_s"] = round(max(z.first_t(i, lambda x: "rank" in x) for i in range(n)) - go, 2)
         c1, cpu1 = etcd.scrape(), etcd.cpu()
+        # The simulated nodes' own CPU in the round: on real machines each node has its own.
+        r["round_node_cpu_ms"] = round(1000.0 * (sum(cpu_s(p) for p in pids) - sim0) / n, 1)
         r["round_watch_events"] = c1["watch_events"] - c0["watch_events"]
         r["round_requests"] = c1["requests"] - c0["requests"]
         r["round_etcd_cpu_s"] = round(cpu1 - cpu0, 2)
@@ -289,12 +320,19 @@ def run_size(n: int, args: argparse.Namespace, workdir: Path) -> dict:
         r["steady_watch_events_per_node_min"] = round((b["watch_events"] - a["watch_events"]) / n / minutes, 1)
         # recovery after one node is lost
         survivors = list(range(n - 1))
+        expired = _watch_expiry(etcd.endpoint, f"/elasticd/scale-{n}/nodes/sim-{n - 1}")
         before = etcd.scrape()
         t_kill = time.time()
         os.kill(pids[-1], signal.SIGKILL)
         shrunk = lambda x: "rank" in x and x["world"] == n - 1  # noqa: E731
         _wait(lambda: z.all_have(shrunk, survivors), args.round_timeout, "the survivors' next round")
-        r["recovery_s"] = round(max(z.first_t(i, shrunk) for i in survivors) - t_kill, 2)
+        t_all = max(z.first_t(i, shrunk) for i in survivors)
+        r["recovery_s"] = round(t_all - t_kill, 2)
+        # The part after the lease expired (the kill -> expiry part is TTL - up to TTL/3, a
+        # matter of when the last keep-alive went out, the same for every protocol).
+        if expired:
+            r["expiry_s"] = round(expired[0] - t_kill, 2)
+            r["after_expiry_s"] = round(t_all - expired[0], 2)
         after, cpu_end = etcd.scrape(), etcd.cpu()
         r["recovery_watch_events"] = after["watch_events"] - before["watch_events"]
         r["recovery_requests"] = after["requests"] - before["requests"]
@@ -313,19 +351,21 @@ def report(results: list[dict], info: dict, argv: list[str], busy: list[str], ar
     rows = ["| N | round (s) | recovery after 1 node lost (s) | watch events: round (per N) | "
             "watch events: recovery (per N) | watchers | requests /node/min | keep-alives /node/min "
             "| bytes in+out /node/min | etcd CPU: round (s) | etcd CPU: recovery (s) | etcd CPU "
-            "steady (%) | etcd RSS (MB) | private MB per node process |",
-            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+            "steady (%) | etcd RSS (MB) | private MB per node process | node CPU in the round (ms/node) |",
+            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in results:
         if "error" in r:
-            rows.append(f"| {r['n']} | error: {r['error'][:90]} |" + " |" * 12)
+            rows.append(f"| {r['n']} | error: {r['error'][:90]} |" + " |" * 13)
             continue
         m, n = r["per_node_min"], r["n"]
-        rows.append(f"| {n} | {r['round_s']} | {r['recovery_s']} | {r['round_watch_events']:,.0f} "
+        after = f" ({r['after_expiry_s']} after expiry)" if "after_expiry_s" in r else ""
+        rows.append(f"| {n} | {r['round_s']} | {r['recovery_s']}{after} | {r['round_watch_events']:,.0f} "
                     f"({r['round_watch_events'] / n:.1f}) | {r['recovery_watch_events']:,.0f} "
                     f"({r['recovery_watch_events'] / n:.1f}) | {r['watchers']:,.0f} | {m['requests']} | "
                     f"{m['keepalives']} | {m['bytes_in'] + m['bytes_out']:,.0f} | "
                     f"{r['round_etcd_cpu_s']} | {r.get('recovery_etcd_cpu_s', '–')} | "
-                    f"{r['steady_etcd_cpu_pct']} | {r['etcd_rss_mb_end']} | {r['sim_private_mb']} |")
+                    f"{r['steady_etcd_cpu_pct']} | {r['etcd_rss_mb_end']} | {r['sim_private_mb']} | "
+                    f"{r.get('round_node_cpu_ms', '–')} |")
     shared = (f" The machine was shared (other busy processes at the start: {len(busy)}); times "
               "are ±30 %, counts are exact.") if busy else ""
     return "\n".join([
@@ -371,8 +411,8 @@ def main(argv: list[str] | None = None) -> int:
         for n in [int(x) for x in args.sizes.split(",") if x]:
             try:
                 r = run_size(n, args, workdir)
-            except RuntimeError as exc:
-                r = {"n": n, "error": str(exc)}
+            except Exception as exc:  # noqa: BLE001 - report it in the table, go on
+                r = {"n": n, "error": f"{type(exc).__name__}: {str(exc)[:200]}"}
             results.append(r)
             print(json.dumps(r), flush=True)
     (workdir / "results.json").write_text(json.dumps({"machine": info, "results": results}, indent=1))

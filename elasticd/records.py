@@ -146,6 +146,14 @@ class RoundState(_Record):
 
 
 @dataclass(frozen=True)
+class WaitingRecord(_Record):
+    """``/elasticd/<job>/rdzv/waiting``: late joiners the coordinator saw waiting for ``round``."""
+
+    round: int
+    nodes: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
 class Progress(_Record):
     """``/elasticd/<job>/progress``: written by the agent of group rank 0, fenced by round."""
 

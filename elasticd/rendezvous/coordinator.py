@@ -31,6 +31,7 @@ from elasticd.etcd.client import EtcdClient
 from elasticd.etcd.txn import CreateRevision, Put
 from elasticd.etcd.watch import PrefixWatch
 from elasticd.keys import JobKeys
+from elasticd.records import WaitingRecord
 from elasticd.rendezvous.protocol import (
     Action,
     ActionKind,
@@ -145,6 +146,9 @@ class RoundCoordinator:
             self._finalize(action, view, state_rev)
         elif action.kind is ActionKind.OPEN_NEXT:
             self._open_next(action, view, state_rev)
+        elif action.kind is ActionKind.ANNOUNCE:
+            record = WaitingRecord(action.round, list(action.members))
+            self.client.put(self.keys.rdzv_waiting, record.to_json())
         elif action.kind is ActionKind.WAIT and action.until is not None:
             return action.until
         return None

@@ -30,11 +30,12 @@ Watch fan-out (why there is a coordinator): one node at a time holds
 ``rdzv/coordinator`` (on its lease; the others take over by compare-and-swap when it
 vanishes). Only the coordinator watches ``nodes/`` and every ``joins/`` key: it has the
 *full* view, closes open rounds (``decide_coordination``) and opens the next round when
-a member is lost or leaves, or a late joiner waits, writing the cause and the nodes
-concerned into the new round's state (``RoundState.cause``/``changed``). Every other
-node has a *partial* view: the state key, ``closed``, ``coordinator``, ``left/`` and
-``failures/``, plus its own joins, and no liveness; it learns of membership changes from
-the state key. So a round of N nodes costs O(N) watch events (N joins seen by one
+a member is lost or leaves, writing the cause and the nodes concerned into the new
+round's state (``RoundState.cause``/``changed``); late joiners it announces in
+``rdzv/waiting`` (``ANNOUNCE``) and the members open the next round themselves once
+they have drained, as before. Every other node has a *partial* view: the state key,
+``closed``, ``coordinator``, ``waiting``, ``left/`` and ``failures/``, plus its own
+joins, and no liveness; it learns of membership changes from those keys. So a round of N nodes costs O(N) watch events (N joins seen by one
 watcher, each state write seen by N), not O(N^2) (every join seen by every node).
 """
 
@@ -59,6 +60,7 @@ class ActionKind(enum.Enum):
     WAIT = "wait"  # nothing to do until the view changes (or `until`)
     DONE = "done"  # this node is in the final round
     NONE = "none"  # (coordinator) nothing to do: not the coordinator, or nothing changed
+    ANNOUNCE = "announce"  # (coordinator) publish the nodes waiting to join round `round`
     CLOSED = "closed"  # the job is closed
     TIMEOUT = "timeout"  # join_timeout passed
 
@@ -89,6 +91,9 @@ class RendezvousView:
     # round -> {node: LEFT_DRAINED | LEFT_FINISHED}: members that left that round cleanly
     left: Mapping[int, Mapping[str, str]] = field(default_factory=dict)
     coordinator: str | None = None  # holder of rdzv/coordinator
+    # rdzv/waiting as last announced by the coordinator: (round, nodes waiting to join it).
+    # A partial view's ``joins`` already include these nodes.
+    announced: tuple[int, tuple[str, ...]] | None = None
     # True: ``alive`` and ``joins`` are complete (the coordinator's view, or a test's).
     # False: ``alive`` is unknown (empty) and ``joins`` holds only this node's own joins.
     full: bool = True
@@ -292,17 +297,17 @@ def nodes_waiting(view: RendezvousView, my_round: int, *, max_nodes: int) -> Wai
         # admitting joiners) would kill healthy workers for a round that never completes.
         return Waiting()
     if len(state.members) < max_nodes:
-        waiting = [n for n in view.joins.get(my_round + 1, ()) if n in view.alive and n not in state.members]
+        waiting = [n for n in view.joins.get(my_round + 1, ())
+                   if n not in state.members and (n in view.alive or not view.full)]
         if waiting:
             return Waiting(len(waiting), f"nodes waiting to join: {','.join(waiting)}",
                            MembershipChange.JOIN, tuple(waiting))
     return Waiting()
 
 
-_CAUSES = {c.value: c for c in (MembershipChange.MEMBER_LOST, MembershipChange.MEMBER_LEFT,
-                                 MembershipChange.JOIN)}
-_CAUSE_WORDS = {MembershipChange.MEMBER_LOST: "members lost", MembershipChange.MEMBER_LEFT:
-                "members left", MembershipChange.JOIN: "nodes waiting to join"}
+_CAUSES = {c.value: c for c in (MembershipChange.MEMBER_LOST, MembershipChange.MEMBER_LEFT)}
+_CAUSE_WORDS = {MembershipChange.MEMBER_LOST: "members lost",
+                MembershipChange.MEMBER_LEFT: "members left"}
 
 
 @dataclass
@@ -319,9 +324,10 @@ def decide_coordination(view: RendezvousView, memory: CoordinatorMemory, *, me: 
 
     Closes an open round exactly when a joined node of the old protocol would (max
     reached; min reached and every live node joined, or the last call passed), whether or
-    not the coordinator itself joined it; and opens the next round when the final round
-    lost a member, a member drained, or late joiners wait with room for them, writing
-    the cause so that nodes with a partial view report the same ``MembershipChange``.
+    not the coordinator itself joined it; opens the next round when the final round
+    lost a member or a member drained, writing the cause so that nodes with a partial
+    view report the same ``MembershipChange``; and announces late joiners waiting with
+    room for them (``rdzv/waiting``), which members read as ``JOIN``.
 
     Args:
         view: the coordinator's full view.
@@ -332,7 +338,8 @@ def decide_coordination(view: RendezvousView, memory: CoordinatorMemory, *, me: 
             and they may still re-register); WAIT until then.
 
     Returns:
-        FINALIZE, OPEN_NEXT (with ``cause``/``changed``), WAIT (with ``until`` when a
+        FINALIZE, OPEN_NEXT (with ``cause``/``changed``), ANNOUNCE (``members`` = the
+        waiting nodes, ``round`` = the round they wait for), WAIT (with ``until`` when a
         deadline matters) or NONE.
     """
     state = view.state
@@ -350,6 +357,13 @@ def decide_coordination(view: RendezvousView, memory: CoordinatorMemory, *, me: 
     change = nodes_waiting(view, r, max_nodes=max_nodes)
     if change.kind is MembershipChange.NONE:
         return Action(ActionKind.NONE, f"round {r} is final and complete")
+    if change.kind is MembershipChange.JOIN:
+        # Announced, not opened: the members drain first (a resize loses no step) and open
+        # the round themselves, so its last call starts when they are ready, as before.
+        if view.announced == (r + 1, change.nodes):
+            return Action(ActionKind.NONE, f"round {r}: {change.reason} (announced)")
+        return Action(ActionKind.ANNOUNCE, f"round {r}: {change.reason}: announcing them",
+                      round=r + 1, members=change.nodes)
     if change.kind is MembershipChange.MEMBER_LOST and defer_lost_until is not None \
             and now < defer_lost_until:
         return Action(ActionKind.WAIT, f"round {r}: {change.reason}; etcd was in trouble, "

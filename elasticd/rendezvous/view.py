@@ -17,8 +17,8 @@ from __future__ import annotations
 import threading
 
 from elasticd.etcd.kv import KV, WatchEvent
-from elasticd.keys import JobKeys, round_of_key
-from elasticd.records import NodeRecord, RoundState
+from elasticd.keys import NODE_ID_RE, JobKeys, round_of_key
+from elasticd.records import NodeRecord, RecordError, RoundState, WaitingRecord
 from elasticd.rendezvous.protocol import LEAVE_KINDS, RendezvousView
 
 
@@ -31,6 +31,19 @@ def _left_gracefully(record: bytes) -> bool:
         return NodeRecord.from_json(record).state in ("stopped", "draining")
     except (ValueError, TypeError):
         return False
+
+
+def _announced(kv: KV | None) -> tuple[int, tuple[str, ...]] | None:
+    """``rdzv/waiting`` as (round, nodes), or None if absent or not valid."""
+    if kv is None:
+        return None
+    try:
+        rec = WaitingRecord.from_json(kv.value)
+    except (RecordError, ValueError, TypeError):
+        return None
+    if not all(NODE_ID_RE.fullmatch(n) for n in rec.nodes):
+        return None
+    return rec.round, tuple(rec.nodes)
 
 
 class WatchedView:
@@ -151,9 +164,14 @@ class WatchedView:
                 for r, lease in self.own_joins.items():
                     if lease == self.lease_id:
                         joins[r] = [(0, self.node_id)]
+            announced = _announced(rdzv.get(k.rdzv_waiting))
+            ordered = _in_order(joins)
+            if announced is not None and not self.full:
+                r, waiting = announced
+                ordered[r] = [*ordered.get(r, []), *(n for n in waiting if n != self.node_id)]
             closed = k.rdzv_closed in rdzv
-            return (RendezvousView(state, alive, _in_order(joins), closed, _in_order(failures), left,
-                                   coordinator=coordinator, full=self.full),
+            return (RendezvousView(state, alive, ordered, closed, _in_order(failures), left,
+                                   coordinator=coordinator, full=self.full, announced=announced),
                     state_kv.mod_revision if state_kv else 0)
 
     def touch(self) -> None:

@@ -318,11 +318,13 @@ class FakeEtcd:
     finals: dict[int, tuple[str, ...]] = field(default_factory=dict)  # every finalized round
     history: list[tuple[RendezvousView, int]] = field(default_factory=list)
     coordinated: bool = False  # one coordinator (the smallest live name) with the full view
+    announced: tuple[int, tuple[str, ...]] | None = None  # rdzv/waiting
 
     def commit(self) -> None:
         self.revision += 1
         joins = {r: tuple(ns) for r, ns in self.joins.items()}
-        self.history.append((RendezvousView(self.state, frozenset(self.alive), joins), self.state_rev))
+        self.history.append((RendezvousView(self.state, frozenset(self.alive), joins,
+                                            announced=self.announced), self.state_rev))
 
     def put_state_if(self, state: RoundState, expected_rev: int) -> bool:
         if self.state_rev != expected_rev:
@@ -357,7 +359,10 @@ def as_seen_by(etcd: FakeEtcd, node: SimNode, v: RendezvousView) -> RendezvousVi
     coordinator = min(v.alive) if v.alive else None
     if node.name == coordinator:
         return replace(v, coordinator=coordinator)
-    own = {r: (node.name,) for r, ns in v.joins.items() if node.name in ns}
+    own = {r: [node.name] for r, ns in v.joins.items() if node.name in ns}
+    if v.announced is not None:  # the handler merges rdzv/waiting into a partial view's joins
+        r, waiting = v.announced
+        own[r] = [*own.get(r, []), *(n for n in waiting if n != node.name)]
     return replace(v, alive=frozenset(), joins=own, full=False, coordinator=coordinator)
 
 
@@ -388,6 +393,11 @@ def step(etcd: FakeEtcd, node: SimNode, now: float, *, last_call_s: float) -> bo
                 return True
         elif duty.kind is ActionKind.OPEN_NEXT:
             if open_next(etcd, v, duty, state_rev):
+                return True
+        elif duty.kind is ActionKind.ANNOUNCE:
+            if etcd.announced != (duty.round, duty.members):
+                etcd.announced = (duty.round, duty.members)
+                etcd.commit()
                 return True
         elif duty.kind is ActionKind.WAIT:
             node.duty_until = duty.until
@@ -625,16 +635,22 @@ def test_coordinator_closes_open_round_it_did_not_join():
     assert done.kind is ActionKind.FINALIZE and done.members == ("b", "a")
 
 
-def test_coordinator_opens_next_round_for_loss_leave_and_join():
-    """In a final round the coordinator opens r+1 with the cause and nodes: a lost member,
-    a drained member, a late joiner with room; a finished member changes nothing."""
+def test_coordinator_opens_next_round_for_loss_and_leave_and_announces_joiners():
+    """In a final round the coordinator opens r+1 with the cause and nodes for a lost or a
+    drained member; a late joiner with room is announced once (members drain first and
+    open the round themselves); a finished member changes nothing."""
     base = final(4, ["a", "b", "c"])
     lost = coordinate(replace(view(base, {"a", "c"}), coordinator="c"))
     assert (lost.kind, lost.round, lost.cause, lost.changed) == (ActionKind.OPEN_NEXT, 5, "member_lost", ("b",))
     left = coordinate(replace(view(base, {"a", "c"}, left={4: {"b": LEFT_DRAINED}}), coordinator="c"))
     assert (left.kind, left.cause) == (ActionKind.OPEN_NEXT, "member_left")
-    join = coordinate(replace(view(base, {"a", "b", "c", "d"}, {5: ["d"]}), coordinator="c"))
-    assert (join.kind, join.cause, join.changed) == (ActionKind.OPEN_NEXT, "join", ("d",))
+    waiting = replace(view(base, {"a", "b", "c", "d"}, {5: ["d"]}), coordinator="c")
+    join = coordinate(waiting)
+    assert (join.kind, join.round, join.members) == (ActionKind.ANNOUNCE, 5, ("d",))
+    assert coordinate(replace(waiting, announced=(5, ("d",)))).kind is ActionKind.NONE
+    # A member with a partial view reads the announcement (merged into its joins) as JOIN.
+    w = nodes_waiting(partial(base, {5: ["d"]}), 4, max_nodes=4)
+    assert (w.kind, w.nodes) == (MembershipChange.JOIN, ("d",))
     done = coordinate(replace(view(base, {"a", "c"}, left={4: {"b": LEFT_FINISHED}}), coordinator="c"))
     assert done.kind is ActionKind.NONE
     steady = coordinate(replace(view(base, {"a", "b", "c"}), coordinator="c"))
