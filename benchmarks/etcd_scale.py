@@ -107,6 +107,10 @@ def child_main(args: argparse.Namespace, index: int) -> int:
     from elasticd.etcd.client import EtcdClient
     from elasticd.rendezvous.etcd_handler import EtcdRendezvousHandler, RendezvousSettings
 
+    import structlog
+
+    # Logs to stderr (the zygote's .err file): stdout carries the JSON lines for the parent.
+    structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))
     go, stop = Path(args.ctl, "go"), Path(args.ctl, "stop")
     settings = RendezvousSettings(min_nodes=args.total - 1, max_nodes=args.total, node_ttl_s=args.ttl,
                                   join_timeout_s=args.round_timeout, local_addr="127.0.0.1")
