@@ -308,6 +308,7 @@ def run_size(n: int, args: argparse.Namespace, workdir: Path) -> dict:
         c1, cpu1 = etcd.scrape(), etcd.cpu()
         # The simulated nodes' own CPU in the round: on real machines each node has its own.
         r["round_node_cpu_ms"] = round(1000.0 * (sum(cpu_s(p) for p in pids) - sim0) / n, 1)
+        r["sim_private_mb_active"] = round(sum(private_mb(p) for p in pids) / n, 1)
         r["round_watch_events"] = c1["watch_events"] - c0["watch_events"]
         r["round_requests"] = c1["requests"] - c0["requests"]
         r["round_etcd_cpu_s"] = round(cpu1 - cpu0, 2)
@@ -368,7 +369,7 @@ def report(results: list[dict], info: dict, argv: list[str], busy: list[str], ar
                     f"({r['recovery_watch_events'] / n:.1f}) | {r['watchers']:,.0f} | {m['requests']} | "
                     f"{m['keepalives']} | {m['bytes_in'] + m['bytes_out']:,.0f} | "
                     f"{r['round_etcd_cpu_s']} | {r.get('recovery_etcd_cpu_s', '–')} | "
-                    f"{r['steady_etcd_cpu_pct']} | {r['etcd_rss_mb_end']} | {r['sim_private_mb']} | "
+                    f"{r['steady_etcd_cpu_pct']} | {r['etcd_rss_mb_end']} | {r.get('sim_private_mb_active', r['sim_private_mb'])} | "
                     f"{r.get('round_node_cpu_ms', '–')} |")
     shared = (f" The machine was shared (other busy processes at the start: {len(busy)}); times "
               "are ±30 %, counts are exact.") if busy else ""
