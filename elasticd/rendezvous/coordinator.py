@@ -133,7 +133,9 @@ class RoundCoordinator:
             self._take_up_watches()
             return None  # act on the next look, from the fresh snapshot
         if not view.full:
-            return None  # the full watches are still connecting
+            if all(w.connected.is_set() for w in self._watches):
+                self.view.set_full(True)  # they connected after _take_up_watches gave up waiting
+            return None
         action = decide_coordination(view, self._memory, me=me, min_nodes=self.min_nodes,
                                      max_nodes=self.max_nodes,
                                      last_call_timeout_s=self.last_call_timeout_s,
