@@ -104,10 +104,10 @@ def _emit(rec: dict) -> None:
 def child_main(args: argparse.Namespace, index: int) -> int:
     """One handler; "ready"; once the go file exists rendezvous, then re-rendezvous whenever
     nodes wait, until the stop file exists."""
+    import structlog
+
     from elasticd.etcd.client import EtcdClient
     from elasticd.rendezvous.etcd_handler import EtcdRendezvousHandler, RendezvousSettings
-
-    import structlog
 
     # Logs to stderr (the zygote's .err file): stdout carries the JSON lines for the parent.
     structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))
