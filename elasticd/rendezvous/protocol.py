@@ -356,6 +356,11 @@ def decide_coordination(view: RendezvousView, memory: CoordinatorMemory, *, me: 
     r = state.round
     change = nodes_waiting(view, r, max_nodes=max_nodes)
     if change.kind is MembershipChange.NONE:
+        if view.announced is not None and view.announced[0] == r + 1 and view.announced[1]:
+            # The announced joiners vanished (or there is no room any more): withdraw, or
+            # the members would re-form for nobody.
+            return Action(ActionKind.ANNOUNCE, f"round {r}: nobody waits to join any more",
+                          round=r + 1)
         return Action(ActionKind.NONE, f"round {r} is final and complete")
     if change.kind is MembershipChange.JOIN:
         # Announced, not opened: the members drain first (a resize loses no step) and open

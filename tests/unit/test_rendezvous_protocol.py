@@ -648,6 +648,10 @@ def test_coordinator_opens_next_round_for_loss_and_leave_and_announces_joiners()
     join = coordinate(waiting)
     assert (join.kind, join.round, join.members) == (ActionKind.ANNOUNCE, 5, ("d",))
     assert coordinate(replace(waiting, announced=(5, ("d",)))).kind is ActionKind.NONE
+    # The joiner's lease expired before the members re-formed: the announcement is withdrawn.
+    gone = coordinate(replace(view(base, {"a", "b", "c"}), coordinator="c",
+                              announced=(5, ("d",))))
+    assert (gone.kind, gone.round, gone.members) == (ActionKind.ANNOUNCE, 5, ())
     # A member with a partial view reads the announcement (merged into its joins) as JOIN.
     w = nodes_waiting(partial(base, {5: ["d"]}), 4, max_nodes=4)
     assert (w.kind, w.nodes) == (MembershipChange.JOIN, ("d",))
