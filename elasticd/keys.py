@@ -9,6 +9,8 @@ Layout (see docs/architecture.md)::
     /elasticd/<job>/nodes/<node>            node record (JSON), on the node's lease
     /elasticd/<job>/rdzv/state              round state (JSON), txn-guarded by mod_revision
     /elasticd/<job>/rdzv/closed             present once the job is closed
+    /elasticd/<job>/rdzv/coordinator        node id of the round coordinator, on its lease
+    /elasticd/<job>/rdzv/waiting            late joiners the coordinator announces (JSON)
     /elasticd/<job>/rdzv/joins/<round>/<node>  a node asking to be in <round>, on its lease
     /elasticd/<job>/rdzv/failures/<round>/<node>  a node's worker failure in <round>, on its lease
     /elasticd/<job>/store/<round>/<key>     the c10d store of one round
@@ -100,6 +102,15 @@ class JobKeys:
     @property
     def rdzv_closed(self) -> str:
         return f"{self.rdzv_prefix}closed"
+
+    @property
+    def rdzv_coordinator(self) -> str:
+        """The coordinator's key: the one node that watches ``nodes/`` and every join."""
+        return f"{self.rdzv_prefix}coordinator"
+
+    @property
+    def rdzv_waiting(self) -> str:
+        return f"{self.rdzv_prefix}waiting"
 
     @property
     def joins_root(self) -> str:

@@ -138,6 +138,19 @@ class RoundState(_Record):
     max_nodes: int = 1
     opened_at: float = 0.0
     completed_at: float | None = None
+    # Why an open round was opened (a ``MembershipChange`` value, "" = a re-rendezvous) and
+    # the nodes concerned: nodes that do not watch ``nodes/`` and every join (all but the
+    # coordinator, at scale) learn what changed from this one key.
+    cause: str = ""
+    changed: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class WaitingRecord(_Record):
+    """``/elasticd/<job>/rdzv/waiting``: late joiners the coordinator saw waiting for ``round``."""
+
+    round: int
+    nodes: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

@@ -63,6 +63,7 @@ class NodeSpec:
     etcd_endpoints: str | None = None  # None: embedded etcd (--standalone)
     etcd_timeout_s: float = 3.0
     etcd_connect_timeout_s: float = 30.0
+    etcd_election_timeout_s: float = 1.0  # the members' --election-timeout (outage grace)
     etcd_data_dir: str | None = None  # the embedded etcd's; a fresh temp dir when None
     tls: TLSFiles = field(default_factory=TLSFiles)
     etcd_user: str | None = None
@@ -169,6 +170,7 @@ def run_node(spec: NodeSpec) -> int:
                                last_call_timeout_s=spec.last_call_timeout_s,
                                close_timeout_s=spec.close_timeout_s,
                                store_timeout_s=spec.store_timeout_s,
+                               election_timeout_s=spec.etcd_election_timeout_s,
                                local_addr=spec.local_addr, worker_log_dir=log_dir),
             node_id=spec.node_id)
         # Until the agent says how it leaves (finished, drained), a shutdown is a loss: a

@@ -7,6 +7,7 @@ are merged (``loader.py``); what needs several keys at once, or the file system,
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Any
 
@@ -14,6 +15,12 @@ from elasticd.config.model import MASK, AgentConfig
 from elasticd.errors import ConfigError
 from elasticd.keys import validate_job_name, validate_node_id
 from elasticd.sensitive import loose_secret_file, mask_value, scrub_text
+
+# node.ttl_s against the etcd members' election timeout E: below 1.5 E a leader stall that
+# triggers no election can expire a healthy node's lease (an error); 3 E leaves a keep-alive
+# interval of margin (a warning below it).
+MIN_TTL_PER_ELECTION = 1.5
+SAFE_TTL_PER_ELECTION = 3.0
 
 
 def availability_warnings(config: AgentConfig) -> list[str]:
@@ -23,12 +30,18 @@ def availability_warnings(config: AgentConfig) -> list[str]:
     a call fails; given one endpoint it has nowhere to go (docs/deployment.md, "The etcd
     cluster: members, failover, backup").
     """
-    endpoints = config.etcd.endpoints
+    endpoints, out = config.etcd.endpoints, []
     if len(endpoints) == 1 and not config.etcd.embedded:
-        return [f"etcd.endpoints names one endpoint ({endpoints[0]}): if etcd runs as a cluster, "
-                "list every member (e.g. --etcd etcd-1:2379,etcd-2:2379,etcd-3:2379) so the "
-                "agent can move to another member when this one fails"]
-    return []
+        out.append(f"etcd.endpoints names one endpoint ({endpoints[0]}): if etcd runs as a "
+                   "cluster, list every member (e.g. --etcd etcd-1:2379,etcd-2:2379,etcd-3:2379) "
+                   "so the agent can move to another member when this one fails")
+    election, ttl = config.etcd.election_timeout_s, config.node.ttl_s
+    if not config.etcd.embedded and ttl < SAFE_TTL_PER_ELECTION * election:
+        out.append(f"node.ttl_s = {ttl} is below {SAFE_TTL_PER_ELECTION:g} x "
+                   f"etcd.election_timeout_s = {election:g} s: a leader stall just short of an "
+                   "election plus one slow keep-alive could drop a healthy node; prefer "
+                   f"node.ttl_s >= {math.ceil(SAFE_TTL_PER_ELECTION * election)}")
+    return out
 
 
 def security_warnings(config: AgentConfig) -> list[str]:
@@ -127,6 +140,19 @@ def validate_config(config: AgentConfig, *, check_files: bool) -> None:
             "etcd.endpoints is empty, so this agent starts a private etcd on 127.0.0.1 "
             "that no other node can reach; set etcd.endpoints to an etcd all nodes share, "
             "or nnodes = 1 for a one-machine job",
+        )
+    if node.ttl_s < MIN_TTL_PER_ELECTION * etcd.election_timeout_s:
+        # A leader stalled for S < election timeout E triggers no election (no new leader
+        # restarts the TTLs) and answers no keep-alive meanwhile; a lease last renewed up
+        # to TTL/3 before the stall expires once TTL/3 + S >= TTL. So TTL >= 1.5 E, or a
+        # healthy node is dropped as "lost" (docs/deployment.md, the TTL rule).
+        raise bad(
+            "node.ttl_s", node.ttl_s,
+            f"shorter than {MIN_TTL_PER_ELECTION:g} x etcd.election_timeout_s = "
+            f"{etcd.election_timeout_s:g} s: a leader stall too short to trigger an election "
+            "could expire a healthy node's lease; set node.ttl_s >= "
+            f"{math.ceil(SAFE_TTL_PER_ELECTION * etcd.election_timeout_s)} (or lower the members' "
+            "--election-timeout and etcd.election_timeout_s with it)",
         )
     if config.restart.backoff_max_s < config.restart.backoff_s:
         raise bad(

@@ -341,8 +341,10 @@ class EtcdClient:
         value, meta = self.call(lambda c: c.get(key))
         return None if meta is None else self._kv(value, meta)
 
-    def get_prefix(self, prefix: str, *, keys_only: bool = False) -> tuple[list[KV], int]:
-        """Read every key under ``prefix`` in one range request (values empty if ``keys_only``).
+    def get_prefix(self, prefix: str, *, keys_only: bool = False,
+                   range_end: str | None = None) -> tuple[list[KV], int]:
+        """Read every key under ``prefix`` in one range request (values empty if ``keys_only``;
+        with ``range_end``, the keys in [prefix, range_end) instead).
 
         Returns:
             The key-values sorted by key, and the store revision the read was served at
@@ -350,8 +352,8 @@ class EtcdClient:
         """
 
         def read(c: etcd3.MultiEndpointEtcd3Client) -> tuple[list[KV], int]:
-            range_end = etcd3.utils.prefix_range_end(etcd3.utils.to_bytes(prefix))
-            resp = c.get_range_response(prefix, range_end, sort_order="ascend", sort_target="key",
+            end = _range_end(prefix, range_end)
+            resp = c.get_range_response(prefix, end, sort_order="ascend", sort_target="key",
                                         keys_only=keys_only)
             kvs = [
                 KV(kv.key.decode(), kv.value, kv.mod_revision, kv.create_revision, kv.lease)
@@ -451,10 +453,10 @@ class EtcdClient:
         self.call(revoke)
 
     # -- watches ----------------------------------------------------------------------
-    def add_watch(self, prefix: str, callback: Callable[[Any], None], start_revision: int) -> int:
+    def add_watch(self, prefix: str, callback: Callable[[Any], None], start_revision: int, *,
+                  range_end: str | None = None) -> int:
         def add(c: etcd3.MultiEndpointEtcd3Client) -> int:
-            range_end = etcd3.utils.prefix_range_end(etcd3.utils.to_bytes(prefix))
-            return int(c.add_watch_callback(prefix, callback, range_end=range_end,
+            return int(c.add_watch_callback(prefix, callback, range_end=_range_end(prefix, range_end),
                                             start_revision=start_revision))
 
         return self.call(add)
@@ -466,12 +468,14 @@ class EtcdClient:
             pass
 
     def watch_prefix(self, prefix: str, on_events: Callable[[list[WatchEvent]], None],
-                     on_resync: Callable[[list[KV], int], None], *, name: str = "") -> PrefixWatch:
-        """Keep a prefix in sync: ``on_resync(snapshot, revision)`` then ``on_events(...)``.
+                     on_resync: Callable[[list[KV], int], None], *, name: str = "",
+                     range_end: str | None = None) -> PrefixWatch:
+        """Keep a prefix (or the key range [prefix, range_end)) in sync:
+        ``on_resync(snapshot, revision)`` then ``on_events(...)``.
 
         See ``PrefixWatch``.
         """
-        watch = PrefixWatch(self, prefix, on_events, on_resync, name=name)
+        watch = PrefixWatch(self, prefix, on_events, on_resync, name=name, range_end=range_end)
         with self._lock:
             self._watches.add(watch)
         watch.start()
@@ -479,6 +483,13 @@ class EtcdClient:
 
     def endpoint_label(self) -> str:
         return ",".join(f"{h}:{p}" for h, p in self.endpoints)
+
+
+def _range_end(prefix: str, range_end: str | None) -> bytes:
+    """etcd's range end: the end of ``prefix``'s key range, or ``range_end`` as given."""
+    if range_end is not None:
+        return etcd3.utils.to_bytes(range_end)
+    return etcd3.utils.prefix_range_end(etcd3.utils.to_bytes(prefix))
 
 
 __all__ = [

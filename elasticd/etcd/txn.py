@@ -63,8 +63,16 @@ class DeletePrefix:
     prefix: str
 
 
+@dataclass(frozen=True)
+class DeleteRange:
+    """Operation: delete every key in [start, end) (e.g. the per-round keys of old rounds)."""
+
+    start: str
+    end: str
+
+
 Compare = ModRevision | CreateRevision | Exists
-Op = Put | Delete | DeletePrefix
+Op = Put | Delete | DeletePrefix | DeleteRange
 
 
 def raw_compare(t: Any, compare: Compare) -> Any:
@@ -87,4 +95,6 @@ def raw_op(t: Any, op: Op) -> Any:
     if isinstance(op, DeletePrefix):
         end = etcd3.utils.prefix_range_end(etcd3.utils.to_bytes(op.prefix))
         return t.delete(op.prefix, range_end=end)
+    if isinstance(op, DeleteRange):
+        return t.delete(op.start, range_end=etcd3.utils.to_bytes(op.end))
     raise TypeError(f"not an etcd operation: {op!r}")

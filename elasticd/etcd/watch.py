@@ -42,9 +42,11 @@ class PrefixWatch:
 
     def __init__(self, client: EtcdClient, prefix: str,
                  on_events: Callable[[list[WatchEvent]], None],
-                 on_resync: Callable[[list[KV], int], None], *, name: str = "") -> None:
+                 on_resync: Callable[[list[KV], int], None], *, name: str = "",
+                 range_end: str | None = None) -> None:
         self._client = client
         self._prefix = prefix
+        self._range_end = range_end  # None: every key under prefix; else [prefix, range_end)
         self._on_events = on_events
         self._on_resync = on_resync
         self._name = name or prefix
@@ -113,11 +115,12 @@ class PrefixWatch:
         # and the watch leaks).
         self._broken.clear()
         if self._need_snapshot:
-            kvs, rev = self._client.get_prefix(self._prefix)
+            kvs, rev = self._client.get_prefix(self._prefix, range_end=self._range_end)
             self._revision = rev
             self._on_resync(kvs, rev)
             self._need_snapshot = False
-        wid = self._client.add_watch(self._prefix, self._callback, self._revision + 1)
+        wid = self._client.add_watch(self._prefix, self._callback, self._revision + 1,
+                                     range_end=self._range_end)
         with self._lock:
             self._watch_id = wid
         self.connected.set()

@@ -6,9 +6,12 @@
   ``NodeSession`` (session.py) holds the lease, the record and that token.
 - Every state change is a transaction comparing the state key's mod_revision; the
   decisions are pure functions in ``protocol.py``.
-- Two watches (``nodes/`` and ``rdzv/``) keep a local view (``WatchedView``, view.py), so ``num_nodes_waiting()``
-  and ``membership()`` cost no etcd request and a dead peer is noticed when its lease expires, not when a
-  gloo/NCCL timeout fires minutes later.
+- Watches keep a local view (``WatchedView``, view.py), so ``num_nodes_waiting()`` and
+  ``membership()`` cost no etcd request. Every node watches ``rdzv/`` but its joins; one
+  node, the coordinator (coordinator.py), also watches ``nodes/`` and every join, closes
+  rounds and opens the next one when a member is lost, leaves or a joiner waits (a dead
+  peer is noticed when its lease expires, not when a gloo/NCCL timeout fires minutes
+  later). So a round costs O(N) watch events, not O(N^2).
 - An unreachable etcd is not a dead peer: while etcd is down the view does not change,
   so healthy workers keep training; calls are retried with backoff.
 """
@@ -36,9 +39,11 @@ from torch.distributed.elastic.rendezvous import (
 
 from elasticd.errors import EtcdUnavailableError, LeaseLostError
 from elasticd.etcd.client import EtcdClient
+from elasticd.etcd.txn import DeleteRange
 from elasticd.etcd.watch import PrefixWatch
-from elasticd.keys import JobKeys, round_of_key
+from elasticd.keys import JobKeys
 from elasticd.records import RoundState
+from elasticd.rendezvous.coordinator import RoundCoordinator
 from elasticd.rendezvous.etcd_store import EtcdStore
 from elasticd.rendezvous.protocol import (
     LEFT_FINISHED,
@@ -49,8 +54,8 @@ from elasticd.rendezvous.protocol import (
     RendezvousView,
     Waiting,
     decide_join,
+    departures,
     loss_grace,
-    lost_members,
     may_resurrect,
     nodes_waiting,
     outage_window_s,
@@ -74,6 +79,7 @@ class RendezvousSettings:
     store_timeout_s: float = 300.0
     local_addr: str | None = None
     worker_log_dir: str | None = None  # published in the node record, for `elasticd status`
+    election_timeout_s: float = 1.0  # the etcd members' --election-timeout (outage grace)
 
 
 def default_node_id() -> str:
@@ -102,8 +108,10 @@ class EtcdRendezvousHandler(RendezvousHandler):
         self.settings = settings
         self.node_id = node_id or default_node_id()
         self.keys.node(self.node_id)  # validates the id
-        self._view = WatchedView(self.keys)
+        self._view = WatchedView(self.keys, self.node_id)
         self._watches: list[PrefixWatch] = []
+        self._coordinator: RoundCoordinator | None = None
+        self._coord_loss_seen_at: float | None = None  # the coordinator's outage grace
         # Our lease, record and incarnation (the fencing token), and the round we completed.
         self.session = NodeSession(client, self.keys, self.node_id, self._view,
                                    ttl_s=settings.node_ttl_s,
@@ -136,11 +144,15 @@ class EtcdRendezvousHandler(RendezvousHandler):
             # (watches would retry them silently until join_timeout), and an unreachable etcd
             # is reported with gRPC's reason.
             retry_rdzv("connect to etcd", lambda: self.client.get(self.keys.rdzv_state), deadline)
+            k = self.keys
+            # rdzv/ but rdzv/joins/: [rdzv/, rdzv/joins/) and [rdzv/joins0, rdzv0).
             self._watches = [
-                self.client.watch_prefix(self.keys.nodes_prefix, self._view.on_nodes,
-                                         self._view.on_nodes_resync, name="nodes"),
-                self.client.watch_prefix(self.keys.rdzv_prefix, self._view.on_rdzv,
-                                         self._view.on_rdzv_resync, name="rdzv"),
+                self.client.watch_prefix(k.rdzv_prefix, self._view.on_rdzv,
+                                         self._view.on_rdzv_resync, name="rdzv",
+                                         range_end=k.joins_root),
+                self.client.watch_prefix(_prefix_end(k.joins_root), self._view.on_rdzv_hi,
+                                         self._view.on_rdzv_hi_resync, name="rdzv-hi",
+                                         range_end=_prefix_end(k.rdzv_prefix)),
             ]
             for w in self._watches:
                 if not w.connected.wait(max(deadline - time.monotonic(), 0.1)):
@@ -150,6 +162,14 @@ class EtcdRendezvousHandler(RendezvousHandler):
         if self.session.keeper is None:
             self._reopen_finished_job(deadline)
         self.session.ensure_registered(deadline)
+        if self._coordinator is None:
+            s = self.settings
+            self._coordinator = RoundCoordinator(
+                self.client, self.keys, self.session, self._view, min_nodes=s.min_nodes,
+                max_nodes=s.max_nodes, last_call_timeout_s=s.last_call_timeout_s,
+                finalize=lambda a, v, rev: self._finalize(a, v, rev, time.monotonic() + 10.0),
+                open_next=lambda a, v, rev: self._open_next(a, v, rev, time.monotonic() + 10.0),
+                defer_lost_until=self._defer_lost_until).start()
 
     def _reopen_finished_job(self, deadline: float) -> None:
         """A closed job with no live node is a finished run: start the job name afresh.
@@ -161,10 +181,11 @@ class EtcdRendezvousHandler(RendezvousHandler):
         on its own (split brain).
         """
         k = self.keys
-        view, _ = self._view.snapshot()
-        with self._view.cond:
-            closed = self._view.rdzv.get(k.rdzv_closed)
-        if not (view.closed and not view.alive and closed is not None):
+        closed = self._view.rdzv_get(k.rdzv_closed)
+        if closed is None:
+            return
+        # Our view has no liveness (only the coordinator's has): ask etcd, once.
+        if retry_rdzv("count nodes", lambda: self.client.count_prefix(k.nodes_prefix), deadline):
             return
         if retry_rdzv("reopen job", lambda: self.client.delete_prefixes_if(
                 k.rdzv_closed, mod_revision=closed.mod_revision,
@@ -175,7 +196,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
         end = min(deadline, time.monotonic() + 5.0)
         with self._view.cond:
             while (now := time.monotonic()) < end:
-                current = self._view.rdzv.get(k.rdzv_closed)
+                current = self._view.rdzv_get(k.rdzv_closed)
                 if current is None or current.mod_revision != closed.mod_revision:
                     break
                 self._view.cond.wait(end - now)
@@ -303,31 +324,20 @@ class EtcdRendezvousHandler(RendezvousHandler):
             retry_rdzv("open round", lambda: self.client.put_if(k.rdzv_state, state.to_json(),
                                                                  mod_revision=0), deadline)
         elif action.kind is ActionKind.OPEN_NEXT:
-            assert view.state is not None
-            state = RoundState(action.round, "open", list(view.state.members), s.min_nodes,
-                               s.max_nodes, opened_at=now)
-            if retry_rdzv("open round", lambda: self.client.put_if(
-                    k.rdzv_state, state.to_json(), mod_revision=state_rev), deadline):
-                self._log.info("round_opened", round=action.round, reason=action.reason)
-                lost = lost_members(view.state, view.alive, view.left.get(view.state.round))
-                if lost and self.on_members_lost is not None:
-                    self.on_members_lost(lost, view.state.round)
-                self._gc_before(action.round)
+            self._open_next(action, view, state_rev, deadline)
         elif action.kind is ActionKind.JOIN:
+            lease = self.lease_id
             try:
                 retry_rdzv("join", lambda: self.client.put(k.join(action.round, self.node_id), b"1",
-                                                            lease=self.lease_id), deadline)
+                                                            lease=lease), deadline)
             except LeaseLostError:
                 # Our lease expired before the keep-alive thread noticed: re-register
                 # (a new incarnation) at the top of the loop, then join.
                 self.session.mark_lease_lost()
                 return
+            self._view.add_own_join(action.round, lease)
         elif action.kind is ActionKind.FINALIZE:
-            assert view.state is not None
-            state = replace(view.state, phase="final", members=list(action.members),
-                            completed_at=now)
-            retry_rdzv("finalize round", lambda: self.client.put_if(
-                k.rdzv_state, state.to_json(), mod_revision=state_rev), deadline)
+            self._finalize(action, view, state_rev, deadline)
         elif action.kind is ActionKind.WAIT:
             if self.on_wait is not None:
                 self.on_wait()
@@ -337,22 +347,41 @@ class EtcdRendezvousHandler(RendezvousHandler):
         # A write happened (or lost a race): wait for the watch to show its effect.
         self._view.wait_change(version, 0.5)
 
+    def _finalize(self, action: Action, view: RendezvousView, state_rev: int, deadline: float) -> bool:
+        """CAS open(r) -> final(r, members). True if this write won."""
+        assert view.state is not None
+        state = replace(view.state, phase="final", members=list(action.members),
+                        completed_at=time.time())
+        return bool(retry_rdzv("finalize round", lambda: self.client.put_if(
+            self.keys.rdzv_state, state.to_json(), mod_revision=state_rev), deadline))
+
+    def _open_next(self, action: Action, view: RendezvousView, state_rev: int, deadline: float) -> bool:
+        """CAS final(r) -> open(r+1), carrying the cause; the winner reports lost members
+        and deletes old rounds' keys. True if this write won."""
+        assert view.state is not None
+        s = self.settings
+        state = RoundState(action.round, "open", list(view.state.members), s.min_nodes,
+                           s.max_nodes, opened_at=time.time(), cause=action.cause,
+                           changed=list(action.changed))
+        if not retry_rdzv("open round", lambda: self.client.put_if(
+                self.keys.rdzv_state, state.to_json(), mod_revision=state_rev), deadline):
+            return False
+        self._log.info("round_opened", round=action.round, reason=action.reason)
+        lost = list(departures(view, view.state).lost)
+        if lost and self.on_members_lost is not None:
+            self.on_members_lost(lost, view.state.round)
+        self._gc_before(action.round)
+        return True
+
     def _gc_before(self, round_: int) -> None:
-        """Delete per-round keys two or more rounds old (their rounds are superseded)."""
+        """Delete per-round keys of superseded rounds: the store two or more rounds old,
+        joins/failures/left of rounds before ``round_``. Key-range deletes: O(1) requests."""
         k = self.keys
+        ranges = [(k.store_root, k.store_prefix(max(round_ - 1, 0)))]
+        ranges += [(root, f"{root}{round_:010d}/") for root in (k.joins_root, k.failures_root,
+                                                                  k.left_root)]
         try:
-            kvs, _ = self.client.get_prefix(k.store_root)
-            stale_store = {key[: len(k.store_root) + 11] for key in (kv.key for kv in kvs)
-                           if (r := round_of_key(key, k.store_root)) is not None and r < round_ - 1}
-            for prefix in stale_store:
-                self.client.delete_prefix(prefix)
-            with self._view.cond:
-                rdzv_keys = list(self._view.rdzv)
-            for key in rdzv_keys:
-                for root in (k.joins_root, k.failures_root, k.left_root):
-                    r = round_of_key(key, root)
-                    if r is not None and r < round_:
-                        self.client.delete(key)
+            self.client.txn([], [DeleteRange(start, end) for start, end in ranges])
         except EtcdUnavailableError as exc:  # the next round's opener will retry
             self._log.warning("round_gc_failed", error=str(exc))
 
@@ -372,8 +401,25 @@ class EtcdRendezvousHandler(RendezvousHandler):
                     time.monotonic() + self.settings.close_timeout_s)
 
     def _etcd_trouble(self) -> bool:
-        """This node saw etcd fail or stall recently enough to explain expired leases."""
-        return self.client.trouble_within(outage_window_s(self.settings.node_ttl_s))
+        """This node saw etcd fail or stall recently enough to explain expired leases
+        (an outage may include a leader election: ``protocol.outage_window_s``)."""
+        return self.client.trouble_within(outage_window_s(self.settings.node_ttl_s,
+                                                          self.settings.election_timeout_s))
+
+    def _defer_lost_until(self, view: RendezvousView) -> float | None:
+        """For the coordinator: until when lost members are presumed victims of an etcd
+        outage (they may re-register, ``try_resurrect``): ``protocol.loss_grace``, as
+        ``membership`` applies it."""
+        lost = list(departures(view, view.state).lost) if view.state is not None else []
+        with self._view.cond:
+            lost = [m for m in lost if m not in self._view.left]
+        grace = loss_grace(lost, etcd_trouble=bool(lost) and self._etcd_trouble(),
+                           loss_seen_at=self._coord_loss_seen_at, now=time.monotonic(),
+                           node_ttl_s=self.settings.node_ttl_s)
+        self._coord_loss_seen_at = grace.loss_seen_at
+        if not grace.hold or grace.loss_seen_at is None:
+            return None
+        return grace.loss_seen_at + self.settings.node_ttl_s + 2.0
 
     def num_nodes_waiting(self) -> int:
         """Answered from the watch cache: no etcd request. See ``membership``."""
@@ -398,7 +444,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
             return Waiting()
         view, _ = self._view.snapshot()
         waiting = nodes_waiting(view, my_round, max_nodes=self.settings.max_nodes)
-        lost = (lost_members(view.state, view.alive, view.left.get(my_round))
+        lost = (list(departures(view, view.state).lost)
                 if view.state and view.state.round == my_round else [])
         with self._view.cond:
             lost = [m for m in lost if m not in self._view.left]  # a clean leave needs no grace
@@ -450,9 +496,16 @@ class EtcdRendezvousHandler(RendezvousHandler):
         self._shutdown = True
         if self._store is not None:
             self._store.close()
+        if self._coordinator is not None:
+            self._coordinator.stop()  # before the revoke: it must not campaign again
         self.session.record_leave(self.leave_kind)
         self.session.close()
         for w in self._watches:
             w.stop()
         self._log.info("rendezvous_left", round=self.session.round)
         return True
+
+
+def _prefix_end(prefix: str) -> str:
+    """The first key after every key that starts with ``prefix`` (etcd's range end)."""
+    return prefix[:-1] + chr(ord(prefix[-1]) + 1)

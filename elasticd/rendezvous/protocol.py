@@ -25,6 +25,18 @@ A round moves ``open`` -> ``final``:
   re-forms (a node that would open the next round reads the job as closed instead).
   A node that arrives late pre-registers for r+1 and waits; members see it through
   ``num_nodes_waiting`` and re-rendezvous.
+
+Watch fan-out (why there is a coordinator): one node at a time holds
+``rdzv/coordinator`` (on its lease; the others take over by compare-and-swap when it
+vanishes). Only the coordinator watches ``nodes/`` and every ``joins/`` key: it has the
+*full* view, closes open rounds (``decide_coordination``) and opens the next round when
+a member is lost or leaves, writing the cause and the nodes concerned into the new
+round's state (``RoundState.cause``/``changed``); late joiners it announces in
+``rdzv/waiting`` (``ANNOUNCE``) and the members open the next round themselves once
+they have drained, as before. Every other node has a *partial* view: the state key,
+``closed``, ``coordinator``, ``waiting``, ``left/`` and ``failures/``, plus its own
+joins, and no liveness; it learns of membership changes from those keys. So a round of N nodes costs O(N) watch events (N joins seen by one
+watcher, each state write seen by N), not O(N^2) (every join seen by every node).
 """
 
 from __future__ import annotations
@@ -47,6 +59,8 @@ class ActionKind(enum.Enum):
     FINALIZE = "finalize"  # CAS open(r) -> final(r, members)
     WAIT = "wait"  # nothing to do until the view changes (or `until`)
     DONE = "done"  # this node is in the final round
+    NONE = "none"  # (coordinator) nothing to do: not the coordinator, or nothing changed
+    ANNOUNCE = "announce"  # (coordinator) publish the nodes waiting to join round `round`
     CLOSED = "closed"  # the job is closed
     TIMEOUT = "timeout"  # join_timeout passed
 
@@ -60,6 +74,9 @@ class Action:
     round: int = -1
     members: tuple[str, ...] = ()
     until: float | None = None  # for WAIT: wake up by then even if nothing changes
+    # For OPEN_NEXT: why (a MembershipChange value, "" for a re-rendezvous) and who.
+    cause: str = ""
+    changed: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -73,6 +90,13 @@ class RendezvousView:
     failures: Mapping[int, Sequence[str]] = field(default_factory=dict)  # round -> reporters in order
     # round -> {node: LEFT_DRAINED | LEFT_FINISHED}: members that left that round cleanly
     left: Mapping[int, Mapping[str, str]] = field(default_factory=dict)
+    coordinator: str | None = None  # holder of rdzv/coordinator
+    # rdzv/waiting as last announced by the coordinator: (round, nodes waiting to join it).
+    # A partial view's ``joins`` already include these nodes.
+    announced: tuple[int, tuple[str, ...]] | None = None
+    # True: ``alive`` and ``joins`` are complete (the coordinator's view, or a test's).
+    # False: ``alive`` is unknown (empty) and ``joins`` holds only this node's own joins.
+    full: bool = True
 
 
 @dataclass
@@ -100,19 +124,6 @@ def order_members(previous: Sequence[str], joined: Sequence[str], max_nodes: int
     return tuple((kept + newcomers)[:max_nodes])
 
 
-def lost_members(state: RoundState, alive: frozenset[str],
-                 left: Mapping[str, str] | None = None) -> list[str]:
-    """Members of a final round whose lease is gone and who did not leave cleanly.
-
-    Args:
-        state: the round.
-        alive: nodes with a live lease.
-        left: the round's clean leaves (node -> kind); such members are not lost.
-    """
-    gone = left or {}
-    return [m for m in state.members if m not in alive and m not in gone]
-
-
 @dataclass(frozen=True)
 class Departures:
     """Members of a final round without a live lease, by how they went."""
@@ -127,9 +138,16 @@ class Departures:
 
 
 def departures(view: RendezvousView, state: RoundState) -> Departures:
-    """Sort the gone members of ``state`` into lost, drained and finished. Pure."""
+    """Sort the gone members of ``state`` into lost, drained and finished. Pure.
+
+    A partial view knows no leases: it sees only clean leaves (written just before the
+    lease is revoked); losses reach it as a new round opened by the coordinator.
+    """
     left = view.left.get(state.round, {})
-    gone = [m for m in state.members if m not in view.alive]
+    if view.full:
+        gone = [m for m in state.members if m not in view.alive]
+    else:
+        gone = [m for m in state.members if m in left]
     return Departures(
         lost=tuple(m for m in gone if m not in left),
         drained=tuple(m for m in gone if left.get(m) == LEFT_DRAINED),
@@ -163,10 +181,12 @@ def decide_join(view: RendezvousView, progress: JoinProgress, *, min_nodes: int,
                           "completed the job")
         lost = [*gone.lost, *gone.drained]
         if used or lost:
-            why = (f"round {r} lost {','.join(gone.lost)}" if gone.lost
-                   else f"{','.join(gone.drained)} left round {r}" if gone.drained
-                   else f"re-rendezvous after round {r}")
-            return Action(ActionKind.OPEN_NEXT, why + f": opening round {r + 1}", round=r + 1)
+            why, cause = ((f"round {r} lost {','.join(gone.lost)}", MembershipChange.MEMBER_LOST.value)
+                          if gone.lost else
+                          (f"{','.join(gone.drained)} left round {r}", MembershipChange.MEMBER_LEFT.value)
+                          if gone.drained else (f"re-rendezvous after round {r}", ""))
+            return Action(ActionKind.OPEN_NEXT, why + f": opening round {r + 1}", round=r + 1,
+                          cause=cause, changed=tuple(lost))
         # Late arrival: pre-register for the next round and wait to be admitted.
         if me not in view.joins.get(r + 1, ()):
             return Action(ActionKind.JOIN, f"round {r} is final without us: waiting for round {r + 1}",
@@ -178,13 +198,27 @@ def decide_join(view: RendezvousView, progress: JoinProgress, *, min_nodes: int,
     joined_all = list(view.joins.get(r, ()))
     if me not in joined_all:
         return Action(ActionKind.JOIN, f"joining open round {r}", round=r)
-    joined = [n for n in joined_all if n in view.alive]
+    if not view.full:
+        return Action(ActionKind.WAIT, f"round {r}: joined, waiting for the coordinator "
+                      f"({view.coordinator or 'being elected'}) to close it", round=r,
+                      until=progress.deadline)
+    return _close_open_round(view, state, progress.min_reached_at, min_nodes=min_nodes,
+                             max_nodes=max_nodes, last_call_timeout_s=last_call_timeout_s, now=now,
+                             deadline=progress.deadline)
+
+
+def _close_open_round(view: RendezvousView, state: RoundState, min_reached_at: dict[int, float], *,
+                      min_nodes: int, max_nodes: int, last_call_timeout_s: float, now: float,
+                      deadline: float) -> Action:
+    """FINALIZE the open round ``state`` if it may close now, else WAIT (full view only)."""
+    r = state.round
+    joined = [n for n in view.joins.get(r, ()) if n in view.alive]
     if len(joined) >= max_nodes:
         members = order_members(_previous_members(state), joined, max_nodes)
         return Action(ActionKind.FINALIZE, f"round {r}: max_nodes={max_nodes} joined", round=r,
                       members=members)
     if len(joined) >= min_nodes:
-        first = progress.min_reached_at.setdefault(r, now)
+        first = min_reached_at.setdefault(r, now)
         stragglers = sorted(view.alive - set(joined))
         if not stragglers:
             members = order_members(_previous_members(state), joined, max_nodes)
@@ -197,9 +231,9 @@ def decide_join(view: RendezvousView, progress: JoinProgress, *, min_nodes: int,
                           f"round {r}: last call passed with {len(joined)} nodes "
                           f"(not joined: {','.join(stragglers)})", round=r, members=members)
         return Action(ActionKind.WAIT, f"round {r}: {len(joined)} joined, last call for "
-                      f"{','.join(stragglers)}", round=r, until=min(last_call, progress.deadline))
+                      f"{','.join(stragglers)}", round=r, until=min(last_call, deadline))
     return Action(ActionKind.WAIT, f"round {r}: {len(joined)}/{min_nodes} nodes joined", round=r,
-                  until=progress.deadline)
+                  until=deadline)
 
 
 def _previous_members(state: RoundState) -> Sequence[str]:
@@ -225,6 +259,7 @@ class Waiting:
     count: int = 0
     reason: str = ""
     kind: MembershipChange = MembershipChange.NONE
+    nodes: tuple[str, ...] = ()  # the nodes lost, left or waiting to join (when known)
 
 
 def nodes_waiting(view: RendezvousView, my_round: int, *, max_nodes: int) -> Waiting:
@@ -241,6 +276,11 @@ def nodes_waiting(view: RendezvousView, my_round: int, *, max_nodes: int) -> Wai
     if state is None or view.closed:
         return Waiting()
     if state.round > my_round:
+        cause = _CAUSES.get(state.cause) if state.round == my_round + 1 else None
+        if cause is not None:  # opened by the coordinator for a change in our round
+            return Waiting(max(len(state.changed), 1), f"round {state.round} opened: "
+                           f"{_CAUSE_WORDS[cause]}: {','.join(state.changed)}", cause,
+                           tuple(state.changed))
         return Waiting(1, f"round {state.round} opened while we are in round {my_round}",
                        MembershipChange.NEWER_ROUND)
     if state.phase != "final":
@@ -248,20 +288,93 @@ def nodes_waiting(view: RendezvousView, my_round: int, *, max_nodes: int) -> Wai
     gone = departures(view, state)
     if gone.lost:
         return Waiting(len(gone.lost), f"members lost: {','.join(gone.lost)}",
-                       MembershipChange.MEMBER_LOST)
+                       MembershipChange.MEMBER_LOST, gone.lost)
     if gone.drained:
         return Waiting(len(gone.drained), f"members left: {','.join(gone.drained)}",
-                       MembershipChange.MEMBER_LEFT)
+                       MembershipChange.MEMBER_LEFT, gone.drained)
     if gone.finished:
         # A peer's ranks completed the job: ours are finishing too. Re-forming (or
         # admitting joiners) would kill healthy workers for a round that never completes.
         return Waiting()
     if len(state.members) < max_nodes:
-        waiting = [n for n in view.joins.get(my_round + 1, ()) if n in view.alive and n not in state.members]
+        waiting = [n for n in view.joins.get(my_round + 1, ())
+                   if n not in state.members and (n in view.alive or not view.full)]
         if waiting:
             return Waiting(len(waiting), f"nodes waiting to join: {','.join(waiting)}",
-                           MembershipChange.JOIN)
+                           MembershipChange.JOIN, tuple(waiting))
     return Waiting()
+
+
+_CAUSES = {c.value: c for c in (MembershipChange.MEMBER_LOST, MembershipChange.MEMBER_LEFT)}
+_CAUSE_WORDS = {MembershipChange.MEMBER_LOST: "members lost",
+                MembershipChange.MEMBER_LEFT: "members left"}
+
+
+@dataclass
+class CoordinatorMemory:
+    """What the coordinator remembers between decisions (not shared between nodes)."""
+
+    min_reached_at: dict[int, float] = field(default_factory=dict)
+
+
+def decide_coordination(view: RendezvousView, memory: CoordinatorMemory, *, me: str, min_nodes: int,
+                        max_nodes: int, last_call_timeout_s: float, now: float,
+                        defer_lost_until: float | None = None) -> Action:
+    """The coordinator's duty, run whenever its full view changes. Pure.
+
+    Closes an open round exactly when a joined node of the old protocol would (max
+    reached; min reached and every live node joined, or the last call passed), whether or
+    not the coordinator itself joined it; opens the next round when the final round
+    lost a member or a member drained, writing the cause so that nodes with a partial
+    view report the same ``MembershipChange``; and announces late joiners waiting with
+    room for them (``rdzv/waiting``), which members read as ``JOIN``.
+
+    Args:
+        view: the coordinator's full view.
+        memory: per-coordinator memory (when the minimum was first reached, per round).
+        me: this node; anything but the holder of ``rdzv/coordinator`` does nothing.
+        defer_lost_until: while set and in the future, lost members are not acted on yet
+            (etcd itself was in trouble: their leases may have expired with etcd's outage
+            and they may still re-register); WAIT until then.
+
+    Returns:
+        FINALIZE, OPEN_NEXT (with ``cause``/``changed``), ANNOUNCE (``members`` = the
+        waiting nodes, ``round`` = the round they wait for), WAIT (with ``until`` when a
+        deadline matters) or NONE.
+    """
+    state = view.state
+    if not view.full or view.coordinator != me:
+        return Action(ActionKind.NONE, "not the coordinator")
+    if view.closed:
+        return Action(ActionKind.NONE, "the rendezvous is closed")
+    if state is None:
+        return Action(ActionKind.NONE, "no round yet")
+    if state.phase != "final":
+        return _close_open_round(view, state, memory.min_reached_at, min_nodes=min_nodes,
+                                 max_nodes=max_nodes, last_call_timeout_s=last_call_timeout_s,
+                                 now=now, deadline=float("inf"))
+    r = state.round
+    change = nodes_waiting(view, r, max_nodes=max_nodes)
+    if change.kind is MembershipChange.NONE:
+        if view.announced is not None and view.announced[0] == r + 1 and view.announced[1]:
+            # The announced joiners vanished (or there is no room any more): withdraw, or
+            # the members would re-form for nobody.
+            return Action(ActionKind.ANNOUNCE, f"round {r}: nobody waits to join any more",
+                          round=r + 1)
+        return Action(ActionKind.NONE, f"round {r} is final and complete")
+    if change.kind is MembershipChange.JOIN:
+        # Announced, not opened: the members drain first (a resize loses no step) and open
+        # the round themselves, so its last call starts when they are ready, as before.
+        if view.announced == (r + 1, change.nodes):
+            return Action(ActionKind.NONE, f"round {r}: {change.reason} (announced)")
+        return Action(ActionKind.ANNOUNCE, f"round {r}: {change.reason}: announcing them",
+                      round=r + 1, members=change.nodes)
+    if change.kind is MembershipChange.MEMBER_LOST and defer_lost_until is not None \
+            and now < defer_lost_until:
+        return Action(ActionKind.WAIT, f"round {r}: {change.reason}; etcd was in trouble, "
+                      "giving them time to re-register", round=r, until=defer_lost_until)
+    return Action(ActionKind.OPEN_NEXT, f"{change.reason}: opening round {r + 1}", round=r + 1,
+                  cause=change.kind.value, changed=change.nodes)
 
 
 class Attribution(enum.Enum):
@@ -311,9 +424,12 @@ def attribute_failure(view: RendezvousView, my_round: int, me: str) -> tuple[Att
 # "the node was away" by whether this node itself saw etcd fail or stall recently.
 
 
-def outage_window_s(node_ttl_s: float) -> float:
-    """How recent a sign of etcd trouble must be to explain an expired lease (seconds)."""
-    return node_ttl_s + 5.0
+def outage_window_s(node_ttl_s: float, election_timeout_s: float = 1.0) -> float:
+    """How recent a sign of etcd trouble must be to explain an expired lease (seconds).
+
+    An outage may include a leader election: the window covers that too.
+    """
+    return node_ttl_s + max(5.0, 2.0 * election_timeout_s)
 
 
 @dataclass(frozen=True)

@@ -124,6 +124,8 @@ class NodeSession:
         kv = retry_rdzv("node record", lambda: self.client.get(key), deadline)
         self.incarnation = kv.create_revision if kv else 0
         self.record = record
+        with self.view.cond:  # joins put on an older lease died with it
+            self.view.lease_id = lease
         self.lease_lost.clear()
         self.keeper = LeaseKeeper(self.client, lease, self.ttl_s, on_lost=self._keeper_lost).start()
         self._log.info("node_registered", lease=hex(lease), incarnation=self.incarnation)
@@ -175,11 +177,11 @@ class NodeSession:
         self._log.warning("node_id_held_elsewhere", host=rec.host, pid=rec.pid,
                           wait_s=round(until - time.monotonic(), 1))
         while (left := until - time.monotonic()) > 0:
-            with self.view.cond:  # the nodes watch shows the key's deletion at expiry
-                cur, version = self.view.nodes.get(key), self.view.version
+            # Polled (a rare path): only the coordinator watches nodes/.
+            cur = retry_rdzv("node record", lambda: self.client.get(key), deadline)
             if cur is None or cur.create_revision != old.create_revision:
                 return cur
-            self.view.wait_change(version, left)
+            time.sleep(min(left, 0.25))
         raise ConfigError(fix)
 
     def _keeper_lost(self) -> None:

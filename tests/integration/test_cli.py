@@ -15,7 +15,7 @@ pytestmark = pytest.mark.timeout(60)
 # `run` and `agent` share one flag per config key (elasticd.config.flags).
 NODE_FLAGS = ["--standalone", "--job", "--nnodes", "--checkpoint-url", "--resume", "--etcd", "--etcd-ca",
               "--etcd-cert", "--etcd-key", "--etcd-user", "--etcd-password-file",
-              "--etcd-insecure-plaintext-auth", "--etcd-timeout", "--etcd-connect-timeout", "--etcd-data-dir", "--node-id",
+              "--etcd-insecure-plaintext-auth", "--etcd-timeout", "--etcd-connect-timeout", "--etcd-election-timeout", "--etcd-data-dir", "--node-id",
               "--local-addr", "--node-ttl", "--join-timeout", "--last-call-timeout",
               "--close-timeout", "--store-timeout",
               "--nproc-per-node", "--workdir", "--monitor-interval", "--hang-timeout",

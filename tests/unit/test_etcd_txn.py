@@ -7,10 +7,10 @@ import pytest
 from etcd3.client import Transactions
 
 from elasticd.etcd.txn import (
-    Exists,
     CreateRevision,
     Delete,
     DeletePrefix,
+    Exists,
     ModRevision,
     Put,
     raw_compare,
