@@ -262,7 +262,8 @@ def read_jsonl(path: Path) -> list[dict]:
 
 
 def json_in_line(text: str) -> dict | None:
-    """The JSON object in a log line, after any launcher prefix such as ``[default0]:``."""
+    """The JSON object in a log line, after any launcher prefix such as ``[default0]:``;
+    a JSON-mode agent's ``worker_output`` event yields the object the worker printed."""
     i = text.find("{")
     if i < 0:
         return None
@@ -270,6 +271,8 @@ def json_in_line(text: str) -> dict | None:
         rec = json.loads(text[i:])
     except ValueError:
         return None
+    if isinstance(rec, dict) and rec.get("event") == "worker_output" and isinstance(rec.get("line"), str):
+        return json_in_line(rec["line"])
     return rec if isinstance(rec, dict) else None
 
 

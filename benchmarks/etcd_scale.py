@@ -104,9 +104,13 @@ def _emit(rec: dict) -> None:
 def child_main(args: argparse.Namespace, index: int) -> int:
     """One handler; "ready"; once the go file exists rendezvous, then re-rendezvous whenever
     nodes wait, until the stop file exists."""
+    import structlog
+
     from elasticd.etcd.client import EtcdClient
     from elasticd.rendezvous.etcd_handler import EtcdRendezvousHandler, RendezvousSettings
 
+    # Logs to stderr (the zygote's .err file): stdout carries the JSON lines for the parent.
+    structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))
     go, stop = Path(args.ctl, "go"), Path(args.ctl, "stop")
     settings = RendezvousSettings(min_nodes=args.total - 1, max_nodes=args.total, node_ttl_s=args.ttl,
                                   join_timeout_s=args.round_timeout, local_addr="127.0.0.1")
@@ -201,6 +205,26 @@ class Zygote:
             self.proc.wait(timeout=10)
 
 
+def _watch_expiry(endpoint: str, key: str) -> list[float]:
+    """Start watching ``key``; the returned list gets the wall time of its deletion."""
+    from elasticd.etcd.client import EtcdClient
+
+    seen: list[float] = []
+    client = EtcdClient(endpoint, timeout_s=5.0)
+
+    def on_events(events) -> None:  # type: ignore[no-untyped-def]
+        if not seen and any(e.value is None for e in events):
+            seen.append(time.time())
+
+    try:
+        w = client.watch_prefix(key, on_events, lambda kvs, rev: None, name="expiry",
+                                range_end=key + "\0")
+    except TypeError:  # a tree before range watches (measuring the old protocol)
+        w = client.watch_prefix(key, on_events, lambda kvs, rev: None, name="expiry")
+    w.connected.wait(10)
+    return seen
+
+
 def _wait(pred, timeout_s: float, what: str) -> None:  # type: ignore[no-untyped-def]
     deadline = time.monotonic() + timeout_s
     while not pred():
@@ -209,14 +233,61 @@ def _wait(pred, timeout_s: float, what: str) -> None:  # type: ignore[no-untyped
         time.sleep(0.05)
 
 
-def run_size(n: int, args: argparse.Namespace, workdir: Path) -> dict:
-    from elasticd.etcd.embedded import EmbeddedEtcd
+class Etcd:
+    """One embedded etcd (``--members 1``) or a local cluster (``--members 3``): its client
+    endpoints, the member that serves /metrics (every member counts its own watch events
+    and clients: all are summed), and CPU/RSS summed over the members."""
 
-    etcd = EmbeddedEtcd(data_dir=str(workdir / f"etcd-{n}")).start()
-    assert etcd.proc is not None
-    epid = etcd.proc.pid
+    def __init__(self, members: int, root: Path) -> None:
+        from elasticd.etcd.cluster import EmbeddedEtcdCluster
+        from elasticd.etcd.embedded import EmbeddedEtcd
+
+        self.cluster = None
+        self.single = None
+        if members == 1:
+            self.single = EmbeddedEtcd(data_dir=str(root)).start()
+            self.servers = [self.single]
+        else:
+            for attempt in range(3):  # a free port can be taken between its pick and etcd's bind
+                sub = root / f"try{attempt}"
+                sub.mkdir(parents=True, exist_ok=True)
+                try:
+                    self.cluster = EmbeddedEtcdCluster(members, root_dir=str(sub)).start()
+                    break
+                except Exception:
+                    if attempt == 2:
+                        raise
+            assert self.cluster is not None
+            self.servers = list(self.cluster.members)
+        self.endpoint = ",".join(m.endpoint for m in self.servers)
+
+    def pids(self) -> list[int]:
+        return [m.proc.pid for m in self.servers if m.proc is not None]
+
+    def scrape(self) -> dict:
+        total: dict = {}
+        for m in self.servers:
+            for k, v in scrape_etcd(m.endpoint, COUNTERS).items():
+                total[k] = total.get(k, 0) + v
+        return total
+
+    def cpu(self) -> float:
+        return sum(cpu_s(p) for p in self.pids())
+
+    def rss(self) -> float:
+        return sum(rss_mb(p) for p in self.pids())
+
+    def stop(self) -> None:
+        if self.cluster is not None:
+            self.cluster.stop()
+        if self.single is not None:
+            self.single.stop()
+
+
+def run_size(n: int, args: argparse.Namespace, workdir: Path) -> dict:
+    etcd = Etcd(args.members, workdir / f"etcd-{n}")
     zyg: Zygote | None = None
-    r: dict = {"n": n}
+    r: dict = {"n": n, "members": args.members}
     try:
         t_spawn = time.time()
         zyg = Zygote(args, etcd.endpoint, f"scale-{n}", n, workdir)
@@ -228,38 +299,51 @@ def run_size(n: int, args: argparse.Namespace, workdir: Path) -> dict:
         r["spawn_s"] = round(time.time() - t_spawn, 1)
         pids = [z.pid(i) for i in range(n)]
         r["sim_private_mb"] = round(sum(private_mb(p) for p in pids) / n, 1)
-        c0, cpu0 = scrape_etcd(etcd.endpoint, COUNTERS), cpu_s(epid)
+        c0, cpu0 = etcd.scrape(), etcd.cpu()
+        sim0 = sum(cpu_s(p) for p in pids)
         go = time.time()
         (z.ctl / "go").touch()
         _wait(lambda: z.all_have(lambda x: "rank" in x), args.round_timeout, "round 1")
         r["round_s"] = round(max(z.first_t(i, lambda x: "rank" in x) for i in range(n)) - go, 2)
-        c1, cpu1 = scrape_etcd(etcd.endpoint, COUNTERS), cpu_s(epid)
+        c1, cpu1 = etcd.scrape(), etcd.cpu()
+        # The simulated nodes' own CPU in the round: on real machines each node has its own.
+        r["round_node_cpu_ms"] = round(1000.0 * (sum(cpu_s(p) for p in pids) - sim0) / n, 1)
+        r["sim_private_mb_active"] = round(sum(private_mb(p) for p in pids) / n, 1)
         r["round_watch_events"] = c1["watch_events"] - c0["watch_events"]
         r["round_requests"] = c1["requests"] - c0["requests"]
         r["round_etcd_cpu_s"] = round(cpu1 - cpu0, 2)
         r["watchers"] = c1["watchers"]
         time.sleep(args.settle)
-        a, cpu_a, ta = scrape_etcd(etcd.endpoint, COUNTERS), cpu_s(epid), time.monotonic()
+        a, cpu_a, ta = etcd.scrape(), etcd.cpu(), time.monotonic()
         time.sleep(args.window)
-        b, cpu_b, tb = scrape_etcd(etcd.endpoint, COUNTERS), cpu_s(epid), time.monotonic()
+        b, cpu_b, tb = etcd.scrape(), etcd.cpu(), time.monotonic()
         minutes = (tb - ta) / 60.0
         r["per_node_min"] = {k: round((b[k] - a[k]) / n / minutes, 1) for k in
                              ("requests", "keepalives", "bytes_in", "bytes_out", "writes", "txns")}
         r["steady_etcd_cpu_pct"] = round(100.0 * (cpu_b - cpu_a) / (tb - ta), 1)
-        r["etcd_rss_mb"] = round(rss_mb(epid), 1)
+        r["etcd_rss_mb"] = round(etcd.rss(), 1)
+        r["steady_watch_events_per_node_min"] = round((b["watch_events"] - a["watch_events"]) / n / minutes, 1)
         # recovery after one node is lost
         survivors = list(range(n - 1))
-        before = scrape_etcd(etcd.endpoint, COUNTERS)
+        expired = _watch_expiry(etcd.endpoint, f"/elasticd/scale-{n}/nodes/sim-{n - 1}")
+        before = etcd.scrape()
         t_kill = time.time()
         os.kill(pids[-1], signal.SIGKILL)
         shrunk = lambda x: "rank" in x and x["world"] == n - 1  # noqa: E731
         _wait(lambda: z.all_have(shrunk, survivors), args.round_timeout, "the survivors' next round")
-        r["recovery_s"] = round(max(z.first_t(i, shrunk) for i in survivors) - t_kill, 2)
-        after, cpu_end = scrape_etcd(etcd.endpoint, COUNTERS), cpu_s(epid)
+        t_all = max(z.first_t(i, shrunk) for i in survivors)
+        r["recovery_s"] = round(t_all - t_kill, 2)
+        # The part after the lease expired (the kill -> expiry part is TTL - up to TTL/3, a
+        # matter of when the last keep-alive went out, the same for every protocol).
+        if expired:
+            r["expiry_s"] = round(expired[0] - t_kill, 2)
+            r["after_expiry_s"] = round(t_all - expired[0], 2)
+        after, cpu_end = etcd.scrape(), etcd.cpu()
         r["recovery_watch_events"] = after["watch_events"] - before["watch_events"]
         r["recovery_requests"] = after["requests"] - before["requests"]
         r["etcd_cpu_total_s"] = round(cpu_end - cpu0, 2)
-        r["etcd_rss_mb_end"] = round(rss_mb(epid), 1)
+        r["etcd_rss_mb_end"] = round(etcd.rss(), 1)
+        r["recovery_etcd_cpu_s"] = round(cpu_end - cpu_b, 2)
         r["errors"] = z.errors()[:3]
     finally:
         if zyg is not None:
@@ -269,21 +353,24 @@ def run_size(n: int, args: argparse.Namespace, workdir: Path) -> dict:
 
 
 def report(results: list[dict], info: dict, argv: list[str], busy: list[str], args: argparse.Namespace) -> str:
-    rows = ["| N | round (s) | recovery after 1 node lost (s) | watch events: round | watch events: "
-            "recovery | watchers | requests /node/min | keep-alives /node/min | bytes in+out "
-            "/node/min | etcd CPU: round (s) | etcd CPU steady (%) | etcd RSS (MB) | "
-            "private MB per node process |",
-            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    rows = ["| N | round (s) | recovery after 1 node lost (s) | watch events: round (per N) | "
+            "watch events: recovery (per N) | watchers | requests /node/min | keep-alives /node/min "
+            "| bytes in+out /node/min | etcd CPU: round (s) | etcd CPU: recovery (s) | etcd CPU "
+            "steady (%) | etcd RSS (MB) | private MB per node process | node CPU in the round (ms/node) |",
+            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in results:
         if "error" in r:
-            rows.append(f"| {r['n']} | error: {r['error'][:90]} |" + " |" * 11)
+            rows.append(f"| {r['n']} | error: {r['error'][:90]} |" + " |" * 13)
             continue
-        m = r["per_node_min"]
-        rows.append(f"| {r['n']} | {r['round_s']} | {r['recovery_s']} | {r['round_watch_events']:,.0f} | "
-                    f"{r['recovery_watch_events']:,.0f} | {r['watchers']:,.0f} | {m['requests']} | "
+        m, n = r["per_node_min"], r["n"]
+        after = f" ({r['after_expiry_s']} after expiry)" if "after_expiry_s" in r else ""
+        rows.append(f"| {n} | {r['round_s']} | {r['recovery_s']}{after} | {r['round_watch_events']:,.0f} "
+                    f"({r['round_watch_events'] / n:.1f}) | {r['recovery_watch_events']:,.0f} "
+                    f"({r['recovery_watch_events'] / n:.1f}) | {r['watchers']:,.0f} | {m['requests']} | "
                     f"{m['keepalives']} | {m['bytes_in'] + m['bytes_out']:,.0f} | "
-                    f"{r['round_etcd_cpu_s']} | {r['steady_etcd_cpu_pct']} | {r['etcd_rss_mb_end']} | "
-                    f"{r['sim_private_mb']} |")
+                    f"{r['round_etcd_cpu_s']} | {r.get('recovery_etcd_cpu_s', '–')} | "
+                    f"{r['steady_etcd_cpu_pct']} | {r['etcd_rss_mb_end']} | {r.get('sim_private_mb_active', r['sim_private_mb'])} | "
+                    f"{r.get('round_node_cpu_ms', '–')} |")
     shared = (f" The machine was shared (other busy processes at the start: {len(busy)}); times "
               "are ±30 %, counts are exact.") if busy else ""
     return "\n".join([
@@ -295,7 +382,8 @@ def report(results: list[dict], info: dict, argv: list[str], busy: list[str], ar
         "",
         f"One process per simulated node, forked from a zygote that imported torch (the real "
         f"`EtcdRendezvousHandler`, its own gRPC connection, lease and watches; no workers), one "
-        f"embedded etcd, `min_nodes=N-1, max_nodes=N, node_ttl_s={args.ttl}`. Recovery includes "
+        f"{'embedded etcd' if args.members == 1 else f'local etcd cluster of {args.members} members (elasticd.etcd.cluster; counters and CPU/RSS summed over the members)'}, "
+        f"`min_nodes=N-1, max_nodes=N, node_ttl_s={args.ttl}`. Recovery includes "
         f"the TTL ({args.ttl} s) and the 1 s last call. Steady state over {args.window:.0f} s.",
         "",
         *rows,
@@ -306,6 +394,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sizes", default="8,64")
     p.add_argument("--ttl", type=int, default=5)
+    p.add_argument("--members", type=int, default=1, help="etcd members (3: a local cluster)")
     p.add_argument("--window", type=float, default=20.0)
     p.add_argument("--settle", type=float, default=3.0)
     p.add_argument("--round-timeout", type=float, default=180.0)
@@ -327,8 +416,8 @@ def main(argv: list[str] | None = None) -> int:
         for n in [int(x) for x in args.sizes.split(",") if x]:
             try:
                 r = run_size(n, args, workdir)
-            except RuntimeError as exc:
-                r = {"n": n, "error": str(exc)}
+            except Exception as exc:  # noqa: BLE001 - report it in the table, go on
+                r = {"n": n, "error": f"{type(exc).__name__}: {str(exc)[:200]}"}
             results.append(r)
             print(json.dumps(r), flush=True)
     (workdir / "results.json").write_text(json.dumps({"machine": info, "results": results}, indent=1))

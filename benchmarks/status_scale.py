@@ -34,7 +34,7 @@ from pathlib import Path
 from elasticd.etcd.client import EtcdClient
 from elasticd.etcd.embedded import EmbeddedEtcd
 from elasticd.status.cli import build_parser, run
-from elasticd.status.model import read_job
+from elasticd.status.snapshot import read_job
 
 # The synthetic job is a test fixture, not part of the installed package.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))

@@ -40,6 +40,10 @@ def _run_command(args: argparse.Namespace) -> int:
     if cfg.etcd.embedded and not cfg.job.standalone:
         raise ConfigError("no etcd: pass --etcd HOST:PORT to join a job, or --standalone for a "
                           "single machine")
+    from elasticd.agent.remote_control import refuse_early
+
+    if refuse_early(cfg):  # `elasticd stop`/`drain`: exit 0 at once, before importing torch
+        return 0
     # torch is imported only now, after the flags were validated (a typo answers at once).
     from elasticd.agent.runner import run_node
     from elasticd.agent.settings import node_spec
@@ -64,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.required = True
     _add_run_parser(sub)
     for name in ("elasticd.agent.cli", "elasticd.status.cli", "elasticd.cli_checkpoints",
-                 "elasticd.cli_etcd"):
+                 "elasticd.cli_etcd", "elasticd.cli_control"):
         try:
             module = __import__(name, fromlist=["add_parser"])
         except ImportError:
@@ -77,6 +81,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _error(args: argparse.Namespace, message: str) -> None:
+    """The last line of a failed command; one JSON object when an agent logs JSON."""
+    if args.subcommand in ("run", "agent"):
+        from elasticd.logs import error_line
+
+        error_line(message)
+    else:
+        sys.stderr.write(message + "\n")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -85,10 +99,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _run_command(args)
         return int(args.func(args))
     except ConfigError as exc:
-        sys.stderr.write(f"elasticd: configuration error: {scrub_text(str(exc))}\n")
+        _error(args, f"elasticd: configuration error: {scrub_text(str(exc))}")
         return EX_CONFIG
     except ElasticdError as exc:
-        sys.stderr.write(f"elasticd: {scrub_text(str(exc))}\n")
+        _error(args, f"elasticd: {scrub_text(str(exc))}")
         return exc.exit_code
     except KeyboardInterrupt:
         return 130

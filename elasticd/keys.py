@@ -9,6 +9,8 @@ Layout (see docs/architecture.md)::
     /elasticd/<job>/nodes/<node>            node record (JSON), on the node's lease
     /elasticd/<job>/rdzv/state              round state (JSON), txn-guarded by mod_revision
     /elasticd/<job>/rdzv/closed             present once the job is closed
+    /elasticd/<job>/rdzv/coordinator        node id of the round coordinator, on its lease
+    /elasticd/<job>/rdzv/waiting            late joiners the coordinator announces (JSON)
     /elasticd/<job>/rdzv/joins/<round>/<node>  a node asking to be in <round>, on its lease
     /elasticd/<job>/rdzv/failures/<round>/<node>  a node's worker failure in <round>, on its lease
     /elasticd/<job>/store/<round>/<key>     the c10d store of one round
@@ -17,6 +19,8 @@ Layout (see docs/architecture.md)::
     /elasticd/<job>/checkpoint/latest       fenced pointer to the newest committed checkpoint
     /elasticd/<job>/run_id                  this run's id (created once; checkpoints carry it)
     /elasticd/<job>/events/<seq>            bounded event history (JSON)
+    /elasticd/<job>/control/stop            the job is stopped (`elasticd stop`); agents leave/stay out
+    /elasticd/<job>/control/drain/<node>    that node is drained (`elasticd drain`); it leaves/stays out
 """
 
 from __future__ import annotations
@@ -79,6 +83,13 @@ class JobKeys:
     def node(self, node_id: str) -> str:
         return f"{self.nodes_prefix}{validate_node_id(node_id)}"
 
+    @property
+    def beats_prefix(self) -> str:
+        return f"{self.prefix}beats/"
+
+    def beat(self, node_id: str) -> str:
+        return f"{self.beats_prefix}{validate_node_id(node_id)}"
+
     # rendezvous
     @property
     def rdzv_prefix(self) -> str:
@@ -91,6 +102,15 @@ class JobKeys:
     @property
     def rdzv_closed(self) -> str:
         return f"{self.rdzv_prefix}closed"
+
+    @property
+    def rdzv_coordinator(self) -> str:
+        """The coordinator's key: the one node that watches ``nodes/`` and every join."""
+        return f"{self.rdzv_prefix}coordinator"
+
+    @property
+    def rdzv_waiting(self) -> str:
+        return f"{self.rdzv_prefix}waiting"
 
     @property
     def joins_root(self) -> str:
@@ -151,6 +171,22 @@ class JobKeys:
 
     def event(self, seq: int) -> str:
         return f"{self.events_prefix}{seq:016d}"
+
+    # operator control (`elasticd stop` / `drain` / `start`): no lease, cleared by `start`
+    @property
+    def control_prefix(self) -> str:
+        return f"{self.prefix}control/"
+
+    @property
+    def stop_mark(self) -> str:
+        return f"{self.control_prefix}stop"
+
+    @property
+    def drain_marks_prefix(self) -> str:
+        return f"{self.control_prefix}drain/"
+
+    def drain_mark(self, node_id: str) -> str:
+        return f"{self.drain_marks_prefix}{validate_node_id(node_id)}"
 
 
 def round_of_key(key: str, root: str) -> int | None:

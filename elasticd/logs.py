@@ -6,6 +6,13 @@ Every log line goes to stderr (stdout belongs to the commands' output, e.g. ``st
 passes through :func:`redact_secrets` (elasticd.sensitive's one masking rule), so a
 token in a URL or a ``*_TOKEN`` field never reaches journald.
 
+In JSON mode *every* line the agent writes is one JSON object: its own events, torch's
+stdlib log records (rendered by the same processors), and its workers' output
+(``elasticd.agent.worker_logs`` wraps each line with rank and stream). Workers started by
+an agent in JSON mode get ``ELASTICD_LOG_FORMAT=json`` and configure structlog the same
+way (:func:`configure_worker_logging`), so the worker API's own events
+(``checkpoint_saved``...) are JSON too and pass through unwrapped.
+
 Also where worker logs go (:func:`resolve_worker_log_dir`): never a predictable shared
 path. ``/tmp/elasticd-logs-<job>`` could be created first by another local user, who
 would then read (and swap) every worker's output.
@@ -27,7 +34,9 @@ from elasticd.errors import ConfigError
 from elasticd.sensitive import scrub
 
 _configured = False
+_format: str | None = None  # "json" | "console" once configured
 log = structlog.get_logger(__name__)
+FORMATS = ("json", "console")
 
 
 def redact_secrets(_logger: Any, _name: str, event: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
@@ -37,38 +46,101 @@ def redact_secrets(_logger: Any, _name: str, event: MutableMapping[str, Any]) ->
     return event
 
 
-def configure_logging(fmt: str = "auto", *, level: str = "info", stream: TextIO | None = None) -> None:
+def configure_logging(fmt: str = "auto", *, level: str = "info", stream: TextIO | None = None,
+                      stdlib: bool = True) -> None:
     """Configure structlog and the stdlib root logger once.
 
     Args:
         fmt: ``"json"``, ``"console"``, or ``"auto"`` (console on a TTY, JSON otherwise).
         level: minimum level name.
         stream: where lines go (stderr by default).
+        stdlib: also route the stdlib root logger (and ``warnings``) through the same
+            rendering; False in workers, whose stdlib logging belongs to the user's script.
     """
-    global _configured
+    global _configured, _format
     stream = stream or sys.stderr
     if fmt == "auto":
         fmt = "console" if stream.isatty() else "json"
     renderer = (structlog.processors.JSONRenderer() if fmt == "json"
                 else structlog.dev.ConsoleRenderer(colors=stream.isatty()))
     lvl = getattr(logging, level.upper(), logging.INFO)
+    shared: list[Any] = [
+        structlog.contextvars.merge_contextvars,
+        structlog.processors.add_log_level,
+        structlog.processors.TimeStamper(fmt="iso", utc=True),
+        structlog.processors.format_exc_info,
+        redact_secrets,
+    ]
     structlog.configure(
-        processors=[
-            structlog.contextvars.merge_contextvars,
-            structlog.processors.add_log_level,
-            structlog.processors.TimeStamper(fmt="iso", utc=True),
-            structlog.processors.format_exc_info,
-            redact_secrets,
-            renderer,
-        ],
+        processors=[*shared, renderer],
         wrapper_class=structlog.make_filtering_bound_logger(lvl),
         logger_factory=structlog.PrintLoggerFactory(file=stream),
         cache_logger_on_first_use=False,
     )
     # torch elastic logs through the stdlib; keep its INFO chatter out, warnings in.
-    logging.basicConfig(stream=stream, level=logging.WARNING,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    _configured = True
+    if stdlib and fmt == "json":
+        # One JSON object per line there too: a plain-text torch warning would break
+        # `journalctl -o cat | jq` at that line.
+        _stdlib_to_json(stream, shared, renderer)
+    elif stdlib:
+        logging.basicConfig(stream=stream, level=logging.WARNING,
+                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    _configured, _format = True, fmt
+
+
+def _stdlib_to_json(stream: TextIO, shared: list[Any], renderer: Any) -> None:
+    formatter = structlog.stdlib.ProcessorFormatter(
+        processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, renderer],
+        foreign_pre_chain=[structlog.stdlib.add_logger_name, *shared])
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(formatter)
+    handler.set_name("elasticd-json")
+    # torch's registered loggers ("torch", ...) do not propagate: they have stream handlers
+    # of their own with a glog-style format ("E1130 21:54:00.339 ... failed (exitcode: 1)").
+    # Keep their routing and levels, render them as JSON.
+    for name, logger in list(logging.root.manager.loggerDict.items()):
+        if (name == "torch" or name.startswith("torch.")) and isinstance(logger, logging.Logger):
+            for h in logger.handlers:
+                if type(h) is logging.StreamHandler:
+                    h.setFormatter(formatter)
+    root = logging.getLogger()
+    for old in list(root.handlers):
+        if old.get_name() == "elasticd-json":  # configured again: replace ours, keep others'
+            root.removeHandler(old)
+    root.addHandler(handler)
+    root.setLevel(logging.WARNING)
+    logging.captureWarnings(True)  # warnings.warn() goes through the same handler
+
+
+def current_format() -> str | None:
+    """``"json"`` or ``"console"``: what :func:`configure_logging` chose (None before)."""
+    return _format
+
+
+def configure_worker_logging(fmt: str | None) -> None:
+    """In a worker: render the worker API's events as JSON when the agent does.
+
+    ``fmt`` is the agent's resolved format (``ELASTICD_LOG_FORMAT``, read by the
+    launcher). Only ``"json"`` changes anything: in console mode the worker's output is
+    left exactly as before (torch prefixes each line with ``[default<rank>]:``).
+    Events go to stderr, as the agent's do. The stdlib root logger is left alone: the
+    user's script may configure it (its lines are wrapped by the agent like any output).
+    """
+    if fmt == "json":
+        configure_logging("json", stdlib=False)
+
+
+def error_line(message: str, *, event: str = "agent_error", **fields: Any) -> None:
+    """Write a final error line: one JSON event in JSON mode, else the plain text on stderr.
+
+    For the lines printed outside any event (a failure summary, an exit reason), which
+    would otherwise be the one non-JSON line in a JSON log.
+    """
+    if _format == "json":
+        structlog.get_logger("elasticd").error(event, message=message, **fields)
+    else:
+        sys.stderr.write(message if message.endswith("\n") else message + "\n")
+        sys.stderr.flush()
 
 
 def ensure_configured() -> None:

@@ -138,6 +138,19 @@ class RoundState(_Record):
     max_nodes: int = 1
     opened_at: float = 0.0
     completed_at: float | None = None
+    # Why an open round was opened (a ``MembershipChange`` value, "" = a re-rendezvous) and
+    # the nodes concerned: nodes that do not watch ``nodes/`` and every join (all but the
+    # coordinator, at scale) learn what changed from this one key.
+    cause: str = ""
+    changed: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class WaitingRecord(_Record):
+    """``/elasticd/<job>/rdzv/waiting``: late joiners the coordinator saw waiting for ``round``."""
+
+    round: int
+    nodes: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -151,6 +164,22 @@ class Progress(_Record):
     samples_per_s: float = 0.0
     world_size: int = 0
     updated_at: float = 0.0
+
+
+@dataclass(frozen=True)
+class Beat(_Record):
+    """``/elasticd/<job>/beats/<node>``: a node's liveness and its own newest step.
+
+    Written by every agent every few seconds on its lease, and watched by no agent (only
+    `elasticd status` reads it), so a beat costs one write per node, not one event per
+    node per peer: the node record under ``nodes/``, which every peer watches, changes
+    only when the node's state does.
+    """
+
+    at: float  # when the agent wrote it (its clock)
+    round: int = -1
+    step: int = -1  # the newest step its workers reported (-1: none yet)
+    local_world_size: int = 0
 
 
 @dataclass(frozen=True)
@@ -191,6 +220,16 @@ class CheckpointPointer(_Record):
         return cls(step=step, round=round_, manifest_url=manifest_url,
                    committed_at=committed_at, world_size=world_size, high_water=high,
                    run_id=run_id)
+
+
+@dataclass(frozen=True)
+class StopMark(_Record):
+    """``/elasticd/<job>/control/stop`` and ``.../control/drain/<node>``: written by
+    ``elasticd stop`` / ``elasticd drain``, obeyed by agents, cleared by ``elasticd start``."""
+
+    requested_at: float
+    by: str = ""  # user@host of the operator's command
+    reason: str = ""
 
 
 @dataclass(frozen=True)

@@ -65,11 +65,14 @@ def steps(nodes: list[Node]) -> list[dict]:
     rows = []
     for n in nodes:
         for line in n.log_path.read_text(errors="replace").splitlines():
-            if line.startswith("[default0]:{\"step\""):
-                try:
-                    rows.append(json.loads(line.split(":", 1)[1]))
-                except ValueError:
-                    pass
+            # JSON logs: each worker line is a worker_output event (docs/operations.md)
+            try:
+                rec = json.loads(line)
+                if rec.get("event") == "worker_output" and rec.get("local_rank") == 0 \
+                        and rec["line"].startswith('{"step"'):
+                    rows.append(json.loads(rec["line"]))
+            except (ValueError, AttributeError, KeyError):
+                pass
     return sorted(rows, key=lambda r: (r.get("round") or 0, r["step"]))
 
 
@@ -111,8 +114,11 @@ def main() -> int:
             killed_at = max(r["step"] for r in steps(nodes))
             wait_for(lambda: sum(r["world_size"] == 1 for r in steps(nodes)) >= 3, 60,
                      "training at world size 1")
-            print(f"   node-a trains on alone {time.time() - t_kill:.1f}s after the kill, resumed from "
-                  "its newest checkpoint")
+            resumed = min(r["step"] for r in steps(nodes) if r["world_size"] == 1)
+            retrained = max(killed_at - resumed + 1, 0)
+            print(f"   node-a trains on alone {time.time() - t_kill:.1f}s after the kill, from step "
+                  f"{resumed}: {retrained} step(s) retrained (the last step before the kill was "
+                  f"{killed_at}; a restart resumes from the newest checkpoint)")
             show_loss(nodes)
             status(etcd.endpoint)
 

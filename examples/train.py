@@ -113,12 +113,13 @@ def train_epochs(args, ctx, step, x, y, ddp, optim, sampler, plan, live, trace, 
                     trace.flush()
                 if args.step_sleep:
                     time.sleep(args.step_sleep)
+                mean_loss = round(total / max(len(share), 1), 6)
                 if ctx.rank == 0:
                     log(step=step, epoch=epoch, world_size=ctx.world_size,
-                        samples_trained=sampler.samples_trained,
-                        loss=round(total / max(len(share), 1), 6),
+                        samples_trained=sampler.samples_trained, loss=mean_loss,
                         step_s=round(time.perf_counter() - t0, 4), round=ctx.round)
-                worker.report_progress(step, epoch=epoch, samples=(step + 1) * args.global_batch)
+                worker.report_progress(step, epoch=epoch, samples=(step + 1) * args.global_batch,
+                                       loss=mean_loss)
                 done = step + 1 >= args.steps
                 if live.step_done(step):  # a drain without live re-formation
                     ckpt.save(step, state, blocking=True)  # commit before exiting 0

@@ -28,15 +28,18 @@ def children_of(pid: int) -> list[int]:
     return descendants(pid)
 
 
-def wait_until(pred: Callable[[], object], timeout_s: float, what: str, interval_s: float = 0.05):
-    """Poll ``pred`` until truthy; fail the test with ``what`` after ``timeout_s``."""
+def wait_until(pred: Callable[[], object], timeout_s: float, what: str | Callable[[], str],
+               interval_s: float = 0.05):
+    """Poll ``pred`` until truthy; fail the test with ``what`` (or what it returns: the last
+    state seen) after ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
     while True:
         value = pred()
         if value:
             return value
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what}")
+            said = what() if callable(what) else what
+            raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {said}")
         time.sleep(interval_s)
 
 
@@ -110,6 +113,21 @@ def read_jsonl(path: Path) -> list[dict]:
             out.append(json.loads(line))
         except ValueError:
             continue  # a line torn by a kill
+    return out
+
+
+def worker_lines(log_text: str, *, local_rank: int = 0) -> list[str]:
+    """What one local rank printed, from a node log in JSON mode (the harness's default):
+    each worker line is a ``worker_output`` event (elasticd.agent.worker_logs)."""
+    out = []
+    for line in log_text.splitlines():
+        try:
+            obj = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(obj, dict) and obj.get("event") == "worker_output" \
+                and obj.get("local_rank") == local_rank:
+            out.append(obj["line"])
     return out
 
 

@@ -9,11 +9,10 @@ job is written in about thirty requests.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 from elasticd.etcd.client import EtcdClient
+from elasticd.etcd.txn import Put
 from elasticd.history import History, Sample
 from elasticd.keys import JobKeys
 from elasticd.records import CheckpointPointer, Event, NodeRecord, Progress, RoundState
@@ -54,11 +53,8 @@ class SyntheticJob:
 
 
 def _put_all(client: EtcdClient, items: list[tuple[str, str, int | None]]) -> None:
-    def puts(chunk: list[tuple[str, str, int | None]]) -> Callable[[Any], list[Any]]:
-        return lambda t: [t.put(k, v, lease=lease) for k, v, lease in chunk]
-
     for start in range(0, len(items), BATCH):
-        client.txn(lambda t: [], puts(items[start:start + BATCH]))
+        client.txn([], [Put(k, v, lease=lease) for k, v, lease in items[start:start + BATCH]])
 
 
 def write_synthetic_job(client: EtcdClient, spec: SyntheticJob, *, now: float,

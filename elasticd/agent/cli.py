@@ -13,8 +13,8 @@ import os
 import sys
 
 from elasticd.config import load_config, render_effective, security_warnings
+from elasticd.config.checks import availability_warnings
 from elasticd.config.flags import add_config_flags, flag_names, overrides_from_args
-from elasticd.config.loader import availability_warnings
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -39,6 +39,10 @@ def run(args: argparse.Namespace) -> int:
             sys.stderr.write(f"elasticd: warning: insecure setting: {warning}\n")
         for warning in availability_warnings(cfg):
             sys.stderr.write(f"elasticd: warning: no etcd fail-over: {warning}\n")
+        return 0
+    from elasticd.agent.remote_control import refuse_early
+
+    if refuse_early(cfg):  # `elasticd stop`/`drain`: exit 0 at once, before importing torch
         return 0
     # torch is imported only when the agent really runs (a config check answers at once).
     from elasticd.agent.runner import run_node

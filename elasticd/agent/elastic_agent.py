@@ -9,8 +9,12 @@ error files, log tee). We replace its ``_invoke_run`` loop, because torch's loop
   survivors inside an all-reduce until the 30-minute process-group timeout;
 - treats SIGTERM as a crash (no drain, no explicit leave).
 
-The loop gathers facts each tick and asks ``policy.decide`` what to do. Signal handlers
-only bump counters; all work happens here, between ticks.
+The loop gathers facts each tick (reads only: the watch cache, the control dir, the
+progress board) and asks ``policy.decide`` what to do; the act step then does the tick's
+writes (failure report, progress, heartbeat) and carries out the verdict, so a slow etcd
+delays the act step, never the look. The loop's state is one ``AgentPhase`` value
+(``supervision.py``), replaced on each transition. Signal handlers only bump counters;
+all work happens here, between ticks.
 """
 
 from __future__ import annotations
@@ -19,7 +23,6 @@ import math
 import os
 import signal
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import structlog
@@ -28,65 +31,28 @@ from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElas
 from torch.distributed.elastic.rendezvous import RendezvousGracefulExitError
 
 from elasticd.agent.commits import CommitRetrier
-from elasticd.agent.policy import Decision, Facts, Verdict, decide
+from elasticd.agent.policy import Decision, Facts, GroupState, Verdict, decide
 from elasticd.agent.recorder import JobRecorder
 from elasticd.agent.reform import LiveReformer, live_tick
 from elasticd.agent.summary import failure_summary, first_failure, print_summary
+from elasticd.agent.supervision import AgentPhase, Outcome, SupervisionSettings
 from elasticd.agent.warm import StandbyPool, torch_loaded, warm_handlers
-from elasticd.agent.worker_env import scrub, spawn_environment
+from elasticd.agent.worker_env import agent_worker_env, spawn_environment
+from elasticd.agent.worker_exec import request_stacks
 from elasticd.control import ControlChannel
-from elasticd.control.api import (
-    ENV_AGENT_PID,
-    ENV_CHECKPOINT_URL,
-    ENV_JOB,
-    ENV_LIVE,
-    ENV_NODE,
-    ENV_ROUND,
-)
+from elasticd.control.api import ENV_LIVE, ENV_ROUND
 from elasticd.errors import LeaseLostError, TransientError
 from elasticd.rendezvous.etcd_handler import EtcdRendezvousHandler
-from elasticd.rendezvous.protocol import LEFT_DRAINED, LEFT_FINISHED
+from elasticd.rendezvous.protocol import (
+    LEFT_DRAINED,
+    LEFT_FINISHED,
+    Attribution,
+    MembershipChange,
+    attribute_failure,
+)
 from elasticd.retry import restart_backoff_s
 
 log = structlog.get_logger(__name__)
-
-
-@dataclass(frozen=True)
-class SupervisionSettings:
-    """The agent loop's knobs (seconds)."""
-
-    max_restarts: int = 3
-    restart_backoff_s: float = 1.0
-    restart_backoff_max_s: float = 30.0
-    drain_grace_s: float = 60.0
-    plain_stop_s: float = 3.0  # a stop when workers cannot drain: their SIGTERM handler's time
-    done_exit_s: float = 30.0  # workers whose script returned must exit within this (then: done)
-    resize_grace_s: float = 30.0  # a join drains workers for at most this long; 0 = restart at once
-    hang_timeout_s: float = 0.0  # 0 = off
-    attribution_window_s: float = 3.0
-    monitor_interval_s: float = 0.1
-    heartbeat_interval_s: float = 30.0
-    checkpoint_url: str | None = None
-    worker_env: dict[str, str] = field(default_factory=dict)
-    warm_start: bool = True  # keep a standby per local rank (see elasticd.agent.warm)
-    standby_delay_s: float = 2.0  # start standbys this long after the group's first step
-    standby_after_s: float = 30.0  # ... or this long after the group started (plain scripts)
-    live_reform: bool = True  # re-form workers on the worker API in place (elasticd.agent.reform)
-    live_reform_timeout_s: float = 30.0  # ... or fall back to a restart after this long
-
-
-@dataclass
-class Outcome:
-    """How the agent's run ended, for the exit code and the one-screen summary."""
-
-    kind: str = "running"  # finished | drained | failed | closed
-    reason: str = ""
-    failures: dict[int, Any] = field(default_factory=dict)  # global rank -> ProcessFailure
-    code: int = 1  # exit status when failed (78: a worker's configuration error)
-
-    @property
-    def exit_code(self) -> int:
-        return 0 if self.kind in ("finished", "drained", "closed") else self.code
 
 
 class ElasticdAgent(LocalElasticAgent):
@@ -108,21 +74,14 @@ class ElasticdAgent(LocalElasticAgent):
         self.commits = commits  # checkpoint commits etcd has not answered yet
         self.stop_signals = 0
         self.notice: str | None = None
-        self._draining = False
-        self._drain_deadline = 0.0
-        self._resizing = False  # workers asked to stop so that joiners can be admitted
-        self._resize_deadline = 0.0
-        self._groups_started = 0
-        self._failure_seen_at: float | None = None
-        self._fault_at: float | None = None  # when the current recovery began
+        self.phase = AgentPhase()  # drain / resize / failure / completion: one value
         self._last_heartbeat = 0.0
         self._last_decision = ""
         self._log = log.bind(job=handler.keys.job, node=handler.node_id)
         self.standby = StandbyPool(settings.warm_start, control.dir)
         self._worker_envs: dict[int, dict[str, str]] = {}
         self._group_started_at = 0.0
-        self._done_at: float | None = None  # when every local worker's script had returned
-        self._done_checked_at = 0.0
+        self._done_checked_at = 0.0  # throttle of the done-marker look while workers run
         self._running_checked_at = 0.0
         self.live = LiveReformer(control.dir, enabled=settings.live_reform,
                                  timeout_s=settings.live_reform_timeout_s)
@@ -146,26 +105,17 @@ class ElasticdAgent(LocalElasticAgent):
     # -- hooks into LocalElasticAgent ----------------------------------------------------
     def _static_worker_env(self) -> dict[str, str]:
         """What every worker of this agent gets on top of torch's per-worker variables."""
-        extra = {
-            ENV_JOB: self.handler.keys.job,
-            ENV_NODE: self.handler.node_id,
-            ENV_AGENT_PID: str(os.getpid()),
-            "PYTHONUNBUFFERED": "1",
-            **self.control.env(),
-            **self.settings.worker_env,
-        }
-        if self.settings.live_reform:
-            extra[ENV_LIVE] = "1"
-        if self.settings.checkpoint_url:
-            extra[ENV_CHECKPOINT_URL] = self.settings.checkpoint_url
-        return scrub(extra)  # workers never hold etcd credentials, even from [workers.env]
+        live = {ENV_LIVE: "1"} if self.settings.live_reform else {}
+        return agent_worker_env(job=self.handler.keys.job, node=self.handler.node_id,
+                                agent_pid=os.getpid(), control_env={**self.control.env(), **live},
+                                user_env=self.settings.worker_env,
+                                checkpoint_url=self.settings.checkpoint_url)
 
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
         self.control.clear_round()
         self.live.reset_group()
-        if not self._draining:
+        if not self.phase.draining:
             self.control.clear_drain()
-        self._resizing = False  # a resize ends when the re-formed group starts
         if self.handler.round is None:  # never: torch starts workers after a rendezvous
             raise RuntimeError("starting workers without a round: their commits could not be fenced")
         # The public path: torch starts each worker with a copy of our environment plus its
@@ -180,9 +130,7 @@ class ElasticdAgent(LocalElasticAgent):
         # torch's PContext.start() installs handlers that raise SignalException; a stop
         # signal must start a drain instead.
         self.install_signal_handlers()
-        self._groups_started += 1
-        self._failure_seen_at = None
-        self._done_at = None
+        self.phase = self.phase.group_started()  # a resize ends when the re-formed group starts
         return pids
 
     def _rendezvous(self, worker_group: WorkerGroup) -> None:
@@ -203,7 +151,7 @@ class ElasticdAgent(LocalElasticAgent):
             self.recorder.event("lease_lost", f"lease lost; round {lost_round} superseded by "
                                 f"{h.round}; rejoined", old_round=lost_round)
         ranks = [w.global_rank for w in worker_group.workers]
-        self._set_state("training", ranks=ranks)
+        self._set_state("training", ranks=ranks, local_world_size=worker_group.spec.local_world_size)
         self.recorder.event("round", f"round {h.round} formed with {worker_group.group_world_size} nodes",
                             world_size=worker_group.group_world_size, ranks=ranks,
                             rendezvous_s=round(h.rendezvous_s, 3))
@@ -224,7 +172,6 @@ class ElasticdAgent(LocalElasticAgent):
         try:
             self.handler.update_record(state=state, round=self.handler.round if self.handler.round is not None else -1,
                                        restarts=self._restarts_used(), **changes)
-            self._last_heartbeat = time.monotonic()
         except (LeaseLostError, TransientError) as exc:
             self._log.warning("node_record_not_updated", state=state, error=str(exc))
 
@@ -250,13 +197,15 @@ class ElasticdAgent(LocalElasticAgent):
             time.sleep(self.settings.monitor_interval_s)
             result = self._monitor_workers(wg)
             wg.state = result.state
-            facts = self._facts(result)
+            now = time.monotonic()
+            facts = self._facts(result, now)
             decision = decide(facts)
             if decision.reason != self._last_decision and decision.verdict is not Verdict.CONTINUE:
                 self._log.info("agent_decided", verdict=decision.verdict.value, reason=decision.reason,
                                round=self.handler.round)
             self._last_decision = decision.reason
-            if live_tick(self, decision.verdict.value, facts.membership):
+            self._record_tick(facts, result, now)
+            if live_tick(self, decision.verdict.value, facts.membership.value):
                 continue  # the workers re-form in place (elasticd.agent.reform)
             done = self._act(decision, result)
             if done:
@@ -270,7 +219,7 @@ class ElasticdAgent(LocalElasticAgent):
         Not earlier: on a small machine the standbys' imports would slow the workers' own
         start, which is exactly what a recovery waits for.
         """
-        if not self.standby.enabled or state != WorkerState.HEALTHY or self._draining:
+        if not self.standby.enabled or state != WorkerState.HEALTHY or self.phase.draining:
             return
         if not self.standby.missing(range(self._worker_group.spec.local_world_size)):
             return
@@ -311,75 +260,82 @@ class ElasticdAgent(LocalElasticAgent):
         pids = list(self._pcontext.pids().values())
         return bool(pids) and all(torch_loaded(p) for p in pids)
 
-    def _facts(self, result: RunResult) -> Facts:
-        now = time.monotonic()
-        state = result.state.name
-        attribution, window_passed = "", False
-        if state in ("FAILED", "UNHEALTHY") and not self._draining:
-            if self._failure_seen_at is None:
-                self._failure_seen_at = now
-                self._fault_at = self._fault_at or now
-                self._report_failure(result)
-            attribution, why = self._attribute()
-            window_passed = now - self._failure_seen_at >= self.settings.attribution_window_s
+    def _facts(self, result: RunResult, now: float) -> Facts:
+        """This tick's decision inputs. Read-only: no etcd write, no phase change (the
+        first sight of a failure or of completion is recorded by ``_record_tick``)."""
+        state = GroupState[result.state.name]
+        phase = self.phase
+        attribution: Attribution | None = None
+        window_passed = False
+        if state in (GroupState.FAILED, GroupState.UNHEALTHY) and not phase.draining:
+            seen_at = phase.failure_seen_at if phase.failure_seen_at is not None else now
+            attribution, _ = self._attribute()
+            window_passed = now - seen_at >= self.settings.attribution_window_s
         board = self.control.progress
         hang = bool(self.settings.hang_timeout_s > 0 and board.last_advance > 0
                     and now - board.last_advance > self.settings.hang_timeout_s)
         codes = tuple(f.exitcode for f in result.failures.values()) if result.failures else ()
-        self._heartbeat(now)
-        waiting = self.handler.membership() if state == "HEALTHY" else None
+        waiting = self.handler.membership() if state is GroupState.HEALTHY else None
         nodes_waiting = waiting.count if waiting is not None else 0
         done = self._workers_done(state, now)
+        done_at = phase.done_at if phase.done_at is not None else now
         # Stopped markers: when SUCCEEDED, the workers stopped for a drain; when HEALTHY, they
         # are stopping. Globbed only when it can matter (a tick costs no file system scan).
-        look_for_markers = state == "SUCCEEDED" or nodes_waiting > 0 or done
+        look_for_markers = state is GroupState.SUCCEEDED or nodes_waiting > 0 or done
         # Drainable markers matter when nodes wait (resize or restart) and on a stop signal.
-        look_for_drainable = nodes_waiting > 0 or (self.stop_signals > 0 and not self._draining)
+        look_for_drainable = nodes_waiting > 0 or (self.stop_signals > 0 and not phase.draining)
         return Facts(
             group_state=state,
             drain_signals=self.stop_signals,
-            draining=self._draining,
-            drain_deadline_passed=self._draining and now >= self._drain_deadline,
+            draining=phase.draining,
+            drain_deadline_passed=phase.draining and phase.deadline_passed(now),
             stopped_for_drain=bool(self.control.stopped_markers()) if look_for_markers else False,
             lease_lost=self.handler.lease_lost.is_set(),
             nodes_waiting=nodes_waiting,
-            membership=waiting.kind.value if waiting is not None and nodes_waiting else "",
+            membership=waiting.kind if waiting is not None and nodes_waiting else MembershipChange.NONE,
             membership_reason=waiting.reason if waiting is not None and nodes_waiting else "",
             resize_enabled=self.settings.resize_grace_s > 0,
             workers_drainable=look_for_drainable and self.control.workers_drainable(),
-            resizing=self._resizing,
-            resize_deadline_passed=self._resizing and now >= self._resize_deadline,
+            resizing=phase.resizing,
+            resize_deadline_passed=phase.resizing and phase.deadline_passed(now),
             hang=hang,
             attribution=attribution,
             attribution_window_passed=window_passed,
             remaining_restarts=self._remaining_restarts,
             exit_codes=codes,
-            first_start=self._groups_started <= 1,
+            first_start=phase.groups_started <= 1,
             any_progress=board.max_step() >= 0,
             workers_done=done,
-            done_exit_passed=done and self._done_at is not None
-            and now - self._done_at >= self.settings.done_exit_s,
+            done_exit_passed=done and now - done_at >= self.settings.done_exit_s,
         )
 
-    def _workers_done(self, state: str, now: float) -> bool:
+    def _workers_done(self, state: GroupState, now: float) -> bool:
         """True once every local worker's script returned with 0 (``done-<rank>`` markers).
 
         Looked at on every tick once the group ended, and once a second while it runs (a
         worker stuck in torch's teardown after its script returned shows up that way).
         """
-        if self._done_at is not None:
+        if self.phase.done_at is not None:
             return True
-        if state == "HEALTHY" and now - self._done_checked_at < 1.0:
+        if state is GroupState.HEALTHY and now - self._done_checked_at < 1.0:
             return False
         self._done_checked_at = now
-        if self.control.done_count() < self._worker_group.spec.local_world_size:
-            return False
-        self._done_at = now
-        return True
+        return self.control.done_count() >= self._worker_group.spec.local_world_size
 
-    def _attribute(self) -> tuple[str, str]:
-        from elasticd.rendezvous.protocol import attribute_failure
+    def _record_tick(self, facts: Facts, result: RunResult, now: float) -> None:
+        """The tick's writes, before its verdict is carried out: a failure's first sight
+        (reported to etcd, where the peers' attribution reads it), the first sight of
+        completion, progress and the heartbeat. Before the verdict, because a restart
+        moves this node to the next round."""
+        failed = facts.group_state in (GroupState.FAILED, GroupState.UNHEALTHY)
+        if failed and not facts.draining and self.phase.failure_seen_at is None:
+            self.phase = self.phase.failure_seen(now)
+            self._report_failure(result)
+        if facts.workers_done and self.phase.done_at is None:
+            self.phase = self.phase.done(now)
+        self._heartbeat(now)
 
+    def _attribute(self) -> tuple[Attribution, str]:
         rnd = self.handler.round if self.handler.round is not None else -1
         return attribute_failure(self.handler.view(), rnd, self.handler.node_id)
 
@@ -398,16 +354,22 @@ class ElasticdAgent(LocalElasticAgent):
         if wg.group_rank == 0 and board.max_step() >= 0:
             snap = board.snapshot()
             top = max(snap.values(), key=lambda p: p.step)
+            losses = [p.loss for p in snap.values() if p.loss is not None and p.step == top.step]
             self.recorder.progress(top.step, top.epoch, top.samples_trained,
-                                   (wg.group_world_size or 0) * wg.spec.local_world_size)
+                                   (wg.group_world_size or 0) * wg.spec.local_world_size,
+                                   loss=sum(losses) / len(losses) if losses else None)
             if self.metrics is not None:
                 self.metrics.set_step(top.step)
-        if self._fault_at is not None and board.max_step() >= 0 and wg.state == WorkerState.HEALTHY:
+        fault_at = self.phase.fault_at
+        if fault_at is not None and board.max_step() >= 0 and wg.state == WorkerState.HEALTHY:
             if self.metrics is not None:
-                self.metrics.observe_recovery_s(now - self._fault_at)
-            self._fault_at = None
-        if now - self._last_heartbeat >= self.settings.heartbeat_interval_s:
-            self._set_state("draining" if self._draining else "training")
+                self.metrics.observe_recovery_s(now - fault_at)
+            self.phase = self.phase.recovered()
+        if now - self._last_heartbeat >= self.settings.beat_interval_s:
+            # The beat, not the node record: peers watch nodes/, so a periodic record
+            # rewrite would cost every peer an event; nobody watches beats/.
+            self._last_heartbeat = now
+            self.recorder.beat(board.max_step(), wg.spec.local_world_size)
         if self.notifier is not None:
             self.notifier.watchdog()
 
@@ -426,7 +388,7 @@ class ElasticdAgent(LocalElasticAgent):
             self._fence(decision.reason)
             return False
         if v is Verdict.RESTART_MEMBERSHIP:
-            self._fault_at = self._fault_at or time.monotonic()
+            self.phase = self.phase.fault(time.monotonic())
             self._restart("membership", decision.reason)
             return False
         if v is Verdict.RESTART_FAILURE:
@@ -441,7 +403,7 @@ class ElasticdAgent(LocalElasticAgent):
             self._log.info("restart_backoff", seconds=delay, attempt=attempt, cause=cause)
             self._stop_workers(wg)
             self._sleep_interruptible(delay)
-            self._fault_at = self._fault_at or time.monotonic()
+            self.phase = self.phase.fault(time.monotonic())
             self._restart(cause, decision.reason)
             return False
         if v is Verdict.HARD_STOP:
@@ -487,21 +449,20 @@ class ElasticdAgent(LocalElasticAgent):
     def _start_resize(self, reason: str) -> None:
         """Ask the workers to stop at the next step so that joiners are admitted; we stay.
 
-        The drain file is the same as for a drain, but ``_draining`` stays False: that
-        flag means "this node leaves". The workers exit 0 with stopped markers and the
-        policy re-forms the job (``RESTART_MEMBERSHIP``); ``_start_workers`` ends the resize.
+        The drain file is the same as for a drain, but the phase is ``RESIZING``, not
+        ``DRAINING`` (which means "this node leaves"). The workers exit 0 with stopped
+        markers and the policy re-forms the job (``RESTART_MEMBERSHIP``); ``_start_workers``
+        ends the resize.
         """
-        self._resizing = True
-        self._resize_deadline = time.monotonic() + self.settings.resize_grace_s
+        self.phase = self.phase.resize(time.monotonic() + self.settings.resize_grace_s)
         self.control.request_drain(f"resize: {reason}")
         self.recorder.event("resize", reason, grace_s=self.settings.resize_grace_s)
         self._log.info("resize_started", reason=reason, grace_s=self.settings.resize_grace_s,
                        round=self.handler.round)
 
     def _start_drain(self, reason: str) -> None:
-        self._draining = True
-        self._resizing = False  # a stop signal during a resize: the stop becomes our drain
-        self._drain_deadline = time.monotonic() + self.settings.drain_grace_s
+        # A stop signal during a resize: the stop becomes our drain.
+        self.phase = self.phase.drain(time.monotonic() + self.settings.drain_grace_s)
         why = self.notice or f"stop signal ({reason})"
         self.control.request_drain(why)
         self._set_state("draining")
@@ -518,7 +479,8 @@ class ElasticdAgent(LocalElasticAgent):
         SIGKILL. The node is gone within seconds of the signal, so its peers re-form at
         once instead of training on for the drain grace with a node that is leaving.
         """
-        self._draining = True
+        # No grace: the workers are stopped now (and pending commits get none either).
+        self.phase = self.phase.drain(0.0)
         why = self.notice or "stop signal"
         self.recorder.event("drain", f"{why}: workers cannot drain, stopped now",
                             plain_stop_s=self.settings.plain_stop_s)
@@ -542,7 +504,7 @@ class ElasticdAgent(LocalElasticAgent):
         current = view.state.round if view.state else old_round
         msg = f"lease lost; round {old_round} superseded by {current}; rejoining"
         self._log.warning("lease_lost_rejoining", round=old_round, current_round=current)
-        self._fault_at = self._fault_at or time.monotonic()
+        self.phase = self.phase.fault(time.monotonic())
         self._worker_group.state = WorkerState.STOPPED
         self._log.warning("lease_lost", message=msg)
         self._initialize_workers(self._worker_group)  # re-registers a new lease first
@@ -563,8 +525,8 @@ class ElasticdAgent(LocalElasticAgent):
 
     def _leave(self, kind: str, reason: str) -> None:
         self.handler.leave_kind = LEFT_DRAINED  # a leave, not a loss: peers re-form at once
-        self._flush_commits("before leaving", max(self._drain_deadline - time.monotonic(), 0.0)
-                            if self._draining else self.settings.drain_grace_s)
+        self._flush_commits("before leaving", max(self.phase.deadline - time.monotonic(), 0.0)
+                            if self.phase.draining else self.settings.drain_grace_s)
         self._set_state("stopped")
         self.recorder.event("leave", reason)
         self.outcome = Outcome(kind, reason)
@@ -577,14 +539,8 @@ class ElasticdAgent(LocalElasticAgent):
 
     def _dump_stacks(self) -> None:
         # worker_exec registered faulthandler on SIGUSR1: stacks go to the workers' stderr.
-        if self._pcontext is None:
-            return
-        for pid in self._pcontext.pids().values():
-            try:
-                os.kill(pid, signal.SIGUSR1)
-            except ProcessLookupError:
-                pass
-        time.sleep(0.5)  # let faulthandler write before the workers are stopped
+        if self._pcontext is not None:
+            request_stacks(self._pcontext.pids().values())
 
     def _sleep_interruptible(self, seconds: float) -> None:
         end = time.monotonic() + seconds

@@ -9,13 +9,13 @@ record of ``JobRecorder``: a failed or refused write drops the sample, never a s
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
 
 import structlog
 
 from elasticd.errors import TransientError
 from elasticd.etcd.client import EtcdClient
+from elasticd.etcd.txn import Compare, ModRevision, Put
 from elasticd.history import History, Sample, append_sample
 from elasticd.keys import JobKeys
 from elasticd.records import CheckpointPointer
@@ -29,11 +29,11 @@ class EtcdHistoryWriter:
     Args:
         client: the agent's etcd client.
         keys: the job's key builder.
-        fence: extra compares of every write (the node's incarnation).
+        fence: returns the extra compares of every write (the node's incarnation).
     """
 
     def __init__(self, client: EtcdClient, keys: JobKeys,
-                 fence: Callable[[Any], list[Any]]) -> None:
+                 fence: Callable[[], Sequence[Compare]]) -> None:
         self.client = client
         self.keys = keys
         self.fence = fence
@@ -67,9 +67,8 @@ class EtcdHistoryWriter:
                 self._remember(history)
                 return False
             rev = kv.mod_revision if kv is not None else 0
-            ok, _ = self.client.txn(
-                lambda tx: [tx.mod(self.keys.history) == rev, *self.fence(tx)],
-                lambda tx: [tx.put(self.keys.history, new.to_json())])
+            ok = self.client.txn([ModRevision(self.keys.history, rev), *self.fence()],
+                                 [Put(self.keys.history, new.to_json())])
         except TransientError as exc:
             log.warning("history_sample_dropped", error=str(exc))
             return False

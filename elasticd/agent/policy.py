@@ -33,6 +33,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from elasticd.rendezvous.protocol import Attribution, MembershipChange
+
 EX_CONFIG = 78  # a worker's ConfigError (sysexits.h EX_CONFIG): deterministic, never retried
 
 
@@ -51,11 +53,29 @@ class Verdict(enum.Enum):
     FAIL = "fail"  # budget exhausted or non-retryable: exit non-zero
 
 
+class GroupState(enum.Enum):
+    """The worker group's state, as torch's ``WorkerState`` names it (``GroupState[name]``)."""
+
+    UNKNOWN = "UNKNOWN"
+    INIT = "INIT"
+    HEALTHY = "HEALTHY"
+    UNHEALTHY = "UNHEALTHY"
+    STOPPED = "STOPPED"
+    SUCCEEDED = "SUCCEEDED"
+    FAILED = "FAILED"
+
+
+_FAILED = (GroupState.FAILED, GroupState.UNHEALTHY)
+# A peer's drain or a departure our workers may already be saving for (see _membership_changed).
+_AFTER_AGREED_STOP = (MembershipChange.NEWER_ROUND, MembershipChange.MEMBER_LOST,
+                      MembershipChange.MEMBER_LEFT)
+
+
 @dataclass(frozen=True)
 class Facts:
     """Everything ``decide`` looks at, gathered by the agent loop in one tick."""
 
-    group_state: str  # torch WorkerState name: HEALTHY, SUCCEEDED, FAILED, UNHEALTHY
+    group_state: GroupState
     drain_signals: int = 0  # SIGTERM/SIGINT received (and notices)
     draining: bool = False  # drain already requested from the workers
     drain_deadline_passed: bool = False
@@ -64,16 +84,15 @@ class Facts:
     stopped_for_drain: bool = False
     lease_lost: bool = False
     nodes_waiting: int = 0
-    # Kind of membership change while nodes_waiting > 0: "join" (only newcomers wait),
-    # "newer_round" (a peer opened a round after ours), "member_lost", "lease_lost".
-    membership: str = ""
+    # Kind of membership change while nodes_waiting > 0 (NONE otherwise).
+    membership: MembershipChange = MembershipChange.NONE
     membership_reason: str = ""  # human-readable, from the rendezvous handler
     resize_enabled: bool = True  # resize_grace_s > 0: admit joiners through a drain
     workers_drainable: bool = False  # a worker of this group called should_stop
     resizing: bool = False  # we asked our workers to stop so that joiners can be admitted
     resize_deadline_passed: bool = False
     hang: bool = False
-    attribution: str = ""  # "", "membership", "root", "victim", "undecided"
+    attribution: Attribution | None = None  # of a local failure; None when there is none
     attribution_window_passed: bool = False
     remaining_restarts: int = 0
     exit_codes: tuple[int, ...] = ()
@@ -99,21 +118,21 @@ def decide(f: Facts) -> Decision:
         why = "second stop signal" if f.drain_signals >= 2 else "drain grace period over"
         return Decision(Verdict.HARD_STOP, f"{why}: stopping workers hard")
     if f.drain_signals and not f.draining:
-        if f.group_state == "HEALTHY" and not f.workers_drainable and not f.workers_done:
+        if f.group_state is GroupState.HEALTHY and not f.workers_drainable and not f.workers_done:
             return Decision(Verdict.STOP_NOW, "stop requested and the workers never called "
                             "should_stop (they cannot drain): stopping them now, leaving")
         return Decision(Verdict.START_DRAIN, "stop requested: workers stop at the next step")
 
     state = f.group_state
-    if f.workers_done and state in ("FAILED", "UNHEALTHY"):
+    if f.workers_done and state in _FAILED:
         codes = ",".join(str(c) for c in f.exit_codes) or "?"
         return _succeeded(f, f"all workers completed their script (exit {codes} in torch's "
                           "teardown after that ignored)")
-    if f.workers_done and state == "HEALTHY" and f.done_exit_passed:
+    if f.workers_done and state is GroupState.HEALTHY and f.done_exit_passed:
         return _succeeded(f, "all workers completed their script but did not exit: stopping them")
-    if state == "SUCCEEDED":
+    if state is GroupState.SUCCEEDED:
         return _succeeded(f, "all workers succeeded")
-    if state in ("FAILED", "UNHEALTHY"):
+    if state in _FAILED:
         if f.draining:
             return Decision(Verdict.LEAVE, "workers exited with errors during our drain: leaving")
         if EX_CONFIG in f.exit_codes:
@@ -121,14 +140,15 @@ def decide(f: Facts) -> Decision:
                             "not retrying, it would fail the same way", EX_CONFIG)
         if f.first_start and not f.any_progress and 2 in f.exit_codes:
             return Decision(Verdict.FAIL, "exit code 2 on the first start (bad arguments?): not retrying")
-        if f.attribution in ("membership", "victim"):
-            return Decision(Verdict.RESTART_MEMBERSHIP, f"worker failure caused by a peer ({f.attribution})")
-        if f.attribution == "root" or f.attribution_window_passed:
+        if f.attribution in (Attribution.MEMBERSHIP, Attribution.VICTIM):
+            return Decision(Verdict.RESTART_MEMBERSHIP,
+                            f"worker failure caused by a peer ({f.attribution.value})")
+        if f.attribution is Attribution.ROOT or f.attribution_window_passed:
             if f.remaining_restarts > 0:
                 return Decision(Verdict.RESTART_FAILURE, "worker failure: restarting")
             return Decision(Verdict.FAIL, "worker failure and the restart budget is spent")
         return Decision(Verdict.ATTRIBUTE, "worker failure: waiting to see whether a peer caused it")
-    if state == "HEALTHY":
+    if state is GroupState.HEALTHY:
         if f.hang:
             if f.remaining_restarts > 0:
                 return Decision(Verdict.RESTART_FAILURE, "workers hung: restarting")
@@ -140,7 +160,7 @@ def decide(f: Facts) -> Decision:
         if f.nodes_waiting > 0:
             return _membership_changed(f)
         return Decision(Verdict.CONTINUE, "healthy")
-    return Decision(Verdict.CONTINUE, f"worker group {state}")
+    return Decision(Verdict.CONTINUE, f"worker group {state.value}")
 
 
 def _succeeded(f: Facts, why: str) -> Decision:
@@ -157,15 +177,14 @@ def _succeeded(f: Facts, why: str) -> Decision:
 def _membership_changed(f: Facts) -> Decision:
     """HEALTHY workers, nodes waiting, no resize yet: resize through a drain, or restart now."""
     why = f.membership_reason or "membership changed"
-    if f.resize_enabled and f.stopped_for_drain and f.membership in ("newer_round", "member_lost",
-                                                                     "member_left"):
+    if f.resize_enabled and f.stopped_for_drain and f.membership in _AFTER_AGREED_STOP:
         # Our workers already agreed on a stop step (a peer's drain or a resize) and are
         # saving. The peer that drained and left (member_left), or one that re-formed
         # first, must not cut that save short: killing them now could
         # lose the drain's checkpoint. Wait for them (bounded by resize_grace_s).
         return Decision(Verdict.START_RESIZE, f"{why}: our workers are stopping at the agreed "
                         "step: waiting for them")
-    if f.resize_enabled and f.workers_drainable and f.membership == "join":
+    if f.resize_enabled and f.workers_drainable and f.membership is MembershipChange.JOIN:
         return Decision(Verdict.START_RESIZE, f"{why}: workers stop at the next step, then "
                         "the job re-forms with them")
     if why == "membership changed":
@@ -177,7 +196,7 @@ def _while_resizing(f: Facts) -> Decision:
     """HEALTHY workers asked to stop for a resize: wait for them, unless a peer is lost."""
     if f.resize_deadline_passed:
         return Decision(Verdict.RESTART_MEMBERSHIP, "resize grace period over: restarting workers hard")
-    if f.nodes_waiting > 0 and f.membership == "member_lost" and not f.stopped_for_drain:
+    if f.nodes_waiting > 0 and f.membership is MembershipChange.MEMBER_LOST and not f.stopped_for_drain:
         why = f.membership_reason or "a member was lost"
         return Decision(Verdict.RESTART_MEMBERSHIP, f"{why} during the resize: restarting workers")
     # A newer round opened by a peer (its workers finished first) or the joiner vanishing

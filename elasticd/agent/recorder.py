@@ -19,46 +19,52 @@ from elasticd.agent.commits import PendingCommit
 from elasticd.agent.history import EtcdHistoryWriter
 from elasticd.control.api import CommitOutcome
 from elasticd.errors import TransientError
+from elasticd.etcd.txn import ModRevision, Put
 from elasticd.keys import JobKeys
-from elasticd.records import CheckpointPointer, Event, Progress
-from elasticd.rendezvous.etcd_handler import EtcdRendezvousHandler
+from elasticd.records import Beat, CheckpointPointer, Event, Progress
+from elasticd.rendezvous.session import NodeSession
 from elasticd.retry import call_with_retry
 
 log = structlog.get_logger(__name__)
 
 MAX_EVENTS = 256
 PRUNE_EVERY = 16
-PROGRESS_INTERVAL_S = 5.0
+# The job's progress record is one key written by rank 0's agent: cheap at any size, so
+# often enough that `status` is never seconds behind the training log.
+PROGRESS_INTERVAL_S = 1.0
 
 
 class JobRecorder:
-    """Fenced writer of events, progress and the checkpoint pointer for one node."""
+    """Fenced writer of events, progress and the checkpoint pointer for one node.
 
-    def __init__(self, handler: EtcdRendezvousHandler, *, max_events: int = MAX_EVENTS) -> None:
-        self.handler = handler
-        self.client = handler.client
-        self.keys: JobKeys = handler.keys
+    Args:
+        session: the node's session (``EtcdRendezvousHandler.session``): its incarnation
+            fences every write, its round stamps events and progress.
+        max_events: the bound of the job's event history.
+    """
+
+    def __init__(self, session: NodeSession, *, max_events: int = MAX_EVENTS) -> None:
+        self.session = session
+        self.client = session.client
+        self.keys: JobKeys = session.keys
         self.max_events = max_events
         self._appended = 0
         self._last_progress_at = 0.0
         self._last_progress: Progress | None = None
-        self.history = EtcdHistoryWriter(self.client, self.keys, self._fence)
+        self.history = EtcdHistoryWriter(self.client, self.keys, session.fence)
         self.run_id = ""  # this run's id (/elasticd/<job>/run_id), stamped on the pointer
-
-    def _fence(self, t: Any) -> list[Any]:
-        return [t.create(self.keys.node(self.handler.node_id)) == self.handler.incarnation]
 
     def event(self, kind: str, message: str, *, node: str | None = None, **detail: Any) -> None:
         """Append an event to the job's bounded history (dropped if etcd stays unreachable).
 
         ``node`` is the node the event is about (default: this node).
         """
-        ev = Event(time=time.time(), kind=kind, node=node or self.handler.node_id,
-                   round=self.handler.round if self.handler.round is not None else -1,
+        ev = Event(time=time.time(), kind=kind, node=node or self.session.node_id,
+                   round=self.session.round if self.session.round is not None else -1,
                    message=message, detail={k: v for k, v in detail.items() if v is not None})
         key = f"{self.keys.event(time.time_ns() // 1000)}-{ev.node}"
         try:
-            call_with_retry(lambda: self.client.txn(self._fence, lambda t: [t.put(key, ev.to_json())]),
+            call_with_retry(lambda: self.client.txn(self.session.fence(), [Put(key, ev.to_json())]),
                             what="event", deadline=time.monotonic() + 3)
         except TransientError as exc:
             log.warning("event_dropped", kind=kind, error=str(exc))
@@ -90,17 +96,33 @@ class JobRecorder:
         rate = 0.0
         if last is not None and now > last.updated_at and samples >= last.samples_trained:
             rate = (samples - last.samples_trained) / (now - last.updated_at)
-        rnd = self.handler.round if self.handler.round is not None else -1
+        rnd = self.session.round if self.session.round is not None else -1
         prog = Progress(round=rnd, step=step, epoch=epoch, samples_trained=samples,
                         samples_per_s=round(rate, 3), world_size=world_size, updated_at=now)
         try:
-            ok, _ = self.client.txn(self._fence, lambda t: [t.put(self.keys.progress, prog.to_json())])
+            ok = self.client.txn(self.session.fence(), [Put(self.keys.progress, prog.to_json())])
         except TransientError as exc:
             log.warning("progress_not_published", error=str(exc))
             return
         if ok:
             self._last_progress, self._last_progress_at = prog, now
             self.history.append(now, step, world_size, prog.samples_per_s, rnd, loss)
+
+    def beat(self, step: int, local_world_size: int) -> None:
+        """Write this node's beat (``beats/<node>``, on its lease; see ``records.Beat``).
+
+        Best effort: a beat that fails is the next one's job, and a lost lease is the
+        rendezvous handler's to detect, not this writer's.
+        """
+        lease = self.session.lease_id
+        if not lease:
+            return
+        rnd = self.session.round if self.session.round is not None else -1
+        beat = Beat(at=time.time(), round=rnd, step=step, local_world_size=local_world_size)
+        try:
+            self.client.put(self.keys.beat(self.session.node_id), beat.to_json(), lease=lease)
+        except Exception as exc:  # noqa: BLE001 - unreachable, or the lease just expired
+            log.debug("beat_not_written", error=str(exc))
 
     # -- checkpoint pointer (the fenced commit) ------------------------------------------
     def latest_checkpoint(self) -> CheckpointPointer | None:
@@ -125,10 +147,10 @@ class JobRecorder:
         Returns:
             (outcome, reason).
         """
-        h = self.handler
-        if h.round is None or round_ != h.round:
-            return CommitOutcome.REFUSED, f"stale round {round_} (agent is in round {h.round})"
-        state_rev = h.round_state_revision
+        s = self.session
+        if s.round is None or round_ != s.round:
+            return CommitOutcome.REFUSED, f"stale round {round_} (agent is in round {s.round})"
+        state_rev = s.state_rev
         try:
             for _ in range(3):  # the pointer moved under us: read it again and decide again
                 outcome, reason = self._try_commit(step, manifest_url, world_size, round_, state_rev)
@@ -154,11 +176,11 @@ class JobRecorder:
             CheckpointPointer.from_json(current.value) if current is not None else None,
             step=step, round_=round_, manifest_url=manifest_url, committed_at=time.time(),
             world_size=world_size, run_id=self.run_id)
-        ok, _ = self.client.txn(
-            lambda t: [t.mod(self.keys.rdzv_state) == state_rev,
-                       t.mod(self.keys.checkpoint_latest) == (current.mod_revision if current else 0),
-                       *self._fence(t)],
-            lambda t: [t.put(self.keys.checkpoint_latest, pointer.to_json())],
+        ok = self.client.txn(
+            [ModRevision(self.keys.rdzv_state, state_rev),
+             ModRevision(self.keys.checkpoint_latest, current.mod_revision if current else 0),
+             *self.session.fence()],
+            [Put(self.keys.checkpoint_latest, pointer.to_json())],
         )
         if ok:
             log.info("checkpoint_committed", step=step, round=round_, url=manifest_url)
@@ -168,8 +190,8 @@ class JobRecorder:
         if state is None or state.mod_revision != state_rev:
             return CommitOutcome.REFUSED, (f"fenced: round {round_} is no longer current "
                                            "(the job re-formed without this node)")
-        node = self.client.get(self.keys.node(self.handler.node_id))
-        if node is None or node.create_revision != self.handler.incarnation:
+        node = self.client.get(self.keys.node(self.session.node_id))
+        if node is None or node.create_revision != self.session.incarnation:
             return CommitOutcome.UNKNOWN, (f"our lease is gone while round {round_} is still "
                                            "current (an etcd outage?); the agent re-registers")
         return None, "the pointer moved"
@@ -195,10 +217,10 @@ class JobRecorder:
                 CheckpointPointer.from_json(current.value) if current is not None else None,
                 step=req.step, round_=req.round, manifest_url=req.manifest_url,
                 committed_at=time.time(), world_size=req.world_size, run_id=self.run_id)
-            ok, _ = self.client.txn(
-                lambda t: [t.mod(self.keys.rdzv_state) == req.state_rev,
-                           t.mod(self.keys.checkpoint_latest) == (current.mod_revision if current else 0)],
-                lambda t: [t.put(self.keys.checkpoint_latest, pointer.to_json())],
+            ok = self.client.txn(
+                [ModRevision(self.keys.rdzv_state, req.state_rev),
+                 ModRevision(self.keys.checkpoint_latest, current.mod_revision if current else 0)],
+                [Put(self.keys.checkpoint_latest, pointer.to_json())],
             )
         except Exception as exc:  # noqa: BLE001 - no answer is not a no
             return CommitOutcome.UNKNOWN, f"etcd did not answer: {exc!r}"

@@ -186,7 +186,7 @@ def live_tick(agent: Any, verdict: str, membership: str) -> bool:
     now = time.monotonic()
     d = decide_live(live.facts(local_world_size=wg.spec.local_world_size,
                                group_state=wg.state.name, verdict=verdict, membership=membership,
-                               draining=agent._draining, now=now))
+                               draining=agent.phase.draining, now=now))
     v = d.verdict
     if v is LiveVerdict.NONE:
         return False
@@ -201,7 +201,7 @@ def live_tick(agent: Any, verdict: str, membership: str) -> bool:
         live.park(now)
         return True
     if v is LiveVerdict.DONE:
-        took = now - (agent._fault_at or now)
+        took = now - (agent.phase.fault_at or now)
         agent._log.info("live_reform_completed", round=agent.handler.round, seconds=round(took, 3))
         agent.recorder.event("reform", f"workers re-formed in place in round {agent.handler.round}",
                              seconds=round(took, 3))
@@ -211,7 +211,7 @@ def live_tick(agent: Any, verdict: str, membership: str) -> bool:
         # The one line that says why in place did not work; then today's restart path.
         agent._log.warning("live_reform_fell_back", reason=d.reason, round=agent.handler.round)
         live.reset_group()
-        agent._fault_at = agent._fault_at or now
+        agent.phase = agent.phase.fault(now)
         agent._restart("membership", f"live re-formation fell back: {d.reason}")
         return True
     assert v is LiveVerdict.REFORM
@@ -222,7 +222,7 @@ def live_tick(agent: Any, verdict: str, membership: str) -> bool:
 def reform_in_place(agent: Any, reason: str) -> None:
     """Run the next rendezvous round with the workers alive and order them into it."""
     wg, live = agent._worker_group, agent.live
-    agent._fault_at = agent._fault_at or time.monotonic()
+    agent.phase = agent.phase.fault(time.monotonic())
     old_round = agent.handler.round
     agent._log.info("live_reform_started", reason=reason, round=old_round)
     pids = agent._pcontext.pids() if agent._pcontext is not None else {}
@@ -232,11 +232,10 @@ def reform_in_place(agent: Any, reason: str) -> None:
     order = ReformOrder(round=int(agent.handler.round), world_size=int(wg.workers[0].world_size),
                         master_addr=str(wg.master_addr), master_port=int(wg.master_port),
                         ranks={w.local_rank: w.global_rank for w in wg.workers})
-    if not agent._draining:
+    if not agent.phase.draining:
         agent.control.clear_drain()
     agent.control.progress.reset()
-    agent._resizing = False
-    agent._failure_seen_at = None
+    agent.phase = agent.phase.group_started()  # as for a restarted group: a resize ends
     agent._group_started_at = time.monotonic()
     live.order(order, time.monotonic())
     agent._log.info("live_reform_ordered", round=order.round, world_size=order.world_size,

@@ -11,7 +11,7 @@ import os
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import structlog
@@ -24,18 +24,27 @@ from torch.distributed.elastic.rendezvous import (
 )
 
 from elasticd.agent.commits import CommitRetrier, PendingCommit, read_intents, write_intent
-from elasticd.agent.elastic_agent import ElasticdAgent, SupervisionSettings, print_summary
+from elasticd.agent.elastic_agent import ElasticdAgent, SupervisionSettings
 from elasticd.agent.recorder import JobRecorder
+from elasticd.agent.remote_control import RemoteStopWatch, refusal_at_start
 from elasticd.agent.run_identity import check_resume, ensure_run_id
+from elasticd.agent.summary import failure_summary
 from elasticd.control import CommitRequest, ControlChannel
-from elasticd.control.api import CommitOutcome
+from elasticd.control.api import ENV_LOG_FORMAT, CommitOutcome
 from elasticd.errors import ConfigError, EtcdUnavailableError, TransientError
 from elasticd.etcd.client import EtcdClient, TLSFiles
 from elasticd.etcd.embedded import EmbeddedEtcd
 from elasticd.keys import JobKeys
-from elasticd.logs import configure_logging, ensure_private_dir, resolve_worker_log_dir
+from elasticd.logs import (
+    configure_logging,
+    current_format,
+    ensure_private_dir,
+    error_line,
+    resolve_worker_log_dir,
+)
 from elasticd.rendezvous.etcd_handler import EtcdRendezvousHandler, RendezvousSettings
 from elasticd.retry import call_with_retry
+from elasticd.stopmarks import restart_hint
 
 log = structlog.get_logger(__name__)
 
@@ -54,6 +63,7 @@ class NodeSpec:
     etcd_endpoints: str | None = None  # None: embedded etcd (--standalone)
     etcd_timeout_s: float = 3.0
     etcd_connect_timeout_s: float = 30.0
+    etcd_election_timeout_s: float = 1.0  # the members' --election-timeout (outage grace)
     etcd_data_dir: str | None = None  # the embedded etcd's; a fresh temp dir when None
     tls: TLSFiles = field(default_factory=TLSFiles)
     etcd_user: str | None = None
@@ -133,6 +143,8 @@ def run_node(spec: NodeSpec) -> int:
     handler: EtcdRendezvousHandler | None = None
     agent: ElasticdAgent | None = None
     commits: CommitRetrier | None = None
+    remote: RemoteStopWatch | None = None
+    logs: Any = None
     state_dir: str | None = None
     try:
         # Worker logs outlive the agent: private, never a predictable shared path. Chosen
@@ -158,17 +170,28 @@ def run_node(spec: NodeSpec) -> int:
                                last_call_timeout_s=spec.last_call_timeout_s,
                                close_timeout_s=spec.close_timeout_s,
                                store_timeout_s=spec.store_timeout_s,
+                               election_timeout_s=spec.etcd_election_timeout_s,
                                local_addr=spec.local_addr, worker_log_dir=log_dir),
             node_id=spec.node_id)
         # Until the agent says how it leaves (finished, drained), a shutdown is a loss: a
         # node that gives up or crashes out of run() is re-formed around, as before.
         handler.leave_kind = None
         structlog.contextvars.bind_contextvars(job=spec.job, node=handler.node_id)
-        recorder = JobRecorder(handler)
+        # `elasticd stop` / `drain` (elasticd.stopmarks): a stopped job or a drained node is
+        # a clean exit, before joining: systemd restarting us must not bring the node back.
+        refused = refusal_at_start(client, handler.keys, handler.node_id,
+                                   deadline_s=spec.etcd_connect_timeout_s)
+        if refused is not None:
+            log.warning("agent_not_joining", reason=refused.reason, fix=restart_hint(refused))
+            return 0
+        recorder = JobRecorder(handler.session)
         # The run's identity (docs/checkpoints.md#run-identity): stamped on the pointer,
         # handed to workers, and checked against the stored checkpoints before any starts.
         recorder.run_id = ensure_run_id(client, handler.keys)
         supervision = check_resume(spec.supervision, spec.job, recorder.run_id, spec.resume)
+        if current_format() == "json":  # the worker API logs JSON when its agent does
+            supervision = replace(supervision, worker_env={**supervision.worker_env,
+                                                           ENV_LOG_FORMAT: "json"})
         metrics = _make_metrics(spec)
 
         _commit_intents(recorder, state_dir, spec.job)
@@ -200,7 +223,12 @@ def run_node(spec: NodeSpec) -> int:
             max_restarts=spec.supervision.max_restarts,
             monitor_interval=spec.supervision.monitor_interval_s, local_addr=spec.local_addr,
         )
-        logs = DefaultLogsSpecs(log_dir=log_dir, redirects=Std.ALL, tee=Std.ALL)
+        if current_format() == "json":  # every worker line one JSON object, rank and stream
+            from elasticd.agent.worker_logs import JsonTeeLogsSpecs
+
+            logs = JsonTeeLogsSpecs(log_dir, job=spec.job, node=handler.node_id, out=sys.stderr)
+        else:
+            logs = DefaultLogsSpecs(log_dir=log_dir, redirects=Std.ALL, tee=Std.ALL)
         agent = ElasticdAgent(worker_spec, supervision, handler, control, recorder,
                               logs_specs=logs, metrics=metrics,
                               notifier=_make_notifier(spec), commits=commits)
@@ -210,6 +238,9 @@ def run_node(spec: NodeSpec) -> int:
         handler.on_members_lost = lambda lost, rnd: _record_lost(recorder, handler, lost, rnd)
         if spec.preemption is not None:
             spec.preemption.start(lambda notice: _on_notice(agent, recorder, notice))
+        drain = agent.request_drain  # from the watch thread: only sets flags
+        remote = RemoteStopWatch(client, handler.keys, handler.node_id,
+                                 lambda req: drain(req.reason)).start()
         log.info("agent_started", endpoints=client.endpoint_label(), nproc_per_node=spec.nproc_per_node,
                  nnodes=f"{spec.min_nodes}:{spec.max_nodes}", command=list(spec.command),
                  worker_log_dir=log_dir)
@@ -220,13 +251,16 @@ def run_node(spec: NodeSpec) -> int:
             return 0
         outcome = agent.outcome
         if outcome.kind == "failed":
-            print_summary(outcome)
+            error_line(failure_summary(outcome), event="failure_summary")
         log.info("agent_exited", outcome=outcome.kind, reason=outcome.reason, exit_code=outcome.exit_code)
+        if remote.fired is not None and outcome.kind == "drained":
+            log.info("agent_stopped_by_operator", reason=remote.fired.reason,
+                     fix=restart_hint(remote.fired))
         if outcome.kind == "finished":
             handler.set_closed()
         return outcome.exit_code
     except (EtcdUnavailableError, RendezvousError) as exc:
-        sys.stderr.write(f"elasticd: {exc}\n")
+        error_line(f"elasticd: {exc}")
         # By type, not by message: etcd unreachable is 4 (retry later), anything else 1.
         unreachable = isinstance(exc, (TransientError, RendezvousConnectionError))
         return EX_ETCD_UNREACHABLE if unreachable else 1
@@ -235,8 +269,12 @@ def run_node(spec: NodeSpec) -> int:
             pending = commits.close()
             if pending is not None and state_dir is not None:  # the next agent retries it
                 write_intent(state_dir, handler.node_id, pending)
+        if remote is not None:
+            remote.stop()
         if agent is not None:
             agent.standby.close()
+        if logs is not None and hasattr(logs, "close"):
+            logs.close()  # the last worker lines, once the workers are gone
         if spec.preemption is not None:
             spec.preemption.stop()
         if handler is not None:

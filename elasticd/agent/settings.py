@@ -34,6 +34,7 @@ def node_spec(cfg: AgentConfig, environ: Mapping[str, str]) -> NodeSpec:
         min_nodes=cfg.job.min_nodes, max_nodes=cfg.job.max_nodes,
         etcd_endpoints=",".join(e.endpoints) or None, etcd_timeout_s=e.timeout_s,
         etcd_connect_timeout_s=e.connect_timeout_s, etcd_data_dir=e.data_dir,
+        etcd_election_timeout_s=e.election_timeout_s,
         tls=TLSFiles(e.ca_file, e.cert_file, e.key_file), etcd_user=e.user,
         etcd_password=e.resolved_password(),
         etcd_insecure_plaintext_auth=e.insecure_allow_plaintext_auth, node_id=cfg.node.id, local_addr=cfg.node.local_addr,

@@ -20,6 +20,8 @@ import os
 import re
 from collections.abc import Iterator, Mapping, MutableMapping
 
+from elasticd.control.api import ENV_AGENT_PID, ENV_CHECKPOINT_URL, ENV_JOB, ENV_NODE
+
 # The agent's own configuration that would let a worker talk to etcd as the agent.
 _SECRET_PREFIXES = ("ELASTICD_ETCD_", "ETCDCTL_")
 _SECRET_NAMES = frozenset({"ELASTICD_CONFIG"})
@@ -36,6 +38,34 @@ def is_secret(name: str) -> bool:
 def scrub(env: Mapping[str, str]) -> dict[str, str]:
     """``env`` without the variables :func:`is_secret` names. Pure."""
     return {k: v for k, v in env.items() if not is_secret(k)}
+
+
+def agent_worker_env(*, job: str, node: str, agent_pid: int, control_env: Mapping[str, str],
+                     user_env: Mapping[str, str], checkpoint_url: str | None) -> dict[str, str]:
+    """What every worker of an agent gets on top of torch's per-worker variables. Pure.
+
+    Args:
+        job, node: the job name and this node's id.
+        agent_pid: the agent's pid (workers watch it).
+        control_env: the control channel's variables (``ControlChannel.env()``).
+        user_env: the operator's ``[workers.env]``, applied over elasticd's own.
+        checkpoint_url: the job's checkpoint root, if configured.
+
+    Returns:
+        The variables, without any secret (:func:`scrub`): workers never hold etcd
+        credentials, even from ``[workers.env]``.
+    """
+    extra = {
+        ENV_JOB: job,
+        ENV_NODE: node,
+        ENV_AGENT_PID: str(agent_pid),
+        "PYTHONUNBUFFERED": "1",
+        **control_env,
+        **user_env,
+    }
+    if checkpoint_url:
+        extra[ENV_CHECKPOINT_URL] = checkpoint_url
+    return scrub(extra)
 
 
 @contextlib.contextmanager

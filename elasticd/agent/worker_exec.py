@@ -34,10 +34,13 @@ import os
 import runpy
 import signal
 import sys
+import time
+from collections.abc import Iterable
 from typing import NoReturn
 
-from elasticd.control.api import DONE_PREFIX
+from elasticd.control.api import DONE_PREFIX, ENV_LOG_FORMAT
 from elasticd.errors import EX_CONFIG, ConfigError
+from elasticd.logs import configure_worker_logging
 from elasticd.process import die_with_parent
 from elasticd.teardown import end_process, keep_groups_on_destroy
 
@@ -47,6 +50,8 @@ def main(argv: list[str]) -> NoReturn:
     die_with_parent(int(agent_pid) if agent_pid else None)
     faulthandler.register(signal.SIGUSR1, all_threads=True, chain=False)
     keep_groups_on_destroy()
+    # JSON when the agent logs JSON: the worker API's events stay one object per line.
+    configure_worker_logging(os.environ.get(ENV_LOG_FORMAT))
     as_module = bool(argv) and argv[0] == "-m"
     if as_module:
         argv = argv[1:]
@@ -108,3 +113,15 @@ def _mark_done() -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1:])
+
+
+def request_stacks(pids: Iterable[int], *, settle_s: float = 0.5) -> None:
+    """The agent's side of the SIGUSR1 contract above: ask each worker for the stacks of
+    all its threads (they land in the worker's stderr log), then give faulthandler
+    ``settle_s`` to write them before the caller stops the workers."""
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGUSR1)
+        except ProcessLookupError:
+            pass
+    time.sleep(settle_s)

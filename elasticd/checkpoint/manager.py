@@ -39,13 +39,12 @@ import torch
 
 import elasticd
 from elasticd.checkpoint import reader, rng
+from elasticd.checkpoint.agent_defaults import AUTO_FENCE, AutoFence, agent_identity, resolve_fence
 from elasticd.checkpoint.api import (
-    CheckpointCorruptError,
     CheckpointError,
     CheckpointMismatchError,
     CheckpointReadError,
     CheckpointSaveError,
-    CheckpointUnreadableError,
     CommitFence,
     CommitOutcome,
     LoadedCheckpoint,
@@ -60,22 +59,14 @@ from elasticd.checkpoint.manifest import (
     new_save_id,
     step_dir_name,
 )
+from elasticd.checkpoint.pruning import CheckpointPruner
 from elasticd.checkpoint.restore import apply, owned, require_safe_torch
-from elasticd.checkpoint.retention import PruneDecision, RetentionPolicy, StoredSave, plan_prune
+from elasticd.checkpoint.retention import PruneDecision, RetentionPolicy, StoredSave
 from elasticd.checkpoint.staging import RESERVED_KEY, StateStager, resolve
-from elasticd.checkpoint.store import FsspecCheckpointStore, ListedSave, listing_problem
+from elasticd.checkpoint.store import FsspecCheckpointStore
 from elasticd.errors import ConfigError, FencedError
 
 log = structlog.get_logger(__name__)
-
-class _AutoFence:
-    """The default of ``CheckpointManager(fence=...)``: the agent's fence under an agent."""
-
-    def __repr__(self) -> str:
-        return "AUTO_FENCE"
-
-
-AUTO_FENCE = _AutoFence()
 
 # How often a load lists again when files vanish under it (a prune racing a slow reader).
 _MAX_LISTINGS = 5
@@ -135,7 +126,7 @@ class CheckpointManager:
         world_size: int | None = None,
         keep_last: int = 3,
         keep_every: int | None = None,
-        fence: CommitFence | None | _AutoFence = AUTO_FENCE,
+        fence: CommitFence | None | AutoFence = AUTO_FENCE,
         process_group: Any = None,
         storage_options: Mapping[str, Any] | None = None,
         grace_s: float = 600.0,
@@ -144,7 +135,7 @@ class CheckpointManager:
         resume: str = "auto",
     ) -> None:
         if run_id is None:
-            run_id, resume = _agent_identity(resume)
+            run_id, resume = agent_identity(resume)
         self.identity = RunIdentity(run_id, resume)
         try:
             self.policy = RetentionPolicy(keep_last=keep_last, keep_every=keep_every, grace_s=grace_s)
@@ -152,7 +143,7 @@ class CheckpointManager:
             raise ConfigError(f"checkpoint retention: {exc}") from exc
         self.store = FsspecCheckpointStore(url, job, storage_options)
         self.job = job
-        self.fence = _resolve_fence(fence)
+        self.fence = resolve_fence(fence)
         self._group = make_group(process_group, rank, world_size)
         self.rank = self._group.rank
         self.world_size = self._group.size
@@ -161,10 +152,11 @@ class CheckpointManager:
         self._inflight: _InFlight | None = None
         self._last_result: SaveResult | None = None
         self._closed = False
-        # Never pruned by this process: what it last committed and what it loaded.
-        self._protect: dict[str, tuple[int, str]] = {}
-        self._manifests: dict[tuple[int, str], Manifest] = {}
         self._log = log.bind(job=job, rank=self.rank)
+        self._pruner = CheckpointPruner(self.store, self.policy, self.identity, self.fence,
+                                        clock, self._log)
+        # Never pruned by this process: what it last committed and what it loaded.
+        self._protect = self._pruner.protect
 
     def regroup(self, process_group: Any = None) -> None:
         """Coordinate through a new process group from now on (after a live re-formation).
@@ -269,7 +261,7 @@ class CheckpointManager:
             # pointer catches up once etcd answers), raise nothing, keep training. Protect the
             # save from our own pruning until a newer commit supersedes it.
             self._log.warning("checkpoint_commit_unknown", step=step, url=url)
-            self._manifests[(step, save_id)] = manifest
+            self._pruner.remember(manifest)
             self._protect["pending"] = (step, save_id)
             return
         if outcome is CommitOutcome.REFUSED:
@@ -278,9 +270,9 @@ class CheckpointManager:
                 f"checkpoint step {step} was written but the commit fence refused it: this "
                 "worker's round is no longer current (or a newer checkpoint is committed). "
                 "This worker is a zombie and must stop; its upload was deleted")
-            self._delete(StoredSave(step, save_id, created_at, True), "refused by the commit fence")
+            self._pruner.delete(StoredSave(step, save_id, created_at, True), "refused by the commit fence")
             return
-        self._manifests[(step, save_id)] = manifest
+        self._pruner.remember(manifest)
         self._protect["saved"] = (step, save_id)
         self._protect.pop("pending", None)
         # The loaded checkpoint was protected as possibly the newest valid one; a fresh
@@ -476,93 +468,7 @@ class CheckpointManager:
         Returns:
             What was deleted, with reasons.
         """
-        if not self.is_writer:
-            return []
-        try:
-            listed = self.store.list_saves()
-            saves = [self._classify(s) for s in listed]
-            self._manifests = {k: v for k, v in self._manifests.items()
-                               if k in {(s.step, s.save_id) for s in listed}}
-            pointer = self.fence.latest() if self.fence is not None else None
-            mine = self.identity.run_id
-            if pointer is not None and mine and pointer.run_id not in ("", mine):
-                pointer = None  # another run's pointer says nothing about our saves
-            pointed = self.store.parse_manifest_url(pointer.manifest_url) if pointer else None
-            decisions = plan_prune(saves, self.policy, now=self._clock(), pointer=pointed,
-                                   protect=frozenset(self._protect.values()),
-                                   high_water=pointer.highest_step if pointer else None)
-        except Exception as exc:  # noqa: BLE001 - retention must never stop training
-            self._log.warning("checkpoint_prune_failed", error=repr(exc))
-            return []
-        for decision in decisions:
-            self._delete(decision.save, decision.reason)
-        return decisions
-
-    def _classify(self, save: ListedSave) -> StoredSave:
-        """What retention needs to know of one listed save (reads its manifest, cached).
-
-        Storage errors other than one unreadable path propagate: the prune is abandoned
-        and retried later, since nothing is deleted on a guess.
-        """
-        def stored(committed: bool, **flags: bool) -> StoredSave:
-            return StoredSave(save.step, save.save_id, save.created_at, committed, **flags)
-
-        problem = self.store.unreadable_reason(save)
-        if problem is not None:
-            self._log.warning("checkpoint_unreadable", reason=problem)
-            return stored(False, unreadable=True)
-        if not save.has_manifest:
-            return stored(False)
-        key = (save.step, save.save_id)
-        manifest = self._manifests.get(key)
-        if manifest is None:
-            # Verified manifests are cached (they never change); failures are not, since
-            # a local manifest can be caught half-written.
-            try:
-                manifest = self._manifests[key] = self.store.read_manifest(*key)
-            except CheckpointCorruptError:
-                return stored(False)
-            except CheckpointUnreadableError as exc:
-                self._log.warning("checkpoint_unreadable", reason=str(exc))
-                return stored(False, unreadable=True)
-        return stored(listing_problem(manifest, save) is None,
-                      foreign=not self.identity.may_prune(manifest.run_id))
-
-    def _delete(self, save: StoredSave, reason: str) -> None:
-        try:
-            self.store.delete_save(save.step, save.save_id)
-        except Exception as exc:  # noqa: BLE001 - logged, retried at the next prune
-            self._log.warning("checkpoint_prune_failed", step=save.step, save_id=save.save_id,
-                              error=repr(exc))
-            return
-        self._manifests.pop((save.step, save.save_id), None)
-        self._log.info("checkpoint_pruned", step=save.step, save_id=save.save_id, reason=reason)
-
-
-def _resolve_fence(fence: CommitFence | None | _AutoFence) -> CommitFence | None:
-    """The fence a manager uses: ``AUTO_FENCE`` means the agent's under an agent, else none.
-
-    Raises:
-        ConfigError: started by an agent but without ``ELASTICD_ROUND`` (see
-            ``elasticd.worker.agent_fence``): a commit must never go out unfenced.
-    """
-    if not isinstance(fence, _AutoFence):
-        return fence
-    # Imported here: the worker package imports torch.distributed machinery the CLI's
-    # checkpoint listing never needs.
-    from elasticd.worker.fence import agent_fence
-
-    return agent_fence()
-
-
-def _agent_identity(resume: str) -> tuple[str | None, str]:
-    """The run id and resume mode the agent handed its workers (None, ``resume`` without one)."""
-    from elasticd.worker.context import agent_environment
-
-    env = agent_environment()
-    if env is None:
-        return None, resume
-    return env.run_id, env.resume if resume == "auto" else resume
+        return self._pruner.prune() if self.is_writer else []
 
 
 def _json_or_none(value: Any) -> dict[str, Any] | None:

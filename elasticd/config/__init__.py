@@ -14,8 +14,8 @@ TOML layout (every key is documented with its default in docs/configuration.md):
 
     [job]        name, nnodes, checkpoint_url, standalone, resume
     [etcd]       endpoints, ca_file, cert_file, key_file, user, password,
-                 password_file, timeout_s, connect_timeout_s, data_dir,
-                 insecure_allow_plaintext_auth
+                 password_file, timeout_s, connect_timeout_s, election_timeout_s,
+                 data_dir, insecure_allow_plaintext_auth
     [node]       id, local_addr, ttl_s
     [rendezvous] join_timeout_s, last_call_timeout_s, close_timeout_s, store_timeout_s
     [workers]    command, nproc_per_node, workdir, monitor_interval_s,
@@ -41,7 +41,7 @@ Override keys (the ``overrides`` mapping, one per CLI flag) are the dotted names
     job.name  job.nnodes  job.checkpoint_url  job.standalone  job.resume
     etcd.endpoints  etcd.ca_file  etcd.cert_file  etcd.key_file  etcd.user
     etcd.password  etcd.password_file  etcd.timeout_s  etcd.connect_timeout_s
-    etcd.data_dir  etcd.insecure_allow_plaintext_auth
+    etcd.election_timeout_s  etcd.data_dir  etcd.insecure_allow_plaintext_auth
     node.id  node.local_addr  node.ttl_s
     rendezvous.join_timeout_s  rendezvous.last_call_timeout_s
     rendezvous.close_timeout_s  rendezvous.store_timeout_s
@@ -60,13 +60,8 @@ text (converted as for the environment). ``workers.env`` overrides are a mapping
 merged variable by variable over the file's table.
 """
 
-from elasticd.config.loader import (
-    ENV_PREFIX,
-    RESERVED_WORKER_ENV,
-    load_config,
-    render_effective,
-    security_warnings,
-)
+from elasticd.config.checks import availability_warnings, security_warnings, validate_config
+from elasticd.config.loader import ENV_PREFIX, RESERVED_WORKER_ENV, load_config, render_effective
 from elasticd.config.model import (
     MASK,
     AgentConfig,
@@ -97,7 +92,9 @@ __all__ = [
     "RendezvousConfig",
     "RestartConfig",
     "WorkersConfig",
+    "availability_warnings",
     "load_config",
     "render_effective",
     "security_warnings",
+    "validate_config",
 ]

@@ -60,6 +60,8 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--etcd-timeout", "etcd.timeout_s", "timeout of one etcd call, s", metavar="S"),
     Flag("--etcd-connect-timeout", "etcd.connect_timeout_s",
          "how long to wait for etcd at start, s", metavar="S"),
+    Flag("--etcd-election-timeout", "etcd.election_timeout_s",
+         "the etcd members' --election-timeout, s (node TTL must be >= 3x it)", metavar="S"),
     Flag("--etcd-data-dir", "etcd.data_dir", "data dir of the embedded etcd (default: a new "
          "temporary dir)", metavar="DIR"),
     Flag("--node-id", "node.id", "this node's id (default: the host name)"),

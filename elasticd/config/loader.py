@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any
 
+from elasticd.config.checks import validate_config
 from elasticd.config.model import (
     MASK,
     AgentConfig,
@@ -40,8 +41,7 @@ from elasticd.config.schema import (
     standalone_job_name,
 )
 from elasticd.errors import ConfigError
-from elasticd.keys import validate_job_name, validate_node_id
-from elasticd.sensitive import loose_secret_file, mask_value, scrub_text
+from elasticd.sensitive import mask_value, scrub_text
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -136,72 +136,8 @@ def load_config(
         values["node.id"] = node_id_from_hostname(hostname)
         origins["node.id"] = "default (host name)"
     config = _build(values, origins, path)
-    _validate(config, check_files=check_files)
+    validate_config(config, check_files=check_files)
     return config
-
-
-def availability_warnings(config: AgentConfig) -> list[str]:
-    """Settings that keep a job from riding through an etcd member failure (one line each).
-
-    An agent talks to one etcd member at a time and moves to the next listed endpoint when
-    a call fails; given one endpoint it has nowhere to go (docs/deployment.md, "The etcd
-    cluster: members, failover, backup").
-    """
-    endpoints = config.etcd.endpoints
-    if len(endpoints) == 1 and not config.etcd.embedded:
-        return [f"etcd.endpoints names one endpoint ({endpoints[0]}): if etcd runs as a cluster, "
-                "list every member (e.g. --etcd etcd-1:2379,etcd-2:2379,etcd-3:2379) so the "
-                "agent can move to another member when this one fails"]
-    return []
-
-
-def security_warnings(config: AgentConfig) -> list[str]:
-    """The insecure settings ``config`` shows, one line each (``--check-config`` prints them).
-
-    None of them is an error: each is a choice an operator may make on purpose, but
-    should make knowingly (docs/security.md).
-    """
-    out: list[str] = []
-    etcd, origins = config.etcd, config.origins
-    if etcd.insecure_allow_plaintext_auth and etcd.user is not None and not etcd.tls:
-        out.append("etcd.insecure_allow_plaintext_auth = true: the etcd password crosses the "
-                   "network in clear text; serve etcd over TLS and set etcd.ca_file")
-    if etcd.password is not None:
-        where = origins.get("etcd.password", "")
-        out.append(f"etcd.password is set in the {'environment' if where.startswith('env') else 'config'}"
-                   " (readable by whoever reads it, and inherited by child processes); "
-                   "use etcd.password_file (chmod 0600) instead")
-    if etcd.password_file is not None:
-        loose = loose_secret_file(etcd.password_file)
-        if loose:
-            out.append(f"etcd.password_file: {loose}")
-    if etcd.key_file is not None:
-        loose = loose_secret_file(etcd.key_file)
-        if loose:
-            out.append(f"etcd.key_file: {loose}")
-    if any(e.startswith("https://") for e in etcd.endpoints) and etcd.ca_file is None:
-        out.append("etcd.endpoints are https:// without etcd.ca_file: etcd's certificate is "
-                   "verified against the system's root CAs (fine for a publicly signed "
-                   "certificate; set etcd.ca_file for a private CA)")
-    if not etcd.embedded and not etcd.tls:
-        out.append("etcd.endpoints are plaintext (no etcd.ca_file, no https://): anyone on the "
-                   "network path can read and change the job's keys; serve etcd over TLS")
-    if config.metrics.enabled and config.metrics.addr in ("0.0.0.0", "::"):
-        out.append(f"metrics.addr = {config.metrics.addr!r}: the metrics listen on every "
-                   "interface; set the address Prometheus scrapes, or 127.0.0.1")
-    log_dir = config.logging.worker_log_dir
-    if log_dir is not None:
-        from elasticd.logs import check_log_root  # keeps structlog out of plain config loads
-
-        try:
-            check_log_root(log_dir)
-        except ConfigError as exc:
-            out.append(f"logging.worker_log_dir: {exc}")
-    for name, value in config.workers.env.items():
-        if mask_value(name, value) != value:
-            out.append(f"workers.env.{name} looks like a secret: every worker (training code) "
-                       "sees it; prefer the storage's own credential chain (e.g. instance roles)")
-    return out
 
 
 def render_effective(config: AgentConfig) -> str:
@@ -461,117 +397,3 @@ def _flatten(config: AgentConfig) -> dict[str, Any]:
             else:
                 out[key.dotted] = getattr(obj, key.name)
     return out
-
-
-# --- cross-key validation --------------------------------------------------------
-
-
-def _validate(config: AgentConfig, *, check_files: bool) -> None:
-    """Checks that involve more than one key, or the file system."""
-    origins = config.origins
-
-    def bad(dotted: str, value: Any, problem_and_fix: str) -> ConfigError:
-        shown = scrub_text(repr(mask_value(dotted, value)))
-        return ConfigError(f"{dotted} = {shown} ({origins.get(dotted, 'default')}): {problem_and_fix}")
-
-    job, etcd, node, workers = config.job, config.etcd, config.node, config.workers
-    try:
-        validate_job_name(job.name)
-    except ConfigError as exc:
-        raise bad("job.name", job.name, str(exc)) from None
-    try:
-        validate_node_id(node.id)
-    except ConfigError as exc:
-        raise bad("node.id", node.id, f"{exc}; set [node] id explicitly") from None
-    if job.standalone and etcd.endpoints:
-        raise bad(
-            "job.standalone", True,
-            "a standalone job uses an embedded etcd, but etcd.endpoints is set too; "
-            "remove etcd.endpoints, or set standalone = false for a multi-node job",
-        )
-    if job.standalone and job.max_nodes > 1:
-        raise bad(
-            "job.standalone", True,
-            f'a standalone job runs on one node, but job.nnodes allows {job.max_nodes}; '
-            'set nnodes = 1, or standalone = false with etcd.endpoints',
-        )
-    if etcd.embedded and not job.standalone and job.max_nodes > 1:
-        raise bad(
-            "job.nnodes", f"{job.min_nodes}:{job.max_nodes}",
-            "etcd.endpoints is empty, so this agent starts a private etcd on 127.0.0.1 "
-            "that no other node can reach; set etcd.endpoints to an etcd all nodes share, "
-            "or nnodes = 1 for a one-machine job",
-        )
-    if config.restart.backoff_max_s < config.restart.backoff_s:
-        raise bad(
-            "restart.backoff_max_s", config.restart.backoff_max_s,
-            f"smaller than restart.backoff_s = {config.restart.backoff_s}; "
-            "make backoff_max_s >= backoff_s",
-        )
-    if etcd.password is not None and etcd.password_file is not None:
-        raise bad(
-            "etcd.password_file", etcd.password_file,
-            "etcd.password is set too; keep only one (password_file keeps the secret "
-            "out of the config and the environment)",
-        )
-    has_password = etcd.password is not None or etcd.password_file is not None
-    if has_password and etcd.user is None:
-        key = "etcd.password" if etcd.password is not None else "etcd.password_file"
-        raise bad(key, MASK if key == "etcd.password" else etcd.password_file,
-                  "a password needs a user; set etcd.user too")
-    if etcd.user is not None and not has_password:
-        raise bad("etcd.user", etcd.user,
-                  "a user needs a password; set etcd.password_file (or etcd.password)")
-    if (etcd.cert_file is None) != (etcd.key_file is None):
-        given, missing = (
-            ("etcd.cert_file", "etcd.key_file") if etcd.cert_file else
-            ("etcd.key_file", "etcd.cert_file")
-        )
-        raise bad(given, getattr(etcd, given.split(".")[1]),
-                  f"client TLS needs both a certificate and its key; set {missing} too")
-    if etcd.cert_file is not None and etcd.ca_file is None:
-        raise bad("etcd.cert_file", etcd.cert_file,
-                  "client certificates are only sent over TLS; set etcd.ca_file too")
-    if etcd.embedded:
-        for dotted in ("etcd.ca_file", "etcd.cert_file", "etcd.user"):
-            value = getattr(etcd, dotted.split(".")[1])
-            if value is not None:
-                raise bad(
-                    dotted, value,
-                    "etcd.endpoints is empty, so the agent starts a private embedded etcd "
-                    "(TLS with its own generated client certificate) and this would be "
-                    "ignored; set etcd.endpoints to "
-                    "your etcd cluster, or remove the key",
-                )
-    elif etcd.user is not None and not etcd.tls and not etcd.insecure_allow_plaintext_auth:
-        raise bad(
-            "etcd.user", etcd.user,
-            "a user and password without TLS would cross the network in clear text; serve "
-            "etcd over TLS and set etcd.ca_file (or write the endpoints https:// for a "
-            "publicly signed certificate), or, on a network you trust, opt in with "
-            "etcd.insecure_allow_plaintext_auth = true",
-        )
-    if check_files:
-        for dotted in ("etcd.ca_file", "etcd.cert_file", "etcd.key_file", "etcd.password_file"):
-            file_path = getattr(etcd, dotted.split(".")[1])
-            if file_path is not None and not (
-                os.path.isfile(file_path) and os.access(file_path, os.R_OK)
-            ):
-                raise bad(dotted, file_path,
-                          "no such readable file; fix the path or the file's permissions "
-                          "for the agent's user")
-        if etcd.password_file is not None:
-            try:
-                etcd.resolved_password()
-            except ConfigError as exc:
-                raise ConfigError(f"{exc} ({origins.get('etcd.password_file')})") from None
-        log_dir = config.logging.worker_log_dir
-        if log_dir is not None:
-            from elasticd.logs import check_log_root
-
-            check_log_root(log_dir)
-        if workers.workdir is not None and not os.path.isdir(workers.workdir):
-            raise bad("workers.workdir", workers.workdir,
-                      "no such directory; create it or fix the path")
-
-

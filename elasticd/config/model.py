@@ -42,6 +42,8 @@ class EtcdConfig:
     password_file: str | None = None
     timeout_s: float = 3.0
     connect_timeout_s: float = 30.0
+    # The members' --election-timeout (etcd's default 1 s): node.ttl_s must be >= 3x it.
+    election_timeout_s: float = 1.0
     data_dir: str | None = None
     # Send user/password without TLS. Loudly named on purpose: only for a trusted network.
     insecure_allow_plaintext_auth: bool = False

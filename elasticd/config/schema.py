@@ -330,6 +330,8 @@ KEYS: dict[str, Key] = {
             'password_file = "/etc/elasticd/etcd.pw"'),
         Key("etcd", "timeout_s", number(0, lo_open=True, hi=300), 3.0, "timeout_s = 3"),
         Key("etcd", "connect_timeout_s", number(0, lo_open=True), 30.0, "connect_timeout_s = 30"),
+        Key("etcd", "election_timeout_s", number(0, lo_open=True, hi=60), 1.0,
+            "election_timeout_s = 1"),
         Key("etcd", "data_dir", optional_string, None, 'data_dir = "/var/lib/elasticd/etcd"'),
         Key("etcd", "insecure_allow_plaintext_auth", boolean, False,
             "insecure_allow_plaintext_auth = true"),

@@ -21,6 +21,7 @@ ENV_JOB = "ELASTICD_JOB"
 ENV_NODE = "ELASTICD_NODE"
 ENV_AGENT_PID = "ELASTICD_AGENT_PID"
 ENV_CHECKPOINT_URL = "ELASTICD_CHECKPOINT_URL"
+ENV_LOG_FORMAT = "ELASTICD_LOG_FORMAT"  # "json" when the agent logs JSON (else unset)
 
 # Files in the runtime directory (mode 0700).
 DRAIN_FILE = "drain"

@@ -15,6 +15,7 @@ answered); replies echo it, so a client skips any reply that is not for its requ
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,6 +42,7 @@ class Progress:
     step: int
     epoch: int = 0
     samples: int = 0
+    loss: float | None = None  # the step's training loss, for the job history (optional)
     op = "progress"
 
 
@@ -124,6 +126,16 @@ def _int(obj: dict[str, Any], name: str, lo: int, hi: int, default: int | None =
     return value
 
 
+def _loss(obj: dict[str, Any]) -> float | None:
+    value = obj.get("loss")
+    if value is None:
+        return None
+    # A finite number; NaN/inf (a diverged step) are dropped, not plotted as a spike.
+    if type(value) not in (int, float):
+        raise MessageError(f"field 'loss' must be a number, got {type(value).__name__}")
+    return float(value) if math.isfinite(value) else None
+
+
 def _str(obj: dict[str, Any], name: str, default: str | None = None) -> str:
     value = obj.get(name, default)
     if not isinstance(value, str):
@@ -166,7 +178,7 @@ def parse_request(line: bytes) -> Request:
         return Progress(local_rank=_int(obj, "local_rank", 0, MAX_RANK),
                         rank=_int(obj, "rank", 0, MAX_RANK), step=_int(obj, "step", -1, MAX_COUNT),
                         epoch=_int(obj, "epoch", 0, MAX_COUNT, 0),
-                        samples=_int(obj, "samples", 0, MAX_COUNT, 0))
+                        samples=_int(obj, "samples", 0, MAX_COUNT, 0), loss=_loss(obj))
     rid = _int(obj, "id", 0, MAX_COUNT, 0)
     if op == "commit":
         return CommitRequest(step=_int(obj, "step", 0, MAX_COUNT),

@@ -66,6 +66,7 @@ class RankProgress:
     samples_trained: int = 0
     updated_at: float = 0.0  # monotonic, agent clock
     rank: int = -1  # global rank
+    loss: float | None = None  # the newest loss the worker reported (None: never)
 
 
 @dataclass
@@ -82,7 +83,8 @@ class ProgressBoard:
     last_advance: float = 0.0  # monotonic time any rank last advanced its step
     first_advance: float = 0.0  # ... and first did, in this worker group
 
-    def report(self, local_rank: int, step: int, epoch: int, samples: int, rank: int = -1) -> bool:
+    def report(self, local_rank: int, step: int, epoch: int, samples: int, rank: int = -1,
+               loss: float | None = None) -> bool:
         """Record one report. Returns False (and records nothing) for an out-of-range rank."""
         if not 0 <= local_rank < self.max_local_ranks:
             return False
@@ -93,6 +95,8 @@ class ProgressBoard:
                 self.last_advance = now
                 self.first_advance = self.first_advance or now
             p.step, p.epoch, p.samples_trained, p.updated_at, p.rank = step, epoch, samples, now, rank
+            if loss is not None:
+                p.loss = loss
         return True
 
     def reset(self) -> None:
@@ -106,7 +110,7 @@ class ProgressBoard:
 
     def snapshot(self) -> dict[int, RankProgress]:
         with self.lock:
-            return {r: RankProgress(p.step, p.epoch, p.samples_trained, p.updated_at, p.rank)
+            return {r: RankProgress(p.step, p.epoch, p.samples_trained, p.updated_at, p.rank, p.loss)
                     for r, p in self.ranks.items()}
 
 
@@ -201,7 +205,8 @@ class ControlChannel:
                 return None  # fire-and-forget: the client reads no reply to it
             return ErrorReply(str(exc), request_id(raw))
         if isinstance(msg, Progress):
-            if not self.progress.report(msg.local_rank, msg.step, msg.epoch, msg.samples, msg.rank):
+            if not self.progress.report(msg.local_rank, msg.step, msg.epoch, msg.samples, msg.rank,
+                                        msg.loss):
                 self._reject(f"local rank {msg.local_rank} is outside "
                              f"[0, {self.progress.max_local_ranks})")
             return None

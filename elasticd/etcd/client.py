@@ -7,10 +7,10 @@ run for weeks through etcd restarts. This module keeps every work-around in one 
   raises ``ValueError: Trying to use a failed node`` long after etcd is back. We build
   endpoints with ``time_retry=0`` and fail over between them.
 - ``etcd3/watch.py`` uses ``six`` without importing it, so a dropped watch stream kills
-  the watch thread silently. We patch the name in, and ``PrefixWatch`` re-creates its
-  watch from the last seen revision + 1 whenever the stream dies.
+  the watch thread silently. watch.py patches the name in, and ``PrefixWatch`` there
+  re-creates its watch from the last seen revision + 1 whenever the stream dies.
 - Calls without a timeout can block forever: every call carries ``timeout_s``.
-- Leases are not kept alive by the library: ``LeaseKeeper`` does it.
+- Leases are not kept alive by the library: ``LeaseKeeper`` (lease.py) does it.
 - Auth tokens expire: on an auth error the underlying client is rebuilt (re-auth).
 
 Every error leaving this module is either ``EtcdUnavailableError`` (transient: retry;
@@ -18,6 +18,10 @@ its subclass ``EtcdNoSpaceError`` when etcd raised its NOSPACE alarm and refuses
 until an operator compacts, defragments and disarms), ``ConfigError`` (bad endpoints, TLS
 files or credentials, a wrong password: fix the config) or a plain result (a failed
 transaction returns ``False``).
+
+Transactions are described with the typed compares and operations of ``txn.py``; only
+this module turns them into python3-etcd3 objects. Endpoint parsing and TLS files live in
+``endpoints.py``, the records it returns (``KV``, ``WatchEvent``) in ``kv.py``.
 
 Trust rules (docs/security.md): credentials are never sent in plaintext unless the
 caller says ``allow_plaintext_auth=True`` (the loudly named config flag); an ``https://``
@@ -29,26 +33,23 @@ from __future__ import annotations
 import re
 import threading
 import time
-import types
 import weakref
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import etcd3
 import etcd3.exceptions
-import etcd3.watch
 import grpc
 import structlog
-from etcd3 import events as etcd_events
 
 from elasticd.errors import ConfigError, EtcdNoSpaceError, EtcdUnavailableError, LeaseLostError
+from elasticd.etcd.endpoints import TLSFiles, endpoints_scheme, parse_endpoints, read_tls_file
+from elasticd.etcd.kv import KV, WatchEvent, kv_map
+from elasticd.etcd.lease import LeaseKeeper
+from elasticd.etcd.txn import Compare, DeletePrefix, ModRevision, Op, Put, raw_compare, raw_op
+from elasticd.etcd.watch import PrefixWatch
 
 log = structlog.get_logger(__name__)
-
-# Work-around: etcd3/watch.py calls six.itervalues without importing six.
-if not hasattr(etcd3.watch, "six"):
-    etcd3.watch.six = types.SimpleNamespace(itervalues=lambda d: iter(list(d.values())))  # type: ignore[attr-defined]
 
 _TRANSIENT_ETCD3 = (
     etcd3.exceptions.ConnectionFailedError,
@@ -67,7 +68,6 @@ _TRANSIENT_GRPC = {
 }
 SLOW_CALL_S = 1.0
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024
-MAX_TLS_FILE_BYTES = 1024 * 1024
 _AUTH_GRPC = {grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED}
 # A TLS handshake refused over a certificate will fail the same way on every retry.
 _TLS_REJECTED = re.compile(r"(?i)handshake failed.*(certificate|unknown_ca|wrong_version_number)")
@@ -81,102 +81,6 @@ _NOSPACE = re.compile(r"(?i)database space exceeded|NOSPACE")
 NOSPACE_FIX = ("etcd raised its NOSPACE alarm (database space exceeded) and refuses writes: "
                "compact and defragment etcd, then `etcdctl alarm disarm` "
                "(docs/deployment.md#etcd-space-compaction-and-nospace)")
-
-
-@dataclass(frozen=True)
-class KV:
-    """One key-value pair as read from etcd."""
-
-    key: str
-    value: bytes
-    mod_revision: int
-    create_revision: int
-    lease: int
-
-
-@dataclass(frozen=True)
-class WatchEvent:
-    """A change to one key. ``value`` is None for deletions (including lease expiry)."""
-
-    key: str
-    value: bytes | None
-    mod_revision: int
-
-
-@dataclass(frozen=True)
-class TLSFiles:
-    """Client TLS material: a CA bundle and optionally a client certificate and key."""
-
-    ca_file: str | None = None
-    cert_file: str | None = None
-    key_file: str | None = None
-
-    @property
-    def enabled(self) -> bool:
-        return bool(self.ca_file or self.cert_file or self.key_file)
-
-
-def endpoints_scheme(endpoints: str | Sequence[str]) -> str | None:
-    """``"https"`` if the endpoints are written ``https://...``, ``"http"`` for
-    ``http://...``, None when no scheme is written.
-
-    Raises:
-        ConfigError: schemes are mixed (one cluster is served one way).
-    """
-    items = endpoints.split(",") if isinstance(endpoints, str) else list(endpoints)
-    written = [item.strip() for item in items if item.strip()]
-    schemes = {i.partition("://")[0].lower() if "://" in i else "http" for i in written}
-    if len(schemes) > 1:
-        raise ConfigError(f"etcd endpoints mix schemes ({', '.join(sorted(schemes))}): write all "
-                          "of them https:// (TLS) or all http://")
-    if not any("://" in i for i in written):
-        return None
-    return schemes.pop() if schemes else None
-
-
-def parse_endpoints(endpoints: str | Sequence[str]) -> list[tuple[str, int]]:
-    """Parse ``"h1:2379,h2:2379"`` (or a list) into (host, port) pairs.
-
-    Raises:
-        ConfigError: an endpoint is empty or has no valid port (ASCII digits only).
-    """
-    items = endpoints.split(",") if isinstance(endpoints, str) else list(endpoints)
-    out: list[tuple[str, int]] = []
-    for raw in items:
-        item = raw.strip()
-        for scheme in ("http://", "https://"):
-            if item.startswith(scheme):
-                item = item[len(scheme):]
-        if "@" in item:
-            raise ConfigError(
-                f"etcd endpoint '***@{item.rsplit('@', 1)[1]}' carries credentials: they do not go "
-                "in the URL (it is logged and shown); use etcd.user with etcd.password_file "
-                "(--etcd-user, --etcd-password-file)"
-            )
-        host, sep, port = item.rpartition(":")
-        if (not item or not sep or not host or not re.fullmatch(r"[0-9]{1,5}", port)
-                or not 0 < int(port) < 65536):
-            raise ConfigError(
-                f"invalid etcd endpoint {raw!r}: expected HOST:PORT, e.g. 127.0.0.1:2379 "
-                "(several endpoints separated by commas)"
-            )
-        out.append((host, int(port)))
-    if not out:
-        raise ConfigError("no etcd endpoint given: pass --etcd HOST:PORT or use --standalone")
-    return out
-
-
-def _read_file(path: str, what: str) -> bytes:
-    try:
-        with open(path, "rb") as fh:
-            # A bound: certificates are kilobytes; a wrong path (/dev/zero) must not hang.
-            data = fh.read(MAX_TLS_FILE_BYTES + 1)
-    except OSError as exc:
-        raise ConfigError(f"cannot read etcd {what} {path!r}: {exc.strerror}; check the path") from exc
-    if len(data) > MAX_TLS_FILE_BYTES:
-        raise ConfigError(f"etcd {what} {path!r} is larger than {MAX_TLS_FILE_BYTES} bytes, so not "
-                          "a PEM file; check the path")
-    return data
 
 
 def _grpc_detail(exc: BaseException) -> str:
@@ -264,9 +168,9 @@ class EtcdClient:
             return None
         if bool(self.tls.cert_file) != bool(self.tls.key_file):
             raise ConfigError("etcd TLS: cert_file and key_file must be given together")
-        ca = _read_file(self.tls.ca_file, "CA file") if self.tls.ca_file else None
-        cert = _read_file(self.tls.cert_file, "client certificate") if self.tls.cert_file else None
-        key = _read_file(self.tls.key_file, "client key") if self.tls.key_file else None
+        ca = read_tls_file(self.tls.ca_file, "CA file") if self.tls.ca_file else None
+        cert = read_tls_file(self.tls.cert_file, "client certificate") if self.tls.cert_file else None
+        key = read_tls_file(self.tls.key_file, "client key") if self.tls.key_file else None
         return grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
 
     def _build(self) -> etcd3.MultiEndpointEtcd3Client:
@@ -437,8 +341,10 @@ class EtcdClient:
         value, meta = self.call(lambda c: c.get(key))
         return None if meta is None else self._kv(value, meta)
 
-    def get_prefix(self, prefix: str, *, keys_only: bool = False) -> tuple[list[KV], int]:
-        """Read every key under ``prefix`` in one range request (values empty if ``keys_only``).
+    def get_prefix(self, prefix: str, *, keys_only: bool = False,
+                   range_end: str | None = None) -> tuple[list[KV], int]:
+        """Read every key under ``prefix`` in one range request (values empty if ``keys_only``;
+        with ``range_end``, the keys in [prefix, range_end) instead).
 
         Returns:
             The key-values sorted by key, and the store revision the read was served at
@@ -446,8 +352,8 @@ class EtcdClient:
         """
 
         def read(c: etcd3.MultiEndpointEtcd3Client) -> tuple[list[KV], int]:
-            range_end = etcd3.utils.prefix_range_end(etcd3.utils.to_bytes(prefix))
-            resp = c.get_range_response(prefix, range_end, sort_order="ascend", sort_target="key",
+            end = _range_end(prefix, range_end)
+            resp = c.get_range_response(prefix, end, sort_order="ascend", sort_target="key",
                                         keys_only=keys_only)
             kvs = [
                 KV(kv.key.decode(), kv.value, kv.mod_revision, kv.create_revision, kv.lease)
@@ -476,40 +382,43 @@ class EtcdClient:
     def delete_prefixes_if(self, key: str, *, mod_revision: int, prefixes: Sequence[str]) -> bool:
         """Delete everything under ``prefixes`` in one transaction, only if ``key``'s
         mod_revision is still ``mod_revision``. Returns True if the delete happened."""
-        ranges = [(p, etcd3.utils.prefix_range_end(etcd3.utils.to_bytes(p))) for p in prefixes]
-        ok, _ = self.txn(lambda t: [t.mod(key) == mod_revision],
-                         lambda t: [t.delete(p, range_end=end) for p, end in ranges])
-        return ok
+        return self.txn([ModRevision(key, mod_revision)], [DeletePrefix(p) for p in prefixes])
 
-    def txn(self, compare: Callable[[Any], list[Any]], success: Callable[[Any], list[Any]],
-            failure: Callable[[Any], list[Any]] | None = None) -> tuple[bool, list[Any]]:
-        """Run a transaction built from ``c.transactions`` helpers.
+    def txn(self, compares: Sequence[Compare], success: Sequence[Op],
+            failure: Sequence[Op] = ()) -> bool:
+        """Run one transaction: ``success`` if every compare holds, else ``failure``.
 
-        ``compare``/``success``/``failure`` receive the ``Transactions`` factory, so callers
-        write ``lambda t: [t.mod(key) == rev]`` without touching the raw client.
+        Args:
+            compares: typed compares (``elasticd.etcd.txn``), all of which must hold.
+            success, failure: typed operations run in either case.
+
+        Returns:
+            True if the compares held (``success`` ran), False if not (a refusal, not an
+            error: only a failed compare returns False).
+
+        Raises:
+            EtcdUnavailableError: etcd did not answer (the outcome is unknown).
         """
 
-        def run(c: etcd3.MultiEndpointEtcd3Client) -> tuple[bool, list[Any]]:
+        def run(c: etcd3.MultiEndpointEtcd3Client) -> bool:
             t = c.transactions
-            return c.transaction(
-                compare=compare(t), success=success(t), failure=failure(t) if failure else []
-            )
+            ok, _ = c.transaction(compare=[raw_compare(t, x) for x in compares],
+                                  success=[raw_op(t, op) for op in success],
+                                  failure=[raw_op(t, op) for op in failure])
+            return bool(ok)
 
-        return self.call(run)
+        return bool(self.call(run))
 
     def put_if(self, key: str, value: bytes | str, *, mod_revision: int,
-               lease: int | None = None, extra_compare: Callable[[Any], list[Any]] | None = None,
-               extra_ops: Callable[[Any], list[Any]] | None = None) -> bool:
+               lease: int | None = None, extra_compare: Sequence[Compare] = (),
+               extra_ops: Sequence[Op] = ()) -> bool:
         """Compare-and-swap: write ``key`` only if its mod_revision is ``mod_revision``.
 
         ``mod_revision=0`` means "only if the key does not exist".
         Returns True if the write happened.
         """
-        ok, _ = self.txn(
-            lambda t: [t.mod(key) == mod_revision] + (extra_compare(t) if extra_compare else []),
-            lambda t: [t.put(key, value, lease=lease)] + (extra_ops(t) if extra_ops else []),
-        )
-        return ok
+        return self.txn([ModRevision(key, mod_revision), *extra_compare],
+                        [Put(key, value, lease=lease), *extra_ops])
 
     # -- leases -----------------------------------------------------------------------
     def grant_lease(self, ttl_s: int) -> int:
@@ -544,10 +453,10 @@ class EtcdClient:
         self.call(revoke)
 
     # -- watches ----------------------------------------------------------------------
-    def add_watch(self, prefix: str, callback: Callable[[Any], None], start_revision: int) -> int:
+    def add_watch(self, prefix: str, callback: Callable[[Any], None], start_revision: int, *,
+                  range_end: str | None = None) -> int:
         def add(c: etcd3.MultiEndpointEtcd3Client) -> int:
-            range_end = etcd3.utils.prefix_range_end(etcd3.utils.to_bytes(prefix))
-            return int(c.add_watch_callback(prefix, callback, range_end=range_end,
+            return int(c.add_watch_callback(prefix, callback, range_end=_range_end(prefix, range_end),
                                             start_revision=start_revision))
 
         return self.call(add)
@@ -559,12 +468,14 @@ class EtcdClient:
             pass
 
     def watch_prefix(self, prefix: str, on_events: Callable[[list[WatchEvent]], None],
-                     on_resync: Callable[[list[KV], int], None], *, name: str = "") -> PrefixWatch:
-        """Keep a prefix in sync: ``on_resync(snapshot, revision)`` then ``on_events(...)``.
+                     on_resync: Callable[[list[KV], int], None], *, name: str = "",
+                     range_end: str | None = None) -> PrefixWatch:
+        """Keep a prefix (or the key range [prefix, range_end)) in sync:
+        ``on_resync(snapshot, revision)`` then ``on_events(...)``.
 
         See ``PrefixWatch``.
         """
-        watch = PrefixWatch(self, prefix, on_events, on_resync, name=name)
+        watch = PrefixWatch(self, prefix, on_events, on_resync, name=name, range_end=range_end)
         with self._lock:
             self._watches.add(watch)
         watch.start()
@@ -574,185 +485,14 @@ class EtcdClient:
         return ",".join(f"{h}:{p}" for h, p in self.endpoints)
 
 
-class PrefixWatch:
-    """A watch on a prefix that survives etcd restarts and dropped streams.
-
-    Contract: ``on_resync(kvs, revision)`` is called first with a full snapshot, and again
-    after every reconnect (the consumer replaces its view); ``on_events(events)`` is called
-    for each change after the snapshot, in revision order, from one thread. A reconnect
-    resumes from the last seen revision + 1, so no change is missed; if that revision was
-    compacted, a fresh snapshot is taken instead.
-    """
-
-    def __init__(self, client: EtcdClient, prefix: str,
-                 on_events: Callable[[list[WatchEvent]], None],
-                 on_resync: Callable[[list[KV], int], None], *, name: str = "") -> None:
-        self._client = client
-        self._prefix = prefix
-        self._on_events = on_events
-        self._on_resync = on_resync
-        self._name = name or prefix
-        self._stop = threading.Event()
-        self._broken = threading.Event()
-        self._lock = threading.Lock()
-        self._watch_id: int | None = None
-        self._revision = 0  # last revision delivered to the consumer
-        self._need_snapshot = True
-        self._thread = threading.Thread(target=self._run, name=f"watch:{self._name}", daemon=True)
-        self.connected = threading.Event()
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self, wait: bool = True) -> None:
-        """Stop the watch. ``wait=False`` returns at once: the watch thread cancels its own
-        watch on the way out (with etcd down, a cancel or a reconnect attempt can block for
-        the call timeout, which a caller with a deadline cannot spend)."""
-        self._stop.set()
-        self._broken.set()
-        if not wait:
-            return
-        with self._lock:
-            wid, self._watch_id = self._watch_id, None
-        if wid is not None:
-            self._client.cancel_watch(wid)
-        if threading.current_thread() is not self._thread:
-            self._thread.join(timeout=5)
-
-    @property
-    def revision(self) -> int:
-        return self._revision
-
-    def reconnect(self) -> None:
-        """Drop the current stream and resume from the last revision + 1 (the client moved
-        to another endpoint)."""
-        self.connected.clear()
-        self._broken.set()
-
-    def _callback(self, response: Any) -> None:
-        if self._stop.is_set():
-            return
-        if isinstance(response, Exception) or not hasattr(response, "events"):
-            if isinstance(response, etcd3.exceptions.RevisionCompactedError):
-                self._need_snapshot = True
-            self.connected.clear()
-            self._broken.set()
-            return
-        out: list[WatchEvent] = []
-        for ev in response.events:
-            if ev.mod_revision <= self._revision:
-                continue  # replay after reconnect
-            value = None if isinstance(ev, etcd_events.DeleteEvent) else ev.value
-            out.append(WatchEvent(ev.key.decode(), value, ev.mod_revision))
-        if out:
-            self._revision = max(e.mod_revision for e in out)
-            try:
-                self._on_events(out)
-            except Exception:
-                log.exception("watch_consumer_failed", watch=self._name)
-
-    def _connect(self) -> None:
-        # Cleared before the new watch exists, never after: a stop() or a stream break that
-        # lands while we connect must still wake the park in _run (else it parks forever
-        # and the watch leaks).
-        self._broken.clear()
-        if self._need_snapshot:
-            kvs, rev = self._client.get_prefix(self._prefix)
-            self._revision = rev
-            self._on_resync(kvs, rev)
-            self._need_snapshot = False
-        wid = self._client.add_watch(self._prefix, self._callback, self._revision + 1)
-        with self._lock:
-            self._watch_id = wid
-        self.connected.set()
-
-    def _run(self) -> None:
-        backoff = 0.05
-        failing = False
-        while not self._stop.is_set():
-            try:
-                self._connect()
-                if failing:
-                    log.info("etcd_watch_resumed", watch=self._name, revision=self._revision)
-                failing, backoff = False, 0.05
-                # Park until the stream breaks (callback sets _broken) or we are stopped
-                # (stop() sets _stop before _broken, so one of the two is seen here).
-                if not self._stop.is_set():
-                    self._broken.wait()
-            except Exception as exc:
-                if self._stop.is_set():
-                    break
-                if not failing:
-                    log.warning("etcd_watch_interrupted", watch=self._name, error=str(exc))
-                failing = True
-                self._stop.wait(backoff)
-                backoff = min(backoff * 2, 1.0)
-            with self._lock:
-                wid, self._watch_id = self._watch_id, None
-            if wid is not None:  # whoever takes the id cancels it (stop() may have missed it)
-                self._client.cancel_watch(wid)
+def _range_end(prefix: str, range_end: str | None) -> bytes:
+    """etcd's range end: the end of ``prefix``'s key range, or ``range_end`` as given."""
+    if range_end is not None:
+        return etcd3.utils.to_bytes(range_end)
+    return etcd3.utils.prefix_range_end(etcd3.utils.to_bytes(prefix))
 
 
-class LeaseKeeper:
-    """Keeps one lease alive from a background thread.
-
-    Keep-alives go out every ``ttl_s / 3``. Transient etcd errors are tolerated (the lease
-    lives on the server until its TTL runs out, and etcd renews every lease's TTL when
-    it restarts). If etcd answers that the lease is gone, ``lost`` is set and
-    ``on_lost`` is called once: this node was frozen or cut off for longer than its TTL.
-    """
-
-    def __init__(self, client: EtcdClient, lease_id: int, ttl_s: int,
-                 on_lost: Callable[[], None] | None = None) -> None:
-        self.client = client
-        self.lease_id = lease_id
-        self.ttl_s = ttl_s
-        self.lost = threading.Event()
-        self.last_ok = time.monotonic()
-        self._on_lost = on_lost
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=f"lease:{lease_id:x}", daemon=True)
-
-    def start(self) -> LeaseKeeper:
-        self._thread.start()
-        return self
-
-    def stop(self, revoke: bool = False) -> None:
-        self._stop.set()
-        if threading.current_thread() is not self._thread:
-            self._thread.join(timeout=5)
-        if revoke and not self.lost.is_set():
-            try:
-                self.client.revoke_lease(self.lease_id)
-            except Exception as exc:  # best effort: the TTL will expire it anyway
-                log.warning("lease_revoke_failed", lease=hex(self.lease_id), error=str(exc))
-
-    def _run(self) -> None:
-        interval = max(self.ttl_s / 3.0, 0.2)
-        # A keep-alive sent to a frozen or dead member must not eat the TTL: bounded by a
-        # third of it, the retry on the next member still lands before the lease expires.
-        call_timeout_s = min(self.client.timeout_s, interval)
-        failing = False
-        while not self._stop.wait(interval if not failing else min(interval, 0.25)):
-            try:
-                ttl = self.client.refresh_lease(self.lease_id, timeout_s=call_timeout_s)
-            except Exception as exc:
-                if not failing:
-                    log.warning("lease_keepalive_failed", lease=hex(self.lease_id), error=str(exc))
-                failing = True
-                continue
-            if failing:
-                log.info("lease_keepalive_resumed", lease=hex(self.lease_id), ttl_s=ttl)
-                failing = False
-            if ttl <= 0:
-                self.lost.set()
-                log.warning("lease_lost", lease=hex(self.lease_id))
-                if self._on_lost:
-                    self._on_lost()
-                return
-            self.last_ok = time.monotonic()
-
-
-def kv_map(kvs: Iterable[KV]) -> dict[str, KV]:
-    """Index key-values by key."""
-    return {kv.key: kv for kv in kvs}
+__all__ = [
+    "KV", "NOSPACE_FIX", "EtcdClient", "LeaseKeeper", "PrefixWatch", "TLSFiles", "WatchEvent",
+    "endpoints_scheme", "kv_map", "parse_endpoints",
+]

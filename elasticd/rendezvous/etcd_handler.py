@@ -3,11 +3,15 @@
 - Liveness is a lease per node, kept alive by ``LeaseKeeper`` (O(1) per node per
   keep-alive, no shared blob rewritten). The node key ``nodes/<node>`` sits on it; its
   create_revision is this node's *incarnation*, the fencing token of every later write.
+  ``NodeSession`` (session.py) holds the lease, the record and that token.
 - Every state change is a transaction comparing the state key's mod_revision; the
   decisions are pure functions in ``protocol.py``.
-- Two watches (``nodes/`` and ``rdzv/``) keep a local view, so ``num_nodes_waiting()``
-  and ``membership()`` cost no etcd request and a dead peer is noticed when its lease expires, not when a
-  gloo/NCCL timeout fires minutes later.
+- Watches keep a local view (``WatchedView``, view.py), so ``num_nodes_waiting()`` and
+  ``membership()`` cost no etcd request. Every node watches ``rdzv/`` but its joins; one
+  node, the coordinator (coordinator.py), also watches ``nodes/`` and every join, closes
+  rounds and opens the next one when a member is lost, leaves or a joiner waits (a dead
+  peer is noticed when its lease expires, not when a gloo/NCCL timeout fires minutes
+  later). So a round costs O(N) watch events, not O(N^2).
 - An unreachable etcd is not a dead peer: while etcd is down the view does not change,
   so healthy workers keep training; calls are retried with backoff.
 """
@@ -33,14 +37,15 @@ from torch.distributed.elastic.rendezvous import (
     RendezvousTimeoutError,
 )
 
-from elasticd import __version__
-from elasticd.errors import ConfigError, EtcdUnavailableError, LeaseLostError, TransientError
-from elasticd.etcd.client import KV, EtcdClient, LeaseKeeper, PrefixWatch, WatchEvent
-from elasticd.keys import JobKeys, round_of_key
-from elasticd.records import NodeRecord, RoundState
+from elasticd.errors import EtcdUnavailableError, LeaseLostError
+from elasticd.etcd.client import EtcdClient
+from elasticd.etcd.txn import DeleteRange
+from elasticd.etcd.watch import PrefixWatch
+from elasticd.keys import JobKeys
+from elasticd.records import RoundState
+from elasticd.rendezvous.coordinator import RoundCoordinator
 from elasticd.rendezvous.etcd_store import EtcdStore
 from elasticd.rendezvous.protocol import (
-    LEAVE_KINDS,
     LEFT_FINISHED,
     Action,
     ActionKind,
@@ -49,10 +54,14 @@ from elasticd.rendezvous.protocol import (
     RendezvousView,
     Waiting,
     decide_join,
-    lost_members,
+    departures,
+    loss_grace,
+    may_resurrect,
     nodes_waiting,
+    outage_window_s,
 )
-from elasticd.retry import call_with_retry
+from elasticd.rendezvous.session import NodeSession, retry_rdzv
+from elasticd.rendezvous.view import WatchedView
 
 log = structlog.get_logger(__name__)
 
@@ -70,95 +79,13 @@ class RendezvousSettings:
     store_timeout_s: float = 300.0
     local_addr: str | None = None
     worker_log_dir: str | None = None  # published in the node record, for `elasticd status`
+    election_timeout_s: float = 1.0  # the etcd members' --election-timeout (outage grace)
 
 
 def default_node_id() -> str:
     """``<host>-<pid>``: unique per agent process on a machine, readable in ``status``."""
     host = socket.gethostname().split(".")[0] or "node"
     return f"{host}-{os.getpid()}"
-
-
-def _in_order(table: dict[int, list[tuple[int, str]]]) -> dict[int, list[str]]:
-    return {r: [n for _, n in sorted(v)] for r, v in table.items()}
-
-
-def _left_gracefully(record: bytes) -> bool:
-    try:
-        return NodeRecord.from_json(record).state in ("stopped", "draining")
-    except (ValueError, TypeError):
-        return False
-
-
-class _View:
-    """Thread-safe cache of ``nodes/`` and ``rdzv/``, fed by two prefix watches."""
-
-    def __init__(self, keys: JobKeys) -> None:
-        self.keys = keys
-        self.cond = threading.Condition()
-        self.nodes: dict[str, KV] = {}
-        self.left: set[str] = set()  # nodes whose last record said they stopped (a clean leave)
-        self.rdzv: dict[str, KV] = {}
-        self.version = 0
-
-    def _apply(self, table: dict[str, KV], events: list[WatchEvent]) -> None:
-        with self.cond:
-            for ev in events:
-                if ev.value is None:
-                    gone = table.pop(ev.key, None)
-                    if gone is not None and table is self.nodes and _left_gracefully(gone.value):
-                        self.left.add(ev.key[len(self.keys.nodes_prefix):])
-                else:
-                    old = table.get(ev.key)
-                    create = old.create_revision if old else ev.mod_revision
-                    table[ev.key] = KV(ev.key, ev.value, ev.mod_revision, create, 0)
-            self.version += 1
-            self.cond.notify_all()
-
-    def _reset(self, table: dict[str, KV], kvs: list[KV]) -> None:
-        with self.cond:
-            table.clear()
-            table.update({kv.key: kv for kv in kvs})
-            self.version += 1
-            self.cond.notify_all()
-
-    def on_nodes(self, events: list[WatchEvent]) -> None:
-        self._apply(self.nodes, events)
-
-    def on_nodes_resync(self, kvs: list[KV], rev: int) -> None:
-        self._reset(self.nodes, kvs)
-
-    def on_rdzv(self, events: list[WatchEvent]) -> None:
-        self._apply(self.rdzv, events)
-
-    def on_rdzv_resync(self, kvs: list[KV], rev: int) -> None:
-        self._reset(self.rdzv, kvs)
-
-    def snapshot(self) -> tuple[RendezvousView, int]:
-        """The protocol's view, plus the state key's mod_revision (0 if absent)."""
-        with self.cond:
-            state_kv = self.rdzv.get(self.keys.rdzv_state)
-            state = RoundState.from_json(state_kv.value) if state_kv else None
-            alive = frozenset(k[len(self.keys.nodes_prefix):] for k in self.nodes)
-            joins: dict[int, list[tuple[int, str]]] = {}
-            failures: dict[int, list[tuple[int, str]]] = {}
-            left: dict[int, dict[str, str]] = {}
-            for key, kv in self.rdzv.items():
-                for root, table in ((self.keys.joins_root, joins),
-                                    (self.keys.failures_root, failures)):
-                    r = round_of_key(key, root)
-                    if r is not None:
-                        table.setdefault(r, []).append((kv.create_revision, key.rsplit("/", 1)[1]))
-                r = round_of_key(key, self.keys.left_root)
-                if r is not None and (kind := kv.value.decode(errors="replace")) in LEAVE_KINDS:  # validated: anything else is a loss
-                    left.setdefault(r, {})[key.rsplit("/", 1)[1]] = kind
-            closed = self.keys.rdzv_closed in self.rdzv
-            return (RendezvousView(state, alive, _in_order(joins), closed, _in_order(failures), left),
-                    state_kv.mod_revision if state_kv else 0)
-
-    def wait_change(self, version: int, timeout_s: float) -> None:
-        with self.cond:
-            if self.version == version:
-                self.cond.wait(max(timeout_s, 0.0))
 
 
 class EtcdRendezvousHandler(RendezvousHandler):
@@ -181,21 +108,19 @@ class EtcdRendezvousHandler(RendezvousHandler):
         self.settings = settings
         self.node_id = node_id or default_node_id()
         self.keys.node(self.node_id)  # validates the id
-        self._on_lease_lost = on_lease_lost
-        self._view = _View(self.keys)
+        self._view = WatchedView(self.keys, self.node_id)
         self._watches: list[PrefixWatch] = []
-        self._keeper: LeaseKeeper | None = None
-        self._incarnation = 0  # create_revision of our node key
-        self._record: NodeRecord | None = None
-        self._round: int | None = None  # last round we completed
-        self._members: tuple[str, ...] = ()
-        self._state_rev = 0  # mod_revision of the state key when our round completed
-        self._lease_loss: int | None = None  # round we were in when our lease was lost
+        self._coordinator: RoundCoordinator | None = None
+        self._coord_loss_seen_at: float | None = None  # the coordinator's outage grace
+        # Our lease, record and incarnation (the fencing token), and the round we completed.
+        self.session = NodeSession(client, self.keys, self.node_id, self._view,
+                                   ttl_s=settings.node_ttl_s,
+                                   worker_log_dir=settings.worker_log_dir,
+                                   on_lease_lost=on_lease_lost)
         self._loss_seen_at: float | None = None  # first sight of lost members after an outage
         self._store: EtcdStore | None = None
         self._last_reason = ""
         self._shutdown = False
-        self.lease_lost = threading.Event()
         # Set (plain assignment, safe from a signal handler) when this node must stop:
         # next_rendezvous then raises RendezvousGracefulExitError within a second.
         self.stop_requested: str | None = None
@@ -213,41 +138,38 @@ class EtcdRendezvousHandler(RendezvousHandler):
         self._log = log.bind(job=job, node=self.node_id)
 
     # -- lifecycle ----------------------------------------------------------------------
-    def _retry(self, what: str, fn: Callable[[], Any], deadline: float) -> Any:
-        try:
-            return call_with_retry(fn, what=what, deadline=deadline)
-        except TransientError as exc:
-            raise RendezvousConnectionError(f"{what}: {exc}") from exc
-
     def _ensure_started(self, deadline: float) -> None:
         if not self._watches:
             # One plain read first: bad TLS files or credentials surface as ConfigError now
             # (watches would retry them silently until join_timeout), and an unreachable etcd
             # is reported with gRPC's reason.
-            self._retry("connect to etcd", lambda: self.client.get(self.keys.rdzv_state), deadline)
+            retry_rdzv("connect to etcd", lambda: self.client.get(self.keys.rdzv_state), deadline)
+            k = self.keys
+            # rdzv/ but rdzv/joins/: [rdzv/, rdzv/joins/) and [rdzv/joins0, rdzv0).
             self._watches = [
-                self.client.watch_prefix(self.keys.nodes_prefix, self._view.on_nodes,
-                                         self._view.on_nodes_resync, name="nodes"),
-                self.client.watch_prefix(self.keys.rdzv_prefix, self._view.on_rdzv,
-                                         self._view.on_rdzv_resync, name="rdzv"),
+                self.client.watch_prefix(k.rdzv_prefix, self._view.on_rdzv,
+                                         self._view.on_rdzv_resync, name="rdzv",
+                                         range_end=k.joins_root),
+                self.client.watch_prefix(_prefix_end(k.joins_root), self._view.on_rdzv_hi,
+                                         self._view.on_rdzv_hi_resync, name="rdzv-hi",
+                                         range_end=_prefix_end(k.rdzv_prefix)),
             ]
             for w in self._watches:
                 if not w.connected.wait(max(deadline - time.monotonic(), 0.1)):
                     raise RendezvousConnectionError(
                         f"cannot watch etcd at {self.client.endpoint_label()}: is it running?"
                     )
-        if self._keeper is None:
+        if self.session.keeper is None:
             self._reopen_finished_job(deadline)
-        elif not self._keeper.lost.is_set():
-            # Our keep-alive thread may not have noticed yet (we were frozen): ask etcd.
-            try:
-                if self.client.refresh_lease(self._keeper.lease_id) <= 0:
-                    self._keeper.lost.set()
-                    self.lease_lost.set()
-            except EtcdUnavailableError:
-                pass  # etcd down: the join below retries, and the keeper keeps trying
-        if self._keeper is None or self._keeper.lost.is_set():
-            self._register(deadline)
+        self.session.ensure_registered(deadline)
+        if self._coordinator is None:
+            s = self.settings
+            self._coordinator = RoundCoordinator(
+                self.client, self.keys, self.session, self._view, min_nodes=s.min_nodes,
+                max_nodes=s.max_nodes, last_call_timeout_s=s.last_call_timeout_s,
+                finalize=lambda a, v, rev: self._finalize(a, v, rev, time.monotonic() + 10.0),
+                open_next=lambda a, v, rev: self._open_next(a, v, rev, time.monotonic() + 10.0),
+                defer_lost_until=self._defer_lost_until).start()
 
     def _reopen_finished_job(self, deadline: float) -> None:
         """A closed job with no live node is a finished run: start the job name afresh.
@@ -259,12 +181,13 @@ class EtcdRendezvousHandler(RendezvousHandler):
         on its own (split brain).
         """
         k = self.keys
-        view, _ = self._view.snapshot()
-        with self._view.cond:
-            closed = self._view.rdzv.get(k.rdzv_closed)
-        if not (view.closed and not view.alive and closed is not None):
+        closed = self._view.rdzv_get(k.rdzv_closed)
+        if closed is None:
             return
-        if self._retry("reopen job", lambda: self.client.delete_prefixes_if(
+        # Our view has no liveness (only the coordinator's has): ask etcd, once.
+        if retry_rdzv("count nodes", lambda: self.client.count_prefix(k.nodes_prefix), deadline):
+            return
+        if retry_rdzv("reopen job", lambda: self.client.delete_prefixes_if(
                 k.rdzv_closed, mod_revision=closed.mod_revision,
                 prefixes=[k.rdzv_prefix, k.store_root]), deadline):
             self._log.info("finished_job_reopened")
@@ -273,121 +196,54 @@ class EtcdRendezvousHandler(RendezvousHandler):
         end = min(deadline, time.monotonic() + 5.0)
         with self._view.cond:
             while (now := time.monotonic()) < end:
-                current = self._view.rdzv.get(k.rdzv_closed)
+                current = self._view.rdzv_get(k.rdzv_closed)
                 if current is None or current.mod_revision != closed.mod_revision:
                     break
                 self._view.cond.wait(end - now)
 
-    def _register(self, deadline: float) -> None:
-        """Grant a fresh lease and put our node record on it (a new incarnation)."""
-        if self._keeper is not None:
-            if self._keeper.lost.is_set():
-                self._lease_loss = self._round
-                self._log.warning("lease_replaced", round=self._round)
-            self._keeper.stop()
-        key = self.keys.node(self.node_id)
-        if self._record is None:
-            # Before the lease grant: waiting out another machine's lease can take a TTL.
-            self._retire_previous_process(key, deadline)
-        lease = self._retry("lease grant", lambda: self.client.grant_lease(self.settings.node_ttl_s),
-                            deadline)
-        record = self._record or NodeRecord(
-            node=self.node_id, host=socket.gethostname(), pid=os.getpid(), version=__version__,
-            started_at=time.time(), log_dir=self.settings.worker_log_dir,
-        )
-        record = replace(record, state="joining", heartbeat_at=time.time())
-        self._retry("node record", lambda: self.client.put(key, record.to_json(), lease=lease), deadline)
-        kv = self._retry("node record", lambda: self.client.get(key), deadline)
-        self._incarnation = kv.create_revision if kv else 0
-        self._record = record
-        self.lease_lost.clear()
-        self._keeper = LeaseKeeper(self.client, lease, self.settings.node_ttl_s,
-                                   on_lost=self._lease_lost).start()
-        self._log.info("node_registered", lease=hex(lease), incarnation=self._incarnation)
-
-    def _retire_previous_process(self, key: str, deadline: float) -> None:
-        """Our node key exists before this process ever wrote it: the previous process of
-        this node id (killed, restarted within its TTL) or a duplicate id.
-
-        A live duplicate (two agents configured with one node id) is refused with a
-        ConfigError: on this host, when the recorded pid is a live elasticd process; on
-        another host, when its lease is still kept alive after a full TTL (a vanished
-        machine's lease expires within one).
-
-        Overwriting it in place would keep its create_revision (the old process's fencing
-        token stays valid) and let us inherit its seat in a final round we never ran in:
-        DONE at once with its rank, while the other members see no membership change.
-        So delete it (a fresh incarnation) and count its round as used, so that we open
-        the next round and everyone re-forms.
-        """
-        old = self._retry("node record", lambda: self.client.get(key), deadline)
-        if old is None:
-            return
-        old = self._refuse_live_duplicate(key, old, deadline)
-        if old is None:
-            return
-        state = self._view.snapshot()[0].state
-        if state is not None and state.phase == "final" and self.node_id in state.members:
-            self._round = state.round
-        self._retry("node record", lambda: self.client.delete(key), deadline)
-        self._log.warning("previous_process_retired", old_lease=hex(old.lease), round=self._round)
-
-    def _refuse_live_duplicate(self, key: str, old: KV, deadline: float) -> KV | None:
-        """Raise ConfigError if ``old`` belongs to a live agent; else return it (or None
-        if it expired meanwhile)."""
-        try:
-            rec = NodeRecord.from_json(old.value)
-        except (ValueError, TypeError):
-            return old  # not a record we wrote: retire it
-        fix = (f"node id {self.node_id!r} is already used by a live elasticd agent "
-               f"(host {rec.host}, pid {rec.pid}); give every agent its own node id "
-               "(--node-id, node.id), or leave it unset for HOST-PID")
-        if rec.host == socket.gethostname():
-            if rec.pid != os.getpid() and _is_live_elasticd(rec.pid):
-                raise ConfigError(fix)
-            return old  # our own previous process, now dead: retire it at once
-        # Another machine: a vanished one's lease runs out within one TTL (and etcd's
-        # expiry loop); a live duplicate keeps it.
-        until = min(deadline, time.monotonic() + self.settings.node_ttl_s + 2.0)
-        self._log.warning("node_id_held_elsewhere", host=rec.host, pid=rec.pid,
-                          wait_s=round(until - time.monotonic(), 1))
-        while (left := until - time.monotonic()) > 0:
-            with self._view.cond:  # the nodes watch shows the key's deletion at expiry
-                cur, version = self._view.nodes.get(key), self._view.version
-            if cur is None or cur.create_revision != old.create_revision:
-                return cur
-            self._view.wait_change(version, left)
-        raise ConfigError(fix)
-
-    def _lease_lost(self) -> None:
-        self.lease_lost.set()
-        with self._view.cond:
-            self._view.version += 1
-            self._view.cond.notify_all()
-        if self._on_lease_lost:
-            self._on_lease_lost()
-
+    # -- the session's state, for the agent ------------------------------------------------
     @property
     def lease_id(self) -> int:
-        return self._keeper.lease_id if self._keeper else 0
+        return self.session.lease_id
+
+    @property
+    def lease_lost(self) -> threading.Event:
+        """Set once this node's lease is found expired; cleared when it re-registers."""
+        return self.session.lease_lost
 
     @property
     def incarnation(self) -> int:
         """create_revision of this node's key: the fencing token of its writes."""
-        return self._incarnation
+        return self.session.incarnation
 
     @property
     def round(self) -> int | None:
-        return self._round
+        return self.session.round
 
     @property
     def round_state_revision(self) -> int:
         """mod_revision of the round state key when our round completed (the round fence)."""
-        return self._state_rev
+        return self.session.state_rev
 
     @property
     def members(self) -> tuple[str, ...]:
-        return self._members
+        return self.session.members
+
+    def pop_lease_loss(self) -> int | None:
+        """The round we were in when our lease was found lost (once), or None."""
+        return self.session.pop_lease_loss()
+
+    def update_record(self, **changes: Any) -> None:
+        """Rewrite our node record, fenced by our incarnation; see ``NodeSession``.
+
+        Raises:
+            LeaseLostError: the node key is gone or belongs to a newer incarnation.
+        """
+        self.session.update_record(**changes)
+
+    def report_failure(self, detail: str) -> None:
+        """Record that our workers failed in the current round (on our lease)."""
+        self.session.report_failure(detail)
 
     # -- RendezvousHandler API -----------------------------------------------------------
     def get_backend(self) -> str:
@@ -415,13 +271,13 @@ class EtcdRendezvousHandler(RendezvousHandler):
         if self._store is not None:
             self._store.close(wait=False)  # etcd may be down: never spend the deadline here
             self._store = None
-        progress = JoinProgress(self.node_id, self._round, deadline)
+        progress = JoinProgress(self.node_id, self.session.round, deadline)
         while True:
             if self.stop_requested:
                 raise RendezvousGracefulExitError(
                     f"job {self.keys.job!r}: {self.stop_requested} while waiting for a round")
             if self.lease_lost.is_set():
-                self._register(deadline)
+                self.session.register(deadline)
             view, state_rev = self._view.snapshot()
             version = self._view.version
             action = decide_join(view, progress, min_nodes=self.settings.min_nodes,
@@ -432,12 +288,12 @@ class EtcdRendezvousHandler(RendezvousHandler):
                 self._log.info("rendezvous_step", action=action.kind.value, reason=action.reason)
                 self._last_reason = action.reason
             if action.kind is ActionKind.DONE:
-                self._state_rev = state_rev
+                self.session.state_rev = state_rev
                 break
             self._execute(action, view, state_rev, version, deadline)
         rank = action.members.index(self.node_id)
-        self._round = action.round
-        self._members = action.members
+        self.session.round = action.round
+        self.session.members = action.members
         store = EtcdStore(self.client, self.keys.store_prefix(action.round),
                           timeout_s=self.settings.store_timeout_s)
         self._store = store
@@ -465,36 +321,23 @@ class EtcdRendezvousHandler(RendezvousHandler):
         now = time.time()
         if action.kind is ActionKind.INIT:
             state = RoundState(0, "open", [], s.min_nodes, s.max_nodes, opened_at=now)
-            self._retry("open round", lambda: self.client.put_if(k.rdzv_state, state.to_json(),
+            retry_rdzv("open round", lambda: self.client.put_if(k.rdzv_state, state.to_json(),
                                                                  mod_revision=0), deadline)
         elif action.kind is ActionKind.OPEN_NEXT:
-            assert view.state is not None
-            state = RoundState(action.round, "open", list(view.state.members), s.min_nodes,
-                               s.max_nodes, opened_at=now)
-            if self._retry("open round", lambda: self.client.put_if(
-                    k.rdzv_state, state.to_json(), mod_revision=state_rev), deadline):
-                self._log.info("round_opened", round=action.round, reason=action.reason)
-                lost = lost_members(view.state, view.alive, view.left.get(view.state.round))
-                if lost and self.on_members_lost is not None:
-                    self.on_members_lost(lost, view.state.round)
-                self._gc_before(action.round)
+            self._open_next(action, view, state_rev, deadline)
         elif action.kind is ActionKind.JOIN:
+            lease = self.lease_id
             try:
-                self._retry("join", lambda: self.client.put(k.join(action.round, self.node_id), b"1",
-                                                            lease=self.lease_id), deadline)
+                retry_rdzv("join", lambda: self.client.put(k.join(action.round, self.node_id), b"1",
+                                                            lease=lease), deadline)
             except LeaseLostError:
                 # Our lease expired before the keep-alive thread noticed: re-register
                 # (a new incarnation) at the top of the loop, then join.
-                if self._keeper is not None:
-                    self._keeper.lost.set()
-                self.lease_lost.set()
+                self.session.mark_lease_lost()
                 return
+            self._view.add_own_join(action.round, lease)
         elif action.kind is ActionKind.FINALIZE:
-            assert view.state is not None
-            state = replace(view.state, phase="final", members=list(action.members),
-                            completed_at=now)
-            self._retry("finalize round", lambda: self.client.put_if(
-                k.rdzv_state, state.to_json(), mod_revision=state_rev), deadline)
+            self._finalize(action, view, state_rev, deadline)
         elif action.kind is ActionKind.WAIT:
             if self.on_wait is not None:
                 self.on_wait()
@@ -504,22 +347,41 @@ class EtcdRendezvousHandler(RendezvousHandler):
         # A write happened (or lost a race): wait for the watch to show its effect.
         self._view.wait_change(version, 0.5)
 
+    def _finalize(self, action: Action, view: RendezvousView, state_rev: int, deadline: float) -> bool:
+        """CAS open(r) -> final(r, members). True if this write won."""
+        assert view.state is not None
+        state = replace(view.state, phase="final", members=list(action.members),
+                        completed_at=time.time())
+        return bool(retry_rdzv("finalize round", lambda: self.client.put_if(
+            self.keys.rdzv_state, state.to_json(), mod_revision=state_rev), deadline))
+
+    def _open_next(self, action: Action, view: RendezvousView, state_rev: int, deadline: float) -> bool:
+        """CAS final(r) -> open(r+1), carrying the cause; the winner reports lost members
+        and deletes old rounds' keys. True if this write won."""
+        assert view.state is not None
+        s = self.settings
+        state = RoundState(action.round, "open", list(view.state.members), s.min_nodes,
+                           s.max_nodes, opened_at=time.time(), cause=action.cause,
+                           changed=list(action.changed))
+        if not retry_rdzv("open round", lambda: self.client.put_if(
+                self.keys.rdzv_state, state.to_json(), mod_revision=state_rev), deadline):
+            return False
+        self._log.info("round_opened", round=action.round, reason=action.reason)
+        lost = list(departures(view, view.state).lost)
+        if lost and self.on_members_lost is not None:
+            self.on_members_lost(lost, view.state.round)
+        self._gc_before(action.round)
+        return True
+
     def _gc_before(self, round_: int) -> None:
-        """Delete per-round keys two or more rounds old (their rounds are superseded)."""
+        """Delete per-round keys of superseded rounds: the store two or more rounds old,
+        joins/failures/left of rounds before ``round_``. Key-range deletes: O(1) requests."""
         k = self.keys
+        ranges = [(k.store_root, k.store_prefix(max(round_ - 1, 0)))]
+        ranges += [(root, f"{root}{round_:010d}/") for root in (k.joins_root, k.failures_root,
+                                                                  k.left_root)]
         try:
-            kvs, _ = self.client.get_prefix(k.store_root)
-            stale_store = {key[: len(k.store_root) + 11] for key in (kv.key for kv in kvs)
-                           if (r := round_of_key(key, k.store_root)) is not None and r < round_ - 1}
-            for prefix in stale_store:
-                self.client.delete_prefix(prefix)
-            with self._view.cond:
-                rdzv_keys = list(self._view.rdzv)
-            for key in rdzv_keys:
-                for root in (k.joins_root, k.failures_root, k.left_root):
-                    r = round_of_key(key, root)
-                    if r is not None and r < round_:
-                        self.client.delete(key)
+            self.client.txn([], [DeleteRange(start, end) for start, end in ranges])
         except EtcdUnavailableError as exc:  # the next round's opener will retry
             self._log.warning("round_gc_failed", error=str(exc))
 
@@ -535,11 +397,29 @@ class EtcdRendezvousHandler(RendezvousHandler):
         return False
 
     def set_closed(self) -> None:
-        self._retry("close", lambda: self.client.put(self.keys.rdzv_closed, b"1"),
+        retry_rdzv("close", lambda: self.client.put(self.keys.rdzv_closed, b"1"),
                     time.monotonic() + self.settings.close_timeout_s)
 
-    def _outage_grace_s(self) -> float:
-        return self.settings.node_ttl_s + 5.0
+    def _etcd_trouble(self) -> bool:
+        """This node saw etcd fail or stall recently enough to explain expired leases
+        (an outage may include a leader election: ``protocol.outage_window_s``)."""
+        return self.client.trouble_within(outage_window_s(self.settings.node_ttl_s,
+                                                          self.settings.election_timeout_s))
+
+    def _defer_lost_until(self, view: RendezvousView) -> float | None:
+        """For the coordinator: until when lost members are presumed victims of an etcd
+        outage (they may re-register, ``try_resurrect``): ``protocol.loss_grace``, as
+        ``membership`` applies it."""
+        lost = list(departures(view, view.state).lost) if view.state is not None else []
+        with self._view.cond:
+            lost = [m for m in lost if m not in self._view.left]
+        grace = loss_grace(lost, etcd_trouble=bool(lost) and self._etcd_trouble(),
+                           loss_seen_at=self._coord_loss_seen_at, now=time.monotonic(),
+                           node_ttl_s=self.settings.node_ttl_s)
+        self._coord_loss_seen_at = grace.loss_seen_at
+        if not grace.hold or grace.loss_seen_at is None:
+            return None
+        return grace.loss_seen_at + self.settings.node_ttl_s + 2.0
 
     def num_nodes_waiting(self) -> int:
         """Answered from the watch cache: no etcd request. See ``membership``."""
@@ -555,87 +435,53 @@ class EtcdRendezvousHandler(RendezvousHandler):
         After an etcd outage every lease may expire at once (a frozen single-member etcd
         revokes them all when it resumes). Members lost right after this node itself saw
         etcd trouble get a grace period to re-register (``try_resurrect``) before the loss
-        counts as a membership change (count 0 meanwhile).
+        counts as a membership change (count 0 meanwhile): ``protocol.loss_grace``.
         """
         if self.lease_lost.is_set():
             return Waiting(1, "this node's lease was lost", MembershipChange.LEASE_LOST)
-        if self._round is None:
+        my_round = self.session.round
+        if my_round is None:
             return Waiting()
         view, _ = self._view.snapshot()
-        waiting = nodes_waiting(view, self._round, max_nodes=self.settings.max_nodes)
-        lost = (lost_members(view.state, view.alive, view.left.get(self._round))
-                if view.state and view.state.round == self._round else [])
+        waiting = nodes_waiting(view, my_round, max_nodes=self.settings.max_nodes)
+        lost = (list(departures(view, view.state).lost)
+                if view.state and view.state.round == my_round else [])
         with self._view.cond:
             lost = [m for m in lost if m not in self._view.left]  # a clean leave needs no grace
-        if lost and self.client.trouble_within(self._outage_grace_s()):
-            now = time.monotonic()
-            self._loss_seen_at = self._loss_seen_at or now
-            if now - self._loss_seen_at < self.settings.node_ttl_s + 2.0:
-                return Waiting()
-        elif not lost:
-            self._loss_seen_at = None
+        grace = loss_grace(lost, etcd_trouble=bool(lost) and self._etcd_trouble(),
+                           loss_seen_at=self._loss_seen_at, now=time.monotonic(),
+                           node_ttl_s=self.settings.node_ttl_s)
+        self._loss_seen_at = grace.loss_seen_at
+        if grace.hold:
+            return Waiting()
         if waiting.count and waiting.reason != self._last_reason:
             self._log.info("membership_changed", reason=waiting.reason, kind=waiting.kind.value,
-                           round=self._round)
+                           round=my_round)
             self._last_reason = waiting.reason
         return waiting
-
-    def report_failure(self, detail: str) -> None:
-        """Record that our workers failed in the current round (on our lease)."""
-        if self._round is None or self.lease_lost.is_set():
-            return
-        key = self.keys.failure(self._round, self.node_id)
-        call_with_retry(lambda: self.client.put(key, detail, lease=self.lease_id),
-                        what="failure report", deadline=time.monotonic() + 5)
 
     def try_resurrect(self) -> bool:
         """Re-register after our lease expired because *etcd* was away, keeping our round.
 
-        Allowed only if etcd failed or stalled recently as seen from here, and the job is
-        still in our final round with us as a member: then nobody moved on, and the new
-        lease (a new incarnation) simply replaces the old one. Otherwise we were the ones
-        away (frozen, partitioned) and must rejoin as a new member.
-        """
-        if not self.lease_lost.is_set() or self._round is None:
-            return False
-        if not self.client.trouble_within(self._outage_grace_s()):
-            return False
-        view, _ = self._view.snapshot()
-        state = view.state
-        if state is None or state.round != self._round or state.phase != "final" \
-                or self.node_id not in state.members:
-            return False
-        self._register(time.monotonic() + self.settings.join_timeout_s)
-        self._lease_loss = None
-        self._log.warning("lease_resurrected", round=self._round,
-                          reason="lease expired during an etcd outage; same round")
-        return True
+        The decision is ``protocol.may_resurrect``: only after etcd trouble seen from
+        here, and only while the job is still in our final round with us as a member.
 
-    def pop_lease_loss(self) -> int | None:
-        """The round we were in when our lease was found lost (once), or None."""
-        lost, self._lease_loss = self._lease_loss, None
-        return lost
+        Returns:
+            True if this node re-registered in its round (its workers may go on).
+        """
+        my_round = self.session.round
+        allowed, reason = may_resurrect(self._view.snapshot()[0].state, my_round, self.node_id,
+                                        lease_lost=self.lease_lost.is_set(),
+                                        etcd_trouble=self._etcd_trouble())
+        if not allowed:
+            return False
+        self.session.register(time.monotonic() + self.settings.join_timeout_s)
+        self.session.lease_loss = None
+        self._log.warning("lease_resurrected", round=my_round, reason=reason)
+        return True
 
     def view(self) -> RendezvousView:
         return self._view.snapshot()[0]
-
-    def update_record(self, **changes: Any) -> None:
-        """Rewrite our node record, fenced by our incarnation (no-op if the lease is gone).
-
-        Raises:
-            LeaseLostError: the node key is gone or belongs to a newer incarnation.
-        """
-        if self._record is None or self._keeper is None:
-            return
-        record = replace(self._record, heartbeat_at=time.time(), **changes)
-        key = self.keys.node(self.node_id)
-        ok, _ = self.client.txn(
-            lambda t: [t.create(key) == self._incarnation],
-            lambda t: [t.put(key, record.to_json(), lease=self.lease_id)],
-        )
-        if not ok:
-            raise LeaseLostError(f"node record {key} is gone: lease expired")
-        self._record = record
 
     def shutdown(self) -> bool:
         """Leave the job explicitly: revoke the lease so peers see us go at once.
@@ -650,33 +496,16 @@ class EtcdRendezvousHandler(RendezvousHandler):
         self._shutdown = True
         if self._store is not None:
             self._store.close()
-        self._record_leave()
-        if self._keeper is not None:
-            self._keeper.stop(revoke=True)
+        if self._coordinator is not None:
+            self._coordinator.stop()  # before the revoke: it must not campaign again
+        self.session.record_leave(self.leave_kind)
+        self.session.close()
         for w in self._watches:
             w.stop()
-        self._log.info("rendezvous_left", round=self._round)
+        self._log.info("rendezvous_left", round=self.session.round)
         return True
 
 
-    def _record_leave(self) -> None:
-        kind, rnd = self.leave_kind, self._round
-        if kind is None or rnd is None or self._keeper is None or self.lease_lost.is_set():
-            return  # never in a round, or already taken for lost: nothing to correct
-        try:
-            # Not on our lease: it must outlive the revoke below. Removed with the round's
-            # other keys when a later round opens (``_gc_before``) or the job is reopened.
-            call_with_retry(lambda: self.client.put(self.keys.left(rnd, self.node_id), kind),
-                            what="leave record", deadline=time.monotonic() + 3.0)
-            self._log.info("leave_recorded", round=rnd, kind=kind)
-        except TransientError as exc:  # peers will read a lost member: a re-form, as before
-            self._log.warning("leave_not_recorded", round=rnd, kind=kind, error=str(exc))
-
-
-def _is_live_elasticd(pid: int) -> bool:
-    """True if ``pid`` runs on this host and its command line names elasticd."""
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as fh:
-            return b"elasticd" in fh.read()
-    except OSError:
-        return False
+def _prefix_end(prefix: str) -> str:
+    """The first key after every key that starts with ``prefix`` (etcd's range end)."""
+    return prefix[:-1] + chr(ord(prefix[-1]) + 1)

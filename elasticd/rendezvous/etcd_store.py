@@ -8,9 +8,12 @@ own prefix means workers of round r+1 can never read round r's addresses.
 Every value returned comes from a read of etcd, never from a watch cache: a watch lags,
 and a cached value could be older than a write that already completed (another node's
 ``add``, or our own second ``set``), which the c10d contract forbids. Blocking reads
-(``get``/``wait``) do not poll: one prefix watch per store wakes them when a key under the
-prefix changes, and they read again. Transient etcd errors are retried until the store
-timeout.
+(``get``/``wait``) do not poll: a key they find missing is watched (only the smallest key
+range that covers the missing keys, and only while they block), and a change in it wakes
+them to read again. A store never watches its whole prefix: with N nodes that would
+deliver every node's writes to every node (O(N^2) watch events a round, e.g. for
+torch's per-rank keys); a read that finds its key costs no watch at all. Transient etcd
+errors are retried until the store timeout.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from typing import Any, TypeVar
 
 import torch.distributed as dist
 
-from elasticd.etcd.client import KV, EtcdClient, WatchEvent
+from elasticd.etcd.client import KV, EtcdClient, PrefixWatch, WatchEvent
 from elasticd.retry import call_with_retry
 
 T = TypeVar("T")
@@ -44,9 +47,9 @@ class EtcdStore(dist.Store):
         self._prefix = prefix
         self._timeout_s = timeout_s
         self._cond = threading.Condition()
-        self._version = 0  # bumped on every change under the prefix: wakes blocked readers
-        self._watch = client.watch_prefix(prefix, self._on_events, self._on_resync,
-                                          name=f"store:{prefix}")
+        self._version = 0  # bumped on every change a blocked reader watches: wakes it
+        self._closed = False
+        self._watches: set[PrefixWatch] = set()  # those of the reads blocked right now
 
     # -- watch: a wake-up signal only (values are read from etcd) -----------------------
     def _on_resync(self, kvs: list[KV], revision: int) -> None:
@@ -61,7 +64,26 @@ class EtcdStore(dist.Store):
             self._cond.notify_all()
 
     def close(self, wait: bool = True) -> None:
-        self._watch.stop(wait=wait)
+        with self._cond:
+            self._closed = True
+            watches, self._watches = list(self._watches), set()
+        for w in watches:
+            w.stop(wait=wait)
+
+    def _watch_missing(self, missing: list[str]) -> PrefixWatch:
+        """Watch the smallest key range holding every name in ``missing`` (until stopped)."""
+        start = self._prefix + min(missing)
+        end = self._prefix + max(missing) + "\0"  # the range end is exclusive
+        w = self._client.watch_prefix(start, self._on_events, self._on_resync,
+                                      name=f"store:{start}", range_end=end)
+        with self._cond:
+            self._watches.add(w)
+        return w
+
+    def _unwatch(self, w: PrefixWatch) -> None:
+        with self._cond:
+            self._watches.discard(w)
+        w.stop(wait=False)  # never spend the caller's time (etcd may be down)
 
     # -- helpers ----------------------------------------------------------------------
     def _retry(self, fn: Callable[[], T]) -> T:
@@ -79,23 +101,32 @@ class EtcdStore(dist.Store):
     def _wait_for(self, names: list[str], timeout_s: float) -> list[bytes]:
         """Read ``names`` from etcd, waiting (woken by the watch) until all exist."""
         deadline = time.monotonic() + timeout_s
-        while True:
-            with self._cond:
-                version = self._version
-            found = self._read(names)
-            if all(n in found for n in names):
-                return [found[n] for n in names]
-            left = deadline - time.monotonic()
-            if left <= 0:
+        watch: PrefixWatch | None = None
+        try:
+            while True:
+                with self._cond:
+                    version = self._version
+                found = self._read(names)
+                if all(n in found for n in names):
+                    return [found[n] for n in names]
                 missing = [n for n in names if n not in found]
-                raise dist.DistStoreError(
-                    f"etcd store {self._prefix}: timed out after {timeout_s:.0f}s waiting for "
-                    f"keys {missing}"
-                )
-            with self._cond:
-                if self._version == version:  # nothing changed since the read: sleep till then
-                    # The 1 s cap re-reads even if the watch is down (etcd restarting).
-                    self._cond.wait(min(left, 1.0))
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise dist.DistStoreError(
+                        f"etcd store {self._prefix}: timed out after {timeout_s:.0f}s waiting for "
+                        f"keys {missing}"
+                    )
+                if watch is None and not self._closed:
+                    # Its first snapshot bumps the version: the loop reads once more, so a
+                    # key written between our read and the watch's start is not missed.
+                    watch = self._watch_missing(missing)
+                with self._cond:
+                    if self._version == version:  # nothing changed since the read: sleep till then
+                        # The 1 s cap re-reads even if the watch is down (etcd restarting).
+                        self._cond.wait(min(left, 1.0))
+        finally:
+            if watch is not None:
+                self._unwatch(watch)
 
     @staticmethod
     def _bytes(value: Any) -> bytes:

@@ -25,6 +25,18 @@ A round moves ``open`` -> ``final``:
   re-forms (a node that would open the next round reads the job as closed instead).
   A node that arrives late pre-registers for r+1 and waits; members see it through
   ``num_nodes_waiting`` and re-rendezvous.
+
+Watch fan-out (why there is a coordinator): one node at a time holds
+``rdzv/coordinator`` (on its lease; the others take over by compare-and-swap when it
+vanishes). Only the coordinator watches ``nodes/`` and every ``joins/`` key: it has the
+*full* view, closes open rounds (``decide_coordination``) and opens the next round when
+a member is lost or leaves, writing the cause and the nodes concerned into the new
+round's state (``RoundState.cause``/``changed``); late joiners it announces in
+``rdzv/waiting`` (``ANNOUNCE``) and the members open the next round themselves once
+they have drained, as before. Every other node has a *partial* view: the state key,
+``closed``, ``coordinator``, ``waiting``, ``left/`` and ``failures/``, plus its own
+joins, and no liveness; it learns of membership changes from those keys. So a round of N nodes costs O(N) watch events (N joins seen by one
+watcher, each state write seen by N), not O(N^2) (every join seen by every node).
 """
 
 from __future__ import annotations
@@ -47,6 +59,8 @@ class ActionKind(enum.Enum):
     FINALIZE = "finalize"  # CAS open(r) -> final(r, members)
     WAIT = "wait"  # nothing to do until the view changes (or `until`)
     DONE = "done"  # this node is in the final round
+    NONE = "none"  # (coordinator) nothing to do: not the coordinator, or nothing changed
+    ANNOUNCE = "announce"  # (coordinator) publish the nodes waiting to join round `round`
     CLOSED = "closed"  # the job is closed
     TIMEOUT = "timeout"  # join_timeout passed
 
@@ -60,6 +74,9 @@ class Action:
     round: int = -1
     members: tuple[str, ...] = ()
     until: float | None = None  # for WAIT: wake up by then even if nothing changes
+    # For OPEN_NEXT: why (a MembershipChange value, "" for a re-rendezvous) and who.
+    cause: str = ""
+    changed: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -73,6 +90,13 @@ class RendezvousView:
     failures: Mapping[int, Sequence[str]] = field(default_factory=dict)  # round -> reporters in order
     # round -> {node: LEFT_DRAINED | LEFT_FINISHED}: members that left that round cleanly
     left: Mapping[int, Mapping[str, str]] = field(default_factory=dict)
+    coordinator: str | None = None  # holder of rdzv/coordinator
+    # rdzv/waiting as last announced by the coordinator: (round, nodes waiting to join it).
+    # A partial view's ``joins`` already include these nodes.
+    announced: tuple[int, tuple[str, ...]] | None = None
+    # True: ``alive`` and ``joins`` are complete (the coordinator's view, or a test's).
+    # False: ``alive`` is unknown (empty) and ``joins`` holds only this node's own joins.
+    full: bool = True
 
 
 @dataclass
@@ -100,19 +124,6 @@ def order_members(previous: Sequence[str], joined: Sequence[str], max_nodes: int
     return tuple((kept + newcomers)[:max_nodes])
 
 
-def lost_members(state: RoundState, alive: frozenset[str],
-                 left: Mapping[str, str] | None = None) -> list[str]:
-    """Members of a final round whose lease is gone and who did not leave cleanly.
-
-    Args:
-        state: the round.
-        alive: nodes with a live lease.
-        left: the round's clean leaves (node -> kind); such members are not lost.
-    """
-    gone = left or {}
-    return [m for m in state.members if m not in alive and m not in gone]
-
-
 @dataclass(frozen=True)
 class Departures:
     """Members of a final round without a live lease, by how they went."""
@@ -127,9 +138,16 @@ class Departures:
 
 
 def departures(view: RendezvousView, state: RoundState) -> Departures:
-    """Sort the gone members of ``state`` into lost, drained and finished. Pure."""
+    """Sort the gone members of ``state`` into lost, drained and finished. Pure.
+
+    A partial view knows no leases: it sees only clean leaves (written just before the
+    lease is revoked); losses reach it as a new round opened by the coordinator.
+    """
     left = view.left.get(state.round, {})
-    gone = [m for m in state.members if m not in view.alive]
+    if view.full:
+        gone = [m for m in state.members if m not in view.alive]
+    else:
+        gone = [m for m in state.members if m in left]
     return Departures(
         lost=tuple(m for m in gone if m not in left),
         drained=tuple(m for m in gone if left.get(m) == LEFT_DRAINED),
@@ -163,10 +181,12 @@ def decide_join(view: RendezvousView, progress: JoinProgress, *, min_nodes: int,
                           "completed the job")
         lost = [*gone.lost, *gone.drained]
         if used or lost:
-            why = (f"round {r} lost {','.join(gone.lost)}" if gone.lost
-                   else f"{','.join(gone.drained)} left round {r}" if gone.drained
-                   else f"re-rendezvous after round {r}")
-            return Action(ActionKind.OPEN_NEXT, why + f": opening round {r + 1}", round=r + 1)
+            why, cause = ((f"round {r} lost {','.join(gone.lost)}", MembershipChange.MEMBER_LOST.value)
+                          if gone.lost else
+                          (f"{','.join(gone.drained)} left round {r}", MembershipChange.MEMBER_LEFT.value)
+                          if gone.drained else (f"re-rendezvous after round {r}", ""))
+            return Action(ActionKind.OPEN_NEXT, why + f": opening round {r + 1}", round=r + 1,
+                          cause=cause, changed=tuple(lost))
         # Late arrival: pre-register for the next round and wait to be admitted.
         if me not in view.joins.get(r + 1, ()):
             return Action(ActionKind.JOIN, f"round {r} is final without us: waiting for round {r + 1}",
@@ -178,13 +198,27 @@ def decide_join(view: RendezvousView, progress: JoinProgress, *, min_nodes: int,
     joined_all = list(view.joins.get(r, ()))
     if me not in joined_all:
         return Action(ActionKind.JOIN, f"joining open round {r}", round=r)
-    joined = [n for n in joined_all if n in view.alive]
+    if not view.full:
+        return Action(ActionKind.WAIT, f"round {r}: joined, waiting for the coordinator "
+                      f"({view.coordinator or 'being elected'}) to close it", round=r,
+                      until=progress.deadline)
+    return _close_open_round(view, state, progress.min_reached_at, min_nodes=min_nodes,
+                             max_nodes=max_nodes, last_call_timeout_s=last_call_timeout_s, now=now,
+                             deadline=progress.deadline)
+
+
+def _close_open_round(view: RendezvousView, state: RoundState, min_reached_at: dict[int, float], *,
+                      min_nodes: int, max_nodes: int, last_call_timeout_s: float, now: float,
+                      deadline: float) -> Action:
+    """FINALIZE the open round ``state`` if it may close now, else WAIT (full view only)."""
+    r = state.round
+    joined = [n for n in view.joins.get(r, ()) if n in view.alive]
     if len(joined) >= max_nodes:
         members = order_members(_previous_members(state), joined, max_nodes)
         return Action(ActionKind.FINALIZE, f"round {r}: max_nodes={max_nodes} joined", round=r,
                       members=members)
     if len(joined) >= min_nodes:
-        first = progress.min_reached_at.setdefault(r, now)
+        first = min_reached_at.setdefault(r, now)
         stragglers = sorted(view.alive - set(joined))
         if not stragglers:
             members = order_members(_previous_members(state), joined, max_nodes)
@@ -197,9 +231,9 @@ def decide_join(view: RendezvousView, progress: JoinProgress, *, min_nodes: int,
                           f"round {r}: last call passed with {len(joined)} nodes "
                           f"(not joined: {','.join(stragglers)})", round=r, members=members)
         return Action(ActionKind.WAIT, f"round {r}: {len(joined)} joined, last call for "
-                      f"{','.join(stragglers)}", round=r, until=min(last_call, progress.deadline))
+                      f"{','.join(stragglers)}", round=r, until=min(last_call, deadline))
     return Action(ActionKind.WAIT, f"round {r}: {len(joined)}/{min_nodes} nodes joined", round=r,
-                  until=progress.deadline)
+                  until=deadline)
 
 
 def _previous_members(state: RoundState) -> Sequence[str]:
@@ -225,6 +259,7 @@ class Waiting:
     count: int = 0
     reason: str = ""
     kind: MembershipChange = MembershipChange.NONE
+    nodes: tuple[str, ...] = ()  # the nodes lost, left or waiting to join (when known)
 
 
 def nodes_waiting(view: RendezvousView, my_round: int, *, max_nodes: int) -> Waiting:
@@ -241,6 +276,11 @@ def nodes_waiting(view: RendezvousView, my_round: int, *, max_nodes: int) -> Wai
     if state is None or view.closed:
         return Waiting()
     if state.round > my_round:
+        cause = _CAUSES.get(state.cause) if state.round == my_round + 1 else None
+        if cause is not None:  # opened by the coordinator for a change in our round
+            return Waiting(max(len(state.changed), 1), f"round {state.round} opened: "
+                           f"{_CAUSE_WORDS[cause]}: {','.join(state.changed)}", cause,
+                           tuple(state.changed))
         return Waiting(1, f"round {state.round} opened while we are in round {my_round}",
                        MembershipChange.NEWER_ROUND)
     if state.phase != "final":
@@ -248,23 +288,105 @@ def nodes_waiting(view: RendezvousView, my_round: int, *, max_nodes: int) -> Wai
     gone = departures(view, state)
     if gone.lost:
         return Waiting(len(gone.lost), f"members lost: {','.join(gone.lost)}",
-                       MembershipChange.MEMBER_LOST)
+                       MembershipChange.MEMBER_LOST, gone.lost)
     if gone.drained:
         return Waiting(len(gone.drained), f"members left: {','.join(gone.drained)}",
-                       MembershipChange.MEMBER_LEFT)
+                       MembershipChange.MEMBER_LEFT, gone.drained)
     if gone.finished:
         # A peer's ranks completed the job: ours are finishing too. Re-forming (or
         # admitting joiners) would kill healthy workers for a round that never completes.
         return Waiting()
     if len(state.members) < max_nodes:
-        waiting = [n for n in view.joins.get(my_round + 1, ()) if n in view.alive and n not in state.members]
+        waiting = [n for n in view.joins.get(my_round + 1, ())
+                   if n not in state.members and (n in view.alive or not view.full)]
         if waiting:
             return Waiting(len(waiting), f"nodes waiting to join: {','.join(waiting)}",
-                           MembershipChange.JOIN)
+                           MembershipChange.JOIN, tuple(waiting))
     return Waiting()
 
 
-def attribute_failure(view: RendezvousView, my_round: int, me: str) -> tuple[str, str]:
+_CAUSES = {c.value: c for c in (MembershipChange.MEMBER_LOST, MembershipChange.MEMBER_LEFT)}
+_CAUSE_WORDS = {MembershipChange.MEMBER_LOST: "members lost",
+                MembershipChange.MEMBER_LEFT: "members left"}
+
+
+@dataclass
+class CoordinatorMemory:
+    """What the coordinator remembers between decisions (not shared between nodes)."""
+
+    min_reached_at: dict[int, float] = field(default_factory=dict)
+
+
+def decide_coordination(view: RendezvousView, memory: CoordinatorMemory, *, me: str, min_nodes: int,
+                        max_nodes: int, last_call_timeout_s: float, now: float,
+                        defer_lost_until: float | None = None) -> Action:
+    """The coordinator's duty, run whenever its full view changes. Pure.
+
+    Closes an open round exactly when a joined node of the old protocol would (max
+    reached; min reached and every live node joined, or the last call passed), whether or
+    not the coordinator itself joined it; opens the next round when the final round
+    lost a member or a member drained, writing the cause so that nodes with a partial
+    view report the same ``MembershipChange``; and announces late joiners waiting with
+    room for them (``rdzv/waiting``), which members read as ``JOIN``.
+
+    Args:
+        view: the coordinator's full view.
+        memory: per-coordinator memory (when the minimum was first reached, per round).
+        me: this node; anything but the holder of ``rdzv/coordinator`` does nothing.
+        defer_lost_until: while set and in the future, lost members are not acted on yet
+            (etcd itself was in trouble: their leases may have expired with etcd's outage
+            and they may still re-register); WAIT until then.
+
+    Returns:
+        FINALIZE, OPEN_NEXT (with ``cause``/``changed``), ANNOUNCE (``members`` = the
+        waiting nodes, ``round`` = the round they wait for), WAIT (with ``until`` when a
+        deadline matters) or NONE.
+    """
+    state = view.state
+    if not view.full or view.coordinator != me:
+        return Action(ActionKind.NONE, "not the coordinator")
+    if view.closed:
+        return Action(ActionKind.NONE, "the rendezvous is closed")
+    if state is None:
+        return Action(ActionKind.NONE, "no round yet")
+    if state.phase != "final":
+        return _close_open_round(view, state, memory.min_reached_at, min_nodes=min_nodes,
+                                 max_nodes=max_nodes, last_call_timeout_s=last_call_timeout_s,
+                                 now=now, deadline=float("inf"))
+    r = state.round
+    change = nodes_waiting(view, r, max_nodes=max_nodes)
+    if change.kind is MembershipChange.NONE:
+        if view.announced is not None and view.announced[0] == r + 1 and view.announced[1]:
+            # The announced joiners vanished (or there is no room any more): withdraw, or
+            # the members would re-form for nobody.
+            return Action(ActionKind.ANNOUNCE, f"round {r}: nobody waits to join any more",
+                          round=r + 1)
+        return Action(ActionKind.NONE, f"round {r} is final and complete")
+    if change.kind is MembershipChange.JOIN:
+        # Announced, not opened: the members drain first (a resize loses no step) and open
+        # the round themselves, so its last call starts when they are ready, as before.
+        if view.announced == (r + 1, change.nodes):
+            return Action(ActionKind.NONE, f"round {r}: {change.reason} (announced)")
+        return Action(ActionKind.ANNOUNCE, f"round {r}: {change.reason}: announcing them",
+                      round=r + 1, members=change.nodes)
+    if change.kind is MembershipChange.MEMBER_LOST and defer_lost_until is not None \
+            and now < defer_lost_until:
+        return Action(ActionKind.WAIT, f"round {r}: {change.reason}; etcd was in trouble, "
+                      "giving them time to re-register", round=r, until=defer_lost_until)
+    return Action(ActionKind.OPEN_NEXT, f"{change.reason}: opening round {r + 1}", round=r + 1,
+                  cause=change.kind.value, changed=change.nodes)
+
+
+class Attribution(enum.Enum):
+    """Whose fault a local worker failure is (see ``attribute_failure``)."""
+
+    MEMBERSHIP = "membership"  # a peer is gone or a newer round exists: spends nothing
+    ROOT = "root"  # every live peer reported too and ours was first: spends the budget
+    VICTIM = "victim"  # every live peer reported and another was first: spends nothing
+    UNDECIDED = "undecided"  # wait for more reports (``ROOT`` once the window passes)
+
+
+def attribute_failure(view: RendezvousView, my_round: int, me: str) -> tuple[Attribution, str]:
     """Decide whether a local worker failure is this node's fault. Pure.
 
     When one worker dies, its peers' collectives fail within milliseconds, so every node
@@ -272,25 +394,98 @@ def attribute_failure(view: RendezvousView, my_round: int, me: str) -> tuple[str
     that coincides with a peer leaving is a membership change and spends nothing.
 
     Returns:
-        (verdict, reason) with verdict one of ``"membership"`` (a peer is gone or a newer
-        round exists), ``"root"`` (every live peer reported a failure too and ours was
-        first), ``"victim"`` (every live peer reported and another was first), or
-        ``"undecided"`` (wait for more reports; the caller treats it as ``"root"`` once
-        its attribution window passes).
+        (verdict, reason) with verdict ``MEMBERSHIP`` (a peer is gone or a newer round
+        exists), ``ROOT`` (every live peer reported a failure too and ours was first),
+        ``VICTIM`` (every live peer reported and another was first), or ``UNDECIDED``
+        (wait for more reports; the caller treats it as ``ROOT`` once its attribution
+        window passes).
     """
     state = view.state
     if state is None:
-        return "undecided", "no round state"
+        return Attribution.UNDECIDED, "no round state"
     if state.round > my_round:
-        return "membership", f"round {state.round} superseded our round {my_round}"
+        return Attribution.MEMBERSHIP, f"round {state.round} superseded our round {my_round}"
     gone = departures(view, state)
     if gone.any:
         names = ",".join((*gone.lost, *gone.drained, *gone.finished))
-        return "membership", f"peer(s) {names} left round {my_round}"
+        return Attribution.MEMBERSHIP, f"peer(s) {names} left round {my_round}"
     reporters = list(view.failures.get(my_round, ()))
     others = [m for m in state.members if m != me]
     if me in reporters and all(m in reporters for m in others):
         if reporters[0] == me:
-            return "root", f"first failure report of round {my_round}"
-        return "victim", f"{reporters[0]} failed first in round {my_round}"
-    return "undecided", f"waiting for failure reports of round {my_round}"
+            return Attribution.ROOT, f"first failure report of round {my_round}"
+        return Attribution.VICTIM, f"{reporters[0]} failed first in round {my_round}"
+    return Attribution.UNDECIDED, f"waiting for failure reports of round {my_round}"
+
+
+# --- etcd outages -------------------------------------------------------------------------
+# After an etcd outage every lease may expire at once (a frozen single-member etcd revokes
+# them all when it resumes, etcd#15247). Both decisions below tell "etcd was away" from
+# "the node was away" by whether this node itself saw etcd fail or stall recently.
+
+
+def outage_window_s(node_ttl_s: float, election_timeout_s: float = 1.0) -> float:
+    """How recent a sign of etcd trouble must be to explain an expired lease (seconds).
+
+    An outage may include a leader election: the window covers that too.
+    """
+    return node_ttl_s + max(5.0, 2.0 * election_timeout_s)
+
+
+@dataclass(frozen=True)
+class LossGrace:
+    """What ``loss_grace`` decided, and the memory to pass to its next call."""
+
+    hold: bool  # report no membership change yet: the lost members may re-register
+    loss_seen_at: float | None  # first sight of lost members after etcd trouble
+    reason: str = ""
+
+
+def loss_grace(lost: Sequence[str], *, etcd_trouble: bool, loss_seen_at: float | None,
+               now: float, node_ttl_s: float) -> LossGrace:
+    """Whether to hold back the loss of ``lost`` members for a grace period. Pure.
+
+    Members lost right after this node saw etcd trouble (``etcd_trouble``: within
+    ``outage_window_s``) get ``node_ttl_s + 2`` seconds from the first sight of the loss
+    to re-register (``may_resurrect``) before it counts as a membership change.
+
+    Args:
+        lost: members of our round without a live lease that did not leave cleanly.
+        etcd_trouble: this node saw etcd fail or stall within ``outage_window_s``.
+        loss_seen_at: the memory returned by the previous call (None at first).
+        now: monotonic time.
+        node_ttl_s: the lease TTL.
+
+    Returns:
+        The decision and the memory for the next call (reset once nobody is lost).
+    """
+    if lost and etcd_trouble:
+        seen = loss_seen_at or now
+        if now - seen < node_ttl_s + 2.0:
+            return LossGrace(True, seen, f"members {','.join(lost)} lost right after an etcd "
+                             "outage: waiting for them to re-register")
+        return LossGrace(False, seen)
+    if not lost:
+        return LossGrace(False, None)
+    return LossGrace(False, loss_seen_at)
+
+
+def may_resurrect(state: RoundState | None, my_round: int | None, me: str, *,
+                  lease_lost: bool, etcd_trouble: bool) -> tuple[bool, str]:
+    """Whether this node may re-register in its own round after its lease expired. Pure.
+
+    Allowed only if etcd failed or stalled recently as seen from here (``etcd_trouble``),
+    and the job is still in our final round with us as a member: then nobody moved on,
+    and a new lease (a new incarnation) simply replaces the old one. Otherwise we were
+    the ones away (frozen, partitioned) and must rejoin as a new member.
+
+    Returns:
+        (allowed, reason).
+    """
+    if not lease_lost or my_round is None:
+        return False, "our lease is alive, or we were never in a round"
+    if not etcd_trouble:
+        return False, "etcd was fine: this node was away (frozen or cut off)"
+    if state is None or state.round != my_round or state.phase != "final" or me not in state.members:
+        return False, f"the job moved on from round {my_round}"
+    return True, "lease expired during an etcd outage; same round"

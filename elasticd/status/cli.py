@@ -35,16 +35,13 @@ from elasticd.status.model import (
     EXIT_OK,
     EXIT_UNKNOWN_JOB,
     derive_status,
-    read_all_jobs,
-    read_job,
     status_line,
 )
 from elasticd.status.options import (
-    DEFAULT_ETCD,
     DEFAULT_EVENTS,
-    DEFAULT_TIMEOUT_S,
     PROG,
     StatusOptions,
+    add_etcd_connection_flags,
     make_client,
     options_from_args,
     unknown_job_message,
@@ -52,6 +49,7 @@ from elasticd.status.options import (
 )
 from elasticd.status.output import emit_job, emit_job_list
 from elasticd.status.render import DEFAULT_MAX_ROWS, printable
+from elasticd.status.snapshot import read_all_jobs, read_job
 
 log = structlog.get_logger(__name__)
 EXIT_INTERNAL = 1  # docs/status.md: 1 is also "degraded"; the stderr line tells them apart
@@ -106,18 +104,7 @@ def _exit_78_on_bad_flags(p: argparse.ArgumentParser) -> None:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The flags of `elasticd status` (shared flag names with the other subcommands)."""
     p.add_argument("--job", metavar="NAME", help="job to show; without it, list all jobs")
-    p.add_argument("--etcd", metavar="ENDPOINTS", default=None,
-                   help=f"etcd endpoints, HOST:PORT[,HOST:PORT...] (default {DEFAULT_ETCD})")
-    p.add_argument("--etcd-ca", metavar="FILE", help="CA bundle to verify etcd's certificate")
-    p.add_argument("--etcd-cert", metavar="FILE", help="client certificate for etcd (with --etcd-key)")
-    p.add_argument("--etcd-key", metavar="FILE", help="client key for etcd (with --etcd-cert)")
-    p.add_argument("--etcd-user", metavar="USER", help="etcd user (with --etcd-password-file)")
-    p.add_argument("--etcd-password-file", metavar="FILE",
-                   help="file holding the etcd password (never passed on the command line)")
-    p.add_argument("--etcd-insecure-plaintext-auth", action="store_true",
-                   help="INSECURE: send the etcd password without TLS (trusted networks only)")
-    p.add_argument("--timeout", type=_positive_float, default=DEFAULT_TIMEOUT_S, metavar="SECONDS",
-                   help=f"give up on etcd after this long, exit 4 (default {DEFAULT_TIMEOUT_S:g})")
+    add_etcd_connection_flags(p, timeout_type=_positive_float)
     p.add_argument("--json", action="store_true",
                    help="print the versioned JSON document (docs/status.md) instead of tables")
     p.add_argument("--watch", action="store_true",
@@ -126,8 +113,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--events", type=_non_negative_int, default=DEFAULT_EVENTS, metavar="N",
                    help=f"show the last N events (default {DEFAULT_EVENTS})")
     p.add_argument("--window", type=_positive_float, default=DEFAULT_WINDOW_S, metavar="SECONDS",
-                   help="failures younger than this make a training job degraded "
-                        f"(default {DEFAULT_WINDOW_S:g})")
+                   help="mention the job's last recovery for this long after it (information, "
+                        f"not health: a job at full size exits 0) (default {DEFAULT_WINDOW_S:g})")
     p.add_argument("--max-rows", type=_non_negative_int, default=None, metavar="N",
                    help=f"node rows in the table, unhealthy first (default {DEFAULT_MAX_ROWS}; "
                         "0 = all)")

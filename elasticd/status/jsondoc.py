@@ -20,7 +20,8 @@ from importlib import resources
 from typing import Any
 
 from elasticd import sensitive
-from elasticd.status.model import JobStatus, NodeStatus, SeqEvent, exit_detail
+from elasticd.status.model import JobStatus, NodeStatus, exit_detail
+from elasticd.status.snapshot import SeqEvent
 
 SCHEMA_VERSION = 1
 REDACTED = "<redacted>"
@@ -71,6 +72,8 @@ def _node(n: NodeStatus, now: float) -> dict[str, Any]:
         "last_exit": n.last_exit,
         "lost_at": rfc3339(n.lost_at),
         "log_dir": n.log_dir,
+        "left": n.left,
+        "step": n.step,
     }
 
 
@@ -108,6 +111,9 @@ def job_summary(s: JobStatus) -> dict[str, Any]:
         "max_nodes": s.max_nodes,
         "world_size": s.world_size,
         "waiting_nodes": s.waiting_nodes,
+        "recovered_at": rfc3339(s.recovered_at),
+        "recovered_age_s": _age(s.now, s.recovered_at),
+        "recovered_from": s.recovered_from,
     }
 
 

@@ -7,6 +7,7 @@ Also the exact wording of the exit-3 and exit-4 lines, shared by the one-shot an
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from elasticd.errors import ConfigError
@@ -95,3 +96,26 @@ def unknown_job_message(opts: StatusOptions) -> str:
     assert opts.job is not None
     return (f"job {opts.job!r} unknown: no keys under {JobKeys(opts.job).prefix} at "
             f"{opts.endpoints}; check --job and --etcd (`{PROG}` without --job lists jobs)")
+
+
+def add_etcd_connection_flags(p: argparse.ArgumentParser, *,
+                              timeout_type: Callable[[str], float]) -> None:
+    """The etcd connection flags every etcd client command takes (``status``, ``stop``,
+    ``drain``, ``start``): one definition, read back by :func:`options_from_args`.
+
+    Args:
+        p: the subcommand's parser.
+        timeout_type: how ``--timeout`` is parsed (the caller decides how a bad value exits).
+    """
+    p.add_argument("--etcd", metavar="ENDPOINTS", default=None,
+                   help=f"etcd endpoints, HOST:PORT[,HOST:PORT...] (default {DEFAULT_ETCD})")
+    p.add_argument("--etcd-ca", metavar="FILE", help="CA bundle to verify etcd's certificate")
+    p.add_argument("--etcd-cert", metavar="FILE", help="client certificate for etcd (with --etcd-key)")
+    p.add_argument("--etcd-key", metavar="FILE", help="client key for etcd (with --etcd-cert)")
+    p.add_argument("--etcd-user", metavar="USER", help="etcd user (with --etcd-password-file)")
+    p.add_argument("--etcd-password-file", metavar="FILE",
+                   help="file holding the etcd password (never passed on the command line)")
+    p.add_argument("--etcd-insecure-plaintext-auth", action="store_true",
+                   help="INSECURE: send the etcd password without TLS (trusted networks only)")
+    p.add_argument("--timeout", type=timeout_type, default=DEFAULT_TIMEOUT_S, metavar="SECONDS",
+                   help=f"give up on etcd after this long, exit 4 (default {DEFAULT_TIMEOUT_S:g})")

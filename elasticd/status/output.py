@@ -7,7 +7,13 @@ from typing import IO
 from elasticd.status import jsondoc
 from elasticd.status.model import JobStatus
 from elasticd.status.options import StatusOptions
-from elasticd.status.render import DEFAULT_MAX_ROWS, make_console, render_job, render_job_list
+from elasticd.status.render import (
+    DEFAULT_MAX_ROWS,
+    make_console,
+    print_screen,
+    render_job,
+    render_job_list,
+)
 
 
 def emit_job(status: JobStatus, opts: StatusOptions, out: IO[str], *, pretty: bool = True) -> None:
@@ -16,9 +22,8 @@ def emit_job(status: JobStatus, opts: StatusOptions, out: IO[str], *, pretty: bo
         doc = jsondoc.job_document(status, endpoints=opts.endpoint_list)
         print(jsondoc.dumps(doc, pretty=pretty), file=out, flush=True)
         return
-    console = make_console(out)
-    console.print(render_job(status, max_rows=DEFAULT_MAX_ROWS if opts.max_rows is None
-                             else opts.max_rows))
+    print_screen(make_console(out), render_job(
+        status, max_rows=DEFAULT_MAX_ROWS if opts.max_rows is None else opts.max_rows))
 
 
 def emit_job_list(statuses: list[JobStatus], opts: StatusOptions, out: IO[str], *,

@@ -24,8 +24,9 @@ from elasticd.etcd.client import EtcdClient
 from elasticd.history import History
 from elasticd.keys import JobKeys
 from elasticd.records import Event
-from elasticd.status.model import EXIT_OK, EXIT_UNKNOWN_JOB, read_job
+from elasticd.status.model import EXIT_OK, EXIT_UNKNOWN_JOB
 from elasticd.status.options import StatusOptions, unknown_job_message
+from elasticd.status.snapshot import read_job
 
 FORMATS = (".png", ".svg")
 MISSING_MATPLOTLIB = ("--plot needs matplotlib, which is the optional [plot] extra: "

@@ -17,6 +17,7 @@ escapes (``\x1b``) instead of sending them to the terminal.
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -26,21 +27,17 @@ from typing import IO, Any
 from rich import box
 from rich.cells import cell_len
 from rich.console import Console, ConsoleOptions, Group, RenderableType, RenderResult
+from rich.segment import Segment
 from rich.table import Table
 from rich.text import Text as _RichText
 
 from elasticd.status.jsondoc import redact_url
-from elasticd.status.model import (
-    JobStatus,
-    NodeStatus,
-    SeqEvent,
-    exit_detail,
-    format_age,
-    unreadable_summary,
-)
+from elasticd.status.model import JobStatus, NodeStatus, exit_detail, format_age, unreadable_summary
+from elasticd.status.snapshot import SeqEvent
 
 STATE_STYLE = {
     "training": "bold green",
+    "re-forming": "bold yellow",
     "rendezvous": "bold yellow",
     "draining": "bold yellow",
     "stopped": "bold",
@@ -54,6 +51,7 @@ NODE_STATE_STYLE = {
     "stopped": "dim",
     "failed": "red",
     "lost": "red",
+    "left": "dim",
 }
 EVENT_STYLE = {"failure": "red", "lost": "red", "hang": "red", "lease_lost": "red",
                "drain": "yellow", "notice": "yellow", "leave": "yellow"}
@@ -74,11 +72,44 @@ class Text(_RichText):
     def __init__(self, text: str = "", *args: Any, **kwargs: Any) -> None:
         super().__init__(printable(str(text)), *args, **kwargs)
 _GAP = 3  # SIMPLE_HEAD, pad_edge=False: one pad, one divider, one pad between columns
+# Output that is not a terminal (a pipe, a log, `watch`) has no width to fit: lines are as
+# long as their content, so nothing is cut at rich's default of 80 columns.
+UNBOUNDED_WIDTH = 1000
 
 
 def make_console(file: IO[str] | None = None, *, width: int | None = None) -> Console:
-    """A console for status output (rich decides colour from TTY-ness and NO_COLOR)."""
-    return Console(file=file, width=width, highlight=False, soft_wrap=False, emoji=False)
+    """A console for status output (rich decides colour from TTY-ness and NO_COLOR).
+
+    A terminal is fitted to its width; other output (``COLUMNS`` unset) is not cut.
+    """
+    console = Console(file=file, width=width, highlight=False, soft_wrap=False, emoji=False)
+    if width is None and not console.is_terminal and not os.environ.get("COLUMNS"):
+        console.width = UNBOUNDED_WIDTH
+    return console
+
+
+class Unwrapped:
+    """One line printed whole, never folded: a URL or path an operator copies.
+
+    Printed with ``crop=False`` (``print_screen``) it runs past the right edge and the
+    terminal shows it on several rows without a break in the copied text; in ``--watch``,
+    whose screen must keep one row per line, it is cut at the edge instead.
+    """
+
+    def __init__(self, text: str, style: str = "", indent: int = 0) -> None:
+        self.text = printable(text)
+        self.style = style
+        self.indent = indent
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        yield Segment(" " * self.indent)
+        yield Segment(self.text, console.get_style(self.style) if self.style else None)
+        yield Segment.line()
+
+
+def print_screen(console: Console, renderable: RenderableType) -> None:
+    """Print a one-shot screen without cropping its ``Unwrapped`` lines."""
+    console.print(renderable, crop=False)
 
 
 @dataclass(frozen=True)
@@ -175,13 +206,14 @@ def _state_text(status: JobStatus) -> Text:
     text = Text(status.state.upper(), style=STATE_STYLE.get(status.state, ""))
     if status.state == "training" and not status.degraded:
         text.append(" at full size")
-    elif status.degraded:
+    elif status.degraded and status.state == "training":
         text.append(" (degraded)", style="yellow")
     return text
 
 
 def render_header(s: JobStatus) -> Table:
-    """Key/value grid: state, round, size, progress, checkpoint (long values fold)."""
+    """Key/value grid: state, round, size, progress, checkpoint (long values fold; the
+    checkpoint URL is printed whole below the grid by ``render_job``)."""
     grid = Table.grid(padding=(0, 2))
     grid.add_column(style="bold", no_wrap=True)
     grid.add_column(overflow="fold")
@@ -191,6 +223,9 @@ def render_header(s: JobStatus) -> Table:
     for why in s.degraded_reasons:
         if why != s.reason:
             grid.add_row("", Text(f"degraded: {why}", style="yellow"))
+    if s.recovered_at is not None:
+        grid.add_row("", Text(f"recovered {format_age(s.now - s.recovered_at)} ago "
+                              f"(from {s.recovered_from})", style="dim"))
     if s.round is not None:
         since = ""
         if s.round_phase == "final" and s.round_completed_at:
@@ -217,7 +252,6 @@ def render_header(s: JobStatus) -> Table:
     if c is not None:
         grid.add_row("checkpoint", Text(
             f"step {c.step:,} · {format_age(s.now - c.committed_at)} ago · round {c.round}"))
-        grid.add_row("", Text(redact_url(c.manifest_url), style="dim"))
     else:
         grid.add_row("checkpoint", Text("none committed yet", style="dim"))
     if s.unreadable:
@@ -246,6 +280,7 @@ def render_nodes(s: JobStatus, *, max_rows: int = DEFAULT_MAX_ROWS) -> Renderabl
         Col("state"),
         Col("ranks", min_width=5, shrink=1),
         Col("rst", justify="right"),
+        Col("step", justify="right", drop=3),
         Col("beat", justify="right"),
         Col("version", min_width=5, shrink=4, drop=1),
     ]
@@ -256,11 +291,14 @@ def render_nodes(s: JobStatus, *, max_rows: int = DEFAULT_MAX_ROWS) -> Renderabl
         state = n.state
         if n.state == "lost" and n.lost_at:
             state = f"lost {format_age(s.now - n.lost_at)}"
+        elif n.state == "left" and n.left:
+            state = f"left ({n.left})"
         elif not n.member and n.state == "training":
             state = "training*"  # trains, but is not in the current round's member list
         cells: list[str | Text] = [
             n.node, n.host or "-", Text(state, style=NODE_STATE_STYLE.get(n.state, "")),
             format_ranks(n.ranks), "-" if n.restarts is None else str(n.restarts),
+            "-" if n.step is None else f"{n.step:,}",
             format_age(s.now - n.heartbeat_at) if n.heartbeat_at else "-",
             n.version or "-",
         ]
@@ -298,6 +336,8 @@ def render_events(s: JobStatus) -> FittedTable:
 def render_job(s: JobStatus, *, max_rows: int = DEFAULT_MAX_ROWS) -> RenderableType:
     """The whole one-job screen: header, nodes, events."""
     parts: list[RenderableType] = [render_header(s)]
+    if s.checkpoint is not None:
+        parts.append(Unwrapped(redact_url(s.checkpoint.manifest_url), style="dim", indent=12))
     if s.nodes:
         parts += [Text(""), render_nodes(s, max_rows=max_rows)]
     if s.events:

@@ -1,7 +1,8 @@
 """`elasticd status --watch`: redraw from an etcd watch until Ctrl-C, never by polling etcd.
 
-One range read answers first (so an unknown job exits 3 and a dead etcd exits 4 at once),
-then a ``PrefixWatch`` keeps a local mirror of the job's keys current; the screen is
+One range read answers first (so a dead etcd exits 4 at once; a job that does not exist
+yet is waited for: a watch started before the job shows it as soon as its first agent
+registers), then a ``PrefixWatch`` keeps a local mirror of the job's keys current; the screen is
 re-derived from the mirror on every change. A one-second local tick only refreshes the
 ages shown ("12s ago") from the mirror; it never reads etcd. If the watch stream breaks,
 ``PrefixWatch`` reconnects and resyncs on its own; meanwhile the screen says so and keeps
@@ -23,19 +24,18 @@ from rich.text import Text
 from elasticd.etcd.client import KV, EtcdClient, WatchEvent
 from elasticd.keys import ROOT, JobKeys, job_of_key
 from elasticd.status import jsondoc
-from elasticd.status.model import (
-    EXIT_OK,
-    EXIT_UNKNOWN_JOB,
-    JobStatus,
-    derive_status,
-    parse_all_kvs,
-    parse_job_kvs,
-    read_prefix,
-)
+from elasticd.status.model import EXIT_OK, EXIT_UNKNOWN_JOB, JobStatus, derive_status
 from elasticd.status.options import StatusOptions, unknown_job_message
 from elasticd.status.output import emit_job, emit_job_list
 from elasticd.status.plot import trend_line
-from elasticd.status.render import DEFAULT_MAX_ROWS, make_console, render_job, render_job_list
+from elasticd.status.render import (
+    DEFAULT_MAX_ROWS,
+    make_console,
+    print_screen,
+    render_job,
+    render_job_list,
+)
+from elasticd.status.snapshot import parse_all_kvs, parse_job_kvs, read_prefix
 
 TICK_S = 1.0  # refresh ages on screen this often (from the local mirror, not from etcd)
 COALESCE_S = 0.1  # a burst of changes (a round forming) redraws once, not per key
@@ -91,12 +91,22 @@ class _Frames:
 
     def __init__(self, opts: StatusOptions, mirror: PrefixMirror, now: Callable[[], float]):
         self.opts, self.mirror, self.now = opts, mirror, now
+        self.seen = False  # the job has had keys since the watch started
+
+    def absent_line(self) -> str:
+        """What to say while the job has no keys: not started yet, or gone."""
+        assert self.opts.job is not None
+        prefix = JobKeys(self.opts.job).prefix
+        if self.seen:
+            return f"job {self.opts.job}: no keys left under {prefix}"
+        return f"waiting for job {self.opts.job} to start (no keys under {prefix} yet)"
 
     def job(self) -> tuple[JobStatus | None, int]:
         kvs, rev = self.mirror.snapshot()
         assert self.opts.job is not None
         if not kvs:
             return None, rev
+        self.seen = True
         snap = parse_job_kvs(self.opts.job, kvs, rev)
         return derive_status(snap, self.now(), window_s=self.opts.window_s,
                              events_limit=self.opts.events), rev
@@ -120,8 +130,8 @@ def run_watch(client: EtcdClient, opts: StatusOptions, *, out: IO[str], err: IO[
     """Show the job (or job list) and redraw on every etcd change until Ctrl-C or ``stop``.
 
     Returns:
-        3 if the job does not exist at the start, else 0 when stopped (Ctrl-C is the
-        normal way out of --watch).
+        0 when stopped (Ctrl-C is the normal way out of --watch). A job that does not
+        exist yet is waited for (one line on ``err`` says so), not an error.
 
     Raises:
         EtcdUnavailableError: the first read failed (the caller exits 4). Later outages
@@ -130,11 +140,12 @@ def run_watch(client: EtcdClient, opts: StatusOptions, *, out: IO[str], err: IO[
     stop = stop or threading.Event()
     prefix = JobKeys(opts.job).prefix if opts.job else ROOT
     kvs, revision = read_prefix(client, prefix)
-    if opts.job and not kvs:
-        return fail(EXIT_UNKNOWN_JOB, unknown_job_message(opts), job=opts.job)
     mirror = PrefixMirror()
     mirror.on_resync(kvs, revision)
     frames = _Frames(opts, mirror, now)
+    if opts.job and not kvs:
+        print(f"elasticd status: {frames.absent_line()}; Ctrl-C to stop waiting",
+              file=err, flush=True)
     watch = client.watch_prefix(prefix, mirror.on_events, mirror.on_resync, name="status-watch")
     # Wake the drawing loop at once when stop is set, instead of at its next tick.
     def wake_on_stop() -> None:
@@ -166,6 +177,8 @@ def _loop_json(frames: _Frames, opts: StatusOptions, out: IO[str], stop: threadi
         if opts.job:
             status, _ = frames.job()
             if status is None:
+                if not frames.seen:
+                    continue  # not started yet: the first document is the job's
                 doc = jsondoc.error_document(EXIT_UNKNOWN_JOB, unknown_job_message(opts),
                                              job=opts.job, endpoints=endpoints, now=frames.now())
                 print(jsondoc.dumps(doc, pretty=False), file=out, flush=True)
@@ -189,8 +202,7 @@ def _loop_screen(frames: _Frames, opts: StatusOptions, out: IO[str], stop: threa
         if opts.job:
             status, rev = frames.job()
             if status is None:
-                parts.append(Text(f"job {opts.job}: no keys left under "
-                                  f"{JobKeys(opts.job).prefix}", style="bold"))
+                parts.append(Text(frames.absent_line(), style="bold"))
             else:
                 rows = opts.max_rows
                 if rows is None:
@@ -220,7 +232,7 @@ def _loop_screen(frames: _Frames, opts: StatusOptions, out: IO[str], stop: threa
     # Not a terminal (piped, logged): print a full screen per change, no cursor tricks.
     while not stop.is_set():
         frames.mirror.changed.clear()
-        console.print(draw())
+        print_screen(console, draw())
         console.rule()
         while not stop.is_set() and not frames.mirror.changed.wait(TICK_S):
             pass  # a pipe gets a new screen per change only, not per tick

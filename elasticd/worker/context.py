@@ -411,11 +411,13 @@ def _mark_stopped(ctx: WorkerContext, step: int | None) -> None:
     tmp.rename(marker)
 
 
-def report_progress(step: int, *, epoch: int = 0, samples: int = 0, force: bool = False) -> None:
+def report_progress(step: int, *, epoch: int = 0, samples: int = 0, loss: float | None = None,
+                    force: bool = False) -> None:
     """Tell the agent the last completed step (hang detection, ``elasticd status``).
 
-    Non-blocking and rate-limited (at most every 0.2 s unless ``force``); a no-op without
-    an agent.
+    ``loss`` (optional, a float) goes into the job's history: ``elasticd status --plot``
+    draws it and ``--watch`` shows its trend. Non-blocking and rate-limited (at most every
+    0.2 s unless ``force``); a no-op without an agent.
     """
     if _S.client is None:
         return
@@ -425,7 +427,8 @@ def report_progress(step: int, *, epoch: int = 0, samples: int = 0, force: bool 
     _S.last_progress_at = now
     ctx = context()
     _S.client.send(Progress(local_rank=ctx.local_rank, rank=ctx.rank, step=max(step, -1),
-                            epoch=max(epoch, 0), samples=max(samples, 0)))
+                            epoch=max(epoch, 0), samples=max(samples, 0),
+                            loss=None if loss is None else float(loss)))
 
 
 def control_client() -> ControlClient | None:

@@ -99,6 +99,9 @@ class ElasticLoop:
         self.save_every = save_every
         self.steps_done = 0
         self._saved_at = 0
+        # The loss of the step in progress, if the loop sets it (``loop.loss = loss.item()``):
+        # reported with the step, for `elasticd status --plot` and ``--watch``.
+        self.loss: float | None = None
         self._live: Any = None  # the loader iterator batches() is walking
         self._progress: dict[str, int] = {"steps_done": 0}
         self._state = {**state, "sampler": sampler, "elastic_loop": self._progress}
@@ -153,12 +156,13 @@ class ElasticLoop:
             return bool(self.sampler.epoch_done)
         return int(self.sampler.steps_remaining) == 0
 
-    def step_done(self, samples_per_rank: int | None = None) -> None:
+    def step_done(self, samples_per_rank: int | None = None, *, loss: float | None = None) -> None:
         """Record one optimizer step; for loops that do not iterate :meth:`batches`.
 
         Args:
             samples_per_rank: Samples this rank trained in the step (ignored for an
                 ``ElasticSampler`` or ``ElasticStream``, whose step is one global batch).
+            loss: The step's loss (default: ``self.loss``), for the job's history.
         """
         if self._per_global_batch:
             self.sampler.step()
@@ -168,7 +172,8 @@ class ElasticLoop:
             self.sampler.step(samples_per_rank)
         self.steps_done += 1
         self._progress["steps_done"] = self.steps_done
-        report_progress(self.steps_done - 1, epoch=int(self.sampler.epoch))
+        report_progress(self.steps_done - 1, epoch=int(self.sampler.epoch),
+                        loss=self.loss if loss is None else loss)
         if should_stop(self.steps_done - 1):
             self.save(blocking=True)
             log.info("loop_drained", steps_done=self.steps_done, epoch=int(self.sampler.epoch))

@@ -30,7 +30,7 @@ def test_pointer_moved_back_by_a_new_round_keeps_the_newer_committed_save(etcd_s
     settings = RendezvousSettings(min_nodes=1, max_nodes=1, node_ttl_s=2, join_timeout_s=30,
                                   last_call_timeout_s=0.2, local_addr="127.0.0.1")
     handler = EtcdRendezvousHandler(client, "hw", settings, node_id="a")
-    recorder = JobRecorder(handler)
+    recorder = JobRecorder(handler.session)
     recorder.run_id = "c" * 16
     channel = ControlChannel(
         on_commit=lambda m: recorder.commit_checkpoint(m.step, m.manifest_url, m.world_size,

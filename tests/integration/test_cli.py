@@ -15,7 +15,7 @@ pytestmark = pytest.mark.timeout(60)
 # `run` and `agent` share one flag per config key (elasticd.config.flags).
 NODE_FLAGS = ["--standalone", "--job", "--nnodes", "--checkpoint-url", "--resume", "--etcd", "--etcd-ca",
               "--etcd-cert", "--etcd-key", "--etcd-user", "--etcd-password-file",
-              "--etcd-insecure-plaintext-auth", "--etcd-timeout", "--etcd-connect-timeout", "--etcd-data-dir", "--node-id",
+              "--etcd-insecure-plaintext-auth", "--etcd-timeout", "--etcd-connect-timeout", "--etcd-election-timeout", "--etcd-data-dir", "--node-id",
               "--local-addr", "--node-ttl", "--join-timeout", "--last-call-timeout",
               "--close-timeout", "--store-timeout",
               "--nproc-per-node", "--workdir", "--monitor-interval", "--hang-timeout",
@@ -23,6 +23,9 @@ NODE_FLAGS = ["--standalone", "--job", "--nnodes", "--checkpoint-url", "--resume
               "--drain-grace", "--resize-grace", "--plain-stop", "--done-exit", "--preemption", "--preemption-url",
               "--preemption-poll", "--log-format", "--log-level", "--log-dir", "--metrics-port",
               "--metrics-addr"]
+# `status`, `stop`, `drain`, `start`: one connection path (elasticd.status.options).
+ETCD_CLIENT_FLAGS = ["--etcd", "--etcd-ca", "--etcd-cert", "--etcd-key", "--etcd-user",
+                     "--etcd-password-file", "--etcd-insecure-plaintext-auth", "--timeout"]
 SURFACE = {
     "run": ["--config", *NODE_FLAGS],
     "agent": ["--config", "--check-config", *NODE_FLAGS],
@@ -31,6 +34,9 @@ SURFACE = {
                "--max-rows", "--plot"],
     "checkpoints": None,  # owned by elasticd.cli_checkpoints; only its presence is pinned here
     "etcd": ["--members", "--data-dir"],
+    "stop": ["--job", *ETCD_CLIENT_FLAGS, "--wait", "--reason"],
+    "drain": ["--job", "--node", *ETCD_CLIENT_FLAGS, "--wait", "--reason"],
+    "start": ["--job", "--node", *ETCD_CLIENT_FLAGS],
 }
 
 

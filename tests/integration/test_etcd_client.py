@@ -9,7 +9,8 @@ import pytest
 from harness import wait_until
 
 from elasticd.errors import EtcdUnavailableError
-from elasticd.etcd.client import KV, EtcdClient, LeaseKeeper, WatchEvent
+from elasticd.etcd.client import KV, EtcdClient, WatchEvent
+from elasticd.etcd.lease import LeaseKeeper
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -12,7 +12,8 @@ import time
 import pytest
 from harness import wait_until
 
-from elasticd.etcd.client import EtcdClient, LeaseKeeper
+from elasticd.etcd.client import EtcdClient
+from elasticd.etcd.lease import LeaseKeeper
 
 pytestmark = pytest.mark.timeout(90)
 

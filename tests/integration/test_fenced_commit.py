@@ -47,7 +47,7 @@ def test_zombie_commit_is_refused_and_its_files_pruned(etcd_server, tmp_path):
     for t in threads:
         t.join(30)
     round_ab = a.round
-    rec_a, rec_b = JobRecorder(a), JobRecorder(b)
+    rec_a, rec_b = JobRecorder(a.session), JobRecorder(b.session)
     chan_a, chan_b = _channel(rec_a), _channel(rec_b)
     try:
         zombie = CheckpointManager(url, job="fence", rank=0, world_size=1,
@@ -55,7 +55,7 @@ def test_zombie_commit_is_refused_and_its_files_pruned(etcd_server, tmp_path):
         zombie.save(10, {"w": torch.ones(4)}, blocking=True)
         assert rec_a.latest_checkpoint().step == 10
 
-        a._keeper.stop()  # node a freezes: no more keep-alives
+        a.session.keeper.stop()  # node a freezes: no more keep-alives
         wait_until(lambda: b.num_nodes_waiting() > 0, 15, "b to see a's lease expire")
         b.settings = RendezvousSettings(min_nodes=1, max_nodes=2, node_ttl_s=2, join_timeout_s=30,
                                         last_call_timeout_s=0.5, local_addr="127.0.0.1")
@@ -95,7 +95,7 @@ def test_commit_without_an_answer_is_unknown_and_the_upload_is_kept(etcd_server,
     url = f"file://{tmp_path}/ckpt"
     a = _handler(etcd_server, "a", 1, ttl_s=30)  # the lease outlives the short freeze here
     a.next_rendezvous()
-    rec = JobRecorder(a)
+    rec = JobRecorder(a.session)
     retrier = CommitRetrier(lambda p: rec.commit_checkpoint(p.step, p.manifest_url, p.world_size, p.round),
                             initial_s=0.05, max_s=0.2)
     chan = ControlChannel(
@@ -116,7 +116,7 @@ def test_commit_without_an_answer_is_unknown_and_the_upload_is_kept(etcd_server,
         assert {i.step for i in list_checkpoints(url, "fence")} >= {2}, "the upload was deleted"
         wait_until(lambda: rec.latest_checkpoint().step == 2, 20, "the retry to commit step 2")
 
-        a._keeper.stop(revoke=True)  # our lease is gone; the round state is unchanged
+        a.session.keeper.stop(revoke=True)  # our lease is gone; the round state is unchanged
         outcome, reason = rec.commit_checkpoint(3, "u3", 1, a.round)
         assert outcome is CommitOutcome.UNKNOWN and "lease" in reason
         mgr.close()

@@ -24,8 +24,9 @@ from torch.distributed.elastic.rendezvous import (
 from torch.distributed.elastic.utils import store as store_util
 
 from elasticd.errors import ConfigError
-from elasticd.etcd.client import EtcdClient, LeaseKeeper
+from elasticd.etcd.client import EtcdClient
 from elasticd.etcd.embedded import EmbeddedEtcd, free_port
+from elasticd.etcd.lease import LeaseKeeper
 from elasticd.keys import JobKeys
 from elasticd.records import NodeRecord
 from elasticd.rendezvous.etcd_handler import EtcdRendezvousHandler, RendezvousSettings
@@ -196,7 +197,7 @@ def test_frozen_node_is_dropped_when_its_lease_expires(handlers):
     form_round(handlers, hs, world=3)
     frozen, rest = hs[2], hs[:2]
     t0 = time.monotonic()
-    frozen._keeper.stop()  # no revoke: the lease must run out on the server, as for a frozen node
+    frozen.session.keeper.stop()  # no revoke: the lease must run out on the server, as for a frozen node
     wait_until(lambda: all(h.num_nodes_waiting() > 0 for h in rest), 10, "survivors to see the loss")
     took = time.monotonic() - t0
     assert took < 2 + 3.0, f"loss seen after {took:.1f}s with a 2 s TTL"
@@ -212,7 +213,7 @@ def test_restarted_process_with_same_node_id_does_not_inherit_its_seat(handlers)
     hs = [handlers.make("reborn", f"n{i}", min_nodes=2, max_nodes=2, node_ttl_s=10) for i in range(2)]
     results(handlers.join(hs))
     dead = hs[1]
-    dead._keeper._stop.set()  # SIGKILL: keep-alives and watches stop, the lease lives on
+    dead.session.keeper._stop.set()  # SIGKILL: keep-alives and watches stop, the lease lives on
     for w in dead._watches:
         w.stop()
     reborn = handlers.make("reborn", dead.node_id, min_nodes=2, max_nodes=2, node_ttl_s=10)

@@ -19,7 +19,7 @@ from elasticd.keys import JobKeys
 from elasticd.records import Event
 from elasticd.status import jsondoc
 from elasticd.status.cli import build_parser, run
-from elasticd.status.model import read_job
+from elasticd.status.snapshot import read_job
 
 SCHEMA = jsondoc.load_schema()
 
@@ -73,9 +73,9 @@ def test_thousand_node_job_is_one_range_read_and_right(etcd_server, etcd_client)
     assert len(snap.nodes) == 998 + 3 and len(snap.events) == 258
 
     code, doc, err = status_json(etcd_server.endpoint, "--job", "big", "--events", "5")
-    assert code == 2 and "not training: rendezvous" in err
+    assert code == 1 and "degraded: 2 member(s) of round 12 lost" in err
     job = doc["job"]
-    assert (job["state"], job["round"], job["nodes"], job["max_nodes"]) == ("rendezvous", 12, 1000, 1000)
+    assert (job["state"], job["round"], job["nodes"], job["max_nodes"]) == ("re-forming", 12, 1000, 1000)
     assert job["world_size"] == 8000 and job["waiting_nodes"] == 3
     assert job["reason"] == "2 member(s) of round 12 lost: node-0998, node-0999"
     states = [n["state"] for n in doc["nodes"]]
@@ -89,22 +89,23 @@ def test_thousand_node_job_is_one_range_read_and_right(etcd_server, etcd_client)
 
 @pytest.mark.timeout(60)
 def test_exit_codes_follow_job_health(etcd_server, etcd_client):
-    """Full size -> 0, below max or recent failure -> 1, lost member -> 2 (one line each)."""
+    """Health is about now: full size -> 0 even right after a failure; below max -> 1;
+    a lost member -> re-forming, 1; no round at all -> 2 (one stderr line each)."""
     now = time.time()
     write_synthetic_job(etcd_client, SyntheticJob("full", nodes=4, events=20), now=now)
     write_synthetic_job(etcd_client, SyntheticJob("small", nodes=3, max_nodes=4, events=20), now=now)
     write_synthetic_job(etcd_client, SyntheticJob("flaky", nodes=4, events=20, recent_failure=True),
                         now=now)
     write_synthetic_job(etcd_client, SyntheticJob("broken", nodes=4, lost=1, events=20), now=now)
+    etcd_client.delete(JobKeys("small").rdzv_state)  # agents alive, no round formed
     ep = etcd_server.endpoint
     assert status(ep, "--job", "full")[0] == 0 and status(ep, "--job", "full")[2] == ""
-    code, _, err = status(ep, "--job", "small")
-    assert code == 1 and err.strip().endswith("degraded: 3 of max 4 nodes")
     code, _, err = status(ep, "--job", "flaky")
-    assert code == 1 and "exit 1" in err
-    assert status(ep, "--job", "flaky", "--window", "30")[0] == 0  # failure 60 s ago
+    assert code == 0 and err == ""
     code, _, err = status(ep, "--job", "broken")
-    assert code == 2 and err.count("\n") == 1
+    assert code == 1 and err.strip().endswith("degraded: 1 member(s) of round 12 lost: node-0003")
+    code, _, err = status(ep, "--job", "small")
+    assert code == 2 and err.count("\n") == 1 and "no round formed yet" in err
 
 
 @pytest.mark.timeout(60)
@@ -117,9 +118,9 @@ def test_job_list_is_one_read_and_lists_every_job(etcd_server, etcd_client):
     assert code == 0
     lines = out.splitlines()
     assert any(ln.startswith("alpha") and "training" in ln for ln in lines)
-    assert any(ln.startswith("beta") and "rendezvous" in ln for ln in lines)
+    assert any(ln.startswith("beta") and "re-forming" in ln for ln in lines)
     code, doc, _ = status_json(etcd_server.endpoint)
-    assert [(j["name"], j["exit_code"]) for j in doc["jobs"]] == [("alpha", 0), ("beta", 2)]
+    assert [(j["name"], j["exit_code"]) for j in doc["jobs"]] == [("alpha", 0), ("beta", 1)]
     assert doc["jobs"][0]["step"] == 123_456
 
 
@@ -204,7 +205,7 @@ def test_watch_json_prints_a_document_per_change(etcd_server, etcd_client):
         etcd_client.delete(keys.node("node-0001"))  # its lease "expired"
         etcd_client.put(keys.event(5000), Event(time=time.time(), kind="lost", node="node-0001",
                                                 round=12, message="lease expired").to_json())
-        assert wait_for(lambda: "rendezvous" in states(), 10), out.lines()
+        assert wait_for(lambda: "re-forming" in states(), 10), out.lines()
         last = json.loads(out.lines()[-1])
         jsonschema.Draft202012Validator(SCHEMA).validate(last)
         assert {n["node"]: n["state"] for n in last["nodes"]}["node-0001"] == "lost"
@@ -227,17 +228,33 @@ def test_watch_table_redraws_when_not_a_terminal(etcd_server, etcd_client):
     try:
         assert wait_for(lambda: any("watching revision" in ln for ln in out.lines()), 10)
         etcd_client.delete(JobKeys("p").node("node-0000"))
-        assert wait_for(lambda: any("RENDEZVOUS" in ln for ln in out.lines()), 10)
+        assert wait_for(lambda: any("RE-FORMING" in ln for ln in out.lines()), 10)
     finally:
         stop.set()
         t.join(timeout=10)
     assert "\x1b[" not in "".join(out.lines())
 
 
-@pytest.mark.timeout(30)
-def test_watch_unknown_job_exits_3(etcd_server):
-    """--watch on a job that does not exist exits 3 at once instead of waiting."""
-    assert status(etcd_server.endpoint, "--job", "nope", "--watch")[0] == 3
+@pytest.mark.timeout(60)
+def test_watch_started_before_the_job_waits_for_it(etcd_server, etcd_client):
+    """--watch on a job that does not exist yet says it waits, prints nothing until the
+    job's keys appear, then follows the job (a watch started first is not an error)."""
+    out, err, stop = _Buffer(), _Buffer(), threading.Event()
+    args = build_parser().parse_args(["status", "--etcd", etcd_server.endpoint, "--job", "late",
+                                      "--json", "--watch"])
+    codes: list[int] = []
+    t = threading.Thread(target=lambda: codes.append(run(args, out=out, err=err, stop=stop)))
+    t.start()
+    try:
+        assert wait_for(lambda: any("waiting for job late" in ln for ln in err.lines()), 10)
+        assert out.lines() == [] and t.is_alive()
+        write_synthetic_job(etcd_client, SyntheticJob("late", nodes=2, events=2), now=time.time())
+        assert wait_for(lambda: any(json.loads(ln)["kind"] == "job" for ln in out.lines()), 10)
+        assert all(json.loads(ln)["kind"] == "job" for ln in out.lines())
+    finally:
+        stop.set()
+        t.join(timeout=10)
+    assert codes == [0] and not t.is_alive()
 
 
 @pytest.mark.timeout(60)

@@ -9,6 +9,7 @@ import pytest
 from synthetic_job import SyntheticJob, write_synthetic_job
 
 from elasticd.agent.history import EtcdHistoryWriter
+from elasticd.etcd.txn import CreateRevision
 from elasticd.history import History
 from elasticd.keys import JobKeys
 from elasticd.status.cli import build_parser, run
@@ -64,12 +65,12 @@ def test_history_writer_appends_when_due_and_is_fenced(etcd_client):
                                             '"committed_at": 1.0}')
     etcd_client.put("/fence", "x")
     rev = etcd_client.get("/fence").create_revision
-    live = EtcdHistoryWriter(etcd_client, keys, lambda t: [t.create("/fence") == rev])
+    live = EtcdHistoryWriter(etcd_client, keys, lambda: [CreateRevision("/fence", rev)])
     t0 = time.time()
     assert live.append(t0, 10, 2, 100.0, 1, loss=0.5)
     assert not live.append(t0 + 1, 11, 2, 100.0, 1)  # not due: interval 5 s
     assert live.append(t0 + 2, 12, 1, 50.0, 2)  # a resize is due at once
-    zombie = EtcdHistoryWriter(etcd_client, keys, lambda t: [t.create("/fence") == rev + 1000])
+    zombie = EtcdHistoryWriter(etcd_client, keys, lambda: [CreateRevision("/fence", rev + 1000)])
     assert not zombie.append(t0 + 60, 99, 2, 1.0, 3)
     h = History.from_json(etcd_client.get(keys.history).value)
     assert [(s.step, s.world_size, s.loss, s.checkpoint_step) for s in h.samples] == [

@@ -10,10 +10,11 @@ from dataclasses import replace
 
 import pytest
 
-from elasticd.agent.policy import Facts, Verdict, decide
+from elasticd.agent.policy import Facts, GroupState, Verdict, decide
+from elasticd.rendezvous.protocol import Attribution, MembershipChange
 
-HEALTHY = Facts(group_state="HEALTHY", remaining_restarts=3, any_progress=True)
-JOIN = replace(HEALTHY, nodes_waiting=1, membership="join",
+HEALTHY = Facts(group_state=GroupState.HEALTHY, remaining_restarts=3, any_progress=True)
+JOIN = replace(HEALTHY, nodes_waiting=1, membership=MembershipChange.JOIN,
                membership_reason="nodes waiting to join: n2", workers_drainable=True)
 RESIZING = replace(HEALTHY, resizing=True, workers_drainable=True)  # a resize needs drainable workers
 
@@ -45,7 +46,7 @@ def test_other_membership_changes_restart_at_once(change):
 
 def test_newer_round_while_our_workers_already_stop_waits_for_them():
     """A peer re-formed first after a resize we had not seen; our workers are saving: wait."""
-    f = replace(JOIN, membership="newer_round", membership_reason="round 3 opened",
+    f = replace(JOIN, membership=MembershipChange.NEWER_ROUND, membership_reason="round 3 opened",
                 stopped_for_drain=True)
     assert decide(f).verdict is Verdict.START_RESIZE
 
@@ -53,10 +54,10 @@ def test_newer_round_while_our_workers_already_stop_waits_for_them():
 def test_peer_that_drained_and_left_does_not_cut_our_drain_save_short():
     """A peer drained and revoked its lease (a clean leave reads as a lost member) while our
     workers, stopped at the same agreed step, are still saving: wait for them."""
-    f = replace(JOIN, membership="member_lost", membership_reason="members lost: n2",
+    f = replace(JOIN, membership=MembershipChange.MEMBER_LOST, membership_reason="members lost: n2",
                 stopped_for_drain=True)
     assert decide(f).verdict is Verdict.START_RESIZE
-    waiting = replace(RESIZING, nodes_waiting=1, membership="member_lost",
+    waiting = replace(RESIZING, nodes_waiting=1, membership=MembershipChange.MEMBER_LOST,
                       membership_reason="members lost: n2", stopped_for_drain=True)
     assert decide(waiting).verdict is Verdict.CONTINUE
     assert decide(replace(waiting, resize_deadline_passed=True)).verdict is Verdict.RESTART_MEMBERSHIP
@@ -64,33 +65,33 @@ def test_peer_that_drained_and_left_does_not_cut_our_drain_save_short():
 
 def test_resize_waits_for_workers_while_healthy():
     """While resizing, healthy workers are left to reach the step boundary and save."""
-    for f in (RESIZING, replace(RESIZING, nodes_waiting=1, membership="join")):
+    for f in (RESIZING, replace(RESIZING, nodes_waiting=1, membership=MembershipChange.JOIN)):
         d = decide(f)
         assert d.verdict is Verdict.CONTINUE and "resizing" in d.reason
 
 
 def test_resize_is_not_cut_short_by_a_peer_opening_the_next_round():
     """A peer's workers finished first and it re-rendezvoused: ours are mid-save, keep waiting."""
-    f = replace(RESIZING, nodes_waiting=1, membership="newer_round", membership_reason="round 3 opened")
+    f = replace(RESIZING, nodes_waiting=1, membership=MembershipChange.NEWER_ROUND, membership_reason="round 3 opened")
     assert decide(f).verdict is Verdict.CONTINUE
 
 
 def test_resize_ends_with_a_membership_restart_when_workers_stopped():
     """Workers exited 0 with stopped markers during a resize: re-form, budget untouched."""
-    f = replace(RESIZING, group_state="SUCCEEDED", stopped_for_drain=True)
+    f = replace(RESIZING, group_state=GroupState.SUCCEEDED, stopped_for_drain=True)
     d = decide(f)
     assert d.verdict is Verdict.RESTART_MEMBERSHIP and "resize" in d.reason
 
 
 def test_resize_deadline_restarts_hard():
     """Workers that did not stop within resize_grace_s are restarted (today's behaviour)."""
-    d = decide(replace(RESIZING, resize_deadline_passed=True, nodes_waiting=1, membership="newer_round"))
+    d = decide(replace(RESIZING, resize_deadline_passed=True, nodes_waiting=1, membership=MembershipChange.NEWER_ROUND))
     assert d.verdict is Verdict.RESTART_MEMBERSHIP and "resize grace period over" in d.reason
 
 
 def test_member_lost_during_a_resize_restarts_at_once():
     """A lost member overrides the resize, exactly as when no resize runs."""
-    f = replace(RESIZING, nodes_waiting=1, membership="member_lost", membership_reason="members lost: n1")
+    f = replace(RESIZING, nodes_waiting=1, membership=MembershipChange.MEMBER_LOST, membership_reason="members lost: n1")
     d = decide(f)
     assert d.verdict is Verdict.RESTART_MEMBERSHIP and "n1" in d.reason
 
@@ -102,11 +103,11 @@ def test_lease_lost_during_a_resize_fences():
 
 def test_worker_failure_during_a_resize_is_attributed_as_usual():
     """A failure while resizing goes through attribution, not the resize."""
-    f = replace(RESIZING, group_state="FAILED", attribution="membership")
+    f = replace(RESIZING, group_state=GroupState.FAILED, attribution=Attribution.MEMBERSHIP)
     assert decide(f).verdict is Verdict.RESTART_MEMBERSHIP
-    f = replace(RESIZING, group_state="FAILED", attribution="root")
+    f = replace(RESIZING, group_state=GroupState.FAILED, attribution=Attribution.ROOT)
     assert decide(f).verdict is Verdict.RESTART_FAILURE
-    assert decide(replace(RESIZING, group_state="FAILED")).verdict is Verdict.ATTRIBUTE
+    assert decide(replace(RESIZING, group_state=GroupState.FAILED)).verdict is Verdict.ATTRIBUTE
 
 
 def test_hang_during_a_resize_is_a_failure():
@@ -120,9 +121,9 @@ def test_stop_signal_during_a_resize_becomes_our_drain_and_we_leave():
     # The agent clears `resizing` when the drain starts; either way `draining` wins.
     for resizing in (True, False):
         draining = replace(HEALTHY, resizing=resizing, draining=True, drain_signals=1,
-                           nodes_waiting=1, membership="newer_round")
+                           nodes_waiting=1, membership=MembershipChange.NEWER_ROUND)
         assert decide(draining).verdict is Verdict.CONTINUE
-        done = replace(draining, group_state="SUCCEEDED", stopped_for_drain=True)
+        done = replace(draining, group_state=GroupState.SUCCEEDED, stopped_for_drain=True)
         assert decide(done).verdict is Verdict.LEAVE
 
 
@@ -134,7 +135,7 @@ def test_draining_node_never_starts_a_resize():
 
 def test_peer_drain_still_re_forms_and_completion_still_finishes():
     """Stopped markers without a resize: a peer's drain; no markers: the job finished."""
-    done = replace(HEALTHY, group_state="SUCCEEDED")
+    done = replace(HEALTHY, group_state=GroupState.SUCCEEDED)
     assert decide(replace(done, stopped_for_drain=True)).reason == "workers stopped for a peer's drain"
     assert decide(done).verdict is Verdict.FINISH
     assert decide(replace(done, resizing=True)).verdict is Verdict.FINISH
@@ -149,7 +150,7 @@ def test_drain_grace_and_second_signal_stop_hard():
 
 def test_exit_code_2_on_first_start_is_not_retried():
     """Bad arguments before any step: give up instead of spending the budget."""
-    f = Facts(group_state="FAILED", exit_codes=(2,), remaining_restarts=3)
+    f = Facts(group_state=GroupState.FAILED, exit_codes=(2,), remaining_restarts=3)
     assert decide(f).verdict is Verdict.FAIL
 
 
@@ -167,7 +168,7 @@ def test_stop_signal_with_workers_that_cannot_drain_stops_them_now():
 def test_abort_after_every_worker_completed_is_success():
     """Regression: workers that wrote done markers and then died in torch's teardown
     (SIGABRT) finished the job: no restart that would re-run a finished script."""
-    f = replace(HEALTHY, group_state="FAILED", exit_codes=(-6,), workers_done=True)
+    f = replace(HEALTHY, group_state=GroupState.FAILED, exit_codes=(-6,), workers_done=True)
     d = decide(f)
     assert d.verdict is Verdict.FINISH and "-6" in d.reason
     assert decide(replace(f, draining=True)).verdict is Verdict.LEAVE
@@ -183,7 +184,7 @@ def test_workers_done_but_still_running_finish_after_the_bound():
 
 def test_failure_without_done_markers_is_still_a_failure():
     """Only completed workers turn an abort into success: without markers it is a failure."""
-    f = replace(HEALTHY, group_state="FAILED", exit_codes=(-6,), attribution="root")
+    f = replace(HEALTHY, group_state=GroupState.FAILED, exit_codes=(-6,), attribution=Attribution.ROOT)
     assert decide(f).verdict is Verdict.RESTART_FAILURE
 
 
@@ -191,13 +192,22 @@ def test_config_error_exit_78_is_never_retried():
     """Regression: a worker's ConfigError (exit 78) fails the node with 78, at any start,
     with budget left, instead of flapping through restarts."""
     for first_start in (True, False):
-        f = replace(HEALTHY, group_state="FAILED", exit_codes=(78, 1), first_start=first_start,
-                    attribution="root", remaining_restarts=3)
+        f = replace(HEALTHY, group_state=GroupState.FAILED, exit_codes=(78, 1), first_start=first_start,
+                    attribution=Attribution.ROOT, remaining_restarts=3)
         d = decide(f)
         assert (d.verdict, d.exit_code) == (Verdict.FAIL, 78) and "78" in d.reason
 
 
 def test_peer_that_left_cleanly_is_a_membership_change():
     """A member that drained and left (member_left) re-forms the job without spending budget."""
-    f = replace(HEALTHY, nodes_waiting=1, membership="member_left", membership_reason="members left: b")
+    f = replace(HEALTHY, nodes_waiting=1, membership=MembershipChange.MEMBER_LEFT, membership_reason="members left: b")
     assert decide(f).verdict is Verdict.RESTART_MEMBERSHIP
+
+
+def test_facts_carry_enums_not_strings():
+    """Every torch WorkerState maps to a GroupState by name (the agent's one conversion)."""
+    from torch.distributed.elastic.agent.server.api import WorkerState
+
+    assert [GroupState[s.name].value for s in WorkerState] == [s.name for s in WorkerState]
+    assert decide(replace(HEALTHY, group_state=GroupState.INIT)).reason == "worker group INIT"
+

@@ -149,7 +149,7 @@ def test_permission_denied_manifest_is_skipped_not_fatal(url, monkeypatch):
     assert loaded.step == 1 and "Permission" in loaded.skipped[0].reason
     assert denied.lstrip("/") in loaded.skipped[0].reason
     clock[0] += 3600
-    mgr._manifests.clear()
+    mgr._pruner.manifests.clear()
     mgr.prune()
     assert _steps(mgr) == [1, 2]
     assert not {i.step: i for i in list_checkpoints(url, "j")}[2].valid

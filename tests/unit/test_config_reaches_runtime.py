@@ -56,6 +56,8 @@ def _rows(tmp_path) -> dict[str, tuple[dict[str, Any], Check, Any]]:
         "etcd.timeout_s": ({"etcd.timeout_s": "7"}, lambda s: s.etcd_timeout_s, 7.0),
         "etcd.connect_timeout_s": ({"etcd.connect_timeout_s": "9"},
                                    lambda s: s.etcd_connect_timeout_s, 9.0),
+        "etcd.election_timeout_s": ({"etcd.election_timeout_s": "2"},
+                                    lambda s: s.etcd_election_timeout_s, 2.0),
         "etcd.data_dir": ({"etcd.data_dir": "/var/lib/e"}, lambda s: s.etcd_data_dir, "/var/lib/e"),
         "node.id": ({"node.id": "n7"}, lambda s: s.node_id, "n7"),
         "node.local_addr": ({"node.local_addr": "10.1.2.3"}, lambda s: s.local_addr, "10.1.2.3"),
@@ -169,6 +171,7 @@ def test_runtime_defaults_equal_the_schema():
     assert node["store_timeout_s"] == rdzv["store_timeout_s"] == d["rendezvous.store_timeout_s"]
     assert node["etcd_timeout_s"] == d["etcd.timeout_s"]
     assert node["etcd_connect_timeout_s"] == d["etcd.connect_timeout_s"]
+    assert node["etcd_election_timeout_s"] == rdzv["election_timeout_s"] == d["etcd.election_timeout_s"]
     assert node["log_format"] == d["logging.format"] and node["log_level"] == d["logging.level"]
     assert node["metrics_addr"] == d["metrics.addr"]
     assert sup["max_restarts"] == d["restart.max_restarts"]

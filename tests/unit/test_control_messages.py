@@ -32,6 +32,7 @@ def _line(**obj: object) -> bytes:
 
 @pytest.mark.parametrize("msg", [
     Progress(local_rank=1, rank=5, step=10, epoch=2, samples=640),
+    Progress(local_rank=0, rank=0, step=3, loss=0.25),
     CommitRequest(step=10, manifest_url="file:///c/j/step-10/x/manifest.json", world_size=4, round=3, id=7),
     LatestRequest(id=2),
     Ping(id=9),
@@ -69,6 +70,8 @@ def test_replies_round_trip(msg):
     ({"op": "commit", "step": 1, "manifest_url": "u", "world_size": 1}, "'round' must be an integer"),
     ({"op": "progress", "local_rank": 10**9, "rank": 0, "step": 1}, "'local_rank' = 1000000000 is outside"),
     ({"op": "progress", "local_rank": 0, "rank": -3, "step": 1}, "'rank' = -3"),
+    ({"op": "progress", "local_rank": 0, "rank": 0, "step": 1, "loss": "0.5"}, "'loss' must be a number"),
+    ({"op": "progress", "local_rank": 0, "rank": 0, "step": 1, "loss": True}, "'loss' must be a number"),
     ({"op": "format_disk"}, "unknown op 'format_disk'"),
     ({"step": 1}, "no 'op' field"),
 ])
@@ -77,6 +80,14 @@ def test_invalid_requests_are_rejected_naming_the_field(obj, fragment):
     rejected with a message naming the field or op."""
     with pytest.raises(MessageError, match=fragment.replace("(", r"\(").replace("[", r"\[")):
         parse_request(_line(**obj))
+
+
+def test_a_non_finite_loss_is_dropped_not_plotted():
+    """A diverged step's NaN or inf loss arrives as no loss (the step still counts)."""
+    for raw in (b'NaN', b'Infinity'):
+        line = b'{"op": "progress", "local_rank": 0, "rank": 0, "step": 4, "loss": ' + raw + b'}\n'
+        msg = parse_request(line)
+        assert isinstance(msg, Progress) and (msg.step, msg.loss) == (4, None)
 
 
 def test_non_objects_and_overlong_lines_are_rejected():

@@ -19,14 +19,20 @@ from elasticd.rendezvous.protocol import (
     LEFT_FINISHED,
     Action,
     ActionKind,
+    Attribution,
+    CoordinatorMemory,
     JoinProgress,
     MembershipChange,
     RendezvousView,
     Waiting,
     attribute_failure,
+    decide_coordination,
     decide_join,
+    loss_grace,
+    may_resurrect,
     nodes_waiting,
     order_members,
+    outage_window_s,
 )
 
 NOW = 100.0
@@ -268,35 +274,84 @@ def test_drained_member_opens_next_round_for_late_arrival():
 def test_failure_with_lost_peer_is_membership():
     """A worker failure while a peer's lease is gone is a membership change, not our fault."""
     v = view(final(1, ["a", "b"]), {"a"}, failures={1: ["a"]})
-    assert attribute_failure(v, 1, "a")[0] == "membership"
+    assert attribute_failure(v, 1, "a")[0] is Attribution.MEMBERSHIP
 
 
 def test_failure_after_peer_left_cleanly_is_membership():
     """A worker failure after a peer drained (or finished) and left is not our fault."""
     for kind in (LEFT_DRAINED, LEFT_FINISHED):
         v = view(final(1, ["a", "b"]), {"a"}, failures={1: ["a"]}, left={1: {"b": kind}})
-        assert attribute_failure(v, 1, "a")[0] == "membership"
+        assert attribute_failure(v, 1, "a")[0] is Attribution.MEMBERSHIP
 
 
 def test_failure_after_newer_round_is_membership():
     """A failure when a newer round exists is a membership change."""
-    assert attribute_failure(view(open_(2, ["a", "b"]), {"a", "b"}), 1, "a")[0] == "membership"
+    assert attribute_failure(view(open_(2, ["a", "b"]), {"a", "b"}), 1, "a")[0] is Attribution.MEMBERSHIP
 
 
 def test_first_reporter_is_root_others_are_victims():
     """When every member reported, the first reporter is the root cause, the rest victims."""
     v = view(final(1, ["a", "b", "c"]), {"a", "b", "c"}, failures={1: ["b", "a", "c"]})
-    assert attribute_failure(v, 1, "b")[0] == "root"
+    assert attribute_failure(v, 1, "b")[0] is Attribution.ROOT
     verdict, why = attribute_failure(v, 1, "a")
-    assert verdict == "victim" and "b" in why
+    assert verdict is Attribution.VICTIM and "b" in why
 
 
 def test_partial_reports_are_undecided():
     """Until every live member reported (us included), the verdict is undecided."""
     v = view(final(1, ["a", "b", "c"]), {"a", "b", "c"}, failures={1: ["a", "b"]})
-    assert attribute_failure(v, 1, "a")[0] == "undecided"
-    assert attribute_failure(view(final(1, ["a", "b"]), {"a", "b"}, failures={1: ["b"]}), 1, "a")[0] == "undecided"
-    assert attribute_failure(view(None, {"a"}), 1, "a")[0] == "undecided"
+    assert attribute_failure(v, 1, "a")[0] is Attribution.UNDECIDED
+    assert attribute_failure(view(final(1, ["a", "b"]), {"a", "b"}, failures={1: ["b"]}), 1, "a")[0] is Attribution.UNDECIDED
+    assert attribute_failure(view(None, {"a"}), 1, "a")[0] is Attribution.UNDECIDED
+
+
+# --- etcd outages: loss grace, resurrect eligibility -------------------------------------
+
+
+def test_loss_after_etcd_trouble_is_held_for_ttl_plus_two():
+    """Members lost right after etcd trouble are held back for node_ttl_s + 2 s from first sight."""
+    g = loss_grace(["b"], etcd_trouble=True, loss_seen_at=None, now=NOW, node_ttl_s=5)
+    assert g.hold and g.loss_seen_at == NOW and "b" in g.reason
+    g = loss_grace(["b"], etcd_trouble=True, loss_seen_at=g.loss_seen_at, now=NOW + 6.9, node_ttl_s=5)
+    assert g.hold and g.loss_seen_at == NOW
+    g = loss_grace(["b"], etcd_trouble=True, loss_seen_at=g.loss_seen_at, now=NOW + 7.0, node_ttl_s=5)
+    assert not g.hold and g.loss_seen_at == NOW  # grace over: the loss counts
+
+
+def test_loss_without_etcd_trouble_counts_at_once():
+    """A member lost while etcd was fine is a membership change at once (no grace)."""
+    g = loss_grace(["b"], etcd_trouble=False, loss_seen_at=None, now=NOW, node_ttl_s=5)
+    assert not g.hold and g.loss_seen_at is None
+    # a loss first seen during trouble keeps its first sight while trouble fades
+    assert loss_grace(["b"], etcd_trouble=False, loss_seen_at=NOW - 1, now=NOW,
+                      node_ttl_s=5).loss_seen_at == NOW - 1
+
+
+def test_loss_grace_memory_resets_once_nobody_is_lost():
+    """Once every member is back, the next loss gets a fresh grace period."""
+    g = loss_grace([], etcd_trouble=True, loss_seen_at=NOW - 100, now=NOW, node_ttl_s=5)
+    assert not g.hold and g.loss_seen_at is None
+    assert loss_grace(["b"], etcd_trouble=True, loss_seen_at=g.loss_seen_at, now=NOW,
+                      node_ttl_s=5).hold
+
+
+def test_outage_window_is_ttl_plus_five():
+    """etcd trouble explains an expired lease for node_ttl_s + 5 s."""
+    assert outage_window_s(5) == 10.0
+
+
+def test_resurrect_only_after_etcd_trouble_in_our_final_round():
+    """A node re-registers in its round only if etcd was away and the round is still its final one."""
+    state = final(3, ["a", "b"])
+    assert may_resurrect(state, 3, "a", lease_lost=True, etcd_trouble=True)[0]
+    assert not may_resurrect(state, 3, "a", lease_lost=True, etcd_trouble=False)[0]  # we were away
+    assert not may_resurrect(state, 3, "a", lease_lost=False, etcd_trouble=True)[0]  # lease alive
+    assert not may_resurrect(state, None, "a", lease_lost=True, etcd_trouble=True)[0]  # no round yet
+    assert not may_resurrect(final(4, ["a", "b"]), 3, "a", lease_lost=True, etcd_trouble=True)[0]
+    assert not may_resurrect(open_(4, ["a", "b"]), 3, "a", lease_lost=True, etcd_trouble=True)[0]
+    assert not may_resurrect(final(3, ["b"]), 3, "a", lease_lost=True, etcd_trouble=True)[0]
+    assert not may_resurrect(None, 3, "a", lease_lost=True, etcd_trouble=True)[0]
+
 
 
 # --- simulation: many nodes, one CAS store, random interleavings ------------------------
@@ -315,11 +370,14 @@ class FakeEtcd:
     alive: set[str] = field(default_factory=set)
     finals: dict[int, tuple[str, ...]] = field(default_factory=dict)  # every finalized round
     history: list[tuple[RendezvousView, int]] = field(default_factory=list)
+    coordinated: bool = False  # one coordinator (the smallest live name) with the full view
+    announced: tuple[int, tuple[str, ...]] | None = None  # rdzv/waiting
 
     def commit(self) -> None:
         self.revision += 1
         joins = {r: tuple(ns) for r, ns in self.joins.items()}
-        self.history.append((RendezvousView(self.state, frozenset(self.alive), joins), self.state_rev))
+        self.history.append((RendezvousView(self.state, frozenset(self.alive), joins,
+                                            announced=self.announced), self.state_rev))
 
     def put_state_if(self, state: RoundState, expected_rev: int) -> bool:
         if self.state_rev != expected_rev:
@@ -342,11 +400,60 @@ class SimNode:
     waiting_until: float | None = None
     arrived: bool = False
     dead: bool = False
+    memory: CoordinatorMemory = field(default_factory=CoordinatorMemory)
+    duty_until: float | None = None
+
+
+def as_seen_by(etcd: FakeEtcd, node: SimNode, v: RendezvousView) -> RendezvousView:
+    """The view a node of a coordinated job has: full for the coordinator, else partial
+    (no liveness, only its own joins), as the handler builds it."""
+    if not etcd.coordinated:
+        return v
+    coordinator = min(v.alive) if v.alive else None
+    if node.name == coordinator:
+        return replace(v, coordinator=coordinator)
+    own = {r: [node.name] for r, ns in v.joins.items() if node.name in ns}
+    if v.announced is not None:  # the handler merges rdzv/waiting into a partial view's joins
+        r, waiting = v.announced
+        own[r] = [*own.get(r, []), *(n for n in waiting if n != node.name)]
+    return replace(v, alive=frozenset(), joins=own, full=False, coordinator=coordinator)
+
+
+def open_next(etcd: FakeEtcd, v: RendezvousView, a: Action, state_rev: int) -> bool:
+    """CAS final(r) -> open(r+1) with the action's cause, then the opener's GC of old joins."""
+    assert v.state is not None
+    ok = etcd.put_state_if(RoundState(a.round, "open", list(v.state.members), etcd.min_nodes,
+                                      etcd.max_nodes, cause=a.cause, changed=list(a.changed)),
+                           state_rev)
+    if ok:
+        for r in [r for r in etcd.joins if r < a.round]:
+            del etcd.joins[r]
+        etcd.commit()
+    return ok
 
 
 def step(etcd: FakeEtcd, node: SimNode, now: float, *, last_call_s: float) -> bool:
     """One look-and-act of one node, as the handler does it. Returns True if it changed anything."""
-    v, state_rev = etcd.history[node.seen]
+    full, state_rev = etcd.history[node.seen]
+    v = as_seen_by(etcd, node, full)
+    node.duty_until = None
+    if v.full and v.coordinator == node.name:  # the coordinator's duty (its own thread)
+        duty = decide_coordination(v, node.memory, me=node.name, min_nodes=etcd.min_nodes,
+                                   max_nodes=etcd.max_nodes, last_call_timeout_s=last_call_s, now=now)
+        if duty.kind is ActionKind.FINALIZE:
+            assert v.state is not None
+            if etcd.put_state_if(replace(v.state, phase="final", members=list(duty.members)), state_rev):
+                return True
+        elif duty.kind is ActionKind.OPEN_NEXT:
+            if open_next(etcd, v, duty, state_rev):
+                return True
+        elif duty.kind is ActionKind.ANNOUNCE:
+            if etcd.announced != (duty.round, duty.members):
+                etcd.announced = (duty.round, duty.members)
+                etcd.commit()
+                return True
+        elif duty.kind is ActionKind.WAIT:
+            node.duty_until = duty.until
     if node.done is not None:
         # The agent's loop: re-rendezvous when someone waits (torch's num_nodes_waiting path).
         if nodes_waiting(v, node.done.round, max_nodes=etcd.max_nodes).count == 0:
@@ -367,14 +474,7 @@ def step(etcd: FakeEtcd, node: SimNode, now: float, *, last_call_s: float) -> bo
     if a.kind is ActionKind.INIT:
         return etcd.put_state_if(RoundState(0, "open", [], etcd.min_nodes, etcd.max_nodes), 0)
     if a.kind is ActionKind.OPEN_NEXT:
-        assert v.state is not None
-        ok = etcd.put_state_if(RoundState(a.round, "open", list(v.state.members), etcd.min_nodes,
-                                          etcd.max_nodes), state_rev)
-        if ok:  # the opener's garbage collection of older join keys
-            for r in [r for r in etcd.joins if r < a.round]:
-                del etcd.joins[r]
-            etcd.commit()
-        return ok
+        return open_next(etcd, v, a, state_rev)
     if a.kind is ActionKind.JOIN:
         joined = etcd.joins.setdefault(a.round, [])
         if node.name in joined:
@@ -421,15 +521,16 @@ def arrive(etcd: FakeEtcd, node: SimNode) -> None:
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(n_nodes=st.integers(1, 6), min_nodes=st.integers(1, 6), extra=st.integers(0, 2),
        late=st.lists(st.booleans(), min_size=6, max_size=6), ops=_OPS,
-       last_call_s=st.sampled_from([0.5, 5.0]))
+       last_call_s=st.sampled_from([0.5, 5.0]), coordinated=st.booleans())
 def test_random_interleavings_converge_to_one_final_round(n_nodes, min_nodes, extra, late, ops,
-                                                          last_call_s):
+                                                          last_call_s, coordinated):
     """Nodes racing through decide_join with stale views, late starts, delays and deaths all
     end in the same final round with the same members: ranks dense 0..n-1, min<=n<=max,
-    every live node admitted while there is room, rank order stable from round to round."""
+    every live node admitted while there is room, rank order stable from round to round;
+    also when only a coordinator sees liveness and joins (partial views for the others)."""
     min_nodes = min(min_nodes, n_nodes)
     max_nodes = max(min_nodes, n_nodes - 1 + extra)  # sometimes fewer slots than nodes
-    etcd = FakeEtcd(min_nodes, max_nodes)
+    etcd = FakeEtcd(min_nodes, max_nodes, coordinated=coordinated)
     nodes = [SimNode(f"n{i}", JoinProgress(f"n{i}", None, FAR)) for i in range(n_nodes)]
     etcd.commit()
     for node, is_late in zip(nodes, late, strict=False):
@@ -471,7 +572,7 @@ def test_random_interleavings_converge_to_one_final_round(n_nodes, min_nodes, ex
             changed |= step(etcd, node, now, last_call_s=last_call_s)
         if changed:
             continue
-        wakeups = [n.waiting_until for n in live if n.waiting_until is not None and n.waiting_until < FAR]
+        wakeups = [t for n in live for t in (n.waiting_until, n.duty_until) if t is not None and t < FAR]
         if wakeups and min(wakeups) > now:
             now = min(wakeups)
             continue
@@ -506,10 +607,12 @@ def test_random_interleavings_converge_to_one_final_round(n_nodes, min_nodes, ex
         assert list(after[: len(kept)]) == kept, f"round {prev} {before} -> round {cur} {after}"
 
 
+@pytest.mark.parametrize("coordinated", [False, True])
 @pytest.mark.parametrize("n_nodes", [1, 3, 5])
-def test_simultaneous_start_finalizes_in_one_round(n_nodes):
-    """Nodes that start together with fresh views form round 0 with everyone, no extra rounds."""
-    etcd = FakeEtcd(1, 8)
+def test_simultaneous_start_finalizes_in_one_round(n_nodes, coordinated):
+    """Nodes that start together with fresh views form round 0 with everyone, no extra rounds
+    (also with a coordinator closing the round for nodes with partial views)."""
+    etcd = FakeEtcd(1, 8, coordinated=coordinated)
     nodes = [SimNode(f"n{i}", JoinProgress(f"n{i}", None, FAR)) for i in range(n_nodes)]
     etcd.commit()
     for node in nodes:
@@ -521,3 +624,100 @@ def test_simultaneous_start_finalizes_in_one_round(n_nodes):
     assert etcd.state is not None and etcd.state.round == 0 and etcd.state.phase == "final"
     assert sorted(etcd.state.members) == sorted(n.name for n in nodes)
     assert all(n.done is not None and n.done.round == 0 for n in nodes)
+
+
+# --- partial views and the coordinator (watch fan-out O(N)) ------------------------------
+
+
+def partial(state, joins=None, *, left=None, coordinator="c") -> RendezvousView:
+    return RendezvousView(state, frozenset(), joins or {}, False, {}, left or {},
+                          coordinator=coordinator, full=False)
+
+
+def coordinate(v: RendezvousView, me: str = "c", *, memory=None, min_nodes=1, max_nodes=4,
+               last_call=5.0, now=NOW, defer_until=None) -> Action:
+    return decide_coordination(v, memory or CoordinatorMemory(), me=me, min_nodes=min_nodes,
+                               max_nodes=max_nodes, last_call_timeout_s=last_call, now=now,
+                               defer_lost_until=defer_until)
+
+
+def test_partial_view_never_closes_a_round_itself():
+    """A node without the full view that joined an open round waits for the coordinator,
+    even when its (empty) liveness would make it look complete."""
+    a = decide(partial(open_(0), {0: ["a"]}), min_nodes=1)
+    assert a.kind is ActionKind.WAIT and "coordinator (c)" in a.reason and a.until == FAR
+
+
+def test_partial_view_sees_drained_members_but_not_losses():
+    """Without liveness a member of the final round sees clean leaves (left/ keys) but
+    treats members with no marker as present: losses come from the coordinator."""
+    v = partial(final(4, ["a", "b", "d"]), left={4: {"d": LEFT_DRAINED}})
+    assert nodes_waiting(v, 4, max_nodes=4).kind is MembershipChange.MEMBER_LEFT
+    assert nodes_waiting(partial(final(4, ["a", "b"])), 4, max_nodes=4).count == 0
+    assert decide(partial(final(4, ["a", "b"])), last_round=3).kind is ActionKind.DONE
+
+
+def test_round_opened_for_a_cause_is_reported_with_that_kind():
+    """A round the coordinator opened for a loss (cause and nodes in the state key) is
+    reported to members of the previous round as MEMBER_LOST with those nodes, not as a
+    bare newer round; a round two ahead, or opened without a cause, is NEWER_ROUND."""
+    lost = RoundState(5, "open", ["a", "b"], 1, 4, cause="member_lost", changed=["b"])
+    w = nodes_waiting(partial(lost), 4, max_nodes=4)
+    assert (w.count, w.kind, w.nodes) == (1, MembershipChange.MEMBER_LOST, ("b",))
+    assert "members lost: b" in w.reason
+    assert nodes_waiting(partial(lost), 3, max_nodes=4).kind is MembershipChange.NEWER_ROUND
+    assert nodes_waiting(partial(open_(5)), 4, max_nodes=4).kind is MembershipChange.NEWER_ROUND
+
+
+def test_only_the_coordinator_coordinates():
+    """decide_coordination does nothing for a node that is not the coordinator or whose
+    view is partial."""
+    v = view(open_(0), {"a", "c"}, {0: ["a", "c"]})
+    assert coordinate(replace(v, coordinator="a")).kind is ActionKind.NONE
+    assert coordinate(replace(v, coordinator="c", full=False)).kind is ActionKind.NONE
+
+
+def test_coordinator_closes_open_round_it_did_not_join():
+    """The coordinator finalizes with the old protocol's rule (all live joined, or the last
+    call), whether or not it joined itself: here it is training elsewhere."""
+    v = replace(view(open_(3, ["b", "a"]), {"a", "b", "c"}, {3: ["a", "b"]}), coordinator="c")
+    mem = CoordinatorMemory()
+    first = coordinate(v, memory=mem, min_nodes=2, last_call=1.0)
+    assert first.kind is ActionKind.WAIT and first.until == NOW + 1.0
+    done = coordinate(v, memory=mem, min_nodes=2, last_call=1.0, now=NOW + 1.0)
+    assert done.kind is ActionKind.FINALIZE and done.members == ("b", "a")
+
+
+def test_coordinator_opens_next_round_for_loss_and_leave_and_announces_joiners():
+    """In a final round the coordinator opens r+1 with the cause and nodes for a lost or a
+    drained member; a late joiner with room is announced once (members drain first and
+    open the round themselves); a finished member changes nothing."""
+    base = final(4, ["a", "b", "c"])
+    lost = coordinate(replace(view(base, {"a", "c"}), coordinator="c"))
+    assert (lost.kind, lost.round, lost.cause, lost.changed) == (ActionKind.OPEN_NEXT, 5, "member_lost", ("b",))
+    left = coordinate(replace(view(base, {"a", "c"}, left={4: {"b": LEFT_DRAINED}}), coordinator="c"))
+    assert (left.kind, left.cause) == (ActionKind.OPEN_NEXT, "member_left")
+    waiting = replace(view(base, {"a", "b", "c", "d"}, {5: ["d"]}), coordinator="c")
+    join = coordinate(waiting)
+    assert (join.kind, join.round, join.members) == (ActionKind.ANNOUNCE, 5, ("d",))
+    assert coordinate(replace(waiting, announced=(5, ("d",)))).kind is ActionKind.NONE
+    # The joiner's lease expired before the members re-formed: the announcement is withdrawn.
+    gone = coordinate(replace(view(base, {"a", "b", "c"}), coordinator="c",
+                              announced=(5, ("d",))))
+    assert (gone.kind, gone.round, gone.members) == (ActionKind.ANNOUNCE, 5, ())
+    # A member with a partial view reads the announcement (merged into its joins) as JOIN.
+    w = nodes_waiting(partial(base, {5: ["d"]}), 4, max_nodes=4)
+    assert (w.kind, w.nodes) == (MembershipChange.JOIN, ("d",))
+    done = coordinate(replace(view(base, {"a", "c"}, left={4: {"b": LEFT_FINISHED}}), coordinator="c"))
+    assert done.kind is ActionKind.NONE
+    steady = coordinate(replace(view(base, {"a", "b", "c"}), coordinator="c"))
+    assert steady.kind is ActionKind.NONE
+
+
+def test_coordinator_defers_losses_after_etcd_trouble():
+    """Lost members right after an etcd outage are given until defer_lost_until to
+    re-register before the coordinator opens a round for them."""
+    v = replace(view(final(4, ["a", "b", "c"]), {"a", "c"}), coordinator="c")
+    wait = coordinate(v, defer_until=NOW + 3.0)
+    assert wait.kind is ActionKind.WAIT and wait.until == NOW + 3.0
+    assert coordinate(v, defer_until=NOW + 3.0, now=NOW + 3.0).kind is ActionKind.OPEN_NEXT

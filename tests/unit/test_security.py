@@ -256,7 +256,8 @@ def test_status_screen_escapes_terminal_control_characters():
     """Control and bidi characters from records are shown escaped, never sent raw."""
     from elasticd.etcd.client import KV
     from elasticd.keys import JobKeys
-    from elasticd.status.model import derive_status, parse_job_kvs
+    from elasticd.status.model import derive_status
+    from elasticd.status.snapshot import parse_job_kvs
 
     evil = "a\x1b]0;owned\x07\x1b[2Jb\u202e"
     rec = NodeRecord(node="n", host=evil, pid=1, version=evil, started_at=1.0, state="training",

@@ -33,10 +33,10 @@ def test_flag_surface_is_frozen():
 
 
 def test_defaults():
-    """Defaults: local etcd, 3 s timeout, 10 events, 300 s window, table output."""
+    """Defaults: local etcd, 3 s timeout, 10 events, 1 h recovery window, table output."""
     o = options_from_args(parse())
     assert (o.endpoints, o.timeout_s, o.events, o.window_s, o.json, o.watch, o.job) == (
-        "127.0.0.1:2379", 3.0, 10, 300.0, False, False, None)
+        "127.0.0.1:2379", 3.0, 10, 3600.0, False, False, None)
 
 
 @pytest.mark.parametrize("argv", [["--timeout", "0"], ["--timeout", "x"], ["--events", "-1"],

@@ -10,7 +10,8 @@ import pytest
 
 from elasticd.records import CheckpointPointer, Event, NodeRecord, Progress, RoundState
 from elasticd.status import jsondoc
-from elasticd.status.model import JobSnapshot, SeqEvent, derive_status
+from elasticd.status.model import derive_status
+from elasticd.status.snapshot import JobSnapshot, SeqEvent
 
 NOW = 1_750_000_000.0
 RFC3339_UTC = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z$")
@@ -64,7 +65,7 @@ def test_job_document_validates_and_has_exactly_the_documented_fields(schema):
     assert all(set(n) == keys_of(schema, "node") for n in doc["nodes"])
     assert all(set(e) == keys_of(schema, "event") for e in doc["events"])
     assert doc["schema_version"] == 1 and doc["kind"] == "job"
-    assert doc["job"]["state"] == "rendezvous" and doc["job"]["exit_code"] == 2
+    assert doc["job"]["state"] == "re-forming" and doc["job"]["exit_code"] == 1
     assert [n["state"] for n in doc["nodes"]] == ["training", "lost"]
     assert doc["nodes"][1]["lost_at"] == jsondoc.rfc3339(NOW - 4)
 

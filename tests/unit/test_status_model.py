@@ -8,19 +8,24 @@ import pytest
 
 from elasticd.etcd.client import KV
 from elasticd.keys import JobKeys
-from elasticd.records import CheckpointPointer, Event, NodeRecord, Progress, RoundState
+from elasticd.records import (
+    Beat,
+    CheckpointPointer,
+    Event,
+    NodeRecord,
+    Progress,
+    RoundState,
+    StopMark,
+)
 from elasticd.status.model import (
     EXIT_DEGRADED,
     EXIT_NOT_TRAINING,
     EXIT_OK,
-    JobSnapshot,
-    SeqEvent,
     derive_status,
     format_age,
-    parse_all_kvs,
-    parse_job_kvs,
     status_line,
 )
+from elasticd.status.snapshot import JobSnapshot, SeqEvent, parse_all_kvs, parse_job_kvs
 
 NOW = 1_750_000_000.0
 K = JobKeys("demo")
@@ -70,6 +75,12 @@ def test_parse_decodes_records_and_skips_store_keys():
         kv(f"{K.store_prefix(5)}some/key", b"\x00\xff binary"),
         kv(K.rdzv_closed, "1"),
         kv(f"{K.prefix}future/key", "ignored"),
+        kv(K.left(5, "b"), "drained"),
+        kv(K.left(5, "c"), "\x1b[2Jhostile"),
+        kv(K.beat("a"), Beat(at=NOW, round=5, step=9).to_json()),
+        kv(K.beat("b"), "[]"),
+        kv(K.stop_mark, StopMark(requested_at=NOW, by="ops").to_json()),
+        kv(K.drain_mark("c"), StopMark(requested_at=NOW).to_json()),
     ]
     s = parse_job_kvs("demo", kvs, 42)
     assert s.round_state == rs and s.closed and s.revision == 42
@@ -77,7 +88,10 @@ def test_parse_decodes_records_and_skips_store_keys():
     assert s.progress.step == 10 and s.checkpoint.step == 8
     assert [e.seq for e in s.events] == [1, 2]
     assert s.joins == {5: 1, 6: 2} and s.failures == {5: ("a",)}
-    assert s.unreadable == ()
+    assert s.left == {5: {"b": "drained", "c": "left"}}  # an unknown kind is never shown
+    assert s.beats == {"a": Beat(at=NOW, round=5, step=9)}
+    assert s.stop_mark == StopMark(requested_at=NOW, by="ops") and s.drain_marks == ("c",)
+    assert s.unreadable == (K.beat("b"),)
 
 
 def test_parse_collects_unreadable_records_instead_of_failing():
@@ -113,12 +127,21 @@ def test_below_max_nodes_is_degraded_exit_1():
 
 
 @pytest.mark.parametrize("kind", ["failure", "lost", "hang", "lease_lost"])
-def test_recent_trouble_event_is_degraded_until_window_passes(kind):
-    """A failure-like event degrades a training job for exactly --window seconds."""
-    inside = derive_status(snap(events=[ev(1, kind, age_s=299)]), NOW, window_s=300)
-    outside = derive_status(snap(events=[ev(1, kind, age_s=301)]), NOW, window_s=300)
-    assert inside.exit_code == EXIT_DEGRADED and kind in inside.degraded_reasons[0]
-    assert outside.exit_code == EXIT_OK
+def test_health_is_about_now_and_a_recovery_is_information(kind):
+    """At full size a job is healthy (exit 0) right after a recovery; the recovery is
+    reported (recovered_at, what from) within --window and not after it."""
+    fresh = derive_status(snap(events=[ev(1, kind, age_s=95)]), NOW, window_s=300)
+    assert (fresh.state, fresh.exit_code, fresh.degraded) == ("training", EXIT_OK, False)
+    assert fresh.recovered_at == NOW - 90 and kind in fresh.recovered_from
+    old = derive_status(snap(events=[ev(1, kind, age_s=95)]), NOW + 211, window_s=300)
+    assert old.exit_code == EXIT_OK and old.recovered_at is None
+    # A fault after the round formed is not a recovery of this round.
+    after = derive_status(snap(events=[ev(1, kind, age_s=5)]), NOW)
+    assert after.recovered_at is None
+    # The recovery is the first round after the fault, not a later join's round.
+    joined = derive_status(snap(events=[ev(1, kind, age_s=300), ev(2, "round", age_s=290),
+                                        ev(3, "join", age_s=95), ev(4, "round", age_s=90)]), NOW)
+    assert joined.recovered_at == NOW - 290 and joined.exit_code == EXIT_OK
 
 
 def test_benign_recent_events_do_not_degrade():
@@ -127,13 +150,60 @@ def test_benign_recent_events_do_not_degrade():
     assert derive_status(snap(events=events), NOW).exit_code == EXIT_OK
 
 
-def test_lost_member_is_rendezvous_with_lost_row():
-    """A member without a live record is shown as lost (with its lost time) and stops training."""
+def test_lost_member_is_re_forming_with_lost_row():
+    """A member without a live record and no clean leave is lost: the job is re-forming
+    (degraded, exit 1) and the row carries its lost time."""
     st = derive_status(snap(live=[node("a")], events=[ev(7, "lost", "b", age_s=12)]), NOW)
-    assert st.state == "rendezvous" and st.exit_code == EXIT_NOT_TRAINING
+    assert st.state == "re-forming" and st.exit_code == EXIT_DEGRADED and st.degraded
     assert "lost: b" in st.reason
     row = {n.node: n for n in st.nodes}["b"]
     assert row.state == "lost" and row.member and row.lost_at == NOW - 12
+
+
+def test_member_that_left_cleanly_is_left_not_lost():
+    """A member with a clean-leave marker in the round is "left" (with how), never "lost"."""
+    st = derive_status(replace(snap(live=[node("a")]), left={5: {"b": "drained"}}), NOW)
+    row = {n.node: n for n in st.nodes}["b"]
+    assert (row.state, row.left) == ("left", "drained")
+    assert st.state == "re-forming" and "left: b" in st.reason
+    # Every node left after a Ctrl-C: stopped, and no row says lost.
+    gone = derive_status(replace(snap(live=[]), left={5: {"a": "drained", "b": "drained"}}), NOW)
+    assert gone.state == "stopped" and {n.state for n in gone.nodes} == {"left"}
+    # A leave recorded for an older round does not excuse this round's member.
+    older = derive_status(replace(snap(live=[node("a")]), left={4: {"b": "drained"}}), NOW)
+    assert {n.node: n.state for n in older.nodes}["b"] == "lost"
+
+
+def test_failed_workers_reported_in_the_round_mean_re_forming():
+    """While a dead peer's lease still runs, the survivors' failure reports show the job
+    re-forming, not training."""
+    st = derive_status(replace(snap(), failures={5: ("a",), 4: ("b",)}), NOW)
+    assert st.state == "re-forming" and st.exit_code == EXIT_DEGRADED
+    assert "a" in st.reason and "reported failed workers" in st.reason
+    stale = derive_status(replace(snap(), failures={4: ("a",)}), NOW)
+    assert stale.state == "training"
+
+
+def test_step_is_the_newest_of_progress_beats_and_checkpoint():
+    """progress.step is never older than a node's beat or the checkpoint of the same round."""
+    base = snap(progress=Progress(round=5, step=10, epoch=1, updated_at=NOW - 4))
+    beats = {"a": Beat(at=NOW - 1, round=5, step=13), "b": Beat(at=NOW - 2, round=4, step=99)}
+    st = derive_status(replace(base, beats=beats), NOW)
+    assert (st.progress.step, st.progress.epoch, st.progress.updated_at) == (13, 1, NOW - 1)
+    ckpt = CheckpointPointer(step=20, round=5, manifest_url="file:///m", committed_at=NOW - 3)
+    assert derive_status(replace(base, checkpoint=ckpt), NOW).progress.step == 20
+    old_round = replace(ckpt, round=4, step=50)
+    assert derive_status(replace(base, checkpoint=old_round), NOW).progress.step == 10
+
+
+def test_node_beat_gives_heartbeat_age_step_and_local_world_size():
+    """A node's beat, not its record's last rewrite, dates its heartbeat; its step and
+    local world size in the same round are shown."""
+    rec = replace(node("a"), heartbeat_at=NOW - 600, local_world_size=0)
+    beats = {"a": Beat(at=NOW - 2, round=5, step=7, local_world_size=2)}
+    st = derive_status(replace(snap(members=("a",), live=[rec], max_nodes=1), beats=beats), NOW)
+    row = st.nodes[0]
+    assert (row.heartbeat_at, row.step, row.local_world_size) == (NOW - 2, 7, 2)
 
 
 def test_open_round_is_rendezvous():
@@ -243,7 +313,7 @@ class _WeirdClient:
 def test_unexpected_read_errors_become_etcd_unavailable():
     """A non-etcd server on the port ends as 'etcd unreachable' (exit 4), in one line."""
     from elasticd.errors import EtcdUnavailableError
-    from elasticd.status.model import read_prefix
+    from elasticd.status.snapshot import read_prefix
 
     with pytest.raises(EtcdUnavailableError, match="did not answer as etcd") as exc:
         read_prefix(_WeirdClient(), "/elasticd/")  # type: ignore[arg-type]
@@ -276,3 +346,15 @@ def test_exit_detail_reads_torch_negative_codes_as_signals(detail, text):
     from elasticd.status.model import exit_detail
 
     assert exit_detail(detail) == text
+
+
+def test_operator_stop_and_drain_marks_are_named():
+    """A job stopped with `elasticd stop` says so and how to start it again; a node kept out
+    by `elasticd drain` is named among the reasons a job is below max size."""
+    stopped = derive_status(replace(snap(live=[]), stop_mark=StopMark(requested_at=NOW - 60,
+                                                                       by="ops@host")), NOW)
+    assert stopped.state == "stopped" and "elasticd stop` by ops@host 1m00s ago" in stopped.reason
+    assert "elasticd start --job demo" in stopped.reason
+    small = derive_status(replace(snap(max_nodes=3), drain_marks=("c",)), NOW)
+    assert small.exit_code == EXIT_DEGRADED
+    assert small.degraded_reasons == ("2 of max 3 nodes", "kept out by `elasticd drain`: c")

@@ -4,20 +4,23 @@ from __future__ import annotations
 
 import io
 import re
+from dataclasses import replace
 
 import pytest
 
 from elasticd.records import CheckpointPointer, Event, NodeRecord, Progress, RoundState
-from elasticd.status.model import JobSnapshot, SeqEvent, derive_status
+from elasticd.status.model import derive_status
 from elasticd.status.render import (
     Col,
     fit_widths,
     format_ranks,
     format_time,
     make_console,
+    print_screen,
     render_job,
     render_job_list,
 )
+from elasticd.status.snapshot import JobSnapshot, SeqEvent
 
 NOW = 1_750_000_000.0
 COLOR_SGR = re.compile(r"\x1b\[(?:[0-9;]*;)?(?:3[0-8]|9[0-7])(?:;[0-9;]*)?m")
@@ -77,7 +80,7 @@ def test_job_screen_fits_width_and_keeps_one_line_per_row(width):
 def test_screen_at_80_shows_the_operator_questions():
     """The 80-column screen answers state, size, speed, checkpoint, failures and exit cause."""
     out = render_text(render_job(derive_status(long_job(), NOW)))
-    assert "RENDEZVOUS" in out and "1 member(s) of round 17 lost" in out
+    assert "RE-FORMING" in out and "1 member(s) of round 17 lost" in out
     assert "6 nodes (min 2, max 8), world size 48" in out
     assert "step 1,234,567" in out and "123,456.7 samples/s" in out
     assert "step 1,234,000 · 5m00s ago · round 17" in out
@@ -99,7 +102,7 @@ def test_job_list_fits_80_columns():
     lines = out.splitlines()
     assert max(len(ln) for ln in lines) <= 80
     assert len([ln for ln in lines if ln.startswith("a-job-name-")]) == 2
-    assert "rendezvous" in out and "degraded" in out
+    assert "re-forming" in out and "degraded" in out
 
 
 class _Tty(io.StringIO):
@@ -144,3 +147,25 @@ def test_format_time_is_utc_with_date_when_old():
     """Event times are UTC; older than a day they carry the date."""
     assert format_time(1_750_000_000.0, 1_750_000_010.0) == "15:06:40"
     assert format_time(1_750_000_000.0, 1_750_200_000.0) == "06-15 15:06"
+
+
+def test_checkpoint_url_is_printed_whole_on_one_line():
+    """The checkpoint URL is never folded mid-path on a narrow screen (it is copied), and
+    its credentials are still redacted."""
+    buf = io.StringIO()
+    print_screen(make_console(buf, width=60), render_job(derive_status(long_job(), NOW)))
+    url = [ln.strip() for ln in buf.getvalue().splitlines() if "manifest.json" in ln]
+    assert url == ["s3://***@bucket/very/long/prefix/run-2025-06-15/step-1234000/manifest.json"
+                   "?X-Amz-Signature=<redacted>"]
+
+
+def test_output_that_is_not_a_terminal_is_not_cut(monkeypatch):
+    """Piped output (no COLUMNS) keeps whole event messages instead of rich's 80 columns."""
+    monkeypatch.delenv("COLUMNS", raising=False)
+    snap = long_job()
+    message = "worker 3 exited: " + "a long cause that goes on " * 6 + "END"
+    snap = replace(snap, events=(SeqEvent(99, Event(time=NOW - 1, kind="failure", node="n",
+                                                    round=17, message=message)),))
+    buf = io.StringIO()
+    print_screen(make_console(buf), render_job(derive_status(snap, NOW)))
+    assert message in buf.getvalue()

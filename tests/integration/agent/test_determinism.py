@@ -16,7 +16,7 @@ from collections import Counter
 
 import pytest
 import torch
-from harness import ROOT, example_args, read_jsonl, trained_samples, wait_until
+from harness import ROOT, example_args, read_jsonl, trained_samples, wait_until, worker_lines
 
 SCRIPT = str(ROOT / "examples" / "train.py")
 pytestmark = pytest.mark.timeout(240)
@@ -80,8 +80,8 @@ def test_resizes_match_a_run_without_failures(nodes, tmp_path):
     first_after = min(r["step"] for r in rows_b if r["round"] == join_round)
     assert first_after == last_before + 1, f"the join lost steps: {last_before} then {first_after}"
 
-    worlds = {json.loads(line).get("world_size") for n in b for line in n.log().splitlines()
-              if line.startswith("[default0]:{\"step\"") for line in [line.split(":", 1)[1]]}
+    worlds = {json.loads(line).get("world_size") for n in b for line in worker_lines(n.log())
+              if line.startswith('{"step"')}
     assert {2, 3} <= worlds, f"the run never changed world size: {worlds}"
     a_params = torch.load(tmp_path / "final-a.pt", weights_only=True)
     b_params = torch.load(tmp_path / "final-b.pt", weights_only=True)

@@ -23,6 +23,8 @@ from harness import ROOT, read_jsonl
 
 from elasticd.config.schema import format_value
 from elasticd.etcd.embedded import free_port
+from elasticd.history import History
+from elasticd.keys import JobKeys
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
@@ -72,9 +74,10 @@ def _localised(config: Path, tmp_path: Path, etcd_endpoint: str) -> tuple[Path, 
 
 
 @pytest.mark.parametrize("config", AGENTS, ids=lambda p: p.stem)
-def test_shipped_config_trains_the_example_to_the_end(config, tmp_path, etcd_server):
+def test_shipped_config_trains_the_example_to_the_end(config, tmp_path, etcd_server, etcd_client):
     """`elasticd agent --config agents/X.toml` (machine-specific values localised) trains
-    examples/train.py to its last step and exits 0, every step trained once."""
+    examples/train.py to its last step and exits 0, every step trained once; with a shared
+    etcd, the job's history holds the loss the example reports (for --plot and --watch)."""
     path, _ = _localised(config, tmp_path, etcd_server.endpoint)
     proc = subprocess.run([sys.executable, "-m", "elasticd.cli", "agent", "--config", str(path)],
                           cwd=str(ROOT), capture_output=True, text=True, timeout=100,
@@ -82,6 +85,11 @@ def test_shipped_config_trains_the_example_to_the_end(config, tmp_path, etcd_ser
     assert proc.returncode == 0, proc.stderr[-3000:]
     steps = sorted({r["step"] for r in read_jsonl(tmp_path / "trace.jsonl")})
     assert steps == list(range(STEPS)), steps
+    job = tomllib.loads(path.read_text())["job"]
+    if not job.get("standalone"):
+        kv = etcd_client.get(JobKeys(job["name"]).history)
+        samples = History.from_json(kv.value).samples if kv is not None else ()
+        assert samples and all(sm.loss is not None and sm.loss >= 0 for sm in samples), samples
 
 
 def test_single_machine_config_command_is_accepted_by_the_example():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -26,35 +27,65 @@ def status(etcd, job, *extra):
     return proc.returncode, doc
 
 
+def watch_json(etcd, job, out_path):
+    """`elasticd status --watch --json` as a process: one document per change, to a file."""
+    return subprocess.Popen([sys.executable, "-m", "elasticd.status", "--etcd", etcd.endpoint,
+                             "--job", job, "--json", "--watch"], stdout=open(out_path, "w"),
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+
+
 def test_status_follows_a_real_job(nodes, tmp_path):
-    """Training at full size → 0; a node SIGKILLed → shown lost, event listed, degraded (1);
-    the other drained → stopped (2)."""
+    """Full size: exit 0, every node's beat fresh (newer than its round), its step and local
+    world size shown, progress never behind the checkpoint. A node SIGKILLed: re-forming
+    (its peer's failure report, before the lease expires), then training at world 1,
+    degraded (1). The other drained: stopped (2), its row "left", no row "lost"."""
     env = {"OUT": str(tmp_path / "steps.jsonl"), "CKPT": str(tmp_path / "ckpt.json"), "STEP_S": "0.05"}
     a = nodes.start("st", SCRIPT, env=env, nnodes="1:2")
     b = nodes.start("st", SCRIPT, env=env, nnodes="1:2")
     out = tmp_path / "steps.jsonl"
     wait_until(lambda: len([r for r in read_jsonl(out) if r["world"] == 2]) >= 20, 60, "world 2")
+    docs = tmp_path / "watch.jsonl"
+    watcher = watch_json(nodes.etcd, "st", docs)
+    try:
+        last: list[dict] = []
 
-    def healthy():
+        def beating():
+            code, doc = status(nodes.etcd, "st")
+            last[:] = [doc]
+            formed = doc["job"]["round_completed_at"]
+            fresh = formed is not None and len(doc["nodes"]) == 2 and all(
+                n["heartbeat_at"] is not None and n["heartbeat_at"] > formed
+                and n["heartbeat_age_s"] < 10 and n["step"] is not None for n in doc["nodes"])
+            # A beat newer than the round: the record alone dates from the round's start.
+            return (code, doc) if code == 0 and fresh else None
+
+        code, doc = wait_until(beating, 30, lambda: f"fresh beats at full size; last: {last}")
+        assert doc["job"]["state"] == "training"
+        assert {n["node"] for n in doc["nodes"]} == {"n0", "n1"}
+        assert all(n["local_world_size"] == 1 for n in doc["nodes"])
+        p, c = doc["progress"], doc["checkpoint"]
+        if c is not None and c["round"] == p["round"]:
+            assert p["step"] >= c["step"], (p, c)
+
+        b.signal(signal.SIGKILL)
+        wait_until(lambda: [r for r in read_jsonl(out) if r["world"] == 1], 60, "world 1 after the kill")
         code, doc = status(nodes.etcd, "st")
-        return (code, doc) if code == 0 else None
-
-    code, doc = wait_until(healthy, 30, "status exit 0 while training at full size")
-    assert doc["job"]["state"] == "training"
-    assert {n["node"] for n in doc["nodes"]} == {"n0", "n1"}
-
-    b.signal(signal.SIGKILL)
-    wait_until(lambda: [r for r in read_jsonl(out) if r["world"] == 1], 60, "world 1 after the kill")
-    code, doc = status(nodes.etcd, "st")
-    assert code == 1, doc
-    kinds = {(e["kind"], e["node"]) for e in doc["events"]}
-    assert ("lost", "n1") in kinds, kinds
+        assert code == 1, doc
+        kinds = {(e["kind"], e["node"]) for e in doc["events"]}
+        assert ("lost", "n1") in kinds, kinds
+        seen = [d["job"]["state"] for d in read_jsonl(docs) if d.get("kind") == "job"]
+        assert "re-forming" in seen, seen
+    finally:
+        os.killpg(watcher.pid, signal.SIGKILL)
+        watcher.wait(10)
 
     a.signal_agent(signal.SIGTERM)
     assert a.wait(60) == 0
     code, doc = status(nodes.etcd, "st")
     assert code == 2 and doc["job"]["state"] == "stopped", doc["job"]
     assert any(e["kind"] == "drain" for e in doc["events"])
+    rows = {n["node"]: (n["state"], n["left"]) for n in doc["nodes"]}
+    assert rows == {"n0": ("left", "drained")}, rows
 
 
 def test_status_after_the_job_finished(nodes, tmp_path):
@@ -66,3 +97,4 @@ def test_status_after_the_job_finished(nodes, tmp_path):
     code, doc = status(nodes.etcd, "fin")
     assert code == 2 and doc["job"]["state"] == "stopped", doc["job"]
     assert any(e["kind"] == "finished" for e in doc["events"])
+    assert [(n["node"], n["state"], n["left"]) for n in doc["nodes"]] == [("n0", "left", "finished")]

@@ -1,0 +1,154 @@
+"""``PrefixWatch``: a prefix watch that survives etcd restarts and dropped streams.
+
+python3-etcd3's watch dies silently with its stream (and its ``watch.py`` uses ``six``
+without importing it: patched in below, before any watch exists). This module
+re-creates the watch from the last seen revision + 1 whenever the stream dies, and takes
+a fresh snapshot when that revision was compacted.
+"""
+
+from __future__ import annotations
+
+import threading
+import types
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import etcd3.exceptions
+import etcd3.watch
+import structlog
+from etcd3 import events as etcd_events
+
+from elasticd.etcd.kv import KV, WatchEvent
+
+if TYPE_CHECKING:
+    from elasticd.etcd.client import EtcdClient
+
+log = structlog.get_logger(__name__)
+
+# Work-around: etcd3/watch.py calls six.itervalues without importing six.
+if not hasattr(etcd3.watch, "six"):
+    etcd3.watch.six = types.SimpleNamespace(itervalues=lambda d: iter(list(d.values())))  # type: ignore[attr-defined]
+
+
+class PrefixWatch:
+    """A watch on a prefix that survives etcd restarts and dropped streams.
+
+    Contract: ``on_resync(kvs, revision)`` is called first with a full snapshot, and again
+    after every reconnect (the consumer replaces its view); ``on_events(events)`` is called
+    for each change after the snapshot, in revision order, from one thread. A reconnect
+    resumes from the last seen revision + 1, so no change is missed; if that revision was
+    compacted, a fresh snapshot is taken instead.
+    """
+
+    def __init__(self, client: EtcdClient, prefix: str,
+                 on_events: Callable[[list[WatchEvent]], None],
+                 on_resync: Callable[[list[KV], int], None], *, name: str = "",
+                 range_end: str | None = None) -> None:
+        self._client = client
+        self._prefix = prefix
+        self._range_end = range_end  # None: every key under prefix; else [prefix, range_end)
+        self._on_events = on_events
+        self._on_resync = on_resync
+        self._name = name or prefix
+        self._stop = threading.Event()
+        self._broken = threading.Event()
+        self._lock = threading.Lock()
+        self._watch_id: int | None = None
+        self._revision = 0  # last revision delivered to the consumer
+        self._need_snapshot = True
+        self._thread = threading.Thread(target=self._run, name=f"watch:{self._name}", daemon=True)
+        self.connected = threading.Event()
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, wait: bool = True) -> None:
+        """Stop the watch. ``wait=False`` returns at once: the watch thread cancels its own
+        watch on the way out (with etcd down, a cancel or a reconnect attempt can block for
+        the call timeout, which a caller with a deadline cannot spend)."""
+        self._stop.set()
+        self._broken.set()
+        if not wait:
+            return
+        with self._lock:
+            wid, self._watch_id = self._watch_id, None
+        if wid is not None:
+            self._client.cancel_watch(wid)
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout=5)
+
+    @property
+    def revision(self) -> int:
+        return self._revision
+
+    def reconnect(self) -> None:
+        """Drop the current stream and resume from the last revision + 1 (the client moved
+        to another endpoint)."""
+        self.connected.clear()
+        self._broken.set()
+
+    def _callback(self, response: Any) -> None:
+        if self._stop.is_set():
+            return
+        if isinstance(response, Exception) or not hasattr(response, "events"):
+            if isinstance(response, etcd3.exceptions.RevisionCompactedError):
+                self._need_snapshot = True
+            self.connected.clear()
+            self._broken.set()
+            return
+        out: list[WatchEvent] = []
+        for ev in response.events:
+            if ev.mod_revision <= self._revision:
+                continue  # replay after reconnect
+            value = None if isinstance(ev, etcd_events.DeleteEvent) else ev.value
+            out.append(WatchEvent(ev.key.decode(), value, ev.mod_revision))
+        if out:
+            self._revision = max(e.mod_revision for e in out)
+            try:
+                self._on_events(out)
+            except Exception:
+                log.exception("watch_consumer_failed", watch=self._name)
+
+    def _connect(self) -> None:
+        # Cleared before the new watch exists, never after: a stop() or a stream break that
+        # lands while we connect must still wake the park in _run (else it parks forever
+        # and the watch leaks).
+        self._broken.clear()
+        if self._need_snapshot:
+            kvs, rev = self._client.get_prefix(self._prefix, range_end=self._range_end)
+            self._revision = rev
+            self._on_resync(kvs, rev)
+            self._need_snapshot = False
+        wid = self._client.add_watch(self._prefix, self._callback, self._revision + 1,
+                                     range_end=self._range_end)
+        with self._lock:
+            self._watch_id = wid
+        self.connected.set()
+
+    def _run(self) -> None:
+        backoff = 0.05
+        failing = False
+        while not self._stop.is_set():
+            try:
+                self._connect()
+                if failing:
+                    log.info("etcd_watch_resumed", watch=self._name, revision=self._revision)
+                failing, backoff = False, 0.05
+                # Park until the stream breaks (callback sets _broken) or we are stopped
+                # (stop() sets _stop before _broken, so one of the two is seen here).
+                if not self._stop.is_set():
+                    self._broken.wait()
+            except Exception as exc:
+                if self._stop.is_set():
+                    break
+                if not failing:
+                    log.warning("etcd_watch_interrupted", watch=self._name, error=str(exc))
+                failing = True
+                self._stop.wait(backoff)
+                backoff = min(backoff * 2, 1.0)
+            with self._lock:
+                wid, self._watch_id = self._watch_id, None
+            if wid is not None:  # whoever takes the id cancels it (stop() may have missed it)
+                self._client.cancel_watch(wid)
+
+

@@ -1,0 +1,185 @@
+"""``RoundCoordinator``: the one node that watches every join and every node's lease.
+
+Why: if every node watched ``nodes/`` and every ``joins/`` key, each of the N joins and N
+registrations of a round would be delivered to all N nodes: O(N^2) watch events a round
+(1.8 M at 256 nodes measured, and the round never completed on 2 cores). Instead one
+node, the holder of ``rdzv/coordinator`` (a key on its lease), watches them and turns
+what it sees into writes of the single state key that everyone watches: it closes open
+rounds (``protocol.decide_coordination``: the same rule a joined node applied before)
+and opens the next round, with the cause and the nodes concerned, when a member is lost
+or drained, or late joiners wait. A round then costs O(N) watch events.
+
+Election: any registered node whose view shows no coordinator creates the key
+(compare create_revision == 0, on its own lease; one wins). The key vanishes with the
+holder's lease (crash, freeze, partition) or its ``shutdown``; everyone sees that on
+the ``rdzv/`` watch and the election runs again. The new holder takes a fresh snapshot
+of ``nodes/`` and ``joins/`` before it acts, so nothing that happened meanwhile is lost.
+
+All of this runs on one daemon thread per handler; it never blocks the agent's loop.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+import structlog
+
+from elasticd.errors import EtcdUnavailableError, LeaseLostError, TransientError
+from elasticd.etcd.client import EtcdClient
+from elasticd.etcd.txn import CreateRevision, Put
+from elasticd.etcd.watch import PrefixWatch
+from elasticd.keys import JobKeys
+from elasticd.records import WaitingRecord
+from elasticd.rendezvous.protocol import (
+    Action,
+    ActionKind,
+    CoordinatorMemory,
+    RendezvousView,
+    decide_coordination,
+)
+from elasticd.rendezvous.session import NodeSession
+from elasticd.rendezvous.view import WatchedView
+
+log = structlog.get_logger(__name__)
+
+_TICK_S = 1.0  # look again at least this often (a lost wake-up, a WAIT without until)
+
+
+class RoundCoordinator:
+    """Campaigns for ``rdzv/coordinator`` and, while holding it, coordinates rounds.
+
+    Args:
+        client: the handler's etcd client.
+        keys: the job's keys.
+        session: this node's lease (campaigns only while it is live).
+        view: the handler's watched view; the coordinator adds the full tables to it.
+        min_nodes, max_nodes, last_call_timeout_s: the round rule.
+        finalize: writes FINALIZE (CAS of the state key); returns True if it won.
+        open_next: writes OPEN_NEXT with its cause (CAS, then the opener's bookkeeping).
+        defer_lost_until: when lost members must not be acted on yet (etcd trouble), or None.
+    """
+
+    def __init__(self, client: EtcdClient, keys: JobKeys, session: NodeSession, view: WatchedView, *,
+                 min_nodes: int, max_nodes: int, last_call_timeout_s: float,
+                 finalize: Callable[[Action, RendezvousView, int], bool],
+                 open_next: Callable[[Action, RendezvousView, int], bool],
+                 defer_lost_until: Callable[[RendezvousView], float | None]) -> None:
+        self.client = client
+        self.keys = keys
+        self.session = session
+        self.view = view
+        self.min_nodes, self.max_nodes = min_nodes, max_nodes
+        self.last_call_timeout_s = last_call_timeout_s
+        self._finalize = finalize
+        self._open_next = open_next
+        self._defer_lost_until = defer_lost_until
+        self._memory = CoordinatorMemory()
+        self._watches: list[PrefixWatch] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"coordinator:{session.node_id}",
+                                        daemon=True)
+        self._last_reason = ""
+        self._log = log.bind(job=keys.job, node=session.node_id)
+
+    def start(self) -> RoundCoordinator:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop coordinating (the key itself goes with our lease, revoked by the session)."""
+        self._stop.set()
+        self.view.touch()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout=5)
+        self._release_watches()
+
+    @property
+    def coordinating(self) -> bool:
+        return bool(self._watches)
+
+    # -- the loop ---------------------------------------------------------------------
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            version = self.view.version
+            until: float | None = None
+            try:
+                until = self._step()
+            except (TransientError, EtcdUnavailableError, LeaseLostError) as exc:
+                self._log.warning("coordinator_step_failed", error=str(exc))
+                self._stop.wait(0.5)
+            except Exception:  # never let the thread die silently: log, back off, go on
+                self._log.exception("coordinator_step_crashed")
+                self._stop.wait(1.0)
+            wait = _TICK_S if until is None else max(min(until - time.monotonic(), _TICK_S), 0.0)
+            self.view.wait_change(version, wait)
+
+    def _step(self) -> float | None:
+        """One look: campaign, take up or give up the full watches, act. Returns a wake-up
+        time (monotonic) when a decision depends on time."""
+        view, state_rev = self.view.snapshot()
+        me = self.session.node_id
+        live = self.session.keeper is not None and not self.session.lease_lost.is_set()
+        if view.coordinator != me:
+            self._release_watches()
+            if view.coordinator is None and live and not view.closed:
+                self._campaign()
+            return None
+        if not live:
+            self._release_watches()
+            return None
+        if not self._watches:
+            self._take_up_watches()
+            return None  # act on the next look, from the fresh snapshot
+        if not view.full:
+            if all(w.connected.is_set() for w in self._watches):
+                self.view.set_full(True)  # they connected after _take_up_watches gave up waiting
+            return None
+        action = decide_coordination(view, self._memory, me=me, min_nodes=self.min_nodes,
+                                     max_nodes=self.max_nodes,
+                                     last_call_timeout_s=self.last_call_timeout_s,
+                                     now=time.monotonic(),
+                                     defer_lost_until=self._defer_lost_until(view))
+        if action.reason != self._last_reason:
+            self._log.info("coordinator_step", action=action.kind.value, reason=action.reason)
+            self._last_reason = action.reason
+        if action.kind is ActionKind.FINALIZE:
+            self._finalize(action, view, state_rev)
+        elif action.kind is ActionKind.OPEN_NEXT:
+            self._open_next(action, view, state_rev)
+        elif action.kind is ActionKind.ANNOUNCE:
+            record = WaitingRecord(action.round, list(action.members))
+            self.client.put(self.keys.rdzv_waiting, record.to_json())
+        elif action.kind is ActionKind.WAIT and action.until is not None:
+            return action.until
+        return None
+
+    def _campaign(self) -> None:
+        key = self.keys.rdzv_coordinator
+        if self.client.txn([CreateRevision(key, 0)],
+                           [Put(key, self.session.node_id, lease=self.session.lease_id)]):
+            self._log.info("coordinator_elected")
+
+    def _take_up_watches(self) -> None:
+        k = self.keys
+        self._memory = CoordinatorMemory()
+        self._watches = [
+            self.client.watch_prefix(k.nodes_prefix, self.view.on_nodes, self.view.on_nodes_resync,
+                                     name="nodes"),
+            self.client.watch_prefix(k.joins_root, self.view.on_joins, self.view.on_joins_resync,
+                                     name="joins"),
+        ]
+        deadline = time.monotonic() + 10.0
+        for w in self._watches:
+            w.connected.wait(max(deadline - time.monotonic(), 0.1))
+        self.view.set_full(all(w.connected.is_set() for w in self._watches))
+
+    def _release_watches(self) -> None:
+        if not self._watches:
+            return
+        watches, self._watches = self._watches, []
+        self.view.set_full(False)
+        for w in watches:
+            w.stop(wait=False)
+        self._log.info("coordinator_stepped_down")

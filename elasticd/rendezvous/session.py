@@ -1,0 +1,253 @@
+"""``NodeSession``: this node's seat in the job: its lease, its record, its fencing token.
+
+The node key ``nodes/<node>`` sits on the node's lease (kept alive by ``LeaseKeeper``);
+its create_revision is this node's *incarnation*, the fencing token of every later
+write: ``fence()`` is the compare that makes a write happen only while this incarnation
+is the live one. The session also holds the round this node last completed (its
+members and the round state's mod_revision then), which the rendezvous handler sets and
+the agent's recorder reads: the recorder takes the session, not the whole handler.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+import structlog
+from torch.distributed.elastic.rendezvous import RendezvousConnectionError
+
+from elasticd import __version__
+from elasticd.errors import ConfigError, EtcdUnavailableError, LeaseLostError, TransientError
+from elasticd.etcd.client import EtcdClient
+from elasticd.etcd.kv import KV
+from elasticd.etcd.lease import LeaseKeeper
+from elasticd.etcd.txn import Compare, CreateRevision, Put
+from elasticd.keys import JobKeys
+from elasticd.records import NodeRecord
+from elasticd.rendezvous.view import WatchedView
+from elasticd.retry import call_with_retry
+
+log = structlog.get_logger(__name__)
+
+
+def retry_rdzv(what: str, fn: Callable[[], Any], deadline: float) -> Any:
+    """``fn()`` retried on transient etcd errors until ``deadline`` (monotonic).
+
+    Raises:
+        RendezvousConnectionError: etcd stayed unreachable until the deadline (torch's
+            agent reads this error as "the rendezvous backend is unavailable").
+    """
+    try:
+        return call_with_retry(fn, what=what, deadline=deadline)
+    except TransientError as exc:
+        raise RendezvousConnectionError(f"{what}: {exc}") from exc
+
+
+class NodeSession:
+    """One node's lease, node record and incarnation, and the round it last completed.
+
+    Args:
+        client: etcd client (not closed here).
+        keys: the job's key builder.
+        node_id: this node's id (validated by the caller).
+        view: the handler's watched view (a retired key's expiry is awaited there).
+        ttl_s: the lease's TTL.
+        worker_log_dir: published in the node record, for ``elasticd status``.
+        on_lease_lost: called (from the keep-alive thread) when the lease is found expired.
+    """
+
+    def __init__(self, client: EtcdClient, keys: JobKeys, node_id: str, view: WatchedView, *,
+                 ttl_s: int, worker_log_dir: str | None = None,
+                 on_lease_lost: Callable[[], None] | None = None) -> None:
+        self.client = client
+        self.keys = keys
+        self.node_id = node_id
+        self.view = view
+        self.ttl_s = ttl_s
+        self.worker_log_dir = worker_log_dir
+        self.on_lease_lost = on_lease_lost
+        self.keeper: LeaseKeeper | None = None
+        self.incarnation = 0  # create_revision of our node key: the fencing token
+        self.record: NodeRecord | None = None
+        self.round: int | None = None  # last round we completed
+        self.members: tuple[str, ...] = ()
+        self.state_rev = 0  # mod_revision of the state key when our round completed
+        self.lease_loss: int | None = None  # round we were in when our lease was lost
+        self.lease_lost = threading.Event()
+        self._log = log.bind(job=keys.job, node=node_id)
+
+    @property
+    def lease_id(self) -> int:
+        return self.keeper.lease_id if self.keeper else 0
+
+    def fence(self) -> list[Compare]:
+        """The compare that fences a write: our node key is still our incarnation."""
+        return [CreateRevision(self.keys.node(self.node_id), self.incarnation)]
+
+    # -- registration -------------------------------------------------------------------
+    def ensure_registered(self, deadline: float) -> None:
+        """Register unless our lease is known to be alive (asks etcd if unsure)."""
+        if self.keeper is not None and not self.keeper.lost.is_set():
+            # Our keep-alive thread may not have noticed yet (we were frozen): ask etcd.
+            try:
+                if self.client.refresh_lease(self.keeper.lease_id) <= 0:
+                    self.keeper.lost.set()
+                    self.lease_lost.set()
+            except EtcdUnavailableError:
+                pass  # etcd down: the join below retries, and the keeper keeps trying
+        if self.keeper is None or self.keeper.lost.is_set():
+            self.register(deadline)
+
+    def register(self, deadline: float) -> None:
+        """Grant a fresh lease and put our node record on it (a new incarnation)."""
+        if self.keeper is not None:
+            if self.keeper.lost.is_set():
+                self.lease_loss = self.round
+                self._log.warning("lease_replaced", round=self.round)
+            self.keeper.stop()
+        key = self.keys.node(self.node_id)
+        if self.record is None:
+            # Before the lease grant: waiting out another machine's lease can take a TTL.
+            self._retire_previous_process(key, deadline)
+        lease = retry_rdzv("lease grant", lambda: self.client.grant_lease(self.ttl_s), deadline)
+        record = self.record or NodeRecord(
+            node=self.node_id, host=socket.gethostname(), pid=os.getpid(), version=__version__,
+            started_at=time.time(), log_dir=self.worker_log_dir,
+        )
+        record = replace(record, state="joining", heartbeat_at=time.time())
+        retry_rdzv("node record", lambda: self.client.put(key, record.to_json(), lease=lease), deadline)
+        kv = retry_rdzv("node record", lambda: self.client.get(key), deadline)
+        self.incarnation = kv.create_revision if kv else 0
+        self.record = record
+        with self.view.cond:  # joins put on an older lease died with it
+            self.view.lease_id = lease
+        self.lease_lost.clear()
+        self.keeper = LeaseKeeper(self.client, lease, self.ttl_s, on_lost=self._keeper_lost).start()
+        self._log.info("node_registered", lease=hex(lease), incarnation=self.incarnation)
+
+    def _retire_previous_process(self, key: str, deadline: float) -> None:
+        """Our node key exists before this process ever wrote it: the previous process of
+        this node id (killed, restarted within its TTL) or a duplicate id.
+
+        A live duplicate (two agents configured with one node id) is refused with a
+        ConfigError: on this host, when the recorded pid is a live elasticd process; on
+        another host, when its lease is still kept alive after a full TTL (a vanished
+        machine's lease expires within one).
+
+        Overwriting it in place would keep its create_revision (the old process's fencing
+        token stays valid) and let us inherit its seat in a final round we never ran in:
+        DONE at once with its rank, while the other members see no membership change.
+        So delete it (a fresh incarnation) and count its round as used, so that we open
+        the next round and everyone re-forms.
+        """
+        old = retry_rdzv("node record", lambda: self.client.get(key), deadline)
+        if old is None:
+            return
+        old = self._refuse_live_duplicate(key, old, deadline)
+        if old is None:
+            return
+        state = self.view.snapshot()[0].state
+        if state is not None and state.phase == "final" and self.node_id in state.members:
+            self.round = state.round
+        retry_rdzv("node record", lambda: self.client.delete(key), deadline)
+        self._log.warning("previous_process_retired", old_lease=hex(old.lease), round=self.round)
+
+    def _refuse_live_duplicate(self, key: str, old: KV, deadline: float) -> KV | None:
+        """Raise ConfigError if ``old`` belongs to a live agent; else return it (or None
+        if it expired meanwhile)."""
+        try:
+            rec = NodeRecord.from_json(old.value)
+        except (ValueError, TypeError):
+            return old  # not a record we wrote: retire it
+        fix = (f"node id {self.node_id!r} is already used by a live elasticd agent "
+               f"(host {rec.host}, pid {rec.pid}); give every agent its own node id "
+               "(--node-id, node.id), or leave it unset for HOST-PID")
+        if rec.host == socket.gethostname():
+            if rec.pid != os.getpid() and _is_live_elasticd(rec.pid):
+                raise ConfigError(fix)
+            return old  # our own previous process, now dead: retire it at once
+        # Another machine: a vanished one's lease runs out within one TTL (and etcd's
+        # expiry loop); a live duplicate keeps it.
+        until = min(deadline, time.monotonic() + self.ttl_s + 2.0)
+        self._log.warning("node_id_held_elsewhere", host=rec.host, pid=rec.pid,
+                          wait_s=round(until - time.monotonic(), 1))
+        while (left := until - time.monotonic()) > 0:
+            # Polled (a rare path): only the coordinator watches nodes/.
+            cur = retry_rdzv("node record", lambda: self.client.get(key), deadline)
+            if cur is None or cur.create_revision != old.create_revision:
+                return cur
+            time.sleep(min(left, 0.25))
+        raise ConfigError(fix)
+
+    def _keeper_lost(self) -> None:
+        self.lease_lost.set()
+        self.view.touch()
+        if self.on_lease_lost:
+            self.on_lease_lost()
+
+    def mark_lease_lost(self) -> None:
+        """etcd refused a write on our lease before the keep-alive thread noticed."""
+        if self.keeper is not None:
+            self.keeper.lost.set()
+        self.lease_lost.set()
+
+    def pop_lease_loss(self) -> int | None:
+        """The round we were in when our lease was found lost (once), or None."""
+        lost, self.lease_loss = self.lease_loss, None
+        return lost
+
+    # -- fenced writes ------------------------------------------------------------------
+    def update_record(self, **changes: Any) -> None:
+        """Rewrite our node record, fenced by our incarnation (no-op if the lease is gone).
+
+        Raises:
+            LeaseLostError: the node key is gone or belongs to a newer incarnation.
+        """
+        if self.record is None or self.keeper is None:
+            return
+        record = replace(self.record, heartbeat_at=time.time(), **changes)
+        key = self.keys.node(self.node_id)
+        if not self.client.txn(self.fence(), [Put(key, record.to_json(), lease=self.lease_id)]):
+            raise LeaseLostError(f"node record {key} is gone: lease expired")
+        self.record = record
+
+    def report_failure(self, detail: str) -> None:
+        """Record that our workers failed in the current round (on our lease)."""
+        if self.round is None or self.lease_lost.is_set():
+            return
+        key = self.keys.failure(self.round, self.node_id)
+        call_with_retry(lambda: self.client.put(key, detail, lease=self.lease_id),
+                        what="failure report", deadline=time.monotonic() + 5)
+
+    def record_leave(self, kind: str | None) -> None:
+        """Write ``left/<round>/<node>`` = ``kind`` (best effort) before the lease goes."""
+        rnd = self.round
+        if kind is None or rnd is None or self.keeper is None or self.lease_lost.is_set():
+            return  # never in a round, or already taken for lost: nothing to correct
+        try:
+            # Not on our lease: it must outlive the revoke below. Removed with the round's
+            # other keys when a later round opens (``_gc_before``) or the job is reopened.
+            call_with_retry(lambda: self.client.put(self.keys.left(rnd, self.node_id), kind),
+                            what="leave record", deadline=time.monotonic() + 3.0)
+            self._log.info("leave_recorded", round=rnd, kind=kind)
+        except TransientError as exc:  # peers will read a lost member: a re-form, as before
+            self._log.warning("leave_not_recorded", round=rnd, kind=kind, error=str(exc))
+
+    def close(self) -> None:
+        """Stop the keep-alives and revoke the lease: peers see this node go at once."""
+        if self.keeper is not None:
+            self.keeper.stop(revoke=True)
+
+
+def _is_live_elasticd(pid: int) -> bool:
+    """True if ``pid`` runs on this host and its command line names elasticd."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as fh:
+            return b"elasticd" in fh.read()
+    except OSError:
+        return False

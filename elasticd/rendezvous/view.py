@@ -1,0 +1,188 @@
+"""The rendezvous handler's local view of etcd, kept by watches.
+
+``num_nodes_waiting()`` and ``membership()`` are answered from here with no etcd request.
+``snapshot`` turns the raw keys into the protocol's ``RendezvousView``.
+
+Every node watches ``rdzv/`` except ``rdzv/joins/`` (two key ranges: the state key,
+``closed``, ``coordinator``, ``failures/``, ``left/``): writes there are O(1) per round or
+per change, so each costs N watch events. Only the coordinator (``coordinator.py``) adds
+watches of ``nodes/`` and ``rdzv/joins/`` (``on_nodes``/``on_joins``), whose N writes a
+round would cost N^2 events if everyone watched them; its view is then *full* (a dead
+peer shows up when its lease expires). Everyone else has a *partial* view: no liveness,
+and only its own joins (``add_own_join``), which is all the protocol needs from them.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from elasticd.etcd.kv import KV, WatchEvent
+from elasticd.keys import NODE_ID_RE, JobKeys, round_of_key
+from elasticd.records import NodeRecord, RecordError, RoundState, WaitingRecord
+from elasticd.rendezvous.protocol import LEAVE_KINDS, RendezvousView
+
+
+def _in_order(table: dict[int, list[tuple[int, str]]]) -> dict[int, list[str]]:
+    return {r: [n for _, n in sorted(v)] for r, v in table.items()}
+
+
+def _left_gracefully(record: bytes) -> bool:
+    try:
+        return NodeRecord.from_json(record).state in ("stopped", "draining")
+    except (ValueError, TypeError):
+        return False
+
+
+def _announced(kv: KV | None) -> tuple[int, tuple[str, ...]] | None:
+    """``rdzv/waiting`` as (round, nodes), or None if absent or not valid."""
+    if kv is None:
+        return None
+    try:
+        rec = WaitingRecord.from_json(kv.value)
+    except (RecordError, ValueError, TypeError):
+        return None
+    if not all(NODE_ID_RE.fullmatch(n) for n in rec.nodes):
+        return None
+    return rec.round, tuple(rec.nodes)
+
+
+class WatchedView:
+    """Thread-safe cache of ``nodes/`` and ``rdzv/``, fed by two prefix watches.
+
+    ``cond`` guards the tables and is notified on every change; ``version`` counts
+    changes, so a waiter can sleep until something happened (``wait_change``).
+    """
+
+    def __init__(self, keys: JobKeys, node_id: str = "") -> None:
+        self.keys = keys
+        self.node_id = node_id
+        self.cond = threading.Condition()
+        self.nodes: dict[str, KV] = {}  # the coordinator's only
+        self.left: set[str] = set()  # nodes whose last record said they stopped (a clean leave)
+        self.rdzv: dict[str, KV] = {}  # below rdzv/joins/
+        self.rdzv_hi: dict[str, KV] = {}  # above rdzv/joins/
+        self.joins: dict[str, KV] = {}  # the coordinator's only
+        self.full = False  # nodes/ and joins/ are watched and in sync (we coordinate)
+        self.own_joins: dict[int, int] = {}  # round -> lease id our join key was put on
+        self.lease_id = 0  # our current lease: own joins on an older one died with it
+        self.version = 0
+
+    def _apply(self, table: dict[str, KV], events: list[WatchEvent]) -> None:
+        with self.cond:
+            for ev in events:
+                if ev.value is None:
+                    gone = table.pop(ev.key, None)
+                    if gone is not None and table is self.nodes and _left_gracefully(gone.value):
+                        self.left.add(ev.key[len(self.keys.nodes_prefix):])
+                else:
+                    old = table.get(ev.key)
+                    create = old.create_revision if old else ev.mod_revision
+                    table[ev.key] = KV(ev.key, ev.value, ev.mod_revision, create, 0)
+            self.version += 1
+            self.cond.notify_all()
+
+    def _reset(self, table: dict[str, KV], kvs: list[KV]) -> None:
+        with self.cond:
+            table.clear()
+            table.update({kv.key: kv for kv in kvs})
+            self.version += 1
+            self.cond.notify_all()
+
+    def on_nodes(self, events: list[WatchEvent]) -> None:
+        self._apply(self.nodes, events)
+
+    def on_nodes_resync(self, kvs: list[KV], rev: int) -> None:
+        self._reset(self.nodes, kvs)
+
+    def on_rdzv(self, events: list[WatchEvent]) -> None:
+        self._apply(self.rdzv, events)
+
+    def on_rdzv_resync(self, kvs: list[KV], rev: int) -> None:
+        self._reset(self.rdzv, kvs)
+
+    def on_rdzv_hi(self, events: list[WatchEvent]) -> None:
+        self._apply(self.rdzv_hi, events)
+
+    def on_rdzv_hi_resync(self, kvs: list[KV], rev: int) -> None:
+        self._reset(self.rdzv_hi, kvs)
+
+    def on_joins(self, events: list[WatchEvent]) -> None:
+        self._apply(self.joins, events)
+
+    def on_joins_resync(self, kvs: list[KV], rev: int) -> None:
+        self._reset(self.joins, kvs)
+
+    def set_full(self, full: bool) -> None:
+        """The coordinator's full watches are in sync (True) or were given up (False)."""
+        with self.cond:
+            self.full = full
+            if not full:
+                self.nodes.clear()
+                self.joins.clear()
+            self.version += 1
+            self.cond.notify_all()
+
+    def add_own_join(self, round_: int, lease_id: int) -> None:
+        """Remember that we put our join key for ``round_`` on ``lease_id``."""
+        with self.cond:
+            self.own_joins[round_] = lease_id
+            self.version += 1
+            self.cond.notify_all()
+
+    def rdzv_get(self, key: str) -> KV | None:
+        """A key of ``rdzv/`` outside ``joins/`` (state, closed, coordinator...)."""
+        with self.cond:
+            return self.rdzv.get(key) or self.rdzv_hi.get(key)
+
+    def snapshot(self) -> tuple[RendezvousView, int]:
+        """The protocol's view, plus the state key's mod_revision (0 if absent)."""
+        k = self.keys
+        with self.cond:
+            rdzv = {**self.rdzv, **self.rdzv_hi}
+            state_kv = rdzv.get(k.rdzv_state)
+            state = RoundState.from_json(state_kv.value) if state_kv else None
+            holder = rdzv.get(k.rdzv_coordinator)
+            coordinator = holder.value.decode(errors="replace") if holder is not None else None
+            joins: dict[int, list[tuple[int, str]]] = {}
+            failures: dict[int, list[tuple[int, str]]] = {}
+            left: dict[int, dict[str, str]] = {}
+            for key, kv in rdzv.items():
+                r = round_of_key(key, k.failures_root)
+                if r is not None:
+                    failures.setdefault(r, []).append((kv.create_revision, key.rsplit("/", 1)[1]))
+                r = round_of_key(key, k.left_root)
+                if r is not None and (kind := kv.value.decode(errors="replace")) in LEAVE_KINDS:  # validated: anything else is a loss
+                    left.setdefault(r, {})[key.rsplit("/", 1)[1]] = kind
+            if self.full:
+                alive = frozenset(key[len(k.nodes_prefix):] for key in self.nodes)
+                for key, kv in self.joins.items():
+                    r = round_of_key(key, k.joins_root)
+                    if r is not None:
+                        joins.setdefault(r, []).append((kv.create_revision, key.rsplit("/", 1)[1]))
+            else:
+                alive = frozenset()
+                for r, lease in self.own_joins.items():
+                    if lease == self.lease_id:
+                        joins[r] = [(0, self.node_id)]
+            announced = _announced(rdzv.get(k.rdzv_waiting))
+            ordered = _in_order(joins)
+            if announced is not None and not self.full:
+                r, waiting = announced
+                ordered[r] = [*ordered.get(r, []), *(n for n in waiting if n != self.node_id)]
+            closed = k.rdzv_closed in rdzv
+            return (RendezvousView(state, alive, ordered, closed, _in_order(failures), left,
+                                   coordinator=coordinator, full=self.full, announced=announced),
+                    state_kv.mod_revision if state_kv else 0)
+
+    def touch(self) -> None:
+        """Count a change that came from outside the watches (our lease was lost), so
+        every ``wait_change`` returns at once."""
+        with self.cond:
+            self.version += 1
+            self.cond.notify_all()
+
+    def wait_change(self, version: int, timeout_s: float) -> None:
+        """Wait up to ``timeout_s`` unless the view changed since ``version``."""
+        with self.cond:
+            if self.version == version:
+                self.cond.wait(max(timeout_s, 0.0))

@@ -1,0 +1,63 @@
+"""Unit tests of the rendezvous handler's watched view (elasticd.rendezvous.view): what a
+coordinator and a non-coordinator see, fed with watch events directly (no etcd)."""
+
+from __future__ import annotations
+
+from elasticd.etcd.kv import KV, WatchEvent
+from elasticd.keys import JobKeys
+from elasticd.records import RoundState, WaitingRecord
+from elasticd.rendezvous.view import WatchedView
+
+K = JobKeys("j")
+
+
+def kv(key: str, value: str | bytes, rev: int) -> KV:
+    return KV(key, value.encode() if isinstance(value, str) else value, rev, rev, 0)
+
+
+def fed(node: str = "a") -> WatchedView:
+    v = WatchedView(K, node)
+    v.on_rdzv_resync([kv(K.rdzv_coordinator, "c", 2),
+                      kv(K.rdzv_state, RoundState(4, "final", ["a", "b"], 1, 4).to_json(), 3)], 3)
+    v.on_rdzv_hi_resync([kv(K.rdzv_waiting, WaitingRecord(5, ["d"]).to_json(), 4)], 4)
+    return v
+
+
+def test_partial_view_holds_own_joins_on_the_current_lease_and_announced_joiners():
+    """A non-coordinator sees no liveness, its own joins only while on the lease they were
+    put on, and the coordinator's announced joiners merged into the next round's joins."""
+    v = fed("a")
+    with v.cond:
+        v.lease_id = 7
+    v.add_own_join(5, 7)
+    view, rev = v.snapshot()
+    assert (view.full, view.coordinator, rev) == (False, "c", 3)
+    assert view.alive == frozenset() and view.joins == {5: ["a", "d"]}
+    assert view.announced == (5, ("d",))
+    with v.cond:
+        v.lease_id = 8  # re-registered: the old join died with the old lease
+    assert v.snapshot()[0].joins == {5: ["d"]}
+
+
+def test_full_view_has_nodes_and_joins_in_creation_order():
+    """The coordinator's view (full) takes liveness and joins from its own watches, joins
+    ordered by creation revision, not from announcements."""
+    v = fed("c")
+    v.on_nodes_resync([kv(K.node(n), "{}", 10 + i) for i, n in enumerate("abcd")], 20)
+    v.on_joins_resync([kv(K.join(5, "d"), "1", 30), kv(K.join(5, "b"), "1", 21)], 30)
+    v.set_full(True)
+    view, _ = v.snapshot()
+    assert view.full and view.alive == frozenset("abcd") and view.joins == {5: ["b", "d"]}
+    v.on_nodes([WatchEvent(K.node("b"), None, 31)])
+    assert "b" not in v.snapshot()[0].alive
+    v.set_full(False)  # stepped down: the tables are dropped
+    assert v.snapshot()[0].alive == frozenset()
+
+
+def test_malformed_waiting_record_is_ignored():
+    """rdzv/waiting that is not a valid record (or names an invalid node id) is not used."""
+    v = fed("a")
+    v.on_rdzv_hi([WatchEvent(K.rdzv_waiting, b'{"round": 5, "nodes": ["../x"]}', 9)])
+    assert v.snapshot()[0].announced is None
+    v.on_rdzv_hi([WatchEvent(K.rdzv_waiting, b"not json", 10)])
+    assert v.snapshot()[0].announced is None
