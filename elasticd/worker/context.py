@@ -92,9 +92,29 @@ class _State:
     pending: Any = None  # async all-reduce work of the previous should_stop()
     old_sigterm: Any = None
     guards_installed: bool = False  # teardown guards (once per process)
+    # The sockets our process groups opened ("socket:[inode]" links in /proc/self/fd): the
+    # only ones live re-formation may shut down to wake a wait on a frozen peer.
+    group_sockets: frozenset[str] = frozenset()
 
 
 _S = _State()
+
+
+def socket_links() -> set[str]:
+    """This process's open sockets, as ``socket:[inode]`` links of /proc/self/fd."""
+    links: set[str] = set()
+    try:
+        names = os.listdir("/proc/self/fd")
+    except OSError:  # no procfs: nothing is known, so nothing will be shut down
+        return links
+    for name in names:
+        try:
+            link = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:
+            continue
+        if link.startswith("socket:"):
+            links.add(link)
+    return links
 
 
 def _env_int(name: str, default: int) -> int:
@@ -171,7 +191,9 @@ def init(backend: str | None = None, *, timeout_s: float = DEFAULT_COLLECTIVE_TI
         kwargs: dict[str, Any] = {"backend": backend, "timeout": timedelta(seconds=timeout_s)}
         if backend == "nccl":
             kwargs["device_id"] = device
+        before = socket_links()
         dist.init_process_group(**kwargs)
+        _S.group_sockets = frozenset(socket_links() - before)
     control_dir = agent.control_dir if agent else os.environ.get(ENV_CONTROL_DIR)
     socket_path = agent.socket_path if agent else None
     _S.ctx = WorkerContext(
@@ -193,7 +215,9 @@ def init(backend: str | None = None, *, timeout_s: float = DEFAULT_COLLECTIVE_TI
     _S.flag = torch.zeros(2, dtype=torch.int32)
     _install_teardown_guards()
     if dist.is_initialized():
+        before = socket_links()
         _S.stop_group = dist.new_group(backend="gloo") if backend != "gloo" else dist.group.WORLD
+        _S.group_sockets |= socket_links() - before
     return _S.ctx
 
 
@@ -294,9 +318,11 @@ def rejoin(rank: int, world_size: int, round_: int, master_addr: str, master_por
                               "rank": rank, "world_size": world_size}
     if ctx.backend == "nccl":
         kwargs["device_id"] = ctx.device
+    before = socket_links()
     dist.init_process_group(**kwargs)
     _S.ctx = dataclasses.replace(ctx, rank=rank, world_size=world_size, round=round_)
     _S.stop_group = dist.new_group(backend="gloo") if ctx.backend != "gloo" else dist.group.WORLD
+    _S.group_sockets = frozenset(socket_links() - before)
     _S.pending, _S.stopped = None, False
     return _S.ctx
 

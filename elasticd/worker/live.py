@@ -26,6 +26,7 @@ object does nothing but call ``should_stop``.
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 import threading
 import time
@@ -155,33 +156,33 @@ def broadcast_state(sd: dict[str, Any] | None, src: int, device: torch.device) -
     return _join(skeleton, tensors)
 
 
-def shutdown_tcp_connections() -> int:
-    """Shut down this process's connected TCP sockets (not listeners, not HTTP(S)).
+def shutdown_group_connections(links: frozenset[str]) -> int:
+    """Shut down the TCP connections our process groups opened (``links``), nothing else.
 
     Used only while the old group's collective is stuck on a frozen peer and a newer round
     was ordered: the waiting thread sees the connection closed and fails, as after a kill.
-    gloo gives no other way to wake a local wait (``abort()`` does not).
+    gloo gives no other way to wake a local wait (``abort()`` does not). ``links`` are the
+    sockets that appeared while the groups were created (``context.socket_links``), so a
+    user's own connections (a data server, object storage, a tracker) are never touched.
 
     Returns:
         How many sockets were shut down.
     """
-    import os
     import socket
 
     count = 0
     for name in os.listdir("/proc/self/fd"):
         try:
-            if not os.readlink(f"/proc/self/fd/{name}").startswith("socket:"):
+            if os.readlink(f"/proc/self/fd/{name}") not in links:
                 continue
             s = socket.socket(fileno=os.dup(int(name)))
         except (OSError, ValueError):
             continue
         try:
             if s.family in (socket.AF_INET, socket.AF_INET6) and s.type == socket.SOCK_STREAM:
-                peer = s.getpeername()  # raises for listeners and unconnected sockets
-                if peer[1] not in (80, 443):  # a user's HTTP(S) connection is not the group's
-                    s.shutdown(socket.SHUT_RDWR)
-                    count += 1
+                s.getpeername()  # raises for listeners and unconnected sockets
+                s.shutdown(socket.SHUT_RDWR)
+                count += 1
         except OSError:
             pass
         finally:
@@ -258,7 +259,7 @@ class LiveState:
             # wake our own wait on a frozen peer: shutting the connections down does.
             time.sleep(0.2)
             if not self._in_reform and (wctx.current_round() or 0) < order.round:
-                closed = shutdown_tcp_connections()
+                closed = shutdown_group_connections(wctx._S.group_sockets)
                 self._log.info("live_connections_shut_down", count=closed, round=order.round)
             time.sleep(1.0)  # the loop notices (a failed collective) and re-forms
 

@@ -77,3 +77,27 @@ def test_only_peer_failures_trigger_a_reformation():
     assert _is_collective_failure(RuntimeError("[pair.cc:537] Read error: Connection reset by peer"))
     assert not _is_collective_failure(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
     assert not _is_collective_failure(ValueError("bad"))
+
+
+def test_only_the_groups_own_connections_are_shut_down():
+    """Waking a wait on a frozen peer shuts down the sockets the process groups opened,
+    never a user's own TCP connection (a data server, storage, a tracker)."""
+    import socket
+
+    from elasticd.worker.context import socket_links
+    from elasticd.worker.live import shutdown_group_connections
+
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        before = socket_links()
+        group_side = socket.create_connection(server.getsockname())
+        group_links = frozenset(socket_links() - before)
+        user_side = socket.create_connection(server.getsockname())
+        peers = [server.accept()[0], server.accept()[0]]
+        try:
+            assert shutdown_group_connections(group_links) == 1
+            user_side.sendall(b"still open")
+            assert peers[1].recv(16) == b"still open"
+            assert peers[0].recv(16) == b""  # the group's connection was shut down
+        finally:
+            for s in (group_side, user_side, *peers):
+                s.close()
