@@ -155,7 +155,8 @@ def probe(backend: str, ranks: int, mib: int, timeout_s: float) -> dict[str, Any
     out = os.path.join(tempfile.mkdtemp(prefix="elasticd-live-probe-"), "r")
     p1, p2 = _free_port(), _free_port()
     roles = ["survivor", "victim", "joiner"] if ranks == 2 else ["survivor"]
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    root = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
     procs = [subprocess.Popen([sys.executable, __file__, "--worker", role, "--backend", backend,
                                "--port1", str(p1), "--port2", str(p2), "--world", str(ranks),
                                "--mib", str(mib), "--out", out], env=env, start_new_session=True)

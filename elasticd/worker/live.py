@@ -374,8 +374,11 @@ class LiveState:
     def _sync(self, load: Callable[[], int] | None) -> None:
         """Agree on the newest completed step; its holder broadcasts to those behind."""
         ctx = wctx.context()
-        mine = torch.tensor([self.step if self._has_state else -2], dtype=torch.int64)
-        steps = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size())]
+        # On the group's own device: an NCCL group has no CPU backend (the GPU check found
+        # "No backend type associated with device type cpu").
+        device = ctx.device if ctx.backend == "nccl" else torch.device("cpu")
+        mine = torch.tensor([self.step if self._has_state else -2], dtype=torch.int64, device=device)
+        steps = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(dist.get_world_size())]
         dist.all_gather(steps, mine)
         values = [int(t.item()) for t in steps]
         newest = max(values)
@@ -390,7 +393,7 @@ class LiveState:
             return
         t0 = time.monotonic()
         sd = self._collect() if ctx.rank == src else None
-        received = broadcast_state(sd, src, ctx.device if ctx.backend == "nccl" else torch.device("cpu"))
+        received = broadcast_state(sd, src, device)
         if ctx.rank != src and values[ctx.rank] != newest:
             self._apply(received)
         self.step = newest
