@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 
 import pytest
+import structlog
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tests"))
@@ -14,6 +16,24 @@ from harness import Node, elasticd_argv  # noqa: E402
 
 from elasticd.etcd.client import EtcdClient  # noqa: E402
 from elasticd.etcd.embedded import EmbeddedEtcd  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _fresh_logging():
+    """Every test starts with elasticd's logging unconfigured. An in-process CLI run (status,
+    agent --check-config) configures it on the stream pytest captured for that test; a
+    later test must not inherit handlers writing into that dead buffer."""
+    handlers, level = logging.root.handlers[:], logging.root.level
+    yield
+    from elasticd import logs
+
+    logs._configured, logs._format = False, None
+    structlog.reset_defaults()
+    for handler in logging.root.handlers[:]:
+        if handler not in handlers:
+            logging.root.removeHandler(handler)
+    logging.root.setLevel(level)
+    logging.captureWarnings(False)
 
 
 @pytest.fixture

@@ -203,6 +203,8 @@ def test_wrong_password_and_plaintext_credentials_are_config_errors(auth_etcd):
         assert proc.returncode == 78, proc.stderr[-3000:]
         assert "Traceback" not in proc.stderr
         errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("elasticd")]
+        errors += [json.loads(ln)["message"] for ln in proc.stderr.splitlines()
+                   if ln.startswith("{") and '"agent_error"' in ln]
         assert len(errors) == 1 and "refused the credentials" in errors[0], proc.stderr[-3000:]
         assert "not-the-password" not in proc.stderr
 
