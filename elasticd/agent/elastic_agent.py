@@ -11,7 +11,7 @@ error files, log tee). We replace its ``_invoke_run`` loop, because torch's loop
 
 The loop gathers facts each tick (reads only: the watch cache, the control dir, the
 progress board) and asks ``policy.decide`` what to do; the act step then does the tick's
-writes (failure report, progress, heartbeat) and carries out the verdict, so a slow etcd
+writes (failure report, progress, beat: ``ticks.py``) and carries out the verdict, so a slow etcd
 delays the act step, never the look. The loop's state is one ``AgentPhase`` value
 (``supervision.py``), replaced on each transition. Signal handlers only bump counters;
 all work happens here, between ticks.
@@ -34,9 +34,11 @@ from elasticd.agent.commits import CommitRetrier
 from elasticd.agent.policy import Decision, Facts, GroupState, Verdict, decide
 from elasticd.agent.recorder import JobRecorder
 from elasticd.agent.reform import LiveReformer, live_tick
-from elasticd.agent.summary import failure_summary, first_failure, print_summary
+from elasticd.agent.standbys import StandbyCare
+from elasticd.agent.summary import failure_summary, print_summary
 from elasticd.agent.supervision import AgentPhase, Outcome, SupervisionSettings
-from elasticd.agent.warm import StandbyPool, torch_loaded, warm_handlers
+from elasticd.agent.ticks import TickWrites
+from elasticd.agent.warm import StandbyPool, warm_handlers
 from elasticd.agent.worker_env import agent_worker_env, spawn_environment
 from elasticd.agent.worker_exec import request_stacks
 from elasticd.control import ControlChannel
@@ -55,7 +57,7 @@ from elasticd.retry import restart_backoff_s
 log = structlog.get_logger(__name__)
 
 
-class ElasticdAgent(LocalElasticAgent):
+class ElasticdAgent(TickWrites, StandbyCare, LocalElasticAgent):
     """LocalElasticAgent driven by elasticd's policy (see module docstring)."""
 
     def __init__(self, spec: Any, settings: SupervisionSettings, handler: EtcdRendezvousHandler,
@@ -213,53 +215,6 @@ class ElasticdAgent(LocalElasticAgent):
                 return result
             self._refill_standby(wg.state)
 
-    def _refill_standby(self, state: WorkerState) -> None:
-        """Start missing standbys once the group trains (its first step, or a while).
-
-        Not earlier: on a small machine the standbys' imports would slow the workers' own
-        start, which is exactly what a recovery waits for.
-        """
-        if not self.standby.enabled or state != WorkerState.HEALTHY or self.phase.draining:
-            return
-        if not self.standby.missing(range(self._worker_group.spec.local_world_size)):
-            return
-        board, now = self.control.progress, time.monotonic()
-        trained = board.max_step() >= 0 and now - board.first_advance >= self.settings.standby_delay_s
-        if trained or now - self._group_started_at >= self.settings.standby_after_s or self._workers_running(now):
-            self.standby.fill(self._worker_envs)
-
-    def _joining_running_job(self) -> bool:
-        """A final round without us exists: we join a job that trains (one read, best effort)."""
-        from elasticd.records import RoundState
-
-        try:
-            kv = self.handler.client.get(self.handler.keys.rdzv_state)
-            state = RoundState.from_json(kv.value) if kv is not None else None
-        except Exception:  # noqa: BLE001 - only an optimisation: a failed read means "no"
-            return False
-        return state is not None and state.phase == "final" and self.handler.node_id not in state.members
-
-    def _wait_for_standbys(self, n: int, timeout_s: float = 60.0) -> None:
-        start = time.monotonic()
-        while time.monotonic() - start < timeout_s and not self.stop_signals:
-            if self.standby.ready(range(n)):
-                self._log.info("standbys_ready", seconds=round(time.monotonic() - start, 2))
-                return
-            time.sleep(0.05)
-
-    def _workers_running(self, now: float) -> bool:
-        """A plain script's group runs (every worker has imported torch), checked ≤ 1/s.
-
-        Such scripts report no steps, so this is what lets their standbys be refilled as
-        soon as the new group runs rather than ``standby_after_s`` later: a second fault
-        soon after the first then still finds a warm worker.
-        """
-        if now - self._running_checked_at < 1.0 or self._pcontext is None:
-            return False
-        self._running_checked_at = now
-        pids = list(self._pcontext.pids().values())
-        return bool(pids) and all(torch_loaded(p) for p in pids)
-
     def _facts(self, result: RunResult, now: float) -> Facts:
         """This tick's decision inputs. Read-only: no etcd write, no phase change (the
         first sight of a failure or of completion is recorded by ``_record_tick``)."""
@@ -322,56 +277,10 @@ class ElasticdAgent(LocalElasticAgent):
         self._done_checked_at = now
         return self.control.done_count() >= self._worker_group.spec.local_world_size
 
-    def _record_tick(self, facts: Facts, result: RunResult, now: float) -> None:
-        """The tick's writes, before its verdict is carried out: a failure's first sight
-        (reported to etcd, where the peers' attribution reads it), the first sight of
-        completion, progress and the heartbeat. Before the verdict, because a restart
-        moves this node to the next round."""
-        failed = facts.group_state in (GroupState.FAILED, GroupState.UNHEALTHY)
-        if failed and not facts.draining and self.phase.failure_seen_at is None:
-            self.phase = self.phase.failure_seen(now)
-            self._report_failure(result)
-        if facts.workers_done and self.phase.done_at is None:
-            self.phase = self.phase.done(now)
-        self._heartbeat(now)
-
     def _attribute(self) -> tuple[Attribution, str]:
         rnd = self.handler.round if self.handler.round is not None else -1
         return attribute_failure(self.handler.view(), rnd, self.handler.node_id)
 
-    def _report_failure(self, result: RunResult) -> None:
-        first = first_failure(result)
-        detail = f"rank {first[0]}: {first[1]}" if first else "worker failure"
-        try:
-            self.handler.report_failure(detail)
-        except (TransientError, LeaseLostError) as exc:
-            self._log.warning("failure_report_not_written", error=str(exc))
-        self.recorder.event("failure", detail, exit_code=first[2] if first else None)
-
-    def _heartbeat(self, now: float) -> None:
-        board = self.control.progress
-        wg = self._worker_group
-        if wg.group_rank == 0 and board.max_step() >= 0:
-            snap = board.snapshot()
-            top = max(snap.values(), key=lambda p: p.step)
-            losses = [p.loss for p in snap.values() if p.loss is not None and p.step == top.step]
-            self.recorder.progress(top.step, top.epoch, top.samples_trained,
-                                   (wg.group_world_size or 0) * wg.spec.local_world_size,
-                                   loss=sum(losses) / len(losses) if losses else None)
-            if self.metrics is not None:
-                self.metrics.set_step(top.step)
-        fault_at = self.phase.fault_at
-        if fault_at is not None and board.max_step() >= 0 and wg.state == WorkerState.HEALTHY:
-            if self.metrics is not None:
-                self.metrics.observe_recovery_s(now - fault_at)
-            self.phase = self.phase.recovered()
-        if now - self._last_heartbeat >= self.settings.beat_interval_s:
-            # The beat, not the node record: peers watch nodes/, so a periodic record
-            # rewrite would cost every peer an event; nobody watches beats/.
-            self._last_heartbeat = now
-            self.recorder.beat(board.max_step(), wg.spec.local_world_size)
-        if self.notifier is not None:
-            self.notifier.watchdog()
 
     def _act(self, decision: Decision, result: RunResult) -> bool:
         """Carry out one decision. Returns True when the run is over."""

@@ -1,0 +1,86 @@
+"""The agent loop's writes of a tick, done in the act step (never while gathering facts).
+
+A mixin of ``ElasticdAgent``: a failure's first sight (reported to etcd, where the peers'
+attribution reads it), the first sight of completion, the job's progress (with the loss
+the local ranks reported), the node's beat and the systemd watchdog. Kept apart from the
+loop because they are the loop's only etcd writes per tick: a slow etcd delays them, and
+nothing else.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import structlog
+from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
+
+from elasticd.agent.policy import Facts, GroupState
+from elasticd.agent.recorder import JobRecorder
+from elasticd.agent.summary import first_failure
+from elasticd.agent.supervision import AgentPhase, SupervisionSettings
+from elasticd.control import ControlChannel
+from elasticd.errors import LeaseLostError, TransientError
+from elasticd.rendezvous.etcd_handler import EtcdRendezvousHandler
+
+
+class TickWrites:
+    """The act step's per-tick writes (mixed into ``ElasticdAgent``, whose state they use)."""
+
+    settings: SupervisionSettings
+    handler: EtcdRendezvousHandler
+    control: ControlChannel
+    recorder: JobRecorder
+    metrics: Any
+    notifier: Any
+    phase: AgentPhase
+    _worker_group: WorkerGroup
+    _last_heartbeat: float
+    _log: structlog.typing.FilteringBoundLogger
+
+    def _record_tick(self, facts: Facts, result: RunResult, now: float) -> None:
+        """The tick's writes, before its verdict is carried out: a failure's first sight
+        (reported to etcd, where the peers' attribution reads it), the first sight of
+        completion, progress and the heartbeat. Before the verdict, because a restart
+        moves this node to the next round."""
+        failed = facts.group_state in (GroupState.FAILED, GroupState.UNHEALTHY)
+        if failed and not facts.draining and self.phase.failure_seen_at is None:
+            self.phase = self.phase.failure_seen(now)
+            self._report_failure(result)
+        if facts.workers_done and self.phase.done_at is None:
+            self.phase = self.phase.done(now)
+        self._heartbeat(now)
+
+
+    def _report_failure(self, result: RunResult) -> None:
+        first = first_failure(result)
+        detail = f"rank {first[0]}: {first[1]}" if first else "worker failure"
+        try:
+            self.handler.report_failure(detail)
+        except (TransientError, LeaseLostError) as exc:
+            self._log.warning("failure_report_not_written", error=str(exc))
+        self.recorder.event("failure", detail, exit_code=first[2] if first else None)
+
+    def _heartbeat(self, now: float) -> None:
+        board = self.control.progress
+        wg = self._worker_group
+        if wg.group_rank == 0 and board.max_step() >= 0:
+            snap = board.snapshot()
+            top = max(snap.values(), key=lambda p: p.step)
+            losses = [p.loss for p in snap.values() if p.loss is not None and p.step == top.step]
+            self.recorder.progress(top.step, top.epoch, top.samples_trained,
+                                   (wg.group_world_size or 0) * wg.spec.local_world_size,
+                                   loss=sum(losses) / len(losses) if losses else None)
+            if self.metrics is not None:
+                self.metrics.set_step(top.step)
+        fault_at = self.phase.fault_at
+        if fault_at is not None and board.max_step() >= 0 and wg.state == WorkerState.HEALTHY:
+            if self.metrics is not None:
+                self.metrics.observe_recovery_s(now - fault_at)
+            self.phase = self.phase.recovered()
+        if now - self._last_heartbeat >= self.settings.beat_interval_s:
+            # The beat, not the node record: peers watch nodes/, so a periodic record
+            # rewrite would cost every peer an event; nobody watches beats/.
+            self._last_heartbeat = now
+            self.recorder.beat(board.max_step(), wg.spec.local_world_size)
+        if self.notifier is not None:
+            self.notifier.watchdog()
