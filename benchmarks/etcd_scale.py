@@ -107,7 +107,8 @@ def child_main(args: argparse.Namespace, index: int) -> int:
     import structlog
 
     from elasticd.etcd.client import EtcdClient
-    from elasticd.rendezvous.etcd_handler import EtcdRendezvousHandler, RendezvousSettings
+    from elasticd.rendezvous.etcd_handler import EtcdRendezvousHandler
+    from elasticd.rendezvous.settings import RendezvousSettings
 
     # Logs to stderr (the zygote's .err file): stdout carries the JSON lines for the parent.
     structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))

@@ -106,7 +106,8 @@ def child_main(args: argparse.Namespace) -> int:
 def build_handlers(args: argparse.Namespace) -> list[object]:
     if args.child == "elasticd":
         from elasticd.etcd.client import EtcdClient
-        from elasticd.rendezvous.etcd_handler import EtcdRendezvousHandler, RendezvousSettings
+        from elasticd.rendezvous.etcd_handler import EtcdRendezvousHandler
+        from elasticd.rendezvous.settings import RendezvousSettings
 
         settings = RendezvousSettings(min_nodes=args.total, max_nodes=args.total, node_ttl_s=5,
                                       join_timeout_s=args.round_timeout, local_addr="127.0.0.1")

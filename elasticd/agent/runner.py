@@ -42,7 +42,8 @@ from elasticd.logs import (
     error_line,
     resolve_worker_log_dir,
 )
-from elasticd.rendezvous.etcd_handler import EtcdRendezvousHandler, RendezvousSettings
+from elasticd.rendezvous.etcd_handler import EtcdRendezvousHandler
+from elasticd.rendezvous.settings import RendezvousSettings
 from elasticd.retry import call_with_retry
 from elasticd.stopmarks import restart_hint
 

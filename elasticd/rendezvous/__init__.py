@@ -9,6 +9,7 @@
 - ``registry.py``: registration with torch and the ``torchrun.handlers`` entry point.
 """
 
-from elasticd.rendezvous.etcd_handler import EtcdRendezvousHandler, RendezvousSettings
+from elasticd.rendezvous.etcd_handler import EtcdRendezvousHandler
+from elasticd.rendezvous.settings import RendezvousSettings
 
 __all__ = ["EtcdRendezvousHandler", "RendezvousSettings"]

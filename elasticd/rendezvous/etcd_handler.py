@@ -18,12 +18,10 @@
 
 from __future__ import annotations
 
-import os
-import socket
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import structlog
@@ -61,31 +59,10 @@ from elasticd.rendezvous.protocol import (
     outage_window_s,
 )
 from elasticd.rendezvous.session import NodeSession, retry_rdzv
+from elasticd.rendezvous.settings import RendezvousSettings, default_node_id
 from elasticd.rendezvous.view import WatchedView
 
 log = structlog.get_logger(__name__)
-
-
-@dataclass(frozen=True)
-class RendezvousSettings:
-    """Timing and size of the rendezvous (all durations in seconds)."""
-
-    min_nodes: int
-    max_nodes: int
-    node_ttl_s: int = 5
-    join_timeout_s: float = 600.0
-    last_call_timeout_s: float = 1.0
-    close_timeout_s: float = 30.0
-    store_timeout_s: float = 300.0
-    local_addr: str | None = None
-    worker_log_dir: str | None = None  # published in the node record, for `elasticd status`
-    election_timeout_s: float = 1.0  # the etcd members' --election-timeout (outage grace)
-
-
-def default_node_id() -> str:
-    """``<host>-<pid>``: unique per agent process on a machine, readable in ``status``."""
-    host = socket.gethostname().split(".")[0] or "node"
-    return f"{host}-{os.getpid()}"
 
 
 class EtcdRendezvousHandler(RendezvousHandler):

@@ -94,7 +94,8 @@ def create_handler(params: RendezvousParameters) -> RendezvousHandler:
     # imports torch's rendezvous package, torch loads this module (our torchrun.handlers
     # entry point) while etcd_handler is still half-initialised; a top-level import then
     # fails as circular, leaving etcd-v3 unregistered and a traceback in every log.
-    from elasticd.rendezvous.etcd_handler import EtcdRendezvousHandler, RendezvousSettings
+    from elasticd.rendezvous.etcd_handler import EtcdRendezvousHandler
+    from elasticd.rendezvous.settings import RendezvousSettings
 
     # Under plain torchrun nobody else configures structlog; importing the package must not.
     ensure_configured()

@@ -44,6 +44,7 @@ from elasticd.control import (
 )
 from elasticd.control.api import ENV_LIVE, PARK_FILE
 from elasticd.errors import EX_CONFIG, ConfigError
+from elasticd.worker.sockets import socket_links
 
 DEFAULT_COLLECTIVE_TIMEOUT_S = 300.0
 PROGRESS_MIN_INTERVAL_S = 0.2
@@ -98,23 +99,6 @@ class _State:
 
 
 _S = _State()
-
-
-def socket_links() -> set[str]:
-    """This process's open sockets, as ``socket:[inode]`` links of /proc/self/fd."""
-    links: set[str] = set()
-    try:
-        names = os.listdir("/proc/self/fd")
-    except OSError:  # no procfs: nothing is known, so nothing will be shut down
-        return links
-    for name in names:
-        try:
-            link = os.readlink(f"/proc/self/fd/{name}")
-        except OSError:
-            continue
-        if link.startswith("socket:"):
-            links.add(link)
-    return links
 
 
 def _env_int(name: str, default: int) -> int:

@@ -41,6 +41,7 @@ import elasticd.worker.context  # noqa: E402,F401 - loaded here, looked up below
 from elasticd.checkpoint import rng
 from elasticd.control.api import LIVE_PREFIX, PARKED_PREFIX, REFORMED_PREFIX, STOPPED_PREFIX
 from elasticd.control.reform import read_order, write_marker
+from elasticd.worker.sockets import shutdown_group_connections
 
 wctx = sys.modules["elasticd.worker.context"]  # the module, not the package's context()
 
@@ -154,40 +155,6 @@ def broadcast_state(sd: dict[str, Any] | None, src: int, device: torch.device) -
                 tensors[i] = flat[offset:offset + n].view(tensors[i].shape).to("cpu").clone()
                 offset += n
     return _join(skeleton, tensors)
-
-
-def shutdown_group_connections(links: frozenset[str]) -> int:
-    """Shut down the TCP connections our process groups opened (``links``), nothing else.
-
-    Used only while the old group's collective is stuck on a frozen peer and a newer round
-    was ordered: the waiting thread sees the connection closed and fails, as after a kill.
-    gloo gives no other way to wake a local wait (``abort()`` does not). ``links`` are the
-    sockets that appeared while the groups were created (``context.socket_links``), so a
-    user's own connections (a data server, object storage, a tracker) are never touched.
-
-    Returns:
-        How many sockets were shut down.
-    """
-    import socket
-
-    count = 0
-    for name in os.listdir("/proc/self/fd"):
-        try:
-            if os.readlink(f"/proc/self/fd/{name}") not in links:
-                continue
-            s = socket.socket(fileno=os.dup(int(name)))
-        except (OSError, ValueError):
-            continue
-        try:
-            if s.family in (socket.AF_INET, socket.AF_INET6) and s.type == socket.SOCK_STREAM:
-                s.getpeername()  # raises for listeners and unconnected sockets
-                s.shutdown(socket.SHUT_RDWR)
-                count += 1
-        except OSError:
-            pass
-        finally:
-            s.close()  # closes our duplicate only
-    return count
 
 
 class LiveState:
@@ -429,6 +396,5 @@ class LiveState:
 
 
 def _pid() -> int:
-    import os
 
     return os.getpid()

@@ -15,7 +15,8 @@ from elasticd.checkpoint.catalog import list_checkpoints
 from elasticd.control import ControlChannel, ControlClient
 from elasticd.errors import FencedError
 from elasticd.etcd.client import EtcdClient
-from elasticd.rendezvous.etcd_handler import EtcdRendezvousHandler, RendezvousSettings
+from elasticd.rendezvous.etcd_handler import EtcdRendezvousHandler
+from elasticd.rendezvous.settings import RendezvousSettings
 from elasticd.worker.fence import AgentCommitFence
 
 pytestmark = pytest.mark.timeout(90)

@@ -11,8 +11,9 @@ import pytest
 from harness import wait_until
 
 from elasticd.etcd.client import EtcdClient
-from elasticd.rendezvous.etcd_handler import EtcdRendezvousHandler, RendezvousSettings
+from elasticd.rendezvous.etcd_handler import EtcdRendezvousHandler
 from elasticd.rendezvous.protocol import MembershipChange
+from elasticd.rendezvous.settings import RendezvousSettings
 
 pytestmark = pytest.mark.timeout(60)
 

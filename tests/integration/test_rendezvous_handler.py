@@ -29,10 +29,11 @@ from elasticd.etcd.embedded import EmbeddedEtcd, free_port
 from elasticd.etcd.lease import LeaseKeeper
 from elasticd.keys import JobKeys
 from elasticd.records import NodeRecord
-from elasticd.rendezvous.etcd_handler import EtcdRendezvousHandler, RendezvousSettings
+from elasticd.rendezvous.etcd_handler import EtcdRendezvousHandler
 from elasticd.rendezvous.etcd_store import EtcdStore
 from elasticd.rendezvous.protocol import LEFT_DRAINED, MembershipChange
 from elasticd.rendezvous.registry import create_handler
+from elasticd.rendezvous.settings import RendezvousSettings
 
 pytestmark = pytest.mark.timeout(60)
 

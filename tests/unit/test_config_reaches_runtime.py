@@ -21,7 +21,7 @@ from elasticd.agent.settings import node_spec
 from elasticd.config import load_config, model
 from elasticd.config.flags import FLAGS, NO_FLAG
 from elasticd.config.schema import KEYS, REQUIRED
-from elasticd.rendezvous.etcd_handler import RendezvousSettings
+from elasticd.rendezvous.settings import RendezvousSettings
 
 BASE = {"job.name": "walk", "workers.command": ("train.py",), "etcd.endpoints": "10.0.0.1:2379"}
 

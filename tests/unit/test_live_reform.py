@@ -84,8 +84,7 @@ def test_only_the_groups_own_connections_are_shut_down():
     never a user's own TCP connection (a data server, storage, a tracker)."""
     import socket
 
-    from elasticd.worker.context import socket_links
-    from elasticd.worker.live import shutdown_group_connections
+    from elasticd.worker.sockets import shutdown_group_connections, socket_links
 
     with socket.create_server(("127.0.0.1", 0)) as server:
         before = socket_links()

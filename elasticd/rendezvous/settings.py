@@ -1,0 +1,29 @@
+"""The rendezvous's settings: timing and size, shared by the handler, the agent and torchrun."""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class RendezvousSettings:
+    """Timing and size of the rendezvous (all durations in seconds)."""
+
+    min_nodes: int
+    max_nodes: int
+    node_ttl_s: int = 5
+    join_timeout_s: float = 600.0
+    last_call_timeout_s: float = 1.0
+    close_timeout_s: float = 30.0
+    store_timeout_s: float = 300.0
+    local_addr: str | None = None
+    worker_log_dir: str | None = None  # published in the node record, for `elasticd status`
+    election_timeout_s: float = 1.0  # the etcd members' --election-timeout (outage grace)
+
+
+def default_node_id() -> str:
+    """``<host>-<pid>``: unique per agent process on a machine, readable in ``status``."""
+    host = socket.gethostname().split(".")[0] or "node"
+    return f"{host}-{os.getpid()}"
