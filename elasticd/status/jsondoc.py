@@ -106,6 +106,8 @@ def job_summary(s: JobStatus) -> dict[str, Any]:
         "round_phase": s.round_phase,
         "round_opened_at": rfc3339(s.round_opened_at),
         "round_completed_at": rfc3339(s.round_completed_at),
+        "round_cause": s.round_cause,
+        "round_changed": list(s.round_changed),
         "nodes": s.nodes_in_round,
         "min_nodes": s.min_nodes,
         "max_nodes": s.max_nodes,

@@ -78,6 +78,8 @@ class JobStatus:
     round_phase: str | None = None
     round_opened_at: float | None = None
     round_completed_at: float | None = None
+    round_cause: str | None = None  # why the round was opened (member_lost, member_left, ...)
+    round_changed: tuple[str, ...] = ()  # ... and the nodes concerned
     nodes_in_round: int = 0
     min_nodes: int | None = None
     max_nodes: int | None = None
@@ -284,7 +286,9 @@ def derive_status(snap: JobSnapshot, now: float, *, window_s: float = DEFAULT_WI
         degraded_reasons=tuple(degraded_reasons), exit_code=exit_code, now=now,
         revision=snap.revision, closed=snap.closed, round=current,
         round_phase=rs.phase if rs else None, round_opened_at=(rs.opened_at or None) if rs else None,
-        round_completed_at=rs.completed_at if rs else None, nodes_in_round=len(members),
+        round_completed_at=rs.completed_at if rs else None,
+        round_cause=(rs.cause or None) if rs else None,
+        round_changed=tuple(rs.changed) if rs else (), nodes_in_round=len(members),
         min_nodes=rs.min_nodes if rs else None, max_nodes=rs.max_nodes if rs else None,
         world_size=world_size, waiting_nodes=waiting, recovered_at=recovered_at,
         recovered_from=recovered_from, progress=_progress_now(snap, current),

@@ -232,6 +232,9 @@ def render_header(s: JobStatus) -> Table:
             since = f", formed {format_age(s.now - s.round_completed_at)} ago"
         elif s.round_opened_at:
             since = f", opened {format_age(s.now - s.round_opened_at)} ago"
+        if s.round_cause:
+            since += f"; opened for {s.round_cause.replace('_', ' ')}"
+            since += f": {', '.join(s.round_changed[:3])}" if s.round_changed else ""
         grid.add_row("round", Text(f"{s.round} ({s.round_phase}{since})"))
         size = f"{s.nodes_in_round} nodes (min {s.min_nodes}, max {s.max_nodes})"
         size += f", world size {s.world_size}" if s.world_size is not None else ""

@@ -358,3 +358,12 @@ def test_operator_stop_and_drain_marks_are_named():
     small = derive_status(replace(snap(max_nodes=3), drain_marks=("c",)), NOW)
     assert small.exit_code == EXIT_DEGRADED
     assert small.degraded_reasons == ("2 of max 3 nodes", "kept out by `elasticd drain`: c")
+
+
+def test_the_cause_of_the_round_is_shown():
+    """A round opened by the coordinator for a lost member says so, with the node."""
+    s = snap()
+    s = replace(s, round_state=replace(s.round_state, cause="member_lost", changed=["c"]))
+    st = derive_status(s, NOW)
+    assert (st.round_cause, st.round_changed) == ("member_lost", ("c",))
+    assert derive_status(snap(), NOW).round_cause is None
