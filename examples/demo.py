@@ -112,13 +112,19 @@ def main() -> int:
             t_kill = time.time()
             nodes[1].kill()
             killed_at = max(r["step"] for r in steps(nodes))
-            wait_for(lambda: sum(r["world_size"] == 1 for r in steps(nodes)) >= 3, 60,
-                     "training at world size 1")
-            resumed = min(r["step"] for r in steps(nodes) if r["world_size"] == 1)
+            killed_round = max(r.get("round") or 0 for r in steps(nodes))
+
+            def after_kill() -> list[dict]:
+                return [r for r in steps(nodes) if r["world_size"] == 1
+                        and (r.get("round") or 0) > killed_round]
+
+            wait_for(lambda: len(after_kill()) >= 3, 60, "training at world size 1")
+            resumed = min(r["step"] for r in after_kill())
             retrained = max(killed_at - resumed + 1, 0)
             print(f"   node-a trains on alone {time.time() - t_kill:.1f}s after the kill, from step "
                   f"{resumed}: {retrained} step(s) retrained (the last step before the kill was "
-                  f"{killed_at}; a restart resumes from the newest checkpoint)")
+                  f"{killed_at}; live re-formation keeps the survivor's state, a restart "
+                  "resumes from the newest checkpoint)")
             show_loss(nodes)
             status(etcd.endpoint)
 
