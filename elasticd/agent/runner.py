@@ -319,8 +319,8 @@ def _commit_intents(recorder: JobRecorder, state_dir: str, job: str) -> None:
 def _record_lost(recorder: JobRecorder, handler: EtcdRendezvousHandler, lost: list[str],
                  round_: int) -> None:
     for node in lost:
-        recorder.event("lost", f"node {node} lost (lease expired) in round {round_}", node=node,
-                       seen_by=handler.node_id)
+        recorder.event("lost", f"node {node} lost in round {round_} (no clean leave: killed, "
+                       "frozen or cut off)", node=node, seen_by=handler.node_id)
 
 
 def _on_notice(agent: ElasticdAgent, recorder: JobRecorder, notice: Any) -> None:

@@ -53,6 +53,7 @@ from elasticd.rendezvous.protocol import (
     Waiting,
     decide_join,
     departures,
+    dropped_members,
     loss_grace,
     may_resurrect,
     nodes_waiting,
@@ -329,8 +330,12 @@ class EtcdRendezvousHandler(RendezvousHandler):
         assert view.state is not None
         state = replace(view.state, phase="final", members=list(action.members),
                         completed_at=time.time())
-        return bool(retry_rdzv("finalize round", lambda: self.client.put_if(
+        won = bool(retry_rdzv("finalize round", lambda: self.client.put_if(
             self.keys.rdzv_state, state.to_json(), mod_revision=state_rev), deadline))
+        dropped = dropped_members(view, view.state, action.members) if won else ()
+        if dropped and self.on_members_lost is not None:
+            self.on_members_lost(list(dropped), view.state.round - 1)
+        return won
 
     def _open_next(self, action: Action, view: RendezvousView, state_rev: int, deadline: float) -> bool:
         """CAS final(r) -> open(r+1), carrying the cause; the winner reports lost members

@@ -155,6 +155,27 @@ def departures(view: RendezvousView, state: RoundState) -> Departures:
     )
 
 
+def dropped_members(view: RendezvousView, opened: RoundState,
+                    members: Sequence[str]) -> tuple[str, ...]:
+    """Members of the previous round left out of the round being finalized, that neither
+    left cleanly nor were reported lost when ``opened`` was opened. Pure.
+
+    A round opened at once on a failed collective (live re-formation's fast detection)
+    closes while the dead node's lease still runs: it is never "lost" at the opening, so
+    the finalizer reports it, or `elasticd status` would show no event for a killed node.
+
+    Args:
+        view: the finalizer's view (for the clean leaves of the previous round).
+        opened: the open round's state: it carries the previous round's members, and the
+            nodes its opener already reported (``changed`` when ``cause`` is member_lost).
+        members: the members of the round being finalized.
+    """
+    left = view.left.get(opened.round - 1, {})
+    reported = set(opened.changed) if opened.cause == MembershipChange.MEMBER_LOST.value else set()
+    return tuple(m for m in opened.members
+                 if m not in members and m not in left and m not in reported)
+
+
 def decide_join(view: RendezvousView, progress: JoinProgress, *, min_nodes: int, max_nodes: int,
                 last_call_timeout_s: float, now: float) -> Action:
     """Decide this node's next step towards being in a final round. Pure; see module doc."""

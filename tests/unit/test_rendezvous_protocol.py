@@ -28,6 +28,7 @@ from elasticd.rendezvous.protocol import (
     attribute_failure,
     decide_coordination,
     decide_join,
+    dropped_members,
     loss_grace,
     may_resurrect,
     nodes_waiting,
@@ -721,3 +722,15 @@ def test_coordinator_defers_losses_after_etcd_trouble():
     wait = coordinate(v, defer_until=NOW + 3.0)
     assert wait.kind is ActionKind.WAIT and wait.until == NOW + 3.0
     assert coordinate(v, defer_until=NOW + 3.0, now=NOW + 3.0).kind is ActionKind.OPEN_NEXT
+
+
+def test_members_dropped_from_the_next_round_are_reported_once():
+    """A member missing from the finalized round is reported lost unless it left cleanly
+    or its loss was reported when the round was opened (a member_lost cause)."""
+    opened = RoundState(8, "open", ["a", "b", "c", "d"], 1, 4)
+    view = RendezvousView(opened, frozenset({"a", "b"}), left={7: {"d": "drained"}})
+    assert dropped_members(view, opened, ["a", "b"]) == ("c",)
+    by_coordinator = RoundState(8, "open", ["a", "b", "c", "d"], 1, 4, cause="member_lost",
+                                changed=["c"])
+    assert dropped_members(view, by_coordinator, ["a", "b"]) == ()
+    assert dropped_members(view, opened, ["a", "b", "c"]) == ()

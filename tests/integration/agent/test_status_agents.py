@@ -69,7 +69,7 @@ def test_status_follows_a_real_job(nodes, tmp_path):
 
         b.signal(signal.SIGKILL)
         wait_until(lambda: [r for r in read_jsonl(out) if r["world"] == 1], 60, "world 1 after the kill")
-        code, doc = status(nodes.etcd, "st")
+        code, doc = status(nodes.etcd, "st", "--events", "100")
         assert code == 1, doc
         kinds = {(e["kind"], e["node"]) for e in doc["events"]}
         assert ("lost", "n1") in kinds, kinds
