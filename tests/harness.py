@@ -104,6 +104,14 @@ def elasticd_argv(etcd: str, job: str, script: str, *, nnodes: str = "1:3", npro
     return argv + (extra or []) + [script] + (script_args or [])
 
 
+def rows_after(rows: list[dict], old_world: int, new_world: int, key: str = "world") -> list[dict]:
+    """Rows at ``new_world`` written after the last row at ``old_world`` (rows are appended
+    in time order). A node alone at the start trains at a smaller world size until its peer
+    joins: those early rows are not the ones after a kill or a drain."""
+    ends = [i for i, r in enumerate(rows) if r[key] == old_world]
+    return [r for r in rows[ends[-1]:] if r[key] == new_world] if ends else []
+
+
 def read_jsonl(path: Path) -> list[dict]:
     if not path.exists():
         return []

@@ -14,6 +14,7 @@ registered with ``atexit``. ``pause()``/``resume()`` (SIGSTOP/SIGCONT) and
 from __future__ import annotations
 
 import atexit
+import collections
 import os
 import shutil
 import signal
@@ -87,11 +88,21 @@ def _make_private(path: str) -> None:
     os.chmod(path, 0o700)
 
 
+_RECENT_PORTS: collections.deque[int] = collections.deque(maxlen=256)
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A TCP port on 127.0.0.1 that was free a moment ago, and not handed out by this
+    process recently: the kernel may give the same port to two binds in a row once the
+    first socket is closed (a 3-member cluster once got ``m0`` and ``m2`` on one port)."""
+    for _ in range(64):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        if port not in _RECENT_PORTS:
+            _RECENT_PORTS.append(port)
+            return port
+    raise OSError("no free TCP port on 127.0.0.1 that was not handed out recently")
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import signal
 
 import pytest
-from harness import ROOT, read_jsonl, wait_until
+from harness import ROOT, read_jsonl, rows_after, wait_until
 
 SCRIPT = str(ROOT / "tests" / "workers" / "drainable.py")
 pytestmark = pytest.mark.timeout(150)
@@ -22,7 +22,7 @@ def _assert_resumed_at_the_next_step(out, old_world: int, new_world: int) -> Non
     ``new_world`` with exactly the next step (nothing lost, nothing trained twice)."""
     rows = read_jsonl(out)
     last_old = max(r["step"] for r in rows if r["world"] == old_world)
-    first_new = min(r["step"] for r in rows if r["world"] == new_world)
+    first_new = min(r["step"] for r in rows_after(rows, old_world, new_world))
     assert first_new == last_old + 1, f"resumed at {first_new} at world {new_world}, last trained {last_old}"
     per_rank_last = {r["rank"]: r["step"] for r in rows if r["world"] == old_world}
     assert len(set(per_rank_last.values())) == 1, f"ranks stopped at different steps: {per_rank_last}"
@@ -38,7 +38,7 @@ def test_sigterm_drain_loses_no_step(nodes, tmp_path):
     wait_until(lambda: len([r for r in read_jsonl(out) if r["world"] == 2]) >= 10, 60, "world 2 steps")
     a.signal_agent(signal.SIGTERM)
     assert a.wait(60) == 0, a.log()[-3000:]
-    wait_until(lambda: [r for r in read_jsonl(out) if r["world"] == 1], 60, "steps at world 1")
+    wait_until(lambda: rows_after(read_jsonl(out), 2, 1), 60, "steps at world 1 after the drain")
     _assert_resumed_at_the_next_step(out, 2, 1)
     assert b.alive()
     b.signal_agent(signal.SIGTERM)

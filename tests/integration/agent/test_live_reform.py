@@ -35,7 +35,10 @@ def test_a_failed_reformation_falls_back_to_the_restart_path_and_says_why(nodes,
     steps = 40
     b = [nodes.start("live-f", SCRIPT, nnodes="1:2", extra=_args(tmp_path, "f", "--live-reform-timeout", "3"),
                      script_args=example_args(tmp_path, "f", steps=steps, dataset_size=480)) for _ in range(2)]
-    wait_until(lambda: max(_steps(trace), default=-1) >= 8, 120, "step 8 at world 2")
+    # Both ranks past step 8: the two nodes train together (a node alone at the start
+    # trains at world size 1 until the other joins).
+    wait_until(lambda: {r["rank"] for r in read_jsonl(trace) if r["step"] >= 8} >= {0, 1}, 120,
+               "step 8 at world 2")
     frozen = set(b[0].tree()) & {r["pid"] for r in read_jsonl(trace)}
     assert len(frozen) == 1, frozen
     for pid in frozen:

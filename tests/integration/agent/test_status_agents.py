@@ -10,7 +10,7 @@ import sys
 
 import jsonschema
 import pytest
-from harness import ROOT, read_jsonl, wait_until
+from harness import ROOT, read_jsonl, rows_after, wait_until
 
 from elasticd.status.jsondoc import load_schema
 
@@ -68,7 +68,7 @@ def test_status_follows_a_real_job(nodes, tmp_path):
             assert p["step"] >= c["step"], (p, c)
 
         b.signal(signal.SIGKILL)
-        wait_until(lambda: [r for r in read_jsonl(out) if r["world"] == 1], 60, "world 1 after the kill")
+        wait_until(lambda: rows_after(read_jsonl(out), 2, 1), 60, "world 1 after the kill")
         code, doc = status(nodes.etcd, "st", "--events", "100")
         assert code == 1, doc
         kinds = {(e["kind"], e["node"]) for e in doc["events"]}
