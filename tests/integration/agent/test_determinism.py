@@ -34,10 +34,6 @@ def _script_args(tmp_path, tag):
 _trained = trained_samples
 
 
-def _steps(trace_path):
-    return {r["step"] for r in read_jsonl(trace_path)}
-
-
 def test_resizes_match_a_run_without_failures(nodes, tmp_path):
     """3 nodes, SIGKILL of one, a node added back (0 steps lost at that join): same final
     parameters and samples as 2 nodes; the survivors' workers are never restarted (live
@@ -50,7 +46,9 @@ def test_resizes_match_a_run_without_failures(nodes, tmp_path):
     trace_b = tmp_path / "trace-b.jsonl"
     b = [nodes.start("det-b", SCRIPT, nnodes="2:3", extra=_args(tmp_path, "b"),
                      script_args=_script_args(tmp_path, "b")) for _ in range(3)]
-    wait_until(lambda: max(_steps(trace_b), default=-1) >= 17, 120, "step 17 at world 3")
+    # All three ranks past step 17 (the first round may form with two, the third joining).
+    wait_until(lambda: {r["rank"] for r in read_jsonl(trace_b) if r["step"] >= 17} >= {0, 1, 2},
+               120, "step 17 at world 3")
     victim = set(b[2].tree())
     b[2].signal(signal.SIGKILL)
     rows_at_kill = read_jsonl(trace_b)
@@ -98,7 +96,10 @@ def test_drain_resumes_at_the_next_step_and_trains_no_sample_twice(nodes, tmp_pa
     args[args.index("--steps") + 1] = "40"
     a = nodes.start("drain-ex", SCRIPT, nnodes="1:2", extra=_args(tmp_path, "d"), script_args=args)
     b = nodes.start("drain-ex", SCRIPT, nnodes="1:2", extra=_args(tmp_path, "d"), script_args=args)
-    wait_until(lambda: max(_steps(trace), default=-1) >= 12, 120, "step 12 at world 2")
+    # Both ranks past step 12: the nodes train together (a node alone at the start trains
+    # at world size 1 until the other joins).
+    wait_until(lambda: {r["rank"] for r in read_jsonl(trace) if r["step"] >= 12} >= {0, 1}, 120,
+               "step 12 at world 2")
     b.signal_agent(signal.SIGTERM)
     assert b.wait(60) == 0, b.log()[-3000:]
     assert a.wait(120) == 0, a.log()[-3000:]
