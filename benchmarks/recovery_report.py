@@ -135,18 +135,6 @@ def live_breakdown(node_lines: list[list[tuple[float, str]]], t0: float, new_wor
             "re-form + state + first step": first[1] - max(ordered)}
 
 
-def live_table(results: dict) -> str:
-    rows = ["| scenario | " + " | ".join(LIVE_PHASES) + " | total |", "|---|" + "---:|" * (len(LIVE_PHASES) + 1)]
-    for scenario in SCENARIO_TITLES:
-        ts = [t for t in _trials(results, "elasticd-live", scenario) if t["recovered"] and t["phases"]]
-        if not ts:
-            continue
-        cells = [summary([t["phases"].get(p) for t in ts]).replace("n/a", "–") for p in LIVE_PHASES]
-        rows.append(f"| {SCENARIO_TITLES[scenario]} | " + " | ".join(cells)
-                    + f" | {summary([t['recovery_s'] for t in ts])} |")
-    return "\n".join(rows)
-
-
 def _trials(results: dict, system: str, scenario: str) -> list[dict]:
     return [t for t in results["trials"] if t["system"] == system and t["scenario"] == scenario]
 
@@ -199,13 +187,14 @@ def _bound(trial: dict) -> str:
     return note.replace("did not recover within ", "") if "within" in note else "the bound"
 
 
-def phase_table(results: dict) -> str:
-    rows = ["| scenario | " + " | ".join(PHASES) + " | total |", "|---|" + "---:|" * (len(PHASES) + 1)]
+def phase_table(results: dict, system: str = "elasticd", phases: tuple[str, ...] = PHASES) -> str:
+    """Per-scenario phase breakdown of one system's recovered trials (median and range)."""
+    rows = ["| scenario | " + " | ".join(phases) + " | total |", "|---|" + "---:|" * (len(phases) + 1)]
     for scenario in SCENARIO_TITLES:
-        ts = [t for t in _trials(results, "elasticd", scenario) if t["recovered"] and t["phases"]]
+        ts = [t for t in _trials(results, system, scenario) if t["recovered"] and t["phases"]]
         if not ts:
             continue
-        cells = [summary([t["phases"].get(p) for t in ts]).replace("n/a", "–") for p in PHASES]
+        cells = [summary([t["phases"].get(p) for t in ts]).replace("n/a", "–") for p in phases]
         rows.append(f"| {SCENARIO_TITLES[scenario]} | " + " | ".join(cells)
                     + f" | {summary([t['recovery_s'] for t in ts])} |")
     return "\n".join(rows)
@@ -283,7 +272,7 @@ def build_markdown(results: dict) -> str:
         "",
         "Where live re-formation's seconds go (from the agents' JSON logs; the slowest node):",
         "",
-        live_table(results),
+        phase_table(results, "elasticd-live", LIVE_PHASES),
         "",
         f"Floor, a cold worker start at world 1 (exec → first step): "
         f"{summary([c['first_step_s'] for c in cold], '{:.2f}')} s"
