@@ -44,11 +44,11 @@ def _run_command(args: argparse.Namespace) -> int:
 
     if refuse_early(cfg):  # `elasticd stop`/`drain`: exit 0 at once, before importing torch
         return 0
-    # torch is imported only now, after the flags were validated (a typo answers at once).
-    from elasticd.agent.runner import run_node
-    from elasticd.agent.settings import node_spec
+    # torch is imported only now, after the flags were validated (a typo answers at once),
+    # and after the first standbys started importing it too (elasticd.agent.early).
+    from elasticd.agent.early import run_node_with_early_standbys
 
-    return run_node(node_spec(cfg, os.environ))
+    return run_node_with_early_standbys(cfg)
 
 
 class _Parser(argparse.ArgumentParser):

@@ -44,8 +44,8 @@ def run(args: argparse.Namespace) -> int:
 
     if refuse_early(cfg):  # `elasticd stop`/`drain`: exit 0 at once, before importing torch
         return 0
-    # torch is imported only when the agent really runs (a config check answers at once).
-    from elasticd.agent.runner import run_node
-    from elasticd.agent.settings import node_spec
+    # torch is imported only when the agent really runs (a config check answers at once),
+    # and after the first standbys started importing it too (elasticd.agent.early).
+    from elasticd.agent.early import run_node_with_early_standbys
 
-    return run_node(node_spec(cfg, os.environ))
+    return run_node_with_early_standbys(cfg)

@@ -38,6 +38,7 @@ from elasticd.agent.standbys import StandbyCare
 from elasticd.agent.summary import failure_summary, print_summary
 from elasticd.agent.supervision import AgentPhase, Outcome, SupervisionSettings
 from elasticd.agent.ticks import TickWrites
+from elasticd.agent.wakeup import TickWaker
 from elasticd.agent.warm import StandbyPool, warm_handlers
 from elasticd.agent.worker_env import agent_worker_env, spawn_environment
 from elasticd.agent.worker_exec import request_stacks
@@ -63,7 +64,7 @@ class ElasticdAgent(TickWrites, StandbyCare, LocalElasticAgent):
     def __init__(self, spec: Any, settings: SupervisionSettings, handler: EtcdRendezvousHandler,
                  control: ControlChannel, recorder: JobRecorder, *, logs_specs: Any,
                  metrics: Any = None, notifier: Any = None, exit_barrier_timeout: float = 60,
-                 commits: CommitRetrier | None = None) -> None:
+                 commits: CommitRetrier | None = None, standby: StandbyPool | None = None) -> None:
         super().__init__(spec, logs_specs=logs_specs, start_method="spawn",
                          exit_barrier_timeout=exit_barrier_timeout)
         self.settings = settings
@@ -80,13 +81,17 @@ class ElasticdAgent(TickWrites, StandbyCare, LocalElasticAgent):
         self._last_heartbeat = 0.0
         self._last_decision = ""
         self._log = log.bind(job=handler.keys.job, node=handler.node_id)
-        self.standby = StandbyPool(settings.warm_start, control.dir)
+        # The first standbys may have started before torch was imported (agent.early).
+        self.standby = standby if standby is not None else StandbyPool(settings.warm_start, control.dir)
         self._worker_envs: dict[int, dict[str, str]] = {}
         self._group_started_at = 0.0
         self._done_checked_at = 0.0  # throttle of the done-marker look while workers run
         self._running_checked_at = 0.0
         self.live = LiveReformer(control.dir, enabled=settings.live_reform,
                                  timeout_s=settings.live_reform_timeout_s)
+        # A stop signal, a worker's exit or a watch event ends the tick's wait at once.
+        self.waker = TickWaker()
+        handler.on_view_change(self.waker.wake)
 
     # -- signals: flags only -------------------------------------------------------------
     def _on_signal(self, signum: int, frame: Any) -> None:
@@ -103,6 +108,7 @@ class ElasticdAgent(TickWrites, StandbyCare, LocalElasticAgent):
         self.notice = reason
         self.stop_signals = max(self.stop_signals, 1)
         self.handler.stop_requested = reason
+        self.waker.wake()
 
     # -- hooks into LocalElasticAgent ----------------------------------------------------
     def _static_worker_env(self) -> dict[str, str]:
@@ -136,6 +142,11 @@ class ElasticdAgent(TickWrites, StandbyCare, LocalElasticAgent):
         return pids
 
     def _rendezvous(self, worker_group: WorkerGroup) -> None:
+        self._join_round(worker_group)
+        self._record_round(worker_group)
+
+    def _join_round(self, worker_group: WorkerGroup) -> None:
+        """The rendezvous itself (torch's: ranks, master address); records come after."""
         self._flush_commits("before the next rendezvous", self.settings.drain_grace_s)
         self._set_state("joining")
         try:
@@ -147,6 +158,10 @@ class ElasticdAgent(TickWrites, StandbyCare, LocalElasticAgent):
             self._log.info("stopped_while_waiting", reason=str(exc))
             self._leave("drained", str(exc))
             raise
+
+    def _record_round(self, worker_group: WorkerGroup) -> None:
+        """The new round's records (node record, event, metrics, systemd status): etcd
+        writes a live re-formation makes only after its workers have their order."""
         h = self.handler
         lost_round = h.pop_lease_loss()
         if lost_round is not None:
@@ -182,13 +197,21 @@ class ElasticdAgent(TickWrites, StandbyCare, LocalElasticAgent):
 
     # -- the loop ------------------------------------------------------------------------
     def _invoke_run(self, role: str = "default") -> RunResult:
+        self.waker.install()
+        try:
+            return self._run_loop()
+        finally:
+            self.waker.uninstall()
+
+    def _run_loop(self) -> RunResult:
         wg = self._worker_group
         self.install_signal_handlers()
         self.recorder.event("join", f"node {self.handler.node_id} started")
         # The first workers' standbys import torch while this node waits for its round
         # (a node joining a running job waits for the members to stop their workers).
         static = self._static_worker_env()
-        self.standby.fill({r: {**static, "LOCAL_RANK": str(r)} for r in range(wg.spec.local_world_size)})
+        self.standby.fill({r: {**static, "LOCAL_RANK": str(r)} for r in range(wg.spec.local_world_size)},
+                          urgent=True)  # nothing of ours trains yet: the node waits for them
         if self.settings.live_reform and self.standby.enabled and self._joining_running_job():
             # A node joining a running job: members re-forming in place park their workers
             # only from the round on, so join once our workers can start at once.
@@ -196,7 +219,8 @@ class ElasticdAgent(TickWrites, StandbyCare, LocalElasticAgent):
         self._initialize_workers(wg)
         result = RunResult(state=WorkerState.HEALTHY)
         while True:
-            time.sleep(self.settings.monitor_interval_s)
+            # At most one interval; at once on a stop signal, a child's exit, a watch event.
+            self.waker.wait(self.settings.monitor_interval_s)
             result = self._monitor_workers(wg)
             wg.state = result.state
             now = time.monotonic()

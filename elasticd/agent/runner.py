@@ -127,8 +127,13 @@ def _make_metrics(spec: NodeSpec) -> Any:
     return metrics
 
 
-def run_node(spec: NodeSpec) -> int:
+def run_node(spec: NodeSpec, early: Any = None) -> int:
     """Run this node until the job finishes, this node drains, or it gives up.
+
+    Args:
+        spec: the node.
+        early: an ``elasticd.agent.early.EarlyStart`` (standbys started before torch was
+            imported, and the runtime directory they report to), or None.
 
     Returns:
         The process exit code: 0 finished/drained, 1 failed, 4 etcd unreachable,
@@ -217,7 +222,8 @@ def run_node(spec: NodeSpec) -> int:
             return outcome, reason
 
         control = ControlChannel(on_commit=on_commit, on_latest=recorder.latest_checkpoint,
-                                 max_local_ranks=spec.nproc_per_node).start()
+                                 max_local_ranks=spec.nproc_per_node,
+                                 directory=early.control_dir if early is not None else None).start()
         worker_spec = WorkerSpec(
             role="default", local_world_size=spec.nproc_per_node, rdzv_handler=handler,
             entrypoint=sys.executable, args=("-m", "elasticd.agent.worker_exec", *spec.command),
@@ -232,7 +238,11 @@ def run_node(spec: NodeSpec) -> int:
             logs = DefaultLogsSpecs(log_dir=log_dir, redirects=Std.ALL, tee=Std.ALL)
         agent = ElasticdAgent(worker_spec, supervision, handler, control, recorder,
                               logs_specs=logs, metrics=metrics,
-                              notifier=_make_notifier(spec), commits=commits)
+                              notifier=_make_notifier(spec), commits=commits,
+                              standby=early.standby if early is not None else None)
+        if early is not None:
+            for local_rank, pid in early.standby.pids().items():
+                log.info("standby_started", local_rank=local_rank, pid=pid, urgent=True, early=True)
         agent.install_signal_handlers()
         if agent.notifier is not None:
             handler.on_wait = agent.notifier.watchdog

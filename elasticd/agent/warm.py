@@ -23,6 +23,12 @@ Safety rules (when in doubt, start cold):
   a busy one simply starts the worker when its imports are done (still sooner than cold).
 - Standbys die with the agent (``PR_SET_PDEATHSIG``) and are killed by process group when
   the agent exits, so none outlives it.
+- The first workers' standbys start before the agent itself imports torch
+  (``elasticd.agent.early``), at the normal CPU priority (nothing trains on the node yet):
+  a node joining a running job is ready about one torch import after its agent started,
+  not two. elasticd's own per-agent variables (:data:`AGENT_ENV`) are not compared: some
+  are known only later (the run id comes from etcd), none is read at import time, and the
+  hand-over sets them.
 
 Preloading ``torch._dynamo`` changes when a DDP model is freed (by reference count as
 ``main()`` returns, not by a later GC pass), which used to make torch's gloo teardown
@@ -53,7 +59,17 @@ from typing import Any
 import structlog
 
 from elasticd.agent.worker_env import scrub
-from elasticd.control.api import ENV_ROUND
+from elasticd.control.api import (
+    ENV_AGENT_PID,
+    ENV_CHECKPOINT_URL,
+    ENV_CONTROL_DIR,
+    ENV_CONTROL_SOCKET,
+    ENV_JOB,
+    ENV_LIVE,
+    ENV_LOG_FORMAT,
+    ENV_NODE,
+    ENV_ROUND,
+)
 
 log = structlog.get_logger(__name__)
 
@@ -73,10 +89,19 @@ PER_ROUND_ENV = frozenset({
     "TORCH_NCCL_ASYNC_ERROR_HANDLING", ENV_ROUND,
 })
 PER_ROUND_PREFIXES = ("TORCHELASTIC_",)
+# elasticd's own variables, set by the agent for all its workers. The worker API and the
+# launcher read them only once the worker runs (elasticd.worker.context, worker_exec.main),
+# never at import time, and the hand-over sets them; some are known only after the agent
+# reached etcd (the run id), long after a standby that starts with the agent began importing.
+AGENT_ENV = frozenset({
+    ENV_JOB, ENV_NODE, ENV_AGENT_PID, ENV_CONTROL_DIR, ENV_CONTROL_SOCKET, ENV_CHECKPOINT_URL,
+    ENV_LOG_FORMAT, ENV_LIVE, "ELASTICD_RUN_ID", "ELASTICD_RESUME",
+})
+URGENT_FLAG = "--urgent"  # argv of a standby that imports at the normal priority
 
 
 def _per_round(name: str) -> bool:
-    return name in PER_ROUND_ENV or name.startswith(PER_ROUND_PREFIXES)
+    return name in PER_ROUND_ENV or name in AGENT_ENV or name.startswith(PER_ROUND_PREFIXES)
 
 
 def torch_loaded(pid: int) -> bool:
@@ -95,8 +120,8 @@ def torch_loaded(pid: int) -> bool:
 def env_mismatch(standby_env: Mapping[str, str], worker_env: Mapping[str, str]) -> list[str]:
     """Names whose value differs between a standby's and a worker's environment. Pure.
 
-    Per-worker and per-round variables (``PER_ROUND_ENV``, ``TORCHELASTIC_*``) are ignored:
-    the standby gets the worker's.
+    Per-worker and per-round variables (``PER_ROUND_ENV``, ``TORCHELASTIC_*``) and
+    elasticd's per-agent ones (``AGENT_ENV``) are ignored: the standby gets the worker's.
     """
     names = {n for n in set(standby_env) | set(worker_env) if not _per_round(n)}
     return sorted(n for n in names if standby_env.get(n) != worker_env.get(n))
@@ -149,12 +174,17 @@ class StandbyPool:
                 del self._slots[r]
         return [r for r in local_ranks if r not in self._slots]
 
-    def fill(self, envs: Mapping[int, Mapping[str, str]]) -> None:
+    def fill(self, envs: Mapping[int, Mapping[str, str]], *, urgent: bool = False,
+             announce: bool = True) -> None:
         """Start a standby for every local rank in ``envs`` that has none.
 
         Args:
             envs: each local rank's worker environment in the current group (the agent's
                 environment is added, as for a worker).
+            urgent: import at the normal CPU priority: no worker of this node trains yet
+                (the first group, a node joining), so the standby competes with nothing
+                it stands by for, and the node waits for it.
+            announce: log ``standby_started`` (False before logging is configured).
         """
         if not self.enabled:
             return
@@ -163,12 +193,17 @@ class StandbyPool:
                 continue
             # A standby's own environment is a worker's: no etcd credential, ever.
             env = scrub({**os.environ, **envs[r]})
+            argv = [sys.executable, "-m", "elasticd.agent.warm", *([URGENT_FLAG] if urgent else [])]
             with open(self._log_path(r), "wb") as err:  # the standby keeps its own copy of the fd
-                proc = subprocess.Popen(
-                    [sys.executable, "-m", "elasticd.agent.warm"], env=env, stdin=subprocess.PIPE,
-                    stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
+                proc = subprocess.Popen(argv, env=env, stdin=subprocess.PIPE,
+                                        stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
             self._slots[r] = Standby(r, proc, env, time.monotonic())
-            log.info("standby_started", local_rank=r, pid=proc.pid)
+            if announce:
+                log.info("standby_started", local_rank=r, pid=proc.pid, urgent=urgent)
+
+    def pids(self) -> dict[int, int]:
+        """``{local_rank: pid}`` of the standbys held now."""
+        return {r: sb.proc.pid for r, sb in self._slots.items()}
 
     def take(self, local_rank: int, args: tuple[str, ...], env: Mapping[str, str],
              stdout: str | None, stderr: str | None) -> subprocess.Popen[bytes] | None:
@@ -276,9 +311,10 @@ def main() -> None:
     die_with_parent(int(agent_pid) if agent_pid else None)
     # Import at the lowest CPU priority, so a standby never slows the training it stands by
     # for, and take the normal priority back at the hand-over. Only root may raise it back,
-    # so an unprivileged agent's standbys import at normal priority.
+    # so an unprivileged agent's standbys import at normal priority. An urgent standby (no
+    # worker of this node runs yet: the node waits for it) keeps the normal priority.
     niceness = os.getpriority(os.PRIO_PROCESS, 0)
-    lowered = os.geteuid() == 0 and niceness < 19
+    lowered = os.geteuid() == 0 and niceness < 19 and URGENT_FLAG not in sys.argv[1:]
     if lowered:
         os.setpriority(os.PRIO_PROCESS, 0, 19)
     # The hand-over may come while we still import (a restart soon after the group

@@ -128,11 +128,15 @@ class ControlChannel:
             if None).
         on_latest: returns the committed pointer; an exception answers ``ok: false``.
         max_local_ranks: progress reports are accepted for local ranks ``[0, this)``.
+        directory: an existing private runtime directory to own (made before the agent
+            imported torch, for its first standbys); a new one under ``base_dir`` if None.
     """
 
     def __init__(self, on_commit: CommitHandler | None = None, base_dir: str | None = None,
-                 on_latest: LatestHandler | None = None, *, max_local_ranks: int = 1024) -> None:
-        self.dir = Path(tempfile.mkdtemp(prefix="elasticd-", dir=base_dir))
+                 on_latest: LatestHandler | None = None, *, max_local_ranks: int = 1024,
+                 directory: Path | None = None) -> None:
+        self.dir = Path(directory) if directory is not None else Path(
+            tempfile.mkdtemp(prefix="elasticd-", dir=base_dir))
         os.chmod(self.dir, 0o700)
         self.progress = ProgressBoard(max_local_ranks=max_local_ranks)
         self._on_commit = on_commit

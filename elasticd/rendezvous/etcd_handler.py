@@ -465,6 +465,11 @@ class EtcdRendezvousHandler(RendezvousHandler):
     def view(self) -> RendezvousView:
         return self._view.snapshot()[0]
 
+    def on_view_change(self, listener: Callable[[], None]) -> None:
+        """Call ``listener`` (from the watch thread; it must not block) after every change
+        the watches bring: the agent wakes its tick with it instead of polling."""
+        self._view.listeners.append(listener)
+
     def shutdown(self) -> bool:
         """Leave the job explicitly: revoke the lease so peers see us go at once.
 

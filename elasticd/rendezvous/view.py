@@ -15,6 +15,7 @@ and only its own joins (``add_own_join``), which is all the protocol needs from 
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 from elasticd.etcd.kv import KV, WatchEvent
 from elasticd.keys import NODE_ID_RE, JobKeys, round_of_key
@@ -66,6 +67,9 @@ class WatchedView:
         self.own_joins: dict[int, int] = {}  # round -> lease id our join key was put on
         self.lease_id = 0  # our current lease: own joins on an older one died with it
         self.version = 0
+        # Called (watch thread, under the lock: must not block) after every change; the
+        # agent wakes its tick with it (elasticd.agent.wakeup) instead of polling.
+        self.listeners: list[Callable[[], None]] = []
 
     def _apply(self, table: dict[str, KV], events: list[WatchEvent]) -> None:
         with self.cond:
@@ -78,15 +82,19 @@ class WatchedView:
                     old = table.get(ev.key)
                     create = old.create_revision if old else ev.mod_revision
                     table[ev.key] = KV(ev.key, ev.value, ev.mod_revision, create, 0)
-            self.version += 1
-            self.cond.notify_all()
+            self._changed()
 
     def _reset(self, table: dict[str, KV], kvs: list[KV]) -> None:
         with self.cond:
             table.clear()
             table.update({kv.key: kv for kv in kvs})
-            self.version += 1
-            self.cond.notify_all()
+            self._changed()
+
+    def _changed(self) -> None:
+        self.version += 1
+        self.cond.notify_all()
+        for listener in self.listeners:
+            listener()
 
     def on_nodes(self, events: list[WatchEvent]) -> None:
         self._apply(self.nodes, events)
