@@ -40,12 +40,8 @@ def _run_command(args: argparse.Namespace) -> int:
     if cfg.etcd.embedded and not cfg.job.standalone:
         raise ConfigError("no etcd: pass --etcd HOST:PORT to join a job, or --standalone for a "
                           "single machine")
-    from elasticd.agent.remote_control import refuse_early
-
-    if refuse_early(cfg):  # `elasticd stop`/`drain`: exit 0 at once, before importing torch
-        return 0
-    # torch is imported only now, after the flags were validated (a typo answers at once),
-    # and after the first standbys started importing it too (elasticd.agent.early).
+    # The first standbys start importing torch now; then the stop/drain check (`elasticd
+    # stop`/`drain`: exit 0 at once) and the agent's own torch import (elasticd.agent.early).
     from elasticd.agent.early import run_node_with_early_standbys
 
     return run_node_with_early_standbys(cfg)

@@ -40,12 +40,8 @@ def run(args: argparse.Namespace) -> int:
         for warning in availability_warnings(cfg):
             sys.stderr.write(f"elasticd: warning: no etcd fail-over: {warning}\n")
         return 0
-    from elasticd.agent.remote_control import refuse_early
-
-    if refuse_early(cfg):  # `elasticd stop`/`drain`: exit 0 at once, before importing torch
-        return 0
-    # torch is imported only when the agent really runs (a config check answers at once),
-    # and after the first standbys started importing it too (elasticd.agent.early).
+    # The first standbys start importing torch now; then the stop/drain check (`elasticd
+    # stop`/`drain`: exit 0 at once) and the agent's own torch import (elasticd.agent.early).
     from elasticd.agent.early import run_node_with_early_standbys
 
     return run_node_with_early_standbys(cfg)

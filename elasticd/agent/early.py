@@ -83,13 +83,18 @@ def start_early(cfg: Any) -> EarlyStart | None:
 
 
 def run_node_with_early_standbys(cfg: Any) -> int:
-    """Start the standbys, then import the agent (torch) and run the node.
+    """Start the standbys, check for a stop or drain, then import the agent (torch) and
+    run the node.
 
     Returns:
         ``run_node``'s exit code.
     """
     early = start_early(cfg)
     try:
+        from elasticd.agent.remote_control import refuse_early
+
+        if refuse_early(cfg):  # `elasticd stop`/`drain`: exit 0 at once (the standby dies)
+            return 0
         # torch is imported only now, while the standbys import it too.
         from elasticd.agent.runner import run_node
         from elasticd.agent.settings import node_spec
