@@ -92,6 +92,7 @@ class ElasticdAgent(TickWrites, StandbyCare, LocalElasticAgent):
         # A stop signal, a worker's exit or a watch event ends the tick's wait at once.
         self.waker = TickWaker()
         handler.on_view_change(self.waker.wake)
+        control.on_ping = self.waker.wake  # a live worker parked (elasticd.worker.live)
 
     # -- signals: flags only -------------------------------------------------------------
     def _on_signal(self, signum: int, frame: Any) -> None:

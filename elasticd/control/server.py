@@ -145,6 +145,9 @@ class ControlChannel:
         self._thread: threading.Thread | None = None
         self._connections = threading.BoundedSemaphore(MAX_CONNECTIONS)
         self.rejected = 0  # invalid messages so far (tests, logs)
+        # Called (server thread; must not block) on every ping: a live worker that parked
+        # pings, and the agent wakes its tick instead of finding the marker a tick later.
+        self.on_ping: Callable[[], None] | None = None
 
     @property
     def socket_path(self) -> str:
@@ -219,6 +222,8 @@ class ControlChannel:
         if isinstance(msg, LatestRequest):
             return self._latest(msg)
         assert isinstance(msg, Ping)
+        if self.on_ping is not None:
+            self.on_ping()
         return Pong(id=msg.id)
 
     def _reject(self, reason: str) -> None:

@@ -314,6 +314,9 @@ class LiveState:
         (cdir / f"{STOPPED_PREFIX}{ctx.rank}").unlink(missing_ok=True)  # not a drain: we stay
         write_marker(cdir, PARKED_PREFIX, ctx.local_rank, round=old_round, step=self.step,
                      reason=reason)
+        client = wctx.control_client()
+        if client is not None:  # wakes the agent's tick: it opens the next round now
+            client.ping()
         deadline = t0 + self.timeout_s
         order = read_order(cdir)
         while order is None or order.round <= old_round or ctx.local_rank not in order.ranks:
