@@ -98,6 +98,10 @@ def test_restarted_workers_come_from_warm_standbys(nodes, tmp_path):
     handed = [e["pid"] for e in _events(a, "standby_handed_over")]
     waiting = [e["pid"] for e in _events(a, "standby_started") if e["pid"] not in handed]
     assert len(handed) == 2 and len(waiting) == 2, a.log()[-3000:]
+    # The first two started before the agent imported torch, at the normal priority.
+    first = _events(a, "standby_started")[:2]
+    assert [(e.get("early"), e.get("urgent"), e["pid"] in handed) for e in first] == [(True, True, True)] * 2
+    assert not _events(a, "standby_not_used"), "an early standby's environment did not match"
     assert set(handed + waiting) <= set(a.tree())
     os.killpg(handed[0], signal.SIGKILL)
     wait_until(lambda: {r["rank"] for r in read_jsonl(tmp_path / "steps.jsonl") if r["restart"] == 1} == {0, 1},

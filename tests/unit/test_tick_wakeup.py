@@ -1,0 +1,105 @@
+"""What ends the agent tick's wait early, what a first standby starts with, and the order of
+a live re-formation's writes (issue 14: join and drain figures)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from elasticd.agent.early import early_standby_env
+from elasticd.agent.reform import LiveReformer, reform_in_place
+from elasticd.agent.supervision import AgentPhase
+from elasticd.agent.wakeup import TickWaker
+from elasticd.agent.warm import env_mismatch
+from elasticd.control.reform import read_order
+from elasticd.control.server import ControlChannel
+
+
+@pytest.fixture
+def waker():
+    w = TickWaker()
+    yield w
+    w.close()
+
+
+def test_a_wake_from_another_thread_ends_the_wait_at_once(waker):
+    """The etcd watch thread and the control server wake the loop: no tick interval lost."""
+    threading.Thread(target=waker.wake).start()
+    start = time.monotonic()
+    assert waker.wait(30.0) is True
+    assert time.monotonic() - start < 10.0, "the wait ran to its bound"
+    assert waker.wait(0.0) is False, "a wake-up is consumed once"
+
+
+def test_a_child_exit_or_a_signal_ends_the_wait_once_installed(waker):
+    """SIGCHLD (a worker exited) and any handled signal (SIGTERM's flag) write to the pipe,
+    whichever thread the kernel picked; uninstall restores the previous disposition."""
+    before = signal.getsignal(signal.SIGCHLD)
+    waker.install()
+    try:
+        os.kill(os.getpid(), signal.SIGCHLD)
+        assert waker.wait(30.0) is True
+    finally:
+        waker.uninstall()
+    assert signal.getsignal(signal.SIGCHLD) == before
+    assert signal.set_wakeup_fd(-1) == -1, "the wake-up fd was left installed"
+
+
+def test_a_ping_calls_the_channels_hook(tmp_path):
+    """A parked live worker pings; the agent's hook (its tick's wake-up) runs, the ping is answered."""
+    channel = ControlChannel(base_dir=str(tmp_path))
+    calls: list[int] = []
+    channel.on_ping = lambda: calls.append(1)
+    try:
+        reply = channel.dispatch(b'{"op": "ping", "id": 7}\n')
+    finally:
+        channel.close()
+    assert calls == [1] and reply is not None and reply.op == "pong"
+
+
+def test_a_first_standby_differs_from_its_worker_only_in_what_the_agent_sets_later():
+    """The run id, node, control socket... come after the standby started importing: not
+    compared. The operator's [workers.env] is in the standby from the start, and still compared."""
+    early = early_standby_env(agent_pid=42, control_dir=Path("/run/x"), user_env={"OMP_NUM_THREADS": "2"},
+                              local_rank=0)
+    assert early["OMP_NUM_THREADS"] == "2" and early["ELASTICD_CONTROL_DIR"] == "/run/x"
+    worker = {**early, "ELASTICD_RUN_ID": "r1", "ELASTICD_RESUME": "auto", "ELASTICD_NODE": "n0",
+              "ELASTICD_JOB": "j", "ELASTICD_CONTROL_SOCKET": "/run/x/control.sock",
+              "ELASTICD_LIVE": "1", "ELASTICD_LOG_FORMAT": "json", "ELASTICD_ROUND": "3", "RANK": "2"}
+    assert env_mismatch(early, worker) == []
+    assert env_mismatch(early, {**worker, "OMP_NUM_THREADS": "8"}) == ["OMP_NUM_THREADS"]
+    assert env_mismatch(early, {**worker, "ELASTICD_SOMETHING_ELSE": "1"}) == ["ELASTICD_SOMETHING_ELSE"]
+
+
+def test_a_live_reformation_orders_its_workers_before_writing_the_rounds_records(tmp_path):
+    """The node record, the round event and metrics are etcd writes: they come after the
+    order, so the workers re-form meanwhile instead of waiting for them."""
+    calls: list[str] = []
+    live = LiveReformer(tmp_path, enabled=True, timeout_s=30)
+    workers = [SimpleNamespace(local_rank=0, global_rank=0, world_size=1, id=None)]
+    wg = SimpleNamespace(workers=workers, master_addr="127.0.0.1", master_port=29500)
+    handler = SimpleNamespace(round=3)
+
+    def join_round(group):
+        calls.append("rendezvous")
+        handler.round = 4
+        workers[0].global_rank, workers[0].world_size = 1, 2
+
+    def record_round(group):
+        order = read_order(tmp_path)
+        calls.append(f"records (order for round {order.round if order else None} out)")
+
+    agent = SimpleNamespace(
+        _worker_group=wg, live=live, phase=AgentPhase(), handler=handler, _pcontext=None,
+        _join_round=join_round, _record_round=record_round, _log=SimpleNamespace(info=lambda *a, **k: None),
+        control=SimpleNamespace(clear_drain=lambda: None, progress=SimpleNamespace(reset=lambda: None)),
+        _group_started_at=0.0)
+    reform_in_place(agent, "test")
+    assert calls == ["rendezvous", "records (order for round 4 out)"]
+    assert read_order(tmp_path).ranks == {0: 1}
