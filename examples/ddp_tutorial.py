@@ -5,7 +5,9 @@ setup, a Trainer with DDP and a snapshot file, DistributedSampler, a train loop 
 cleanup; with a synthetic regression dataset and gloo when there is no GPU, so it runs
 anywhere. examples/ddp_tutorial.py is the plain torchrun form; examples/ddp_tutorial_elastic.py
 is the same script made elastic (exactly-once resume at any world size, drain at a step
-boundary, fenced checkpoints), the diff at the top of docs/worker-api.md.
+boundary, fenced checkpoints), the diff at the top of docs/worker-api.md; and
+examples/ddp_tutorial_live.py adds live re-formation (a node lost or joining: the survivors
+keep training state in memory, no restart), the second diff there.
 Run: ``torchrun --nproc-per-node 2 examples/ddp_tutorial.py 4 1`` or
 ``elasticd run --standalone --nnodes 1 --nproc-per-node 2 examples/ddp_tutorial_elastic.py 4 1``.
 """

@@ -21,7 +21,7 @@ from elasticd.control.api import CommitOutcome
 from elasticd.errors import TransientError
 from elasticd.etcd.txn import ModRevision, Put
 from elasticd.keys import JobKeys
-from elasticd.records import Beat, CheckpointPointer, Event, Progress
+from elasticd.records import Beat, CheckpointPointer, Event, Progress, RoundState
 from elasticd.rendezvous.session import NodeSession
 from elasticd.retry import call_with_retry
 
@@ -153,7 +153,8 @@ class JobRecorder:
         state_rev = s.state_rev
         try:
             for _ in range(3):  # the pointer moved under us: read it again and decide again
-                outcome, reason = self._try_commit(step, manifest_url, world_size, round_, state_rev)
+                outcome, reason, state_rev = self._try_commit(step, manifest_url, world_size,
+                                                              round_, state_rev)
                 if outcome is not None:
                     return outcome, reason
         except Exception as exc:  # noqa: BLE001 - no answer is not a no
@@ -162,14 +163,15 @@ class JobRecorder:
         return CommitOutcome.UNKNOWN, "the pointer kept moving under concurrent commits"
 
     def _try_commit(self, step: int, manifest_url: str, world_size: int, round_: int,
-                    state_rev: int) -> tuple[CommitOutcome | None, str]:
-        """One read-compare-swap; (None, why) when only the pointer moved (try again)."""
+                    state_rev: int) -> tuple[CommitOutcome | None, str, int]:
+        """One read-compare-swap: (outcome, why, state_rev); outcome None means try again
+        with the returned round-state revision (the pointer moved, or the next round opened)."""
         current = self.client.get(self.keys.checkpoint_latest)
         if _names(current, manifest_url):  # an earlier attempt went through after all
-            return CommitOutcome.COMMITTED, "already committed"
+            return CommitOutcome.COMMITTED, "already committed", state_rev
         refused = _not_newer(current, step, round_)
         if refused:
-            return CommitOutcome.REFUSED, refused
+            return CommitOutcome.REFUSED, refused, state_rev
         # successor() carries the job's high-water step (retention never deletes at or
         # above it) and stamps this run's id, inside the same compare-and-swap.
         pointer = CheckpointPointer.successor(
@@ -184,17 +186,23 @@ class JobRecorder:
         )
         if ok:
             log.info("checkpoint_committed", step=step, round=round_, url=manifest_url)
-            return CommitOutcome.COMMITTED, "committed"
+            return CommitOutcome.COMMITTED, "committed", state_rev
         # Which compare failed decides the outcome: only a moved round state is a verdict.
         state = self.client.get(self.keys.rdzv_state)
+        if state is not None and state.mod_revision != state_rev and _successor_open(state, round_):
+            # The next round is open but not formed: nobody trains in it yet, so our save
+            # is still the job's newest state (a join or a loss opened it while the upload
+            # was in flight). Commit against the open round's revision instead; once the
+            # round forms, the compare fails and the verdict below applies.
+            return None, "the next round opened", state.mod_revision
         if state is None or state.mod_revision != state_rev:
             return CommitOutcome.REFUSED, (f"fenced: round {round_} is no longer current "
-                                           "(the job re-formed without this node)")
+                                           "(the job re-formed without this node)"), state_rev
         node = self.client.get(self.keys.node(self.session.node_id))
         if node is None or node.create_revision != self.session.incarnation:
             return CommitOutcome.UNKNOWN, (f"our lease is gone while round {round_} is still "
-                                           "current (an etcd outage?); the agent re-registers")
-        return None, "the pointer moved"
+                                           "current (an etcd outage?); the agent re-registers"), state_rev
+        return None, "the pointer moved", state_rev
 
     def commit_intent(self, req: PendingCommit) -> tuple[CommitOutcome, str]:
         """Commit a pending commit left by a previous agent of this node (before joining).
@@ -230,6 +238,12 @@ class JobRecorder:
         log.info("checkpoint_committed", step=req.step, round=req.round, url=req.manifest_url,
                  from_intent=True)
         return CommitOutcome.COMMITTED, "committed"
+
+
+def _successor_open(state: Any, round_: int) -> bool:
+    """True if the round state KV ``state`` is round ``round_ + 1``, still open."""
+    rs = RoundState.from_json(state.value)
+    return rs.round == round_ + 1 and rs.phase == "open"
 
 
 def _names(current: Any, manifest_url: str) -> bool:

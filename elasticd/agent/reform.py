@@ -79,6 +79,12 @@ def decide_live(f: LiveFacts) -> LiveDecision:
     if f.reforming:
         if f.reformed_all:
             return LiveDecision(LiveVerdict.DONE, "every worker re-formed")
+        if f.verdict == "restart_membership" and f.membership in ("member_lost", "newer_round"):
+            # A second change while the workers form the new group: a member they wait for
+            # is gone (or the job moved on), so the group cannot form and waiting for the
+            # bound would only delay the restart. (A join waits: it parks after this one.)
+            return LiveDecision(LiveVerdict.FALLBACK, f"membership changed again during the "
+                                f"re-formation ({f.membership})")
         if f.deadline_passed:
             return LiveDecision(LiveVerdict.FALLBACK, "workers did not re-form within the bound")
         return LiveDecision(LiveVerdict.WAIT, "waiting for workers to re-form")

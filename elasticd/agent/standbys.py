@@ -15,7 +15,7 @@ import structlog
 from torch.distributed.elastic.agent.server.api import WorkerGroup, WorkerState
 
 from elasticd.agent.supervision import AgentPhase, SupervisionSettings
-from elasticd.agent.warm import StandbyPool, torch_loaded
+from elasticd.agent.warm import StandbyPool, past_imports
 from elasticd.control import ControlChannel
 from elasticd.rendezvous.etcd_handler import EtcdRendezvousHandler
 
@@ -73,7 +73,7 @@ class StandbyCare:
             time.sleep(0.01)
 
     def _workers_running(self, now: float) -> bool:
-        """A plain script's group runs (every worker has imported torch), checked ≤ 1/s.
+        """A plain script's group runs (every worker is past its imports), checked ≤ 1/s.
 
         Such scripts report no steps, so this is what lets their standbys be refilled as
         soon as the new group runs rather than ``standby_after_s`` later: a second fault
@@ -83,5 +83,5 @@ class StandbyCare:
             return False
         self._running_checked_at = now
         pids = list(self._pcontext.pids().values())
-        return bool(pids) and all(torch_loaded(p) for p in pids)
+        return bool(pids) and all(past_imports(p) for p in pids)
 

@@ -80,6 +80,7 @@ class _InFlight:
     step: int
     save_id: str
     blocked_s: float
+    generation: int = 0  # the manager's group generation when the save began
     thread: threading.Thread | None = None
     result: SaveResult | None = None
     error: BaseException | None = None
@@ -145,6 +146,7 @@ class CheckpointManager:
         self.job = job
         self.fence = resolve_fence(fence)
         self._group = make_group(process_group, rank, world_size)
+        self._generation = 0  # bumped by regroup(): saves begun before it belong to an old round
         self.rank = self._group.rank
         self.world_size = self._group.size
         self._clock = clock
@@ -165,6 +167,7 @@ class CheckpointManager:
         fenced by the round it was taken in); the next save uses the new group's ranks.
         """
         self._group = make_group(process_group, None, None)
+        self._generation += 1
         self.rank = self._group.rank
         self.world_size = self._group.size
         self._log = log.bind(job=self.job, rank=self.rank)
@@ -211,7 +214,8 @@ class CheckpointManager:
         save_id = new_save_id(created_at)
         payload = dict(staged)
         payload[RESERVED_KEY] = {"rng": rng_states}
-        inflight = _InFlight(step=step, save_id=save_id, blocked_s=time.perf_counter() - t0)
+        inflight = _InFlight(step=step, save_id=save_id, blocked_s=time.perf_counter() - t0,
+                             generation=self._generation)
         self._inflight = inflight
         job = (inflight, payload, event, created_at)
         if blocking:
@@ -307,6 +311,13 @@ class CheckpointManager:
             waited = time.perf_counter() - t0
             if waited > 0.01:
                 self._log.info("checkpoint_save_waited", step=inflight.step, waited_s=round(waited, 3))
+        if isinstance(inflight.error, FencedError) and inflight.generation < self._generation:
+            # Taken in a round this worker has since left by a live re-formation: the round
+            # moved under the commit, but the state lives on in memory in the new group and
+            # the next save commits it. Not a zombie.
+            self._log.info("checkpoint_commit_superseded", step=inflight.step,
+                           reason="the group re-formed while the commit was in flight")
+            return
         if inflight.error is not None:
             raise inflight.error
         self._last_result = inflight.result

@@ -123,6 +123,20 @@ class ElasticDistributedSampler(Sampler[int]):
 
     # -- loop API ---------------------------------------------------------------------
 
+    def regroup(self, num_replicas: int | None = None, rank: int | None = None) -> None:
+        """Shard for a new world (after a live re-formation) from the trained position on.
+
+        Args:
+            num_replicas, rank: The new world; default ``torch.distributed``'s.
+
+        Raises:
+            ValueError: ``rank`` outside ``[0, num_replicas)``.
+        """
+        num_replicas, rank = _world_from_torch(num_replicas, rank)
+        if num_replicas < 1 or not 0 <= rank < num_replicas:
+            raise ValueError(f"rank {rank} is outside [0, {num_replicas})")
+        self.num_replicas, self.rank = num_replicas, rank
+
     def set_epoch(self, epoch: int) -> None:
         """Select the epoch; the current epoch keeps its (possibly resumed) position.
 

@@ -247,6 +247,20 @@ class ElasticSampler(Sampler[int]):
 
     # -- training-loop API ------------------------------------------------------------
 
+    def regroup(self, num_replicas: int | None = None, rank: int | None = None) -> None:
+        """Shard the remaining global batches for a new world (after a live re-formation).
+
+        Args:
+            num_replicas, rank: The new world; default ``torch.distributed``'s.
+
+        Raises:
+            ConfigError: the global batch does not split over ``num_replicas`` ranks.
+        """
+        num_replicas, rank = _world_from_torch(num_replicas, rank)
+        check_split(self._global_batch_size, num_replicas)
+        self._offset, self._share = rank_share(self._global_batch_size, num_replicas, rank)
+        self._num_replicas, self._rank = num_replicas, rank
+
     def set_epoch(self, epoch: int) -> None:
         """Select the epoch to iterate.
 

@@ -183,6 +183,9 @@ class LiveState:
         self.timeout_s = timeout_s
         self.reforms = 0
         self._has_state = False
+        # True once the group's ranks agreed on a state in memory (every rank now holds the
+        # same one); False when they each loaded it (a start: a DDP wrapper must sync).
+        self.agreed_in_memory = False
         self._failures_at: dict[int, int] = {}
         env = wctx.agent_environment()
         ctx = wctx.context()
@@ -357,7 +360,9 @@ class LiveState:
                 raise RuntimeError("no rank holds a usable state")
             self.step = load()
             self._has_state = True
+            self.agreed_in_memory = False
             return
+        self.agreed_in_memory = True
         src = values.index(newest)
         if all(v == newest for v in values):
             return

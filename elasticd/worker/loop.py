@@ -16,16 +16,29 @@ lines (docs/worker-api.md opens with the diff of the PyTorch DDP tutorial)::
 
 ``loop.batches`` yields the loader's batches; when the loop body has finished with one (the
 generator is resumed), that batch counts as trained. Prefetched batches never count.
+
+Live re-formation (``ElasticLoop(..., live=True)``, under an agent with
+``workers.live_reform``, the default): wrap the model with ``loop.ddp(model)`` instead of
+``DDP(model)`` and the step with ``with loop.guard():``.
+On a membership change (a node killed, frozen, drained or joining) the workers then keep
+their state in memory: the group re-forms in place, a rank that is behind or new gets the
+newest state from a peer, the sampler reshards for the new world, the DDP wrapper is
+rebuilt on the new group, and ``batches`` continues with the next untrained batch. Without
+``guard()`` a failed collective ends the worker and the agent restarts it from the
+checkpoint (the restart path).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import structlog
 import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 from elasticd.checkpoint.manager import CheckpointManager
 from elasticd.data.sampler import ElasticSampler
@@ -33,6 +46,7 @@ from elasticd.data.stream import ElasticStream
 from elasticd.errors import ConfigError
 from elasticd.worker.context import context, fast_exit, report_progress, should_stop
 from elasticd.worker.fence import agent_fence
+from elasticd.worker.live import LiveState, Reformed
 
 log = structlog.get_logger(__name__)
 
@@ -78,6 +92,9 @@ class ElasticLoop:
             the end of every epoch always save.
         keep_last: Checkpoints kept.
         manager: Use this :class:`CheckpointManager` instead of building one.
+        live: Re-form in place on a membership change when the agent allows it (see the
+            module doc); needs ``loop.ddp(model)`` and ``loop.guard()``, and a sampler with
+            ``regroup()`` (both elasticd samplers). Off: every change restarts the workers.
 
     Raises:
         ConfigError: ``state`` uses a reserved key, or ``save_every < 1``.
@@ -85,7 +102,7 @@ class ElasticLoop:
 
     def __init__(self, state: Mapping[str, Any], sampler: Any, *, checkpoint_url: str | None = None,
                  save_every: int = 50, keep_last: int = 3,
-                 manager: CheckpointManager | None = None) -> None:
+                 manager: CheckpointManager | None = None, live: bool = False) -> None:
         clash = [k for k in _RESERVED if k in state]
         if clash:
             raise ConfigError(f"ElasticLoop state uses reserved key(s) {clash}; rename them")
@@ -103,11 +120,24 @@ class ElasticLoop:
         # reported with the step, for `elasticd status --plot` and ``--watch``.
         self.loss: float | None = None
         self._live: Any = None  # the loader iterator batches() is walking
-        self._progress: dict[str, int] = {"steps_done": 0}
+        # Travels with the state (checkpoint or live transfer): every rank must agree on
+        # which steps save (a collective), joiners included.
+        self._progress: dict[str, int] = {"steps_done": 0, "saved_at": 0}
         self._state = {**state, "sampler": sampler, "elastic_loop": self._progress}
         url = checkpoint_url or ctx.checkpoint_url or "file://" + os.path.abspath("checkpoints")
         self.manager = manager or CheckpointManager(url, job=ctx.job or "local",
                                                     keep_last=keep_last, fence=agent_fence())
+        self._keeper: LiveState | None = None
+        if live:
+            if not hasattr(sampler, "regroup"):
+                raise ConfigError(f"ElasticLoop(live=True) needs a sampler that can reshard in "
+                                  f"place (regroup()); {type(sampler).__name__} cannot: use "
+                                  "ElasticDistributedSampler or ElasticSampler, or live=False")
+            keeper = LiveState(self._state, checkpoint=self.manager)
+            self._keeper = keeper if keeper.enabled else None
+        self._ddp_made = False
+        self._reformed = False  # guard() swallowed a failed step: batches() restarts on the new group
+        self.reforms = 0
 
     def resume(self) -> int:
         """Load the newest valid checkpoint, if any; a collective.
@@ -116,15 +146,63 @@ class ElasticLoop:
             The epoch to start from: the interrupted one (the sampler continues at its
             first untrained sample), the next one if it had finished, 0 on a fresh start.
         """
-        loaded = self.manager.load_latest(self._state)
-        if loaded is None:
-            return 0
-        self.steps_done = self._saved_at = int(self._progress["steps_done"])
+        if self._keeper is not None:
+            # From a peer that holds the state (a node joining a running job), else from
+            # the checkpoint on every rank.
+            if self._keeper.resume(self._load) < 0:
+                return 0
+            self._adopt_progress()
+        else:
+            if self.manager.load_latest(self._state) is None:
+                return 0
+            self.steps_done = self._saved_at = int(self._progress["steps_done"])
         if self._epoch_done():
             # Saved right after an epoch's last step (a drain there): start the next one now,
             # so code that peeks at the loader before set_epoch() still finds batches.
             self.sampler.set_epoch(int(self.sampler.epoch) + 1)
         return int(self.sampler.epoch)
+
+    def _load(self) -> int:
+        """Load the newest checkpoint into the state; the last completed step, -1 if none."""
+        if self.manager.load_latest(self._state) is None:
+            return -1
+        self._progress["saved_at"] = int(self._progress["steps_done"])  # it was saved there
+        return int(self._progress["steps_done"]) - 1
+
+    def _adopt_progress(self) -> None:
+        self.steps_done = int(self._progress["steps_done"])
+        self._saved_at = int(self._progress.get("saved_at", self.steps_done))
+
+    def ddp(self, module: torch.nn.Module, **kwargs: Any) -> Any:
+        """``DistributedDataParallel(module, **kwargs)``, rebuilt on the new group after each
+        live re-formation (without a process group: ``module`` itself).
+
+        Use it where the script built ``DDP(module, ...)``; ``.module`` is ``module``.
+        """
+        self._ddp_made = True
+        keeper = self._keeper
+        # DDP's init broadcast (rank 0's parameters) is a collective: every rank of a group
+        # must agree on running it. After a start each rank loaded its own state (a fresh
+        # model may differ per rank): sync. After a state agreed in memory (a joiner that
+        # received it, a re-formation) every rank holds the same state and the survivors
+        # rebuild without it: skip it on every rank.
+        return _RegroupingDDP(module, kwargs, lambda: keeper is None or not keeper.agreed_in_memory)
+
+    @contextlib.contextmanager
+    def guard(self) -> Iterator[None]:
+        """Wrap one training step inside :meth:`batches`: a failed collective (a peer died)
+        re-forms the group in place; the step is abandoned (never applied or counted) and
+        ``batches`` goes on with the next untrained batch on the new group."""
+        if self._keeper is None:
+            yield
+            return
+        try:
+            with self._keeper.guard():
+                yield
+        except Reformed:
+            if self._live is None:
+                raise  # not inside batches(): the caller restarts its own iteration
+            self._reformed = True
 
     def batches(self, loader: Iterable[Any]) -> Iterator[Any]:
         """Yield ``loader``'s batches; each one counts as trained once the body is done.
@@ -135,14 +213,30 @@ class ElasticLoop:
         epoch and a checkpoint is committed.
         A ``break`` out of the loop leaves the current batch uncounted.
         """
-        it = iter(loader)
-        self._live = it
-        try:
-            for batch in it:
-                yield batch
-                self.step_done(None if self._per_global_batch else batch_len(batch))
-        finally:
-            self._live = None
+        if self._keeper is not None and not self._ddp_made:
+            raise ConfigError("ElasticLoop(live=True): build the DDP wrapper with "
+                              "model = loop.ddp(model, ...) instead of DDP(model, ...), so it "
+                              "can be rebuilt on the re-formed group; or pass live=False")
+        while True:
+            it = iter(loader)
+            self._live = it
+            try:
+                for batch in it:
+                    yield batch
+                    if not self._reformed:
+                        # step_done's stop agreement is a collective too: a peer that died
+                        # after this rank's update makes it fail, and the group re-forms.
+                        with self.guard():
+                            self.step_done(None if self._per_global_batch else batch_len(batch))
+                    if self._reformed:
+                        break  # the group re-formed: start over from the first untrained batch
+                else:
+                    break  # the loader ran out
+            except Reformed:  # from step_done: a drain or join elsewhere re-formed the group
+                self._reformed = True
+            finally:
+                self._live = None
+            self._after_reform(it)
         # The loader ran out: the epoch is over for this loop, even if the sampler kept a
         # tail that DataLoader(drop_last=True) dropped. Saved as "next epoch, position 0",
         # a resume starts the next epoch, and code that peeks at the loader before
@@ -150,6 +244,19 @@ class ElasticLoop:
         self.sampler.set_epoch(int(self.sampler.epoch) + 1)
         if self.steps_done > self._saved_at:
             self.save(blocking=True)
+
+    def _after_reform(self, old: Any) -> None:
+        """Continue on the re-formed group: the newest state is in place; reshard."""
+        self._reformed = False
+        self.reforms += 1
+        shutdown_workers = getattr(old, "_shutdown_workers", None)
+        if shutdown_workers is not None:
+            shutdown_workers()  # the old loader's workers prefetched the old world's shares
+        self._adopt_progress()
+        self.sampler.regroup()
+        self.ctx = context()
+        log.info("loop_reformed", steps_done=self.steps_done, world_size=self.ctx.world_size,
+                 rank=self.ctx.rank, epoch=int(self.sampler.epoch))
 
     def _epoch_done(self) -> bool:
         if hasattr(self.sampler, "epoch_done"):
@@ -174,7 +281,12 @@ class ElasticLoop:
         self._progress["steps_done"] = self.steps_done
         report_progress(self.steps_done - 1, epoch=int(self.sampler.epoch),
                         loss=self.loss if loss is None else loss)
-        if should_stop(self.steps_done - 1):
+        # With live re-formation a drain or join elsewhere re-forms the group here and
+        # raises Reformed (batches() continues on the new group); a drain of every node
+        # stops as below.
+        stop = (self._keeper.step_done(self.steps_done - 1) if self._keeper is not None
+                else should_stop(self.steps_done - 1))
+        if stop:
             self.save(blocking=True)
             log.info("loop_drained", steps_done=self.steps_done, epoch=int(self.sampler.epoch))
             self.manager.close()
@@ -191,9 +303,37 @@ class ElasticLoop:
         """Checkpoint the state as of the last finished step (a collective)."""
         if self.steps_done == self._saved_at:
             return  # this step is saved already; a second save would be refused as not newer
+        self._progress["saved_at"] = self.steps_done
         self.manager.save(self.steps_done, self._state, blocking=blocking)
         self._saved_at = self.steps_done
 
     def close(self) -> None:
         """Wait for the last checkpoint and release the manager."""
         self.manager.close()
+
+
+class _RegroupingDDP:
+    """A DDP wrapper that is rebuilt when the default process group changes."""
+
+    def __init__(self, module: torch.nn.Module, kwargs: dict[str, Any],
+                 init_sync: Callable[[], bool]) -> None:
+        self.module = module
+        self._kwargs = kwargs
+        self._init_sync = init_sync
+        self._group: Any = None
+        self._ddp: Any = None
+
+    def _current(self) -> Any:
+        if not dist.is_initialized():
+            return self.module
+        group = dist.group.WORLD
+        if self._ddp is None or group is not self._group:
+            self._ddp = DDP(self.module, **{"init_sync": self._init_sync(), **self._kwargs})
+            self._group = group
+        return self._ddp
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._current()(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._current(), name)

@@ -126,3 +126,41 @@ def test_commit_without_an_answer_is_unknown_and_the_upload_is_kept(etcd_server,
         chan.close()
         a.shutdown()
         a.client.close()
+
+
+def test_commit_lands_while_the_next_round_is_open_and_not_after_it_formed(etcd_server):
+    """A join (or a loss) opens the next round while a member's upload is in flight: nobody
+    trains in the open round yet, so the save is still the job's newest state and its commit
+    lands (it was refused, and the member restarted from an older checkpoint). Once the next
+    round has formed, a commit from the old round is refused."""
+    from elasticd.checkpoint.api import CommitOutcome
+    from elasticd.records import RoundState
+
+    a, b = _handler(etcd_server, "a", 2), _handler(etcd_server, "b", 2)
+    threads = [threading.Thread(target=h.next_rendezvous) for h in (a, b)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    old_round = a.round
+    rec_a = JobRecorder(a.session)
+    try:
+        assert rec_a.commit_checkpoint(5, "u5", 2, old_round)[0] is CommitOutcome.COMMITTED
+        opener = threading.Thread(target=b.next_rendezvous)  # b re-rendezvous: opens the next round
+        opener.start()
+        wait_until(lambda: RoundState.from_json(rec_a.client.get(rec_a.keys.rdzv_state).value).round
+                   == old_round + 1, 15, "b to open the next round")
+        outcome, reason = rec_a.commit_checkpoint(10, "u10", 2, old_round)
+        assert outcome is CommitOutcome.COMMITTED, reason
+        assert rec_a.latest_checkpoint().step == 10
+
+        a.next_rendezvous()  # the next round forms with a and b
+        opener.join(30)
+        assert a.round == b.round == old_round + 1
+        outcome, reason = rec_a.commit_checkpoint(11, "u11", 2, old_round)
+        assert outcome is CommitOutcome.REFUSED, reason
+        assert rec_a.latest_checkpoint().step == 10
+    finally:
+        for h in (a, b):
+            h.shutdown()
+            h.client.close()

@@ -132,3 +132,28 @@ def test_torch_subprocess_context_uses_the_pool(pool, tmp_path):
     for r in range(2):
         got = json.loads(Path(result.stdouts[r]).read_text())
         assert got["rank"] == str(10 + r) and got["torch"]
+
+
+def test_past_imports_waits_for_the_first_socket_not_for_libtorch():
+    """libtorch is mapped 0.1 s into a 1.3 s ``import torch``: a worker counts as past its
+    imports (standbys may start beside it) only once it opened a socket, as
+    ``init_process_group`` does."""
+    import subprocess
+
+    from elasticd.agent.warm import past_imports
+
+    child = subprocess.Popen(
+        [sys.executable, "-c", "import sys, torch; print('imported', flush=True); sys.stdin.readline();"
+         "import socket; s = socket.socket(); print('socket', flush=True); sys.stdin.readline()"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "imported"
+        assert not past_imports(child.pid)  # libtorch mapped, no socket yet
+        child.stdin.write("\n")
+        child.stdin.flush()
+        assert child.stdout.readline().strip() == "socket"
+        assert past_imports(child.pid)
+    finally:
+        child.kill()
+        child.wait(10)
+    assert not past_imports(child.pid)  # gone: /proc cannot tell

@@ -200,6 +200,23 @@ def test_fenced_out_save_raises_fenced_error_and_is_deleted(url):
     assert live.latest() is None
 
 
+def test_refusal_of_a_save_begun_before_a_live_reformation_is_not_a_zombie(url):
+    """The group re-formed in place while a save's commit was in flight: the refusal (the
+    round moved) raises nothing, the state lives on in memory, and the next save commits."""
+    fence = MemoryCommitFence(round_=1)
+    mgr = CheckpointManager(url, job="demo", fence=fence)
+    fence.current_round = 2  # the job moved on while the save below is being written
+    mgr.save(4, {"model": _net()})
+    mgr._inflight.thread.join(30)  # its commit was refused before the re-formation below
+    mgr.regroup()  # the live re-formation (no torch group here: a group of one)
+    fence.writer_round = 2
+    with capture_logs() as cap:
+        mgr.save(5, {"model": _net()}, blocking=True)
+    assert any(e["event"] == "checkpoint_commit_superseded" for e in cap)
+    assert [s.step for s in mgr.store.list_saves()] == [5]
+    assert fence.latest().step == 5
+
+
 def test_reader_trusts_pointer_over_newer_unfenced_upload(url):
     """With a pointer at step 10, a newer upload is skipped by readers but never pruned:
     its commit may still land (an UNKNOWN commit is retried)."""

@@ -9,7 +9,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 PLAIN = ROOT / "examples" / "ddp_tutorial.py"
 ELASTIC = ROOT / "examples" / "ddp_tutorial_elastic.py"
+LIVE = ROOT / "examples" / "ddp_tutorial_live.py"
 MAX_CHANGED = 10
+MAX_LIVE_CHANGED = 5
 
 
 def changed_lines(before: list[str], after: list[str]) -> int:
@@ -46,3 +48,15 @@ def test_worker_api_page_leads_with_this_diff():
                                      "examples/ddp_tutorial.py", "examples/ddp_tutorial_elastic.py",
                                      lineterm="", n=1))
     assert block.group(1).splitlines() == want
+
+
+def test_live_tutorial_adds_at_most_five_lines_and_the_docs_show_them():
+    """examples/ddp_tutorial_live.py differs from the elastic tutorial in <= 5 lines, and
+    docs/worker-api.md's second diff block is exactly that diff."""
+    before, after = ELASTIC.read_text().splitlines(), LIVE.read_text().splitlines()
+    n = changed_lines(before, after)
+    assert 0 < n <= MAX_LIVE_CHANGED, f"{n} changed lines"
+    blocks = re.findall(r"```diff\n(.*?)```", (ROOT / "docs" / "worker-api.md").read_text(), re.S)
+    want = list(difflib.unified_diff(before, after, "examples/ddp_tutorial_elastic.py",
+                                     "examples/ddp_tutorial_live.py", lineterm="", n=1))
+    assert blocks[1].splitlines() == want

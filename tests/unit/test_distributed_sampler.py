@@ -85,3 +85,36 @@ def test_positions_mode_yields_keys_for_the_same_indices():
     keys = list(ElasticDistributedSampler(20, 3, 1, seed=2, positions=True))
     assert [k.index for k in keys] == plain
     assert [k.position for k in keys] == [1 + 3 * j for j in range(7)]
+
+
+def test_regroup_in_place_continues_exactly_once_at_the_new_world_size():
+    """A live re-formation reshards the same sampler objects in place (no state round trip):
+    2 ranks train 3 steps, the survivors regroup to 3 ranks, and every sample of the epoch
+    is trained once; ElasticSampler keeps its global batch across the change."""
+    n, b = 50, 4
+    ranks = [ElasticDistributedSampler(n, num_replicas=2, rank=r, shuffle=True, seed=3) for r in range(2)]
+    seen: Counter = Counter()
+    iters = [iter(s) for s in ranks]
+    for _ in range(3):
+        for it in iters:
+            seen.update(next(it) for _ in range(b))
+        for s in ranks:
+            s.step(b)
+    ranks.append(ElasticDistributedSampler(n, num_replicas=3, rank=2, shuffle=True, seed=3))
+    ranks[2].load_state_dict(ranks[0].state_dict())  # the joiner gets the state from a peer
+    for r, s in enumerate(ranks):
+        s.regroup(num_replicas=3, rank=r)
+    while not ranks[0].epoch_done:
+        share = [list(s)[:b] for s in ranks]
+        k = min(len(x) for x in share)
+        for x in share:
+            seen.update(x[:k])
+        for s in ranks:
+            s.step(k)
+    assert set(seen) == set(range(n)) and max(seen.values()) <= 2  # padding wraps, as torch's
+    assert sum(seen.values()) - n <= 2
+    es = ElasticSampler(48, global_batch_size=12, num_replicas=2, rank=1)
+    es.regroup(num_replicas=3, rank=2)
+    assert (es.num_replicas, es.rank, es.global_batch_size) == (3, 2, 12)
+    with pytest.raises(ValueError):
+        ranks[0].regroup(num_replicas=2, rank=2)

@@ -47,6 +47,17 @@ def test_a_reformation_completes_or_falls_back_after_its_bound():
     assert _v(reforming=True, group_state="SUCCEEDED") is LiveVerdict.ABANDON
 
 
+def test_a_member_lost_during_a_reformation_falls_back_at_once():
+    """A second loss while the workers form the new group: the group cannot form, so fall
+    back now rather than after the bound; a join then waits for the re-formation to end."""
+    lost = _v(reforming=True, verdict="restart_membership", membership="member_lost")
+    assert lost is LiveVerdict.FALLBACK
+    assert _v(reforming=True, verdict="restart_membership", membership="newer_round") is LiveVerdict.FALLBACK
+    assert _v(reforming=True, verdict="start_resize", membership="join") is LiveVerdict.WAIT
+    assert _v(reforming=True, reformed_all=True, verdict="restart_membership",
+              membership="member_lost") is LiveVerdict.DONE
+
+
 def test_the_policy_acts_first_on_stops_and_fences():
     """A stop signal, a drain or a lost lease is never overridden by live re-formation."""
     for verdict in ("start_drain", "fence", "hard_stop", "leave"):

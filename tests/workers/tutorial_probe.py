@@ -1,5 +1,7 @@
-"""Runs examples/ddp_tutorial_elastic.py with a probe: targets carry the sample index, and
-every trained batch is appended to $TRACE as {"epoch", "idx"}; $STEP_S slows each step."""
+"""Runs examples/ddp_tutorial_elastic.py (or $TUTORIAL, e.g. ddp_tutorial_live.py) with a
+probe: targets carry the sample index, and every trained batch is appended to $TRACE as
+{"epoch", "idx", "pid", "rank", "world"}; $STEP_S slows each step; $EPOCHS, $BATCH and
+$DATASET size the run (3, 8, 96)."""
 
 import importlib.util
 import json
@@ -8,12 +10,13 @@ import sys
 import time
 
 import torch
+import torch.distributed as dist
 
 from elasticd.worker.context import stop_requested_locally
 
 spec = importlib.util.spec_from_file_location(
     "ddp_tutorial_elastic", os.path.join(os.path.dirname(__file__), "..", "..", "examples",
-                                         "ddp_tutorial_elastic.py"))
+                                         os.environ.get("TUTORIAL", "ddp_tutorial_elastic.py")))
 tutorial = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(tutorial)
 
@@ -31,7 +34,8 @@ def run_batch(self, source, targets):
     base_run_batch(self, source, targets)
     trace.write(json.dumps({"epoch": self.train_data.sampler.epoch,
                             "idx": [int(t) for t in targets[:, 0]],
-                            "drain_seen": stop_requested_locally()}) + "\n")
+                            "drain_seen": stop_requested_locally(), "pid": os.getpid(),
+                            "rank": dist.get_rank(), "world": dist.get_world_size()}) + "\n")
     trace.flush()
     time.sleep(float(os.environ.get("STEP_S", "0")))
 
@@ -39,5 +43,7 @@ def run_batch(self, source, targets):
 tutorial.MyTrainDataset.__getitem__ = getitem
 tutorial.Trainer._run_batch = run_batch
 os.chdir(os.environ["WORKDIR"])
-tutorial.main(save_every=1, total_epochs=3, batch_size=8, dataset_size=96)
+tutorial.main(save_every=1, total_epochs=int(os.environ.get("EPOCHS", "3")),
+              batch_size=int(os.environ.get("BATCH", "8")),
+              dataset_size=int(os.environ.get("DATASET", "96")))
 sys.exit(0)

@@ -103,12 +103,11 @@ def test_drain_resumes_at_the_next_step_and_trains_no_sample_twice(nodes, tmp_pa
     b.signal_agent(signal.SIGTERM)
     assert b.wait(60) == 0, b.log()[-3000:]
     assert a.wait(120) == 0, a.log()[-3000:]
-    every = read_jsonl(trace)
-    assert sorted({r["step"] for r in every}) == list(range(40)), "a step is missing"
-    # From the first round both nodes trained in: a node that formed the first round alone
-    # (its peer still starting) re-forms when the peer joins, which is not what this pins.
-    together = min(r["round"] for r in every if r["rank"] == 1)
-    rows = [r for r in every if r["round"] >= together]
+    rows = read_jsonl(trace)
+    assert sorted({r["step"] for r in rows}) == list(range(40)), "a step is missing"
+    # Over the whole run: a node that formed the first round alone (its peer still
+    # starting) re-forms in place when the peer joins, even while its first checkpoint's
+    # commit is in flight (that commit used to be refused and the restart retrained).
     attempts = Counter((r["step"], r["rank"]) for r in rows)
     assert max(attempts.values()) == 1, "a step was trained twice after a drain"
     per_epoch = Counter((r["epoch"], i) for r in rows for i in r["idx"])

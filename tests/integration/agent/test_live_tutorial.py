@@ -1,0 +1,51 @@
+"""End to end: the DDP tutorial with live re-formation (examples/ddp_tutorial_live.py,
+``ElasticLoop(live=True)``) survives a killed node and takes in a joining one without
+restarting its workers, with real agents, etcd and signals (issue 14)."""
+
+from __future__ import annotations
+
+import signal
+from collections import Counter
+
+import pytest
+from harness import ROOT, read_jsonl, wait_until
+
+PROBE = str(ROOT / "tests" / "workers" / "tutorial_probe.py")
+EPOCHS, BATCH, DATASET = 2, 4, 480
+pytestmark = pytest.mark.timeout(240)
+
+
+def test_live_tutorial_keeps_its_workers_through_a_kill_and_a_join(nodes, tmp_path):
+    """Node b is SIGKILLed mid-epoch: a's worker (same PID) re-forms in place and trains on
+    alone; node c joins and gets the state from a (no checkpoint read); every sample of
+    every epoch is trained, and at most the one step in flight at the kill twice."""
+    trace = tmp_path / "trace.jsonl"
+    env = {"TUTORIAL": "ddp_tutorial_live.py", "TRACE": str(trace), "WORKDIR": str(tmp_path),
+           "STEP_S": "0.05", "EPOCHS": str(EPOCHS), "BATCH": str(BATCH), "DATASET": str(DATASET)}
+    a, b = (nodes.start("live-tut", PROBE, nnodes="1:2", env=env, name=n) for n in ("a", "b"))
+    wait_until(lambda: {r["rank"] for r in read_jsonl(trace) if r["world"] == 2} == {0, 1}, 120,
+               "both ranks to train at world 2")
+    a_pids = {r["pid"] for r in read_jsonl(trace) if r["world"] == 2} & set(a.tree())
+    assert len(a_pids) == 1, a_pids
+    b.signal(signal.SIGKILL)
+    b.wait(30)
+    killed_at = len(read_jsonl(trace))
+    wait_until(lambda: any(r["world"] == 1 for r in read_jsonl(trace)[killed_at:]), 60,
+               lambda: "a to train on alone: " + a.log()[-2000:])
+    c = nodes.start("live-tut", PROBE, nnodes="1:2", env=env, name="c")
+    joined_at = len(read_jsonl(trace))
+    wait_until(lambda: any(r["world"] == 2 for r in read_jsonl(trace)[joined_at:]), 120,
+               lambda: "c to join: " + c.log()[-2000:])
+    assert a.wait(120) == 0, a.log()[-3000:]
+    assert c.wait(60) == 0, c.log()[-3000:]
+
+    rows = read_jsonl(trace)
+    after = {r["pid"] for r in rows[killed_at:]}
+    assert len(after) == 2 and a_pids <= after, f"a's worker was restarted: {after} vs {a_pids}"
+    assert a.log().count("loop_reformed") >= 2, a.log()[-3000:]
+    assert "live_state_received" in c.log() and "checkpoint_loaded" not in c.log(), c.log()[-3000:]
+    counts = Counter((r["epoch"], i) for r in rows for i in r["idx"])
+    want = {(e, i) for e in range(EPOCHS) for i in range(DATASET)}
+    assert set(counts) == want, sorted(want - set(counts))[:10]
+    twice = [k for k, n in counts.items() if n > 1]
+    assert len(twice) <= BATCH * 2 and all(n <= 2 for n in counts.values()), twice
