@@ -4,13 +4,16 @@
 Two gloo ranks on 127.0.0.1 (``torch.multiprocessing``), under a real
 ``elasticd.control.ControlChannel`` with live re-formation on (``ELASTICD_LIVE=1``), so
 ``LiveState`` is enabled exactly as under an agent (its marker, its watcher thread). One
-process pair trains one DDP model in short blocks of ``--block-steps`` steps, alternating
-A B, B A, ... over ``--rounds`` rounds, so the load of a shared machine hits both alike:
+process pair trains one DDP model in short blocks of ``--block-steps`` steps, three arms
+per round in rotating order (ABC, BCA, CAB, CBA, BAC, ACB) over ``--rounds`` rounds, so the
+load of a shared machine hits all alike:
 
 - **A, without:** forward, backward, ``optimizer.step()``, ``worker.should_stop(step)``
   (today's loop);
 - **B, with:** the same step inside ``live.guard()``, then ``live.step_done(step)``
-  (which calls ``should_stop``), as docs/worker-api.md writes the loop.
+  (which calls ``should_stop``), as docs/worker-api.md writes the loop;
+- **C, control:** A again. C/A is what the machine's noise alone makes of "no change":
+  read B/A against it.
 
 Models: ``example`` is examples/train.py's (16-64-1, float64, 32 samples per rank: a step
 of well under a millisecond of compute, so any per-step cost shows: the worst case);
@@ -20,7 +23,8 @@ no off switch), so its cost is reported apart: its CPU seconds per second of wal
 read from /proc.
 
 Reported (rank 0's clock): median step time of A and B, the ratio of the medians B/A,
-the median and quartiles of the per-round ratios (goal: ≤ 1.01), the watcher's CPU share.
+the median and quartiles of the per-round ratios (goal: ≤ 1.01), the same for the A/A
+control, the watcher's CPU share.
 
 Usage::
 
@@ -111,16 +115,17 @@ def _worker(rank: int, env: dict[str, str], args: argparse.Namespace, out: str) 
             if live.step_done(s):
                 raise RuntimeError("unexpected stop")
 
-    times: dict[str, list[float]] = {"A": [], "B": []}
-    per_round: list[tuple[float, float]] = []
+    times: dict[str, list[float]] = {"A": [], "B": [], "C": []}
+    per_round: list[tuple[float, float, float]] = []
+    orders = ("ABC", "BCA", "CAB", "CBA", "BAC", "ACB")  # every arm in every position
     for _ in range(args.warmup):
         plain(step)
         step += 1
     wall0, cpu0 = time.monotonic(), _thread_cpu_s("elasticd-live")
     for r in range(args.rounds):
         medians: dict[str, float] = {}
-        for name in ("AB" if r % 2 == 0 else "BA"):
-            fn = plain if name == "A" else with_live
+        for name in orders[r % len(orders)]:
+            fn = with_live if name == "B" else plain
             block = []
             for _ in range(args.block_steps):
                 t0 = time.perf_counter()
@@ -129,7 +134,7 @@ def _worker(rank: int, env: dict[str, str], args: argparse.Namespace, out: str) 
                 step += 1
             times[name] += block
             medians[name] = statistics.median(block)
-        per_round.append((medians["A"], medians["B"]))
+        per_round.append((medians["A"], medians["B"], medians["C"]))
     watcher = (_thread_cpu_s("elasticd-live") - cpu0) / (time.monotonic() - wall0)
     dist.barrier()
     if rank == 0:
@@ -173,19 +178,23 @@ def main(argv: list[str] | None = None) -> int:
     res: dict[str, Any] = json.loads(out.read_text())
     out.unlink()
     a, b = statistics.median(res["times"]["A"]), statistics.median(res["times"]["B"])
-    ratios = [rb / ra for ra, rb in res["per_round"]]
+    c = statistics.median(res["times"]["C"])
+    ratios = [rb / ra for ra, rb, _ in res["per_round"]]
+    noise = [rc / ra for ra, _, rc in res["per_round"]]
     report = {"model": args.model if args.model == "example" else f"mlp{args.width}",
               "batch_per_rank": args.batch, "rounds": args.rounds, "block_steps": args.block_steps,
               "step_ms_without": round(a * 1e3, 4), "step_ms_with": round(b * 1e3, 4),
               "ratio_of_medians": round(b / a, 4), "per_round_ratio_median": round(statistics.median(ratios), 4),
               "per_round_ratio_quartiles": _quartiles(ratios),
+              "a_a_ratio_of_medians": round(c / a, 4), "a_a_per_round_quartiles": _quartiles(noise),
               "watcher_cpu_share": round(res["watcher"], 5),
               "load_before": load_before, "load_after": round(os.getloadavg()[0], 2)}
     print(json.dumps(report))
     if not args.json:
         print(f"step {report['step_ms_without']} ms without LiveState, {report['step_ms_with']} ms with: "
               f"ratio {report['ratio_of_medians']} (per round: median {report['per_round_ratio_median']}, "
-              f"quartiles {report['per_round_ratio_quartiles']}); watcher thread "
+              f"quartiles {report['per_round_ratio_quartiles']}); A/A control "
+              f"{report['a_a_ratio_of_medians']} (quartiles {report['a_a_per_round_quartiles']}); watcher thread "
               f"{100 * report['watcher_cpu_share']:.3f} % of a core")
     return 0
 
