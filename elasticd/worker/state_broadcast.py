@@ -159,8 +159,11 @@ def broadcast_state(sd: dict[str, Any] | None, src: int, device: torch.device, *
     wanted = sorted(set(range(dist.get_world_size()) if receivers is None else receivers) - {src})
     source: TransferSource | None = None
     if rank == src and _transfer_method(method, tensors, device) == "tcp":
-        views = [byte_view(t) for t in tensors]
-        source = _transfer_source(views)
+        try:
+            source = _transfer_source([byte_view(t) for t in tensors])
+        except (RuntimeError, TypeError, ValueError) as exc:  # a dtype with no byte view
+            # Raising here would leave the other ranks waiting in the broadcast below.
+            log.warning("live_transfer_unavailable", reason=repr(exc)[:200])
         if source is None and method == "tcp":
             raise TransferError("no address of this process group is known to listen on")
     box: list[Any] = [(skeleton, source.ticket if source is not None else None)]

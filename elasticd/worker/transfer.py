@@ -152,7 +152,7 @@ def byte_view(t: torch.Tensor) -> memoryview:
     included, which numpy alone does not.
     """
     flat = t.detach().reshape(-1)  # a view when contiguous
-    return memoryview(flat.view(torch.uint8).numpy()).cast("B")
+    return memoryview(flat.view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type]
 
 
 def advance(views: Sequence[memoryview], nbytes: int) -> list[memoryview]:
