@@ -1,8 +1,9 @@
 """One rank of a live state transfer test: ``broadcast_state`` from rank 0, over real gloo.
 
 Environment: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT (the group, formed through
-``elasticd.worker`` as under an agent); OUT: a directory for each rank's reports. Two
-phases in one run (one process start-up for both): ``check``, then ``kill``.
+``elasticd.worker`` as under an agent); ELASTICD_CONTROL_DIR: this rank's control directory;
+REFORM_PORT: the re-formed group's port; OUT: a directory for each rank's reports. Two
+phases in one run (one process start-up for both): ``check``, then ``reform_kill``.
 """
 
 from __future__ import annotations
@@ -66,12 +67,26 @@ def check(rank: int, world: int, out: Path) -> None:
                                "seconds": time.monotonic() - t0}))
 
 
-def kill(rank: int, out: Path) -> None:
-    """Rank 0 sends rank 1 the first tensor (4 MiB), then SIGKILLs itself; rank 2 is not a
-    receiver. Writes the error (or None) each survivor saw, and how long it took."""
-    from elasticd.worker import transfer
-    from elasticd.worker.state_broadcast import broadcast_state
+def reform_kill(rank: int, out: Path) -> None:
+    """A live re-formation into a new group (``REFORM_PORT``) in which rank 0 holds the
+    newest state, rank 1 none, rank 2 the newest too; rank 0 sends rank 1 its first tensor
+    (the RNG state, 5 kB of 4 MiB), then SIGKILLs itself. Rank 1 must fall back (``stopped-1`` marker, exit 0);
+    rank 2, which needs nothing, re-forms. Rank 2 writes a report; rank 1 exits in
+    ``_fall_back``."""
+    from elasticd.control.reform import ReformOrder, write_order
+    from elasticd.worker import LiveState, transfer
+    from elasticd.worker.context import control_dir
 
+    torch.manual_seed(rank if rank == 1 else 0)  # rank 1 holds other (unused) weights
+    model = torch.nn.Linear(1024, 512, dtype=torch.float64)  # 4 MiB: the rest of the state
+    optim = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    live = LiveState({"model": model, "optim": optim}, timeout_s=30)
+    if rank != 1:
+        live.step, live._has_state = 41, True  # as after step_done(41)
+    cdir = control_dir()
+    assert cdir is not None
+    write_order(cdir, ReformOrder(round=1, world_size=3, master_addr="127.0.0.1",
+                                  master_port=int(os.environ["REFORM_PORT"]), ranks={0: rank}))
     if rank == 0:
         real = transfer._send_views
 
@@ -80,15 +95,9 @@ def kill(rank: int, out: Path) -> None:
             os.kill(os.getpid(), signal.SIGKILL)
 
         transfer._send_views = send_part_then_die
-    t0 = time.monotonic()
-    try:
-        got = broadcast_state(state(7) if rank == 0 else None, 0, torch.device("cpu"),
-                              receivers=[1], timeout_s=30)
-        report = {"error": None, "got": got is not None}
-    except transfer.TransferError as exc:
-        report = {"error": type(exc).__name__, "message": str(exc)}
-    report["seconds"] = time.monotonic() - t0
-    out.write_text(json.dumps(report))
+    (out.parent / f"rank{rank}-reform-started").write_text(str(time.time()))
+    live._reform("test")  # rank 1 does not return: it falls back and exits 0
+    out.write_text(json.dumps({"reforms": live.reforms, "step": live.step}))
 
 
 def main() -> int:
@@ -102,7 +111,7 @@ def main() -> int:
     out = Path(os.environ["OUT"])
     check(rank, world, out / f"rank{rank}.json")
     dist.barrier()
-    kill(rank, out / f"rank{rank}-kill.json")
+    reform_kill(rank, out / f"rank{rank}-kill.json")
     end_process(0)  # the group is broken (its rank 0 is dead): leave without tearing it down
 
 
