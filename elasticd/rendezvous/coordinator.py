@@ -32,6 +32,7 @@ from elasticd.etcd.txn import CreateRevision, Put
 from elasticd.etcd.watch import PrefixWatch
 from elasticd.keys import JobKeys
 from elasticd.records import WaitingRecord
+from elasticd.rendezvous.liveness import PeerProber
 from elasticd.rendezvous.protocol import (
     Action,
     ActionKind,
@@ -59,13 +60,15 @@ class RoundCoordinator:
         finalize: writes FINALIZE (CAS of the state key); returns True if it won.
         open_next: writes OPEN_NEXT with its cause (CAS, then the opener's bookkeeping).
         defer_lost_until: when lost members must not be acted on yet (etcd trouble), or None.
+        prober: probes the stragglers of a last call (liveness.py); None: never probe.
     """
 
     def __init__(self, client: EtcdClient, keys: JobKeys, session: NodeSession, view: WatchedView, *,
                  min_nodes: int, max_nodes: int, last_call_timeout_s: float,
                  finalize: Callable[[Action, RendezvousView, int], bool],
                  open_next: Callable[[Action, RendezvousView, int], bool],
-                 defer_lost_until: Callable[[RendezvousView], float | None]) -> None:
+                 defer_lost_until: Callable[[RendezvousView], float | None],
+                 prober: PeerProber | None = None) -> None:
         self.client = client
         self.keys = keys
         self.session = session
@@ -75,6 +78,7 @@ class RoundCoordinator:
         self._finalize = finalize
         self._open_next = open_next
         self._defer_lost_until = defer_lost_until
+        self.prober = prober
         self._memory = CoordinatorMemory()
         self._watches: list[PrefixWatch] = []
         self._stop = threading.Event()
@@ -136,11 +140,13 @@ class RoundCoordinator:
             if all(w.connected.is_set() for w in self._watches):
                 self.view.set_full(True)  # they connected after _take_up_watches gave up waiting
             return None
+        proven = self.view.proven_dead(self.prober.dead()) if self.prober else frozenset()
         action = decide_coordination(view, self._memory, me=me, min_nodes=self.min_nodes,
                                      max_nodes=self.max_nodes,
                                      last_call_timeout_s=self.last_call_timeout_s,
                                      now=time.monotonic(),
-                                     defer_lost_until=self._defer_lost_until(view))
+                                     defer_lost_until=self._defer_lost_until(view),
+                                     proven_dead=proven)
         if action.reason != self._last_reason:
             self._log.info("coordinator_step", action=action.kind.value, reason=action.reason)
             self._last_reason = action.reason
@@ -151,8 +157,15 @@ class RoundCoordinator:
         elif action.kind is ActionKind.ANNOUNCE:
             record = WaitingRecord(action.round, list(action.members))
             self.client.put(self.keys.rdzv_waiting, record.to_json())
-        elif action.kind is ActionKind.WAIT and action.until is not None:
-            return action.until
+        elif action.kind is ActionKind.WAIT:
+            until = action.until
+            if action.probe and self.prober is not None:
+                # A straggler proven dead wakes us (the prober touches the view); one that
+                # answered is probed again when due, until the last call ends.
+                due = self.prober.request(self.view.probe_targets(action.probe))
+                if due is not None:
+                    until = due if until is None else min(until, due)
+            return until
         return None
 
     def _campaign(self) -> None:
