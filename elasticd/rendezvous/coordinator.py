@@ -28,11 +28,11 @@ import structlog
 
 from elasticd.errors import EtcdUnavailableError, LeaseLostError, TransientError
 from elasticd.etcd.client import EtcdClient
-from elasticd.etcd.txn import CreateRevision, Put
+from elasticd.etcd.txn import CreateRevision, Delete, ModRevision, Put
 from elasticd.etcd.watch import PrefixWatch
 from elasticd.keys import JobKeys
 from elasticd.records import WaitingRecord
-from elasticd.rendezvous.liveness import PeerProber
+from elasticd.rendezvous.liveness import REPROBE_S, MemberProbes, PeerProber
 from elasticd.rendezvous.protocol import (
     Action,
     ActionKind,
@@ -61,6 +61,8 @@ class RoundCoordinator:
         open_next: writes OPEN_NEXT with its cause (CAS, then the opener's bookkeeping).
         defer_lost_until: when lost members must not be acted on yet (etcd trouble), or None.
         prober: probes the stragglers of a last call (liveness.py); None: never probe.
+        holder_probes: probes the holder of ``rdzv/coordinator`` while we wait in an open
+            round it should close (reads its record from etcd); None: never probe.
     """
 
     def __init__(self, client: EtcdClient, keys: JobKeys, session: NodeSession, view: WatchedView, *,
@@ -68,7 +70,8 @@ class RoundCoordinator:
                  finalize: Callable[[Action, RendezvousView, int], bool],
                  open_next: Callable[[Action, RendezvousView, int], bool],
                  defer_lost_until: Callable[[RendezvousView], float | None],
-                 prober: PeerProber | None = None) -> None:
+                 prober: PeerProber | None = None,
+                 holder_probes: MemberProbes | None = None) -> None:
         self.client = client
         self.keys = keys
         self.session = session
@@ -79,6 +82,7 @@ class RoundCoordinator:
         self._open_next = open_next
         self._defer_lost_until = defer_lost_until
         self.prober = prober
+        self.holder_probes = holder_probes
         self._memory = CoordinatorMemory()
         self._watches: list[PrefixWatch] = []
         self._stop = threading.Event()
@@ -129,6 +133,8 @@ class RoundCoordinator:
             self._release_watches()
             if view.coordinator is None and live and not view.closed:
                 self._campaign()
+            elif view.coordinator is not None and live and _waiting_in_open_round(view, me):
+                return self._unseat_if_dead(view.coordinator)
             return None
         if not live:
             self._release_watches()
@@ -168,6 +174,28 @@ class RoundCoordinator:
             return until
         return None
 
+    def _unseat_if_dead(self, holder: str) -> float | None:
+        """Delete ``rdzv/coordinator`` if a liveness probe proved its holder gone.
+
+        Why: a SIGKILLed coordinator holds the key until its lease expires, and until
+        then nobody closes the round the survivors opened at once on their failed
+        collectives. Only the key goes (compared on its mod_revision, so a new holder's
+        key is never touched); the dead node's lease is left to expire. If the holder was
+        in fact alive (a firewall that rejects: see ``rendezvous.liveness_probe``), the
+        cost is one election. Returns when to look again (the next probe), or None.
+        """
+        if self.holder_probes is None:
+            return None
+        if holder not in self.holder_probes.proven_dead([holder]):
+            return time.monotonic() + REPROBE_S
+        kv = self.view.rdzv_get(self.keys.rdzv_coordinator)
+        if kv is None or kv.value.decode(errors="replace") != holder:
+            return None
+        if self.client.txn([ModRevision(kv.key, kv.mod_revision)], [Delete(kv.key)]):
+            self._log.info("coordinator_unseated", holder=holder,
+                           reason="its agent is gone (liveness probe refused)")
+        return None
+
     def _campaign(self) -> None:
         key = self.keys.rdzv_coordinator
         if self.client.txn([CreateRevision(key, 0)],
@@ -196,3 +224,9 @@ class RoundCoordinator:
         for w in watches:
             w.stop(wait=False)
         self._log.info("coordinator_stepped_down")
+
+
+def _waiting_in_open_round(view: RendezvousView, me: str) -> bool:
+    """We joined the open round and wait for the coordinator to close it."""
+    state = view.state
+    return state is not None and state.phase == "open" and me in view.joins.get(state.round, ())

@@ -153,7 +153,8 @@ class EtcdRendezvousHandler(RendezvousHandler):
                 max_nodes=s.max_nodes, last_call_timeout_s=s.last_call_timeout_s,
                 finalize=lambda a, v, rev: self._finalize(a, v, rev, time.monotonic() + 10.0),
                 open_next=lambda a, v, rev: self._open_next(a, v, rev, time.monotonic() + 10.0),
-                defer_lost_until=self._defer_lost_until, prober=self.prober).start()
+                defer_lost_until=self._defer_lost_until, prober=self.prober,
+                holder_probes=MemberProbes(self.prober, self._member_targets)).start()
 
     def _reopen_finished_job(self, deadline: float) -> None:
         """A closed job with no live node is a finished run: start the job name afresh.
