@@ -83,6 +83,7 @@ class RoundCoordinator:
         self._defer_lost_until = defer_lost_until
         self.prober = prober
         self.holder_probes = holder_probes
+        self._holder_probe: tuple[str, float, float] | None = None  # holder, next at, interval
         self._memory = CoordinatorMemory()
         self._watches: list[PrefixWatch] = []
         self._stop = threading.Event()
@@ -135,6 +136,7 @@ class RoundCoordinator:
                 self._campaign()
             elif view.coordinator is not None and live and _waiting_in_open_round(view, me):
                 return self._unseat_if_dead(view.coordinator)
+            self._holder_probe = None
             return None
         if not live:
             self._release_watches()
@@ -186,8 +188,17 @@ class RoundCoordinator:
         """
         if self.holder_probes is None:
             return None
-        if holder not in self.holder_probes.proven_dead([holder]):
-            return time.monotonic() + REPROBE_S
+        now = time.monotonic()
+        if holder not in self.holder_probes.known_dead([holder]):
+            # Backed off (0.25 s, doubling to 2 s): every joined node of a large job waits
+            # here while a round fills up, and each probe costs an etcd read.
+            memo = self._holder_probe
+            if memo is not None and memo[0] == holder and now < memo[1]:
+                return memo[1]
+            interval = REPROBE_S if memo is None or memo[0] != holder else min(memo[2] * 2, 2.0)
+            self._holder_probe = (holder, now + interval, interval)
+            self.holder_probes.proven_dead([holder])  # starts a probe; its answer wakes us
+            return now + interval
         kv = self.view.rdzv_get(self.keys.rdzv_coordinator)
         if kv is None or kv.value.decode(errors="replace") != holder:
             return None

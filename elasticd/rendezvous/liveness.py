@@ -223,6 +223,12 @@ class MemberProbes:
             self._busy.set()
             threading.Thread(target=self._run, args=(list(members),), daemon=True,
                              name="probe-members").start()
+        return self.known_dead(members)
+
+    def known_dead(self, members: list[str]) -> frozenset[str]:
+        """What the probes proved so far (starts none)."""
+        if self.prober is None:
+            return frozenset()
         dead = self.prober.dead()
         return frozenset(m for m in members
                          if m in dead and self._incarnations.get(m) == dead[m])
