@@ -140,3 +140,26 @@ def test_view_counts_a_proven_dead_node_only_while_its_record_is_that_incarnatio
     assert v.proven_dead({"c": 7}) == frozenset({"c"})
     v.on_nodes_resync([rec("c", 4100, 12), rec("d", 0, 8)], 12)  # c's agent restarted
     assert v.proven_dead({"c": 7}) == frozenset()
+
+
+def test_leaving_an_aborted_group_does_not_wait_out_the_pending_stop_flag(monkeypatch):
+    """A survivor's pending should_stop all-reduce on the aborted group never completes (a
+    peer is dead, and nothing wakes the wait): leaving waits 0.1 s for it, not 5 s (it
+    added 5 s to one SIGKILL re-formation in three)."""
+    import importlib
+    from datetime import timedelta
+
+    wctx = importlib.import_module("elasticd.worker.context")  # the module, not context()
+
+    waited: list[timedelta] = []
+
+    class StuckWork:
+        def wait(self, timeout: timedelta) -> bool:
+            waited.append(timeout)
+            raise RuntimeError("timed out")
+
+    monkeypatch.setattr(wctx.dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(wctx._S, "pending", StuckWork())
+    wctx.leave_group()
+    assert waited == [timedelta(seconds=wctx.ABORTED_SETTLE_S)] and wctx.ABORTED_SETTLE_S <= 0.1
+    assert wctx._S.pending is None
