@@ -84,6 +84,26 @@ def probe(host: str, port: int, timeout_s: float = PROBE_TIMEOUT_S) -> bool:
     return True
 
 
+def _bind(addr: str | None) -> socket.socket:
+    """A listening socket on ``addr`` (any family, port 0), else on every interface.
+
+    ``addr`` may be an address this host does not hold (a public address behind NAT): then
+    every interface is bound; probes of the published address time out and prove nothing.
+
+    Raises:
+        OSError: not even the wildcard address could be bound.
+    """
+    if addr:
+        try:
+            family = socket.getaddrinfo(addr, 0, type=socket.SOCK_STREAM)[0][0]
+            return socket.create_server((addr, 0), family=family)
+        except (OSError, UnicodeError) as exc:
+            log.warning("liveness_probe_bound_everywhere", addr=addr, error=str(exc))
+    if socket.has_dualstack_ipv6():
+        return socket.create_server(("", 0), family=socket.AF_INET6, dualstack_ipv6=True)
+    return socket.create_server(("", 0))
+
+
 class LivenessListener:
     """The agent's probe target: accepts connections and closes them at once.
 
@@ -93,12 +113,7 @@ class LivenessListener:
     """
 
     def __init__(self, bind_addr: str | None = None) -> None:
-        if bind_addr:
-            self._sock = socket.create_server((bind_addr, 0))
-        elif socket.has_dualstack_ipv6():
-            self._sock = socket.create_server(("", 0), family=socket.AF_INET6, dualstack_ipv6=True)
-        else:
-            self._sock = socket.create_server(("", 0))
+        self._sock = _bind(bind_addr)
         self.port: int = self._sock.getsockname()[1]
         self._closed = False
         self._thread = threading.Thread(target=self._serve, name="liveness-listener", daemon=True)

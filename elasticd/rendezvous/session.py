@@ -125,7 +125,11 @@ class NodeSession:
         lease = retry_rdzv("lease grant", lambda: self.client.grant_lease(self.ttl_s), deadline)
         if self.liveness_probe and self.listener is None:
             # One listener while the session lives: a re-registration keeps its port.
-            self.listener = LivenessListener(self.local_addr)
+            try:
+                self.listener = LivenessListener(self.local_addr)
+            except OSError as exc:  # no port for it: peers fall back to our lease
+                self._log.warning("liveness_probe_unavailable", error=str(exc))
+                self.liveness_probe = False
         record = self.record or NodeRecord(
             node=self.node_id, host=socket.gethostname(), pid=os.getpid(), version=__version__,
             started_at=time.time(), log_dir=self.worker_log_dir,
