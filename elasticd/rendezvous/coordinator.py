@@ -14,6 +14,9 @@ Election: any registered node whose view shows no coordinator creates the key
 holder's lease (crash, freeze, partition) or its ``shutdown``; everyone sees that on
 the ``rdzv/`` watch and the election runs again. The new holder takes a fresh snapshot
 of ``nodes/`` and ``joins/`` before it acts, so nothing that happened meanwhile is lost.
+A SIGKILLed holder keeps the key until its lease expires; a node waiting in an open round
+probes the holder (liveness.py) and, once it is proven gone, deletes the key (compared on
+its mod_revision; the lease is left alone), so the election runs at once.
 
 All of this runs on one daemon thread per handler; it never blocks the agent's loop.
 """

@@ -12,7 +12,8 @@ A round moves ``open`` -> ``final``:
 - ``open``: nodes put ``joins/<round>/<node>`` (on their lease, so a dead joiner
   vanishes). Any joined node may finalize once ``max_nodes`` joined, or ``min_nodes``
   joined and either every live node joined or ``last_call_timeout`` passed since the
-  minimum was reached.
+  minimum was reached. A live node whose agent a liveness probe proved gone
+  (``proven_dead``: a refused connection, liveness.py) does not hold the last call.
 - ``final``: ``members`` lists nodes in rank order. Ranks are dense (0..n-1) and stable:
   members of the previous round keep their relative order, newcomers follow in join
   order.
