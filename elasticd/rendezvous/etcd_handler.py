@@ -44,6 +44,7 @@ from elasticd.records import NodeRecord, RoundState
 from elasticd.rendezvous.coordinator import RoundCoordinator
 from elasticd.rendezvous.etcd_store import EtcdStore
 from elasticd.rendezvous.liveness import MemberProbes, PeerProber, ProbeTarget
+from elasticd.rendezvous.outage import loss_grace, may_resurrect, outage_window_s
 from elasticd.rendezvous.protocol import (
     LEFT_FINISHED,
     Action,
@@ -55,10 +56,7 @@ from elasticd.rendezvous.protocol import (
     decide_join,
     departures,
     dropped_members,
-    loss_grace,
-    may_resurrect,
     nodes_waiting,
-    outage_window_s,
 )
 from elasticd.rendezvous.session import NodeSession, retry_rdzv
 from elasticd.rendezvous.settings import RendezvousSettings, default_node_id
@@ -421,13 +419,13 @@ class EtcdRendezvousHandler(RendezvousHandler):
 
     def _etcd_trouble(self) -> bool:
         """This node saw etcd fail or stall recently enough to explain expired leases
-        (an outage may include a leader election: ``protocol.outage_window_s``)."""
+        (an outage may include a leader election: ``outage.outage_window_s``)."""
         return self.client.trouble_within(outage_window_s(self.settings.node_ttl_s,
                                                           self.settings.election_timeout_s))
 
     def _defer_lost_until(self, view: RendezvousView) -> float | None:
         """For the coordinator: until when lost members are presumed victims of an etcd
-        outage (they may re-register, ``try_resurrect``): ``protocol.loss_grace``, as
+        outage (they may re-register, ``try_resurrect``): ``outage.loss_grace``, as
         ``membership`` applies it."""
         lost = list(departures(view, view.state).lost) if view.state is not None else []
         with self._view.cond:
@@ -454,7 +452,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
         After an etcd outage every lease may expire at once (a frozen single-member etcd
         revokes them all when it resumes). Members lost right after this node itself saw
         etcd trouble get a grace period to re-register (``try_resurrect``) before the loss
-        counts as a membership change (count 0 meanwhile): ``protocol.loss_grace``.
+        counts as a membership change (count 0 meanwhile): ``outage.loss_grace``.
         """
         if self.lease_lost.is_set():
             return Waiting(1, "this node's lease was lost", MembershipChange.LEASE_LOST)
@@ -482,7 +480,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
     def try_resurrect(self) -> bool:
         """Re-register after our lease expired because *etcd* was away, keeping our round.
 
-        The decision is ``protocol.may_resurrect``: only after etcd trouble seen from
+        The decision is ``outage.may_resurrect``: only after etcd trouble seen from
         here, and only while the job is still in our final round with us as a member.
 
         Returns:
