@@ -125,6 +125,10 @@ class NodeRecord(_Record):
     local_world_size: int = 0
     last_exit: str | None = None
     log_dir: str | None = None  # where this node's worker logs are (shown by status --json)
+    # The agent's liveness probe (elasticd.rendezvous.liveness): a refused connection to
+    # it proves the agent gone before its lease expires. Port 0: not probed (opted out).
+    probe_host: str | None = None
+    probe_port: int = 0
 
 
 @dataclass(frozen=True)

@@ -304,7 +304,10 @@ class ElasticdAgent(TickWrites, StandbyCare, LocalElasticAgent):
 
     def _attribute(self) -> tuple[Attribution, str]:
         rnd = self.handler.round if self.handler.round is not None else -1
-        return attribute_failure(self.handler.view(), rnd, self.handler.node_id)
+        # A peer whose agent is proven gone (a refused liveness probe: SIGKILL, crash) is a
+        # membership change now, not when its lease expires (plain scripts: issue 14 item 5).
+        return attribute_failure(self.handler.view(), rnd, self.handler.node_id,
+                                 proven_dead=self.handler.probe_members())
 
 
     def _act(self, decision: Decision, result: RunResult) -> bool:

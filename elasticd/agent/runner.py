@@ -77,6 +77,7 @@ class NodeSpec:
     last_call_timeout_s: float = 1.0
     close_timeout_s: float = 30.0
     store_timeout_s: float = 300.0
+    liveness_probe: bool = True  # rendezvous.liveness_probe
     supervision: SupervisionSettings = field(default_factory=SupervisionSettings)
     workdir: str | None = None
     log_format: str = "auto"
@@ -177,6 +178,7 @@ def run_node(spec: NodeSpec, early: Any = None) -> int:
                                close_timeout_s=spec.close_timeout_s,
                                store_timeout_s=spec.store_timeout_s,
                                election_timeout_s=spec.etcd_election_timeout_s,
+                               liveness_probe=spec.liveness_probe,
                                local_addr=spec.local_addr, worker_log_dir=log_dir),
             node_id=spec.node_id)
         # Until the agent says how it leaves (finished, drained), a shutdown is a loss: a

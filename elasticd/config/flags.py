@@ -76,6 +76,9 @@ FLAGS: tuple[Flag, ...] = (
          "how long closing a finished job's rendezvous may take, s", metavar="S"),
     Flag("--store-timeout", "rendezvous.store_timeout_s",
          "timeout of the round's c10d store (workers' init_process_group), s", metavar="S"),
+    Flag("--no-liveness-probe", "rendezvous.liveness_probe",
+         "publish no liveness probe and probe no peer (a firewall that rejects makes a live "
+         "node look dead): a killed peer is seen when its lease expires", const="false"),
     Flag("--nproc-per-node", "workers.nproc_per_node", "workers on this node: N, 'gpu' or 'auto'",
          metavar="N"),
     Flag("--workdir", "workers.workdir", "working directory of the workers", metavar="DIR"),

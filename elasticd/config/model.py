@@ -98,6 +98,7 @@ class RendezvousConfig:
     last_call_timeout_s: float = 1.0
     close_timeout_s: float = 30.0
     store_timeout_s: float = 300.0
+    liveness_probe: bool = True  # a refused TCP probe proves a straggler's agent gone
 
 
 @dataclass(frozen=True)

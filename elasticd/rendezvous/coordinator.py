@@ -14,6 +14,9 @@ Election: any registered node whose view shows no coordinator creates the key
 holder's lease (crash, freeze, partition) or its ``shutdown``; everyone sees that on
 the ``rdzv/`` watch and the election runs again. The new holder takes a fresh snapshot
 of ``nodes/`` and ``joins/`` before it acts, so nothing that happened meanwhile is lost.
+A SIGKILLed holder keeps the key until its lease expires; a node waiting in an open round
+probes the holder (liveness.py) and, once it is proven gone, deletes the key (compared on
+its mod_revision; the lease is left alone), so the election runs at once.
 
 All of this runs on one daemon thread per handler; it never blocks the agent's loop.
 """
@@ -28,10 +31,11 @@ import structlog
 
 from elasticd.errors import EtcdUnavailableError, LeaseLostError, TransientError
 from elasticd.etcd.client import EtcdClient
-from elasticd.etcd.txn import CreateRevision, Put
+from elasticd.etcd.txn import CreateRevision, Delete, ModRevision, Put
 from elasticd.etcd.watch import PrefixWatch
 from elasticd.keys import JobKeys
 from elasticd.records import WaitingRecord
+from elasticd.rendezvous.liveness import REPROBE_S, MemberProbes, PeerProber
 from elasticd.rendezvous.protocol import (
     Action,
     ActionKind,
@@ -59,13 +63,18 @@ class RoundCoordinator:
         finalize: writes FINALIZE (CAS of the state key); returns True if it won.
         open_next: writes OPEN_NEXT with its cause (CAS, then the opener's bookkeeping).
         defer_lost_until: when lost members must not be acted on yet (etcd trouble), or None.
+        prober: probes the stragglers of a last call (liveness.py); None: never probe.
+        holder_probes: probes the holder of ``rdzv/coordinator`` while we wait in an open
+            round it should close (reads its record from etcd); None: never probe.
     """
 
     def __init__(self, client: EtcdClient, keys: JobKeys, session: NodeSession, view: WatchedView, *,
                  min_nodes: int, max_nodes: int, last_call_timeout_s: float,
                  finalize: Callable[[Action, RendezvousView, int], bool],
                  open_next: Callable[[Action, RendezvousView, int], bool],
-                 defer_lost_until: Callable[[RendezvousView], float | None]) -> None:
+                 defer_lost_until: Callable[[RendezvousView], float | None],
+                 prober: PeerProber | None = None,
+                 holder_probes: MemberProbes | None = None) -> None:
         self.client = client
         self.keys = keys
         self.session = session
@@ -75,6 +84,9 @@ class RoundCoordinator:
         self._finalize = finalize
         self._open_next = open_next
         self._defer_lost_until = defer_lost_until
+        self.prober = prober
+        self.holder_probes = holder_probes
+        self._holder_probe: tuple[str, float, float] | None = None  # holder, next at, interval
         self._memory = CoordinatorMemory()
         self._watches: list[PrefixWatch] = []
         self._stop = threading.Event()
@@ -125,6 +137,9 @@ class RoundCoordinator:
             self._release_watches()
             if view.coordinator is None and live and not view.closed:
                 self._campaign()
+            elif view.coordinator is not None and live and _waiting_in_open_round(view, me):
+                return self._unseat_if_dead(view.coordinator)
+            self._holder_probe = None
             return None
         if not live:
             self._release_watches()
@@ -136,11 +151,13 @@ class RoundCoordinator:
             if all(w.connected.is_set() for w in self._watches):
                 self.view.set_full(True)  # they connected after _take_up_watches gave up waiting
             return None
+        proven = self.view.proven_dead(self.prober.dead()) if self.prober else frozenset()
         action = decide_coordination(view, self._memory, me=me, min_nodes=self.min_nodes,
                                      max_nodes=self.max_nodes,
                                      last_call_timeout_s=self.last_call_timeout_s,
                                      now=time.monotonic(),
-                                     defer_lost_until=self._defer_lost_until(view))
+                                     defer_lost_until=self._defer_lost_until(view),
+                                     proven_dead=proven)
         if action.reason != self._last_reason:
             self._log.info("coordinator_step", action=action.kind.value, reason=action.reason)
             self._last_reason = action.reason
@@ -151,8 +168,46 @@ class RoundCoordinator:
         elif action.kind is ActionKind.ANNOUNCE:
             record = WaitingRecord(action.round, list(action.members))
             self.client.put(self.keys.rdzv_waiting, record.to_json())
-        elif action.kind is ActionKind.WAIT and action.until is not None:
-            return action.until
+        elif action.kind is ActionKind.WAIT:
+            until = action.until
+            if action.probe and self.prober is not None:
+                # A straggler proven dead wakes us (the prober touches the view); one that
+                # answered is probed again when due, until the last call ends.
+                due = self.prober.request(self.view.probe_targets(action.probe))
+                if due is not None:
+                    until = due if until is None else min(until, due)
+            return until
+        return None
+
+    def _unseat_if_dead(self, holder: str) -> float | None:
+        """Delete ``rdzv/coordinator`` if a liveness probe proved its holder gone.
+
+        Why: a SIGKILLed coordinator holds the key until its lease expires, and until
+        then nobody closes the round the survivors opened at once on their failed
+        collectives. Only the key goes (compared on its mod_revision, so a new holder's
+        key is never touched); the dead node's lease is left to expire. If the holder was
+        in fact alive (a firewall that rejects: see ``rendezvous.liveness_probe``), the
+        cost is one election. Returns when to look again (the next probe), or None.
+        """
+        if self.holder_probes is None:
+            return None
+        now = time.monotonic()
+        if holder not in self.holder_probes.known_dead([holder]):
+            # Backed off (0.25 s, doubling to 2 s): every joined node of a large job waits
+            # here while a round fills up, and each probe costs an etcd read.
+            memo = self._holder_probe
+            if memo is not None and memo[0] == holder and now < memo[1]:
+                return memo[1]
+            interval = REPROBE_S if memo is None or memo[0] != holder else min(memo[2] * 2, 2.0)
+            self._holder_probe = (holder, now + interval, interval)
+            self.holder_probes.proven_dead([holder])  # starts a probe; its answer wakes us
+            return now + interval
+        kv = self.view.rdzv_get(self.keys.rdzv_coordinator)
+        if kv is None or kv.value.decode(errors="replace") != holder:
+            return None
+        if self.client.txn([ModRevision(kv.key, kv.mod_revision)], [Delete(kv.key)]):
+            self._log.info("coordinator_unseated", holder=holder,
+                           reason="its agent is gone (liveness probe refused)")
         return None
 
     def _campaign(self) -> None:
@@ -183,3 +238,9 @@ class RoundCoordinator:
         for w in watches:
             w.stop(wait=False)
         self._log.info("coordinator_stepped_down")
+
+
+def _waiting_in_open_round(view: RendezvousView, me: str) -> bool:
+    """We joined the open round and wait for the coordinator to close it."""
+    state = view.state
+    return state is not None and state.phase == "open" and me in view.joins.get(state.round, ())

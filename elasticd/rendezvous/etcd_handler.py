@@ -40,9 +40,11 @@ from elasticd.etcd.client import EtcdClient
 from elasticd.etcd.txn import DeleteRange
 from elasticd.etcd.watch import PrefixWatch
 from elasticd.keys import JobKeys
-from elasticd.records import RoundState
+from elasticd.records import NodeRecord, RoundState
 from elasticd.rendezvous.coordinator import RoundCoordinator
 from elasticd.rendezvous.etcd_store import EtcdStore
+from elasticd.rendezvous.liveness import MemberProbes, PeerProber, ProbeTarget
+from elasticd.rendezvous.outage import loss_grace, may_resurrect, outage_window_s
 from elasticd.rendezvous.protocol import (
     LEFT_FINISHED,
     Action,
@@ -54,10 +56,7 @@ from elasticd.rendezvous.protocol import (
     decide_join,
     departures,
     dropped_members,
-    loss_grace,
-    may_resurrect,
     nodes_waiting,
-    outage_window_s,
 )
 from elasticd.rendezvous.session import NodeSession, retry_rdzv
 from elasticd.rendezvous.settings import RendezvousSettings, default_node_id
@@ -94,7 +93,12 @@ class EtcdRendezvousHandler(RendezvousHandler):
         self.session = NodeSession(client, self.keys, self.node_id, self._view,
                                    ttl_s=settings.node_ttl_s,
                                    worker_log_dir=settings.worker_log_dir,
-                                   on_lease_lost=on_lease_lost)
+                                   on_lease_lost=on_lease_lost,
+                                   liveness_probe=settings.liveness_probe,
+                                   local_addr=settings.local_addr)
+        # Proves stragglers and peers gone before their lease expires (liveness.py).
+        self.prober = PeerProber(on_dead=self._view.touch) if settings.liveness_probe else None
+        self._member_probes = MemberProbes(self.prober, self._member_targets)
         self._loss_seen_at: float | None = None  # first sight of lost members after an outage
         self._store: EtcdStore | None = None
         self._last_reason = ""
@@ -147,7 +151,8 @@ class EtcdRendezvousHandler(RendezvousHandler):
                 max_nodes=s.max_nodes, last_call_timeout_s=s.last_call_timeout_s,
                 finalize=lambda a, v, rev: self._finalize(a, v, rev, time.monotonic() + 10.0),
                 open_next=lambda a, v, rev: self._open_next(a, v, rev, time.monotonic() + 10.0),
-                defer_lost_until=self._defer_lost_until).start()
+                defer_lost_until=self._defer_lost_until, prober=self.prober,
+                holder_probes=MemberProbes(self.prober, self._member_targets)).start()
 
     def _reopen_finished_job(self, deadline: float) -> None:
         """A closed job with no live node is a finished run: start the job name afresh.
@@ -223,6 +228,30 @@ class EtcdRendezvousHandler(RendezvousHandler):
         """Record that our workers failed in the current round (on our lease)."""
         self.session.report_failure(detail)
 
+    def probe_members(self) -> frozenset[str]:
+        """Members of our round that a liveness probe proved gone (their lease may still
+        run). Non-blocking; see ``liveness.MemberProbes``."""
+        if self.session.round is None:
+            return frozenset()
+        return self._member_probes.proven_dead(
+            [m for m in self.session.members if m != self.node_id])
+
+    def _member_targets(self, members: list[str]) -> list[ProbeTarget]:
+        """Probe targets of ``members`` from their records, read from etcd (only the
+        coordinator watches ``nodes/``)."""
+        targets = []
+        for m in members:
+            kv = self.client.get(self.keys.node(m))
+            if kv is None:
+                continue  # its lease is gone: the membership change is seen anyway
+            try:
+                rec = NodeRecord.from_json(kv.value)
+            except (ValueError, TypeError):
+                continue
+            if rec.probe_host and 0 < rec.probe_port < 65536:
+                targets.append(ProbeTarget(m, rec.probe_host, rec.probe_port, kv.create_revision))
+        return targets
+
     # -- RendezvousHandler API -----------------------------------------------------------
     def get_backend(self) -> str:
         return "etcd-v3"
@@ -258,10 +287,16 @@ class EtcdRendezvousHandler(RendezvousHandler):
                 self.session.register(deadline)
             view, state_rev = self._view.snapshot()
             version = self._view.version
+            proven = (self._view.proven_dead(self.prober.dead())
+                      if self.prober is not None and view.full else frozenset())
             action = decide_join(view, progress, min_nodes=self.settings.min_nodes,
                                  max_nodes=self.settings.max_nodes,
                                  last_call_timeout_s=self.settings.last_call_timeout_s,
-                                 now=time.monotonic())
+                                 now=time.monotonic(), proven_dead=proven)
+            if action.probe and self.prober is not None:
+                due = self.prober.request(self._view.probe_targets(action.probe))
+                if due is not None and action.until is not None:
+                    action = replace(action, until=min(action.until, due))
             if action.reason != self._last_reason:
                 self._log.info("rendezvous_step", action=action.kind.value, reason=action.reason)
                 self._last_reason = action.reason
@@ -384,13 +419,13 @@ class EtcdRendezvousHandler(RendezvousHandler):
 
     def _etcd_trouble(self) -> bool:
         """This node saw etcd fail or stall recently enough to explain expired leases
-        (an outage may include a leader election: ``protocol.outage_window_s``)."""
+        (an outage may include a leader election: ``outage.outage_window_s``)."""
         return self.client.trouble_within(outage_window_s(self.settings.node_ttl_s,
                                                           self.settings.election_timeout_s))
 
     def _defer_lost_until(self, view: RendezvousView) -> float | None:
         """For the coordinator: until when lost members are presumed victims of an etcd
-        outage (they may re-register, ``try_resurrect``): ``protocol.loss_grace``, as
+        outage (they may re-register, ``try_resurrect``): ``outage.loss_grace``, as
         ``membership`` applies it."""
         lost = list(departures(view, view.state).lost) if view.state is not None else []
         with self._view.cond:
@@ -417,7 +452,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
         After an etcd outage every lease may expire at once (a frozen single-member etcd
         revokes them all when it resumes). Members lost right after this node itself saw
         etcd trouble get a grace period to re-register (``try_resurrect``) before the loss
-        counts as a membership change (count 0 meanwhile): ``protocol.loss_grace``.
+        counts as a membership change (count 0 meanwhile): ``outage.loss_grace``.
         """
         if self.lease_lost.is_set():
             return Waiting(1, "this node's lease was lost", MembershipChange.LEASE_LOST)
@@ -445,7 +480,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
     def try_resurrect(self) -> bool:
         """Re-register after our lease expired because *etcd* was away, keeping our round.
 
-        The decision is ``protocol.may_resurrect``: only after etcd trouble seen from
+        The decision is ``outage.may_resurrect``: only after etcd trouble seen from
         here, and only while the job is still in our final round with us as a member.
 
         Returns:

@@ -12,7 +12,8 @@ A round moves ``open`` -> ``final``:
 - ``open``: nodes put ``joins/<round>/<node>`` (on their lease, so a dead joiner
   vanishes). Any joined node may finalize once ``max_nodes`` joined, or ``min_nodes``
   joined and either every live node joined or ``last_call_timeout`` passed since the
-  minimum was reached.
+  minimum was reached. A live node whose agent a liveness probe proved gone
+  (``proven_dead``: a refused connection, liveness.py) does not hold the last call.
 - ``final``: ``members`` lists nodes in rank order. Ranks are dense (0..n-1) and stable:
   members of the previous round keep their relative order, newcomers follow in join
   order.
@@ -77,6 +78,9 @@ class Action:
     # For OPEN_NEXT: why (a MembershipChange value, "" for a re-rendezvous) and who.
     cause: str = ""
     changed: tuple[str, ...] = ()
+    # For WAIT in the last call: the stragglers holding the round open; a liveness probe
+    # that proves one gone (``proven_dead``) lets the round close without it.
+    probe: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -177,8 +181,13 @@ def dropped_members(view: RendezvousView, opened: RoundState,
 
 
 def decide_join(view: RendezvousView, progress: JoinProgress, *, min_nodes: int, max_nodes: int,
-                last_call_timeout_s: float, now: float) -> Action:
-    """Decide this node's next step towards being in a final round. Pure; see module doc."""
+                last_call_timeout_s: float, now: float,
+                proven_dead: frozenset[str] = frozenset()) -> Action:
+    """Decide this node's next step towards being in a final round. Pure; see module doc.
+
+    ``proven_dead``: nodes whose agent a liveness probe proved gone (their lease may still
+    run); they do not hold an open round's last call (see ``_close_open_round``).
+    """
     me = progress.me
     if view.closed:
         return Action(ActionKind.CLOSED, "the rendezvous is closed")
@@ -225,13 +234,20 @@ def decide_join(view: RendezvousView, progress: JoinProgress, *, min_nodes: int,
                       until=progress.deadline)
     return _close_open_round(view, state, progress.min_reached_at, min_nodes=min_nodes,
                              max_nodes=max_nodes, last_call_timeout_s=last_call_timeout_s, now=now,
-                             deadline=progress.deadline)
+                             deadline=progress.deadline, proven_dead=proven_dead)
 
 
 def _close_open_round(view: RendezvousView, state: RoundState, min_reached_at: dict[int, float], *,
                       min_nodes: int, max_nodes: int, last_call_timeout_s: float, now: float,
-                      deadline: float) -> Action:
-    """FINALIZE the open round ``state`` if it may close now, else WAIT (full view only)."""
+                      deadline: float, proven_dead: frozenset[str] = frozenset()) -> Action:
+    """FINALIZE the open round ``state`` if it may close now, else WAIT (full view only).
+
+    A straggler (a live lease, not joined) in ``proven_dead`` holds nothing open: its
+    agent is gone (a probe was refused), only its lease has not expired yet. Only the
+    last call's wait for it is skipped; ``min_nodes`` still applies, and a node wrongly
+    left out rejoins through the normal join path. WAIT in the last call names the
+    stragglers in ``probe``.
+    """
     r = state.round
     joined = [n for n in view.joins.get(r, ()) if n in view.alive]
     if len(joined) >= max_nodes:
@@ -240,10 +256,12 @@ def _close_open_round(view: RendezvousView, state: RoundState, min_reached_at: d
                       members=members)
     if len(joined) >= min_nodes:
         first = min_reached_at.setdefault(r, now)
-        stragglers = sorted(view.alive - set(joined))
+        stragglers = sorted(view.alive - set(joined) - proven_dead)
         if not stragglers:
+            dead = sorted((view.alive - set(joined)) & proven_dead)
             members = order_members(_previous_members(state), joined, max_nodes)
-            return Action(ActionKind.FINALIZE, f"round {r}: all {len(joined)} live nodes joined",
+            why = f"; {','.join(dead)} proven dead (probe refused)" if dead else ""
+            return Action(ActionKind.FINALIZE, f"round {r}: all {len(joined)} live nodes joined{why}",
                           round=r, members=members)
         last_call = first + last_call_timeout_s
         if now >= last_call:
@@ -252,7 +270,8 @@ def _close_open_round(view: RendezvousView, state: RoundState, min_reached_at: d
                           f"round {r}: last call passed with {len(joined)} nodes "
                           f"(not joined: {','.join(stragglers)})", round=r, members=members)
         return Action(ActionKind.WAIT, f"round {r}: {len(joined)} joined, last call for "
-                      f"{','.join(stragglers)}", round=r, until=min(last_call, deadline))
+                      f"{','.join(stragglers)}", round=r, until=min(last_call, deadline),
+                      probe=tuple(stragglers))
     return Action(ActionKind.WAIT, f"round {r}: {len(joined)}/{min_nodes} nodes joined", round=r,
                   until=deadline)
 
@@ -340,7 +359,8 @@ class CoordinatorMemory:
 
 def decide_coordination(view: RendezvousView, memory: CoordinatorMemory, *, me: str, min_nodes: int,
                         max_nodes: int, last_call_timeout_s: float, now: float,
-                        defer_lost_until: float | None = None) -> Action:
+                        defer_lost_until: float | None = None,
+                        proven_dead: frozenset[str] = frozenset()) -> Action:
     """The coordinator's duty, run whenever its full view changes. Pure.
 
     Closes an open round exactly when a joined node of the old protocol would (max
@@ -357,6 +377,7 @@ def decide_coordination(view: RendezvousView, memory: CoordinatorMemory, *, me: 
         defer_lost_until: while set and in the future, lost members are not acted on yet
             (etcd itself was in trouble: their leases may have expired with etcd's outage
             and they may still re-register); WAIT until then.
+        proven_dead: nodes a liveness probe proved gone: they do not hold a last call.
 
     Returns:
         FINALIZE, OPEN_NEXT (with ``cause``/``changed``), ANNOUNCE (``members`` = the
@@ -373,7 +394,7 @@ def decide_coordination(view: RendezvousView, memory: CoordinatorMemory, *, me: 
     if state.phase != "final":
         return _close_open_round(view, state, memory.min_reached_at, min_nodes=min_nodes,
                                  max_nodes=max_nodes, last_call_timeout_s=last_call_timeout_s,
-                                 now=now, deadline=float("inf"))
+                                 now=now, deadline=float("inf"), proven_dead=proven_dead)
     r = state.round
     change = nodes_waiting(view, r, max_nodes=max_nodes)
     if change.kind is MembershipChange.NONE:
@@ -407,12 +428,16 @@ class Attribution(enum.Enum):
     UNDECIDED = "undecided"  # wait for more reports (``ROOT`` once the window passes)
 
 
-def attribute_failure(view: RendezvousView, my_round: int, me: str) -> tuple[Attribution, str]:
+def attribute_failure(view: RendezvousView, my_round: int, me: str,
+                      proven_dead: frozenset[str] = frozenset()) -> tuple[Attribution, str]:
     """Decide whether a local worker failure is this node's fault. Pure.
 
     When one worker dies, its peers' collectives fail within milliseconds, so every node
     sees a "failure". Only the root cause should spend its restart budget; a failure
-    that coincides with a peer leaving is a membership change and spends nothing.
+    that coincides with a peer leaving is a membership change and spends nothing. A
+    member in ``proven_dead`` (a liveness probe found its agent gone, before its lease
+    expired) is such a departure: the SIGKILL of a node costs no restart budget and no
+    wait for the lease.
 
     Returns:
         (verdict, reason) with verdict ``MEMBERSHIP`` (a peer is gone or a newer round
@@ -430,6 +455,10 @@ def attribute_failure(view: RendezvousView, my_round: int, me: str) -> tuple[Att
     if gone.any:
         names = ",".join((*gone.lost, *gone.drained, *gone.finished))
         return Attribution.MEMBERSHIP, f"peer(s) {names} left round {my_round}"
+    dead = [m for m in state.members if m in proven_dead and m != me]
+    if dead:
+        return Attribution.MEMBERSHIP, (f"peer(s) {','.join(dead)} of round {my_round} "
+                                        "proven dead (liveness probe refused)")
     reporters = list(view.failures.get(my_round, ()))
     others = [m for m in state.members if m != me]
     if me in reporters and all(m in reporters for m in others):
@@ -437,76 +466,3 @@ def attribute_failure(view: RendezvousView, my_round: int, me: str) -> tuple[Att
             return Attribution.ROOT, f"first failure report of round {my_round}"
         return Attribution.VICTIM, f"{reporters[0]} failed first in round {my_round}"
     return Attribution.UNDECIDED, f"waiting for failure reports of round {my_round}"
-
-
-# --- etcd outages -------------------------------------------------------------------------
-# After an etcd outage every lease may expire at once (a frozen single-member etcd revokes
-# them all when it resumes, etcd#15247). Both decisions below tell "etcd was away" from
-# "the node was away" by whether this node itself saw etcd fail or stall recently.
-
-
-def outage_window_s(node_ttl_s: float, election_timeout_s: float = 1.0) -> float:
-    """How recent a sign of etcd trouble must be to explain an expired lease (seconds).
-
-    An outage may include a leader election: the window covers that too.
-    """
-    return node_ttl_s + max(5.0, 2.0 * election_timeout_s)
-
-
-@dataclass(frozen=True)
-class LossGrace:
-    """What ``loss_grace`` decided, and the memory to pass to its next call."""
-
-    hold: bool  # report no membership change yet: the lost members may re-register
-    loss_seen_at: float | None  # first sight of lost members after etcd trouble
-    reason: str = ""
-
-
-def loss_grace(lost: Sequence[str], *, etcd_trouble: bool, loss_seen_at: float | None,
-               now: float, node_ttl_s: float) -> LossGrace:
-    """Whether to hold back the loss of ``lost`` members for a grace period. Pure.
-
-    Members lost right after this node saw etcd trouble (``etcd_trouble``: within
-    ``outage_window_s``) get ``node_ttl_s + 2`` seconds from the first sight of the loss
-    to re-register (``may_resurrect``) before it counts as a membership change.
-
-    Args:
-        lost: members of our round without a live lease that did not leave cleanly.
-        etcd_trouble: this node saw etcd fail or stall within ``outage_window_s``.
-        loss_seen_at: the memory returned by the previous call (None at first).
-        now: monotonic time.
-        node_ttl_s: the lease TTL.
-
-    Returns:
-        The decision and the memory for the next call (reset once nobody is lost).
-    """
-    if lost and etcd_trouble:
-        seen = loss_seen_at or now
-        if now - seen < node_ttl_s + 2.0:
-            return LossGrace(True, seen, f"members {','.join(lost)} lost right after an etcd "
-                             "outage: waiting for them to re-register")
-        return LossGrace(False, seen)
-    if not lost:
-        return LossGrace(False, None)
-    return LossGrace(False, loss_seen_at)
-
-
-def may_resurrect(state: RoundState | None, my_round: int | None, me: str, *,
-                  lease_lost: bool, etcd_trouble: bool) -> tuple[bool, str]:
-    """Whether this node may re-register in its own round after its lease expired. Pure.
-
-    Allowed only if etcd failed or stalled recently as seen from here (``etcd_trouble``),
-    and the job is still in our final round with us as a member: then nobody moved on,
-    and a new lease (a new incarnation) simply replaces the old one. Otherwise we were
-    the ones away (frozen, partitioned) and must rejoin as a new member.
-
-    Returns:
-        (allowed, reason).
-    """
-    if not lease_lost or my_round is None:
-        return False, "our lease is alive, or we were never in a round"
-    if not etcd_trouble:
-        return False, "etcd was fine: this node was away (frozen or cut off)"
-    if state is None or state.round != my_round or state.phase != "final" or me not in state.members:
-        return False, f"the job moved on from round {my_round}"
-    return True, "lease expired during an etcd outage; same round"

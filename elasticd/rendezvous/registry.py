@@ -40,6 +40,7 @@ RDZV_CONF_KEYS = {
     "last_call_timeout": "rendezvous.last_call_timeout_s",
     "close_timeout": "rendezvous.close_timeout_s",
     "store_timeout": "rendezvous.store_timeout_s",
+    "liveness_probe": "rendezvous.liveness_probe",
     "etcd_timeout": "etcd.timeout_s",
     "ca_file": "etcd.ca_file",
     "cert_file": "etcd.cert_file",
@@ -113,7 +114,7 @@ def create_handler(params: RendezvousParameters) -> RendezvousHandler:
         min_nodes=cfg.job.min_nodes, max_nodes=cfg.job.max_nodes, node_ttl_s=cfg.node.ttl_s,
         join_timeout_s=r.join_timeout_s, last_call_timeout_s=r.last_call_timeout_s,
         close_timeout_s=r.close_timeout_s, store_timeout_s=r.store_timeout_s,
-        local_addr=cfg.node.local_addr,
+        local_addr=cfg.node.local_addr, liveness_probe=r.liveness_probe,
     )
     # Without a node_id, torchrun's agents keep torch's own semantics: one id per agent
     # process (HOST-PID), so several agents on one host are several nodes.

@@ -29,6 +29,7 @@ from elasticd.etcd.lease import LeaseKeeper
 from elasticd.etcd.txn import Compare, CreateRevision, Put
 from elasticd.keys import JobKeys
 from elasticd.records import NodeRecord
+from elasticd.rendezvous.liveness import LivenessListener
 from elasticd.rendezvous.view import WatchedView
 from elasticd.retry import call_with_retry
 
@@ -59,11 +60,15 @@ class NodeSession:
         ttl_s: the lease's TTL.
         worker_log_dir: published in the node record, for ``elasticd status``.
         on_lease_lost: called (from the keep-alive thread) when the lease is found expired.
+        liveness_probe: hold a liveness listener and publish it in the node record.
+        local_addr: the node's advertised address (the listener binds there; every
+            interface when None, and the record then names ``socket.getfqdn()``).
     """
 
     def __init__(self, client: EtcdClient, keys: JobKeys, node_id: str, view: WatchedView, *,
                  ttl_s: int, worker_log_dir: str | None = None,
-                 on_lease_lost: Callable[[], None] | None = None) -> None:
+                 on_lease_lost: Callable[[], None] | None = None, liveness_probe: bool = False,
+                 local_addr: str | None = None) -> None:
         self.client = client
         self.keys = keys
         self.node_id = node_id
@@ -79,6 +84,9 @@ class NodeSession:
         self.state_rev = 0  # mod_revision of the state key when our round completed
         self.lease_loss: int | None = None  # round we were in when our lease was lost
         self.lease_lost = threading.Event()
+        self.liveness_probe = liveness_probe
+        self.local_addr = local_addr
+        self.listener: LivenessListener | None = None
         self._log = log.bind(job=keys.job, node=node_id)
 
     @property
@@ -115,11 +123,20 @@ class NodeSession:
             # Before the lease grant: waiting out another machine's lease can take a TTL.
             self._retire_previous_process(key, deadline)
         lease = retry_rdzv("lease grant", lambda: self.client.grant_lease(self.ttl_s), deadline)
+        if self.liveness_probe and self.listener is None:
+            # One listener while the session lives: a re-registration keeps its port.
+            try:
+                self.listener = LivenessListener(self.local_addr)
+            except OSError as exc:  # no port for it: peers fall back to our lease
+                self._log.warning("liveness_probe_unavailable", error=str(exc))
+                self.liveness_probe = False
         record = self.record or NodeRecord(
             node=self.node_id, host=socket.gethostname(), pid=os.getpid(), version=__version__,
             started_at=time.time(), log_dir=self.worker_log_dir,
         )
-        record = replace(record, state="joining", heartbeat_at=time.time())
+        record = replace(record, state="joining", heartbeat_at=time.time(),
+                         probe_host=(self.local_addr or socket.getfqdn()) if self.listener else None,
+                         probe_port=self.listener.port if self.listener else 0)
         retry_rdzv("node record", lambda: self.client.put(key, record.to_json(), lease=lease), deadline)
         kv = retry_rdzv("node record", lambda: self.client.get(key), deadline)
         self.incarnation = kv.create_revision if kv else 0
@@ -242,6 +259,9 @@ class NodeSession:
         """Stop the keep-alives and revoke the lease: peers see this node go at once."""
         if self.keeper is not None:
             self.keeper.stop(revoke=True)
+        if self.listener is not None:  # after the revoke: peers see a leave, then nothing
+            self.listener.close()
+            self.listener = None
 
 
 def _is_live_elasticd(pid: int) -> bool:

@@ -21,6 +21,8 @@ class RendezvousSettings:
     local_addr: str | None = None
     worker_log_dir: str | None = None  # published in the node record, for `elasticd status`
     election_timeout_s: float = 1.0  # the etcd members' --election-timeout (outage grace)
+    # Hold a liveness listener and probe stragglers/peers (elasticd.rendezvous.liveness).
+    liveness_probe: bool = True
 
 
 def default_node_id() -> str:

@@ -15,11 +15,12 @@ and only its own joins (``add_own_join``), which is all the protocol needs from 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 
 from elasticd.etcd.kv import KV, WatchEvent
 from elasticd.keys import NODE_ID_RE, JobKeys, round_of_key
 from elasticd.records import NodeRecord, RecordError, RoundState, WaitingRecord
+from elasticd.rendezvous.liveness import ProbeTarget
 from elasticd.rendezvous.protocol import LEAVE_KINDS, RendezvousView
 
 
@@ -181,6 +182,34 @@ class WatchedView:
             return (RendezvousView(state, alive, ordered, closed, _in_order(failures), left,
                                    coordinator=coordinator, full=self.full, announced=announced),
                     state_kv.mod_revision if state_kv else 0)
+
+    def probe_targets(self, nodes: Iterable[str]) -> list[ProbeTarget]:
+        """Where to probe ``nodes`` (the coordinator's full view only): from their records.
+
+        A node whose record is unreadable or publishes no probe port is left out (it is
+        never proven dead; its lease decides).
+        """
+        out: list[ProbeTarget] = []
+        with self.cond:
+            kvs = [(n, self.nodes.get(self.keys.node(n))) for n in nodes]
+        for node, kv in kvs:
+            if kv is None:
+                continue
+            try:
+                rec = NodeRecord.from_json(kv.value)
+            except (ValueError, TypeError):
+                continue
+            if rec.probe_host and 0 < rec.probe_port < 65536:
+                out.append(ProbeTarget(node, rec.probe_host, rec.probe_port, kv.create_revision))
+        return out
+
+    def proven_dead(self, dead: Mapping[str, int]) -> frozenset[str]:
+        """The nodes of ``dead`` (node -> incarnation proven dead) whose current record is
+        still that incarnation (a restarted agent's new record is not dead)."""
+        with self.cond:
+            return frozenset(n for n, inc in dead.items()
+                             if (kv := self.nodes.get(self.keys.node(n))) is not None
+                             and kv.create_revision == inc)
 
     def touch(self) -> None:
         """Count a change that came from outside the watches (our lease was lost), so

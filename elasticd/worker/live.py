@@ -42,13 +42,13 @@ from elasticd.checkpoint import rng
 from elasticd.control.api import LIVE_PREFIX, PARKED_PREFIX, REFORMED_PREFIX, STOPPED_PREFIX
 from elasticd.control.reform import read_order, write_marker
 from elasticd.worker.sockets import shutdown_group_connections
+from elasticd.worker.state_broadcast import broadcast_state
 
 wctx = sys.modules["elasticd.worker.context"]  # the module, not the package's context()
 
 log = structlog.get_logger(__name__)
 
 POLL_S = 0.01
-BIG_TENSOR_BYTES = 1 << 20  # tensors this large are broadcast alone; smaller ones per dtype, flat
 WATCH_S = 0.05  # how often the watcher thread looks for an order while the loop trains
 MAX_REFORMS_PER_STEP = 3  # the same step failing again and again is a bug, not a peer
 
@@ -65,96 +65,6 @@ def _is_collective_failure(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and any(w in text for w in (
         "gloo", "connection closed", "connection reset", "broken pipe", "timed out", "nccl",
         "socket", "abort"))
-
-
-def _split(obj: Any, tensors: list[torch.Tensor]) -> Any:
-    """``obj`` with every tensor replaced by its index in ``tensors`` (appended)."""
-    if isinstance(obj, torch.Tensor):
-        tensors.append(obj.detach())
-        return ("__t__", len(tensors) - 1, tuple(obj.shape), str(obj.dtype).split(".")[-1])
-    if isinstance(obj, dict):
-        return {k: _split(v, tensors) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_split(v, tensors) for v in obj]
-    if isinstance(obj, tuple):
-        return ("__tuple__", [_split(v, tensors) for v in obj])
-    return obj
-
-
-def _join(obj: Any, tensors: list[torch.Tensor]) -> Any:
-    if isinstance(obj, tuple) and obj and obj[0] == "__t__":
-        return tensors[obj[1]]
-    if isinstance(obj, tuple) and obj and obj[0] == "__tuple__":
-        return tuple(_join(v, tensors) for v in obj[1])
-    if isinstance(obj, dict):
-        return {k: _join(v, tensors) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_join(v, tensors) for v in obj]
-    return obj
-
-
-def _metas(obj: Any, out: list[tuple[tuple[int, ...], str]]) -> None:
-    if isinstance(obj, tuple) and obj and obj[0] == "__t__":
-        out.append((obj[2], obj[3]))
-    elif isinstance(obj, tuple) and obj and obj[0] == "__tuple__":
-        for v in obj[1]:
-            _metas(v, out)
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            _metas(v, out)
-    elif isinstance(obj, list):
-        for v in obj:
-            _metas(v, out)
-
-
-def broadcast_state(sd: dict[str, Any] | None, src: int, device: torch.device) -> dict[str, Any]:
-    """Broadcast a nested state dict from ``src``: the structure once, large tensors one by
-    one in place, small ones as one flat buffer per dtype (a large model moves at the link's
-    speed, not pickle's, and with no extra copy).
-
-    Args:
-        sd: the state on ``src`` (ignored elsewhere).
-        src: global rank that holds it.
-        device: where the flat buffers live (the GPU for NCCL).
-
-    Returns:
-        The state on every rank (tensors freshly allocated on receivers).
-    """
-    tensors: list[torch.Tensor] = []
-    skeleton = _split(sd, tensors) if dist.get_rank() == src else None
-    box = [skeleton]
-    dist.broadcast_object_list(box, src=src)
-    skeleton = box[0]
-    metas: list[tuple[tuple[int, ...], str]] = []
-    _metas(skeleton, metas)
-    if dist.get_rank() != src:
-        tensors = [torch.empty(shape, dtype=getattr(torch, dt), device="meta") for shape, dt in metas]
-    by_dtype: dict[str, list[int]] = {}
-    for i, (shape, dt) in enumerate(metas):
-        if tensors[i].numel() * tensors[i].element_size() >= BIG_TENSOR_BYTES:
-            # Large tensors go as they are: no copy into (and out of) a flat buffer.
-            t = tensors[i] if dist.get_rank() == src else torch.empty(shape, dtype=getattr(torch, dt),
-                                                                     device=device)
-            t = t.to(device).contiguous()
-            dist.broadcast(t, src=src)
-            tensors[i] = t.to("cpu") if dist.get_rank() != src else tensors[i]
-            continue
-        by_dtype.setdefault(dt, []).append(i)
-    for dt in sorted(by_dtype):
-        idx = by_dtype[dt]
-        if dist.get_rank() == src:
-            flat = torch.cat([tensors[i].reshape(-1).to(device) for i in idx])
-        else:
-            flat = torch.empty(sum(tensors[i].numel() for i in idx), dtype=getattr(torch, dt),
-                               device=device)
-        dist.broadcast(flat, src=src)
-        if dist.get_rank() != src:
-            offset = 0
-            for i in idx:
-                n = tensors[i].numel()
-                tensors[i] = flat[offset:offset + n].view(tensors[i].shape).to("cpu").clone()
-                offset += n
-    return _join(skeleton, tensors)
 
 
 class LiveState:
@@ -197,6 +107,7 @@ class LiveState:
             write_marker(cdir, LIVE_PREFIX, ctx.local_rank, pid=_pid())
         self._log = log.bind(rank=ctx.rank, local_rank=ctx.local_rank)
         self._in_reform = False
+        self._deadline: float | None = None  # of the re-formation under way
         if self.enabled:
             threading.Thread(target=self._watch, name="elasticd-live-watch", daemon=True).start()
 
@@ -311,6 +222,7 @@ class LiveState:
             self._reform_inner(reason, ctx, cdir, old_round, t0)
         finally:
             self._in_reform = False
+            self._deadline = None
 
     def _reform_inner(self, reason: str, ctx: Any, cdir: Any, old_round: int, t0: float) -> None:
         wctx.leave_group()
@@ -321,6 +233,7 @@ class LiveState:
         if client is not None:  # wakes the agent's tick: it opens the next round now
             client.ping()
         deadline = t0 + self.timeout_s
+        self._deadline = deadline
         order = read_order(cdir)
         while order is None or order.round <= old_round or ctx.local_rank not in order.ranks:
             if time.monotonic() >= deadline:
@@ -367,14 +280,23 @@ class LiveState:
         if all(v == newest for v in values):
             return
         t0 = time.monotonic()
-        sd = self._collect() if ctx.rank == src else None
-        received = broadcast_state(sd, src, device)
-        if ctx.rank != src and values[ctx.rank] != newest:
+        behind = [r for r, v in enumerate(values) if v != newest]
+        sd = self._collect() if ctx.rank == src or ctx.rank in behind else None
+        # Bounded by what is left of the re-formation (a source that died mid-transfer
+        # raises TransferError, and _reform_inner falls back to the restart path). A rank
+        # behind receives into its own tensors where they match (``into``).
+        left = self._deadline - t0 if self._deadline is not None else self.timeout_s
+        received = broadcast_state(sd if ctx.rank == src else None, src, device, receivers=behind,
+                                   timeout_s=max(left, 1.0), into=sd)
+        if ctx.rank in behind:
+            assert received is not None
             self._apply(received)
         self.step = newest
         self._has_state = True
-        self._log.info("live_state_received" if values[ctx.rank] != newest else "live_state_sent",
-                       step=newest, source=src, seconds=round(time.monotonic() - t0, 3))
+        if ctx.rank == src or ctx.rank in behind:
+            self._log.info("live_state_received" if ctx.rank in behind else "live_state_sent",
+                           step=newest, source=src, receivers=behind,
+                           seconds=round(time.monotonic() - t0, 3))
 
     def _collect(self) -> dict[str, Any]:
         out: dict[str, Any] = {"__rng__": rng.capture(), "__step__": self.step}

@@ -60,3 +60,37 @@ def shutdown_group_connections(links: frozenset[str]) -> int:
         finally:
             s.close()  # closes our duplicate only
     return count
+
+
+def group_endpoints(links: frozenset[str]) -> tuple[list[str], frozenset[str]]:
+    """The addresses of our process groups' connected TCP sockets (``links``).
+
+    The state transfer listens on the address the group already uses and admits only the
+    group's peers, so it opens no path the group did not have.
+
+    Returns:
+        (our local addresses, most used first; the peers' addresses).
+    """
+    local: dict[str, int] = {}
+    peers: set[str] = set()
+    try:
+        names = os.listdir("/proc/self/fd")
+    except OSError:
+        return [], frozenset()
+    for name in names:
+        try:
+            if os.readlink(f"/proc/self/fd/{name}") not in links:
+                continue
+            s = socket.socket(fileno=os.dup(int(name)))
+        except (OSError, ValueError):
+            continue
+        try:
+            if s.family in (socket.AF_INET, socket.AF_INET6) and s.type == socket.SOCK_STREAM:
+                peers.add(s.getpeername()[0])  # raises for listeners and unconnected sockets
+                here = s.getsockname()[0]
+                local[here] = local.get(here, 0) + 1
+        except OSError:
+            pass
+        finally:
+            s.close()  # closes our duplicate only
+    return sorted(local, key=lambda a: -local[a]), frozenset(peers)

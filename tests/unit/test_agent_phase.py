@@ -76,6 +76,9 @@ class _Recording:
     def membership(self) -> Waiting:
         return Waiting()
 
+    def probe_members(self) -> frozenset[str]:  # a read: probes run on threads of their own
+        return frozenset()
+
     def report_failure(self, detail: str) -> None:
         self.writes.append("report_failure")
 

@@ -71,6 +71,8 @@ def _rows(tmp_path) -> dict[str, tuple[dict[str, Any], Check, Any]]:
                                        lambda s: s.close_timeout_s, 12.0),
         "rendezvous.store_timeout_s": ({"rendezvous.store_timeout_s": "13"},
                                        lambda s: s.store_timeout_s, 13.0),
+        "rendezvous.liveness_probe": ({"rendezvous.liveness_probe": "false"},
+                                      lambda s: s.liveness_probe, False),
         "workers.command": ({"workers.command": "other.py --x 1"}, lambda s: s.command,
                             ("other.py", "--x", "1")),
         "workers.nproc_per_node": ({"workers.nproc_per_node": "3"}, lambda s: s.nproc_per_node, 3),
@@ -169,6 +171,7 @@ def test_runtime_defaults_equal_the_schema():
     assert node["last_call_timeout_s"] == rdzv["last_call_timeout_s"] == d["rendezvous.last_call_timeout_s"]
     assert node["close_timeout_s"] == rdzv["close_timeout_s"] == d["rendezvous.close_timeout_s"]
     assert node["store_timeout_s"] == rdzv["store_timeout_s"] == d["rendezvous.store_timeout_s"]
+    assert node["liveness_probe"] == rdzv["liveness_probe"] == d["rendezvous.liveness_probe"]
     assert node["etcd_timeout_s"] == d["etcd.timeout_s"]
     assert node["etcd_connect_timeout_s"] == d["etcd.connect_timeout_s"]
     assert node["etcd_election_timeout_s"] == rdzv["election_timeout_s"] == d["etcd.election_timeout_s"]

@@ -10,7 +10,8 @@ import torch
 
 from elasticd.agent.reform import LiveFacts, LiveVerdict, decide_live
 from elasticd.control.reform import ReformOrder
-from elasticd.worker.live import _is_collective_failure, _join, _split
+from elasticd.worker.live import _is_collective_failure
+from elasticd.worker.state_broadcast import _join, _split
 
 BASE = LiveFacts(enabled=True, workers_live=True, group_state="HEALTHY", verdict="continue")
 

@@ -14,6 +14,7 @@ from hypothesis import HealthCheck, event, given, settings, target
 from hypothesis import strategies as st
 
 from elasticd.records import RoundState
+from elasticd.rendezvous.outage import loss_grace, may_resurrect, outage_window_s
 from elasticd.rendezvous.protocol import (
     LEFT_DRAINED,
     LEFT_FINISHED,
@@ -29,11 +30,8 @@ from elasticd.rendezvous.protocol import (
     decide_coordination,
     decide_join,
     dropped_members,
-    loss_grace,
-    may_resurrect,
     nodes_waiting,
     order_members,
-    outage_window_s,
 )
 
 NOW = 100.0

@@ -1,6 +1,6 @@
 """Runs examples/ddp_tutorial_elastic.py (or $TUTORIAL, e.g. ddp_tutorial_live.py) with a
 probe: targets carry the sample index, and every trained batch is appended to $TRACE as
-{"epoch", "idx", "pid", "rank", "world"}; $STEP_S slows each step; $EPOCHS, $BATCH and
+{"epoch", "idx", "pid", "rank", "world"}; $STEP_S slows each step ($STEP_S_ALONE at world size 1); $EPOCHS, $BATCH and
 $DATASET size the run (3, 8, 96)."""
 
 import importlib.util
@@ -37,7 +37,8 @@ def run_batch(self, source, targets):
                             "drain_seen": stop_requested_locally(), "pid": os.getpid(),
                             "rank": dist.get_rank(), "world": dist.get_world_size()}) + "\n")
     trace.flush()
-    time.sleep(float(os.environ.get("STEP_S", "0")))
+    alone = dist.get_world_size() == 1 and os.environ.get("STEP_S_ALONE")
+    time.sleep(float(alone or os.environ.get("STEP_S", "0")))
 
 
 tutorial.MyTrainDataset.__getitem__ = getitem

@@ -21,7 +21,9 @@ def test_live_tutorial_keeps_its_workers_through_a_kill_and_a_join(nodes, tmp_pa
     every epoch is trained, and at most the one step in flight at the kill twice."""
     trace = tmp_path / "trace.jsonl"
     env = {"TUTORIAL": "ddp_tutorial_live.py", "TRACE": str(trace), "WORKDIR": str(tmp_path),
-           "STEP_S": "0.05", "EPOCHS": str(EPOCHS), "BATCH": str(BATCH), "DATASET": str(DATASET)}
+           "STEP_S": "0.05", "STEP_S_ALONE": "0.2", "EPOCHS": str(EPOCHS), "BATCH": str(BATCH), "DATASET": str(DATASET)}
+    # Alone, a trains slowly (0.2 s a step, 48 s for the whole run): c's start-up on a busy
+    # box must not outlast the job.
     a, b = (nodes.start("live-tut", PROBE, nnodes="1:2", env=env, name=n) for n in ("a", "b"))
     wait_until(lambda: {r["rank"] for r in read_jsonl(trace) if r["world"] == 2} == {0, 1}, 120,
                "both ranks to train at world 2")

@@ -1,0 +1,81 @@
+"""etcd outages, as pure decisions: tell "etcd was away" from "the node was away".
+
+After an etcd outage every lease may expire at once (a frozen single-member etcd revokes
+them all when it resumes, etcd#15247). Both decisions here tell the two apart by whether
+this node itself saw etcd fail or stall recently (``outage_window_s``); the handler
+(``etcd_handler.py``) supplies that fact.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from elasticd.records import RoundState
+
+
+def outage_window_s(node_ttl_s: float, election_timeout_s: float = 1.0) -> float:
+    """How recent a sign of etcd trouble must be to explain an expired lease (seconds).
+
+    An outage may include a leader election: the window covers that too.
+    """
+    return node_ttl_s + max(5.0, 2.0 * election_timeout_s)
+
+
+@dataclass(frozen=True)
+class LossGrace:
+    """What ``loss_grace`` decided, and the memory to pass to its next call."""
+
+    hold: bool  # report no membership change yet: the lost members may re-register
+    loss_seen_at: float | None  # first sight of lost members after etcd trouble
+    reason: str = ""
+
+
+def loss_grace(lost: Sequence[str], *, etcd_trouble: bool, loss_seen_at: float | None,
+               now: float, node_ttl_s: float) -> LossGrace:
+    """Whether to hold back the loss of ``lost`` members for a grace period. Pure.
+
+    Members lost right after this node saw etcd trouble (``etcd_trouble``: within
+    ``outage_window_s``) get ``node_ttl_s + 2`` seconds from the first sight of the loss
+    to re-register (``may_resurrect``) before it counts as a membership change.
+
+    Args:
+        lost: members of our round without a live lease that did not leave cleanly.
+        etcd_trouble: this node saw etcd fail or stall within ``outage_window_s``.
+        loss_seen_at: the memory returned by the previous call (None at first).
+        now: monotonic time.
+        node_ttl_s: the lease TTL.
+
+    Returns:
+        The decision and the memory for the next call (reset once nobody is lost).
+    """
+    if lost and etcd_trouble:
+        seen = loss_seen_at or now
+        if now - seen < node_ttl_s + 2.0:
+            return LossGrace(True, seen, f"members {','.join(lost)} lost right after an etcd "
+                             "outage: waiting for them to re-register")
+        return LossGrace(False, seen)
+    if not lost:
+        return LossGrace(False, None)
+    return LossGrace(False, loss_seen_at)
+
+
+def may_resurrect(state: RoundState | None, my_round: int | None, me: str, *,
+                  lease_lost: bool, etcd_trouble: bool) -> tuple[bool, str]:
+    """Whether this node may re-register in its own round after its lease expired. Pure.
+
+    Allowed only if etcd failed or stalled recently as seen from here (``etcd_trouble``),
+    and the job is still in our final round with us as a member: then nobody moved on,
+    and a new lease (a new incarnation) simply replaces the old one. Otherwise we were
+    the ones away (frozen, partitioned) and must rejoin as a new member.
+
+    Returns:
+        (allowed, reason).
+    """
+    if not lease_lost or my_round is None:
+        return False, "our lease is alive, or we were never in a round"
+    if not etcd_trouble:
+        return False, "etcd was fine: this node was away (frozen or cut off)"
+    if state is None or state.round != my_round or state.phase != "final" or me not in state.members:
+        return False, f"the job moved on from round {my_round}"
+    return True, "lease expired during an etcd outage; same round"
