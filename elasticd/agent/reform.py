@@ -93,10 +93,15 @@ def decide_live(f: LiveFacts) -> LiveDecision:
                             "opening the next round now")
     if f.parked_all:
         return LiveDecision(LiveVerdict.REFORM, "workers left their group at the agreed step")
-    if f.verdict == "restart_membership" or (f.verdict == "start_resize" and f.membership != "join"):
+    joining = f.membership == "join" and f.verdict in ("restart_membership", "start_resize")
+    if not joining and f.verdict in ("restart_membership", "start_resize"):
         return LiveDecision(LiveVerdict.REFORM, f"membership changed ({f.membership or 'peer'}): "
                             "re-forming in place")
-    if f.verdict == "start_resize":
+    if joining:
+        # A join parks first, even when the policy would restart (a group that has not
+        # trained yet): a worker leaves its group only at an agreed step or on a failed
+        # collective, so an order alone never reaches one whose collectives all succeed
+        # (a node alone at world size 1 trained on, and was restarted after the bound).
         if f.parking:
             if f.deadline_passed:
                 return LiveDecision(LiveVerdict.FALLBACK, "workers did not reach an agreed step "

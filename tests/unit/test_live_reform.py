@@ -40,6 +40,15 @@ def test_membership_changes_reform_and_joins_park_first():
     assert _v(verdict="start_resize", membership="join", parking=True, parked_all=True) is LiveVerdict.REFORM
 
 
+def test_a_join_parks_first_even_when_the_policy_would_restart():
+    """A join to a group that has not trained yet (the policy says restart) parks too: an order
+    alone never moves a worker whose collectives all succeed (a node alone at world size 1)."""
+    assert _v(verdict="restart_membership", membership="join") is LiveVerdict.PARK
+    assert _v(verdict="restart_membership", membership="join", parking=True) is LiveVerdict.WAIT
+    assert _v(verdict="restart_membership", membership="join", parking=True,
+              parked_all=True) is LiveVerdict.REFORM
+
+
 def test_a_reformation_completes_or_falls_back_after_its_bound():
     """Every worker confirms: done; the bound passes first: fall back to a restart."""
     assert _v(reforming=True) is LiveVerdict.WAIT
