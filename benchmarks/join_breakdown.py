@@ -31,7 +31,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import iso_to_epoch, json_in_line  # noqa: E402
+from benchmarks.recovery_report import agent_events  # noqa: E402
 
 PHASES = ("total", "agent → standby spawned", "standby import", "ready → registered",
           "registered → rendezvous", "rendezvous → hand-over", "hand-over → first step",
@@ -39,17 +39,9 @@ PHASES = ("total", "agent → standby spawned", "standby import", "ready → reg
 
 
 def _events(path: Path, after: float) -> list[dict]:
-    out = []
-    for line in path.read_text(errors="replace").splitlines():
-        rec = json_in_line(line.split(" ", 1)[1] if " " in line else line)
-        if rec and "event" in rec and "timestamp" in rec:
-            try:
-                rec["_t"] = iso_to_epoch(str(rec["timestamp"]))
-            except ValueError:
-                continue
-            if rec["_t"] >= after:
-                out.append(rec)
-    return out
+    lines = [(0.0, line.split(" ", 1)[1] if " " in line else line)
+             for line in path.read_text(errors="replace").splitlines()]
+    return agent_events(lines, after)
 
 
 def trial_phases(trial_dir: Path) -> dict[str, float] | None:

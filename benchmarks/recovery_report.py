@@ -43,7 +43,7 @@ PHASES = ("drain", "new agent start-up", "detection", "stop old workers", "rende
           "worker ready", "first step")
 
 
-def _agent_events(lines: list[tuple[float, str]], after: float) -> list[dict]:
+def agent_events(lines: list[tuple[float, str]], after: float) -> list[dict]:
     out = []
     for _, text in lines:
         rec = json_in_line(text)
@@ -72,7 +72,7 @@ def agent_breakdown(node_lines: list[list[tuple[float, str]]], t0: float, new_wo
     """
     detect, rdzv_end, rdzv_len, registered = [], [], [], []
     for lines in node_lines:
-        evs = _agent_events(lines, t0)
+        evs = agent_events(lines, t0)
         registered += [e["_t"] for e in evs if e["event"] == "node_registered"]
         d = [e["_t"] for e in evs if e["event"] == "membership_changed"
              or (e["event"] == "agent_decided" and e.get("verdict") == "restart_membership")]
@@ -122,7 +122,7 @@ def live_breakdown(node_lines: list[list[tuple[float, str]]], t0: float, new_wor
     """
     started, ordered = [], []
     for lines in node_lines:
-        evs = _agent_events(lines, t0)
+        evs = agent_events(lines, t0)
         s = [e["_t"] for e in evs if e["event"] == "live_reform_started"]
         o = [e["_t"] for e in evs if e["event"] == "live_reform_ordered"]
         if s and o:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import socket
+from collections.abc import Iterator
 
 
 def socket_links() -> set[str]:
@@ -30,6 +31,27 @@ def socket_links() -> set[str]:
     return links
 
 
+def _group_streams(links: frozenset[str]) -> Iterator[socket.socket]:
+    """Duplicates of our process groups' TCP stream sockets (``links``), closed after use;
+    listeners and unconnected ones are included (the caller's ``getpeername`` sorts them)."""
+    try:
+        names = os.listdir("/proc/self/fd")
+    except OSError:  # no procfs: nothing is known
+        return
+    for name in names:
+        try:
+            if os.readlink(f"/proc/self/fd/{name}") not in links:
+                continue
+            s = socket.socket(fileno=os.dup(int(name)))
+        except (OSError, ValueError):
+            continue
+        try:
+            if s.family in (socket.AF_INET, socket.AF_INET6) and s.type == socket.SOCK_STREAM:
+                yield s
+        finally:
+            s.close()  # closes our duplicate only
+
+
 def shutdown_group_connections(links: frozenset[str]) -> int:
     """Shut down the TCP connections our process groups opened (``links``), nothing else.
 
@@ -43,22 +65,13 @@ def shutdown_group_connections(links: frozenset[str]) -> int:
         How many sockets were shut down.
     """
     count = 0
-    for name in os.listdir("/proc/self/fd"):
+    for s in _group_streams(links):
         try:
-            if os.readlink(f"/proc/self/fd/{name}") not in links:
-                continue
-            s = socket.socket(fileno=os.dup(int(name)))
-        except (OSError, ValueError):
-            continue
-        try:
-            if s.family in (socket.AF_INET, socket.AF_INET6) and s.type == socket.SOCK_STREAM:
-                s.getpeername()  # raises for listeners and unconnected sockets
-                s.shutdown(socket.SHUT_RDWR)
-                count += 1
+            s.getpeername()  # raises for listeners and unconnected sockets
+            s.shutdown(socket.SHUT_RDWR)
+            count += 1
         except OSError:
             pass
-        finally:
-            s.close()  # closes our duplicate only
     return count
 
 
@@ -73,24 +86,11 @@ def group_endpoints(links: frozenset[str]) -> tuple[list[str], frozenset[str]]:
     """
     local: dict[str, int] = {}
     peers: set[str] = set()
-    try:
-        names = os.listdir("/proc/self/fd")
-    except OSError:
-        return [], frozenset()
-    for name in names:
+    for s in _group_streams(links):
         try:
-            if os.readlink(f"/proc/self/fd/{name}") not in links:
-                continue
-            s = socket.socket(fileno=os.dup(int(name)))
-        except (OSError, ValueError):
-            continue
-        try:
-            if s.family in (socket.AF_INET, socket.AF_INET6) and s.type == socket.SOCK_STREAM:
-                peers.add(s.getpeername()[0])  # raises for listeners and unconnected sockets
-                here = s.getsockname()[0]
-                local[here] = local.get(here, 0) + 1
+            peers.add(s.getpeername()[0])  # raises for listeners and unconnected sockets
+            here = s.getsockname()[0]
+            local[here] = local.get(here, 0) + 1
         except OSError:
             pass
-        finally:
-            s.close()  # closes our duplicate only
     return sorted(local, key=lambda a: -local[a]), frozenset(peers)
