@@ -40,7 +40,7 @@ from elasticd.etcd.client import EtcdClient
 from elasticd.etcd.txn import DeleteRange
 from elasticd.etcd.watch import PrefixWatch
 from elasticd.keys import JobKeys
-from elasticd.records import NodeRecord, RoundState
+from elasticd.records import RoundState
 from elasticd.rendezvous.coordinator import RoundCoordinator
 from elasticd.rendezvous.etcd_store import EtcdStore
 from elasticd.rendezvous.liveness import MemberProbes, PeerProber, ProbeTarget
@@ -239,18 +239,9 @@ class EtcdRendezvousHandler(RendezvousHandler):
     def _member_targets(self, members: list[str]) -> list[ProbeTarget]:
         """Probe targets of ``members`` from their records, read from etcd (only the
         coordinator watches ``nodes/``)."""
-        targets = []
-        for m in members:
-            kv = self.client.get(self.keys.node(m))
-            if kv is None:
-                continue  # its lease is gone: the membership change is seen anyway
-            try:
-                rec = NodeRecord.from_json(kv.value)
-            except (ValueError, TypeError):
-                continue
-            if rec.probe_host and 0 < rec.probe_port < 65536:
-                targets.append(ProbeTarget(m, rec.probe_host, rec.probe_port, kv.create_revision))
-        return targets
+        # No record: its lease is gone, and the membership change is seen anyway.
+        return [t for m in members
+                if (t := ProbeTarget.of_record(m, self.client.get(self.keys.node(m)))) is not None]
 
     # -- RendezvousHandler API -----------------------------------------------------------
     def get_backend(self) -> str:

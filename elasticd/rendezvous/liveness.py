@@ -34,6 +34,9 @@ from dataclasses import dataclass
 
 import structlog
 
+from elasticd.etcd.kv import KV
+from elasticd.records import NodeRecord
+
 log = structlog.get_logger(__name__)
 
 PROBE_TIMEOUT_S = 0.2  # one connect attempt; a live peer on a LAN answers in well under 1 ms
@@ -57,6 +60,20 @@ class ProbeTarget:
     host: str
     port: int
     incarnation: int
+
+    @classmethod
+    def of_record(cls, node: str, kv: KV | None) -> ProbeTarget | None:
+        """The target named by ``node``'s record ``kv``; None without one (no record, an
+        unreadable one, or an agent that publishes no probe)."""
+        if kv is None:
+            return None
+        try:
+            rec = NodeRecord.from_json(kv.value)
+        except (ValueError, TypeError):
+            return None
+        if rec.probe_host and 0 < rec.probe_port < 65536:
+            return cls(node, rec.probe_host, rec.probe_port, kv.create_revision)
+        return None
 
 
 def probe(host: str, port: int, timeout_s: float = PROBE_TIMEOUT_S) -> bool:

@@ -189,19 +189,9 @@ class WatchedView:
         A node whose record is unreadable or publishes no probe port is left out (it is
         never proven dead; its lease decides).
         """
-        out: list[ProbeTarget] = []
         with self.cond:
             kvs = [(n, self.nodes.get(self.keys.node(n))) for n in nodes]
-        for node, kv in kvs:
-            if kv is None:
-                continue
-            try:
-                rec = NodeRecord.from_json(kv.value)
-            except (ValueError, TypeError):
-                continue
-            if rec.probe_host and 0 < rec.probe_port < 65536:
-                out.append(ProbeTarget(node, rec.probe_host, rec.probe_port, kv.create_revision))
-        return out
+        return [t for n, kv in kvs if (t := ProbeTarget.of_record(n, kv)) is not None]
 
     def proven_dead(self, dead: Mapping[str, int]) -> frozenset[str]:
         """The nodes of ``dead`` (node -> incarnation proven dead) whose current record is
