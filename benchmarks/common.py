@@ -499,14 +499,16 @@ TORCHRUN_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 
 
 def torchrun_argv(port: int, job: str, nnodes: str, nproc: int, script_args: list[str],
-                  rdzv_conf: str | None, log_dir: Path) -> list[str]:
-    """A ``torchrun`` node on the c10d rendezvous (``rdzv_conf`` None: torch's defaults).
+                  rdzv_conf: str | None, log_dir: Path, backend: str = "c10d") -> list[str]:
+    """A ``torchrun`` node on the ``backend`` rendezvous (``rdzv_conf`` None: torch's defaults).
 
+    ``backend`` is ``c10d`` (the store on port ``port`` of the first node) or ``etcd-v3``
+    (elasticd's handler through torchrun's entry point; ``port`` is the etcd client port).
     ``--max-restarts 100``: torchrun's default of 0 ends the job at the first worker
     failure, and a peer's death is a worker failure to torchrun.
     """
     argv = [PY, "-m", "torch.distributed.run", "--nnodes", nnodes, "--nproc-per-node", str(nproc),
-            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", job,
+            "--rdzv-backend", backend, "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", job,
             "--max-restarts", "100", "--local-addr", "127.0.0.1", "--log-dir", str(log_dir)]
     if rdzv_conf:
         argv += ["--rdzv-conf", rdzv_conf]

@@ -10,7 +10,9 @@ its own, 1 gloo worker each, all on 127.0.0.1), launched by
   ``elasticd-cold`` run with ``--no-live-reform``: the restart path);
 - ``torchrun default``: ``torchrun --rdzv-backend c10d --nnodes 2:4 --max-restarts 100``;
 - ``torchrun tuned``: the same plus ``--rdzv-conf last_call_timeout=1,keep_alive_interval=1,
-  keep_alive_max_attempt=2``.
+  keep_alive_max_attempt=2``;
+- ``torchrun-etcd``: torchrun with ``--rdzv-backend etcd-v3`` (elasticd's rendezvous through
+  torchrun's entry point, on the same embedded etcd): torchrun's agent with no store host.
 
 Both torchrun variants run with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (with the shared
 store a scale-up hung in earlier measurements). The c10d store lives in the first node's
@@ -73,7 +75,8 @@ from benchmarks.common import (  # noqa: E402
 from benchmarks.recovery_report import agent_breakdown, live_breakdown, write_report  # noqa: E402
 
 CKPT_LOADED = re.compile(r"checkpoint_loaded\b.*?\bseconds[=\"': ]+([0-9.]+)")
-SYSTEMS = ("elasticd-live", "elasticd", "elasticd-cold", "torchrun-default", "torchrun-tuned")
+SYSTEMS = ("elasticd-live", "elasticd", "elasticd-cold", "torchrun-default", "torchrun-tuned",
+           "torchrun-etcd")
 SCENARIOS = ("sigkill", "sigstop", "sigterm", "join")
 NODES = 3
 NNODES = "2:4"
@@ -101,6 +104,7 @@ class Trial:
     workdir: str = ""
     t0: float = 0.0  # wall-clock time of the fault
     ckpt_load_s: float | None = None  # slowest rank's checkpoint load (examples/train.py logs it)
+    pause_s: float | None = None  # last step at the old world -> first step at the new one
 
 
 def script_available(script: str) -> bool:
@@ -133,7 +137,8 @@ def start_node(cluster: Cluster, system: str, idx: int, job: str, endpoint: str,
     else:
         port = int(endpoint.rsplit(":", 1)[1])
         conf = TUNED_CONF[0] if system == "torchrun-tuned" else None
-        argv = torchrun_argv(port, job, NNODES, 1, src.args(), conf, logs)
+        backend = "etcd-v3" if system == "torchrun-etcd" else "c10d"
+        argv = torchrun_argv(port, job, NNODES, 1, src.args(), conf, logs, backend)
         env = dict(TORCHRUN_ENV)
     cluster.start(name, argv, {**env, "PYTHONUNBUFFERED": "1"}, on_line=src.on_line)
 
@@ -146,10 +151,11 @@ def run_trial(system: str, scenario: str, rep: int, etcd_endpoint: str, script: 
     trial = Trial(system, scenario, rep, workdir=str(workdir))
     src = StepSource(script, workdir, step_s=args.step_s)
     job = f"rec-{scenario}-{rep}-{int(time.time() * 1000) % 10**8}"
-    endpoint = etcd_endpoint if system.startswith("elasticd") else f"127.0.0.1:{free_port()}"
+    on_etcd = system.startswith("elasticd") or system == "torchrun-etcd"
+    endpoint = etcd_endpoint if on_etcd else f"127.0.0.1:{free_port()}"
     with Cluster(workdir) as cluster:
         start_node(cluster, system, 0, job, endpoint, src)
-        if not system.startswith("elasticd"):
+        if not on_etcd:
             # Node 0 must host the c10d store (the first launcher to bind the port does).
             port = int(endpoint.rsplit(":", 1)[1])
             if not wait_until(lambda: port_listening(port), 60):
@@ -220,6 +226,10 @@ def analyse(trial: Trial, records: list[dict], t0: float, ranks: int) -> None:
     if old:
         trial.last_old_step = max(old)
         trial.steps_lost = max(0, trial.last_old_step - step + 1)
+    old_times = [float(r["time"]) for r in records if "step" in r and "event" not in r
+                 and r.get("world") == trial.old_world and r["time"] < at]
+    if old_times:
+        trial.pause_s = at - max(old_times)
     starts = [r for r in records if r.get("event") == "start" and r.get("world") == trial.new_world
               and float(r.get("ready", 0)) > t0]
     if starts:

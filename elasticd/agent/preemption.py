@@ -9,14 +9,18 @@ save, and leave the rendezvous. See docs/spot-instances.md for the timing budget
 The per-cloud HTTP and parsing live in :mod:`elasticd.agent.cloud_metadata`; this
 module is the polling thread and its error policy, plus :func:`make_watcher`.
 
-Timing contract: a notice is reported within ``poll_interval_s + timeout_s`` of the
+Timing contract: a notice is seen within ``poll_interval_s + timeout_s`` of the
 metadata service publishing it (GCP with ``wait_for_change``: as soon as the service
-answers).
+answers) and reported (the drain starts) when ``drain_lead_s`` seconds are left before
+its deadline, or at once when fewer are left or the cloud gives no deadline. Training
+on until then is free work: every second of a notice's lead that the node spends drained
+is paid for and trains nothing (docs/spot-instances.md, "When the drain starts").
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 
 import structlog
@@ -54,22 +58,49 @@ __all__ = [
 log = structlog.get_logger(__name__)
 
 
+# --- when to drain ----------------------------------------------------------------
+
+
+#: The longest a notice may make the drain wait: a deadline further out than this (a
+#: skewed clock, a bogus metadata answer) is not trusted to train on for.
+MAX_DRAIN_DELAY_S = 600.0
+
+
+def drain_delay_s(notice: PreemptionNotice, drain_lead_s: float | None,
+                  now: float | None = None) -> float:
+    """Seconds to train on after ``notice`` before draining, so that the drain starts with
+    ``drain_lead_s`` seconds left before the deadline (0: drain now).
+
+    ``drain_lead_s`` None, a notice without a deadline, or one with less than
+    ``drain_lead_s`` left drains at once; the wait is at most :data:`MAX_DRAIN_DELAY_S`.
+    """
+    left = notice.seconds_left(now)
+    if drain_lead_s is None or left is None:
+        return 0.0
+    return min(MAX_DRAIN_DELAY_S, max(0.0, left - drain_lead_s))
+
+
 # --- the watcher thread ----------------------------------------------------------
 
 
 class PreemptionWatcher:
     """A daemon thread that polls a :class:`MetadataSource` and reports the first notice.
 
-    ``on_notice`` runs once, on the watcher thread; it should only record the notice
+    ``on_notice`` runs once, on the watcher thread, when the drain should start
+    (:func:`drain_delay_s` after the notice is seen); it should only record the notice
     and wake the agent loop (the loop starts the drain). Poll failures are logged once
     per change of error state, not on every poll, and never stop the watcher.
     """
 
-    def __init__(self, source: MetadataSource, poll_interval_s: float = 2.0) -> None:
+    def __init__(self, source: MetadataSource, poll_interval_s: float = 2.0,
+                 drain_lead_s: float | None = None) -> None:
         if poll_interval_s <= 0:
             raise ValueError("poll_interval_s must be positive")
+        if drain_lead_s is not None and drain_lead_s < 0:
+            raise ValueError("drain_lead_s must not be negative")
         self.source = source
         self.poll_interval_s = poll_interval_s
+        self.drain_lead_s = drain_lead_s
         self.notice: PreemptionNotice | None = None
         self.polls = 0  # polls completed (successfully or not); for tests and status
         self.last_error: str | None = None
@@ -108,6 +139,10 @@ class PreemptionWatcher:
                 log.info("preemption_provider_not_detected", reason=str(exc))
                 return
             if notice is not None:
+                # Train on while the notice leaves more than the lead (a stop ends the wait).
+                delay = drain_delay_s(notice, self.drain_lead_s)
+                if delay > 0 and self._stop.wait(delay):
+                    return
                 try:
                     on_notice(notice)
                 except Exception:
@@ -146,6 +181,7 @@ class PreemptionWatcher:
             self.notice = notice
             log.warning("preemption_notice_received", provider=notice.provider,
                         deadline=notice.deadline, seconds_left=notice.seconds_left(),
+                        drain_in_s=round(drain_delay_s(notice, self.drain_lead_s, time.time()), 1),
                         detail=notice.detail)
         return notice
 
@@ -156,6 +192,7 @@ def make_watcher(
     base_url: str | None = None,
     poll_interval_s: float = 2.0,
     timeout_s: float = 2.0,
+    drain_lead_s: float | None = None,
 ) -> PreemptionWatcher | None:
     """Build the watcher for ``[preemption]`` settings; None for ``provider = "none"``.
 
@@ -164,4 +201,5 @@ def make_watcher(
     """
     if provider == "none":
         return None
-    return PreemptionWatcher(make_source(provider, base_url, timeout_s=timeout_s), poll_interval_s)
+    return PreemptionWatcher(make_source(provider, base_url, timeout_s=timeout_s), poll_interval_s,
+                             drain_lead_s)

@@ -24,7 +24,7 @@ TOML layout (every key is documented with its default in docs/configuration.md):
                  and a [workers.env] table
     [restart]    max_restarts, backoff_s, backoff_max_s
     [drain]      grace_s, resize_grace_s, plain_stop_s, done_exit_s
-    [preemption] provider, base_url, poll_interval_s
+    [preemption] provider, base_url, poll_interval_s, drain_lead_s
     [logging]    format, level, worker_log_dir
     [metrics]    port, addr
 
@@ -51,7 +51,7 @@ Override keys (the ``overrides`` mapping, one per CLI flag) are the dotted names
     workers.live_reform  workers.live_reform_timeout_s
     restart.max_restarts  restart.backoff_s  restart.backoff_max_s
     drain.grace_s  drain.resize_grace_s  drain.plain_stop_s  drain.done_exit_s
-    preemption.provider  preemption.base_url  preemption.poll_interval_s
+    preemption.provider  preemption.base_url  preemption.poll_interval_s  preemption.drain_lead_s
     logging.format  logging.level  logging.worker_log_dir
     metrics.port  metrics.addr
 

@@ -114,6 +114,9 @@ FLAGS: tuple[Flag, ...] = (
          metavar="URL"),
     Flag("--preemption-poll", "preemption.poll_interval_s", "metadata poll interval, s",
          metavar="S"),
+    Flag("--drain-lead", "preemption.drain_lead_s",
+         "on a notice, train on until this many seconds are left before its deadline, then "
+         "drain, s", metavar="S"),
     Flag("--log-format", "logging.format", "agent log format", choices=LOG_FORMATS),
     Flag("--log-level", "logging.level", "agent log level", choices=LOG_LEVELS),
     Flag("--log-dir", "logging.worker_log_dir", "where worker logs go (default: "

@@ -179,6 +179,8 @@ class PreemptionConfig:
     provider: str = "none"
     base_url: str | None = None
     poll_interval_s: float = 2.0
+    # The drain starts when this many seconds are left before the notice's deadline.
+    drain_lead_s: float = 60.0
 
 
 @dataclass(frozen=True)

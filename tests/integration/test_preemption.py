@@ -239,6 +239,28 @@ def test_notice_is_reported_once_within_bound(cloud):
         assert notice.seconds_left() == pytest.approx(30, abs=BOUND_S)
 
 
+def test_the_drain_starts_when_the_lead_is_left():
+    """With drain_lead_s, a notice 120 s out is reported when that much is left (here 2 s
+    after it), not at once: the node trains on through the part of the notice it need not
+    spend drained."""
+    notices = Notices()
+    with FakeMetadata("aws") as fake:
+        watcher = PreemptionWatcher(SOURCES["aws"](fake.url), POLL_S, drain_lead_s=118.0)
+        watcher.start(notices)
+        try:
+            fake.wait_for(lambda: fake.hits[POLL_PATH["aws"]] >= 1)
+            deadline = time.time() + 120.0
+            when = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(deadline))
+            published = time.monotonic()
+            fake.update(lambda f: setattr(f, "aws_action", {"action": "terminate", "time": when}))
+            received, notice = notices.first(BOUND_S + 3.0)
+        finally:
+            watcher.stop()
+    # The deadline has whole seconds: it is 119-120 s out, so the wait is 1-2 s (+ a poll).
+    assert 0.9 < received - published < 2.0 + BOUND_S, received - published
+    assert notice.seconds_left() == pytest.approx(118.0, abs=BOUND_S)
+
+
 @pytest.mark.parametrize("cloud", ["aws", "gcp", "azure"])
 def test_no_notice_means_no_callback(cloud):
     """While the service reports nothing, polls succeed and on_notice is never called."""

@@ -108,6 +108,8 @@ def _rows(tmp_path) -> dict[str, tuple[dict[str, Any], Check, Any]]:
         "preemption.poll_interval_s": ({"preemption.provider": "gcp",
                                         "preemption.poll_interval_s": "5"},
                                        lambda s: s.preemption.poll_interval_s, 5.0),
+        "preemption.drain_lead_s": ({"preemption.provider": "gcp", "preemption.drain_lead_s": "45"},
+                                    lambda s: s.preemption.drain_lead_s, 45.0),
         "logging.format": ({"logging.format": "json"}, lambda s: s.log_format, "json"),
         "logging.level": ({"logging.level": "warning"}, lambda s: s.log_level, "warning"),
         "logging.worker_log_dir": ({"logging.worker_log_dir": "/var/log/w"},

@@ -162,3 +162,22 @@ def test_make_watcher_none_is_off():
     assert make_watcher("aws", poll_interval_s=5).poll_interval_s == 5
     with pytest.raises(ValueError):
         make_watcher("ibm")
+
+
+def test_drain_waits_until_the_lead_is_left():
+    """A 120 s notice with a 60 s lead drains 60 s after it; with less left, at once."""
+    from elasticd.agent.preemption import drain_delay_s
+
+    notice = PreemptionNotice("aws", 1000.0, "test")
+    assert drain_delay_s(notice, 60.0, now=880.0) == 60.0
+    assert drain_delay_s(notice, 60.0, now=950.0) == 0.0
+    assert drain_delay_s(notice, None, now=880.0) == 0.0  # no lead configured: at once
+
+
+def test_drain_without_a_deadline_or_far_out_is_bounded():
+    """No deadline drains at once; a deadline a day out waits at most MAX_DRAIN_DELAY_S."""
+    from elasticd.agent.preemption import MAX_DRAIN_DELAY_S, drain_delay_s
+
+    assert drain_delay_s(PreemptionNotice("azure", None, "started"), 60.0, now=0.0) == 0.0
+    far = PreemptionNotice("aws", 86400.0, "skewed")
+    assert drain_delay_s(far, 60.0, now=0.0) == MAX_DRAIN_DELAY_S

@@ -61,7 +61,7 @@ class FakeMetadata:
         self.server.server_close()
 
 
-def _config(tmp_path, etcd, provider, url):
+def _config(tmp_path, etcd, provider, url, lead=117):
     path = tmp_path / f"{provider}.toml"
     path.write_text(f"""
 [job]
@@ -79,6 +79,7 @@ command = ["{SCRIPT}"]
 provider = "{provider}"
 base_url = "{url}"
 poll_interval_s = 0.2
+drain_lead_s = {lead}
 [logging]
 format = "json"
 """)
@@ -88,7 +89,8 @@ format = "json"
 @pytest.mark.parametrize("provider", ["aws", "gcp"])
 def test_spot_notice_drains_before_the_deadline(tmp_path, etcd_server, provider):
     """A fake AWS/GCP preemption notice makes the agent drain: workers stop at a step, exit 0,
-    well within the notice's deadline (AWS 120 s, GCP 30 s)."""
+    well within the notice's deadline (AWS 120 s, GCP 30 s). With ``drain_lead_s = 117`` the
+    AWS node trains on ~2-3 s past the notice first (GCP's 30 s is under the lead: at once)."""
     meta = FakeMetadata(provider)
     env = {"OUT": str(tmp_path / "steps.jsonl"), "CKPT": str(tmp_path / "ckpt.json"), "STEP_S": "0.05"}
     node = Node([sys.executable, "-m", "elasticd.cli", "agent", "--config",
@@ -101,8 +103,13 @@ def test_spot_notice_drains_before_the_deadline(tmp_path, etcd_server, provider)
         assert drained_in < 30, f"drain took {drained_in:.1f}s"
         log = node.log()
         assert "preemption notice" in log and "drain_started" in log
+        steps = read_jsonl(tmp_path / "steps.jsonl")
         saved = json.loads((tmp_path / "ckpt.json").read_text())["step"]
-        assert saved == max(r["step"] for r in read_jsonl(tmp_path / "steps.jsonl"))
+        assert saved == max(r["step"] for r in steps)
+        if provider == "aws":
+            assert "drain_in_s" in log
+            trained_on = max(float(r["time"]) for r in steps) - meta.noticed_at
+            assert trained_on > 1.5, f"drained {trained_on:.1f}s after the notice, not at the lead"
     finally:
         node.cleanup()
         meta.close()

@@ -1,0 +1,165 @@
+"""The spot-trace replay's arithmetic (benchmarks/spotbench): each event's charge, by cause."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from benchmarks.spotbench.costs import MissingMeasurement, costs_from_results, fixed_size
+from benchmarks.spotbench.model import JobShape, Placement, SystemCosts, node_events, simulate
+from benchmarks.spotbench.traces import TraceError, parse_trace
+
+GAP = 300.0
+LIVE = SystemCosts("live", kill_s=0.5, kill_rollback=False, uses_notice=True, drain_s=0.25,
+                   join_s=5.0, join_pause_s=0.4, join_rollback=False, cold_start_s=3.0)
+RESTART = SystemCosts("restart", kill_s=2.0, kill_rollback=True, uses_notice=False, drain_s=0.0,
+                      join_s=10.0, join_pause_s=8.0, join_rollback=True, cold_start_s=3.0)
+JOB = JobShape(min_nodes=1, max_nodes=4, checkpoint_every_s=600.0, notice_s=0.0)
+
+
+def _adds_up(led) -> None:
+    assert led.useful + sum(led.lost.values()) == pytest.approx(led.available, rel=1e-9)
+
+
+def test_a_steady_pool_loses_only_the_cold_start():
+    """Four nodes for an hour: the only badput is one cold start of the whole world."""
+    led = simulate([4] * 13, GAP, LIVE, JOB, Placement.EARLY)
+    assert led.available == pytest.approx(4 * 12 * GAP)
+    assert led.lost == {"cold_start": pytest.approx(4 * 3.0)}
+    _adds_up(led)
+
+
+def test_a_kill_stalls_the_survivors_and_a_live_launcher_keeps_their_work():
+    """A loss without notice: survivors stall kill_s; nothing is retrained in memory."""
+    led = simulate([4, 3, 3], GAP, LIVE, JOB, Placement.MIDDLE)
+    assert led.lost["kill"] == pytest.approx(3 * 0.5)
+    assert "retrained" not in led.lost
+    assert led.available == pytest.approx(4 * 150 + 3 * 450)
+    _adds_up(led)
+
+
+def test_a_restart_launcher_retrains_what_the_last_checkpoint_missed():
+    """A kill 450 s in, checkpoint every 600 s: the 4-node world's 447 s since its cold start
+    (3 s) are retrained, node-seconds and steps."""
+    job = JobShape(min_nodes=1, max_nodes=4, checkpoint_every_s=600.0, step_s=1.0)
+    led = simulate([4, 4, 3], GAP, RESTART, job, Placement.MIDDLE)
+    assert led.lost["retrained"] == pytest.approx(4 * (450 - 3.0))
+    assert led.steps_retrained == pytest.approx(447)
+    assert led.lost["kill"] == pytest.approx(3 * 2.0)
+    _adds_up(led)
+
+
+def test_a_checkpoint_bounds_the_rollback():
+    """With a checkpoint every 100 s of training, a kill retrains at most the last 100 s."""
+    job = JobShape(min_nodes=1, max_nodes=4, checkpoint_every_s=100.0)
+    led = simulate([4, 4, 3], GAP, RESTART, job, Placement.MIDDLE)
+    # trained 447 s by the kill: checkpoints at 100..400 s of training, 47 s since.
+    assert led.lost["retrained"] == pytest.approx(4 * 47.0)
+    _adds_up(led)
+
+
+def test_a_notice_drains_the_node_and_its_lead_is_paid_but_idle():
+    """With a 120 s notice the node drains at the notice: the world stalls drain_s, the
+    leaving node is held (paid) for its lead, nothing is retrained."""
+    job = JobShape(min_nodes=1, max_nodes=4, notice_s=120.0)
+    led = simulate([4, 3, 3], GAP, LIVE, job, Placement.MIDDLE)
+    assert led.events.get("drain") == 1 and "kill" not in led.events
+    assert led.lost["drain"] == pytest.approx(3 * 0.25)
+    assert led.lost["notice_lead"] == pytest.approx(120.0)
+    assert "retrained" not in led.lost
+    _adds_up(led)
+
+
+def test_a_launcher_that_ignores_notices_takes_the_loss_as_a_kill():
+    """torchrun has no drain: with a notice the loss still rolls back to the checkpoint."""
+    job = JobShape(min_nodes=1, max_nodes=4, notice_s=120.0)
+    led = simulate([4, 3, 3], GAP, RESTART, job, Placement.MIDDLE)
+    assert led.events.get("kill") == 1 and "notice_lead" not in led.lost
+    assert led.lost["retrained"] > 0
+    _adds_up(led)
+
+
+def test_a_joiner_is_idle_while_it_starts_then_the_members_pause():
+    """A join: the new node idles join_s, then the 4-node world pauses join_pause_s."""
+    led = simulate([3, 4, 4], GAP, LIVE, JOB, Placement.MIDDLE)
+    assert led.lost["join_start"] == pytest.approx(5.0)
+    assert led.lost["join_pause"] == pytest.approx(4 * 0.4)
+    _adds_up(led)
+
+
+def test_a_fixed_size_job_waits_for_the_whole_pool():
+    """A fixed 4-node job trains only with 4: at 3 its nodes wait (below_min), then it
+    starts cold again."""
+    fixed = fixed_size(RESTART)
+    led = simulate([4, 3, 4, 4], GAP, fixed, JOB, Placement.EARLY)
+    assert led.events["cold_start"] == 2
+    assert led.lost["below_min"] == pytest.approx(3 * GAP)
+    _adds_up(led)
+
+
+def test_losing_the_store_host_ends_a_torchrun_job():
+    """With the c10d store in one launcher, losing that node relaunches the whole job."""
+    c10d = SystemCosts(**{**RESTART.__dict__, "store_host_fatal": True, "relaunch_s": 60.0})
+    # Find a seed whose single loss hits node 0 (the store host at the cold start).
+    seed = next(s for s in range(100)
+                if [e.node for e in node_events([4, 3], GAP, Placement.MIDDLE, s, 0.0)] == [0])
+    led = simulate([4, 3, 3], GAP, c10d, JOB, Placement.MIDDLE, seed)
+    assert led.events["job_lost"] == 1 and led.events["cold_start"] == 2
+    assert led.lost["cold_start"] == pytest.approx(4 * 3.0 + 3 * (60.0 + 3.0))
+    _adds_up(led)
+
+
+def test_below_min_the_elastic_job_waits_and_resumes_cold():
+    """min 2: at 1 node the world stops (rolled back, the last one waiting), then starts cold."""
+    job = JobShape(min_nodes=2, max_nodes=4)
+    led = simulate([2, 1, 2, 2], GAP, LIVE, job, Placement.EARLY)
+    assert led.lost["below_min"] == pytest.approx(1 * GAP)
+    assert led.events["cold_start"] == 2
+    _adds_up(led)
+
+
+def test_placements_move_events_inside_the_tick():
+    """Early, middle and late put one loss at 0, 150 and ~300 s into its interval."""
+    at = {p: node_events([2, 1], GAP, p, 0, 0.0)[0].t for p in
+          (Placement.EARLY, Placement.MIDDLE, Placement.LATE)}
+    assert at[Placement.EARLY] == 0.0 and at[Placement.MIDDLE] == 150.0
+    assert 299.0 < at[Placement.LATE] < 300.0
+    uniform = {node_events([2, 1], GAP, Placement.UNIFORM, s, 0.0)[0].t for s in range(5)}
+    assert len(uniform) == 5  # seeded, and different per seed
+
+
+def test_a_trace_above_the_job_size_is_refused():
+    """The model holds every available node; a pool above max_nodes is an error, not a guess."""
+    with pytest.raises(ValueError, match="above max_nodes"):
+        simulate([5, 5], GAP, LIVE, JOB)
+
+
+@pytest.mark.parametrize("text", ['{"data": [1, 2]}', '{"metadata": {"gap_seconds": 0}, "data": [1, 2]}',
+                                  '{"metadata": {"gap_seconds": 300}, "data": [1, -1]}',
+                                  '{"metadata": {"gap_seconds": 300}, "data": [1]}', "not json"])
+def test_bad_traces_are_refused_with_their_name(text):
+    """A trace that is not positive-gap non-negative counts names the file."""
+    with pytest.raises(TraceError, match="zone-a"):
+        parse_trace("zone-a", text)
+
+
+def _trial(system, scenario, recovery_s, pause_s=None, recovered=True):
+    return {"system": system, "scenario": scenario, "recovered": recovered,
+            "recovery_s": recovery_s, "pause_s": pause_s}
+
+
+def test_costs_are_the_medians_of_the_recovered_trials():
+    """Event costs come from a recovery run: medians of recovered trials, failures ignored."""
+    trials = [_trial("elasticd-live", "sigkill", s) for s in (0.2, 0.3, 0.9)]
+    trials += [_trial("elasticd-live", "sigkill", 99.0, recovered=False)]
+    trials += [_trial("elasticd-live", "sigterm", 0.2), _trial("elasticd-live", "join", 4.9, 0.3)]
+    costs = costs_from_results(json.loads(json.dumps({"trials": trials})), "elasticd-live")
+    assert (costs.kill_s, costs.drain_s, costs.join_s, costs.join_pause_s) == (0.3, 0.2, 4.9, 0.3)
+    assert not costs.kill_rollback and costs.uses_notice
+
+
+def test_a_missing_measurement_names_the_command_to_run():
+    """No join trial for a launcher: the error names the recovery run that would measure it."""
+    with pytest.raises(MissingMeasurement, match="--systems torchrun-etcd --scenarios join"):
+        costs_from_results({"trials": [_trial("torchrun-etcd", "sigkill", 2.0)]}, "torchrun-etcd")
