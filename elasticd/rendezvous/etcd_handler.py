@@ -69,7 +69,9 @@ class EtcdRendezvousHandler(RendezvousHandler):
     """A torch elastic ``RendezvousHandler`` on etcd v3 (backend name ``etcd-v3``).
 
     Args:
-        client: etcd client; the caller closes it after ``shutdown`` (the handler does not).
+        client: etcd client. The caller closes it after ``shutdown``, unless it passes
+            ``owns_client=True`` (torchrun's path, ``registry.create_handler``, where
+            nobody else holds it): then ``shutdown`` closes it.
         job: job name (the run id); keys live under ``/elasticd/<job>/``.
         settings: sizes and timeouts.
         node_id: this node's id; ``<host>-<pid>`` by default.
@@ -79,8 +81,10 @@ class EtcdRendezvousHandler(RendezvousHandler):
 
     def __init__(self, client: EtcdClient, job: str, settings: RendezvousSettings, *,
                  node_id: str | None = None,
-                 on_lease_lost: Callable[[], None] | None = None) -> None:
+                 on_lease_lost: Callable[[], None] | None = None,
+                 owns_client: bool = False) -> None:
         self.client = client
+        self._owns_client = owns_client
         self.keys = JobKeys(job)
         self.settings = settings
         self.node_id = node_id or default_node_id()
@@ -515,6 +519,10 @@ class EtcdRendezvousHandler(RendezvousHandler):
         self.session.close()
         for w in self._watches:
             w.stop()
+        if self._owns_client:
+            # Its channel and threads would outlive us (and gRPC warns "skipping fork()
+            # handlers" on every later fork); a client the caller passed is the caller's.
+            self.client.close()
         self._log.info("rendezvous_left", round=self.session.round)
         return True
 

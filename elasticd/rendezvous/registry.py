@@ -119,7 +119,9 @@ def create_handler(params: RendezvousParameters) -> RendezvousHandler:
     # Without a node_id, torchrun's agents keep torch's own semantics: one id per agent
     # process (HOST-PID), so several agents on one host are several nodes.
     node_id = cfg.node.id if "node.id" in names or cfg.origins["node.id"].startswith("env") else None
-    return EtcdRendezvousHandler(client, cfg.job.name, settings, node_id=node_id)
+    # Nobody else holds this client: the handler closes it on shutdown().
+    return EtcdRendezvousHandler(client, cfg.job.name, settings, node_id=node_id,
+                                 owns_client=True)
 
 
 def register() -> None:

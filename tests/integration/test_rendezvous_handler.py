@@ -23,7 +23,7 @@ from torch.distributed.elastic.rendezvous import (
 )
 from torch.distributed.elastic.utils import store as store_util
 
-from elasticd.errors import ConfigError
+from elasticd.errors import ConfigError, EtcdUnavailableError
 from elasticd.etcd.client import EtcdClient
 from elasticd.etcd.embedded import EmbeddedEtcd, free_port
 from elasticd.etcd.lease import LeaseKeeper
@@ -397,6 +397,31 @@ def test_registry_builds_a_working_handler(shared_etcd):
     finally:
         h.shutdown()
         h.client.close()
+
+
+def test_registry_handler_closes_its_own_client_on_shutdown(shared_etcd):
+    """Regression (issue 25 item 3): shutdown() of a handler that create_handler built
+    closes the EtcdClient it owns (no channel or threads left behind), while a handler
+    given a client by its caller leaves that client open."""
+    before = set(threading.enumerate())
+    h = create_handler(params(shared_etcd.endpoint, "owned", node_ttl="2", join_timeout="10",
+                              node_id="only"))
+    h.next_rendezvous()
+    h.shutdown()
+    with pytest.raises(EtcdUnavailableError, match="closed"):
+        h.client.get(JobKeys("owned").rdzv_state)
+    wait_until(lambda: not [t for t in threading.enumerate() if t not in before and t.is_alive()],
+               10, lambda: f"the handler's threads to end: "
+               f"{[t.name for t in threading.enumerate() if t not in before]}")
+    client = EtcdClient(shared_etcd.endpoint, timeout_s=2.0)
+    try:
+        mine = EtcdRendezvousHandler(client, "owned2", RendezvousSettings(1, 1, node_ttl_s=2),
+                                     node_id="mine")
+        mine.next_rendezvous()
+        mine.shutdown()
+        assert client.get(JobKeys("owned2").rdzv_state) is not None, "the caller's client was closed"
+    finally:
+        client.close()
 
 
 def test_torch_etcd_backend_timeout_key_sets_join_timeout():
