@@ -43,6 +43,7 @@ from elasticd.logs import (
     resolve_worker_log_dir,
 )
 from elasticd.rendezvous.etcd_handler import EtcdRendezvousHandler
+from elasticd.rendezvous.finished import FinishedJob, finished_notice, read_finished
 from elasticd.rendezvous.settings import RendezvousSettings
 from elasticd.retry import call_with_retry
 from elasticd.stopmarks import restart_hint
@@ -259,8 +260,10 @@ def run_node(spec: NodeSpec, early: Any = None) -> int:
                  worker_log_dir=log_dir)
         try:
             agent.run()
-        except RendezvousClosedError:
-            log.info("job_closed")
+        except RendezvousClosedError as exc:
+            # We arrived (or came back) after the job finished: exit 0, train nothing, and
+            # say when it finished and how to run it again (a systemd restart stays down).
+            _log_finished(client, handler.keys, exc)
             return 0
         outcome = agent.outcome
         if outcome.kind == "failed":
@@ -326,6 +329,20 @@ def _commit_intents(recorder: JobRecorder, state_dir: str, job: str) -> None:
                  round=req.round, outcome=outcome.value, reason=reason)
         if outcome is not CommitOutcome.UNKNOWN:
             path.unlink(missing_ok=True)
+
+
+def _log_finished(client: EtcdClient, keys: JobKeys, exc: RendezvousClosedError) -> None:
+    """One line: the job finished (when, at which step) and how to run it again."""
+    finished = getattr(exc, "finished", None)
+    extra: dict[str, str] = {}
+    if finished is None:  # closed while we were in a round, or peers left "finished"
+        extra["detail"] = str(exc)
+        try:
+            finished = read_finished(client, keys)
+        except EtcdUnavailableError:
+            finished = None
+    reason, fix = finished_notice(finished or FinishedJob(keys.job))
+    log.warning("agent_not_joining", reason=reason, fix=fix, **extra)
 
 
 def _record_lost(recorder: JobRecorder, handler: EtcdRendezvousHandler, lost: list[str],

@@ -40,9 +40,10 @@ from elasticd.etcd.client import EtcdClient
 from elasticd.etcd.txn import DeleteRange
 from elasticd.etcd.watch import PrefixWatch
 from elasticd.keys import JobKeys
-from elasticd.records import RoundState
+from elasticd.records import ClosedRecord, RoundState
 from elasticd.rendezvous.coordinator import RoundCoordinator
 from elasticd.rendezvous.etcd_store import EtcdStore
+from elasticd.rendezvous.finished import FinishedJob, finished_job, finished_notice
 from elasticd.rendezvous.liveness import MemberProbes, PeerProber, ProbeTarget
 from elasticd.rendezvous.outage import loss_grace, may_resurrect, outage_window_s
 from elasticd.rendezvous.protocol import (
@@ -63,6 +64,17 @@ from elasticd.rendezvous.settings import RendezvousSettings, default_node_id
 from elasticd.rendezvous.view import WatchedView
 
 log = structlog.get_logger(__name__)
+
+
+class JobFinishedError(RendezvousClosedError):
+    """This node arrived at a job that had finished: it must not run it again.
+
+    ``finished`` says when and at which step; the message ends with how to reopen it.
+    """
+
+    def __init__(self, message: str, finished: FinishedJob) -> None:
+        super().__init__(message)
+        self.finished = finished
 
 
 class EtcdRendezvousHandler(RendezvousHandler):
@@ -107,6 +119,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
         self._store: EtcdStore | None = None
         self._last_reason = ""
         self._shutdown = False
+        self._arrival_checked = False  # the finished-job check of our first rendezvous
         # Set (plain assignment, safe from a signal handler) when this node must stop:
         # next_rendezvous then raises RendezvousGracefulExitError within a second.
         self.stop_requested: str | None = None
@@ -145,8 +158,11 @@ class EtcdRendezvousHandler(RendezvousHandler):
                     raise RendezvousConnectionError(
                         f"cannot watch etcd at {self.client.endpoint_label()}: is it running?"
                     )
-        if self.session.keeper is None:
-            self._reopen_finished_job(deadline)
+        if not self._arrival_checked:
+            # Before we register: a finished job is never reopened by a node that merely
+            # (re)started; `elasticd start` does that (issue 25).
+            self._refuse_finished_job(deadline)
+            self._arrival_checked = True
         self.session.ensure_registered(deadline)
         if self._coordinator is None:
             s = self.settings
@@ -158,35 +174,22 @@ class EtcdRendezvousHandler(RendezvousHandler):
                 defer_lost_until=self._defer_lost_until, prober=self.prober,
                 holder_probes=MemberProbes(self.prober, self._member_targets)).start()
 
-    def _reopen_finished_job(self, deadline: float) -> None:
-        """A closed job with no live node is a finished run: start the job name afresh.
+    def _refuse_finished_job(self, deadline: float) -> None:
+        """A node arriving at a finished job does not run it again (``finished.py``).
 
-        The reset is one transaction guarded by the closed flag's mod_revision. When the
-        nodes of a rerun start together they all see the same closed snapshot; only the
-        first may reset. A slower node's unguarded delete used to wipe the round the others
-        had formed meanwhile and start a second "round 0": two final rounds, each training
-        on its own (split brain).
+        Raises:
+            JobFinishedError: ``rdzv/closed`` exists; the message says when the job
+                finished, at which step, and that ``elasticd start`` reopens it.
         """
-        k = self.keys
-        closed = self._view.rdzv_get(k.rdzv_closed)
+        closed = self._view.rdzv_get(self.keys.rdzv_closed)
         if closed is None:
             return
-        # Our view has no liveness (only the coordinator's has): ask etcd, once.
-        if retry_rdzv("count nodes", lambda: self.client.count_prefix(k.nodes_prefix), deadline):
-            return
-        if retry_rdzv("reopen job", lambda: self.client.delete_prefixes_if(
-                k.rdzv_closed, mod_revision=closed.mod_revision,
-                prefixes=[k.rdzv_prefix, k.store_root]), deadline):
-            self._log.info("finished_job_reopened")
-        # Whoever reset it, wait until our watch shows that closed flag gone, so the join
-        # below does not read the old flag and give up with RendezvousClosedError.
-        end = min(deadline, time.monotonic() + 5.0)
-        with self._view.cond:
-            while (now := time.monotonic()) < end:
-                current = self._view.rdzv_get(k.rdzv_closed)
-                if current is None or current.mod_revision != closed.mod_revision:
-                    break
-                self._view.cond.wait(end - now)
+        progress = retry_rdzv("read progress", lambda: self.client.get(self.keys.progress),
+                              deadline)
+        finished = finished_job(self.keys.job, closed.value,
+                                progress.value if progress is not None else None)
+        reason, fix = finished_notice(finished)
+        raise JobFinishedError(f"{reason}; {fix}", finished)
 
     # -- the session's state, for the agent ------------------------------------------------
     @property
@@ -409,7 +412,11 @@ class EtcdRendezvousHandler(RendezvousHandler):
         return False
 
     def set_closed(self) -> None:
-        retry_rdzv("close", lambda: self.client.put(self.keys.rdzv_closed, b"1"),
+        """Mark the job finished (``rdzv/closed``, a ``ClosedRecord``): every node that
+        arrives later exits without joining until ``elasticd start`` reopens it."""
+        record = ClosedRecord(finished_at=time.time(), node=self.node_id,
+                              round=self.session.round if self.session.round is not None else -1)
+        retry_rdzv("close", lambda: self.client.put(self.keys.rdzv_closed, record.to_json()),
                     time.monotonic() + self.settings.close_timeout_s)
 
     def _etcd_trouble(self) -> bool:
