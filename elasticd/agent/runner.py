@@ -76,6 +76,7 @@ class NodeSpec:
     node_ttl_s: int = 5
     join_timeout_s: float = 600.0
     last_call_timeout_s: float = 1.0
+    start_settle_s: float = 1.0
     close_timeout_s: float = 30.0
     store_timeout_s: float = 300.0
     liveness_probe: bool = True  # rendezvous.liveness_probe
@@ -176,6 +177,7 @@ def run_node(spec: NodeSpec, early: Any = None) -> int:
             RendezvousSettings(min_nodes=spec.min_nodes, max_nodes=spec.max_nodes,
                                node_ttl_s=spec.node_ttl_s, join_timeout_s=spec.join_timeout_s,
                                last_call_timeout_s=spec.last_call_timeout_s,
+                               start_settle_s=spec.start_settle_s,
                                close_timeout_s=spec.close_timeout_s,
                                store_timeout_s=spec.store_timeout_s,
                                election_timeout_s=spec.etcd_election_timeout_s,

@@ -169,6 +169,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
             self._coordinator = RoundCoordinator(
                 self.client, self.keys, self.session, self._view, min_nodes=s.min_nodes,
                 max_nodes=s.max_nodes, last_call_timeout_s=s.last_call_timeout_s,
+                start_settle_s=s.start_settle_s,
                 finalize=lambda a, v, rev: self._finalize(a, v, rev, time.monotonic() + 10.0),
                 open_next=lambda a, v, rev: self._open_next(a, v, rev, time.monotonic() + 10.0),
                 defer_lost_until=self._defer_lost_until, prober=self.prober,
@@ -290,7 +291,8 @@ class EtcdRendezvousHandler(RendezvousHandler):
             action = decide_join(view, progress, min_nodes=self.settings.min_nodes,
                                  max_nodes=self.settings.max_nodes,
                                  last_call_timeout_s=self.settings.last_call_timeout_s,
-                                 now=time.monotonic(), proven_dead=proven)
+                                 now=time.monotonic(), proven_dead=proven,
+                                 start_settle_s=self.settings.start_settle_s)
             if action.probe and self.prober is not None:
                 due = self.prober.request(self._view.probe_targets(action.probe))
                 if due is not None and action.until is not None:

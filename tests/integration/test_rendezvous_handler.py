@@ -62,7 +62,8 @@ class HandlerFactory:
     def make(self, job: str, node: str, *, etcd_timeout_s: float = 2.0,
              **kw) -> EtcdRendezvousHandler:
         kw = {"min_nodes": 1, "max_nodes": 4, "node_ttl_s": 2, "join_timeout_s": 20.0,
-              "last_call_timeout_s": 0.5, "store_timeout_s": 10.0, "local_addr": "127.0.0.1", **kw}
+              "last_call_timeout_s": 0.5, "store_timeout_s": 10.0, "local_addr": "127.0.0.1",
+              "start_settle_s": 0.0, **kw}
         client = EtcdClient(self.endpoint, timeout_s=etcd_timeout_s)
         handler = EtcdRendezvousHandler(client, job, RendezvousSettings(**kw), node_id=node)
         self.made.append(handler)
