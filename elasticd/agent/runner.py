@@ -23,6 +23,7 @@ from torch.distributed.elastic.rendezvous import (
     RendezvousError,
 )
 
+from elasticd.agent.arrival import EarlyArrival, log_finished
 from elasticd.agent.commits import CommitRetrier, PendingCommit, read_intents, write_intent
 from elasticd.agent.elastic_agent import ElasticdAgent, SupervisionSettings
 from elasticd.agent.recorder import JobRecorder
@@ -43,7 +44,7 @@ from elasticd.logs import (
     resolve_worker_log_dir,
 )
 from elasticd.rendezvous.etcd_handler import EtcdRendezvousHandler
-from elasticd.rendezvous.finished import FinishedJob, finished_notice, read_finished
+from elasticd.rendezvous.finished import FinishedJob, read_finished
 from elasticd.rendezvous.settings import RendezvousSettings
 from elasticd.retry import call_with_retry
 from elasticd.stopmarks import restart_hint
@@ -130,13 +131,15 @@ def _make_metrics(spec: NodeSpec) -> Any:
     return metrics
 
 
-def run_node(spec: NodeSpec, early: Any = None) -> int:
+def run_node(spec: NodeSpec, early: Any = None, arrival: EarlyArrival | None = None) -> int:
     """Run this node until the job finishes, this node drains, or it gives up.
 
     Args:
         spec: the node.
         early: an ``elasticd.agent.early.EarlyStart`` (standbys started before torch was
             imported, and the runtime directory they report to), or None.
+        arrival: the etcd client and node session registered before torch was imported
+            (``elasticd.agent.arrival``), taken over here; None: connect and register here.
 
     Returns:
         The process exit code: 0 finished/drained, 1 failed, 4 etcd unreachable,
@@ -165,9 +168,14 @@ def run_node(spec: NodeSpec, early: Any = None) -> int:
             # Private to this user: TLS with a generated client certificate (docs/security.md).
             embedded = EmbeddedEtcd(spec.etcd_data_dir, private=True).start()
             endpoints, tls = embedded.endpoint, embedded.client_tls or tls
-        client = EtcdClient(endpoints, timeout_s=spec.etcd_timeout_s, tls=tls,
-                            user=spec.etcd_user, password=spec.etcd_password,
-                            allow_plaintext_auth=spec.etcd_insecure_plaintext_auth)
+        early_session = None
+        if arrival is not None and arrival.session is not None and not embedded:
+            arrival.taken = True  # ours to close from now on (the handler adopts the session)
+            client, early_session = arrival.client, arrival.session
+        else:
+            client = EtcdClient(endpoints, timeout_s=spec.etcd_timeout_s, tls=tls,
+                                user=spec.etcd_user, password=spec.etcd_password,
+                                allow_plaintext_auth=spec.etcd_insecure_plaintext_auth)
         # Probe the job's own prefix: an etcd role may grant only /elasticd/<job>/.
         job_prefix = JobKeys(spec.job).prefix
         call_with_retry(lambda: client.get(job_prefix), what="connect to etcd",
@@ -183,7 +191,7 @@ def run_node(spec: NodeSpec, early: Any = None) -> int:
                                election_timeout_s=spec.etcd_election_timeout_s,
                                liveness_probe=spec.liveness_probe,
                                local_addr=spec.local_addr, worker_log_dir=log_dir),
-            node_id=spec.node_id)
+            node_id=spec.node_id, session=early_session)
         # Until the agent says how it leaves (finished, drained), a shutdown is a loss: a
         # node that gives up or crashes out of run() is re-formed around, as before.
         handler.leave_kind = None
@@ -343,8 +351,7 @@ def _log_finished(client: EtcdClient, keys: JobKeys, exc: RendezvousClosedError)
             finished = read_finished(client, keys)
         except EtcdUnavailableError:
             finished = None
-    reason, fix = finished_notice(finished or FinishedJob(keys.job))
-    log.warning("agent_not_joining", reason=reason, fix=fix, **extra)
+    log_finished(finished or FinishedJob(keys.job), **extra)
 
 
 def _record_lost(recorder: JobRecorder, handler: EtcdRendezvousHandler, lost: list[str],

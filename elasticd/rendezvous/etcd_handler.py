@@ -89,29 +89,37 @@ class EtcdRendezvousHandler(RendezvousHandler):
         node_id: this node's id; ``<host>-<pid>`` by default.
         on_lease_lost: called (from the keep-alive thread) when this node's lease is found
             expired, i.e. the node was frozen or cut off longer than its TTL.
+        session: a ``NodeSession`` registered before torch was imported
+            (``elasticd.agent.arrival``): adopted, with its node id, lease and incarnation,
+            instead of registering anew. It must use ``client`` and ``settings``' TTL.
     """
 
     def __init__(self, client: EtcdClient, job: str, settings: RendezvousSettings, *,
                  node_id: str | None = None,
                  on_lease_lost: Callable[[], None] | None = None,
-                 owns_client: bool = False) -> None:
+                 owns_client: bool = False, session: NodeSession | None = None) -> None:
         self.client = client
         self._owns_client = owns_client
         self.keys = JobKeys(job)
         self.settings = settings
-        self.node_id = node_id or default_node_id()
+        self.node_id = session.node_id if session is not None else (node_id or default_node_id())
         self.keys.node(self.node_id)  # validates the id
         self._view = WatchedView(self.keys, self.node_id)
         self._watches: list[PrefixWatch] = []
         self._coordinator: RoundCoordinator | None = None
         self._coord_loss_seen_at: float | None = None  # the coordinator's outage grace
         # Our lease, record and incarnation (the fencing token), and the round we completed.
-        self.session = NodeSession(client, self.keys, self.node_id, self._view,
-                                   ttl_s=settings.node_ttl_s,
-                                   worker_log_dir=settings.worker_log_dir,
-                                   on_lease_lost=on_lease_lost,
-                                   liveness_probe=settings.liveness_probe,
-                                   local_addr=settings.local_addr)
+        if session is not None:  # registered early, while torch was being imported
+            session.attach(self._view, worker_log_dir=settings.worker_log_dir,
+                           on_lease_lost=on_lease_lost)
+            self.session = session
+        else:
+            self.session = NodeSession(client, self.keys, self.node_id, self._view,
+                                       ttl_s=settings.node_ttl_s,
+                                       worker_log_dir=settings.worker_log_dir,
+                                       on_lease_lost=on_lease_lost,
+                                       liveness_probe=settings.liveness_probe,
+                                       local_addr=settings.local_addr)
         # Proves stragglers and peers gone before their lease expires (liveness.py).
         self.prober = PeerProber(on_dead=self._view.touch) if settings.liveness_probe else None
         self._member_probes = MemberProbes(self.prober, self._member_targets)
@@ -191,6 +199,18 @@ class EtcdRendezvousHandler(RendezvousHandler):
                                 progress.value if progress is not None else None)
         reason, fix = finished_notice(finished)
         raise JobFinishedError(f"{reason}; {fix}", finished)
+
+    def arrive(self) -> None:
+        """Register now (watches, the finished-job check, our lease and record, the
+        coordinator's campaign), before the agent waits for anything slow: a node that
+        holds a lease holds the last call of an open round (the start race, issue 25).
+        ``next_rendezvous`` does the same first; calling both is harmless.
+
+        Raises:
+            JobFinishedError: the job had finished.
+            RendezvousConnectionError: etcd stayed unreachable for ``join_timeout_s``.
+        """
+        self._ensure_started(time.monotonic() + self.settings.join_timeout_s)
 
     # -- the session's state, for the agent ------------------------------------------------
     @property
