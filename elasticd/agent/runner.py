@@ -170,7 +170,6 @@ def run_node(spec: NodeSpec, early: Any = None, arrival: EarlyArrival | None = N
             endpoints, tls = embedded.endpoint, embedded.client_tls or tls
         early_session = None
         if arrival is not None and arrival.session is not None and not embedded:
-            arrival.taken = True  # ours to close from now on (the handler adopts the session)
             client, early_session = arrival.client, arrival.session
         else:
             client = EtcdClient(endpoints, timeout_s=spec.etcd_timeout_s, tls=tls,
@@ -192,6 +191,8 @@ def run_node(spec: NodeSpec, early: Any = None, arrival: EarlyArrival | None = N
                                liveness_probe=spec.liveness_probe,
                                local_addr=spec.local_addr, worker_log_dir=log_dir),
             node_id=spec.node_id, session=early_session)
+        if arrival is not None and early_session is not None:
+            arrival.taken = True  # the handler owns the session now (closed by its shutdown)
         # Until the agent says how it leaves (finished, drained), a shutdown is a loss: a
         # node that gives up or crashes out of run() is re-formed around, as before.
         handler.leave_kind = None
