@@ -28,7 +28,9 @@ import structlog
 
 from elasticd.etcd.client import EtcdClient, TLSFiles
 from elasticd.keys import JobKeys
+from elasticd.records import RecordError, RoundState
 from elasticd.rendezvous.finished import FinishedJob, finished_notice, read_finished
+from elasticd.rendezvous.protocol import early_join_round
 from elasticd.rendezvous.session import NodeSession
 from elasticd.rendezvous.settings import default_node_id
 from elasticd.rendezvous.view import WatchedView
@@ -57,6 +59,30 @@ class EarlyArrival:
         if self.session is not None:
             self.session.close()  # revoke: the node is gone at once, not after its TTL
         self.client.close()
+
+
+def _join_first_round(client: EtcdClient, keys: JobKeys, session: NodeSession, min_nodes: int,
+                      max_nodes: int) -> int | None:
+    """Join the job's first round now, if it is open (``protocol.early_join_round``);
+    open round 0 first if there is no round yet, as the handler would (INIT). Returns the
+    round joined, or None (the handler joins the usual way)."""
+    for _ in range(3):  # a lost compare-and-swap on round 0: read it again
+        kv = client.get(keys.rdzv_state)
+        try:
+            state = RoundState.from_json(kv.value) if kv is not None else None
+        except RecordError:
+            return None
+        r = early_join_round(state)
+        if r is None:
+            return None
+        if state is None:
+            fresh = RoundState(0, "open", [], min_nodes, max_nodes, opened_at=time.time())
+            client.put_if(keys.rdzv_state, fresh.to_json(), mod_revision=0)
+            continue
+        client.put(keys.join(r, session.node_id), b"1", lease=session.lease_id)
+        log.info("first_round_joined_early", round=r)
+        return r
+    return None
 
 
 def log_finished(finished: FinishedJob, **extra: str) -> None:
@@ -92,7 +118,10 @@ def arrive_early(cfg: Any) -> EarlyArrival | None:
         session = NodeSession(client, keys, node_id, WatchedView(keys, node_id),
                               ttl_s=cfg.node.ttl_s, liveness_probe=cfg.rendezvous.liveness_probe,
                               local_addr=cfg.node.local_addr)
-        session.register(time.monotonic() + _DEADLINE_S)
+        deadline = time.monotonic() + _DEADLINE_S
+        session.register(deadline)
+        session.early_join = _join_first_round(client, keys, session, cfg.job.min_nodes,
+                                               cfg.job.max_nodes)
     except Exception as exc:  # noqa: BLE001 - best effort: the handler registers and reports
         log.info("early_registration_skipped", error=str(exc))
         if "session" in locals():

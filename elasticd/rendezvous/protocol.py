@@ -244,6 +244,20 @@ def decide_join(view: RendezvousView, progress: JoinProgress, *, min_nodes: int,
                              start_settle_s=start_settle_s)
 
 
+def early_join_round(state: RoundState | None) -> int | None:
+    """The round a node may join before its agent has imported torch (a node of the
+    job's start, ``agent/arrival.py``), or None: the job's first round while it is open
+    (no previous members: nobody trains yet). Joined then, a node started with the others
+    is in that round however long its torch import takes; any other round it joins the
+    usual way, once its agent is ready. ``state`` None: open round 0 first. Pure.
+    """
+    if state is None:
+        return 0
+    if state.phase == "open" and not state.members:
+        return state.round
+    return None
+
+
 def _close_open_round(view: RendezvousView, state: RoundState, min_reached_at: dict[int, float], *,
                       min_nodes: int, max_nodes: int, last_call_timeout_s: float, now: float,
                       deadline: float, proven_dead: frozenset[str] = frozenset(),

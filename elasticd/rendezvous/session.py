@@ -93,6 +93,8 @@ class NodeSession:
         self.local_addr = local_addr
         self.listener: LivenessListener | None = None
         self._closed = False
+        # The round whose join key we put before the handler existed (agent.arrival).
+        self.early_join: int | None = None
         self._log = log.bind(job=keys.job, node=node_id)
 
     def attach(self, view: WatchedView, *, worker_log_dir: str | None,
@@ -107,6 +109,8 @@ class NodeSession:
             self.record = replace(self.record, log_dir=worker_log_dir)
         with view.cond:
             view.lease_id = self.lease_id
+        if self.early_join is not None:  # the handler's view knows our join is in
+            view.add_own_join(self.early_join, self.lease_id)
 
     @property
     def lease_id(self) -> int:

@@ -30,6 +30,7 @@ from elasticd.rendezvous.protocol import (
     decide_coordination,
     decide_join,
     dropped_members,
+    early_join_round,
     nodes_waiting,
     order_members,
 )
@@ -141,6 +142,16 @@ def test_settle_applies_only_to_the_first_round_and_below_max():
     held = decide(view(open_(0), {"a", "b"}, {0: ["a"]}), last_call=0.5, settle=2.0)
     assert held.kind is ActionKind.WAIT and held.until == NOW + 2.0 and held.probe == ("b",)
     assert decide(view(open_(0), {"a"}, {0: ["a"]}), settle=0.0).kind is ActionKind.FINALIZE
+
+
+def test_only_the_first_open_round_is_joined_before_the_agent_is_ready():
+    """early_join_round: no round yet -> 0 (open it); the job's first round while open ->
+    that round; a formed round or a re-formation (previous members) -> None."""
+    assert early_join_round(None) == 0
+    assert early_join_round(open_(0)) == 0
+    assert early_join_round(open_(2)) == 2  # opened afresh, nobody trained (e.g. a restart)
+    assert early_join_round(final(0, ["a"])) is None
+    assert early_join_round(open_(1, ["a"])) is None
 
 
 def test_last_call_wait_is_capped_by_join_deadline():
