@@ -1,9 +1,10 @@
 """Nodes started together train together (issue 25 item 2): two agents of a `--nnodes 1:2`
 job started 0-0.4 s apart run a 2-second script once, at world size 2.
 
-It used to run twice in about 1 start of 3: the first node closed round 0 alone (the other
+It used to run twice in 10 of 20 starts: the first node closed round 0 alone (the other
 held no lease yet: it registered only after importing torch), then the second node's
 arrival re-ran the script at world 2, or it found the job finished and re-ran it alone.
+Now each agent registers and joins the first round before it imports torch.
 
 ``make test`` runs 3 starts (offsets 0, 0.2, 0.4 s); ``make soak`` (ELASTICD_SOAK=1) runs
 the 20 of the issue.
