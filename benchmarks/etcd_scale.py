@@ -113,8 +113,10 @@ def child_main(args: argparse.Namespace, index: int) -> int:
     # Logs to stderr (the zygote's .err file): stdout carries the JSON lines for the parent.
     structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))
     go, stop = Path(args.ctl, "go"), Path(args.ctl, "stop")
+    # No first-round settle: the rounds measured are the protocol's, as before it existed.
     settings = RendezvousSettings(min_nodes=args.total - 1, max_nodes=args.total, node_ttl_s=args.ttl,
-                                  join_timeout_s=args.round_timeout, local_addr="127.0.0.1")
+                                  join_timeout_s=args.round_timeout, local_addr="127.0.0.1",
+                                  start_settle_s=0.0)
     handler = EtcdRendezvousHandler(EtcdClient(args.endpoint, timeout_s=5.0), args.job, settings,
                                     node_id=f"sim-{index}")
     _emit({"i": index, "ready": True, "pid": os.getpid()})

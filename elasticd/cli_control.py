@@ -6,7 +6,8 @@
 - ``elasticd drain --job J --node N``: only node N drains and leaves (e.g. before
   maintenance); the others go on without it, no step lost. N stays out until cleared.
 - ``elasticd start --job J [--node N]``: clears the stop (and every drain), or N's drain;
-  agents started after that join again.
+  agents started after that join again. Without ``--node`` it also reopens a *finished*
+  job (the only way to: an agent arriving at a finished job exits 0 without joining).
 
 ``stop`` and ``drain`` are fenced writes to etcd (elasticd.stopmarks: only if the job and
 the node exist) made with the same connection flags, TLS and auth as ``elasticd status``
@@ -29,6 +30,7 @@ from elasticd.errors import EX_CONFIG, ConfigError, EtcdUnavailableError
 from elasticd.etcd.client import EtcdClient
 from elasticd.keys import JobKeys, validate_node_id
 from elasticd.records import CheckpointPointer, NodeRecord, Progress, RecordError
+from elasticd.rendezvous.finished import reopen_finished
 from elasticd.sensitive import scrub_text
 from elasticd.status.options import add_etcd_connection_flags
 from elasticd.stopmarks import (
@@ -61,7 +63,10 @@ def add_parser(sub: Any) -> None:
     start = sub.add_parser(
         "start", help="clear a stop (or one node's drain) so agents join again",
         description="Clear `elasticd stop` (and every drain) of a job, or with --node one "
-                    "node's drain. Agents started after this join again.")
+                    "node's drain; without --node, also reopen a job that finished (agents "
+                    "arriving at a finished job exit 0 until then). Agents started after "
+                    "this join again. Exit: 0 done, 1 a finished job's agents are still "
+                    "leaving, 3 unknown job, 4 etcd unreachable.")
     for p, node_required in ((stop, False), (drain, True), (start, False)):
         p.add_argument("--job", required=True, metavar="NAME", help="the job")
         if p is not stop:
@@ -130,6 +135,19 @@ def run(args: argparse.Namespace, *, out: IO[str] | None = None, err: IO[str] | 
 def _start(client: EtcdClient, keys: JobKeys, node: str | None, out: IO[str]) -> int:
     removed = clear_marks(client, keys, node)
     what = f"node {node!r} of job {keys.job!r}" if node else f"job {keys.job!r}"
+    if node is None:
+        # A finished job is reopened only here, on purpose (elasticd.rendezvous.finished).
+        reopen = reopen_finished(client, keys)
+        if reopen.live:
+            print(f"{what} finished and {len(reopen.live)} of its agents are still leaving "
+                  f"({', '.join(reopen.live)}); run `elasticd start --job {keys.job}` again "
+                  "once they are gone", file=out, flush=True)
+            return EXIT_TIMED_OUT
+        if reopen.reopened:
+            print(f"{what} had finished: reopened for another run; agents started now form "
+                  "round 0 and resume from its newest checkpoint (e.g. `systemctl start "
+                  "elasticd` on each node)", file=out, flush=True)
+            return 0
     if not removed:
         print(f"{what} was neither stopped nor drained: nothing to clear", file=out, flush=True)
     else:

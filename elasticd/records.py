@@ -227,6 +227,20 @@ class CheckpointPointer(_Record):
 
 
 @dataclass(frozen=True)
+class ClosedRecord(_Record):
+    """``/elasticd/<job>/rdzv/closed``: the job finished (its workers all succeeded).
+
+    Written by the agent whose workers finished first (``set_closed``); read by every
+    agent that arrives later (it exits 0 without joining: elasticd.rendezvous.finished) and
+    removed only by ``elasticd start``. Older agents wrote ``1``: still a close, time unknown.
+    """
+
+    finished_at: float
+    node: str = ""
+    round: int = -1
+
+
+@dataclass(frozen=True)
 class StopMark(_Record):
     """``/elasticd/<job>/control/stop`` and ``.../control/drain/<node>``: written by
     ``elasticd stop`` / ``elasticd drain``, obeyed by agents, cleared by ``elasticd start``."""

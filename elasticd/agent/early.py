@@ -83,23 +83,38 @@ def start_early(cfg: Any) -> EarlyStart | None:
 
 
 def run_node_with_early_standbys(cfg: Any) -> int:
-    """Start the standbys, check for a stop or drain, then import the agent (torch) and
-    run the node.
+    """Start the standbys, check for a stop, a drain or a finished job, register the node,
+    then import the agent (torch) and run the node.
 
     Returns:
         ``run_node``'s exit code.
     """
     early = start_early(cfg)
+    arrival = None
     try:
         from elasticd.agent.remote_control import refuse_early
 
         if refuse_early(cfg):  # `elasticd stop`/`drain`: exit 0 at once (the standby dies)
             return 0
+        from elasticd.agent.arrival import arrive_early
+        from elasticd.logs import configure_logging
+
+        configure_logging(cfg.logging.format, level=cfg.logging.level)
+        # Registered before torch is imported: a node started with the others holds the
+        # first round open until it joins (issue 25). A finished job: exit 0 now.
+        arrival = arrive_early(cfg)
+        if arrival is not None and arrival.finished is not None:
+            from elasticd.agent.arrival import log_finished
+
+            log_finished(arrival.finished)
+            return 0
         # torch is imported only now, while the standbys import it too.
         from elasticd.agent.runner import run_node
         from elasticd.agent.settings import node_spec
 
-        return run_node(node_spec(cfg, os.environ), early=early)
+        return run_node(node_spec(cfg, os.environ), early=early, arrival=arrival)
     finally:
+        if arrival is not None:
+            arrival.close()
         if early is not None:
             early.close()

@@ -207,6 +207,10 @@ class ElasticdAgent(TickWrites, StandbyCare, LocalElasticAgent):
     def _run_loop(self) -> RunResult:
         wg = self._worker_group
         self.install_signal_handlers()
+        # Hold a lease before anything slow (the standbys' imports below): an open first
+        # round waits for a node that holds one (the start race, issue 25). Usually done
+        # already, before torch was imported (elasticd.agent.arrival).
+        self.handler.arrive()
         self.recorder.event("join", f"node {self.handler.node_id} started")
         # The first workers' standbys import torch while this node waits for its round
         # (a node joining a running job waits for the members to stop their workers).

@@ -23,6 +23,7 @@ from torch.distributed.elastic.rendezvous import (
     RendezvousError,
 )
 
+from elasticd.agent.arrival import EarlyArrival, log_finished
 from elasticd.agent.commits import CommitRetrier, PendingCommit, read_intents, write_intent
 from elasticd.agent.elastic_agent import ElasticdAgent, SupervisionSettings
 from elasticd.agent.recorder import JobRecorder
@@ -43,6 +44,7 @@ from elasticd.logs import (
     resolve_worker_log_dir,
 )
 from elasticd.rendezvous.etcd_handler import EtcdRendezvousHandler
+from elasticd.rendezvous.finished import FinishedJob, read_finished
 from elasticd.rendezvous.settings import RendezvousSettings
 from elasticd.retry import call_with_retry
 from elasticd.stopmarks import restart_hint
@@ -75,6 +77,7 @@ class NodeSpec:
     node_ttl_s: int = 5
     join_timeout_s: float = 600.0
     last_call_timeout_s: float = 1.0
+    start_settle_s: float = 1.0
     close_timeout_s: float = 30.0
     store_timeout_s: float = 300.0
     liveness_probe: bool = True  # rendezvous.liveness_probe
@@ -128,13 +131,15 @@ def _make_metrics(spec: NodeSpec) -> Any:
     return metrics
 
 
-def run_node(spec: NodeSpec, early: Any = None) -> int:
+def run_node(spec: NodeSpec, early: Any = None, arrival: EarlyArrival | None = None) -> int:
     """Run this node until the job finishes, this node drains, or it gives up.
 
     Args:
         spec: the node.
         early: an ``elasticd.agent.early.EarlyStart`` (standbys started before torch was
             imported, and the runtime directory they report to), or None.
+        arrival: the etcd client and node session registered before torch was imported
+            (``elasticd.agent.arrival``), taken over here; None: connect and register here.
 
     Returns:
         The process exit code: 0 finished/drained, 1 failed, 4 etcd unreachable,
@@ -163,9 +168,13 @@ def run_node(spec: NodeSpec, early: Any = None) -> int:
             # Private to this user: TLS with a generated client certificate (docs/security.md).
             embedded = EmbeddedEtcd(spec.etcd_data_dir, private=True).start()
             endpoints, tls = embedded.endpoint, embedded.client_tls or tls
-        client = EtcdClient(endpoints, timeout_s=spec.etcd_timeout_s, tls=tls,
-                            user=spec.etcd_user, password=spec.etcd_password,
-                            allow_plaintext_auth=spec.etcd_insecure_plaintext_auth)
+        early_session = None
+        if arrival is not None and arrival.session is not None and not embedded:
+            client, early_session = arrival.client, arrival.session
+        else:
+            client = EtcdClient(endpoints, timeout_s=spec.etcd_timeout_s, tls=tls,
+                                user=spec.etcd_user, password=spec.etcd_password,
+                                allow_plaintext_auth=spec.etcd_insecure_plaintext_auth)
         # Probe the job's own prefix: an etcd role may grant only /elasticd/<job>/.
         job_prefix = JobKeys(spec.job).prefix
         call_with_retry(lambda: client.get(job_prefix), what="connect to etcd",
@@ -175,12 +184,15 @@ def run_node(spec: NodeSpec, early: Any = None) -> int:
             RendezvousSettings(min_nodes=spec.min_nodes, max_nodes=spec.max_nodes,
                                node_ttl_s=spec.node_ttl_s, join_timeout_s=spec.join_timeout_s,
                                last_call_timeout_s=spec.last_call_timeout_s,
+                               start_settle_s=spec.start_settle_s,
                                close_timeout_s=spec.close_timeout_s,
                                store_timeout_s=spec.store_timeout_s,
                                election_timeout_s=spec.etcd_election_timeout_s,
                                liveness_probe=spec.liveness_probe,
                                local_addr=spec.local_addr, worker_log_dir=log_dir),
-            node_id=spec.node_id)
+            node_id=spec.node_id, session=early_session)
+        if arrival is not None and early_session is not None:
+            arrival.taken = True  # the handler owns the session now (closed by its shutdown)
         # Until the agent says how it leaves (finished, drained), a shutdown is a loss: a
         # node that gives up or crashes out of run() is re-formed around, as before.
         handler.leave_kind = None
@@ -259,8 +271,10 @@ def run_node(spec: NodeSpec, early: Any = None) -> int:
                  worker_log_dir=log_dir)
         try:
             agent.run()
-        except RendezvousClosedError:
-            log.info("job_closed")
+        except RendezvousClosedError as exc:
+            # We arrived (or came back) after the job finished: exit 0, train nothing, and
+            # say when it finished and how to run it again (a systemd restart stays down).
+            _log_finished(client, handler.keys, exc)
             return 0
         outcome = agent.outcome
         if outcome.kind == "failed":
@@ -326,6 +340,19 @@ def _commit_intents(recorder: JobRecorder, state_dir: str, job: str) -> None:
                  round=req.round, outcome=outcome.value, reason=reason)
         if outcome is not CommitOutcome.UNKNOWN:
             path.unlink(missing_ok=True)
+
+
+def _log_finished(client: EtcdClient, keys: JobKeys, exc: RendezvousClosedError) -> None:
+    """One line: the job finished (when, at which step) and how to run it again."""
+    finished = getattr(exc, "finished", None)
+    extra: dict[str, str] = {}
+    if finished is None:  # closed while we were in a round, or peers left "finished"
+        extra["detail"] = str(exc)
+        try:
+            finished = read_finished(client, keys)
+        except EtcdUnavailableError:
+            finished = None
+    log_finished(finished or FinishedJob(keys.job), **extra)
 
 
 def _record_lost(recorder: JobRecorder, handler: EtcdRendezvousHandler, lost: list[str],

@@ -39,7 +39,8 @@ def node_spec(cfg: AgentConfig, environ: Mapping[str, str]) -> NodeSpec:
         etcd_password=e.resolved_password(),
         etcd_insecure_plaintext_auth=e.insecure_allow_plaintext_auth, node_id=cfg.node.id, local_addr=cfg.node.local_addr,
         node_ttl_s=cfg.node.ttl_s, join_timeout_s=r.join_timeout_s,
-        last_call_timeout_s=r.last_call_timeout_s, close_timeout_s=r.close_timeout_s,
+        last_call_timeout_s=r.last_call_timeout_s, start_settle_s=r.start_settle_s,
+        close_timeout_s=r.close_timeout_s,
         store_timeout_s=r.store_timeout_s, liveness_probe=r.liveness_probe,
         supervision=SupervisionSettings(
             max_restarts=cfg.restart.max_restarts, restart_backoff_s=cfg.restart.backoff_s,

@@ -63,6 +63,9 @@ class StandbyCare:
         return state is not None and state.phase == "final" and self.handler.node_id not in state.members
 
     def _wait_for_standbys(self, n: int, timeout_s: float = 60.0) -> None:
+        """Wait (bounded) until ``n`` standbys finished their imports. The node is already
+        registered (``ElasticdAgent._run_loop``): waiting here holds no round open for
+        longer than its last call, and leaves none to close without us."""
         start = time.monotonic()
         while time.monotonic() - start < timeout_s and not self.stop_signals:
             if self.standby.ready(range(n)):

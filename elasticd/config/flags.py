@@ -72,6 +72,9 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--join-timeout", "rendezvous.join_timeout_s", "max wait for a round, s", metavar="S"),
     Flag("--last-call-timeout", "rendezvous.last_call_timeout_s",
          "wait this long for stragglers once MIN nodes joined, s", metavar="S"),
+    Flag("--start-settle", "rendezvous.start_settle_s",
+         "the job's first round stays open this long once MIN nodes joined (MIN < MAX), so "
+         "nodes started together train together, s", metavar="S"),
     Flag("--close-timeout", "rendezvous.close_timeout_s",
          "how long closing a finished job's rendezvous may take, s", metavar="S"),
     Flag("--store-timeout", "rendezvous.store_timeout_s",

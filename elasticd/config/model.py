@@ -96,6 +96,7 @@ class RendezvousConfig:
 
     join_timeout_s: float = 600.0
     last_call_timeout_s: float = 1.0
+    start_settle_s: float = 1.0  # the first round stays open this long once min joined
     close_timeout_s: float = 30.0
     store_timeout_s: float = 300.0
     liveness_probe: bool = True  # a refused TCP probe proves a straggler's agent gone

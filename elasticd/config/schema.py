@@ -340,6 +340,7 @@ KEYS: dict[str, Key] = {
         Key("node", "ttl_s", lease_ttl, 5, "ttl_s = 5"),
         Key("rendezvous", "join_timeout_s", number(0, lo_open=True), 600.0, "join_timeout_s = 600"),
         Key("rendezvous", "last_call_timeout_s", number(0), 1.0, "last_call_timeout_s = 1"),
+        Key("rendezvous", "start_settle_s", number(0), 1.0, "start_settle_s = 1"),
         Key("rendezvous", "close_timeout_s", number(0, lo_open=True), 30.0, "close_timeout_s = 30"),
         Key("rendezvous", "store_timeout_s", number(0, lo_open=True), 300.0,
             "store_timeout_s = 300"),

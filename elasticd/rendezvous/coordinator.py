@@ -59,7 +59,7 @@ class RoundCoordinator:
         keys: the job's keys.
         session: this node's lease (campaigns only while it is live).
         view: the handler's watched view; the coordinator adds the full tables to it.
-        min_nodes, max_nodes, last_call_timeout_s: the round rule.
+        min_nodes, max_nodes, last_call_timeout_s, start_settle_s: the round rule.
         finalize: writes FINALIZE (CAS of the state key); returns True if it won.
         open_next: writes OPEN_NEXT with its cause (CAS, then the opener's bookkeeping).
         defer_lost_until: when lost members must not be acted on yet (etcd trouble), or None.
@@ -70,6 +70,7 @@ class RoundCoordinator:
 
     def __init__(self, client: EtcdClient, keys: JobKeys, session: NodeSession, view: WatchedView, *,
                  min_nodes: int, max_nodes: int, last_call_timeout_s: float,
+                 start_settle_s: float = 0.0,
                  finalize: Callable[[Action, RendezvousView, int], bool],
                  open_next: Callable[[Action, RendezvousView, int], bool],
                  defer_lost_until: Callable[[RendezvousView], float | None],
@@ -81,6 +82,7 @@ class RoundCoordinator:
         self.view = view
         self.min_nodes, self.max_nodes = min_nodes, max_nodes
         self.last_call_timeout_s = last_call_timeout_s
+        self.start_settle_s = start_settle_s
         self._finalize = finalize
         self._open_next = open_next
         self._defer_lost_until = defer_lost_until
@@ -157,7 +159,7 @@ class RoundCoordinator:
                                      last_call_timeout_s=self.last_call_timeout_s,
                                      now=time.monotonic(),
                                      defer_lost_until=self._defer_lost_until(view),
-                                     proven_dead=proven)
+                                     proven_dead=proven, start_settle_s=self.start_settle_s)
         if action.reason != self._last_reason:
             self._log.info("coordinator_step", action=action.kind.value, reason=action.reason)
             self._last_reason = action.reason

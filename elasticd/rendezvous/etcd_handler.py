@@ -40,9 +40,10 @@ from elasticd.etcd.client import EtcdClient
 from elasticd.etcd.txn import DeleteRange
 from elasticd.etcd.watch import PrefixWatch
 from elasticd.keys import JobKeys
-from elasticd.records import RoundState
+from elasticd.records import ClosedRecord, RoundState
 from elasticd.rendezvous.coordinator import RoundCoordinator
 from elasticd.rendezvous.etcd_store import EtcdStore
+from elasticd.rendezvous.finished import FinishedJob, finished_job, finished_notice
 from elasticd.rendezvous.liveness import MemberProbes, PeerProber, ProbeTarget
 from elasticd.rendezvous.outage import loss_grace, may_resurrect, outage_window_s
 from elasticd.rendezvous.protocol import (
@@ -65,37 +66,60 @@ from elasticd.rendezvous.view import WatchedView
 log = structlog.get_logger(__name__)
 
 
+class JobFinishedError(RendezvousClosedError):
+    """This node arrived at a job that had finished: it must not run it again.
+
+    ``finished`` says when and at which step; the message ends with how to reopen it.
+    """
+
+    def __init__(self, message: str, finished: FinishedJob) -> None:
+        super().__init__(message)
+        self.finished = finished
+
+
 class EtcdRendezvousHandler(RendezvousHandler):
     """A torch elastic ``RendezvousHandler`` on etcd v3 (backend name ``etcd-v3``).
 
     Args:
-        client: etcd client; the caller closes it after ``shutdown`` (the handler does not).
+        client: etcd client. The caller closes it after ``shutdown``, unless it passes
+            ``owns_client=True`` (torchrun's path, ``registry.create_handler``, where
+            nobody else holds it): then ``shutdown`` closes it.
         job: job name (the run id); keys live under ``/elasticd/<job>/``.
         settings: sizes and timeouts.
         node_id: this node's id; ``<host>-<pid>`` by default.
         on_lease_lost: called (from the keep-alive thread) when this node's lease is found
             expired, i.e. the node was frozen or cut off longer than its TTL.
+        session: a ``NodeSession`` registered before torch was imported
+            (``elasticd.agent.arrival``): adopted, with its node id, lease and incarnation,
+            instead of registering anew. It must use ``client`` and ``settings``' TTL.
     """
 
     def __init__(self, client: EtcdClient, job: str, settings: RendezvousSettings, *,
                  node_id: str | None = None,
-                 on_lease_lost: Callable[[], None] | None = None) -> None:
+                 on_lease_lost: Callable[[], None] | None = None,
+                 owns_client: bool = False, session: NodeSession | None = None) -> None:
         self.client = client
+        self._owns_client = owns_client
         self.keys = JobKeys(job)
         self.settings = settings
-        self.node_id = node_id or default_node_id()
+        self.node_id = session.node_id if session is not None else (node_id or default_node_id())
         self.keys.node(self.node_id)  # validates the id
         self._view = WatchedView(self.keys, self.node_id)
         self._watches: list[PrefixWatch] = []
         self._coordinator: RoundCoordinator | None = None
         self._coord_loss_seen_at: float | None = None  # the coordinator's outage grace
         # Our lease, record and incarnation (the fencing token), and the round we completed.
-        self.session = NodeSession(client, self.keys, self.node_id, self._view,
-                                   ttl_s=settings.node_ttl_s,
-                                   worker_log_dir=settings.worker_log_dir,
-                                   on_lease_lost=on_lease_lost,
-                                   liveness_probe=settings.liveness_probe,
-                                   local_addr=settings.local_addr)
+        if session is not None:  # registered early, while torch was being imported
+            session.attach(self._view, worker_log_dir=settings.worker_log_dir,
+                           on_lease_lost=on_lease_lost)
+            self.session = session
+        else:
+            self.session = NodeSession(client, self.keys, self.node_id, self._view,
+                                       ttl_s=settings.node_ttl_s,
+                                       worker_log_dir=settings.worker_log_dir,
+                                       on_lease_lost=on_lease_lost,
+                                       liveness_probe=settings.liveness_probe,
+                                       local_addr=settings.local_addr)
         # Proves stragglers and peers gone before their lease expires (liveness.py).
         self.prober = PeerProber(on_dead=self._view.touch) if settings.liveness_probe else None
         self._member_probes = MemberProbes(self.prober, self._member_targets)
@@ -103,6 +127,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
         self._store: EtcdStore | None = None
         self._last_reason = ""
         self._shutdown = False
+        self._arrival_checked = False  # the finished-job check of our first rendezvous
         # Set (plain assignment, safe from a signal handler) when this node must stop:
         # next_rendezvous then raises RendezvousGracefulExitError within a second.
         self.stop_requested: str | None = None
@@ -141,48 +166,51 @@ class EtcdRendezvousHandler(RendezvousHandler):
                     raise RendezvousConnectionError(
                         f"cannot watch etcd at {self.client.endpoint_label()}: is it running?"
                     )
-        if self.session.keeper is None:
-            self._reopen_finished_job(deadline)
+        if not self._arrival_checked:
+            # Before we register: a finished job is never reopened by a node that merely
+            # (re)started; `elasticd start` does that (issue 25).
+            self._refuse_finished_job(deadline)
+            self._arrival_checked = True
         self.session.ensure_registered(deadline)
         if self._coordinator is None:
             s = self.settings
             self._coordinator = RoundCoordinator(
                 self.client, self.keys, self.session, self._view, min_nodes=s.min_nodes,
                 max_nodes=s.max_nodes, last_call_timeout_s=s.last_call_timeout_s,
+                start_settle_s=s.start_settle_s,
                 finalize=lambda a, v, rev: self._finalize(a, v, rev, time.monotonic() + 10.0),
                 open_next=lambda a, v, rev: self._open_next(a, v, rev, time.monotonic() + 10.0),
                 defer_lost_until=self._defer_lost_until, prober=self.prober,
                 holder_probes=MemberProbes(self.prober, self._member_targets)).start()
 
-    def _reopen_finished_job(self, deadline: float) -> None:
-        """A closed job with no live node is a finished run: start the job name afresh.
+    def _refuse_finished_job(self, deadline: float) -> None:
+        """A node arriving at a finished job does not run it again (``finished.py``).
 
-        The reset is one transaction guarded by the closed flag's mod_revision. When the
-        nodes of a rerun start together they all see the same closed snapshot; only the
-        first may reset. A slower node's unguarded delete used to wipe the round the others
-        had formed meanwhile and start a second "round 0": two final rounds, each training
-        on its own (split brain).
+        Raises:
+            JobFinishedError: ``rdzv/closed`` exists; the message says when the job
+                finished, at which step, and that ``elasticd start`` reopens it.
         """
-        k = self.keys
-        closed = self._view.rdzv_get(k.rdzv_closed)
+        closed = self._view.rdzv_get(self.keys.rdzv_closed)
         if closed is None:
             return
-        # Our view has no liveness (only the coordinator's has): ask etcd, once.
-        if retry_rdzv("count nodes", lambda: self.client.count_prefix(k.nodes_prefix), deadline):
-            return
-        if retry_rdzv("reopen job", lambda: self.client.delete_prefixes_if(
-                k.rdzv_closed, mod_revision=closed.mod_revision,
-                prefixes=[k.rdzv_prefix, k.store_root]), deadline):
-            self._log.info("finished_job_reopened")
-        # Whoever reset it, wait until our watch shows that closed flag gone, so the join
-        # below does not read the old flag and give up with RendezvousClosedError.
-        end = min(deadline, time.monotonic() + 5.0)
-        with self._view.cond:
-            while (now := time.monotonic()) < end:
-                current = self._view.rdzv_get(k.rdzv_closed)
-                if current is None or current.mod_revision != closed.mod_revision:
-                    break
-                self._view.cond.wait(end - now)
+        progress = retry_rdzv("read progress", lambda: self.client.get(self.keys.progress),
+                              deadline)
+        finished = finished_job(self.keys.job, closed.value,
+                                progress.value if progress is not None else None)
+        reason, fix = finished_notice(finished)
+        raise JobFinishedError(f"{reason}; {fix}", finished)
+
+    def arrive(self) -> None:
+        """Register now (watches, the finished-job check, our lease and record, the
+        coordinator's campaign), before the agent waits for anything slow: a node that
+        holds a lease holds the last call of an open round (the start race, issue 25).
+        ``next_rendezvous`` does the same first; calling both is harmless.
+
+        Raises:
+            JobFinishedError: the job had finished.
+            RendezvousConnectionError: etcd stayed unreachable for ``join_timeout_s``.
+        """
+        self._ensure_started(time.monotonic() + self.settings.join_timeout_s)
 
     # -- the session's state, for the agent ------------------------------------------------
     @property
@@ -283,7 +311,8 @@ class EtcdRendezvousHandler(RendezvousHandler):
             action = decide_join(view, progress, min_nodes=self.settings.min_nodes,
                                  max_nodes=self.settings.max_nodes,
                                  last_call_timeout_s=self.settings.last_call_timeout_s,
-                                 now=time.monotonic(), proven_dead=proven)
+                                 now=time.monotonic(), proven_dead=proven,
+                                 start_settle_s=self.settings.start_settle_s)
             if action.probe and self.prober is not None:
                 due = self.prober.request(self._view.probe_targets(action.probe))
                 if due is not None and action.until is not None:
@@ -405,7 +434,11 @@ class EtcdRendezvousHandler(RendezvousHandler):
         return False
 
     def set_closed(self) -> None:
-        retry_rdzv("close", lambda: self.client.put(self.keys.rdzv_closed, b"1"),
+        """Mark the job finished (``rdzv/closed``, a ``ClosedRecord``): every node that
+        arrives later exits without joining until ``elasticd start`` reopens it."""
+        record = ClosedRecord(finished_at=time.time(), node=self.node_id,
+                              round=self.session.round if self.session.round is not None else -1)
+        retry_rdzv("close", lambda: self.client.put(self.keys.rdzv_closed, record.to_json()),
                     time.monotonic() + self.settings.close_timeout_s)
 
     def _etcd_trouble(self) -> bool:
@@ -515,6 +548,10 @@ class EtcdRendezvousHandler(RendezvousHandler):
         self.session.close()
         for w in self._watches:
             w.stop()
+        if self._owns_client:
+            # Its channel and threads would outlive us (and gRPC warns "skipping fork()
+            # handlers" on every later fork); a client the caller passed is the caller's.
+            self.client.close()
         self._log.info("rendezvous_left", round=self.session.round)
         return True
 

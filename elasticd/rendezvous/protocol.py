@@ -14,6 +14,11 @@ A round moves ``open`` -> ``final``:
   joined and either every live node joined or ``last_call_timeout`` passed since the
   minimum was reached. A live node whose agent a liveness probe proved gone
   (``proven_dead``: a refused connection, liveness.py) does not hold the last call.
+  The job's first round (no previous members: nobody trained yet) also *settles*: with
+  ``min_nodes < max_nodes`` it stays open ``start_settle_s`` after the minimum joined,
+  even when every live node joined, so that nodes started together train together (a
+  node still importing torch has no lease yet; closing at once re-ran a short script
+  when it arrived: issue 25).
 - ``final``: ``members`` lists nodes in rank order. Ranks are dense (0..n-1) and stable:
   members of the previous round keep their relative order, newcomers follow in join
   order.
@@ -182,11 +187,12 @@ def dropped_members(view: RendezvousView, opened: RoundState,
 
 def decide_join(view: RendezvousView, progress: JoinProgress, *, min_nodes: int, max_nodes: int,
                 last_call_timeout_s: float, now: float,
-                proven_dead: frozenset[str] = frozenset()) -> Action:
+                proven_dead: frozenset[str] = frozenset(), start_settle_s: float = 0.0) -> Action:
     """Decide this node's next step towards being in a final round. Pure; see module doc.
 
     ``proven_dead``: nodes whose agent a liveness probe proved gone (their lease may still
     run); they do not hold an open round's last call (see ``_close_open_round``).
+    ``start_settle_s``: how long the job's first round stays open once ``min_nodes`` joined.
     """
     me = progress.me
     if view.closed:
@@ -234,12 +240,28 @@ def decide_join(view: RendezvousView, progress: JoinProgress, *, min_nodes: int,
                       until=progress.deadline)
     return _close_open_round(view, state, progress.min_reached_at, min_nodes=min_nodes,
                              max_nodes=max_nodes, last_call_timeout_s=last_call_timeout_s, now=now,
-                             deadline=progress.deadline, proven_dead=proven_dead)
+                             deadline=progress.deadline, proven_dead=proven_dead,
+                             start_settle_s=start_settle_s)
+
+
+def early_join_round(state: RoundState | None) -> int | None:
+    """The round a node may join before its agent has imported torch (a node of the
+    job's start, ``agent/arrival.py``), or None: the job's first round while it is open
+    (no previous members: nobody trains yet). Joined then, a node started with the others
+    is in that round however long its torch import takes; any other round it joins the
+    usual way, once its agent is ready. ``state`` None: open round 0 first. Pure.
+    """
+    if state is None:
+        return 0
+    if state.phase == "open" and not state.members:
+        return state.round
+    return None
 
 
 def _close_open_round(view: RendezvousView, state: RoundState, min_reached_at: dict[int, float], *,
                       min_nodes: int, max_nodes: int, last_call_timeout_s: float, now: float,
-                      deadline: float, proven_dead: frozenset[str] = frozenset()) -> Action:
+                      deadline: float, proven_dead: frozenset[str] = frozenset(),
+                      start_settle_s: float = 0.0) -> Action:
     """FINALIZE the open round ``state`` if it may close now, else WAIT (full view only).
 
     A straggler (a live lease, not joined) in ``proven_dead`` holds nothing open: its
@@ -247,6 +269,11 @@ def _close_open_round(view: RendezvousView, state: RoundState, min_reached_at: d
     last call's wait for it is skipped; ``min_nodes`` still applies, and a node wrongly
     left out rejoins through the normal join path. WAIT in the last call names the
     stragglers in ``probe``.
+
+    The job's first round (``state.members`` empty: no previous round, nobody trained)
+    closes below ``max_nodes`` no earlier than ``start_settle_s`` after ``min_nodes``
+    joined, and its last call lasts at least as long: a node started at the same time
+    may not hold a lease yet (it is still importing torch).
     """
     r = state.round
     joined = [n for n in view.joins.get(r, ()) if n in view.alive]
@@ -256,14 +283,19 @@ def _close_open_round(view: RendezvousView, state: RoundState, min_reached_at: d
                       members=members)
     if len(joined) >= min_nodes:
         first = min_reached_at.setdefault(r, now)
+        settled = first + (start_settle_s if not state.members else 0.0)
         stragglers = sorted(view.alive - set(joined) - proven_dead)
         if not stragglers:
+            if now < settled:
+                return Action(ActionKind.WAIT, f"round {r}: {len(joined)} joined, first round "
+                              f"settling {start_settle_s:g}s for nodes started together",
+                              round=r, until=min(settled, deadline))
             dead = sorted((view.alive - set(joined)) & proven_dead)
             members = order_members(_previous_members(state), joined, max_nodes)
             why = f"; {','.join(dead)} proven dead (probe refused)" if dead else ""
             return Action(ActionKind.FINALIZE, f"round {r}: all {len(joined)} live nodes joined{why}",
                           round=r, members=members)
-        last_call = first + last_call_timeout_s
+        last_call = max(first + last_call_timeout_s, settled)
         if now >= last_call:
             members = order_members(_previous_members(state), joined, max_nodes)
             return Action(ActionKind.FINALIZE,
@@ -360,7 +392,8 @@ class CoordinatorMemory:
 def decide_coordination(view: RendezvousView, memory: CoordinatorMemory, *, me: str, min_nodes: int,
                         max_nodes: int, last_call_timeout_s: float, now: float,
                         defer_lost_until: float | None = None,
-                        proven_dead: frozenset[str] = frozenset()) -> Action:
+                        proven_dead: frozenset[str] = frozenset(),
+                        start_settle_s: float = 0.0) -> Action:
     """The coordinator's duty, run whenever its full view changes. Pure.
 
     Closes an open round exactly when a joined node of the old protocol would (max
@@ -378,6 +411,8 @@ def decide_coordination(view: RendezvousView, memory: CoordinatorMemory, *, me: 
             (etcd itself was in trouble: their leases may have expired with etcd's outage
             and they may still re-register); WAIT until then.
         proven_dead: nodes a liveness probe proved gone: they do not hold a last call.
+        start_settle_s: how long the job's first round stays open once ``min_nodes``
+            joined (see ``_close_open_round``).
 
     Returns:
         FINALIZE, OPEN_NEXT (with ``cause``/``changed``), ANNOUNCE (``members`` = the
@@ -394,7 +429,8 @@ def decide_coordination(view: RendezvousView, memory: CoordinatorMemory, *, me: 
     if state.phase != "final":
         return _close_open_round(view, state, memory.min_reached_at, min_nodes=min_nodes,
                                  max_nodes=max_nodes, last_call_timeout_s=last_call_timeout_s,
-                                 now=now, deadline=float("inf"), proven_dead=proven_dead)
+                                 now=now, deadline=float("inf"), proven_dead=proven_dead,
+                                 start_settle_s=start_settle_s)
     r = state.round
     change = nodes_waiting(view, r, max_nodes=max_nodes)
     if change.kind is MembershipChange.NONE:

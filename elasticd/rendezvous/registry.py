@@ -5,7 +5,7 @@
 point, which torch calls with no arguments and which must return the creator.
 
 Recognised ``--rdzv-conf`` keys (:data:`RDZV_CONF_KEYS`): ``node_ttl`` (s),
-``join_timeout``, ``last_call_timeout``, ``close_timeout``, ``store_timeout``,
+``join_timeout``, ``last_call_timeout``, ``start_settle``, ``close_timeout``, ``store_timeout``,
 ``etcd_timeout``, ``ca_file``, ``cert_file``, ``key_file``, ``user``, ``password``,
 ``password_file``, ``insecure_plaintext_auth`` (``true`` to send the password without
 TLS), ``node_id``; and ``timeout``, the join timeout's name in torch's own etcd
@@ -38,6 +38,7 @@ RDZV_CONF_KEYS = {
     "join_timeout": "rendezvous.join_timeout_s",
     "timeout": "rendezvous.join_timeout_s",  # torch's own etcd backend calls it this
     "last_call_timeout": "rendezvous.last_call_timeout_s",
+    "start_settle": "rendezvous.start_settle_s",
     "close_timeout": "rendezvous.close_timeout_s",
     "store_timeout": "rendezvous.store_timeout_s",
     "liveness_probe": "rendezvous.liveness_probe",
@@ -113,13 +114,16 @@ def create_handler(params: RendezvousParameters) -> RendezvousHandler:
     settings = RendezvousSettings(
         min_nodes=cfg.job.min_nodes, max_nodes=cfg.job.max_nodes, node_ttl_s=cfg.node.ttl_s,
         join_timeout_s=r.join_timeout_s, last_call_timeout_s=r.last_call_timeout_s,
+        start_settle_s=r.start_settle_s,
         close_timeout_s=r.close_timeout_s, store_timeout_s=r.store_timeout_s,
         local_addr=cfg.node.local_addr, liveness_probe=r.liveness_probe,
     )
     # Without a node_id, torchrun's agents keep torch's own semantics: one id per agent
     # process (HOST-PID), so several agents on one host are several nodes.
     node_id = cfg.node.id if "node.id" in names or cfg.origins["node.id"].startswith("env") else None
-    return EtcdRendezvousHandler(client, cfg.job.name, settings, node_id=node_id)
+    # Nobody else holds this client: the handler closes it on shutdown().
+    return EtcdRendezvousHandler(client, cfg.job.name, settings, node_id=node_id,
+                                 owns_client=True)
 
 
 def register() -> None:

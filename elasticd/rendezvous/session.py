@@ -6,6 +6,9 @@ write: ``fence()`` is the compare that makes a write happen only while this inca
 is the live one. The session also holds the round this node last completed (its
 members and the round state's mod_revision then), which the rendezvous handler sets and
 the agent's recorder reads: the recorder takes the session, not the whole handler.
+
+This module does not import torch: an agent registers its session before it imports
+torch (``elasticd.agent.arrival``), and its rendezvous handler adopts it (``attach``).
 """
 
 from __future__ import annotations
@@ -19,7 +22,6 @@ from dataclasses import replace
 from typing import Any
 
 import structlog
-from torch.distributed.elastic.rendezvous import RendezvousConnectionError
 
 from elasticd import __version__
 from elasticd.errors import ConfigError, EtcdUnavailableError, LeaseLostError, TransientError
@@ -28,7 +30,7 @@ from elasticd.etcd.kv import KV
 from elasticd.etcd.lease import LeaseKeeper
 from elasticd.etcd.txn import Compare, CreateRevision, Put
 from elasticd.keys import JobKeys
-from elasticd.records import NodeRecord
+from elasticd.records import NodeRecord, RecordError, RoundState
 from elasticd.rendezvous.liveness import LivenessListener
 from elasticd.rendezvous.view import WatchedView
 from elasticd.retry import call_with_retry
@@ -46,6 +48,9 @@ def retry_rdzv(what: str, fn: Callable[[], Any], deadline: float) -> Any:
     try:
         return call_with_retry(fn, what=what, deadline=deadline)
     except TransientError as exc:
+        # Imported here: this module is used before the agent imports torch.
+        from torch.distributed.elastic.rendezvous import RendezvousConnectionError
+
         raise RendezvousConnectionError(f"{what}: {exc}") from exc
 
 
@@ -87,7 +92,25 @@ class NodeSession:
         self.liveness_probe = liveness_probe
         self.local_addr = local_addr
         self.listener: LivenessListener | None = None
+        self._closed = False
+        # The round whose join key we put before the handler existed (agent.arrival).
+        self.early_join: int | None = None
         self._log = log.bind(job=keys.job, node=node_id)
+
+    def attach(self, view: WatchedView, *, worker_log_dir: str | None,
+               on_lease_lost: Callable[[], None] | None) -> None:
+        """Hand a session registered early (before torch was imported) to a rendezvous
+        handler: from now on our joins are checked against its view, and the record names
+        the worker log dir once the agent rewrites it (its first state change)."""
+        self.view = view
+        self.on_lease_lost = on_lease_lost
+        self.worker_log_dir = worker_log_dir
+        if self.record is not None:
+            self.record = replace(self.record, log_dir=worker_log_dir)
+        with view.cond:
+            view.lease_id = self.lease_id
+        if self.early_join is not None:  # the handler's view knows our join is in
+            view.add_own_join(self.early_join, self.lease_id)
 
     @property
     def lease_id(self) -> int:
@@ -169,10 +192,19 @@ class NodeSession:
         if old is None:
             return
         state = self.view.snapshot()[0].state
+        if state is None:  # registering early: the handler's watches do not run yet
+            state = self._read_state(deadline)
         if state is not None and state.phase == "final" and self.node_id in state.members:
             self.round = state.round
         retry_rdzv("node record", lambda: self.client.delete(key), deadline)
         self._log.warning("previous_process_retired", old_lease=hex(old.lease), round=self.round)
+
+    def _read_state(self, deadline: float) -> RoundState | None:
+        kv = retry_rdzv("round state", lambda: self.client.get(self.keys.rdzv_state), deadline)
+        try:
+            return RoundState.from_json(kv.value) if kv is not None else None
+        except RecordError:
+            return None
 
     def _refuse_live_duplicate(self, key: str, old: KV, deadline: float) -> KV | None:
         """Raise ConfigError if ``old`` belongs to a live agent; else return it (or None
@@ -256,7 +288,11 @@ class NodeSession:
             self._log.warning("leave_not_recorded", round=rnd, kind=kind, error=str(exc))
 
     def close(self) -> None:
-        """Stop the keep-alives and revoke the lease: peers see this node go at once."""
+        """Stop the keep-alives and revoke the lease: peers see this node go at once.
+        Idempotent (the early arrival and the handler may both close it)."""
+        if self._closed:
+            return
+        self._closed = True
         if self.keeper is not None:
             self.keeper.stop(revoke=True)
         if self.listener is not None:  # after the revoke: peers see a leave, then nothing

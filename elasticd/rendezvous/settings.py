@@ -16,6 +16,9 @@ class RendezvousSettings:
     node_ttl_s: int = 5
     join_timeout_s: float = 600.0
     last_call_timeout_s: float = 1.0
+    # The job's first round stays open this long once min_nodes joined (min < max), so
+    # nodes started together train together (protocol._close_open_round).
+    start_settle_s: float = 1.0
     close_timeout_s: float = 30.0
     store_timeout_s: float = 300.0
     local_addr: str | None = None

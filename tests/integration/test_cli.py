@@ -16,7 +16,7 @@ pytestmark = pytest.mark.timeout(60)
 NODE_FLAGS = ["--standalone", "--job", "--nnodes", "--checkpoint-url", "--resume", "--etcd", "--etcd-ca",
               "--etcd-cert", "--etcd-key", "--etcd-user", "--etcd-password-file",
               "--etcd-insecure-plaintext-auth", "--etcd-timeout", "--etcd-connect-timeout", "--etcd-election-timeout", "--etcd-data-dir", "--node-id",
-              "--local-addr", "--node-ttl", "--join-timeout", "--last-call-timeout",
+              "--local-addr", "--node-ttl", "--join-timeout", "--last-call-timeout", "--start-settle",
               "--close-timeout", "--store-timeout", "--no-liveness-probe",
               "--nproc-per-node", "--workdir", "--monitor-interval", "--hang-timeout",
               "--no-warm-start", "--no-live-reform", "--live-reform-timeout", "--max-restarts", "--restart-backoff", "--restart-backoff-max",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -18,3 +19,34 @@ def test_the_cli_parser_and_the_rendezvous_protocol_do_not_import_torch():
             "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=50, check=True)
     assert out.stdout.strip() == "[]", out.stdout[:500]
+
+
+def test_a_node_registers_before_the_agent_imports_torch(etcd_server):
+    """Issue 25 item 2: `arrive_early` puts the node's record on a lease kept alive, and
+    its join of the job's first round (opened by it: no round yet), with no torch imported,
+    so a node started with the others is in the first round however slow its import; the
+    arrival's close revokes both."""
+    code = (
+        "import sys, json\n"
+        "from elasticd.config import load_config\n"
+        "from elasticd.agent.arrival import arrive_early\n"
+        "from elasticd.etcd.client import EtcdClient\n"
+        "from elasticd.keys import JobKeys\n"
+        f"cfg = load_config(None, {{}}, {{'etcd.endpoints': {etcd_server.endpoint!r}, "
+        "'job.name': 'early', 'job.nnodes': '1:2', 'node.id': 'n7', 'workers.command': 'x.py'})\n"
+        "a = arrive_early(cfg)\n"
+        "c = EtcdClient(cfg.etcd.endpoints[0])\n"
+        "rec = c.get(JobKeys('early').node('n7'))\n"
+        "joined = c.get(JobKeys('early').join(0, 'n7'))\n"
+        "torch = sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.'))\n"
+        "a.close()\n"
+        "print(json.dumps({'registered': rec is not None, 'lease': bool(rec and rec.lease),\n"
+        "                  'joined': bool(joined and joined.lease == rec.lease),\n"
+        "                  'torch': torch, 'after_close': c.get(JobKeys('early').node('n7')) is None,\n"
+        "                  'finished': a.finished is not None}))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=50)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == {
+        "registered": True, "lease": True, "joined": True, "torch": [], "after_close": True,
+        "finished": False}

@@ -23,14 +23,15 @@ from torch.distributed.elastic.rendezvous import (
 )
 from torch.distributed.elastic.utils import store as store_util
 
-from elasticd.errors import ConfigError
+from elasticd.errors import ConfigError, EtcdUnavailableError
 from elasticd.etcd.client import EtcdClient
 from elasticd.etcd.embedded import EmbeddedEtcd, free_port
 from elasticd.etcd.lease import LeaseKeeper
 from elasticd.keys import JobKeys
 from elasticd.records import NodeRecord
-from elasticd.rendezvous.etcd_handler import EtcdRendezvousHandler
+from elasticd.rendezvous.etcd_handler import EtcdRendezvousHandler, JobFinishedError
 from elasticd.rendezvous.etcd_store import EtcdStore
+from elasticd.rendezvous.finished import reopen_finished
 from elasticd.rendezvous.protocol import LEFT_DRAINED, MembershipChange
 from elasticd.rendezvous.registry import create_handler
 from elasticd.rendezvous.settings import RendezvousSettings
@@ -61,7 +62,8 @@ class HandlerFactory:
     def make(self, job: str, node: str, *, etcd_timeout_s: float = 2.0,
              **kw) -> EtcdRendezvousHandler:
         kw = {"min_nodes": 1, "max_nodes": 4, "node_ttl_s": 2, "join_timeout_s": 20.0,
-              "last_call_timeout_s": 0.5, "store_timeout_s": 10.0, "local_addr": "127.0.0.1", **kw}
+              "last_call_timeout_s": 0.5, "store_timeout_s": 10.0, "local_addr": "127.0.0.1",
+              "start_settle_s": 0.0, **kw}
         client = EtcdClient(self.endpoint, timeout_s=etcd_timeout_s)
         handler = EtcdRendezvousHandler(client, job, RendezvousSettings(**kw), node_id=node)
         self.made.append(handler)
@@ -295,45 +297,50 @@ def test_closed_job_refuses_next_rendezvous(handlers):
     assert hs[0].num_nodes_waiting() == 0, "a closed job asks nobody to re-rendezvous"
 
 
-def test_finished_job_name_can_be_reused(handlers):
-    """A closed job whose nodes all left is a finished run: a new node starts it afresh."""
+def test_finished_job_is_not_reopened_by_a_node_that_arrives(handlers):
+    """Regression (issue 25 item 1): a node arriving at a finished job (closed, nobody
+    live) gets JobFinishedError naming when and in which round it finished and how to
+    reopen it; it registers nothing. Only reopen_finished (`elasticd start`) runs it again."""
     first = handlers.make("reuse", "a", min_nodes=1, max_nodes=1)
     results(handlers.join([first]))
     first.set_closed()
     first.shutdown()
     again = handlers.make("reuse", "b", min_nodes=1, max_nodes=1)
-    info = results(handlers.join([again]))[0]
-    assert (info.rank, info.world_size, again.round) == (0, 1, 0)
-    assert not again.is_closed()
+    exc, took = elapsed(again.next_rendezvous)
+    assert isinstance(exc, JobFinishedError), exc
+    assert (exc.finished.round, exc.finished.node) == (0, "a") and exc.finished.finished_at
+    assert "finished" in str(exc) and "`elasticd start --job reuse`" in str(exc), str(exc)
+    assert took < 5.0
+    assert again.client.get(JobKeys("reuse").node("b")) is None, "the refused node registered"
+    keys = JobKeys("reuse")
+    assert reopen_finished(again.client, keys).reopened
+    late = handlers.make("reuse", "c", min_nodes=1, max_nodes=1)
+    info = results(handlers.join([late]))[0]
+    assert (info.rank, info.world_size, late.round) == (0, 1, 0)
+    assert not late.is_closed()
 
 
-def test_rerun_with_a_slow_node_forms_one_world(handlers):
-    """Regression: the nodes of a rerun all see the finished job closed; a slow node whose
-    reset lands after the others formed a round must not wipe that round (it used to start
-    a second round 0, and the two halves trained as two separate worlds)."""
+def test_reopen_is_refused_while_a_node_is_live_and_never_wipes_a_new_round(handlers):
+    """`elasticd start` on a job whose last agents are still leaving reopens nothing; a
+    second, stale reopen (guarded by the close's revision) never wipes the round that the
+    first reopen let form."""
+    keys = JobKeys("rerun")
     old = handlers.make("rerun", "old", min_nodes=1, max_nodes=1)
     results(handlers.join([old]))
     old.set_closed()
+    refused = reopen_finished(old.client, keys)
+    assert (refused.reopened, refused.live) == (False, ("old",))
     old.shutdown()
-    fast = handlers.make("rerun", "fast", min_nodes=1, max_nodes=2)
-    slow = handlers.make("rerun", "slow", min_nodes=1, max_nodes=2)
-    at_reset, release = threading.Event(), threading.Event()
-    reset = slow.client.delete_prefixes_if
-
-    def delayed_reset(*args, **kwargs):
-        at_reset.set()
-        release.wait(10)
-        return reset(*args, **kwargs)
-
-    slow.client.delete_prefixes_if = delayed_reset  # type: ignore[method-assign]
-    pending = handlers.join([slow])
-    assert at_reset.wait(10), "the slow node never tried to reopen the finished job"
-    results(handlers.join([fast]))  # the fast node reopens the job and forms round 0 alone
-    release.set()
-    wait_until(lambda: fast.num_nodes_waiting() > 0, 10, "the fast node to see the slow one")
-    infos = results(handlers.join([fast]) + pending)
-    assert {i.world_size for i in infos} == {2}
-    assert fast.round == slow.round and fast.members == slow.members
+    closed = old.client.get(keys.rdzv_closed)
+    assert reopen_finished(old.client, keys).reopened
+    fresh = handlers.make("rerun", "fresh", min_nodes=1, max_nodes=1)
+    results(handlers.join([fresh]))
+    state = fresh.client.get(keys.rdzv_state)
+    # A reopen racing ours read the same close: its guarded delete must do nothing.
+    assert not fresh.client.delete_prefixes_if(keys.rdzv_closed, mod_revision=closed.mod_revision,
+                                               prefixes=[keys.rdzv_prefix, keys.store_root])
+    assert fresh.client.get(keys.rdzv_state) == state
+    assert not reopen_finished(fresh.client, keys).reopened, "a job that is not finished was reopened"
 
 
 def test_join_timeout_raises_rendezvous_timeout(handlers):
@@ -397,6 +404,31 @@ def test_registry_builds_a_working_handler(shared_etcd):
     finally:
         h.shutdown()
         h.client.close()
+
+
+def test_registry_handler_closes_its_own_client_on_shutdown(shared_etcd):
+    """Regression (issue 25 item 3): shutdown() of a handler that create_handler built
+    closes the EtcdClient it owns (no channel or threads left behind), while a handler
+    given a client by its caller leaves that client open."""
+    before = set(threading.enumerate())
+    h = create_handler(params(shared_etcd.endpoint, "owned", node_ttl="2", join_timeout="10",
+                              node_id="only"))
+    h.next_rendezvous()
+    h.shutdown()
+    with pytest.raises(EtcdUnavailableError, match="closed"):
+        h.client.get(JobKeys("owned").rdzv_state)
+    wait_until(lambda: not [t for t in threading.enumerate() if t not in before and t.is_alive()],
+               10, lambda: f"the handler's threads to end: "
+               f"{[t.name for t in threading.enumerate() if t not in before]}")
+    client = EtcdClient(shared_etcd.endpoint, timeout_s=2.0)
+    try:
+        mine = EtcdRendezvousHandler(client, "owned2", RendezvousSettings(1, 1, node_ttl_s=2),
+                                     node_id="mine")
+        mine.next_rendezvous()
+        mine.shutdown()
+        assert client.get(JobKeys("owned2").rdzv_state) is not None, "the caller's client was closed"
+    finally:
+        client.close()
 
 
 def test_torch_etcd_backend_timeout_key_sets_join_timeout():

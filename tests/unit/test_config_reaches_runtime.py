@@ -67,6 +67,8 @@ def _rows(tmp_path) -> dict[str, tuple[dict[str, Any], Check, Any]]:
                                       lambda s: s.join_timeout_s, 11.0),
         "rendezvous.last_call_timeout_s": ({"rendezvous.last_call_timeout_s": "0.5"},
                                            lambda s: s.last_call_timeout_s, 0.5),
+        "rendezvous.start_settle_s": ({"rendezvous.start_settle_s": "2.5"},
+                                      lambda s: s.start_settle_s, 2.5),
         "rendezvous.close_timeout_s": ({"rendezvous.close_timeout_s": "12"},
                                        lambda s: s.close_timeout_s, 12.0),
         "rendezvous.store_timeout_s": ({"rendezvous.store_timeout_s": "13"},
@@ -172,6 +174,7 @@ def test_runtime_defaults_equal_the_schema():
     assert node["join_timeout_s"] == rdzv["join_timeout_s"] == d["rendezvous.join_timeout_s"]
     assert node["last_call_timeout_s"] == rdzv["last_call_timeout_s"] == d["rendezvous.last_call_timeout_s"]
     assert node["close_timeout_s"] == rdzv["close_timeout_s"] == d["rendezvous.close_timeout_s"]
+    assert node["start_settle_s"] == rdzv["start_settle_s"] == d["rendezvous.start_settle_s"]
     assert node["store_timeout_s"] == rdzv["store_timeout_s"] == d["rendezvous.store_timeout_s"]
     assert node["liveness_probe"] == rdzv["liveness_probe"] == d["rendezvous.liveness_probe"]
     assert node["etcd_timeout_s"] == d["etcd.timeout_s"]

@@ -30,6 +30,7 @@ from elasticd.rendezvous.protocol import (
     decide_coordination,
     decide_join,
     dropped_members,
+    early_join_round,
     nodes_waiting,
     order_members,
 )
@@ -52,10 +53,11 @@ def final(r: int, members) -> RoundState:
 
 
 def decide(v: RendezvousView, me: str = "a", *, last_round=None, deadline=FAR, min_nodes=1,
-           max_nodes=4, last_call=5.0, now=NOW, progress: JoinProgress | None = None) -> Action:
+           max_nodes=4, last_call=5.0, now=NOW, progress: JoinProgress | None = None,
+           settle=0.0) -> Action:
     progress = progress or JoinProgress(me, last_round, deadline)
     return decide_join(v, progress, min_nodes=min_nodes, max_nodes=max_nodes,
-                       last_call_timeout_s=last_call, now=now)
+                       last_call_timeout_s=last_call, now=now, start_settle_s=settle)
 
 
 # --- decide_join: one decision at a time ------------------------------------------------
@@ -107,6 +109,49 @@ def test_last_call_waits_for_live_stragglers_then_finalizes():
     done = decide(v, min_nodes=2, last_call=5.0, now=NOW + 5.0, progress=progress)
     assert done.kind is ActionKind.FINALIZE and done.members == ("a", "b")
     assert "last call" in done.reason and "c" in done.reason
+
+
+def test_first_round_settles_before_closing_below_max():
+    """Regression (issue 25 item 2): the job's first round (no previous members) does not
+    close the moment its only live node joined: it waits start_settle_s from the minimum,
+    so a node started 0.4 s later (no lease yet) trains in it; then it closes."""
+    v = view(open_(0), {"a"}, {0: ["a"]})
+    mem = CoordinatorMemory()
+    first = coordinate(replace(v, coordinator="a"), "a", memory=mem, start_settle_s=1.0)
+    assert first.kind is ActionKind.WAIT and first.until == NOW + 1.0 and "settling" in first.reason
+    v2 = view(open_(0), {"a", "b"}, {0: ["a", "b"]})
+    joined = coordinate(replace(v2, coordinator="a"), "a", memory=mem, start_settle_s=1.0,
+                        now=NOW + 0.5)
+    assert joined.kind is ActionKind.WAIT and joined.until == NOW + 1.0
+    done = coordinate(replace(v2, coordinator="a"), "a", memory=mem, start_settle_s=1.0,
+                      now=NOW + 1.0)
+    assert done.kind is ActionKind.FINALIZE and done.members == ("a", "b")
+    # The same rule for a joined node with the full view.
+    own = decide(v, min_nodes=1, settle=1.0)
+    assert own.kind is ActionKind.WAIT and own.until == NOW + 1.0
+
+
+def test_settle_applies_only_to_the_first_round_and_below_max():
+    """A re-formation (the round carries previous members) closes at once when every live
+    node joined, settle or not; max_nodes joined closes the first round at once too; a
+    registered straggler holds the first round for max(last call, settle)."""
+    again = decide(view(open_(3, ["a"]), {"a"}, {3: ["a"]}), settle=1.0)
+    assert again.kind is ActionKind.FINALIZE
+    full = decide(view(open_(0), {"a", "b"}, {0: ["a", "b"]}), max_nodes=2, settle=1.0)
+    assert full.kind is ActionKind.FINALIZE and "max_nodes=2" in full.reason
+    held = decide(view(open_(0), {"a", "b"}, {0: ["a"]}), last_call=0.5, settle=2.0)
+    assert held.kind is ActionKind.WAIT and held.until == NOW + 2.0 and held.probe == ("b",)
+    assert decide(view(open_(0), {"a"}, {0: ["a"]}), settle=0.0).kind is ActionKind.FINALIZE
+
+
+def test_only_the_first_open_round_is_joined_before_the_agent_is_ready():
+    """early_join_round: no round yet -> 0 (open it); the job's first round while open ->
+    that round; a formed round or a re-formation (previous members) -> None."""
+    assert early_join_round(None) == 0
+    assert early_join_round(open_(0)) == 0
+    assert early_join_round(open_(2)) == 2  # opened afresh, nobody trained (e.g. a restart)
+    assert early_join_round(final(0, ["a"])) is None
+    assert early_join_round(open_(1, ["a"])) is None
 
 
 def test_last_call_wait_is_capped_by_join_deadline():
@@ -634,10 +679,10 @@ def partial(state, joins=None, *, left=None, coordinator="c") -> RendezvousView:
 
 
 def coordinate(v: RendezvousView, me: str = "c", *, memory=None, min_nodes=1, max_nodes=4,
-               last_call=5.0, now=NOW, defer_until=None) -> Action:
+               last_call=5.0, now=NOW, defer_until=None, start_settle_s=0.0) -> Action:
     return decide_coordination(v, memory or CoordinatorMemory(), me=me, min_nodes=min_nodes,
                                max_nodes=max_nodes, last_call_timeout_s=last_call, now=now,
-                               defer_lost_until=defer_until)
+                               defer_lost_until=defer_until, start_settle_s=start_settle_s)
 
 
 def test_partial_view_never_closes_a_round_itself():

@@ -3,7 +3,7 @@ torchrun env, DistributedSampler, DDP, and its own snapshot file for restarts.
 
 Env: SNAPSHOT (path), OUT (per-epoch JSON lines), EPOCHS, CRASH_AT_EPOCH (rank 0, first start),
 AT_EXIT=abort|hang (rank 1: an atexit handler aborts, or never returns,
-as torch's interpreter teardown sometimes does).
+as torch's interpreter teardown sometimes does), EPOCH_S (seconds each epoch lasts at least).
 """
 
 import atexit
@@ -39,10 +39,12 @@ def main() -> int:
     loader = DataLoader(data, batch_size=16, sampler=sampler)
     for epoch in range(start, int(os.environ.get("EPOCHS", "6"))):
         sampler.set_epoch(epoch)
+        epoch_end = time.monotonic() + float(os.environ.get("EPOCH_S", "0"))
         for x, y in loader:
             opt.zero_grad()
             torch.nn.functional.mse_loss(ddp(x), y).backward()
             opt.step()
+        time.sleep(max(epoch_end - time.monotonic(), 0.0))
         if rank == 0:
             torch.save({"model": model.state_dict(), "epoch": epoch}, snapshot)
             with open(os.environ["OUT"], "a") as fh:

@@ -1,0 +1,131 @@
+"""Register the node before the agent imports torch (the start race, issue 25 item 2).
+
+Why: the coordinator closes the job's first round once every node that *holds a lease*
+joined (protocol._close_open_round). An agent registered only inside its first
+``next_rendezvous``, after its ~2 s torch import (and, joining a formed round, after its
+standbys' imports too): two nodes started 0.03-0.35 s apart then formed two rounds, and
+a short script ran twice (alone, then again at world 2), or finished before the second
+node arrived. Registered here, 0.1-0.3 s after the agent started, a node started together
+with the others holds the first round's last call until it joins.
+
+It also answers "has this job finished?" before torch is imported, so an agent that
+systemd restarts after the finish exits 0 in a fraction of a second
+(elasticd.rendezvous.finished).
+
+This module must not import torch: ``elasticd.rendezvous.session`` and
+``elasticd.rendezvous.finished`` do not. Everything here is best effort: a failure
+(etcd slow or unreachable, an id held elsewhere) returns None and the rendezvous
+handler registers the usual way, reporting the problem properly.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import structlog
+
+from elasticd.etcd.client import EtcdClient, TLSFiles
+from elasticd.keys import JobKeys
+from elasticd.records import RecordError, RoundState
+from elasticd.rendezvous.finished import FinishedJob, finished_notice, read_finished
+from elasticd.rendezvous.protocol import early_join_round
+from elasticd.rendezvous.session import NodeSession
+from elasticd.rendezvous.settings import default_node_id
+from elasticd.rendezvous.view import WatchedView
+
+log = structlog.get_logger(__name__)
+
+_DEADLINE_S = 5.0  # best effort: never hold the agent's start longer than this
+
+
+@dataclass
+class EarlyArrival:
+    """A node registered before torch was imported, or a job found finished.
+
+    ``run_node`` takes ``client`` and ``session`` over (the handler adopts the session);
+    ``close`` releases whatever was not taken over (idempotent).
+    """
+
+    client: EtcdClient
+    session: NodeSession | None
+    finished: FinishedJob | None = None
+    taken: bool = False  # run_node owns the client and session now
+
+    def close(self) -> None:
+        if self.taken:
+            return
+        if self.session is not None:
+            self.session.close()  # revoke: the node is gone at once, not after its TTL
+        self.client.close()
+
+
+def _join_first_round(client: EtcdClient, keys: JobKeys, session: NodeSession, min_nodes: int,
+                      max_nodes: int) -> int | None:
+    """Join the job's first round now, if it is open (``protocol.early_join_round``);
+    open round 0 first if there is no round yet, as the handler would (INIT). Returns the
+    round joined, or None (the handler joins the usual way)."""
+    for _ in range(3):  # a lost compare-and-swap on round 0: read it again
+        kv = client.get(keys.rdzv_state)
+        try:
+            state = RoundState.from_json(kv.value) if kv is not None else None
+        except RecordError:
+            return None
+        r = early_join_round(state)
+        if r is None:
+            return None
+        if state is None:
+            fresh = RoundState(0, "open", [], min_nodes, max_nodes, opened_at=time.time())
+            client.put_if(keys.rdzv_state, fresh.to_json(), mod_revision=0)
+            continue
+        client.put(keys.join(r, session.node_id), b"1", lease=session.lease_id)
+        log.info("first_round_joined_early", round=r)
+        return r
+    return None
+
+
+def log_finished(finished: FinishedJob, **extra: str) -> None:
+    """The one line of an agent that arrives at a finished job (it then exits 0)."""
+    reason, fix = finished_notice(finished)
+    log.warning("agent_not_joining", job=finished.job, reason=reason, fix=fix, **extra)
+
+
+def arrive_early(cfg: Any) -> EarlyArrival | None:
+    """Check for a finished job, else register this node (lease + node record), before
+    torch is imported. None when there is nothing to gain (the embedded etcd is not
+    running yet: a standalone job has one node) or anything failed.
+
+    Args:
+        cfg: the validated ``AgentConfig``.
+    """
+    e = cfg.etcd
+    if e.embedded:
+        return None
+    keys = JobKeys(cfg.job.name)
+    try:
+        client = EtcdClient(",".join(e.endpoints), timeout_s=e.timeout_s,
+                            tls=TLSFiles(e.ca_file, e.cert_file, e.key_file), user=e.user,
+                            password=e.resolved_password(),
+                            allow_plaintext_auth=e.insecure_allow_plaintext_auth)
+    except Exception:  # noqa: BLE001 - the runner reports configuration problems properly
+        return None
+    try:
+        finished = read_finished(client, keys)
+        if finished is not None:
+            return EarlyArrival(client, None, finished)
+        node_id = cfg.node.id or default_node_id()
+        session = NodeSession(client, keys, node_id, WatchedView(keys, node_id),
+                              ttl_s=cfg.node.ttl_s, liveness_probe=cfg.rendezvous.liveness_probe,
+                              local_addr=cfg.node.local_addr)
+        deadline = time.monotonic() + _DEADLINE_S
+        session.register(deadline)
+        session.early_join = _join_first_round(client, keys, session, cfg.job.min_nodes,
+                                               cfg.job.max_nodes)
+    except Exception as exc:  # noqa: BLE001 - best effort: the handler registers and reports
+        log.info("early_registration_skipped", error=str(exc))
+        if "session" in locals():
+            session.close()  # a lease granted before the failure
+        client.close()
+        return None
+    return EarlyArrival(client, session)
