@@ -19,6 +19,9 @@ A round moves ``open`` -> ``final``:
   order.
 - A node that has used round r (its workers ran) and calls ``next_rendezvous`` again,
   or any node that sees a member of the final round without a live lease, opens r+1.
+  So does a member of final round r that left it cleanly and came back (a new agent
+  after a drain or ``elasticd stop``, then ``elasticd start``): its leave retired the
+  round, which it never re-enters.
 - A node that leaves cleanly writes ``left/<round>/<node>`` (``drained`` or ``finished``)
   *before* it revokes its lease, so the others can tell a leave from a loss. A drained
   member is a membership change (the job re-forms without it, at once); a finished member
@@ -44,7 +47,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from elasticd.records import RoundState
 
@@ -200,7 +203,11 @@ def decide_join(view: RendezvousView, progress: JoinProgress, *, min_nodes: int,
 
     if state.phase == "final":
         used = progress.last_round is not None and progress.last_round >= r
-        if me in state.members and not used:
+        # Our previous agent left this round (a drain, `elasticd stop`): the leave ended
+        # it, for us at least. Re-entering it would train alone in a round the next
+        # arrival supersedes (issue 26): a new agent opens a new round instead.
+        retired = me in state.members and not used and view.left.get(r, {}).get(me) == LEFT_DRAINED
+        if me in state.members and not used and not retired:
             return Action(ActionKind.DONE, f"member of final round {r}", round=r,
                           members=tuple(state.members))
         gone = departures(view, state)
@@ -209,12 +216,16 @@ def decide_join(view: RendezvousView, progress: JoinProgress, *, min_nodes: int,
             # wait forever for the finished node).
             return Action(ActionKind.CLOSED, f"round {r} finished: {','.join(gone.finished)} "
                           "completed the job")
+        # Our own earlier leave is not a change the others must hear of (we are back).
+        gone = replace(gone, drained=tuple(m for m in gone.drained if m != me))
         lost = [*gone.lost, *gone.drained]
-        if used or lost:
+        if used or lost or retired:
             why, cause = ((f"round {r} lost {','.join(gone.lost)}", MembershipChange.MEMBER_LOST.value)
                           if gone.lost else
                           (f"{','.join(gone.drained)} left round {r}", MembershipChange.MEMBER_LEFT.value)
-                          if gone.drained else (f"re-rendezvous after round {r}", ""))
+                          if gone.drained else
+                          (f"round {r} ended when {me} left it", "") if retired
+                          else (f"re-rendezvous after round {r}", ""))
             return Action(ActionKind.OPEN_NEXT, why + f": opening round {r + 1}", round=r + 1,
                           cause=cause, changed=tuple(lost))
         # Late arrival: pre-register for the next round and wait to be admitted.

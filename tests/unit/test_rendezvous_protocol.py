@@ -267,6 +267,26 @@ def test_drained_member_opens_next_round_for_late_arrival():
     assert a.kind is ActionKind.OPEN_NEXT and "b left round 2" in a.reason
 
 
+def test_member_back_after_its_own_leave_opens_a_new_round():
+    """A new agent of a member that left final round r cleanly (drain, `elasticd stop`)
+    never re-enters r: it opens r+1, with no cause naming itself (issue 26: it trained
+    alone in the stopped round until the next arrival superseded it)."""
+    alone = final(4, ["b"])
+    for v in (view(alone, {"b"}, left={4: {"b": LEFT_DRAINED}}),
+              partial(alone, left={4: {"b": LEFT_DRAINED}})):
+        a = decide(v, "b")
+        assert (a.kind, a.round, a.cause, a.changed) == (ActionKind.OPEN_NEXT, 5, "", ()), a
+        assert "round 4 ended when b left it" in a.reason
+    # Both stopped together: the one back first opens r+1; the other is reported as left.
+    both = view(final(4, ["a", "b"]), {"b"}, left={4: {"a": LEFT_DRAINED, "b": LEFT_DRAINED}})
+    a = decide(both, "b")
+    assert (a.kind, a.round, a.cause, a.changed) == (ActionKind.OPEN_NEXT, 5, "member_left", ("a",))
+    # A leave recorded in another round, or a peer's leave, does not retire ours.
+    assert decide(view(alone, {"b"}, left={3: {"b": LEFT_DRAINED}}), "b").kind is ActionKind.DONE
+    assert decide(view(final(4, ["a", "b"]), {"a", "b"}, left={4: {"c": LEFT_DRAINED}}),
+                  "b").kind is ActionKind.DONE
+
+
 # --- attribute_failure ------------------------------------------------------------------
 
 
