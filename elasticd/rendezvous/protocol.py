@@ -185,11 +185,16 @@ def dropped_members(view: RendezvousView, opened: RoundState,
 
 def decide_join(view: RendezvousView, progress: JoinProgress, *, min_nodes: int, max_nodes: int,
                 last_call_timeout_s: float, now: float,
-                proven_dead: frozenset[str] = frozenset()) -> Action:
+                proven_dead: frozenset[str] = frozenset(),
+                defer_lost_until: float | None = None) -> Action:
     """Decide this node's next step towards being in a final round. Pure; see module doc.
 
     ``proven_dead``: nodes whose agent a liveness probe proved gone (their lease may still
     run); they do not hold an open round's last call (see ``_close_open_round``).
+    ``defer_lost_until``: as for ``decide_coordination``: while in the future, members
+    lost with etcd's outage may still re-register in their round, so their loss opens no
+    round yet (WAIT). A joiner that opened one then trained from the checkpoint beside a
+    member that re-registered and trained on in the old round (the soak, issue 26).
     """
     me = progress.me
     if view.closed:
@@ -219,6 +224,10 @@ def decide_join(view: RendezvousView, progress: JoinProgress, *, min_nodes: int,
         # Our own earlier leave is not a change the others must hear of (we are back).
         gone = replace(gone, drained=tuple(m for m in gone.drained if m != me))
         lost = [*gone.lost, *gone.drained]
+        if gone.lost and defer_lost_until is not None and now < defer_lost_until:
+            return Action(ActionKind.WAIT, f"round {r} lost {','.join(gone.lost)}; etcd was in "
+                          "trouble, giving them time to re-register", round=r,
+                          until=min(defer_lost_until, progress.deadline))
         if used or lost or retired:
             why, cause = ((f"round {r} lost {','.join(gone.lost)}", MembershipChange.MEMBER_LOST.value)
                           if gone.lost else

@@ -287,6 +287,20 @@ def test_member_back_after_its_own_leave_opens_a_new_round():
                   "b").kind is ActionKind.DONE
 
 
+def test_a_loss_right_after_an_etcd_outage_opens_no_round_during_the_grace():
+    """A node in rendezvous (a joiner with the full view) that sees a member lost while
+    the outage grace runs waits for it to re-register instead of opening the next round;
+    once the grace passed, the loss opens it (the soak: the joiner trained from the
+    checkpoint beside the member that re-registered and trained on in the old round)."""
+    v = view(final(4, ["a"]), {"c"}, {5: ["c"]})
+    held = decide_join(v, JoinProgress("c", None, FAR), min_nodes=1, max_nodes=4,
+                       last_call_timeout_s=5.0, now=NOW, defer_lost_until=NOW + 3.0)
+    assert (held.kind, held.until) == (ActionKind.WAIT, NOW + 3.0) and "re-register" in held.reason
+    after = decide_join(v, JoinProgress("c", None, FAR), min_nodes=1, max_nodes=4,
+                        last_call_timeout_s=5.0, now=NOW + 3.0, defer_lost_until=NOW + 3.0)
+    assert (after.kind, after.round, after.cause) == (ActionKind.OPEN_NEXT, 5, "member_lost")
+
+
 # --- attribute_failure ------------------------------------------------------------------
 
 
