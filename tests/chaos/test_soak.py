@@ -183,6 +183,12 @@ def _one_run(run_dir: Path, seed: int, reference: list[dict], ref_params: dict) 
         got = torch.load(run_dir / "final-run.pt", weights_only=True)
         findings += [f"parameter {k} differs from the reference" for k, v in ref_params.items()
                      if not torch.allclose(v, got[k], rtol=1e-8, atol=1e-10)]
+        if findings:  # what the agents said about it: the fallbacks and restarts, by node
+            for node in started:
+                said = [line for line in node.log().splitlines()
+                        if any(w in line for w in ('"live_reform_fell_back"', '"lease_lost_rejoining"',
+                                                   '"restart_backoff"', '"lease_not_resurrected"'))]
+                findings += [f"{node.log_path.stem}: {line[:240]}" for line in said]
         assert not findings, "\n".join(findings)
         return faults
     except BaseException:
