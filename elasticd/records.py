@@ -59,7 +59,7 @@ def _check(name: str, kind: str, value: Any) -> Any:
     return value
 
 # Node states, as written by the agent into its node record.
-NODE_STATES = ("joining", "training", "restarting", "draining", "stopped", "failed")
+NODE_STATES = ("joining", "training", "re-forming", "restarting", "draining", "stopped", "failed")
 # Round phases of the rendezvous state record.
 ROUND_PHASES = ("open", "final")
 # Event kinds appended to /elasticd/<job>/events/.

@@ -160,16 +160,17 @@ class ElasticdAgent(TickWrites, StandbyCare, LocalElasticAgent):
             self._leave("drained", str(exc))
             raise
 
-    def _record_round(self, worker_group: WorkerGroup) -> None:
+    def _record_round(self, worker_group: WorkerGroup, *, state: str = "training") -> None:
         """The new round's records (node record, event, metrics, systemd status): etcd
-        writes a live re-formation makes only after its workers have their order."""
+        writes a live re-formation makes only after its workers have their order (its node
+        state is then ``re-forming`` until they confirmed it)."""
         h = self.handler
         lost_round = h.pop_lease_loss()
         if lost_round is not None:
             self.recorder.event("lease_lost", f"lease lost; round {lost_round} superseded by "
                                 f"{h.round}; rejoined", old_round=lost_round)
         ranks = [w.global_rank for w in worker_group.workers]
-        self._set_state("training", ranks=ranks, local_world_size=worker_group.spec.local_world_size)
+        self._set_state(state, ranks=ranks, local_world_size=worker_group.spec.local_world_size)
         self.recorder.event("round", f"round {h.round} formed with {worker_group.group_world_size} nodes",
                             world_size=worker_group.group_world_size, ranks=ranks,
                             rendezvous_s=round(h.rendezvous_s, 3))

@@ -9,7 +9,12 @@ When every local worker registered for live re-formation (``live-<rank>``, writt
   rendezvous round at once while they wait, and writes the new round's ranks and
   bootstrap address to ``reform.json``;
 - waits (bounded by ``live_reform_timeout_s``) for every worker to report it re-formed;
-  past the bound it falls back to today's restart, with one log line saying why.
+  past the bound it falls back to today's restart, with one log line saying why. Workers
+  that fail before taking the order (still in the superseded round: a refused commit)
+  are restarted the same way, as a membership change (no restart budget spent);
+- keeps its node record ``re-forming`` from the order until every worker confirmed, so
+  ``elasticd status`` never reports a member as training in a round its workers are not
+  in yet.
 
 The decision is the pure function :func:`decide_live`; :class:`LiveReformer` is the thin
 part that reads and writes the control directory.
@@ -56,6 +61,9 @@ class LiveFacts:
     parking: bool = False  # we asked the workers to park
     reforming: bool = False  # an order is out, not every worker confirmed yet
     reformed_all: bool = False  # ... and now every worker confirmed it
+    # ... and every worker has left its old group (parked) or re-formed: none of them
+    # still runs in the superseded round.
+    left_old_all: bool = False
     deadline_passed: bool = False  # the re-formation (or park) bound passed
 
 
@@ -70,6 +78,11 @@ def decide_live(f: LiveFacts) -> LiveDecision:
     if not f.enabled or not f.workers_live or f.draining:
         return LiveDecision(LiveVerdict.NONE, "not live")
     if f.group_state != "HEALTHY":
+        if f.reforming and not f.left_old_all and f.group_state in ("FAILED", "UNHEALTHY"):
+            # They failed in the round the order superseded (a zombie's commit is refused
+            # there): a consequence of the membership change, which spends no budget.
+            return LiveDecision(LiveVerdict.FALLBACK, "workers failed in the superseded round "
+                                "before taking the order")
         if f.reforming or f.parking:
             return LiveDecision(LiveVerdict.ABANDON, f"workers ended during the re-formation "
                                 f"({f.group_state}): the restart policy decides")
@@ -138,14 +151,16 @@ class LiveReformer:
         live = self.workers_live(local_world_size) if self.enabled else False
         waiting = parked(self.dir) if live else {}
         done = reformed(self.dir) if live and self.reforming_round is not None else {}
+        new_round = {r for r, d in done.items() if d.get("round") == self.reforming_round}
         return LiveFacts(
             enabled=self.enabled, workers_live=live, group_state=group_state, verdict=verdict,
             membership=membership, draining=draining,
             parked_all=live and len(waiting) >= local_world_size,
             parked_any_failure=any(p.get("reason") == "collective_failed" for p in waiting.values()),
             parking=self.parking, reforming=self.reforming_round is not None,
-            reformed_all=self.reforming_round is not None and len(
-                [d for d in done.values() if d.get("round") == self.reforming_round]) >= local_world_size,
+            reformed_all=self.reforming_round is not None and len(new_round) >= local_world_size,
+            left_old_all=self.reforming_round is not None
+            and len(new_round | set(waiting)) >= local_world_size,
             deadline_passed=(self.parking or self.reforming_round is not None) and now >= self.deadline,
         )
 
@@ -216,6 +231,7 @@ def live_tick(agent: Any, verdict: str, membership: str) -> bool:
         agent._log.info("live_reform_completed", round=agent.handler.round, seconds=round(took, 3))
         agent.recorder.event("reform", f"workers re-formed in place in round {agent.handler.round}",
                              seconds=round(took, 3))
+        agent._set_state("training")  # the record said re-forming since the order
         live.finish()
         return True
     if v is LiveVerdict.FALLBACK:
@@ -252,5 +268,6 @@ def reform_in_place(agent: Any, reason: str) -> None:
     agent._log.info("live_reform_ordered", round=order.round, world_size=order.world_size,
                     ranks=order.ranks, old_round=old_round)
     # The round's etcd records only now: the workers re-form meanwhile (they were on the
-    # critical path, 10-70 ms under load, when written before the order).
-    agent._record_round(wg)
+    # critical path, 10-70 ms under load, when written before the order). The node is
+    # "re-forming" until every worker confirmed the new round (DONE above).
+    agent._record_round(wg, state="re-forming")

@@ -312,7 +312,9 @@ class EtcdRendezvousHandler(RendezvousHandler):
                                  max_nodes=self.settings.max_nodes,
                                  last_call_timeout_s=self.settings.last_call_timeout_s,
                                  now=time.monotonic(), proven_dead=proven,
-                                 start_settle_s=self.settings.start_settle_s)
+                                 start_settle_s=self.settings.start_settle_s,
+                                 defer_lost_until=self._defer_lost_until(view)
+                                 if view.full and view.state is not None else None)
             if action.probe and self.prober is not None:
                 due = self.prober.request(self._view.probe_targets(action.probe))
                 if due is not None and action.until is not None:
@@ -505,7 +507,9 @@ class EtcdRendezvousHandler(RendezvousHandler):
         """Re-register after our lease expired because *etcd* was away, keeping our round.
 
         The decision is ``outage.may_resurrect``: only after etcd trouble seen from
-        here, and only while the job is still in our final round with us as a member.
+        here, and only while the job is still in our final round with us as a member;
+        the re-registration itself compares the round state's mod_revision, so a round
+        opened while our view was stale wins.
 
         Returns:
             True if this node re-registered in its round (its workers may go on).
@@ -516,7 +520,12 @@ class EtcdRendezvousHandler(RendezvousHandler):
                                         etcd_trouble=self._etcd_trouble())
         if not allowed:
             return False
-        self.session.register(time.monotonic() + self.settings.join_timeout_s)
+        # Fenced by the round state: our view may be stale (etcd just came back), and a
+        # node that saw the loss may have opened the next round meanwhile; re-registering
+        # in the old round then let our workers train on beside the new one (the soak).
+        if not self.session.register(time.monotonic() + self.settings.join_timeout_s,
+                                     round_rev=self.session.state_rev):
+            return False
         self.session.lease_loss = None
         self._log.warning("lease_resurrected", round=my_round, reason=reason)
         return True

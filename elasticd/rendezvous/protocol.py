@@ -24,6 +24,9 @@ A round moves ``open`` -> ``final``:
   order.
 - A node that has used round r (its workers ran) and calls ``next_rendezvous`` again,
   or any node that sees a member of the final round without a live lease, opens r+1.
+  So does a member of final round r that left it cleanly and came back (a new agent
+  after a drain or ``elasticd stop``, then ``elasticd start``): its leave retired the
+  round, which it never re-enters.
 - A node that leaves cleanly writes ``left/<round>/<node>`` (``drained`` or ``finished``)
   *before* it revokes its lease, so the others can tell a leave from a loss. A drained
   member is a membership change (the job re-forms without it, at once); a finished member
@@ -49,7 +52,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from elasticd.records import RoundState
 
@@ -187,12 +190,17 @@ def dropped_members(view: RendezvousView, opened: RoundState,
 
 def decide_join(view: RendezvousView, progress: JoinProgress, *, min_nodes: int, max_nodes: int,
                 last_call_timeout_s: float, now: float,
-                proven_dead: frozenset[str] = frozenset(), start_settle_s: float = 0.0) -> Action:
+                proven_dead: frozenset[str] = frozenset(), start_settle_s: float = 0.0,
+                defer_lost_until: float | None = None) -> Action:
     """Decide this node's next step towards being in a final round. Pure; see module doc.
 
     ``proven_dead``: nodes whose agent a liveness probe proved gone (their lease may still
     run); they do not hold an open round's last call (see ``_close_open_round``).
     ``start_settle_s``: how long the job's first round stays open once ``min_nodes`` joined.
+    ``defer_lost_until``: as for ``decide_coordination``: while in the future, members
+    lost with etcd's outage may still re-register in their round, so their loss opens no
+    round yet (WAIT). A joiner that opened one then trained from the checkpoint beside a
+    member that re-registered and trained on in the old round (the soak, issue 26).
     """
     me = progress.me
     if view.closed:
@@ -206,7 +214,11 @@ def decide_join(view: RendezvousView, progress: JoinProgress, *, min_nodes: int,
 
     if state.phase == "final":
         used = progress.last_round is not None and progress.last_round >= r
-        if me in state.members and not used:
+        # Our previous agent left this round (a drain, `elasticd stop`): the leave ended
+        # it, for us at least. Re-entering it would train alone in a round the next
+        # arrival supersedes (issue 26): a new agent opens a new round instead.
+        retired = me in state.members and not used and view.left.get(r, {}).get(me) == LEFT_DRAINED
+        if me in state.members and not used and not retired:
             return Action(ActionKind.DONE, f"member of final round {r}", round=r,
                           members=tuple(state.members))
         gone = departures(view, state)
@@ -215,12 +227,20 @@ def decide_join(view: RendezvousView, progress: JoinProgress, *, min_nodes: int,
             # wait forever for the finished node).
             return Action(ActionKind.CLOSED, f"round {r} finished: {','.join(gone.finished)} "
                           "completed the job")
+        # Our own earlier leave is not a change the others must hear of (we are back).
+        gone = replace(gone, drained=tuple(m for m in gone.drained if m != me))
         lost = [*gone.lost, *gone.drained]
-        if used or lost:
+        if gone.lost and defer_lost_until is not None and now < defer_lost_until:
+            return Action(ActionKind.WAIT, f"round {r} lost {','.join(gone.lost)}; etcd was in "
+                          "trouble, giving them time to re-register", round=r,
+                          until=min(defer_lost_until, progress.deadline))
+        if used or lost or retired:
             why, cause = ((f"round {r} lost {','.join(gone.lost)}", MembershipChange.MEMBER_LOST.value)
                           if gone.lost else
                           (f"{','.join(gone.drained)} left round {r}", MembershipChange.MEMBER_LEFT.value)
-                          if gone.drained else (f"re-rendezvous after round {r}", ""))
+                          if gone.drained else
+                          (f"round {r} ended when {me} left it", "") if retired
+                          else (f"re-rendezvous after round {r}", ""))
             return Action(ActionKind.OPEN_NEXT, why + f": opening round {r + 1}", round=r + 1,
                           cause=cause, changed=tuple(lost))
         # Late arrival: pre-register for the next round and wait to be admitted.

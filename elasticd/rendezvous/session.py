@@ -28,7 +28,7 @@ from elasticd.errors import ConfigError, EtcdUnavailableError, LeaseLostError, T
 from elasticd.etcd.client import EtcdClient
 from elasticd.etcd.kv import KV
 from elasticd.etcd.lease import LeaseKeeper
-from elasticd.etcd.txn import Compare, CreateRevision, Put
+from elasticd.etcd.txn import Compare, CreateRevision, ModRevision, Put
 from elasticd.keys import JobKeys
 from elasticd.records import NodeRecord, RecordError, RoundState
 from elasticd.rendezvous.liveness import LivenessListener
@@ -134,8 +134,17 @@ class NodeSession:
         if self.keeper is None or self.keeper.lost.is_set():
             self.register(deadline)
 
-    def register(self, deadline: float) -> None:
-        """Grant a fresh lease and put our node record on it (a new incarnation)."""
+    def register(self, deadline: float, *, round_rev: int | None = None) -> bool:
+        """Grant a fresh lease and put our node record on it (a new incarnation).
+
+        Args:
+            round_rev: put the record only if the round state key's mod_revision is still
+                this one (``resurrect``: nobody opened the next round meanwhile, as our
+                possibly stale view claimed); otherwise revoke the fresh lease.
+
+        Returns:
+            False only when ``round_rev`` did not match (nothing registered).
+        """
         if self.keeper is not None:
             if self.keeper.lost.is_set():
                 self.lease_loss = self.round
@@ -160,7 +169,19 @@ class NodeSession:
         record = replace(record, state="joining", heartbeat_at=time.time(),
                          probe_host=(self.local_addr or socket.getfqdn()) if self.listener else None,
                          probe_port=self.listener.port if self.listener else 0)
-        retry_rdzv("node record", lambda: self.client.put(key, record.to_json(), lease=lease), deadline)
+        if round_rev is None:
+            retry_rdzv("node record", lambda: self.client.put(key, record.to_json(), lease=lease),
+                       deadline)
+        elif not retry_rdzv("node record", lambda: self.client.txn(
+                [ModRevision(self.keys.rdzv_state, round_rev)],
+                [Put(key, record.to_json(), lease=lease)]), deadline):
+            try:
+                self.client.revoke_lease(lease)
+            except TransientError:  # it expires within a TTL anyway
+                pass
+            self._log.warning("lease_not_resurrected", round=self.round,
+                              reason="the round state moved: the job re-formed during the outage")
+            return False
         kv = retry_rdzv("node record", lambda: self.client.get(key), deadline)
         self.incarnation = kv.create_revision if kv else 0
         self.record = record
@@ -169,6 +190,7 @@ class NodeSession:
         self.lease_lost.clear()
         self.keeper = LeaseKeeper(self.client, lease, self.ttl_s, on_lost=self._keeper_lost).start()
         self._log.info("node_registered", lease=hex(lease), incarnation=self.incarnation)
+        return True
 
     def _retire_previous_process(self, key: str, deadline: float) -> None:
         """Our node key exists before this process ever wrote it: the previous process of

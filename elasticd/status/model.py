@@ -232,7 +232,9 @@ def derive_status(snap: JobSnapshot, now: float, *, window_s: float = DEFAULT_WI
       4. re-forming - the round is final but broken: a member's workers reported a
                       failure in it (a failed collective, a dead worker), or a member is
                       gone (lost: its lease expired; or left after a drain). The agents
-                      are about to form the next round.
+                      are about to form the next round. Or a member's record is
+                      "re-forming" in this round: its live workers were ordered into it
+                      and have not all confirmed (they may still train in the old one).
       5. rendezvous - no round state; the round is "open"; or a member's record is not
                       "training" in the current round (starting, restarting).
       6. training   - otherwise: the round is final and every member trains in it.
@@ -353,6 +355,13 @@ def _state_and_reason(snap: JobSnapshot, members: list[str], live: dict[str, Nod
     if drained:
         return "re-forming", (f"{len(drained)} member(s) of round {rs.round} left: "
                               f"{_names(drained)}; the others re-form without them")
+    # A live re-formation: the member's agent is in this round, its workers may still
+    # train in the superseded one until they confirm (issue 26: never "full size" then).
+    reforming = [m for m in members if m in live and live[m].state == "re-forming"
+                 and live[m].round == rs.round]
+    if reforming:
+        return "re-forming", (f"round {rs.round}: {len(reforming)} node(s) re-forming in place "
+                              f"({_names(reforming)}): their workers are not all in it yet")
     behind = [live[m] for m in members if m in live
               and (live[m].state != "training" or live[m].round != rs.round)]
     if behind:

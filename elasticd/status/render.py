@@ -45,6 +45,7 @@ STATE_STYLE = {
 }
 NODE_STATE_STYLE = {
     "training": "green",
+    "re-forming": "yellow",
     "joining": "yellow",
     "restarting": "yellow",
     "draining": "yellow",

@@ -100,6 +100,10 @@ class _State:
     # The sockets our process groups opened ("socket:[inode]" links in /proc/self/fd): the
     # only ones live re-formation may shut down to wake a wait on a frozen peer.
     group_sockets: frozenset[str] = frozenset()
+    # The newest round the agent ordered this node's live workers into (``reform.json``, as
+    # LiveState's watcher saw it; -1: none). A worker still in an older round leaves its
+    # group at the next agreed step (``should_stop``), as for a park.
+    ordered_round: int = -1
 
 
 _S = _State()
@@ -336,6 +340,25 @@ def park_requested() -> bool:
     return _S.control_dir is not None and (_S.control_dir / PARK_FILE).exists()
 
 
+def note_reform_order(round_: int) -> None:
+    """Record that the agent ordered this node's live workers into round ``round_``.
+
+    Called by ``LiveState``'s watcher thread (one assignment: safe beside the loop).
+    """
+    _S.ordered_round = max(_S.ordered_round, round_)
+
+
+def reform_ordered() -> bool:
+    """True while the agent's newest order names a round newer than this worker's.
+
+    Such a worker is in a superseded round: it must take the order at its next step
+    boundary. Nothing else would move one whose collectives all succeed (alone at world
+    size 1), which used to train on alone until its commit was refused (issue 26).
+    """
+    ctx = _S.ctx
+    return ctx is not None and ctx.round is not None and _S.ordered_round > ctx.round
+
+
 def control_dir() -> Path | None:
     """The agent's runtime directory (None without an agent)."""
     return _S.control_dir
@@ -380,7 +403,7 @@ def should_stop(step: int | None = None, *, every: int = 1) -> bool:
             return False
     ctx = context()
     draining = stop_requested_locally()
-    local = 1 if draining or park_requested() else 0
+    local = 1 if draining or park_requested() or reform_ordered() else 0
     if dist.is_initialized() and ctx.world_size > 1:
         assert _S.flag is not None
         stop = False
@@ -467,6 +490,7 @@ def shutdown() -> None:
     _S.ctx, _S.client, _S.control_dir, _S.flag = None, None, None, None
     _S.stop_group, _S.pending, _S.old_sigterm = None, None, None
     _S.stopped = _S.sigterm = _S.drainable_noted = _S.all_drain = False
+    _S.ordered_round = -1
 
 
 def fast_exit(code: int = 0) -> NoReturn:

@@ -112,7 +112,8 @@ class LiveState:
             threading.Thread(target=self._watch, name="elasticd-live-watch", daemon=True).start()
 
     def _watch(self) -> None:
-        """Abort the old group once the agent ordered a newer round.
+        """Take an order for a newer round: at the next step boundary, and by aborting the
+        old group (world size > 1) so that a collective blocked on a frozen peer fails.
 
         A frozen peer (SIGSTOP, a hung host) keeps its sockets open, so the survivors'
         collective with it never fails; the main thread is blocked in C++ where no Python
@@ -130,6 +131,12 @@ class LiveState:
             current = wctx.current_round()
             if order is None or current is None or order.round <= current or self._in_reform:
                 continue
+            # The loop takes the order at its next step boundary (should_stop), even when
+            # none of its collectives fail: a worker alone at world size 1 has no peer to
+            # fail on, and without this trained on alone in the superseded round.
+            wctx.note_reform_order(order.round)
+            if wctx.context().world_size == 1:
+                continue  # no peer to wait on: nothing to abort, the step boundary is near
             for group in (dist.group.WORLD, getattr(wctx._S, "stop_group", None)):
                 try:
                     if group is not None and not self._in_reform:
@@ -167,8 +174,9 @@ class LiveState:
         Returns:
             True when the script should save and exit 0 (a drain, as with
             ``should_stop``; with live re-formation only when every node drains). With live re-formation on, a drain of this node exits here
-            (the survivors keep the state), and a drain or join elsewhere re-forms the
-            group here and raises :class:`Reformed`.
+            (the survivors keep the state), and a drain or join elsewhere, or an
+            order of the agent for a newer round, re-forms the group here and raises
+            :class:`Reformed`.
         """
         self.step = step
         self._has_state = True
@@ -179,7 +187,7 @@ class LiveState:
         if wctx.stop_requested_locally():
             self._log.info("live_drained", step=step)
             wctx.fast_exit(0)  # survivors hold this state: no checkpoint to write
-        self._reform("agreed_stop")
+        self._reform("ordered" if wctx.reform_ordered() else "agreed_stop")
         raise Reformed(f"re-formed at the agreed step {step}")
 
     @contextlib.contextmanager

@@ -690,3 +690,28 @@ def form_round(factory, hs: list[EtcdRendezvousHandler], world: int,
         # Poll interval: num_nodes_waiting() is read from each handler's local watch cache.
         wait_futures(pending, timeout=0.05, return_when=FIRST_COMPLETED) if pending \
             else threading.Event().wait(0.05)
+
+
+def test_resurrection_is_fenced_by_the_round_state(handlers):
+    """A node re-registering in its round after an etcd outage (``register(round_rev=)``)
+    gets its record on a new lease while the round state is unchanged, and nothing once another
+    node opened the next round, however stale its own view (the soak: it trained on in
+    the old round beside the new one)."""
+    from elasticd.records import RoundState
+
+    h = handlers.make("fenced-resurrect", "n0")
+    results(handlers.join([h]))
+    key, rev = JobKeys("fenced-resurrect").node("n0"), h.session.state_rev
+    before = h.lease_id
+    assert h.session.register(time.monotonic() + 10, round_rev=rev) is True
+    record = h.client.get(key)
+    assert record is not None and record.lease == h.lease_id != before
+    moved = RoundState(1, "open", ["n0"], 1, 4, opened_at=time.time(), cause="member_lost",
+                       changed=["n0"])
+    assert h.client.put_if(h.keys.rdzv_state, moved.to_json(), mod_revision=rev)
+    kept = h.client.get(key)
+    assert h.session.register(time.monotonic() + 10, round_rev=rev) is False
+    now = h.client.get(key)
+    assert now is not None and kept is not None
+    assert (now.create_revision, now.lease) == (kept.create_revision, kept.lease), \
+        "a fenced-out re-registration wrote the node record"

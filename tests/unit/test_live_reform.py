@@ -4,6 +4,7 @@ state transfer's (un)flattening."""
 from __future__ import annotations
 
 import dataclasses
+import importlib
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ from elasticd.control.reform import ReformOrder
 from elasticd.worker.live import _is_collective_failure
 from elasticd.worker.state_broadcast import _join, _split
 
+wctx = importlib.import_module("elasticd.worker.context")  # the module, not the package's context()
 BASE = LiveFacts(enabled=True, workers_live=True, group_state="HEALTHY", verdict="continue")
 
 
@@ -57,6 +59,16 @@ def test_a_reformation_completes_or_falls_back_after_its_bound():
     assert _v(reforming=True, group_state="SUCCEEDED") is LiveVerdict.ABANDON
 
 
+def test_workers_failing_before_they_took_the_order_restart_without_the_budget():
+    """Workers that fail while an order is out and before they left their old group
+    (a zombie's refused commit in the superseded round) fall back to the restart path, a
+    membership change; once they parked or re-formed, a failure is the policy's again."""
+    assert _v(reforming=True, group_state="FAILED") is LiveVerdict.FALLBACK
+    assert _v(reforming=True, group_state="FAILED", left_old_all=True) is LiveVerdict.ABANDON
+    assert _v(reforming=True, group_state="SUCCEEDED") is LiveVerdict.ABANDON
+    assert _v(parking=True, group_state="FAILED") is LiveVerdict.ABANDON
+
+
 def test_a_member_lost_during_a_reformation_falls_back_at_once():
     """A second loss while the workers form the new group: the group cannot form, so fall
     back now rather than after the bound; a join then waits for the re-formation to end."""
@@ -91,6 +103,26 @@ def test_state_split_and_join_preserve_structure_and_tensors():
     back = _join(_split(sd, tensors), tensors)
     assert torch.equal(back["a"], sd["a"]) and back["b"][0] == 1 and back["b"][1][1] == "x"
     assert torch.equal(back["b"][1][0], torch.ones(2, 2)) and back["c"] == {"d": 5}
+
+
+def test_an_order_for_a_newer_round_stops_a_lone_worker_at_its_next_step(monkeypatch):
+    """A worker whose agent ordered a newer round than its own stops at the next step
+    boundary (should_stop: the agreed-step path), even alone at world size 1 where no
+    collective fails; an order for its own round or an older one changes nothing."""
+    ctx = wctx.WorkerContext(rank=0, world_size=1, local_rank=0, local_world_size=1,
+                             device=torch.device("cpu"), backend="gloo", restart_count=0,
+                             round=3, job="j", node="b", checkpoint_url=None, under_agent=True)
+    for name, value in (("ctx", ctx), ("control_dir", None), ("sigterm", False),
+                        ("stopped", False), ("drainable_noted", True), ("ordered_round", -1)):
+        monkeypatch.setattr(wctx._S, name, value)
+    wctx.note_reform_order(3)
+    assert not wctx.reform_ordered() and not wctx.should_stop(10)
+    wctx.note_reform_order(4)
+    wctx.note_reform_order(2)  # an older order read late does not undo the newer one
+    assert wctx.reform_ordered() and wctx.should_stop(11)
+    monkeypatch.setattr(wctx._S, "ctx", dataclasses.replace(ctx, round=4))  # re-formed
+    monkeypatch.setattr(wctx._S, "stopped", False)
+    assert not wctx.reform_ordered() and not wctx.should_stop(12)
 
 
 def test_only_peer_failures_trigger_a_reformation():

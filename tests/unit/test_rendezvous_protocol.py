@@ -312,6 +312,40 @@ def test_drained_member_opens_next_round_for_late_arrival():
     assert a.kind is ActionKind.OPEN_NEXT and "b left round 2" in a.reason
 
 
+def test_member_back_after_its_own_leave_opens_a_new_round():
+    """A new agent of a member that left final round r cleanly (drain, `elasticd stop`)
+    never re-enters r: it opens r+1, with no cause naming itself (issue 26: it trained
+    alone in the stopped round until the next arrival superseded it)."""
+    alone = final(4, ["b"])
+    for v in (view(alone, {"b"}, left={4: {"b": LEFT_DRAINED}}),
+              partial(alone, left={4: {"b": LEFT_DRAINED}})):
+        a = decide(v, "b")
+        assert (a.kind, a.round, a.cause, a.changed) == (ActionKind.OPEN_NEXT, 5, "", ()), a
+        assert "round 4 ended when b left it" in a.reason
+    # Both stopped together: the one back first opens r+1; the other is reported as left.
+    both = view(final(4, ["a", "b"]), {"b"}, left={4: {"a": LEFT_DRAINED, "b": LEFT_DRAINED}})
+    a = decide(both, "b")
+    assert (a.kind, a.round, a.cause, a.changed) == (ActionKind.OPEN_NEXT, 5, "member_left", ("a",))
+    # A leave recorded in another round, or a peer's leave, does not retire ours.
+    assert decide(view(alone, {"b"}, left={3: {"b": LEFT_DRAINED}}), "b").kind is ActionKind.DONE
+    assert decide(view(final(4, ["a", "b"]), {"a", "b"}, left={4: {"c": LEFT_DRAINED}}),
+                  "b").kind is ActionKind.DONE
+
+
+def test_a_loss_right_after_an_etcd_outage_opens_no_round_during_the_grace():
+    """A node in rendezvous (a joiner with the full view) that sees a member lost while
+    the outage grace runs waits for it to re-register instead of opening the next round;
+    once the grace passed, the loss opens it (the soak: the joiner trained from the
+    checkpoint beside the member that re-registered and trained on in the old round)."""
+    v = view(final(4, ["a"]), {"c"}, {5: ["c"]})
+    held = decide_join(v, JoinProgress("c", None, FAR), min_nodes=1, max_nodes=4,
+                       last_call_timeout_s=5.0, now=NOW, defer_lost_until=NOW + 3.0)
+    assert (held.kind, held.until) == (ActionKind.WAIT, NOW + 3.0) and "re-register" in held.reason
+    after = decide_join(v, JoinProgress("c", None, FAR), min_nodes=1, max_nodes=4,
+                        last_call_timeout_s=5.0, now=NOW + 3.0, defer_lost_until=NOW + 3.0)
+    assert (after.kind, after.round, after.cause) == (ActionKind.OPEN_NEXT, 5, "member_lost")
+
+
 # --- attribute_failure ------------------------------------------------------------------
 
 

@@ -221,6 +221,16 @@ def test_member_restarting_or_behind_is_rendezvous():
     assert "b restarting" in restarting.reason and "round 4" in behind.reason
 
 
+def test_member_re_forming_in_place_is_never_healthy():
+    """A member whose agent ordered its live workers into this round, and which they have
+    not all confirmed, makes the job re-forming (exit 1), never training at full size: its
+    workers may still train alone in the old round (issue 26)."""
+    st = derive_status(snap(live=[node("a"), node("b", state="re-forming", rank0=2)]), NOW)
+    assert (st.state, st.exit_code) == ("re-forming", EXIT_DEGRADED)
+    assert "1 node(s) re-forming in place (b)" in st.reason and st.degraded
+    assert [n.state for n in st.nodes] == ["training", "re-forming"]
+
+
 def test_no_round_state_is_rendezvous():
     """Agents alive but no round formed yet: rendezvous."""
     s = replace(snap(), round_state=None)

@@ -91,9 +91,9 @@ def test_a_live_reformation_orders_its_workers_before_writing_the_rounds_records
         handler.round = 4
         workers[0].global_rank, workers[0].world_size = 1, 2
 
-    def record_round(group):
+    def record_round(group, *, state="training"):
         order = read_order(tmp_path)
-        calls.append(f"records (order for round {order.round if order else None} out)")
+        calls.append(f"{state} records (order for round {order.round if order else None} out)")
 
     agent = SimpleNamespace(
         _worker_group=wg, live=live, phase=AgentPhase(), handler=handler, _pcontext=None,
@@ -101,5 +101,6 @@ def test_a_live_reformation_orders_its_workers_before_writing_the_rounds_records
         control=SimpleNamespace(clear_drain=lambda: None, progress=SimpleNamespace(reset=lambda: None)),
         _group_started_at=0.0)
     reform_in_place(agent, "test")
-    assert calls == ["rendezvous", "records (order for round 4 out)"]
+    # "re-forming" until the workers confirm: status must not report them in round 4 yet.
+    assert calls == ["rendezvous", "re-forming records (order for round 4 out)"]
     assert read_order(tmp_path).ranks == {0: 1}
