@@ -153,6 +153,19 @@ def test_skypilot_task_parses_and_drains_within_the_spot_notice():
     assert cfg.drain.grace_s + LEAVE_MARGIN_S <= AWS_NOTICE_S
 
 
+def test_skypilot_task_brings_the_script_and_elasticd_to_the_nodes():
+    """workdir carries train.py to every node (run starts there); setup installs elasticd
+    from a checkout that file_mounts copies (elasticd is not on PyPI)."""
+    (task,) = _docs(DEPLOY / "skypilot" / "elasticd.yaml")
+    assert task.get("workdir"), "no workdir: the run command's train.py would not reach the nodes"
+    (argv,) = _shell_commands(task["run"])
+    script = _parse(argv).command[0]
+    assert not Path(script).is_absolute(), f"{script}: the script is expected in the workdir"
+    mounts = task.get("file_mounts") or {}
+    installs = re.findall(r"pip install \"?([^\s\"]+)", task["setup"])
+    assert installs and all(any(i.startswith(m) for m in mounts) for i in installs), (installs, mounts)
+
+
 def test_a_stale_flag_would_be_caught():
     """The check can fail: a flag the CLI does not have is refused."""
     with pytest.raises(AssertionError, match="does not parse"):
