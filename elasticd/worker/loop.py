@@ -306,11 +306,16 @@ class ElasticLoop:
             self.save()
 
     def save(self, *, blocking: bool = False) -> None:
-        """Checkpoint the state as of the last finished step (a collective)."""
+        """Checkpoint the state as of the last finished step (a collective).
+
+        The checkpoint's step is that step's index, ``steps_done - 1``: ``step-N`` holds
+        steps 0..N, as for every other elasticd checkpoint (``report_progress``, the
+        agent's fence and ``elasticd status`` count steps the same way).
+        """
         if self.steps_done == self._saved_at:
             return  # this step is saved already; a second save would be refused as not newer
         self._progress["saved_at"] = self.steps_done
-        self.manager.save(self.steps_done, self._state, blocking=blocking)
+        self.manager.save(self.steps_done - 1, self._state, blocking=blocking)
         self._saved_at = self.steps_done
 
     def close(self) -> None:
