@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: venv test lint unit integration chaos soak demo bench clean compat
+.PHONY: venv test lint unit integration chaos soak demo bench clean compat wheel
 
 venv: $(STAMP)
 
@@ -25,6 +25,19 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[test]' torch==2.13.0
 	touch $(STAMP)
 	@echo "== $(VENV) ready"
+
+# elasticd is not on PyPI: this builds the wheel to install elsewhere
+# (pip install dist/elasticd-*.whl, plus '[s3]'/'[plot]' extras). Any Python 3.10+ with
+# pip; the build backend (setuptools, wheel) comes from the index unless
+# WHEEL_ARGS=--no-build-isolation uses the ones installed. build/ is removed first: a
+# stale build/lib would ship modules deleted since.
+DIST ?= dist
+WHEEL_ARGS ?=
+wheel:
+	rm -rf build elasticd.egg-info
+	$(PYTHON) -m pip wheel --no-deps -q $(WHEEL_ARGS) -w $(DIST) .
+	rm -rf build elasticd.egg-info
+	@ls $(DIST)/elasticd-*.whl
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check elasticd tests benchmarks examples
@@ -73,4 +86,4 @@ compat: $(COMPAT_STAMP)
 	$(COMPAT_VENV)/bin/python -m pytest -q tests/unit tests/integration/agent $(PYTEST_ARGS)
 
 clean:
-	rm -rf $(VENV) $(COMPAT_VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(COMPAT_VENV) build dist *.egg-info .pytest_cache .mypy_cache .ruff_cache

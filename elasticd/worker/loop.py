@@ -122,7 +122,7 @@ class ElasticLoop:
         self._live: Any = None  # the loader iterator batches() is walking
         # Travels with the state (checkpoint or live transfer): every rank must agree on
         # which steps save (a collective), joiners included.
-        self._progress: dict[str, int] = {"steps_done": 0, "saved_at": 0}
+        self._progress: dict[str, int] = {"steps_done": 0, "saved_at": 0, "samples_done": 0}
         self._state = {**state, "sampler": sampler, "elastic_loop": self._progress}
         url = checkpoint_url or ctx.checkpoint_url or "file://" + os.path.abspath("checkpoints")
         self.manager = manager or CheckpointManager(url, job=ctx.job or "local",
@@ -271,6 +271,7 @@ class ElasticLoop:
                 ``ElasticSampler`` or ``ElasticStream``, whose step is one global batch).
             loss: The step's loss (default: ``self.loss``), for the job's history.
         """
+        before = int(self.sampler.samples_trained)
         if self._per_global_batch:
             self.sampler.step()
         else:
@@ -279,7 +280,12 @@ class ElasticLoop:
             self.sampler.step(samples_per_rank)
         self.steps_done += 1
         self._progress["steps_done"] = self.steps_done
+        # Samples of all ranks, cumulative over the job (the sampler's own count restarts
+        # every epoch): the agent derives samples/s from its increase.
+        self._progress["samples_done"] = (int(self._progress.get("samples_done", 0))
+                                          + max(0, int(self.sampler.samples_trained) - before))
         report_progress(self.steps_done - 1, epoch=int(self.sampler.epoch),
+                        samples=self._progress["samples_done"],
                         loss=self.loss if loss is None else loss)
         # With live re-formation a drain or join elsewhere re-forms the group here and
         # raises Reformed (batches() continues on the new group); a drain of every node
@@ -300,11 +306,16 @@ class ElasticLoop:
             self.save()
 
     def save(self, *, blocking: bool = False) -> None:
-        """Checkpoint the state as of the last finished step (a collective)."""
+        """Checkpoint the state as of the last finished step (a collective).
+
+        The checkpoint's step is that step's index, ``steps_done - 1``: ``step-N`` holds
+        steps 0..N, as for every other elasticd checkpoint (``report_progress``, the
+        agent's fence and ``elasticd status`` count steps the same way).
+        """
         if self.steps_done == self._saved_at:
             return  # this step is saved already; a second save would be refused as not newer
         self._progress["saved_at"] = self.steps_done
-        self.manager.save(self.steps_done, self._state, blocking=blocking)
+        self.manager.save(self.steps_done - 1, self._state, blocking=blocking)
         self._saved_at = self.steps_done
 
     def close(self) -> None:

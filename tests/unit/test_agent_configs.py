@@ -59,3 +59,31 @@ def test_multi_node_configs_use_a_shared_etcd():
         config = load(path, check_files=False)
         if config.job.max_nodes > 1:
             assert not config.etcd.embedded, path.name
+
+
+@pytest.mark.parametrize("path", AGENTS, ids=lambda p: p.name)
+def test_full_size_is_the_nnodes_maximum(path):
+    """A multi-node config says how many nodes it is for ("# Full size: N nodes") and its
+    nnodes maximum is that N: `elasticd status` calls anything below the maximum degraded."""
+    import re
+
+    config = load(path, check_files=False)
+    if config.job.max_nodes == 1:
+        return
+    said = re.search(r"^# Full size: (\d+) nodes", path.read_text(), re.M)
+    assert said, f"{path.name}: no '# Full size: N nodes' line above nnodes"
+    assert int(said.group(1)) == config.job.max_nodes, path.name
+
+
+def test_the_worked_four_machine_example_matches_the_onprem_config():
+    """docs/deployment.md's worked example lists as many training machines as
+    agents/onprem-cluster.toml's nnodes maximum: a healthy cluster there exits 0."""
+    import re
+
+    text = (REPO / "docs" / "deployment.md").read_text()
+    start = text.index("## A worked example: four machines")
+    section = text[start:text.index("\n## ", start + 1)]
+    machines = re.findall(r"^\| (\S+) \| training node \|", section, re.M)
+    config = load(REPO / "agents" / "onprem-cluster.toml", check_files=False)
+    assert len(machines) == 4 and config.job.max_nodes == len(machines), machines
+    assert "agents/onprem-cluster.toml" in section

@@ -115,3 +115,53 @@ def test_a_stream_advances_one_global_batch_per_loader_item(standalone):
     rest = [ids for ids in loop.batches(DataLoader(stream, batch_size=None))]
     assert rest == [[6, 7, 8], [9]] and stream.epoch == 1
     loop.close()
+
+
+def test_progress_reports_cumulative_samples_across_epochs_and_resumes(standalone, monkeypatch):
+    """Each step reports the job's samples so far (all ranks, never reset by an epoch or a
+    resume), so the agent's samples/s is not 0.0."""
+    import elasticd.worker.loop as loop_module
+
+    reports: list[tuple[int, int]] = []
+    monkeypatch.setattr(loop_module, "report_progress",
+                        lambda step, *, epoch=0, samples=0, loss=None, force=False:
+                        reports.append((step, samples)))
+    url = f"memory://loop-{uuid.uuid4().hex}"
+    loop, sampler, loader = _loop(url)  # 20 samples, batches of 4: 5 steps an epoch
+    for epoch in range(2):
+        sampler.set_epoch(epoch)
+        for _ in loop.batches(loader):
+            pass
+    assert reports == [(s, 4 * (s + 1)) for s in range(10)]
+    loop.close()
+    reports.clear()
+    loop, sampler, loader = _loop(url)
+    assert loop.resume() == 2
+    for i, _ in enumerate(loop.batches(loader)):
+        if i == 1:
+            break
+    assert reports == [(10, 44)]  # continues from the checkpoint's 40 samples
+    loop.close()
+
+
+def test_checkpoint_step_is_the_last_trained_step_as_reported(standalone, monkeypatch):
+    """After 3 steps (0, 1, 2) the loop's checkpoint is step 2, the step it last reported:
+    `step-N` holds steps 0..N, as in examples/train.py and for the agent and status."""
+    import elasticd.worker.loop as loop_module
+
+    reported: list[int] = []
+    monkeypatch.setattr(loop_module, "report_progress",
+                        lambda step, **kw: reported.append(step))
+    url = f"memory://loop-{uuid.uuid4().hex}"
+    loop, _, loader = _loop(url)
+    for i, _ in enumerate(loop.batches(loader)):
+        if i == 3:
+            break
+    loop.save(blocking=True)
+    loop.close()
+    with CheckpointManager(url, job="t", rank=0, world_size=1) as mgr:
+        latest = mgr.load_latest()
+    assert (latest.step, reported[-1], loop.steps_done) == (2, 2, 3)
+    loop, sampler, loader = _loop(url)
+    assert loop.resume() == 0 and loop.steps_done == 3 and sampler.samples_trained == 12
+    loop.close()

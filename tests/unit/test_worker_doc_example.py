@@ -111,3 +111,33 @@ def test_after_script_drains_saves_and_exits_zero(standalone: str, tmp_path: Pat
     (control / "drain").unlink()
     assert example["main"](total_epochs=1) == 0  # resumes at step 1, finishes the epoch
     assert _latest(standalone).step == STEPS_PER_EPOCH - 1
+
+
+def _flat_loop() -> dict[str, Any]:
+    """The flat-loop script of docs/worker-api.md ("A flat training loop"), loaded."""
+    text = DOC.read_text()
+    section = text[text.index("### A flat training loop"):]
+    match = re.search(r"```python\n(.*?)```", section, re.S)
+    assert match, "docs/worker-api.md: no ```python block under 'A flat training loop'"
+    namespace: dict[str, Any] = {"__name__": "worker_doc_flat_loop"}
+    exec(compile(match.group(1), f"{DOC}#flat-loop", "exec"), namespace)  # noqa: S102
+    return namespace
+
+
+@pytest.mark.timeout(60)
+def test_flat_loop_trains_logs_by_steps_done_and_resumes(standalone: str,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    """The flat loop as printed: 16 steps an epoch logged by loop.steps_done; its checkpoint
+    step-15 holds steps 0..15; asked for 2 epochs it resumes at step 16, not at 0."""
+    example = _flat_loop()
+    assert example["main"](epochs=1) == 0
+    first = _latest(standalone)
+    assert first.step == 15 and first.state["elastic_loop"]["steps_done"] == 16
+    printed = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
+    assert [line.split()[1] for line in printed] == ["0", "10"], printed
+    assert printed[0].startswith("step 0 epoch 0 world 1 loss ")
+
+    assert example["main"](epochs=2) == 0
+    assert _latest(standalone).step == 31
+    printed = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
+    assert [line.split()[1:4:2] for line in printed] == [["20", "1"], ["30", "1"]], printed
