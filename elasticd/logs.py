@@ -130,14 +130,16 @@ def configure_worker_logging(fmt: str | None) -> None:
         configure_logging("json", stdlib=False)
 
 
-def error_line(message: str, *, event: str = "agent_error", **fields: Any) -> None:
+def error_line(message: str, *, event: str = "agent_error", level: str = "error",
+               **fields: Any) -> None:
     """Write a final error line: one JSON event in JSON mode, else the plain text on stderr.
 
-    For the lines printed outside any event (a failure summary, an exit reason), which
-    would otherwise be the one non-JSON line in a JSON log.
+    For the lines printed outside any event (a failure summary, an exit reason, what a
+    standalone start does about its last run), which would otherwise be the one non-JSON
+    line in a JSON log. ``level``: the JSON event's level (``info`` for a notice).
     """
     if _format == "json":
-        structlog.get_logger("elasticd").error(event, message=message, **fields)
+        getattr(structlog.get_logger("elasticd"), level)(event, message=message, **fields)
     else:
         sys.stderr.write(message if message.endswith("\n") else message + "\n")
         sys.stderr.flush()

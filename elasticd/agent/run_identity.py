@@ -26,8 +26,13 @@ from elasticd.retry import call_with_retry
 log = structlog.get_logger(__name__)
 
 
-def ensure_run_id(client: EtcdClient, keys: JobKeys, *, deadline_s: float = 30.0) -> str:
+def ensure_run_id(client: EtcdClient, keys: JobKeys, *, deadline_s: float = 30.0,
+                  proposed: str | None = None) -> str:
     """This job's run id, creating it if the job has none yet.
+
+    Args:
+        proposed: the id to create when there is none (a standalone job continuing its
+            last run, elasticd.agent.standalone_runs); None: a fresh one.
 
     Returns:
         16 lowercase hex digits.
@@ -39,7 +44,7 @@ def ensure_run_id(client: EtcdClient, keys: JobKeys, *, deadline_s: float = 30.0
     key = keys.run_id
 
     def once() -> str:
-        fresh = new_run_id()
+        fresh = proposed or new_run_id()
         created = client.put_if(key, fresh, mod_revision=0)
         if created:
             log.info("run_id_created", run_id=fresh)

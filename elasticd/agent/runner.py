@@ -28,6 +28,15 @@ from elasticd.agent.elastic_agent import ElasticdAgent, SupervisionSettings
 from elasticd.agent.recorder import JobRecorder
 from elasticd.agent.remote_control import RemoteStopWatch, refusal_at_start
 from elasticd.agent.run_identity import check_resume, ensure_run_id
+from elasticd.agent.standalone_runs import (
+    RUNNING,
+    RunPlan,
+    RunRecord,
+    plan_standalone_run,
+    read_record,
+    records_dir,
+    write_record,
+)
 from elasticd.agent.summary import failure_summary
 from elasticd.control import CommitRequest, ControlChannel
 from elasticd.control.api import ENV_LOG_FORMAT, CommitOutcome
@@ -153,6 +162,8 @@ def run_node(spec: NodeSpec, early: Any = None) -> int:
     remote: RemoteStopWatch | None = None
     logs: Any = None
     state_dir: str | None = None
+    runs_dir: str | None = None  # a standalone job's run records (standalone_runs)
+    run_record: RunRecord | None = None
     try:
         # Worker logs outlive the agent: private, never a predictable shared path. Chosen
         # first, so a refused log dir fails before anything starts.
@@ -193,10 +204,27 @@ def run_node(spec: NodeSpec, early: Any = None) -> int:
             log.warning("agent_not_joining", reason=refused.reason, fix=restart_hint(refused))
             return 0
         recorder = JobRecorder(handler.session)
+        # A standalone start (a fresh private etcd) continues its job's last run unless
+        # that run finished (elasticd.agent.standalone_runs): decided before anything starts.
+        plan = RunPlan()
+        if embedded is not None and spec.etcd_data_dir is None:
+            runs_dir = records_dir(spec.state_dir)
+            plan = plan_standalone_run(read_record(runs_dir, spec.job), job=spec.job,
+                                       checkpoint_url=spec.supervision.checkpoint_url,
+                                       resume=spec.resume)
+            if plan.finished:
+                error_line(plan.message, event="standalone_run_finished_before", level="info")
+                return 0
         # The run's identity (docs/checkpoints.md#run-identity): stamped on the pointer,
         # handed to workers, and checked against the stored checkpoints before any starts.
-        recorder.run_id = ensure_run_id(client, handler.keys)
+        recorder.run_id = ensure_run_id(client, handler.keys, proposed=plan.run_id)
+        if plan.message:
+            error_line(plan.message, event="standalone_run_continued", level="info",
+                       run_id=recorder.run_id)
         supervision = check_resume(spec.supervision, spec.job, recorder.run_id, spec.resume)
+        if runs_dir is not None and spec.supervision.checkpoint_url:
+            run_record = RunRecord(recorder.run_id, spec.supervision.checkpoint_url, RUNNING)
+            write_record(runs_dir, spec.job, run_record)
         if current_format() == "json":  # the worker API logs JSON when its agent does
             supervision = replace(supervision, worker_env={**supervision.worker_env,
                                                            ENV_LOG_FORMAT: "json"})
@@ -261,8 +289,12 @@ def run_node(spec: NodeSpec, early: Any = None) -> int:
             agent.run()
         except RendezvousClosedError:
             log.info("job_closed")
+            if runs_dir is not None and run_record is not None:
+                write_record(runs_dir, spec.job, replace(run_record, outcome="closed"))
             return 0
         outcome = agent.outcome
+        if runs_dir is not None and run_record is not None:  # how this run ended, for the next
+            write_record(runs_dir, spec.job, replace(run_record, outcome=outcome.kind))
         if outcome.kind == "failed":
             error_line(failure_summary(outcome), event="failure_summary")
         log.info("agent_exited", outcome=outcome.kind, reason=outcome.reason, exit_code=outcome.exit_code)

@@ -129,6 +129,13 @@ def load_config(
         # share a name: they would resume from and prune each other's checkpoints.
         values["job.name"] = standalone_job_name(
             values["workers.command"], values["workers.workdir"] or os.getcwd())
+    if values["job.standalone"] and values["job.checkpoint_url"] is None:
+        # Where examples/train.py and ElasticLoop save by default (./checkpoints in the
+        # workers' directory), told to the agent too: its start-up check sees a re-run's
+        # checkpoints before any worker starts (elasticd.agent.standalone_runs).
+        where = os.path.join(os.getcwd(), values["workers.workdir"] or "", "checkpoints")
+        values["job.checkpoint_url"] = "file://" + os.path.abspath(where)
+        origins["job.checkpoint_url"] = "default (standalone: ./checkpoints)"
     if values["job.standalone"] and values["node.local_addr"] is None:
         values["node.local_addr"] = "127.0.0.1"  # workers of one machine talk over loopback
         origins["node.local_addr"] = "default (standalone)"

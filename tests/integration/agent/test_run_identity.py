@@ -23,11 +23,13 @@ ARGS = ["--dataset-size", "64", "--global-batch", "8", "--micro-batch", "8",
         "--checkpoint-every", "3"]
 
 
-def _standalone(tmp_path, url: str, tag: str, steps: int, extra: list[str] | None = None) -> Node:
+def _standalone(tmp_path, url: str, tag: str, steps: int, extra: list[str] | None = None,
+                state: str = "state") -> Node:
     argv = [PY, "-m", "elasticd.cli", "run", "--standalone", "--job", "shared",
             "--nproc-per-node", "1", "--log-format", "json", "--no-warm-start",
             "--checkpoint-url", url, *(extra or []), SCRIPT, "--steps", str(steps), *ARGS]
-    return Node(argv, {}, tmp_path / f"{tag}.log")
+    # Each test its own state dir: the standalone run records live there.
+    return Node(argv, {"STATE_DIRECTORY": str(tmp_path / state)}, tmp_path / f"{tag}.log")
 
 
 def _exit_code(node: Node, timeout_s: float) -> int:
@@ -53,7 +55,8 @@ def _resumed_from(node: Node) -> list:
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_second_standalone_run_refuses_then_resumes_on_request(tmp_path):
-    """Run 1 saves; run 2 (new run id) exits 78 naming run 1 and its step; --resume require resumes."""
+    """Run 1 saves; run 2 (new run id, no record of run 1: another machine's state dir) exits
+    78 naming run 1 and its step; --resume require resumes."""
     url = f"file://{tmp_path}/ckpt"
     started: list[Node] = []
     try:
@@ -64,14 +67,15 @@ def test_second_standalone_run_refuses_then_resumes_on_request(tmp_path):
         run1 = saved[0].run_id
         assert len(run1) == 16 and saved[0].step == 5
 
-        second = _standalone(tmp_path, url, "second", steps=9)
+        second = _standalone(tmp_path, url, "second", steps=9, state="other-state")
         started.append(second)
         assert _exit_code(second, 150) == EX_CONFIG, second.log()[-3000:]
         log = second.log()
         assert run1 in log and "newest step 5" in log and "--resume require" in log
         assert {i.step for i in list_checkpoints(url, "shared")} == {i.step for i in saved}
 
-        third = _standalone(tmp_path, url, "third", steps=9, extra=["--resume", "require"])
+        third = _standalone(tmp_path, url, "third", steps=9, extra=["--resume", "require"],
+                            state="other-state")
         started.append(third)
         assert _exit_code(third, 180) == 0, third.log()[-3000:]
         assert _resumed_from(third) == [5]
@@ -100,3 +104,64 @@ def test_run_known_in_etcd_resumes_its_own_checkpoints(nodes, tmp_path):
     resumed = _resumed_from(again)
     assert resumed and resumed[0] is not None and resumed[0] >= 2, resumed
     assert len({i.run_id for i in list_checkpoints(url, "known")}) == 1
+
+
+def _readme_run(tmp_path, tag: str) -> Node:
+    """The README's own command (no --job, no --checkpoint-url) in directory tmp_path."""
+    argv = [PY, "-m", "elasticd.cli", "run", "--standalone", "--nproc-per-node", "1",
+            "--log-format", "json", "--no-warm-start", "--workdir", str(tmp_path), SCRIPT,
+            "--steps", "30", "--step-sleep", "0.05", *ARGS]
+    return Node(argv, {"STATE_DIRECTORY": str(tmp_path / "state")}, tmp_path / f"{tag}.log")
+
+
+def _events(node: Node, event: str) -> list[dict]:
+    out = []
+    for line in node.log().splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(row, dict) and row.get("event") == event:
+            out.append(row)
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_rerunning_the_readme_command_continues_after_ctrl_c_and_stops_once_finished(tmp_path):
+    """Same command, same directory: after Ctrl-C it continues the run (said in one line);
+    once finished it says so and exits 0 without starting a worker or touching a checkpoint."""
+    url = f"file://{tmp_path}/checkpoints"
+    started: list[Node] = []
+    try:
+        first = _readme_run(tmp_path, "first")
+        started.append(first)
+        wait_until(lambda: any(i.valid and i.step >= 2 for i in list_checkpoints(url)), 180,
+                   lambda: f"a first checkpoint under {url}:\n{first.log()[-2000:]}")
+        first.signal_agent(signal.SIGINT)  # Ctrl-C reaches the agent
+        assert _exit_code(first, 120) == 0, first.log()[-3000:]
+        run1 = {i.run_id for i in list_checkpoints(url)}
+        assert len(run1) == 1
+
+        second = _readme_run(tmp_path, "second")
+        started.append(second)
+        assert _exit_code(second, 180) == 0, second.log()[-3000:]
+        said = _events(second, "standalone_run_continued")
+        assert len(said) == 1 and "continuing run" in said[0]["message"], second.log()[-3000:]
+        resumed = _resumed_from(second)
+        assert resumed and resumed[0] is not None and resumed[0] >= 2, resumed
+        saves = list_checkpoints(url)
+        assert saves[0].step == 29 and {i.run_id for i in saves} == run1
+
+        third = _readme_run(tmp_path, "third")
+        started.append(third)
+        assert _exit_code(third, 120) == 0, third.log()[-3000:]
+        said = _events(third, "standalone_run_finished_before")
+        assert len(said) == 1 and "already finished" in said[0]["message"]
+        assert "--job NEW-NAME" in said[0]["message"]
+        assert _resumed_from(third) == [], "a worker started for a finished job"
+        assert [(i.step, i.save_id) for i in list_checkpoints(url)] == \
+            [(i.step, i.save_id) for i in saves]
+    finally:
+        for node in started:
+            node.cleanup()
