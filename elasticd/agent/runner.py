@@ -37,7 +37,7 @@ from elasticd.agent.standalone_runs import (
     records_dir,
     write_record,
 )
-from elasticd.agent.summary import failure_summary
+from elasticd.agent.summary import failure_line, failure_summary
 from elasticd.control import CommitRequest, ControlChannel
 from elasticd.control.api import ENV_LOG_FORMAT, CommitOutcome
 from elasticd.errors import ConfigError, EtcdUnavailableError, TransientError
@@ -296,7 +296,10 @@ def run_node(spec: NodeSpec, early: Any = None) -> int:
         if runs_dir is not None and run_record is not None:  # how this run ended, for the next
             write_record(runs_dir, spec.job, replace(run_record, outcome=outcome.kind))
         if outcome.kind == "failed":
-            error_line(failure_summary(outcome), event="failure_summary")
+            first = min(outcome.failures.items(), key=lambda kv: (kv[1].timestamp, kv[0]),
+                        default=None)
+            error_line(failure_summary(outcome), event="failure_summary",
+                       error=failure_line(first[1]) if first is not None else outcome.reason)
         log.info("agent_exited", outcome=outcome.kind, reason=outcome.reason, exit_code=outcome.exit_code)
         if remote.fired is not None and outcome.kind == "drained":
             log.info("agent_stopped_by_operator", reason=remote.fired.reason,
