@@ -128,7 +128,7 @@ def test_a_script_that_fails_at_import_gives_up_after_one_retry(nodes, tmp_path)
     """The same exception at import on every attempt: one retry, then exit 1 with the line plain."""
     bad = tmp_path / "badimport.py"
     bad.write_text("import nosuchmodule_elasticd_test\n")
-    a = nodes.start("f7", str(bad), nnodes="1", extra=["--restart-backoff", "0.1"])
+    a = nodes.start("f8", str(bad), nnodes="1", extra=["--restart-backoff", "0.1"])
     assert a.wait(90) == 1, a.log()[-3000:]
     rows = [json.loads(line) for line in a.log().splitlines() if line.startswith("{")]
     raised = [r for r in rows if r.get("event") == "worker_output" and r.get("local_rank") == 0
