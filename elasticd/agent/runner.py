@@ -40,7 +40,12 @@ from elasticd.agent.standalone_runs import (
 from elasticd.agent.summary import failure_line, failure_summary
 from elasticd.control import CommitRequest, ControlChannel
 from elasticd.control.api import ENV_LOG_FORMAT, CommitOutcome
-from elasticd.errors import ConfigError, EtcdUnavailableError, TransientError
+from elasticd.errors import (
+    ETCD_UNREACHABLE_HINT,
+    ConfigError,
+    EtcdUnavailableError,
+    TransientError,
+)
 from elasticd.etcd.client import EtcdClient, TLSFiles
 from elasticd.etcd.embedded import EmbeddedEtcd
 from elasticd.keys import JobKeys
@@ -179,8 +184,7 @@ def run_node(spec: NodeSpec, early: Any = None) -> int:
                             allow_plaintext_auth=spec.etcd_insecure_plaintext_auth)
         # Probe the job's own prefix: an etcd role may grant only /elasticd/<job>/.
         job_prefix = JobKeys(spec.job).prefix
-        call_with_retry(lambda: client.get(job_prefix), what="connect to etcd",
-                        deadline=time.monotonic() + spec.etcd_connect_timeout_s)
+        _connect(client, job_prefix, spec.etcd_connect_timeout_s)
         handler = EtcdRendezvousHandler(
             client, spec.job,
             RendezvousSettings(min_nodes=spec.min_nodes, max_nodes=spec.max_nodes,
@@ -333,6 +337,41 @@ def run_node(spec: NodeSpec, early: Any = None) -> int:
             client.close()
         if embedded is not None:
             embedded.stop()
+
+
+def _connect(client: EtcdClient, prefix: str, timeout_s: float) -> None:
+    """Reach etcd (one read of ``prefix``), retrying for ``timeout_s``.
+
+    If the first try fails, says at once what it waits for and for how long; if etcd
+    never answers, the error ends with the hint ``elasticd status`` gives.
+
+    Raises:
+        EtcdUnavailableError: no answer within ``timeout_s`` (exit 4).
+    """
+    deadline = time.monotonic() + timeout_s
+    label = client.endpoint_label()
+    try:
+        client.get(prefix)
+        return
+    except TransientError as exc:
+        why = _unreachable_why(exc, label)
+    error_line(f"elasticd: etcd at {label} does not answer ({why}); waiting up to "
+               f"{timeout_s:g}s for it (--etcd-connect-timeout)", event="etcd_waited_for",
+               level="warning", endpoints=label, timeout_s=timeout_s)
+    try:
+        call_with_retry(lambda: client.get(prefix), what="connect to etcd", deadline=deadline,
+                        warn=False)
+    except TransientError as exc:
+        raise EtcdUnavailableError(
+            f"etcd at {label} unreachable for {timeout_s:g}s ({_unreachable_why(exc, label)}); "
+            f"{ETCD_UNREACHABLE_HINT}") from exc
+
+
+def _unreachable_why(exc: Exception, label: str) -> str:
+    """The client's error without its own "etcd at X unreachable: " prefix, on one line."""
+    why = " ".join(str(exc).split())
+    prefix = f"etcd at {label} unreachable: "
+    return why[len(prefix):] if why.startswith(prefix) else why
 
 
 def _intents_dir(spec: NodeSpec) -> str:

@@ -97,3 +97,20 @@ def test_unreachable_etcd_exits_4_within_the_connect_timeout(tmp_path):
     proc = run("agent", "--config", str(cfg))
     assert proc.returncode == 4, proc.stderr[-2000:]
     assert "unreachable" in proc.stderr
+
+
+def test_unreachable_etcd_says_what_it_waits_for_and_ends_with_the_status_hint(tmp_path):
+    """The first failed try names the endpoint and the wait (up to --etcd-connect-timeout);
+    the last line is `status`'s hint."""
+    script = tmp_path / "t.py"
+    script.write_text("print('never')\n")
+    proc = run("run", "--etcd", "127.0.0.1:9", "--job", "x", "--etcd-connect-timeout", "2",
+               "--etcd-timeout", "0.5", "--log-format", "console", "--no-warm-start", str(script))
+    assert proc.returncode == 4, proc.stderr[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    waiting = [ln for ln in lines if "waiting up to 2s for it (--etcd-connect-timeout)" in ln]
+    assert len(waiting) == 1 and waiting[0].startswith("elasticd: etcd at 127.0.0.1:9 does not answer")
+    assert lines.index(waiting[0]) < len(lines) - 1
+    last = [ln for ln in lines if ln.startswith("elasticd: etcd at 127.0.0.1:9 unreachable for 2s")]
+    assert len(last) == 1, lines
+    assert last[0].endswith("; check --etcd, the TLS/auth flags and that etcd is up")
