@@ -35,6 +35,7 @@ from elasticd.agent.standalone_runs import (
     plan_standalone_run,
     read_record,
     records_dir,
+    status_command,
     write_record,
 )
 from elasticd.agent.summary import failure_line, failure_summary
@@ -289,6 +290,10 @@ def run_node(spec: NodeSpec, early: Any = None) -> int:
         log.info("agent_started", endpoints=client.endpoint_label(), nproc_per_node=spec.nproc_per_node,
                  nnodes=f"{spec.min_nodes}:{spec.max_nodes}", command=list(spec.command),
                  worker_log_dir=log_dir)
+        if embedded is not None:  # a private etcd: its address and certificate are new each run
+            command = status_command(spec.job, embedded.endpoint, embedded.client_tls)
+            error_line(f"elasticd: watch this job with: {command}", event="status_command_printed",
+                       level="info", command=command)
         try:
             agent.run()
         except RendezvousClosedError:

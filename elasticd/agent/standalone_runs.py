@@ -23,12 +23,14 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from elasticd.checkpoint.manifest import RUN_ID_RE
+from elasticd.etcd.endpoints import TLSFiles
 from elasticd.logs import ensure_private_dir
 
 RUNNING = "running"  # written at start: an agent killed outright leaves it so
@@ -135,3 +137,15 @@ def write_record(directory: str, job: str, record: RunRecord) -> None:
                                "outcome": record.outcome, "updated_at": time.time()}),
                    encoding="utf-8")
     os.replace(tmp, path)
+
+
+def status_command(job: str, endpoint: str, tls: TLSFiles | None) -> str:
+    """The ``elasticd status`` command line for a job on a private etcd, ready to paste
+    (its endpoint and the generated client certificate's three files). Pure."""
+    argv = ["elasticd", "status", "--etcd", endpoint]
+    if tls is not None:
+        for flag, path in (("--etcd-ca", tls.ca_file), ("--etcd-cert", tls.cert_file),
+                           ("--etcd-key", tls.key_file)):
+            if path:
+                argv += [flag, path]
+    return shlex.join([*argv, "--job", job])

@@ -67,3 +67,15 @@ def test_records_round_trip_and_bad_ones_are_ignored(tmp_path):
     (tmp_path / "bad.json").write_text('{"run_id": "../../x", "checkpoint_url": "u", "outcome": "drained"}')
     assert read_record(str(tmp_path), "torn") is None
     assert read_record(str(tmp_path), "bad") is None
+
+
+def test_the_status_command_of_a_private_etcd_is_ready_to_paste():
+    """Endpoint, the three TLS files and the job, quoted for a shell."""
+    from elasticd.agent.standalone_runs import status_command
+    from elasticd.etcd.endpoints import TLSFiles
+
+    cmd = status_command("train-1a2b", "127.0.0.1:40001",
+                         TLSFiles("/tmp/e d/ca.pem", "/tmp/c.pem", "/tmp/k.pem"))
+    assert cmd == ("elasticd status --etcd 127.0.0.1:40001 --etcd-ca '/tmp/e d/ca.pem' "
+                   "--etcd-cert /tmp/c.pem --etcd-key /tmp/k.pem --job train-1a2b")
+    assert status_command("j", "127.0.0.1:1", None) == "elasticd status --etcd 127.0.0.1:1 --job j"

@@ -9,6 +9,7 @@ known in etcd resumes its own checkpoints without any flag.
 from __future__ import annotations
 
 import json
+import shlex
 import signal
 import subprocess
 
@@ -138,6 +139,15 @@ def test_rerunning_the_readme_command_continues_after_ctrl_c_and_stops_once_fini
         started.append(first)
         wait_until(lambda: any(i.valid and i.step >= 2 for i in list_checkpoints(url)), 180,
                    lambda: f"a first checkpoint under {url}:\n{first.log()[-2000:]}")
+        # The printed `elasticd status ...` line works as pasted, while the job runs.
+        printed = _events(first, "status_command_printed")
+        assert len(printed) == 1, first.log()[-3000:]
+        argv = shlex.split(printed[0]["command"])
+        assert argv[:2] == ["elasticd", "status"] and "--etcd-ca" in argv
+        shown = subprocess.run([PY, "-m", "elasticd.cli", *argv[1:]], capture_output=True,
+                               text=True, timeout=60)
+        assert shown.returncode in (0, 1), shown.stderr  # training (full size or degraded)
+        assert "TRAINING" in shown.stdout, shown.stdout
         first.signal_agent(signal.SIGINT)  # Ctrl-C reaches the agent
         assert _exit_code(first, 120) == 0, first.log()[-3000:]
         run1 = {i.run_id for i in list_checkpoints(url)}
