@@ -53,6 +53,48 @@ def test_cli_surface_is_frozen():
             assert _flags(sub.choices[name]) == sorted(flags), name
 
 
+# `run --help` and `agent --help`: one group per config section, in this order.
+FLAG_GROUPS = ["job ([job])", "etcd connection ([etcd])", "this node ([node])",
+               "rendezvous ([rendezvous])", "workers ([workers])", "restarts ([restart])",
+               "stopping and resizing ([drain])", "preemption notices ([preemption])",
+               "logging ([logging])", "metrics ([metrics])"]
+
+
+def _parsers():
+    top = build_parser()
+    sub = next(a for a in top._actions if a.__class__.__name__ == "_SubParsersAction")
+    return top, sub.choices
+
+
+def test_every_parser_refuses_abbreviations_and_groups_node_flags_by_section():
+    """No parser takes `--nproc` for `--nproc-per-node`; run/agent flags sit in section groups."""
+    top, subs = _parsers()
+    assert not top.allow_abbrev and not any(p.allow_abbrev for p in subs.values())
+    for name in ("run", "agent"):
+        titles = [g.title for g in subs[name]._action_groups if g._group_actions]
+        assert titles[-len(FLAG_GROUPS):] == FLAG_GROUPS, titles
+    assert "(default: 5)" in subs["run"].format_help()  # --node-ttl's schema default
+
+
+def test_top_level_help_names_every_command():
+    """The description line lists all subcommands, not the first five."""
+    top, subs = _parsers()
+    assert top.description == f"The elasticd command line: {', '.join(subs)}."
+    assert len(subs) == 8
+
+
+@pytest.mark.parametrize("args,hint", [
+    (["run", "--standalone", "--nproc", "2", "train.py"], "did you mean --nproc-per-node?"),
+    (["status", "--jbo", "x"], "did you mean --job?"),
+    (["stauts"], "did you mean `elasticd status`?"),
+])
+def test_a_typo_or_abbreviation_exits_78_with_did_you_mean(args, hint):
+    """An abbreviated or misspelt flag or command is refused (exit 78) with the likely one."""
+    proc = run(*args)
+    assert proc.returncode == 78, proc.stderr
+    assert hint in proc.stderr, proc.stderr
+
+
 def run(*args, **kw):
     return subprocess.run([sys.executable, "-m", "elasticd.cli", *args], capture_output=True,
                           text=True, timeout=50, **kw)
