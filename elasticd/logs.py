@@ -118,16 +118,17 @@ def current_format() -> str | None:
 
 
 def configure_worker_logging(fmt: str | None) -> None:
-    """In a worker: render the worker API's events as JSON when the agent does.
+    """In a worker: render the worker API's events as the agent renders its own.
 
     ``fmt`` is the agent's resolved format (``ELASTICD_LOG_FORMAT``, read by the
-    launcher). Only ``"json"`` changes anything: in console mode the worker's output is
-    left exactly as before (torch prefixes each line with ``[default<rank>]:``).
-    Events go to stderr, as the agent's do. The stdlib root logger is left alone: the
-    user's script may configure it (its lines are wrapped by the agent like any output).
+    launcher): ``"json"``, else (unset) console lines. Either way with the agent's UTC ISO
+    timestamps: structlog's own default is local time in another format, so agent and
+    worker lines of one terminal used to disagree by the time zone. Events go to stderr,
+    as the agent's do (torch prefixes each line with ``[default<rank>]:``). The stdlib
+    root logger is left alone: the user's script may configure it (its lines are wrapped
+    by the agent like any output), and a script that configures structlog wins.
     """
-    if fmt == "json":
-        configure_logging("json", stdlib=False)
+    configure_logging("json" if fmt == "json" else "console", stdlib=False)
 
 
 def error_line(message: str, *, event: str = "agent_error", level: str = "error",

@@ -47,7 +47,7 @@ def ensure_run_id(client: EtcdClient, keys: JobKeys, *, deadline_s: float = 30.0
         fresh = proposed or new_run_id()
         created = client.put_if(key, fresh, mod_revision=0)
         if created:
-            log.info("run_id_created", run_id=fresh)
+            log.debug("run_id_created", run_id=fresh)
             return fresh
         kv = client.get(key)
         if kv is None:  # deleted between the two calls: try again
@@ -94,7 +94,7 @@ def check_resume(settings: Any, job: str, run_id: str, resume: str) -> Any:
             log.warning("checkpoint_resume_check_failed", url=settings.checkpoint_url,
                         error=repr(exc))
         else:
-            log.info("checkpoint_resume_checked", run_id=run_id, resume=resume, step=step)
+            log.debug("checkpoint_resume_checked", run_id=run_id, resume=resume, step=step)
     env = {**settings.worker_env, "ELASTICD_RUN_ID": run_id, "ELASTICD_RESUME": resume}
     return dataclasses.replace(settings, worker_env=env)
 

@@ -170,6 +170,7 @@ def run_node(spec: NodeSpec, early: Any = None) -> int:
     state_dir: str | None = None
     runs_dir: str | None = None  # a standalone job's run records (standalone_runs)
     run_record: RunRecord | None = None
+    log_dir: str | None = None
     try:
         # Worker logs outlive the agent: private, never a predictable shared path. Chosen
         # first, so a refused log dir fails before anything starts.
@@ -310,6 +311,9 @@ def run_node(spec: NodeSpec, early: Any = None) -> int:
             error_line(failure_summary(outcome), event="failure_summary",
                        error=failure_line(first[1]) if first is not None else outcome.reason)
         log.info("agent_exited", outcome=outcome.kind, reason=outcome.reason, exit_code=outcome.exit_code)
+        error_line(closing_line(spec.supervision.checkpoint_url, log_dir), event="run_files",
+                   level="info", checkpoint_url=spec.supervision.checkpoint_url,
+                   worker_log_dir=log_dir)
         if remote.fired is not None and outcome.kind == "drained":
             log.info("agent_stopped_by_operator", reason=remote.fired.reason,
                      fix=restart_hint(remote.fired))
@@ -342,6 +346,19 @@ def run_node(spec: NodeSpec, early: Any = None) -> int:
             client.close()
         if embedded is not None:
             embedded.stop()
+        if log_dir is not None and not spec.log_dir and not spec.state_dir:
+            # Our own fresh temp dir (elasticd.logs): gone again when no worker wrote to it.
+            try:
+                os.rmdir(log_dir)
+            except OSError:
+                pass  # not empty: a worker started, its logs stay
+
+
+def closing_line(checkpoint_url: str | None, log_dir: str | None) -> str:
+    """The agent's last line: where this run's checkpoints and worker logs are. Pure."""
+    where = (f"checkpoints in {checkpoint_url}" if checkpoint_url
+             else "checkpoints where the script saves them (no --checkpoint-url)")
+    return f"elasticd: {where}; worker logs in {log_dir}" if log_dir else f"elasticd: {where}"
 
 
 def _connect(client: EtcdClient, prefix: str, timeout_s: float) -> None:

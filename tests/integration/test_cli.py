@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -146,8 +147,11 @@ def test_unreachable_etcd_says_what_it_waits_for_and_ends_with_the_status_hint(t
     the last line is `status`'s hint."""
     script = tmp_path / "t.py"
     script.write_text("print('never')\n")
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
     proc = run("run", "--etcd", "127.0.0.1:9", "--job", "x", "--etcd-connect-timeout", "2",
-               "--etcd-timeout", "0.5", "--log-format", "console", "--no-warm-start", str(script))
+               "--etcd-timeout", "0.5", "--log-format", "console", "--no-warm-start", str(script),
+               env={**os.environ, "TMPDIR": str(tmp)})
     assert proc.returncode == 4, proc.stderr[-2000:]
     lines = proc.stderr.strip().splitlines()
     waiting = [ln for ln in lines if "waiting up to 2s for it (--etcd-connect-timeout)" in ln]
@@ -156,3 +160,5 @@ def test_unreachable_etcd_says_what_it_waits_for_and_ends_with_the_status_hint(t
     last = [ln for ln in lines if ln.startswith("elasticd: etcd at 127.0.0.1:9 unreachable for 2s")]
     assert len(last) == 1, lines
     assert last[0].endswith("; check --etcd, the TLS/auth flags and that etcd is up")
+    # No worker started: no empty private log dir is left behind.
+    assert not list(tmp.glob("elasticd-logs-*")), list(tmp.iterdir())

@@ -162,6 +162,13 @@ def test_rerunning_the_readme_command_continues_after_ctrl_c_and_stops_once_fini
         assert resumed and resumed[0] is not None and resumed[0] >= 2, resumed
         saves = list_checkpoints(url)
         assert saves[0].step == 29 and {i.run_id for i in saves} == run1
+        # The first day's log: round chatter at debug, nodes named nnodes, a closing line.
+        assert not _events(second, "rendezvous_step") and not _events(second, "coordinator_step")
+        formed = _events(second, "rendezvous_completed")
+        assert formed and formed[0]["nnodes"] == 1 and "world_size" not in formed[0]
+        files = _events(second, "run_files")
+        assert len(files) == 1 and files[0]["checkpoint_url"] == url
+        assert f"checkpoints in {url}; worker logs in {tmp_path / 'state'}" in files[0]["message"]
 
         third = _readme_run(tmp_path, "third")
         started.append(third)
