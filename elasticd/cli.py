@@ -16,8 +16,8 @@ from typing import Any, NoReturn
 
 from elasticd import __version__
 from elasticd.config import load_config
-from elasticd.config.loader import closest
 from elasticd.config.flags import add_config_flags, flag_names, overrides_from_args
+from elasticd.config.loader import closest
 from elasticd.errors import EX_CONFIG, ConfigError, ElasticdError
 from elasticd.sensitive import scrub_text
 

@@ -10,7 +10,7 @@ import argparse
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from elasticd.errors import ConfigError
+from elasticd.errors import ETCD_UNREACHABLE_HINT, ConfigError
 from elasticd.etcd.client import EtcdClient, TLSFiles, parse_endpoints
 from elasticd.keys import JobKeys, validate_job_name
 from elasticd.sensitive import read_secret_file
