@@ -163,7 +163,8 @@ def test_rerunning_the_readme_command_continues_after_ctrl_c_and_stops_once_fini
         saves = list_checkpoints(url)
         assert saves[0].step == 29 and {i.run_id for i in saves} == run1
         # The first day's log: round chatter at debug, nodes named nnodes, a closing line.
-        assert not _events(second, "rendezvous_step") and not _events(second, "coordinator_step")
+        assert not _events(second, "rendezvous_step")
+        assert [e["action"] for e in _events(second, "coordinator_step")] == ["finalize"]
         formed = _events(second, "rendezvous_completed")
         assert formed and formed[0]["nnodes"] == 1 and "world_size" not in formed[0]
         files = _events(second, "run_files")
