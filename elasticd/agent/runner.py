@@ -171,6 +171,7 @@ def run_node(spec: NodeSpec, early: Any = None) -> int:
     runs_dir: str | None = None  # a standalone job's run records (standalone_runs)
     run_record: RunRecord | None = None
     log_dir: str | None = None
+    closing: str | None = None  # the agent's last line, once the run has an outcome
     try:
         # Worker logs outlive the agent: private, never a predictable shared path. Chosen
         # first, so a refused log dir fails before anything starts.
@@ -311,9 +312,7 @@ def run_node(spec: NodeSpec, early: Any = None) -> int:
             error_line(failure_summary(outcome), event="failure_summary",
                        error=failure_line(first[1]) if first is not None else outcome.reason)
         log.info("agent_exited", outcome=outcome.kind, reason=outcome.reason, exit_code=outcome.exit_code)
-        error_line(closing_line(spec.supervision.checkpoint_url, log_dir), event="run_files",
-                   level="info", checkpoint_url=spec.supervision.checkpoint_url,
-                   worker_log_dir=log_dir)
+        closing = closing_line(spec.supervision.checkpoint_url, log_dir)  # said last, below
         if remote.fired is not None and outcome.kind == "drained":
             log.info("agent_stopped_by_operator", reason=remote.fired.reason,
                      fix=restart_hint(remote.fired))
@@ -352,6 +351,9 @@ def run_node(spec: NodeSpec, early: Any = None) -> int:
                 os.rmdir(log_dir)
             except OSError:
                 pass  # not empty: a worker started, its logs stay
+        if closing is not None:  # after the teardown's own lines: the last thing said
+            error_line(closing, event="run_files", level="info",
+                       checkpoint_url=spec.supervision.checkpoint_url, worker_log_dir=log_dir)
 
 
 def closing_line(checkpoint_url: str | None, log_dir: str | None) -> str:

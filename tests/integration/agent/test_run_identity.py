@@ -169,6 +169,8 @@ def test_rerunning_the_readme_command_continues_after_ctrl_c_and_stops_once_fini
         assert formed and formed[0]["nnodes"] == 1 and "world_size" not in formed[0]
         files = _events(second, "run_files")
         assert len(files) == 1 and files[0]["checkpoint_url"] == url
+        rows = [json.loads(line) for line in second.log().splitlines() if line.startswith("{")]
+        assert rows[-1]["event"] == "run_files", rows[-1]  # the last line, after the teardown
         assert f"checkpoints in {url}; worker logs in {tmp_path / 'state'}" in files[0]["message"]
 
         third = _readme_run(tmp_path, "third")
