@@ -78,7 +78,8 @@ def agent_breakdown(node_lines: list[list[tuple[float, str]]], t0: float, new_wo
              or (e["event"] == "agent_decided" and e.get("verdict") == "restart_membership")]
         if d:
             detect.append(min(d))
-        r = [e for e in evs if e["event"] == "rendezvous_completed" and e.get("world_size") == new_world]
+        r = [e for e in evs if e["event"] == "rendezvous_completed"
+             and e.get("nnodes", e.get("world_size")) == new_world]
         if r:
             rdzv_end.append(r[0]["_t"])
             rdzv_len.append(float(r[0].get("seconds", 0.0)))

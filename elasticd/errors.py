@@ -11,6 +11,8 @@ torch's agent and launcher understand them.
 from __future__ import annotations
 
 EX_CONFIG = 78
+# The last words of every command that gave up on etcd (agent and CLI alike).
+ETCD_UNREACHABLE_HINT = "check --etcd, the TLS/auth flags and that etcd is up"
 
 
 class ElasticdError(Exception):

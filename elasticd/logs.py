@@ -118,26 +118,29 @@ def current_format() -> str | None:
 
 
 def configure_worker_logging(fmt: str | None) -> None:
-    """In a worker: render the worker API's events as JSON when the agent does.
+    """In a worker: render the worker API's events as the agent renders its own.
 
     ``fmt`` is the agent's resolved format (``ELASTICD_LOG_FORMAT``, read by the
-    launcher). Only ``"json"`` changes anything: in console mode the worker's output is
-    left exactly as before (torch prefixes each line with ``[default<rank>]:``).
-    Events go to stderr, as the agent's do. The stdlib root logger is left alone: the
-    user's script may configure it (its lines are wrapped by the agent like any output).
+    launcher): ``"json"``, else (unset) console lines. Either way with the agent's UTC ISO
+    timestamps: structlog's own default is local time in another format, so agent and
+    worker lines of one terminal used to disagree by the time zone. Events go to stderr,
+    as the agent's do (torch prefixes each line with ``[default<rank>]:``). The stdlib
+    root logger is left alone: the user's script may configure it (its lines are wrapped
+    by the agent like any output), and a script that configures structlog wins.
     """
-    if fmt == "json":
-        configure_logging("json", stdlib=False)
+    configure_logging("json" if fmt == "json" else "console", stdlib=False)
 
 
-def error_line(message: str, *, event: str = "agent_error", **fields: Any) -> None:
+def error_line(message: str, *, event: str = "agent_error", level: str = "error",
+               **fields: Any) -> None:
     """Write a final error line: one JSON event in JSON mode, else the plain text on stderr.
 
-    For the lines printed outside any event (a failure summary, an exit reason), which
-    would otherwise be the one non-JSON line in a JSON log.
+    For the lines printed outside any event (a failure summary, an exit reason, what a
+    standalone start does about its last run), which would otherwise be the one non-JSON
+    line in a JSON log. ``level``: the JSON event's level (``info`` for a notice).
     """
     if _format == "json":
-        structlog.get_logger("elasticd").error(event, message=message, **fields)
+        getattr(structlog.get_logger("elasticd"), level)(event, message=message, **fields)
     else:
         sys.stderr.write(message if message.endswith("\n") else message + "\n")
         sys.stderr.flush()

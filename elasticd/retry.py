@@ -45,9 +45,13 @@ class _StopOnEvent(tenacity.stop.stop_base):
 def transient_retrying(*, what: str, deadline: float, stop: threading.Event | None = None,
                        sleep: Callable[[float], None] = time.sleep,
                        clock: Callable[[], float] = time.monotonic,
-                       initial_s: float = 0.05, max_s: float = 1.0) -> tenacity.Retrying:
-    """A ``tenacity.Retrying`` for ``TransientError`` until ``deadline`` (monotonic) or ``stop``."""
-    state = {"warned": False}
+                       initial_s: float = 0.05, max_s: float = 1.0,
+                       warn: bool = True) -> tenacity.Retrying:
+    """A ``tenacity.Retrying`` for ``TransientError`` until ``deadline`` (monotonic) or ``stop``.
+
+    ``warn=False``: the caller has said what it waits for itself (no generic warning).
+    """
+    state = {"warned": not warn}
 
     def before_sleep(rs: tenacity.RetryCallState) -> None:
         if not state["warned"]:
@@ -69,13 +73,14 @@ def transient_retrying(*, what: str, deadline: float, stop: threading.Event | No
 
 def call_with_retry(fn: Callable[[], T], *, what: str, deadline: float,
                     stop: threading.Event | None = None,
-                    sleep: Callable[[float], None] = time.sleep) -> T:
+                    sleep: Callable[[float], None] = time.sleep, warn: bool = True) -> T:
     """Call ``fn`` until it succeeds, a non-transient error, ``deadline`` or ``stop``.
 
     Raises:
         TransientError: the last transient error, once the deadline passed.
     """
-    return transient_retrying(what=what, deadline=deadline, stop=stop, sleep=sleep)(fn)
+    return transient_retrying(what=what, deadline=deadline, stop=stop, sleep=sleep,
+                              warn=warn)(fn)
 
 
 def restart_backoff_s(attempt: int, initial_s: float, max_s: float) -> float:

@@ -31,11 +31,11 @@ from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElas
 from torch.distributed.elastic.rendezvous import RendezvousGracefulExitError
 
 from elasticd.agent.commits import CommitRetrier
-from elasticd.agent.policy import Decision, Facts, GroupState, Verdict, decide
+from elasticd.agent.policy import STARTUP_S, Decision, Facts, GroupState, Verdict, decide
 from elasticd.agent.recorder import JobRecorder
 from elasticd.agent.reform import LiveReformer, live_tick
 from elasticd.agent.standbys import StandbyCare
-from elasticd.agent.summary import failure_summary, print_summary
+from elasticd.agent.summary import failure_line, failure_summary, print_summary
 from elasticd.agent.supervision import AgentPhase, Outcome, SupervisionSettings
 from elasticd.agent.ticks import TickWrites
 from elasticd.agent.wakeup import TickWaker
@@ -87,6 +87,9 @@ class ElasticdAgent(TickWrites, StandbyCare, LocalElasticAgent):
         self._group_started_at = 0.0
         self._done_checked_at = 0.0  # throttle of the done-marker look while workers run
         self._running_checked_at = 0.0
+        # Failed attempts while none got past start-up (policy.repeats_at_startup).
+        self._startup_failures: tuple[str, ...] = ()
+        self._past_startup = False
         self.live = LiveReformer(control.dir, enabled=settings.live_reform,
                                  timeout_s=settings.live_reform_timeout_s)
         # A stop signal, a worker's exit or a watch event ends the tick's wait at once.
@@ -237,6 +240,7 @@ class ElasticdAgent(TickWrites, StandbyCare, LocalElasticAgent):
                                round=self.handler.round)
             self._last_decision = decision.reason
             self._record_tick(facts, result, now)
+            self._note_attempt(facts, decision)
             if live_tick(self, decision.verdict.value, facts.membership.value):
                 continue  # the workers re-form in place (elasticd.agent.reform)
             done = self._act(decision, result)
@@ -292,7 +296,25 @@ class ElasticdAgent(TickWrites, StandbyCare, LocalElasticAgent):
             any_progress=board.max_step() >= 0,
             workers_done=done,
             done_exit_passed=done and now - done_at >= self.settings.done_exit_s,
+            failure_line=self._root_failure_line(result),
+            startup_failures=self._startup_failures,
+            past_startup=(self._past_startup or board.max_step() >= 0
+                          or now - self._group_started_at >= STARTUP_S),
         )
+
+    @staticmethod
+    def _root_failure_line(result: RunResult) -> str:
+        if not result.failures:
+            return ""
+        _, failure = min(result.failures.items(), key=lambda kv: (kv[1].timestamp, kv[0]))
+        return failure_line(failure)
+
+    def _note_attempt(self, facts: Facts, decision: Decision) -> None:
+        """Remember how an attempt failed while none has got past start-up."""
+        if facts.past_startup:
+            self._past_startup, self._startup_failures = True, ()
+        elif decision.verdict is Verdict.RESTART_FAILURE and facts.failure_line:
+            self._startup_failures = (*self._startup_failures, facts.failure_line)
 
     def _workers_done(self, state: GroupState, now: float) -> bool:
         """True once every local worker's script returned with 0 (``done-<rank>`` markers).

@@ -17,6 +17,10 @@ with a human-readable reason. Policy in one line each:
   for the workers (even if a peer re-forms first) until ``resize_grace_s``, then restarts
   them hard.
 - Exit code 2 on the first start (argument parsing) is not retried: it will not go away.
+- Nor is a failure that repeats: when no attempt on this node ever got past start-up (no
+  step reported, and none ran ``STARTUP_S``) and this attempt failed with the same
+  exception line as every one before it (a script that raises at import), the second
+  such failure gives up instead of spending the rest of the budget the same way.
   Nor is exit code 78 (EX_CONFIG: a worker raised ``ConfigError``) at any time: the agent
   gives up with 78.
 - A stop signal when the workers never called ``should_stop`` (a plain script, or one
@@ -36,6 +40,9 @@ from dataclasses import dataclass
 from elasticd.rendezvous.protocol import Attribution, MembershipChange
 
 EX_CONFIG = 78  # a worker's ConfigError (sysexits.h EX_CONFIG): deterministic, never retried
+# An attempt that ran this long got past start-up even without reporting a step (a plain
+# script reports none): its failure may be a transient one, worth the restart budget.
+STARTUP_S = 60.0
 
 
 class Verdict(enum.Enum):
@@ -101,6 +108,18 @@ class Facts:
     # Every local worker's script returned with 0 (done-<rank> markers): the work is done.
     workers_done: bool = False
     done_exit_passed: bool = False  # ... and some are still running done_exit_s later
+    # The root failure's exception line this tick ("ModuleNotFoundError: ..."), or how it
+    # ended ("exit code 1"); "" when there is no failure.
+    failure_line: str = ""
+    # The lines of this node's earlier failed attempts, while none got past start-up.
+    startup_failures: tuple[str, ...] = ()
+    past_startup: bool = False  # some attempt reported a step or ran STARTUP_S
+
+
+def repeats_at_startup(f: Facts) -> bool:
+    """True when no attempt got past start-up and every one failed with ``f.failure_line``."""
+    return (not f.past_startup and bool(f.failure_line) and bool(f.startup_failures)
+            and all(line == f.failure_line for line in f.startup_failures))
 
 
 @dataclass(frozen=True)
@@ -144,6 +163,10 @@ def decide(f: Facts) -> Decision:
             return Decision(Verdict.RESTART_MEMBERSHIP,
                             f"worker failure caused by a peer ({f.attribution.value})")
         if f.attribution is Attribution.ROOT or f.attribution_window_passed:
+            if repeats_at_startup(f):
+                return Decision(Verdict.FAIL, f"all {len(f.startup_failures) + 1} attempts "
+                                "failed the same way before their first step, not retrying: "
+                                f"{f.failure_line}")
             if f.remaining_restarts > 0:
                 return Decision(Verdict.RESTART_FAILURE, "worker failure: restarting")
             return Decision(Verdict.FAIL, "worker failure and the restart budget is spent")

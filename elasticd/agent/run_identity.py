@@ -26,8 +26,13 @@ from elasticd.retry import call_with_retry
 log = structlog.get_logger(__name__)
 
 
-def ensure_run_id(client: EtcdClient, keys: JobKeys, *, deadline_s: float = 30.0) -> str:
+def ensure_run_id(client: EtcdClient, keys: JobKeys, *, deadline_s: float = 30.0,
+                  proposed: str | None = None) -> str:
     """This job's run id, creating it if the job has none yet.
+
+    Args:
+        proposed: the id to create when there is none (a standalone job continuing its
+            last run, elasticd.agent.standalone_runs); None: a fresh one.
 
     Returns:
         16 lowercase hex digits.
@@ -39,10 +44,10 @@ def ensure_run_id(client: EtcdClient, keys: JobKeys, *, deadline_s: float = 30.0
     key = keys.run_id
 
     def once() -> str:
-        fresh = new_run_id()
+        fresh = proposed or new_run_id()
         created = client.put_if(key, fresh, mod_revision=0)
         if created:
-            log.info("run_id_created", run_id=fresh)
+            log.debug("run_id_created", run_id=fresh)
             return fresh
         kv = client.get(key)
         if kv is None:  # deleted between the two calls: try again
@@ -89,7 +94,7 @@ def check_resume(settings: Any, job: str, run_id: str, resume: str) -> Any:
             log.warning("checkpoint_resume_check_failed", url=settings.checkpoint_url,
                         error=repr(exc))
         else:
-            log.info("checkpoint_resume_checked", run_id=run_id, resume=resume, step=step)
+            log.debug("checkpoint_resume_checked", run_id=run_id, resume=resume, step=step)
     env = {**settings.worker_env, "ELASTICD_RUN_ID": run_id, "ELASTICD_RESUME": resume}
     return dataclasses.replace(settings, worker_env=env)
 

@@ -29,10 +29,25 @@ from elasticd.agent.elastic_agent import ElasticdAgent, SupervisionSettings
 from elasticd.agent.recorder import JobRecorder
 from elasticd.agent.remote_control import RemoteStopWatch, refusal_at_start
 from elasticd.agent.run_identity import check_resume, ensure_run_id
-from elasticd.agent.summary import failure_summary
+from elasticd.agent.standalone_runs import (
+    RUNNING,
+    RunPlan,
+    RunRecord,
+    plan_standalone_run,
+    read_record,
+    records_dir,
+    status_command,
+    write_record,
+)
+from elasticd.agent.summary import failure_line, failure_summary
 from elasticd.control import CommitRequest, ControlChannel
 from elasticd.control.api import ENV_LOG_FORMAT, CommitOutcome
-from elasticd.errors import ConfigError, EtcdUnavailableError, TransientError
+from elasticd.errors import (
+    ETCD_UNREACHABLE_HINT,
+    ConfigError,
+    EtcdUnavailableError,
+    TransientError,
+)
 from elasticd.etcd.client import EtcdClient, TLSFiles
 from elasticd.etcd.embedded import EmbeddedEtcd
 from elasticd.keys import JobKeys
@@ -158,6 +173,10 @@ def run_node(spec: NodeSpec, early: Any = None, arrival: EarlyArrival | None = N
     remote: RemoteStopWatch | None = None
     logs: Any = None
     state_dir: str | None = None
+    runs_dir: str | None = None  # a standalone job's run records (standalone_runs)
+    run_record: RunRecord | None = None
+    log_dir: str | None = None
+    closing: str | None = None  # the agent's last line, once the run has an outcome
     try:
         # Worker logs outlive the agent: private, never a predictable shared path. Chosen
         # first, so a refused log dir fails before anything starts.
@@ -177,8 +196,7 @@ def run_node(spec: NodeSpec, early: Any = None, arrival: EarlyArrival | None = N
                                 allow_plaintext_auth=spec.etcd_insecure_plaintext_auth)
         # Probe the job's own prefix: an etcd role may grant only /elasticd/<job>/.
         job_prefix = JobKeys(spec.job).prefix
-        call_with_retry(lambda: client.get(job_prefix), what="connect to etcd",
-                        deadline=time.monotonic() + spec.etcd_connect_timeout_s)
+        _connect(client, job_prefix, spec.etcd_connect_timeout_s)
         handler = EtcdRendezvousHandler(
             client, spec.job,
             RendezvousSettings(min_nodes=spec.min_nodes, max_nodes=spec.max_nodes,
@@ -205,10 +223,27 @@ def run_node(spec: NodeSpec, early: Any = None, arrival: EarlyArrival | None = N
             log.warning("agent_not_joining", reason=refused.reason, fix=restart_hint(refused))
             return 0
         recorder = JobRecorder(handler.session)
+        # A standalone start (a fresh private etcd) continues its job's last run unless
+        # that run finished (elasticd.agent.standalone_runs): decided before anything starts.
+        plan = RunPlan()
+        if embedded is not None and spec.etcd_data_dir is None:
+            runs_dir = records_dir(spec.state_dir)
+            plan = plan_standalone_run(read_record(runs_dir, spec.job), job=spec.job,
+                                       checkpoint_url=spec.supervision.checkpoint_url,
+                                       resume=spec.resume)
+            if plan.finished:
+                error_line(plan.message, event="standalone_run_finished_before", level="info")
+                return 0
         # The run's identity (docs/checkpoints.md#run-identity): stamped on the pointer,
         # handed to workers, and checked against the stored checkpoints before any starts.
-        recorder.run_id = ensure_run_id(client, handler.keys)
+        recorder.run_id = ensure_run_id(client, handler.keys, proposed=plan.run_id)
+        if plan.message:
+            error_line(plan.message, event="standalone_run_continued", level="info",
+                       run_id=recorder.run_id)
         supervision = check_resume(spec.supervision, spec.job, recorder.run_id, spec.resume)
+        if runs_dir is not None and spec.supervision.checkpoint_url:
+            run_record = RunRecord(recorder.run_id, spec.supervision.checkpoint_url, RUNNING)
+            write_record(runs_dir, spec.job, run_record)
         if current_format() == "json":  # the worker API logs JSON when its agent does
             supervision = replace(supervision, worker_env={**supervision.worker_env,
                                                            ENV_LOG_FORMAT: "json"})
@@ -269,17 +304,29 @@ def run_node(spec: NodeSpec, early: Any = None, arrival: EarlyArrival | None = N
         log.info("agent_started", endpoints=client.endpoint_label(), nproc_per_node=spec.nproc_per_node,
                  nnodes=f"{spec.min_nodes}:{spec.max_nodes}", command=list(spec.command),
                  worker_log_dir=log_dir)
+        if embedded is not None:  # a private etcd: its address and certificate are new each run
+            command = status_command(spec.job, embedded.endpoint, embedded.client_tls)
+            error_line(f"elasticd: watch this job with: {command}", event="status_command_printed",
+                       level="info", command=command)
         try:
             agent.run()
         except RendezvousClosedError as exc:
             # We arrived (or came back) after the job finished: exit 0, train nothing, and
             # say when it finished and how to run it again (a systemd restart stays down).
             _log_finished(client, handler.keys, exc)
+            if runs_dir is not None and run_record is not None:
+                write_record(runs_dir, spec.job, replace(run_record, outcome="closed"))
             return 0
         outcome = agent.outcome
+        if runs_dir is not None and run_record is not None:  # how this run ended, for the next
+            write_record(runs_dir, spec.job, replace(run_record, outcome=outcome.kind))
         if outcome.kind == "failed":
-            error_line(failure_summary(outcome), event="failure_summary")
+            first = min(outcome.failures.items(), key=lambda kv: (kv[1].timestamp, kv[0]),
+                        default=None)
+            error_line(failure_summary(outcome), event="failure_summary",
+                       error=failure_line(first[1]) if first is not None else outcome.reason)
         log.info("agent_exited", outcome=outcome.kind, reason=outcome.reason, exit_code=outcome.exit_code)
+        closing = closing_line(spec.supervision.checkpoint_url, log_dir)  # said last, below
         if remote.fired is not None and outcome.kind == "drained":
             log.info("agent_stopped_by_operator", reason=remote.fired.reason,
                      fix=restart_hint(remote.fired))
@@ -312,6 +359,57 @@ def run_node(spec: NodeSpec, early: Any = None, arrival: EarlyArrival | None = N
             client.close()
         if embedded is not None:
             embedded.stop()
+        if log_dir is not None and not spec.log_dir and not spec.state_dir:
+            # Our own fresh temp dir (elasticd.logs): gone again when no worker wrote to it.
+            try:
+                os.rmdir(log_dir)
+            except OSError:
+                pass  # not empty: a worker started, its logs stay
+        if closing is not None:  # after the teardown's own lines: the last thing said
+            error_line(closing, event="run_files", level="info",
+                       checkpoint_url=spec.supervision.checkpoint_url, worker_log_dir=log_dir)
+
+
+def closing_line(checkpoint_url: str | None, log_dir: str | None) -> str:
+    """The agent's last line: where this run's checkpoints and worker logs are. Pure."""
+    where = (f"checkpoints in {checkpoint_url}" if checkpoint_url
+             else "checkpoints where the script saves them (no --checkpoint-url)")
+    return f"elasticd: {where}; worker logs in {log_dir}" if log_dir else f"elasticd: {where}"
+
+
+def _connect(client: EtcdClient, prefix: str, timeout_s: float) -> None:
+    """Reach etcd (one read of ``prefix``), retrying for ``timeout_s``.
+
+    If the first try fails, says at once what it waits for and for how long; if etcd
+    never answers, the error ends with the hint ``elasticd status`` gives.
+
+    Raises:
+        EtcdUnavailableError: no answer within ``timeout_s`` (exit 4).
+    """
+    deadline = time.monotonic() + timeout_s
+    label = client.endpoint_label()
+    try:
+        client.get(prefix)
+        return
+    except TransientError as exc:
+        why = _unreachable_why(exc, label)
+    error_line(f"elasticd: etcd at {label} does not answer ({why}); waiting up to "
+               f"{timeout_s:g}s for it (--etcd-connect-timeout)", event="etcd_waited_for",
+               level="warning", endpoints=label, timeout_s=timeout_s)
+    try:
+        call_with_retry(lambda: client.get(prefix), what="connect to etcd", deadline=deadline,
+                        warn=False)
+    except TransientError as exc:
+        raise EtcdUnavailableError(
+            f"etcd at {label} unreachable for {timeout_s:g}s ({_unreachable_why(exc, label)}); "
+            f"{ETCD_UNREACHABLE_HINT}") from exc
+
+
+def _unreachable_why(exc: Exception, label: str) -> str:
+    """The client's error without its own "etcd at X unreachable: " prefix, on one line."""
+    why = " ".join(str(exc).split())
+    prefix = f"etcd at {label} unreachable: "
+    return why[len(prefix):] if why.startswith(prefix) else why
 
 
 def _intents_dir(spec: NodeSpec) -> str:

@@ -26,9 +26,46 @@ def first_failure(result: Any) -> tuple[int, str, int] | None:
     return rank, what, code
 
 
+# What torch's ProcessFailure says when the worker left no error file: no information.
+_NO_MESSAGE = "To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html"
+
+
+def _recorded(failure: Any) -> tuple[str, str]:
+    """(exception line, traceback) from torch's error file data, as far as it says.
+
+    ``failure.message`` is a string, or (``ErrorHandler.record_exception``, which our
+    launcher uses) ``{"message": "Name: text", "extraInfo": {"py_callstack": ...}}``.
+    """
+    msg = getattr(failure, "message", "")
+    stack = ""
+    if isinstance(msg, dict):
+        extra = msg.get("extraInfo")
+        stack = extra.get("py_callstack", "") if isinstance(extra, dict) else ""
+        msg = msg.get("message", "")
+    if not isinstance(msg, str) or msg == _NO_MESSAGE:
+        msg = ""
+    return msg.strip(), stack if isinstance(stack, str) else ""
+
+
+def failure_line(failure: Any) -> str:
+    """One plain line saying how a worker failed: its exception line
+    (``ModuleNotFoundError: No module named 'x'``), else its exit code or signal. Pure."""
+    line, _ = _recorded(failure)
+    if line:
+        return line.splitlines()[0][:500]
+    code = failure.exitcode
+    if code is not None and code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
 def failure_summary(outcome: Any, tail_lines: int = 15,
                     read: Callable[[str], str] | None = None) -> str:
-    """The one-screen summary printed when the agent gives up."""
+    """The one-screen summary printed when the agent gives up: plain lines (the error
+    file's JSON is unpacked: its exception line and traceback, never the blob)."""
     lines = [f"elasticd: giving up: {outcome.reason}"]
     if outcome.failures:
         rank, failure = min(outcome.failures.items(), key=lambda kv: (kv[1].timestamp, kv[0]))
@@ -37,13 +74,9 @@ def failure_summary(outcome: Any, tail_lines: int = 15,
                else f"exit code {code}")
         lines.append(f"first failure: rank {rank} (local rank {failure.local_rank}), {how}, "
                      f"pid {failure.pid}")
-        msg = failure.message if isinstance(failure.message, str) else ""
-        if msg and msg != "To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html":
-            lines.append(f"error: {msg.strip()[:2000]}")
-        err_file = getattr(failure, "error_file", "")
-        text = ""
-        if err_file and os.path.exists(err_file):
-            text = (read or _read)(err_file)
+        msg, text = _recorded(failure)
+        if msg:
+            lines.append(f"error: {msg[:2000]}")
         stderr_log = _stderr_log_of(failure)
         if stderr_log:
             text = text or (read or _read)(stderr_log)

@@ -16,7 +16,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from elasticd.config.schema import LOG_FORMATS, LOG_LEVELS, PROVIDERS, RESUME_MODES
+from elasticd.config.schema import (
+    KEYS,
+    LOG_FORMATS,
+    LOG_LEVELS,
+    PROVIDERS,
+    REQUIRED,
+    RESUME_MODES,
+    format_value,
+)
 
 
 @dataclass(frozen=True)
@@ -43,7 +51,8 @@ FLAGS: tuple[Flag, ...] = (
          "derived from the script and the directory)"),
     Flag("--nnodes", "job.nnodes", "N or MIN:MAX nodes (default 1)"),
     Flag("--checkpoint-url", "job.checkpoint_url",
-         "fsspec URL handed to workers as ELASTICD_CHECKPOINT_URL", metavar="URL"),
+         "fsspec URL handed to workers as ELASTICD_CHECKPOINT_URL (default with --standalone: "
+         "file://$PWD/checkpoints)", metavar="URL"),
     Flag("--resume", "job.resume", "another run's checkpoints under the same URL and job: "
          "auto refuses to start (exit 78), require resumes the newest, never ignores them",
          choices=RESUME_MODES),
@@ -130,16 +139,44 @@ FLAGS: tuple[Flag, ...] = (
 )
 
 
+# The argument groups of ``--help``, one per config section, in the schema's order.
+SECTION_TITLES = {
+    "job": "job ([job])", "etcd": "etcd connection ([etcd])", "node": "this node ([node])",
+    "rendezvous": "rendezvous ([rendezvous])", "workers": "workers ([workers])",
+    "restart": "restarts ([restart])", "drain": "stopping and resizing ([drain])",
+    "preemption": "preemption notices ([preemption])", "logging": "logging ([logging])",
+    "metrics": "metrics ([metrics])",
+}
+
+
+def flag_help(f: Flag) -> str:
+    """A flag's help with the schema default appended (``(default: 5)``), unless the text
+    already names its default or the flag is a switch (its help says what it turns). Pure."""
+    default = KEYS[f.dotted].default
+    if (f.const is not None or "default" in f.help or default is None or default is REQUIRED
+            or default in ((), [], "")):
+        return f.help
+    shown = (default if isinstance(default, str) else f"{default:g}"
+             if isinstance(default, float) else format_value(default))
+    return f"{f.help} (default: {shown})".replace("%", "%%")
+
+
 def add_config_flags(parser: argparse.ArgumentParser) -> None:
-    """Add one flag per schema key (see :data:`FLAGS`), all defaulting to "not given"."""
+    """Add one flag per schema key (see :data:`FLAGS`), all defaulting to "not given",
+    in one argument group per config section (``--help`` shows each key's default)."""
+    groups: dict[str, Any] = {}
     for f in FLAGS:
+        section = f.dotted.split(".", 1)[0]
+        if section not in groups:
+            groups[section] = parser.add_argument_group(SECTION_TITLES.get(section, section))
+        group = groups[section]
         if f.const is not None:
-            parser.add_argument(f.option, dest=f.dotted, action="store_const", const=f.const,
-                                default=None, help=f.help)
+            group.add_argument(f.option, dest=f.dotted, action="store_const", const=f.const,
+                               default=None, help=f.help.replace("%", "%%"))
         else:
             metavar = f.metavar or (None if f.choices else f.option[2:].upper().replace("-", "_"))
-            parser.add_argument(f.option, dest=f.dotted, default=None, help=f.help,
-                                metavar=metavar, choices=f.choices)
+            group.add_argument(f.option, dest=f.dotted, default=None, help=flag_help(f),
+                               metavar=metavar, choices=f.choices)
 
 
 def overrides_from_args(args: argparse.Namespace) -> dict[str, Any]:

@@ -129,6 +129,13 @@ def load_config(
         # share a name: they would resume from and prune each other's checkpoints.
         values["job.name"] = standalone_job_name(
             values["workers.command"], values["workers.workdir"] or os.getcwd())
+    if values["job.standalone"] and values["job.checkpoint_url"] is None:
+        # Where examples/train.py and ElasticLoop save by default (./checkpoints in the
+        # workers' directory), told to the agent too: its start-up check sees a re-run's
+        # checkpoints before any worker starts (elasticd.agent.standalone_runs).
+        where = os.path.join(os.getcwd(), values["workers.workdir"] or "", "checkpoints")
+        values["job.checkpoint_url"] = "file://" + os.path.abspath(where)
+        origins["job.checkpoint_url"] = "default (standalone: ./checkpoints)"
     if values["job.standalone"] and values["node.local_addr"] is None:
         values["node.local_addr"] = "127.0.0.1"  # workers of one machine talk over loopback
         origins["node.local_addr"] = "default (standalone)"
@@ -223,8 +230,8 @@ def _merge_file(
                 )
             raise ConfigError(_unknown_key("", section, origin))
         if section not in SECTIONS:
-            hint = difflib.get_close_matches(section, SECTIONS, n=1)
-            did_you_mean = f"did you mean [{hint[0]}]? " if hint else ""
+            hint = closest(section, list(SECTIONS))
+            did_you_mean = f"did you mean [{hint}]? " if hint else ""
             raise ConfigError(
                 f"[{section}] ({origin}): unknown section; {did_you_mean}"
                 f"the sections are {', '.join('[' + s + ']' for s in SECTIONS)}"
@@ -290,16 +297,26 @@ def _merge_overrides(
         raw[dotted] = (value, names.get(dotted, "override"), isinstance(value, str))
 
 
+def closest(word: str, choices: list[str]) -> str | None:
+    """The choice ``word`` was most likely meant to be (a typo), or None. Pure.
+
+    One rule for every "did you mean": config keys and sections here, command-line flags
+    and subcommands in ``elasticd.cli``.
+    """
+    hint = difflib.get_close_matches(word, choices, n=1)
+    return hint[0] if hint else None
+
+
 def _unknown_key(section: str, name: str, origin: str) -> str:
     """Say that ``section.name`` is unknown and suggest the closest real key."""
     dotted = f"{section}.{name}" if section else name
     in_section = [k.name for k in KEYS.values() if k.section == section]
-    close = [f"{section}.{n}" for n in difflib.get_close_matches(name, in_section, n=1)]
+    close = [f"{section}.{n}" for n in [closest(name, in_section)] if n]
     if not close:  # the right key in the wrong section?
         close = [k.dotted for k in KEYS.values() if k.name == name]
     if not close:
         names = {k.name: k.dotted for k in KEYS.values()}
-        close = [names[n] for n in difflib.get_close_matches(name, list(names), n=1)]
+        close = [names[n] for n in [closest(name, list(names))] if n]
     head = f"{dotted} ({origin}): unknown key"
     if not close:
         where = f"[{section}] takes {', '.join(in_section)}" if section else "keys go in sections"

@@ -236,14 +236,14 @@ class EtcdClient:
             if rejected:
                 reason = detail[rejected.start():].removesuffix(": OK")
                 return ConfigError(
-                    f"etcd at {where}: TLS {reason}; check "
-                    "ca_file (the CA that signed etcd's server certificate) and cert_file/key_file "
-                    "(a client certificate signed by a CA that etcd trusts)"
+                    f"etcd at {where}: TLS {reason}; check --etcd-ca (etcd.ca_file: the CA "
+                    "that signed etcd's server certificate) and --etcd-cert/--etcd-key "
+                    "(etcd.cert_file/key_file: a client certificate signed by a CA that etcd trusts)"
                 )
             hint = ""
             if "socket closed" in detail.lower():
-                hint = (" (if etcd serves TLS, set ca_file, cert_file and key_file)" if not self.secure
-                        else " (if etcd does not serve TLS, drop ca_file, cert_file and key_file)")
+                hint = (f" (if etcd serves TLS, pass {_TLS_FLAGS})" if not self.secure
+                        else f" (if etcd does not serve TLS, drop {_TLS_FLAGS})")
             return EtcdUnavailableError(f"etcd at {where} unreachable: {type(exc).__name__}: "
                                         f"{detail}{hint}")
         return exc if isinstance(exc, Exception) else RuntimeError(str(exc))
@@ -483,6 +483,10 @@ class EtcdClient:
 
     def endpoint_label(self) -> str:
         return ",".join(f"{h}:{p}" for h, p in self.endpoints)
+
+
+# The TLS settings as a user types them: the flags of every command, then the config keys.
+_TLS_FLAGS = "--etcd-ca, --etcd-cert and --etcd-key (etcd.ca_file, cert_file, key_file)"
 
 
 def _range_end(prefix: str, range_end: str | None) -> bytes:

@@ -161,7 +161,10 @@ class RoundCoordinator:
                                      defer_lost_until=self._defer_lost_until(view),
                                      proven_dead=proven, start_settle_s=self.start_settle_s)
         if action.reason != self._last_reason:
-            self._log.info("coordinator_step", action=action.kind.value, reason=action.reason)
+            # A round closed or opened is a state change (info, with why); waits are chatter.
+            level = "info" if action.kind in (ActionKind.FINALIZE, ActionKind.OPEN_NEXT) else "debug"
+            getattr(self._log, level)("coordinator_step", action=action.kind.value,
+                                      reason=action.reason)
             self._last_reason = action.reason
         if action.kind is ActionKind.FINALIZE:
             self._finalize(action, view, state_rev)

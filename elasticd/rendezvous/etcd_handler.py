@@ -320,7 +320,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
                 if due is not None and action.until is not None:
                     action = replace(action, until=min(action.until, due))
             if action.reason != self._last_reason:
-                self._log.info("rendezvous_step", action=action.kind.value, reason=action.reason)
+                self._log.debug("rendezvous_step", action=action.kind.value, reason=action.reason)
                 self._last_reason = action.reason
             if action.kind is ActionKind.DONE:
                 self.session.state_rev = state_rev
@@ -334,8 +334,10 @@ class EtcdRendezvousHandler(RendezvousHandler):
         self._store = store
         bootstrap = RendezvousStoreInfo.build(rank, store, local_addr=self.settings.local_addr)
         self.rendezvous_s = time.monotonic() - start
+        # nnodes: nodes in the round (torch's "world size" of a rendezvous); the workers'
+        # world size is nnodes x nproc_per_node.
         self._log.info("rendezvous_completed", round=action.round, rank=rank,
-                       world_size=len(action.members), members=list(action.members),
+                       nnodes=len(action.members), members=list(action.members),
                        seconds=round(self.rendezvous_s, 3))
         return RendezvousInfo(store, rank, len(action.members), bootstrap)
 

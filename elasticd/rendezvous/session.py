@@ -236,8 +236,8 @@ class NodeSession:
         except (ValueError, TypeError):
             return old  # not a record we wrote: retire it
         fix = (f"node id {self.node_id!r} is already used by a live elasticd agent "
-               f"(host {rec.host}, pid {rec.pid}); give every agent its own node id "
-               "(--node-id, node.id), or leave it unset for HOST-PID")
+               f"(host {rec.host}, pid {rec.pid}); every agent needs its own node id: two "
+               "agents on one host need --node-id a / --node-id b (node.id)")
         if rec.host == socket.gethostname():
             if rec.pid != os.getpid() and _is_live_elasticd(rec.pid):
                 raise ConfigError(fix)

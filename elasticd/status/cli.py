@@ -234,7 +234,7 @@ def _warn_alarms(client: EtcdClient, io: _Io) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     """A stand-alone ``elasticd`` parser with only ``status`` (for ``python -m elasticd.status``)."""
-    parser = argparse.ArgumentParser(prog="elasticd")
+    parser = argparse.ArgumentParser(prog="elasticd", allow_abbrev=False)
     _exit_78_on_bad_flags(parser)
     sub = parser.add_subparsers(dest="command", required=True)
     add_parser(sub)

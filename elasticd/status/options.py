@@ -10,7 +10,7 @@ import argparse
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from elasticd.errors import ConfigError
+from elasticd.errors import ETCD_UNREACHABLE_HINT, ConfigError
 from elasticd.etcd.client import EtcdClient, TLSFiles, parse_endpoints
 from elasticd.keys import JobKeys, validate_job_name
 from elasticd.sensitive import read_secret_file
@@ -88,7 +88,7 @@ def unreachable_message(opts: StatusOptions, exc: Exception) -> str:
     prefix = f"etcd at {','.join(opts.endpoint_list)} unreachable: "
     why = why[len(prefix):] if why.startswith(prefix) else why
     return (f"etcd unreachable at {opts.endpoints} within {opts.timeout_s:g}s ({why}); "
-            "check --etcd, the TLS/auth flags and that etcd is up")
+            f"{ETCD_UNREACHABLE_HINT}")
 
 
 def unknown_job_message(opts: StatusOptions) -> str:

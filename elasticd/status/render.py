@@ -212,6 +212,25 @@ def _state_text(status: JobStatus) -> Text:
     return text
 
 
+def round_cause_text(s: JobStatus) -> str:
+    """``"; opened for member left: b"``, or ``""``. Pure.
+
+    A round is opened because members left or were lost, and it keeps that cause once
+    final. A node named there that is a member of the round again has come back (a node
+    that drained and rejoined): it is said so, not reported as gone from a round it is in.
+    """
+    if not s.round_cause:
+        return ""
+    text = f"; opened for {s.round_cause.replace('_', ' ')}"
+    if not s.round_changed:
+        return text
+    members = {n.node for n in s.nodes if n.member and n.state not in ("left", "lost")}
+    gone = s.round_cause in ("member_left", "member_lost")
+    named = [f"{n} (back in this round)" if gone and s.round_phase == "final" and n in members
+             else n for n in s.round_changed[:3]]
+    return f"{text}: {', '.join(named)}"
+
+
 def render_header(s: JobStatus) -> Table:
     """Key/value grid: state, round, size, progress, checkpoint (long values fold; the
     checkpoint URL is printed whole below the grid by ``render_job``)."""
@@ -233,12 +252,14 @@ def render_header(s: JobStatus) -> Table:
             since = f", formed {format_age(s.now - s.round_completed_at)} ago"
         elif s.round_opened_at:
             since = f", opened {format_age(s.now - s.round_opened_at)} ago"
-        if s.round_cause:
-            since += f"; opened for {s.round_cause.replace('_', ' ')}"
-            since += f": {', '.join(s.round_changed[:3])}" if s.round_changed else ""
+        since += round_cause_text(s)
         grid.add_row("round", Text(f"{s.round} ({s.round_phase}{since})"))
-        size = f"{s.nodes_in_round} nodes (min {s.min_nodes}, max {s.max_nodes})"
-        size += f", world size {s.world_size}" if s.world_size is not None else ""
+        if s.state == "stopped":
+            # The round's member list outlives a stop or a finish; nobody trains in it.
+            size = f"- nodes (min {s.min_nodes}, max {s.max_nodes}), world size -"
+        else:
+            size = f"{s.nodes_in_round} nodes (min {s.min_nodes}, max {s.max_nodes})"
+            size += f", world size {s.world_size}" if s.world_size is not None else ""
         if s.waiting_nodes:
             size += f", {s.waiting_nodes} waiting to join"
         grid.add_row("size", Text(size))
@@ -309,10 +330,14 @@ def render_nodes(s: JobStatus, *, max_rows: int = DEFAULT_MAX_ROWS) -> Renderabl
         if not show_host:
             del cells[1]
         table.add_row(*cells)
-    if not hidden:
-        return table
-    return Group(table, Text(f"... and {hidden} more healthy nodes (--max-rows 0: all)",
-                             style="dim"))
+    notes: list[RenderableType] = []
+    if any(not n.member and n.state == "training" for n in rows):
+        notes.append(Text("* trains, but is not a member of the current round (a stale round: "
+                          "its workers should be re-formed or stopped)", style="dim"))
+    if hidden:
+        notes.append(Text(f"... and {hidden} more healthy nodes (--max-rows 0: all)",
+                          style="dim"))
+    return Group(table, *notes) if notes else table
 
 
 def event_summary(se: SeqEvent) -> str:
@@ -367,11 +392,12 @@ def render_job_list(statuses: Sequence[JobStatus], now: float) -> RenderableType
         # "degraded" reads better here than "training" plus a flag; JSON keeps both facts.
         shown = "degraded" if s.state == "training" and s.degraded else s.state
         state = Text(shown, style="bold yellow" if shown == "degraded" else STATE_STYLE.get(s.state, ""))
-        nodes = f"{s.nodes_in_round}/{s.max_nodes}" if s.max_nodes is not None else "-"
+        stopped = s.state == "stopped"  # the old round's sizes are not what trains now
+        nodes = f"{s.nodes_in_round}/{s.max_nodes}" if s.max_nodes is not None and not stopped else "-"
         reason = "; ".join(s.degraded_reasons) if s.state == "training" and s.degraded else s.reason
         table.add_row(
             s.job, state, "-" if s.round is None else str(s.round), nodes,
-            "-" if s.world_size is None else str(s.world_size),
+            "-" if s.world_size is None or stopped else str(s.world_size),
             f"{s.progress.step:,}" if s.progress else "-",
             format_age(now - s.checkpoint.committed_at) if s.checkpoint else "-",
             reason,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -53,6 +54,48 @@ def test_cli_surface_is_frozen():
             assert _flags(sub.choices[name]) == sorted(flags), name
 
 
+# `run --help` and `agent --help`: one group per config section, in this order.
+FLAG_GROUPS = ["job ([job])", "etcd connection ([etcd])", "this node ([node])",
+               "rendezvous ([rendezvous])", "workers ([workers])", "restarts ([restart])",
+               "stopping and resizing ([drain])", "preemption notices ([preemption])",
+               "logging ([logging])", "metrics ([metrics])"]
+
+
+def _parsers():
+    top = build_parser()
+    sub = next(a for a in top._actions if a.__class__.__name__ == "_SubParsersAction")
+    return top, sub.choices
+
+
+def test_every_parser_refuses_abbreviations_and_groups_node_flags_by_section():
+    """No parser takes `--nproc` for `--nproc-per-node`; run/agent flags sit in section groups."""
+    top, subs = _parsers()
+    assert not top.allow_abbrev and not any(p.allow_abbrev for p in subs.values())
+    for name in ("run", "agent"):
+        titles = [g.title for g in subs[name]._action_groups if g._group_actions]
+        assert titles[-len(FLAG_GROUPS):] == FLAG_GROUPS, titles
+    assert "(default: 5)" in subs["run"].format_help()  # --node-ttl's schema default
+
+
+def test_top_level_help_names_every_command():
+    """The description line lists all subcommands, not the first five."""
+    top, subs = _parsers()
+    assert top.description == f"The elasticd command line: {', '.join(subs)}."
+    assert len(subs) == 8
+
+
+@pytest.mark.parametrize("args,hint", [
+    (["run", "--standalone", "--nproc", "2", "train.py"], "did you mean --nproc-per-node?"),
+    (["status", "--jbo", "x"], "did you mean --job?"),
+    (["stauts"], "did you mean `elasticd status`?"),
+])
+def test_a_typo_or_abbreviation_exits_78_with_did_you_mean(args, hint):
+    """An abbreviated or misspelt flag or command is refused (exit 78) with the likely one."""
+    proc = run(*args)
+    assert proc.returncode == 78, proc.stderr
+    assert hint in proc.stderr, proc.stderr
+
+
 def run(*args, **kw):
     return subprocess.run([sys.executable, "-m", "elasticd.cli", *args], capture_output=True,
                           text=True, timeout=50, **kw)
@@ -97,3 +140,25 @@ def test_unreachable_etcd_exits_4_within_the_connect_timeout(tmp_path):
     proc = run("agent", "--config", str(cfg))
     assert proc.returncode == 4, proc.stderr[-2000:]
     assert "unreachable" in proc.stderr
+
+
+def test_unreachable_etcd_says_what_it_waits_for_and_ends_with_the_status_hint(tmp_path):
+    """The first failed try names the endpoint and the wait (up to --etcd-connect-timeout);
+    the last line is `status`'s hint."""
+    script = tmp_path / "t.py"
+    script.write_text("print('never')\n")
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    proc = run("run", "--etcd", "127.0.0.1:9", "--job", "x", "--etcd-connect-timeout", "2",
+               "--etcd-timeout", "0.5", "--log-format", "console", "--no-warm-start", str(script),
+               env={**os.environ, "TMPDIR": str(tmp)})
+    assert proc.returncode == 4, proc.stderr[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    waiting = [ln for ln in lines if "waiting up to 2s for it (--etcd-connect-timeout)" in ln]
+    assert len(waiting) == 1 and waiting[0].startswith("elasticd: etcd at 127.0.0.1:9 does not answer")
+    assert lines.index(waiting[0]) < len(lines) - 1
+    last = [ln for ln in lines if ln.startswith("elasticd: etcd at 127.0.0.1:9 unreachable for 2s")]
+    assert len(last) == 1, lines
+    assert last[0].endswith("; check --etcd, the TLS/auth flags and that etcd is up")
+    # No worker started: no empty private log dir is left behind.
+    assert not list(tmp.glob("elasticd-logs-*")), list(tmp.iterdir())

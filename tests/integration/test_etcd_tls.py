@@ -177,6 +177,8 @@ def test_bad_tls_settings_fail_clearly_and_fast(tls_etcd, pki, case):
     exc, took = _tls_failure(tls_etcd.endpoint, tls)
     assert took < 2.0 + 1.5, f"took {took:.1f}s"
     assert "TLS" in str(exc), f"{type(exc).__name__}: {exc}"
+    # The fix names the flags a user types (status, stop, run), then the config keys.
+    assert "--etcd-ca" in str(exc) and "--etcd-cert" in str(exc), str(exc)
 
 
 def test_rendezvous_without_client_certificate_is_a_config_error(tls_etcd, pki):

@@ -114,6 +114,8 @@ def _agent() -> tuple[ElasticdAgent, _Recording]:
     agent._remaining_restarts = 3
     agent._last_heartbeat = 0.0
     agent._done_checked_at = 0.0
+    agent._group_started_at = 0.0
+    agent._startup_failures, agent._past_startup = (), False
     agent._log = SimpleNamespace(warning=lambda *a, **k: None)  # type: ignore[assignment]
     spec = SimpleNamespace(local_world_size=1, max_restarts=3)
     agent._worker_group = SimpleNamespace(spec=spec, group_rank=0, group_world_size=2,  # type: ignore[assignment]

@@ -211,3 +211,28 @@ def test_facts_carry_enums_not_strings():
     assert [GroupState[s.name].value for s in WorkerState] == [s.name for s in WorkerState]
     assert decide(replace(HEALTHY, group_state=GroupState.INIT)).reason == "worker group INIT"
 
+
+
+IMPORT_ERROR = "ModuleNotFoundError: No module named 'nosuchmodule'"
+FAILED_AT_START = Facts(group_state=GroupState.FAILED, remaining_restarts=2,
+                        attribution=Attribution.ROOT, exit_codes=(1,), first_start=False,
+                        failure_line=IMPORT_ERROR, startup_failures=(IMPORT_ERROR,))
+
+
+def test_a_failure_that_repeats_before_any_step_is_not_retried():
+    """Every attempt failed with the same exception line before a step: give up, naming it."""
+    d = decide(FAILED_AT_START)
+    assert d.verdict is Verdict.FAIL and d.exit_code == 1
+    assert "all 2 attempts failed the same way before their first step" in d.reason
+    assert d.reason.endswith(IMPORT_ERROR)
+
+
+@pytest.mark.parametrize("change", [
+    {"startup_failures": ()},  # the first failure: one retry proves it repeats
+    {"failure_line": "RuntimeError: connection reset"},  # a different failure this time
+    {"startup_failures": (IMPORT_ERROR, "OSError: port in use")},  # not every attempt alike
+    {"past_startup": True},  # some attempt reported a step or ran STARTUP_S
+])
+def test_a_failure_that_did_not_repeat_at_start_up_spends_the_budget(change):
+    """A first failure, a different one, or one after start-up: restarted as before."""
+    assert decide(replace(FAILED_AT_START, **change)).verdict is Verdict.RESTART_FAILURE

@@ -36,7 +36,8 @@ def test_series_rates_checkpoints_and_markers():
     assert d.world_size == (2, 2, 1, 1, 2)
     assert d.steps_per_s == (None, 2.0, 2.0, None, 2.0)
     assert d.checkpoints == ((20.0, 20), (40.0, 40))
-    assert d.markers == ((15.0, "failure", "lost"), (35.0, "join", "join"))  # round: not drawn
+    assert d.markers == ((15.0, "lost", "lost n"), (35.0, "join", "join n"))  # round: not drawn
+    assert d.rollbacks == ((30.0, 10),) and d.idle == ()
     assert d.has_loss and d.loss[0] is None
 
 
@@ -45,7 +46,7 @@ def test_no_loss_and_empty_history():
     h = History(samples=(Sample(t=1.0, step=1, world_size=1), Sample(t=2.0, step=3, world_size=1)))
     assert not plot.plot_data(h).has_loss
     empty = plot.plot_data(History(), [_ev(7.0, "drain")])
-    assert empty.t == () and empty.markers == ((0.0, "drain", "drain"),)
+    assert empty.t == () and empty.markers == ((0.0, "drain", "drain n"),)
 
 
 def test_sparkline_shows_the_trend():
@@ -91,3 +92,37 @@ def test_trend_line_shows_steps_per_s_and_loss():
     no_loss = History(samples=(Sample(t=1.0, step=1, world_size=1), Sample(t=3.0, step=5, world_size=1)))
     assert "loss" not in plot.trend_line(no_loss.to_json()) and "2" in plot.trend_line(no_loss.to_json())
     assert plot.trend_line("garbage") == "" and plot.trend_line(History().to_json()) == ""
+
+
+def _stopped_history() -> History:
+    """Trains 20 s at world 2, stopped for 10 minutes, resumes at world 1 from an older step."""
+    return History(interval_s=5.0, samples=(
+        Sample(t=0.0, step=0, world_size=2, loss=2.0), Sample(t=5.0, step=10, world_size=2, loss=1.0),
+        Sample(t=10.0, step=20, world_size=2, loss=0.5),
+        Sample(t=610.0, step=15, world_size=1, loss=0.6), Sample(t=615.0, step=20, world_size=1, loss=0.4),
+    ))
+
+
+def test_a_stopped_interval_is_idle_with_no_rate_across_it_and_the_rollback_is_marked():
+    """Nobody trained from 10 s to 610 s: an idle span, no steps/s across it, the world-size
+    line broken there; the restart from step 15 after step 20 is a rollback of 5 steps."""
+    d = plot.plot_data(_stopped_history())
+    assert d.idle == ((10.0, 610.0),)
+    assert d.steps_per_s == (None, 2.0, 2.0, None, 1.0)
+    assert [list(r) for r in plot.training_runs(d)] == [[0, 1, 2], [3, 4]]
+    assert d.rollbacks == ((610.0, 5),)
+
+
+def test_worker_failures_and_lost_nodes_are_told_apart():
+    """A failed worker and a lost node get different marker classes (and colours), each labelled."""
+    d = plot.plot_data(_stopped_history(), [_ev(1.0, "failure"), _ev(2.0, "lost"), _ev(3.0, "hang")])
+    assert [(cls, text) for _, cls, text in d.markers] == [
+        ("failure", "failure n"), ("lost", "lost n"), ("failure", "hang n")]
+    assert plot.MARKER_STYLE["failure"][0] != plot.MARKER_STYLE["lost"][0]
+
+
+def test_labels_of_events_close_together_are_merged():
+    """Events closer than the gap share one label, so their texts do not overprint."""
+    labels = plot.marker_labels([(10.0, "lost", "lost b"), (11.0, "failure", "failure a"),
+                                 (90.0, "join", "join b")], min_gap_s=5.0)
+    assert labels == [(10.0, "lost b, failure a", "lost"), (90.0, "join b", "join")]

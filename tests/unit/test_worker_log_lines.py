@@ -38,3 +38,17 @@ def test_secrets_are_masked_and_huge_lines_cut():
     assert "hunter2" not in obj["line"]
     big = wrap_line("x" * (MAX_LINE_CHARS + 10), F, job="j", node="n", now=0.0)
     assert big["truncated"] is True and len(big["line"]) == MAX_LINE_CHARS
+
+
+def test_worker_console_events_carry_the_agents_utc_iso_time(capsys):
+    """Under a console agent a worker's events are stamped like the agent's: UTC, ISO 8601."""
+    import re
+
+    import structlog
+
+    from elasticd.logs import configure_worker_logging
+
+    configure_worker_logging(None)
+    structlog.get_logger("w").info("checkpoint_saved", step=3)
+    line = capsys.readouterr().err.strip()
+    assert re.match(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d+Z \[info\s*\] checkpoint_saved", line), line

@@ -122,3 +122,20 @@ def test_no_warm_start_starts_no_standby(nodes, tmp_path):
                     extra=["--no-warm-start"])
     assert a.wait(90) == 0, a.log()[-3000:]
     assert "standby_started" not in a.log()
+
+
+def test_a_script_that_fails_at_import_gives_up_after_one_retry(nodes, tmp_path):
+    """The same exception at import on every attempt: one retry, then exit 1 with the line plain."""
+    bad = tmp_path / "badimport.py"
+    bad.write_text("import nosuchmodule_elasticd_test\n")
+    a = nodes.start("f8", str(bad), nnodes="1", extra=["--restart-backoff", "0.1"])
+    assert a.wait(90) == 1, a.log()[-3000:]
+    rows = [json.loads(line) for line in a.log().splitlines() if line.startswith("{")]
+    raised = [r for r in rows if r.get("event") == "worker_output" and r.get("local_rank") == 0
+              and r["line"].endswith("No module named 'nosuchmodule_elasticd_test'")]
+    assert len(raised) == 2, [r.get("line") for r in raised]  # two attempts, not four
+    summary = [r for r in rows if r.get("event") == "failure_summary"]
+    assert len(summary) == 1
+    assert "all 2 attempts failed the same way before their first step" in summary[0]["message"]
+    assert summary[0]["error"] == "ModuleNotFoundError: No module named 'nosuchmodule_elasticd_test'"
+    assert '"py_callstack"' not in summary[0]["message"]

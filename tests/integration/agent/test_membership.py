@@ -52,6 +52,8 @@ def test_second_agent_with_the_same_node_id_is_refused(nodes, tmp_path):
     second = nodes.start("j3", SCRIPT, env=_env(out), nnodes="1:2", name="b", extra=["--node-id", "same"])
     assert second.wait(60) == 78, second.log()[-3000:]
     assert "node id 'same' is already used by a live elasticd agent" in second.log()
+    assert "two agents on one host need --node-id a / --node-id b" in second.log()
+    assert "HOST-PID" not in second.log()
     before = len(_steps_at(out, 1))
     wait_until(lambda: len(_steps_at(out, 1)) >= before + 4, 30, "the first agent still training")
     assert first.alive() and not _steps_at(out, 2)

@@ -9,6 +9,7 @@ known in etcd resumes its own checkpoints without any flag.
 from __future__ import annotations
 
 import json
+import shlex
 import signal
 import subprocess
 
@@ -23,11 +24,13 @@ ARGS = ["--dataset-size", "64", "--global-batch", "8", "--micro-batch", "8",
         "--checkpoint-every", "3"]
 
 
-def _standalone(tmp_path, url: str, tag: str, steps: int, extra: list[str] | None = None) -> Node:
+def _standalone(tmp_path, url: str, tag: str, steps: int, extra: list[str] | None = None,
+                state: str = "state") -> Node:
     argv = [PY, "-m", "elasticd.cli", "run", "--standalone", "--job", "shared",
             "--nproc-per-node", "1", "--log-format", "json", "--no-warm-start",
             "--checkpoint-url", url, *(extra or []), SCRIPT, "--steps", str(steps), *ARGS]
-    return Node(argv, {}, tmp_path / f"{tag}.log")
+    # Each test its own state dir: the standalone run records live there.
+    return Node(argv, {"STATE_DIRECTORY": str(tmp_path / state)}, tmp_path / f"{tag}.log")
 
 
 def _exit_code(node: Node, timeout_s: float) -> int:
@@ -53,7 +56,8 @@ def _resumed_from(node: Node) -> list:
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_second_standalone_run_refuses_then_resumes_on_request(tmp_path):
-    """Run 1 saves; run 2 (new run id) exits 78 naming run 1 and its step; --resume require resumes."""
+    """Run 1 saves; run 2 (new run id, no record of run 1: another machine's state dir) exits
+    78 naming run 1 and its step; --resume require resumes."""
     url = f"file://{tmp_path}/ckpt"
     started: list[Node] = []
     try:
@@ -64,14 +68,15 @@ def test_second_standalone_run_refuses_then_resumes_on_request(tmp_path):
         run1 = saved[0].run_id
         assert len(run1) == 16 and saved[0].step == 5
 
-        second = _standalone(tmp_path, url, "second", steps=9)
+        second = _standalone(tmp_path, url, "second", steps=9, state="other-state")
         started.append(second)
         assert _exit_code(second, 150) == EX_CONFIG, second.log()[-3000:]
         log = second.log()
         assert run1 in log and "newest step 5" in log and "--resume require" in log
         assert {i.step for i in list_checkpoints(url, "shared")} == {i.step for i in saved}
 
-        third = _standalone(tmp_path, url, "third", steps=9, extra=["--resume", "require"])
+        third = _standalone(tmp_path, url, "third", steps=9, extra=["--resume", "require"],
+                            state="other-state")
         started.append(third)
         assert _exit_code(third, 180) == 0, third.log()[-3000:]
         assert _resumed_from(third) == [5]
@@ -100,3 +105,83 @@ def test_run_known_in_etcd_resumes_its_own_checkpoints(nodes, tmp_path):
     resumed = _resumed_from(again)
     assert resumed and resumed[0] is not None and resumed[0] >= 2, resumed
     assert len({i.run_id for i in list_checkpoints(url, "known")}) == 1
+
+
+def _readme_run(tmp_path, tag: str) -> Node:
+    """The README's own command (no --job, no --checkpoint-url) in directory tmp_path."""
+    argv = [PY, "-m", "elasticd.cli", "run", "--standalone", "--nproc-per-node", "1",
+            "--log-format", "json", "--no-warm-start", "--workdir", str(tmp_path), SCRIPT,
+            "--steps", "30", "--step-sleep", "0.05", *ARGS]
+    return Node(argv, {"STATE_DIRECTORY": str(tmp_path / "state")}, tmp_path / f"{tag}.log")
+
+
+def _events(node: Node, event: str) -> list[dict]:
+    out = []
+    for line in node.log().splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(row, dict) and row.get("event") == event:
+            out.append(row)
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_rerunning_the_readme_command_continues_after_ctrl_c_and_stops_once_finished(tmp_path):
+    """Same command, same directory: after Ctrl-C it continues the run (said in one line);
+    once finished it says so and exits 0 without starting a worker or touching a checkpoint."""
+    url = f"file://{tmp_path}/checkpoints"
+    started: list[Node] = []
+    try:
+        first = _readme_run(tmp_path, "first")
+        started.append(first)
+        wait_until(lambda: any(i.valid and i.step >= 2 for i in list_checkpoints(url)), 180,
+                   lambda: f"a first checkpoint under {url}:\n{first.log()[-2000:]}")
+        # The printed `elasticd status ...` line works as pasted, while the job runs.
+        printed = _events(first, "status_command_printed")
+        assert len(printed) == 1, first.log()[-3000:]
+        argv = shlex.split(printed[0]["command"])
+        assert argv[:2] == ["elasticd", "status"] and "--etcd-ca" in argv
+        shown = subprocess.run([PY, "-m", "elasticd.cli", *argv[1:]], capture_output=True,
+                               text=True, timeout=60)
+        assert shown.returncode in (0, 1), shown.stderr  # training (full size or degraded)
+        assert "TRAINING" in shown.stdout, shown.stdout
+        first.signal_agent(signal.SIGINT)  # Ctrl-C reaches the agent
+        assert _exit_code(first, 120) == 0, first.log()[-3000:]
+        run1 = {i.run_id for i in list_checkpoints(url)}
+        assert len(run1) == 1
+
+        second = _readme_run(tmp_path, "second")
+        started.append(second)
+        assert _exit_code(second, 180) == 0, second.log()[-3000:]
+        said = _events(second, "standalone_run_continued")
+        assert len(said) == 1 and "continuing run" in said[0]["message"], second.log()[-3000:]
+        resumed = _resumed_from(second)
+        assert resumed and resumed[0] is not None and resumed[0] >= 2, resumed
+        saves = list_checkpoints(url)
+        assert saves[0].step == 29 and {i.run_id for i in saves} == run1
+        # The first day's log: round chatter at debug, nodes named nnodes, a closing line.
+        assert not _events(second, "rendezvous_step")
+        assert [e["action"] for e in _events(second, "coordinator_step")] == ["finalize"]
+        formed = _events(second, "rendezvous_completed")
+        assert formed and formed[0]["nnodes"] == 1 and "world_size" not in formed[0]
+        files = _events(second, "run_files")
+        assert len(files) == 1 and files[0]["checkpoint_url"] == url
+        rows = [json.loads(line) for line in second.log().splitlines() if line.startswith("{")]
+        assert rows[-1]["event"] == "run_files", rows[-1]  # the last line, after the teardown
+        assert f"checkpoints in {url}; worker logs in {tmp_path / 'state'}" in files[0]["message"]
+
+        third = _readme_run(tmp_path, "third")
+        started.append(third)
+        assert _exit_code(third, 120) == 0, third.log()[-3000:]
+        said = _events(third, "standalone_run_finished_before")
+        assert len(said) == 1 and "already finished" in said[0]["message"]
+        assert "--job NEW-NAME" in said[0]["message"]
+        assert _resumed_from(third) == [], "a worker started for a finished job"
+        assert [(i.step, i.save_id) for i in list_checkpoints(url)] == \
+            [(i.step, i.save_id) for i in saves]
+    finally:
+        for node in started:
+            node.cleanup()
