@@ -22,7 +22,7 @@ NODE_FLAGS = ["--standalone", "--job", "--nnodes", "--checkpoint-url", "--resume
               "--nproc-per-node", "--workdir", "--monitor-interval", "--hang-timeout",
               "--no-warm-start", "--no-live-reform", "--live-reform-timeout", "--max-restarts", "--restart-backoff", "--restart-backoff-max",
               "--drain-grace", "--resize-grace", "--plain-stop", "--done-exit", "--preemption", "--preemption-url",
-              "--preemption-poll", "--log-format", "--log-level", "--log-dir", "--metrics-port",
+              "--preemption-poll", "--drain-lead", "--log-format", "--log-level", "--log-dir", "--metrics-port",
               "--metrics-addr"]
 # `status`, `stop`, `drain`, `start`: one connection path (elasticd.status.options).
 ETCD_CLIENT_FLAGS = ["--etcd", "--etcd-ca", "--etcd-cert", "--etcd-key", "--etcd-user",
