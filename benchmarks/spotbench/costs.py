@@ -9,15 +9,20 @@ does losing one node end the job?) are facts of the launcher, stated here with w
 field              elasticd (live / restart)    torchrun (c10d / etcd-v3)
 =================  ===========================  =====================================
 kill_s             ``sigkill`` recovery         ``sigkill`` recovery
-kill_rollback      live: no; restart: yes       yes (workers restart from a checkpoint)
+kill_rollback      ``sigkill`` steps lost > 0    ``sigkill`` steps lost > 0
 uses_notice        yes (a notice drains)        no (torchrun has no drain protocol)
 drain_s            ``sigterm`` recovery         -
 join_s             ``join`` recovery            ``join`` recovery
 join_pause_s       ``join`` members' pause      ``join`` members' pause
-join_rollback      no (members save first)      yes (workers restart from a checkpoint)
+join_rollback      ``join`` steps lost > 0       ``join`` steps lost > 0
 cold_start_s       ``join`` recovery            ``join`` recovery
 store_host_fatal   no (etcd)                    c10d: yes (the store is in one launcher)
 =================  ===========================  =====================================
+
+Whether a kill or a join rolls back is read from the run too (any recovered trial that lost
+a step), so it is a property of the launcher *and the script*: ``examples/train.py`` saves at
+a stop under torchrun as well, so torchrun's join loses no step there; a plain script that
+does not save on SIGTERM would roll back on every join.
 
 A scenario a launcher did not recover from in the run (torchrun's SIGSTOP) is not used:
 availability traces have no freezes.
@@ -35,16 +40,11 @@ from benchmarks.spotbench.model import SystemCosts
 SYSTEMS = ("elasticd-live", "elasticd", "torchrun-tuned", "torchrun-etcd")
 
 _FACTS: dict[str, dict[str, bool]] = {
-    "elasticd-live": {"kill_rollback": False, "uses_notice": True, "join_rollback": False,
-                      "store_host_fatal": False},
-    "elasticd": {"kill_rollback": True, "uses_notice": True, "join_rollback": False,
-                 "store_host_fatal": False},
-    "torchrun-tuned": {"kill_rollback": True, "uses_notice": False, "join_rollback": True,
-                       "store_host_fatal": True},
-    "torchrun-default": {"kill_rollback": True, "uses_notice": False, "join_rollback": True,
-                         "store_host_fatal": True},
-    "torchrun-etcd": {"kill_rollback": True, "uses_notice": False, "join_rollback": True,
-                      "store_host_fatal": False},
+    "elasticd-live": {"uses_notice": True, "store_host_fatal": False},
+    "elasticd": {"uses_notice": True, "store_host_fatal": False},
+    "torchrun-tuned": {"uses_notice": False, "store_host_fatal": True},
+    "torchrun-default": {"uses_notice": False, "store_host_fatal": True},
+    "torchrun-etcd": {"uses_notice": False, "store_host_fatal": False},
 }
 
 
@@ -61,6 +61,11 @@ def _median(trials: list[dict], system: str, scenario: str, key: str) -> float:
             f"no recovered {scenario!r} trial with {key!r} for {system!r}; run "
             f"benchmarks/recovery.py --systems {system} --scenarios {scenario}")
     return statistics.median(values)
+
+
+def _lost_steps(trials: list[dict], system: str, scenario: str) -> bool:
+    return any((t.get("steps_lost") or 0) > 0 for t in trials
+               if t["system"] == system and t["scenario"] == scenario and t.get("recovered"))
 
 
 def costs_from_results(results: dict, system: str) -> SystemCosts:
@@ -80,6 +85,8 @@ def costs_from_results(results: dict, system: str) -> SystemCosts:
         join_s=join_s,
         join_pause_s=_median(trials, system, "join", "pause_s"),
         cold_start_s=join_s,
+        kill_rollback=_lost_steps(trials, system, "sigkill"),
+        join_rollback=_lost_steps(trials, system, "join"),
         **facts,
     )
 

@@ -56,6 +56,8 @@ class SystemCosts:
             after ``relaunch_s``, cold, from the newest checkpoint.
         relaunch_s: a scheduler's time to notice a dead job and start it again.
         elastic: False for a fixed-size job that trains only at ``max_nodes``.
+        drain_lead_s: a launcher that uses the notice drains when this many seconds are left
+            before the deadline (elasticd's ``preemption.drain_lead_s``); None: at the notice.
     """
 
     name: str
@@ -70,6 +72,7 @@ class SystemCosts:
     store_host_fatal: bool = False
     relaunch_s: float = 60.0
     elastic: bool = True
+    drain_lead_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -168,7 +171,10 @@ def simulate(counts: list[int], gap_s: float, costs: SystemCosts, job: JobShape,
         raise ValueError(f"the trace reaches {max(counts)} nodes, above max_nodes={job.max_nodes}")
     end = (len(counts) - 1) * gap_s
     led = Ledger()
-    events = node_events(counts, gap_s, placement, seed, job.notice_s if costs.uses_notice else 0.0)
+    lead = 0.0
+    if costs.uses_notice:
+        lead = job.notice_s if costs.drain_lead_s is None else min(job.notice_s, costs.drain_lead_s)
+    events = node_events(counts, gap_s, placement, seed, lead)
     pending: list[_Event] = list(events)
 
     avail = counts[0]                            # nodes the trace has now

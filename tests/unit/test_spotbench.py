@@ -151,7 +151,7 @@ def _trial(system, scenario, recovery_s, pause_s=None, recovered=True):
 
 def test_costs_are_the_medians_of_the_recovered_trials():
     """Event costs come from a recovery run: medians of recovered trials, failures ignored."""
-    trials = [_trial("elasticd-live", "sigkill", s) for s in (0.2, 0.3, 0.9)]
+    trials = [_trial("elasticd-live", "sigkill", s) | {"steps_lost": 0} for s in (0.2, 0.3, 0.9)]
     trials += [_trial("elasticd-live", "sigkill", 99.0, recovered=False)]
     trials += [_trial("elasticd-live", "sigterm", 0.2), _trial("elasticd-live", "join", 4.9, 0.3)]
     costs = costs_from_results(json.loads(json.dumps({"trials": trials})), "elasticd-live")
@@ -159,7 +159,25 @@ def test_costs_are_the_medians_of_the_recovered_trials():
     assert not costs.kill_rollback and costs.uses_notice
 
 
+def test_a_rollback_is_read_from_the_steps_the_run_lost():
+    """A launcher whose killed trial lost steps rolls back on a kill; one that lost none on a
+    join does not roll back on a join."""
+    trials = [_trial("torchrun-etcd", "sigkill", 2.0) | {"steps_lost": 3},
+              _trial("torchrun-etcd", "join", 8.0, 5.0) | {"steps_lost": 0}]
+    costs = costs_from_results({"trials": trials}, "torchrun-etcd")
+    assert costs.kill_rollback and not costs.join_rollback and not costs.uses_notice
+
+
 def test_a_missing_measurement_names_the_command_to_run():
     """No join trial for a launcher: the error names the recovery run that would measure it."""
     with pytest.raises(MissingMeasurement, match="--systems torchrun-etcd --scenarios join"):
         costs_from_results({"trials": [_trial("torchrun-etcd", "sigkill", 2.0)]}, "torchrun-etcd")
+
+
+def test_a_drain_lead_trains_through_the_rest_of_the_notice():
+    """Draining with 60 s left of a 120 s notice idles the leaving node 60 s, not 120 s."""
+    job = JobShape(min_nodes=1, max_nodes=4, notice_s=120.0)
+    lead = SystemCosts(**{**LIVE.__dict__, "drain_lead_s": 60.0})
+    led = simulate([4, 3, 3], GAP, lead, job, Placement.MIDDLE)
+    assert led.lost["notice_lead"] == pytest.approx(60.0)
+    _adds_up(led)
