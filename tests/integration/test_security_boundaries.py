@@ -54,6 +54,50 @@ def _etcdctl(endpoint: str, *args: str, uid: int | None = None, tls: list[str] |
                           env={"PATH": "/usr/bin:/bin", "ETCDCTL_API": "3"}, **kw)
 
 
+# Run as uid 65534: talk to an etcd peer port the way the attack of issue 21 did (GET /members
+# for the cluster id, POST /raft with a raft message), over plain http and over TLS without a
+# client certificate. Prints, per attempt, whether etcd's peer handler answered.
+PEER_ATTACK = """\
+import http.client, json, ssl, sys
+port = int(sys.argv[1])
+HTTPS_ONLY = "HTTP request to an HTTPS server"
+out = {}
+for scheme in ("http", "https"):
+    for method, path, body in (("GET", "/members", None), ("POST", "/raft", b"\\xff")):
+        what = f"{method} {scheme}://127.0.0.1:{port}{path}"
+        try:
+            if scheme == "http":
+                conn = http.client.HTTPConnection("127.0.0.1", port, timeout=3)
+            else:
+                ctx = ssl.create_default_context()
+                ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE
+                conn = http.client.HTTPSConnection("127.0.0.1", port, timeout=3, context=ctx)
+            conn.request(method, path, body=body, headers={"X-Etcd-Cluster-ID": "1"})
+            resp = conn.getresponse()
+            text = resp.read(300).decode(errors="replace")
+            out[what] = "refused" if HTTPS_ONLY in text else f"reached: {resp.status} {text[:120]}"
+        except (OSError, http.client.HTTPException) as exc:
+            out[what] = f"refused ({type(exc).__name__})"
+print(json.dumps(out))
+"""
+
+
+def _attack_peer_port(port: int) -> dict[str, str]:
+    """Run PEER_ATTACK as uid 65534 against ``port``; what each request got."""
+    proc = subprocess.run(["/usr/bin/python3", "-c", PEER_ATTACK, str(port)], capture_output=True,
+                          text=True, timeout=30, cwd="/", env={"PATH": "/usr/bin:/bin"},
+                          user=NOBODY, group=NOBODY, extra_groups=[])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return json.loads(proc.stdout)
+
+
+def _peer_port_from_cmdline(pid: int) -> int:
+    """The peer port an etcd process listens on, read where any local user can: its command line."""
+    argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+    url = argv[argv.index("--listen-peer-urls") + 1]
+    return int(url.rsplit(":", 1)[1])
+
+
 def _log_event(log: str, event: str) -> dict:
     for line in log.splitlines():
         try:
@@ -68,7 +112,8 @@ def _log_event(log: str, event: str) -> dict:
 @pytest.mark.timeout(150)
 def test_standalone_etcd_and_worker_logs_are_private_to_their_owner(tmp_path):
     """`elasticd run --standalone`: uid 65534 can neither read nor write a key of its etcd
-    (plaintext, TLS without a client cert, or the owner's cert files), while the owner can;
+    (plaintext, TLS without a client cert, or the owner's cert files), while the owner can,
+    nor reach its peer port (GET /members, POST /raft over http and TLS without a cert);
     a log dir another user made first at the old predictable path is not used, and the
     chosen one is the owner's, mode 0700, and logged."""
     _need_root()
@@ -107,6 +152,10 @@ def test_standalone_etcd_and_worker_logs_are_private_to_their_owner(tmp_path):
         mine = _etcdctl(f"https://{endpoint}", "get", "--prefix", "--keys-only", JobKeys(job).prefix,
                         tls=owner_tls)
         assert mine.returncode == 0 and JobKeys(job).nodes_prefix in mine.stdout, mine.stderr
+        # The peer port (raft, /members) is as closed as the client port (issue 21, item 1).
+        peer = _attack_peer_port(_peer_port_from_cmdline(etcd_rec["pid"]))
+        reached = {what: got for what, got in peer.items() if not got.startswith("refused")}
+        assert not reached, f"uid {NOBODY} reached the embedded etcd's peer handler: {reached}"
 
         chosen = _log_event(node.log(), "worker_log_dir_chosen")["path"]
         assert Path(chosen) != trap and not Path(chosen).is_relative_to(trap)
@@ -122,6 +171,27 @@ def test_standalone_etcd_and_worker_logs_are_private_to_their_owner(tmp_path):
     finally:
         node.cleanup()
         shutil.rmtree(trap, ignore_errors=True)
+
+
+@pytest.mark.timeout(90)
+def test_local_etcd_cluster_peer_ports_refuse_another_uid(tmp_path):
+    """Every member of a local N-member cluster (`elasticd etcd --members N`) refuses
+    uid 65534's GET /members and POST /raft on its peer port, while the cluster serves."""
+    _need_root()
+    from elasticd.etcd.cluster import EmbeddedEtcdCluster
+
+    with EmbeddedEtcdCluster(3, str(tmp_path / "cluster")) as cluster:
+        client = EtcdClient(cluster.endpoints, timeout_s=3)
+        try:
+            client.put("/elasticd/peer-test/k", b"v")  # the members still talk raft to each other
+            assert client.get("/elasticd/peer-test/k") is not None
+        finally:
+            client.close()
+        for m in cluster.members:
+            assert m.pid is not None
+            peer = _attack_peer_port(_peer_port_from_cmdline(m.pid))
+            reached = {what: got for what, got in peer.items() if not got.startswith("refused")}
+            assert not reached, f"uid {NOBODY} reached member {m.name}'s peer handler: {reached}"
 
 
 @pytest.fixture
