@@ -26,6 +26,7 @@ from typing import Any
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
+from elasticd import boundedjson
 from elasticd.checkpoint.api import CheckpointCorruptError, CheckpointUnreadableError
 from elasticd.checkpoint.manifest import (
     MANIFEST_NAME,
@@ -278,7 +279,13 @@ class FsspecCheckpointStore:
         """
         path = f"{self.save_path(step, save_id)}/{MANIFEST_NAME}"
         try:
-            data = self.fs.cat_file(path, start=0, end=MAX_MANIFEST_BYTES + 1)
+            if isinstance(self.fs, LocalFileSystem):
+                # Not fsspec's open: a FIFO planted as manifest.json blocked it forever.
+                data = boundedjson.read_file(path, max_bytes=MAX_MANIFEST_BYTES)
+            else:
+                data = self.fs.cat_file(path, start=0, end=MAX_MANIFEST_BYTES + 1)
+        except boundedjson.BoundedJSONError as exc:  # not a regular file, or oversized
+            raise CheckpointCorruptError(f"{MANIFEST_NAME}: {exc}; not one elasticd wrote") from None
         except FileNotFoundError:
             raise CheckpointCorruptError("no manifest (save torn or still in flight)") from None
         except _PATH_ERRORS as exc:

@@ -10,7 +10,6 @@ garbage.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import socketserver
@@ -24,6 +23,7 @@ from typing import Any
 
 import structlog
 
+from elasticd import boundedjson
 from elasticd.control.api import (
     DONE_PREFIX,
     DRAIN_FILE,
@@ -273,7 +273,10 @@ class ControlChannel:
         out: dict[int, dict[str, Any]] = {}
         for p in self.dir.glob(STOPPED_PREFIX + "*"):
             try:
-                out[int(p.name[len(STOPPED_PREFIX):])] = json.loads(p.read_text() or "{}")
+                data = boundedjson.read_file(p, max_bytes=MAX_LINE_BYTES) or b"{}"
+                fields = boundedjson.loads(data, what=p.name, max_bytes=MAX_LINE_BYTES)
+                if isinstance(fields, dict):
+                    out[int(p.name[len(STOPPED_PREFIX):])] = fields
             except (ValueError, OSError):
                 continue
         return out

@@ -190,9 +190,14 @@ def test_metrics_addr_defaults_to_loopback_and_must_be_an_ip():
 
 
 def test_config_file_size_is_bounded(tmp_path):
-    """A config larger than 1 MiB (or /dev/zero) is refused without reading it all."""
-    with pytest.raises(ConfigError, match="larger than"):
+    """A config larger than 1 MiB is refused without reading it all; /dev/zero (not a
+    regular file) without reading it at all."""
+    with pytest.raises(ConfigError, match="not a regular file"):
         load_config("/dev/zero", {}, BASE)
+    big = tmp_path / "big.toml"
+    big.write_bytes(b"#" * (2 << 20))
+    with pytest.raises(ConfigError, match="larger than"):
+        load_config(str(big), {}, BASE)
 
 
 # --- names ------------------------------------------------------------------------------
