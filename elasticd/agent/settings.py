@@ -15,6 +15,7 @@ from elasticd.agent.preemption import make_watcher
 from elasticd.agent.runner import NodeSpec
 from elasticd.config import AgentConfig
 from elasticd.etcd.client import TLSFiles
+from elasticd.logs import default_state_root
 
 
 def node_spec(cfg: AgentConfig, environ: Mapping[str, str]) -> NodeSpec:
@@ -57,4 +58,5 @@ def node_spec(cfg: AgentConfig, environ: Mapping[str, str]) -> NodeSpec:
                                 poll_interval_s=cfg.preemption.poll_interval_s),
         notify_socket=environ.get("NOTIFY_SOCKET"), watchdog_usec=environ.get("WATCHDOG_USEC"),
         state_dir=environ.get("STATE_DIRECTORY"), resume=cfg.job.resume,
+        state_home=default_state_root(environ.get("XDG_STATE_HOME"), environ.get("HOME")),
     )

@@ -404,3 +404,36 @@ def test_config_from_dev_zero_fails_fast():
     proc = _elasticd("agent", "--config", "/dev/zero", "--check-config", timeout_s=30)
     assert proc.returncode == 78 and "not a regular file" in proc.stderr, proc.stderr[-2000:]
     assert time.monotonic() - t0 < 20
+
+
+@pytest.mark.timeout(90)
+def test_commit_intent_dir_is_not_squattable_in_tmp(etcd_server, tmp_path):
+    """uid 65534 making `<tmp>/elasticd-<uid>` first (which blocked every agent of that uid
+    outside systemd) changes nothing: the intents live under $HOME/.local/state/elasticd,
+    every level elasticd made is 0700 and owned by the agent's user, and the job runs."""
+    _need_root()
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    tmp.chmod(0o1777)
+    squat = tmp / f"elasticd-{os.geteuid()}"
+    squat.mkdir()
+    os.chown(squat, NOBODY, NOBODY)
+    home = tmp_path / "home"
+    home.mkdir(mode=0o700)
+    script = tmp_path / "ok.py"
+    script.write_text("pass\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("XDG_STATE_HOME", "STATE_DIRECTORY")}
+    env.update(TMPDIR=str(tmp), HOME=str(home))
+    job = "squat"
+    proc = subprocess.run([sys.executable, "-m", "elasticd.cli", "run", "--etcd", etcd_server.endpoint,
+                           "--job", job, "--nnodes", "1", "--node-ttl", "2", "--local-addr",
+                           "127.0.0.1", "--log-dir", str(tmp_path / "wl"), str(script)],
+                          capture_output=True, text=True, timeout=60, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert list(squat.iterdir()) == []
+    level = home
+    for part in (".local", "state", "elasticd", "commit-intents", job):
+        level = level / part
+        st = os.lstat(level)
+        assert stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid(), level
+        assert stat.S_IMODE(st.st_mode) == 0o700, f"{level} is {stat.S_IMODE(st.st_mode):04o}"

@@ -335,3 +335,46 @@ def test_agent_check_config_prints_warnings_on_stderr_and_no_secret(tmp_path, ca
     assert "hunter2" not in out + err
     warnings = [ln for ln in err.splitlines() if ln.startswith("elasticd: warning: insecure setting")]
     assert any("metrics.addr" in w for w in warnings) and any("etcd.password" in w for w in warnings)
+
+
+# --- the commit-intent root (issue 21, item 5) ------------------------------------------
+
+def test_state_root_defaults_to_xdg_state_home_else_local_state():
+    """$XDG_STATE_HOME/elasticd when absolute, else ~/.local/state/elasticd; never <tmp>."""
+    from elasticd.logs import default_state_root
+
+    assert default_state_root("/x/state", "/home/u") == "/x/state/elasticd"
+    assert default_state_root("relative", "/home/u") == "/home/u/.local/state/elasticd"
+    assert default_state_root(None, "/home/u") == "/home/u/.local/state/elasticd"
+    assert default_state_root(None, None).endswith("/.local/state/elasticd")
+    assert not default_state_root(None, None).startswith(tempfile.gettempdir())
+
+
+def test_private_tree_creates_every_level_0700_and_refuses_symlinks(tmp_path):
+    """Missing ancestors and every level are made 0700 (not 0755 under umask 022); a symlink
+    at any level elasticd owns is refused, never followed; a loose existing level is tightened."""
+    from elasticd.logs import ensure_private_tree
+
+    what = ("commit intent dir", "$XDG_STATE_HOME")
+    old = os.umask(0o022)
+    try:
+        got = ensure_private_tree(str(tmp_path / "home/.local/state/elasticd"),
+                                  ("commit-intents", "job"), what)
+    finally:
+        os.umask(old)
+    assert got == str(tmp_path / "home/.local/state/elasticd/commit-intents/job")
+    level = tmp_path
+    for part in ("home", ".local", "state", "elasticd", "commit-intents", "job"):
+        level = level / part
+        assert stat.S_IMODE(os.lstat(level).st_mode) == 0o700, level
+    (tmp_path / "elsewhere").mkdir()
+    os.symlink(tmp_path / "elsewhere", tmp_path / "home/.local/state/elasticd/commit-intents/j2")
+    with pytest.raises(ConfigError, match="symbolic link"):
+        ensure_private_tree(str(tmp_path / "home/.local/state/elasticd"), ("commit-intents", "j2"),
+                            what)
+    os.symlink(tmp_path / "elsewhere", tmp_path / "linked-root")
+    with pytest.raises(ConfigError, match="symbolic link"):
+        ensure_private_tree(str(tmp_path / "linked-root"), ("commit-intents", "j"), what)
+    os.chmod(tmp_path / "home/.local/state/elasticd", 0o755)
+    ensure_private_tree(str(tmp_path / "home/.local/state/elasticd"), ("commit-intents", "job"), what)
+    assert stat.S_IMODE(os.lstat(tmp_path / "home/.local/state/elasticd").st_mode) == 0o700
