@@ -437,3 +437,38 @@ def test_commit_intent_dir_is_not_squattable_in_tmp(etcd_server, tmp_path):
         st = os.lstat(level)
         assert stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid(), level
         assert stat.S_IMODE(st.st_mode) == 0o700, f"{level} is {stat.S_IMODE(st.st_mode):04o}"
+
+
+@pytest.mark.timeout(60)
+def test_file_checkpoints_are_unreadable_to_another_uid():
+    """A file:// checkpoint under a world-readable root (umask 022): uid 65534 can neither
+    list a save's directory nor read its state.pt or manifest; every level elasticd made is
+    0700 and every file 0600."""
+    _need_root()
+    import torch
+
+    from elasticd.checkpoint import CheckpointManager
+
+    root = Path(tempfile.mkdtemp(prefix="elasticd-ckpt-sec-"))
+    old = os.umask(0o022)
+    try:
+        root.chmod(0o755)  # an operator's shared checkpoint root
+        mgr = CheckpointManager(f"file://{root}", job="sec", keep_last=2)
+        mgr.save(1, {"model": torch.nn.Linear(4, 2)}, blocking=True)
+        files = [p for p in (root / "sec").rglob("*") if p.is_file()]
+        assert any(p.name == "state.pt" for p in files), files
+        probe = ("import os, sys\nfor p in sys.argv[1:]:\n    try:\n"
+                 "        (os.listdir if os.path.isdir(p) else (lambda q: open(q, 'rb').read(1)))(p)\n"
+                 "        print('read', p)\n    except OSError:\n        pass\n")
+        targets = [str(p) for p in [*files, *(p.parent for p in files)]]
+        proc = subprocess.run(["/usr/bin/python3", "-c", probe, *targets], capture_output=True,
+                              text=True, timeout=30, cwd="/", env={"PATH": "/usr/bin:/bin"},
+                              user=NOBODY, group=NOBODY, extra_groups=[])
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout == "", f"uid {NOBODY} read the checkpoint:\n{proc.stdout}"
+        for p in [root / "sec", *(root / "sec").rglob("*")]:
+            mode = stat.S_IMODE(os.lstat(p).st_mode)
+            assert mode == (0o600 if p.is_file() else 0o700), f"{p} is {mode:04o}"
+    finally:
+        os.umask(old)
+        shutil.rmtree(root, ignore_errors=True)
