@@ -103,7 +103,10 @@ def run(args: argparse.Namespace) -> int:
                          "use it with:\n")
         sys.stdout.write(f"--etcd {cluster.endpoints}\n")
         sys.stdout.flush()
-        sys.stderr.write("Ctrl-C stops it\n")
+        sys.stderr.write("note: it serves clients in plaintext without auth: every local user can "
+                         "read and write it (for trials; its peer ports use TLS); use "
+                         "`elasticd run --standalone` for a private etcd\n"
+                         "Ctrl-C stops it\n")
         sys.stderr.flush()
         reported: set[str] = set()
         while not stop.wait(0.5):

@@ -378,3 +378,37 @@ def test_private_tree_creates_every_level_0700_and_refuses_symlinks(tmp_path):
     os.chmod(tmp_path / "home/.local/state/elasticd", 0o755)
     ensure_private_tree(str(tmp_path / "home/.local/state/elasticd"), ("commit-intents", "job"), what)
     assert stat.S_IMODE(os.lstat(tmp_path / "home/.local/state/elasticd").st_mode) == 0o700
+
+
+# --- the "Low" list of issue 21 ----------------------------------------------------------
+
+def test_worker_count_and_hang_timeout_are_bounded():
+    """nproc_per_node = 100000 and hang_timeout_s = 1e-300 are config errors; 0 (off) and
+    sane values pass."""
+    with pytest.raises(ConfigError, match="nproc_per_node.*between 1 and 1024"):
+        load_config(None, {}, {**BASE, "workers.nproc_per_node": 100000})
+    with pytest.raises(ConfigError, match="hang_timeout_s.*at least 1"):
+        load_config(None, {}, {**BASE, "workers.hang_timeout_s": 1e-300})
+    assert load_config(None, {}, {**BASE, "workers.hang_timeout_s": 0}).workers.hang_timeout_s == 0
+    assert load_config(None, {}, {**BASE, "workers.hang_timeout_s": 1800}).workers.hang_timeout_s == 1800
+
+
+def test_etcd_endpoint_with_port_zero_is_refused():
+    """`--etcd 127.0.0.1:0` is a config error naming the endpoint (it was read as 2379)."""
+    with pytest.raises(ConfigError, match="port 0"):
+        load_config(None, {}, {**BASE, "etcd.endpoints": "127.0.0.1:0"})
+    assert load_config(None, {}, {**BASE, "etcd.endpoints": "127.0.0.1"}).etcd.endpoints == (
+        "127.0.0.1:2379",)
+
+
+def test_non_pem_tls_file_is_a_config_error(tmp_path):
+    """A CA file that is not PEM is a ConfigError naming the file, before gRPC sees it."""
+    from elasticd.etcd.endpoints import read_tls_file
+
+    der = tmp_path / "ca.der"
+    der.write_bytes(b"\x30\x82\x01\x0a" + os.urandom(64))
+    with pytest.raises(ConfigError, match="not a PEM file"):
+        read_tls_file(str(der), "CA file")
+    pem = tmp_path / "ca.pem"
+    pem.write_bytes(b"-----BEGIN CERTIFICATE-----\nAAAA\n-----END CERTIFICATE-----\n")
+    assert read_tls_file(str(pem), "CA file").startswith(b"-----BEGIN")
