@@ -472,3 +472,38 @@ def test_file_checkpoints_are_unreadable_to_another_uid():
     finally:
         os.umask(old)
         shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.mark.timeout(60)
+def test_idle_connections_from_one_process_do_not_lock_workers_out_of_the_control_socket():
+    """256 idle connections from one process (training code gone wrong) no longer take every
+    slot of the agent's control socket: another process (a worker) still gets its ping
+    answered; the hoarding process is capped."""
+    from elasticd.control.server import ControlChannel
+
+    chan = ControlChannel().start()
+    hoard: list[socket.socket] = []
+    try:
+        served = 0
+        for _ in range(256):
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.settimeout(5)
+            s.connect(chan.socket_path)
+            hoard.append(s)
+            try:
+                s.sendall(b'{"op": "ping", "id": 1}\n')  # answered: its handler holds a slot
+                served += s.recv(4096).startswith(b"{")
+            except OSError:  # refused (closed by the agent)
+                pass
+        worker = ("import sys\nfrom elasticd.control.client import ControlClient\n"
+                  "from elasticd.control.messages import Ping\n"
+                  "c = ControlClient(sys.argv[1], timeout_s=5)\n"
+                  "print(type(c.request(Ping())).__name__)\n")
+        proc = subprocess.run([sys.executable, "-c", worker, chan.socket_path], capture_output=True,
+                              text=True, timeout=30)
+        assert proc.returncode == 0 and "Pong" in proc.stdout, proc.stderr[-2000:]
+        assert served < 256
+    finally:
+        for s in hoard:
+            s.close()
+        chan.close()
