@@ -22,6 +22,7 @@ import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
@@ -40,6 +41,7 @@ from elasticd.checkpoint.manifest import (
 )
 from elasticd.errors import ConfigError
 from elasticd.keys import JOB_NAME_RE, validate_job_name
+from elasticd.sensitive import redact_url
 
 READ_CHUNK = 16 << 20
 # Local (file://) checkpoints are private to the agent's user: the model and the optimizer
@@ -110,6 +112,10 @@ def open_filesystem(url: str, storage_options: Mapping[str, Any] | None = None) 
     Raises:
         ConfigError: unknown protocol, or its fsspec backend is not installed.
     """
+    if "://" in url and "@" in urlsplit(url).netloc:
+        raise ConfigError(f"checkpoint URL {redact_url(url)!r} has credentials in it "
+                          "(user:secret@); pass them through the storage's own configuration "
+                          "(AWS_* variables, ~/.aws, an instance role, or storage_options)")
     opts = dict(storage_options or {})
     protocol = fsspec.utils.get_protocol(url)
     if protocol in ("file", "local"):

@@ -157,6 +157,17 @@ def optional_string(value: Any, text: bool) -> str | None:
     return value or None
 
 
+def checkpoint_url(value: Any, text: bool) -> str | None:
+    """A checkpoint URL (any fsspec URL); credentials inside it are refused, as for etcd
+    endpoints: they would be printed in logs, status and process listings."""
+    url = optional_string(value, text)
+    if url is not None and "://" in url and "@" in urlsplit(url).netloc:
+        raise Invalid("has credentials in the URL (user:secret@); pass them through the "
+                      "storage's own configuration instead (AWS_* variables, ~/.aws, an "
+                      "instance role, or storage_options)")
+    return url
+
+
 def choice(*options: str) -> Parser:
     """One of ``options`` (case-insensitive)."""
 
@@ -331,7 +342,7 @@ KEYS: dict[str, Key] = {
     for k in (
         Key("job", "name", string, REQUIRED, 'name = "my-run"'),
         Key("job", "nnodes", nnodes, (1, 1), 'nnodes = "2:8"'),
-        Key("job", "checkpoint_url", optional_string, None,
+        Key("job", "checkpoint_url", checkpoint_url, None,
             'checkpoint_url = "s3://bucket/my-run"'),
         Key("job", "standalone", boolean, False, "standalone = true"),
         Key("job", "resume", choice(*RESUME_MODES), "auto", 'resume = "require"'),

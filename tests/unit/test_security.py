@@ -412,3 +412,17 @@ def test_non_pem_tls_file_is_a_config_error(tmp_path):
     pem = tmp_path / "ca.pem"
     pem.write_bytes(b"-----BEGIN CERTIFICATE-----\nAAAA\n-----END CERTIFICATE-----\n")
     assert read_tls_file(str(pem), "CA file").startswith(b"-----BEGIN")
+
+
+def test_checkpoint_url_with_inline_credentials_is_refused_without_echoing_them():
+    """s3://KEY:SECRET@bucket is refused like etcd credentials in an endpoint, by the config
+    loader and by the checkpoint store, and the secret is never in the message."""
+    from elasticd.checkpoint.store import open_filesystem
+
+    url = "s3://AKIAEXAMPLE:hunter2secret@bucket/run"
+    for attempt in (lambda: load_config(None, {}, {**BASE, "job.checkpoint_url": url}),
+                    lambda: open_filesystem(url)):
+        with pytest.raises(ConfigError, match="credentials") as info:
+            attempt()
+        assert "hunter2secret" not in str(info.value) and "AKIAEXAMPLE" not in str(info.value)
+    assert load_config(None, {}, {**BASE, "job.checkpoint_url": "s3://bucket/run"}).job.checkpoint_url
