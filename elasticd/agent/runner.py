@@ -42,6 +42,7 @@ from elasticd.logs import (
     error_line,
     resolve_worker_log_dir,
 )
+from elasticd.process import make_non_dumpable
 from elasticd.rendezvous.etcd_handler import EtcdRendezvousHandler
 from elasticd.rendezvous.settings import RendezvousSettings
 from elasticd.retry import call_with_retry
@@ -143,6 +144,10 @@ def run_node(spec: NodeSpec, early: Any = None) -> int:
         78 configuration error.
     """
     configure_logging(spec.log_format, level=spec.log_level)
+    # Training code runs as our uid: it must not read our memory or environment (etcd
+    # credentials) through ptrace or /proc (docs/security.md, "Same-uid workers").
+    if not make_non_dumpable():
+        log.warning("agent_dumpable", reason="prctl(PR_SET_DUMPABLE, 0) failed")
     if spec.workdir:
         os.chdir(spec.workdir)
     check_command(spec.command)

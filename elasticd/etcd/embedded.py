@@ -215,6 +215,11 @@ class EmbeddedEtcd:
             cmd += ["--cert-file", self.tls.cert_file, "--key-file", self.tls.key_file]
             if self.tls.client_cert_auth:
                 cmd += ["--client-cert-auth", "--trusted-ca-file", self.tls.ca_file]
+                if self.pki is not None:
+                    # The HTTP/JSON gateway dials etcd with the server certificate as a client
+                    # one; ours has server auth only (elasticd.etcd.pki), and elasticd talks
+                    # gRPC only, so the gateway is off rather than failing its handshakes.
+                    cmd += ["--enable-grpc-gateway=false"]
             # (etcd 3.5 with --trusted-ca-file but no --client-cert-auth still refuses a
             # client that presents no certificate, so the CA goes only with client auth.)
         return cmd

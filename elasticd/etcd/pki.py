@@ -126,9 +126,11 @@ def generate_private_pki(directory: str) -> PrivatePki:
                 critical=False)
         return _cert_pem(builder.sign(ca_key, hashes.SHA256())), _key_pem(key)
 
-    # etcd's own health/gateway connections present the server certificate as a client one.
-    server_cert, server_key = leaf("elasticd-embedded-etcd",
-                                   [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH],
+    # Server auth only: the server key is on disk for etcd to read, so with client auth too
+    # any process of the owner's uid (the workers' training code) could present it as a
+    # client certificate (issue 21). etcd's gRPC gateway dials itself with this certificate;
+    # elasticd talks gRPC only, so a gateway refused by client-cert auth costs nothing.
+    server_cert, server_key = leaf("elasticd-embedded-etcd", [ExtendedKeyUsageOID.SERVER_AUTH],
                                    san=True)
     client_cert, client_key = leaf("elasticd-owner", [ExtendedKeyUsageOID.CLIENT_AUTH], san=False)
     # A member dials its peers (client auth) and serves them (server auth, 127.0.0.1).

@@ -152,6 +152,13 @@ def test_standalone_etcd_and_worker_logs_are_private_to_their_owner(tmp_path):
         mine = _etcdctl(f"https://{endpoint}", "get", "--prefix", "--keys-only", JobKeys(job).prefix,
                         tls=owner_tls)
         assert mine.returncode == 0 and JobKeys(job).nodes_prefix in mine.stdout, mine.stderr
+        # The server key is on disk (etcd reads it), readable by the owner's uid and so by its
+        # training code: it must not pass as a client certificate (issue 21, item 3).
+        server_as_client = _etcdctl(f"https://{endpoint}", "get", "--prefix", "/",
+                                    tls=[f"--cacert={tls_dir}/ca.pem", f"--cert={tls_dir}/server.pem",
+                                         f"--key={tls_dir}/server-key.pem"])
+        assert server_as_client.returncode != 0 and "/elasticd/" not in server_as_client.stdout, \
+            "the server certificate works as a client certificate"
         # The peer port (raft, /members) is as closed as the client port (issue 21, item 1).
         peer = _attack_peer_port(_peer_port_from_cmdline(etcd_rec["pid"]))
         reached = {what: got for what, got in peer.items() if not got.startswith("refused")}
@@ -507,3 +514,44 @@ def test_idle_connections_from_one_process_do_not_lock_workers_out_of_the_contro
         for s in hoard:
             s.close()
         chan.close()
+
+
+NON_DUMPABLE_TARGET = """\
+import sys
+if sys.argv[1] == "yes":
+    from elasticd.process import make_non_dumpable
+    assert make_non_dumpable()
+print("ready", flush=True)
+sys.stdin.readline()
+"""
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("non_dumpable", [False, True])
+def test_a_non_dumpable_process_hides_its_environment_from_its_own_uid(non_dumpable):
+    """make_non_dumpable() (what the agent calls at start): another process of the same uid
+    (65534 for both: the workers' training code in the agent's uid) can no longer read its
+    /proc/<pid>/environ, where the agent's etcd credentials live; without it, it can."""
+    _need_root()
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(Path(__file__).resolve().parents[2]),
+           "ELASTICD_ETCD_PASSWORD": "s3cret-in-env"}
+    target = subprocess.Popen(["/usr/bin/python3", "-c", NON_DUMPABLE_TARGET,
+                               "yes" if non_dumpable else "no"], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True, cwd="/", env=env,
+                              user=NOBODY, group=NOBODY, extra_groups=[])
+    try:
+        assert target.stdout is not None and target.stdout.readline().strip() == "ready"
+        reader = subprocess.run(["/usr/bin/python3", "-c",
+                                 "import sys\ntry:\n    print(open(sys.argv[1], 'rb').read().decode(errors='replace'))\n"
+                                 "except OSError as e:\n    print('refused', e.errno)",
+                                 f"/proc/{target.pid}/environ"], capture_output=True, text=True,
+                                timeout=30, cwd="/", env={"PATH": "/usr/bin:/bin"},
+                                user=NOBODY, group=NOBODY, extra_groups=[])
+        if non_dumpable:
+            assert "s3cret-in-env" not in reader.stdout and "refused" in reader.stdout, reader.stdout
+        else:
+            assert "s3cret-in-env" in reader.stdout, reader.stdout + reader.stderr
+    finally:
+        if target.stdin is not None:
+            target.stdin.close()
+        target.wait(timeout=10)
