@@ -3,13 +3,14 @@
 Reads storage directly (fsspec), so it works without etcd or any agent. One row per save
 directory: job, step, save time, size, saving world size, and validity as a reader would
 judge it (manifest verifies, belongs to the job, every file present with its size);
-``--verify`` also re-reads every file and checks its CRC. Exit codes::
+``--verify`` also re-reads every file, checks its CRC and loads the state file as the loader does
+(weights_only). Exit codes::
 
     0  every checkpoint listed is valid     3  no checkpoints found
     1  some are invalid (readers skip them) 78 bad flags, URL or job name (EX_CONFIG)
        or storage could not be read
 
-The CLI parser imports nothing heavy: torch is never loaded by this command.
+The CLI parser imports nothing heavy: torch is loaded only by ``--verify``.
 """
 
 from __future__ import annotations
@@ -45,7 +46,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--job", metavar="NAME", help="one job; without it, every job under URL")
     p.add_argument("--json", action="store_true", help="print a JSON document instead of a table")
     p.add_argument("--verify", action="store_true",
-                   help="re-read every data file and check its checksum (reads everything)")
+                   help="re-read every data file, check its checksum and that it loads "
+                        "(weights_only; reads everything)")
     p.add_argument("-o", "--storage-option", action="append", default=[], metavar="KEY=VALUE",
                    help="fsspec storage option, repeatable, e.g. -o endpoint_url=http://minio:9000 "
                         "(VALUE is parsed as JSON when it can be: anon=true)")

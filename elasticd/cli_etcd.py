@@ -22,6 +22,7 @@ import sys
 import threading
 from typing import Any
 
+from elasticd import boundedjson
 from elasticd.errors import ConfigError
 
 PROG = "elasticd etcd"
@@ -59,8 +60,8 @@ def _layout(data_dir: str | None, members: int) -> list[tuple[int, int]] | None:
         return None
     path = os.path.join(data_dir, LAYOUT_FILE)
     try:
-        with open(path) as fh:
-            ports = [tuple(p) for p in json.load(fh)["ports"]]
+        layout = boundedjson.load_file(path, what=LAYOUT_FILE, max_bytes=64 * 1024)
+        ports = [tuple(p) for p in layout["ports"]]
     except FileNotFoundError:
         return None
     except (OSError, ValueError, KeyError, TypeError) as exc:
@@ -102,7 +103,10 @@ def run(args: argparse.Namespace) -> int:
                          "use it with:\n")
         sys.stdout.write(f"--etcd {cluster.endpoints}\n")
         sys.stdout.flush()
-        sys.stderr.write("Ctrl-C stops it\n")
+        sys.stderr.write("note: it serves clients in plaintext without auth: every local user can "
+                         "read and write it (for trials; its peer ports use TLS); use "
+                         "`elasticd run --standalone` for a private etcd\n"
+                         "Ctrl-C stops it\n")
         sys.stderr.flush()
         reported: set[str] = set()
         while not stop.wait(0.5):

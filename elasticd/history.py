@@ -23,7 +23,11 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from elasticd import boundedjson
+
 MAX_SAMPLES = 512
+# A full record is ~30 KB; anything much larger is not one this module wrote.
+MAX_RECORD_BYTES = 256 * 1024
 MIN_INTERVAL_S = 5.0
 FORMAT_VERSION = 1
 # Column order of a row in the JSON record (rows, not objects: ~60 bytes a sample).
@@ -70,10 +74,11 @@ class History:
         """Parse and validate a history record.
 
         Raises:
-            ValueError: not JSON, an unknown version, or a row of the wrong shape or type.
+            ValueError: not JSON (or over the size or depth bound: ``BoundedJSONError``), an
+                unknown version, or a row of the wrong shape or type.
         """
-        raw = json.loads(data)
-        if not isinstance(raw, dict) or raw.get("v") != FORMAT_VERSION:
+        raw = boundedjson.loads_object(data, what="history record", max_bytes=MAX_RECORD_BYTES)
+        if raw.get("v") != FORMAT_VERSION:
             raise ValueError("history record: not a version-1 object")
         interval: Any = raw.get("interval_s")
         fields = raw.get("fields")

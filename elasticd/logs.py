@@ -22,10 +22,11 @@ from __future__ import annotations
 
 import logging
 import os
+import pwd
 import stat
 import sys
 import tempfile
-from collections.abc import MutableMapping
+from collections.abc import MutableMapping, Sequence
 from typing import Any, TextIO
 
 import structlog
@@ -175,30 +176,93 @@ def _refuse_unsafe(path: str, st: os.stat_result, *, leaf: bool,
         )
 
 
-def ensure_private_dir(path: str, what: tuple[str, str]) -> str:
-    """Check (as :func:`check_log_root`), create 0700 if missing, and check again.
+def default_state_root(xdg_state_home: str | None, home: str | None) -> str:
+    """Where an agent outside systemd keeps state that outlives it (commit intents).
+
+    ``$XDG_STATE_HOME/elasticd`` when that is an absolute path (the XDG rule), else
+    ``~/.local/state/elasticd`` (``$HOME``, else the user's home from the password
+    database). Never a predictable name in a shared temp dir: ``<tmp>/elasticd-<uid>``
+    could be made first by another user (blocking every agent of this uid) or be a planted
+    symlink.
+    """
+    if xdg_state_home and os.path.isabs(xdg_state_home):
+        return os.path.join(xdg_state_home, "elasticd")
+    if not (home and os.path.isabs(home)):
+        home = pwd.getpwuid(os.geteuid()).pw_dir
+    return os.path.join(home, ".local", "state", "elasticd")
+
+
+def ensure_private_tree(base: str, parts: Sequence[str], what: tuple[str, str]) -> str:
+    """Create ``base/parts[0]/parts[1]/...`` private to this user, level by level.
+
+    ``base`` and every level below it are checked with ``lstat``: a symbolic link (never
+    followed), a non-directory, or a directory owned by another user or writable by
+    group/others is refused; each is made (or tightened to) 0700. Missing ancestors of
+    ``base`` are created 0700 too (``os.makedirs`` gave them 0755, so job names were
+    listable). Existing ancestors must be owned by this user or root and not writable by
+    group/others unless sticky; a symlink among them is followed only if this user or root
+    owns it.
 
     Args:
-        path: the directory.
+        base: the root elasticd owns (e.g. ``~/.local/state/elasticd``).
+        parts: the levels below it (e.g. ``("commit-intents", job)``).
         what: (its name, the setting that moves it), for the error message.
 
     Returns:
-        The absolute path.
+        The absolute path of the deepest level.
 
     Raises:
-        ConfigError: another user controls it or an ancestor, or it cannot be created.
+        ConfigError: naming the level and the fix.
     """
-    path = os.path.abspath(path)
-    check_log_root(path, what=what)
-    if not os.path.isdir(path):
-        try:
-            os.makedirs(path, mode=0o700, exist_ok=True)
-        except OSError as exc:
-            raise ConfigError(f"cannot create {what[0]} {path!r} ({exc.strerror}); set "
-                              f"{what[1]} to a writable directory") from exc
-        os.chmod(path, 0o700)
-        check_log_root(path, what=what)  # lost a race with someone who made it first
+    name, setting = what
+    me = os.geteuid()
+    base = os.path.abspath(base)
+    ancestors = []
+    parent = os.path.dirname(base)
+    while True:
+        ancestors.append(parent)
+        if parent == os.path.dirname(parent):
+            break
+        parent = os.path.dirname(parent)
+    for level in reversed(ancestors):
+        st = _lstat_or_mkdir(level, what)
+        if stat.S_ISLNK(st.st_mode):
+            if st.st_uid not in (me, 0):
+                raise ConfigError(f"{name}: {level!r} is a symbolic link owned by uid {st.st_uid}; "
+                                  f"it could point anywhere; remove it, or set {setting}")
+            st = os.stat(level)
+        if not stat.S_ISDIR(st.st_mode):
+            raise ConfigError(f"{name}: {level!r} is not a directory; set {setting}")
+        _refuse_unsafe(level, st, leaf=False, what=what)
+    path = base
+    for level in (base, *(os.path.join(base, *parts[:i + 1]) for i in range(len(parts)))):
+        st = _lstat_or_mkdir(level, what)
+        if stat.S_ISLNK(st.st_mode):
+            raise ConfigError(f"{name}: {level!r} is a symbolic link, which elasticd does not "
+                              f"follow there (one planted by another user redirects its files); "
+                              f"remove it, or set {setting}")
+        if not stat.S_ISDIR(st.st_mode):
+            raise ConfigError(f"{name}: {level!r} exists but is not a directory; set {setting}")
+        _refuse_unsafe(level, st, leaf=True, what=what)
+        if stat.S_IMODE(st.st_mode) != 0o700:
+            os.chmod(level, 0o700)
+        path = level
     return path
+
+
+def _lstat_or_mkdir(level: str, what: tuple[str, str]) -> os.stat_result:
+    try:
+        return os.lstat(level)
+    except FileNotFoundError:
+        pass
+    try:
+        os.mkdir(level, 0o700)
+    except FileExistsError:
+        pass  # lost a race: whoever made it is checked below like any existing level
+    except OSError as exc:
+        raise ConfigError(f"cannot create {what[0]} {level!r} ({exc.strerror}); set {what[1]} "
+                          "to a writable directory") from exc
+    return os.lstat(level)
 
 
 def check_log_root(path: str, *, what: tuple[str, str] = _LOG_DIR) -> None:

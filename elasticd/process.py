@@ -16,6 +16,7 @@ import signal
 import time
 
 PR_SET_PDEATHSIG = 1
+PR_SET_DUMPABLE = 4
 _libc = None
 
 
@@ -31,6 +32,24 @@ def set_pdeathsig(sig: int = signal.SIGKILL) -> None:
     if _prctl()(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
         err = ctypes.get_errno()
         raise OSError(err, os.strerror(err))
+
+
+def make_non_dumpable() -> bool:
+    """Mark this process non-dumpable (``prctl(PR_SET_DUMPABLE, 0)``).
+
+    Why: the workers run training code as the agent's uid; a process of the same uid may
+    ptrace a dumpable one and read its ``/proc/<pid>/environ`` and ``mem`` (the agent's
+    etcd password and client key). A non-dumpable process refuses both to other processes
+    of its uid (root excepted) and writes no core dump. Children that ``exec`` (workers,
+    standbys, etcd) are dumpable again, as usual.
+
+    Returns:
+        True if set; False where the kernel refused (not Linux).
+    """
+    try:
+        return _prctl()(PR_SET_DUMPABLE, 0, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
 
 
 def die_with_parent(expected_ppid: int | None = None) -> None:

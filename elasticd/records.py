@@ -20,6 +20,8 @@ import math
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Any, TypeVar
 
+from elasticd import boundedjson
+
 T = TypeVar("T", bound="_Record")
 # A record is a few hundred bytes; anything much larger is not one of ours.
 MAX_RECORD_BYTES = 1024 * 1024
@@ -94,11 +96,9 @@ class _Record:
         if len(data) > MAX_RECORD_BYTES:
             raise RecordError(f"{cls.__name__}: {len(data)} bytes, larger than any record")
         try:
-            raw = json.loads(data)
-        except (ValueError, RecursionError) as exc:
-            raise RecordError(f"{cls.__name__}: not JSON ({type(exc).__name__})") from None
-        if not isinstance(raw, dict):
-            raise RecordError(f"{cls.__name__}: a JSON {type(raw).__name__}, not an object")
+            raw = boundedjson.loads_object(data, what=cls.__name__, max_bytes=MAX_RECORD_BYTES)
+        except boundedjson.BoundedJSONError as exc:
+            raise RecordError(str(exc)) from None
         kwargs: dict[str, Any] = {}
         for f in fields(cls):  # type: ignore[arg-type]
             if f.name in raw:

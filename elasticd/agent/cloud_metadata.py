@@ -18,7 +18,6 @@ Endpoints (base URLs are configurable, ``[preemption] base_url``):
 
 from __future__ import annotations
 
-import json
 import time
 import urllib.error
 import urllib.request
@@ -31,7 +30,11 @@ from typing import Protocol
 
 import structlog
 
+from elasticd import boundedjson
+
 log = structlog.get_logger(__name__)
+
+MAX_BODY_BYTES = 1 << 20  # a notice is well under 1 KB; the metadata service is not ours
 
 DEFAULT_BASE_URLS: Mapping[str, str] = {
     "aws": "http://169.254.169.254",
@@ -91,7 +94,7 @@ def parse_aws_instance_action(status: int, body: bytes) -> PreemptionNotice | No
     if status != 200:
         raise MetadataError(f"AWS spot/instance-action returned HTTP {status}")
     try:
-        doc = json.loads(body)
+        doc = boundedjson.loads_object(body, what="AWS spot/instance-action", max_bytes=MAX_BODY_BYTES)
         action = doc["action"]
     except (ValueError, KeyError, TypeError) as exc:
         raise MetadataError(f"AWS spot/instance-action body is not JSON with 'action': {body[:200]!r}") from exc
@@ -147,7 +150,8 @@ def parse_azure_scheduled_events(
     if status != 200:
         raise MetadataError(f"Azure scheduledevents returned HTTP {status}")
     try:
-        events = json.loads(body)["Events"]
+        events = boundedjson.loads_object(body, what="Azure scheduledevents",
+                                          max_bytes=MAX_BODY_BYTES)["Events"]
         if not isinstance(events, list):
             raise TypeError("Events is not a list")
     except (ValueError, KeyError, TypeError) as exc:
@@ -205,10 +209,10 @@ def _request(
     request = urllib.request.Request(url, data=data, headers=dict(headers), method=method)
     try:
         with _OPENER.open(request, timeout=timeout_s) as response:
-            return response.status, response.headers, response.read()
+            return response.status, response.headers, response.read(MAX_BODY_BYTES + 1)
     except urllib.error.HTTPError as exc:
         with exc:
-            return exc.code, exc.headers, exc.read()
+            return exc.code, exc.headers, exc.read(MAX_BODY_BYTES + 1)
 
 
 # --- sources (one per cloud) -----------------------------------------------------

@@ -34,12 +34,14 @@ from pathlib import Path
 
 import structlog
 
+from elasticd import boundedjson
 from elasticd.control.api import CommitOutcome
 
 log = structlog.get_logger(__name__)
 
 DEFAULT_DEADLINE_S = 600.0
 INTENT_PREFIX = "pending-commit-"
+MAX_INTENT_BYTES = 64 * 1024  # an intent is a few hundred bytes
 
 
 @dataclass(frozen=True)
@@ -237,7 +239,8 @@ def read_intents(state_dir: str | os.PathLike[str], job: str) -> list[tuple[Path
         return out
     for path in root.glob(f"{INTENT_PREFIX}*.json"):
         try:
-            raw = json.loads(path.read_text())
+            raw = boundedjson.loads_object(boundedjson.read_file(path, max_bytes=MAX_INTENT_BYTES),
+                                           what=path.name, max_bytes=MAX_INTENT_BYTES)
             req = PendingCommit(step=raw["step"], manifest_url=raw["manifest_url"],
                                 world_size=raw["world_size"], round=raw["round"],
                                 state_rev=raw["state_rev"], job=raw.get("job", ""))

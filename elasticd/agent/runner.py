@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -54,10 +53,12 @@ from elasticd.keys import JobKeys
 from elasticd.logs import (
     configure_logging,
     current_format,
-    ensure_private_dir,
+    default_state_root,
+    ensure_private_tree,
     error_line,
     resolve_worker_log_dir,
 )
+from elasticd.process import make_non_dumpable
 from elasticd.rendezvous.etcd_handler import EtcdRendezvousHandler
 from elasticd.rendezvous.finished import FinishedJob, read_finished
 from elasticd.rendezvous.settings import RendezvousSettings
@@ -108,6 +109,8 @@ class NodeSpec:
     watchdog_usec: str | None = None
     # $STATE_DIRECTORY: root of the worker logs and the pending commit intents.
     state_dir: str | None = None
+    # Outside systemd: $XDG_STATE_HOME/elasticd or ~/.local/state/elasticd (commit intents).
+    state_home: str | None = None
     resume: str = "auto"  # another run's checkpoints: auto (refuse) | require | never
 
 
@@ -161,6 +164,10 @@ def run_node(spec: NodeSpec, early: Any = None, arrival: EarlyArrival | None = N
         78 configuration error.
     """
     configure_logging(spec.log_format, level=spec.log_level)
+    # Training code runs as our uid: it must not read our memory or environment (etcd
+    # credentials) through ptrace or /proc (docs/security.md, "Same-uid workers").
+    if not make_non_dumpable():
+        log.warning("agent_dumpable", reason="prctl(PR_SET_DUMPABLE, 0) failed")
     if spec.workdir:
         os.chdir(spec.workdir)
     check_command(spec.command)
@@ -414,14 +421,15 @@ def _unreachable_why(exc: Exception, label: str) -> str:
 
 def _intents_dir(spec: NodeSpec) -> str:
     """Where pending commit intents outlive the agent: ``$STATE_DIRECTORY/commit-intents/
-    <job>``, else ``<tmp>/elasticd-<uid>/commit-intents/<job>``; private to this user (a
-    directory another user made first is refused, never reused)."""
+    <job>``, else ``<state home>/commit-intents/<job>`` (``$XDG_STATE_HOME/elasticd``, else
+    ``~/.local/state/elasticd``); every level 0700 and checked with lstat (a symlink or a
+    directory another user made is refused, never followed or reused)."""
+    what = ("commit intent dir", "$STATE_DIRECTORY (systemd StateDirectory=) or $XDG_STATE_HOME")
     if spec.state_dir:
-        root = os.path.join(os.path.abspath(spec.state_dir.split(":")[0]), "commit-intents")
-    else:
-        root = os.path.join(tempfile.gettempdir(), f"elasticd-{os.geteuid()}", "commit-intents")
-    return ensure_private_dir(os.path.join(root, spec.job),
-                              ("commit intent dir", "$STATE_DIRECTORY (systemd StateDirectory=)"))
+        base = os.path.join(os.path.abspath(spec.state_dir.split(":")[0]), "commit-intents")
+        return ensure_private_tree(base, (spec.job,), what)
+    base = spec.state_home or default_state_root(None, None)
+    return ensure_private_tree(base, ("commit-intents", spec.job), what)
 
 
 def _commit_intents(recorder: JobRecorder, state_dir: str, job: str) -> None:

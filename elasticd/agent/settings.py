@@ -15,6 +15,7 @@ from elasticd.agent.preemption import make_watcher
 from elasticd.agent.runner import NodeSpec
 from elasticd.config import AgentConfig
 from elasticd.etcd.client import TLSFiles
+from elasticd.logs import default_state_root
 
 
 def node_spec(cfg: AgentConfig, environ: Mapping[str, str]) -> NodeSpec:
@@ -59,4 +60,5 @@ def node_spec(cfg: AgentConfig, environ: Mapping[str, str]) -> NodeSpec:
                                 drain_lead_s=cfg.preemption.drain_lead_s),
         notify_socket=environ.get("NOTIFY_SOCKET"), watchdog_usec=environ.get("WATCHDOG_USEC"),
         state_dir=environ.get("STATE_DIRECTORY"), resume=cfg.job.resume,
+        state_home=default_state_root(environ.get("XDG_STATE_HOME"), environ.get("HOME")),
     )

@@ -35,6 +35,7 @@ import structlog
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
 from torch.distributed.elastic.multiprocessing.api import LogsDest
 
+from elasticd import boundedjson
 from elasticd.sensitive import scrub
 
 MAX_LINE_CHARS = 64 * 1024
@@ -68,8 +69,8 @@ def wrap_line(line: str, f: TailedFile, *, job: str, node: str, now: float) -> d
     where = {"rank": f.rank, "local_rank": f.local_rank, "stream": f.stream}
     if text.startswith("{") and not truncated:
         try:
-            parsed = json.loads(text)
-        except ValueError:
+            parsed = boundedjson.loads(text, what="worker log line", max_bytes=4 * MAX_LINE_CHARS)
+        except ValueError:  # not JSON, or nested too deep: forwarded as text
             parsed = None
         if isinstance(parsed, dict) and "event" in parsed:
             parsed.setdefault("job", job)

@@ -2,7 +2,8 @@
 
 Validity here is what a reader would decide: a manifest that verifies, belongs to the job
 and names files that are all present with their sizes; ``verify=True`` also reads every
-file and checks its CRC, which is what catches flipped bits.
+file and checks its CRC, which is what catches flipped bits, and loads the state file as
+the loader does (weights_only), which is what catches a pickle the loader refuses.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from elasticd.checkpoint.api import (
     CheckpointUnreadableError,
 )
 from elasticd.checkpoint.identity import ForeignCheckpointError, RunIdentity, refusal
-from elasticd.checkpoint.manifest import Manifest
+from elasticd.checkpoint.manifest import STATE_FILE, Manifest
 from elasticd.checkpoint.store import FsspecCheckpointStore, ListedSave, list_jobs, listing_problem
 
 
@@ -93,6 +94,27 @@ def check_resume(url: str, job: str, identity: RunIdentity, *,
     return None
 
 
+def _check_loadable(store: FsspecCheckpointStore, save: ListedSave, manifest: Manifest) -> None:
+    """Load the state file as the loader does (``torch.load(weights_only=True)``).
+
+    Why: a ``state.pt`` with valid CRCs that holds a pickle the loader refuses was listed
+    as valid by ``--verify``, and then no training process could resume from it.
+
+    Raises:
+        CheckpointCorruptError: the loader would refuse it.
+    """
+    from elasticd.checkpoint.restore import deserialize, deserialize_file
+
+    for entry in manifest.files:
+        if entry.name != STATE_FILE:
+            continue
+        path = f"{store.save_path(save.step, save.save_id)}/{entry.name}"
+        if store.is_local:
+            deserialize_file(path, entry.name)
+        else:
+            deserialize(store.read_verified(save.step, save.save_id, entry), entry.name)
+
+
 def _inspect(store: FsspecCheckpointStore, save: ListedSave, verify: bool) -> CheckpointInfo:
     base: dict[str, Any] = {"job": store.job, "step": save.step, "save_id": save.save_id,
             "url": store.manifest_url(save.step, save.save_id),
@@ -112,6 +134,7 @@ def _inspect(store: FsspecCheckpointStore, save: ListedSave, verify: bool) -> Ch
         try:
             for entry in manifest.files:
                 store.verify_file(save.step, save.save_id, entry)
+            _check_loadable(store, save, manifest)
         except (CheckpointCorruptError, CheckpointUnreadableError) as exc:
             reason = str(exc)
     return CheckpointInfo(**base, committed_at=manifest.committed_at,

@@ -17,6 +17,7 @@ import zlib
 from dataclasses import dataclass
 from typing import Any
 
+from elasticd import boundedjson
 from elasticd.checkpoint.api import CheckpointCorruptError
 
 FORMAT = "elasticd-checkpoint"
@@ -166,9 +167,10 @@ class Manifest:
                 f"{where} is over the {MAX_MANIFEST_BYTES >> 20} MiB manifest limit (not read "
                 "further): not a manifest elasticd wrote; remove it or move it away")
         try:
-            raw = json.loads(data)
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise CheckpointCorruptError(f"manifest is not valid JSON (truncated?): {exc}") from None
+            raw = boundedjson.loads(data, what="manifest", max_bytes=MAX_MANIFEST_BYTES)
+        except boundedjson.BoundedJSONError as exc:
+            raise CheckpointCorruptError(f"manifest is not valid JSON (truncated?) or not one "
+                                         f"elasticd wrote: {exc}") from None
         if not isinstance(raw, dict):
             raise CheckpointCorruptError("manifest is not a JSON object")
         if raw.get("format") != FORMAT:

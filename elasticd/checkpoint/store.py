@@ -22,10 +22,12 @@ import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
+from elasticd import boundedjson
 from elasticd.checkpoint.api import CheckpointCorruptError, CheckpointUnreadableError
 from elasticd.checkpoint.manifest import (
     MANIFEST_NAME,
@@ -39,8 +41,13 @@ from elasticd.checkpoint.manifest import (
 )
 from elasticd.errors import ConfigError
 from elasticd.keys import JOB_NAME_RE, validate_job_name
+from elasticd.sensitive import redact_url
 
 READ_CHUNK = 16 << 20
+# Local (file://) checkpoints are private to the agent's user: the model and the optimizer
+# are the job's most valuable bytes (docs/security.md, shared filesystems).
+PRIVATE_DIR_MODE = 0o700
+PRIVATE_FILE_MODE = 0o600
 # Errors that name a problem with one path, not with the storage as a whole: retrying does
 # not help, so readers skip that save (path named) instead of failing the whole load.
 _PATH_ERRORS = (PermissionError, IsADirectoryError, NotADirectoryError)
@@ -105,6 +112,10 @@ def open_filesystem(url: str, storage_options: Mapping[str, Any] | None = None) 
     Raises:
         ConfigError: unknown protocol, or its fsspec backend is not installed.
     """
+    if "://" in url and "@" in urlsplit(url).netloc:
+        raise ConfigError(f"checkpoint URL {redact_url(url)!r} has credentials in it "
+                          "(user:secret@); pass them through the storage's own configuration "
+                          "(AWS_* variables, ~/.aws, an instance role, or storage_options)")
     opts = dict(storage_options or {})
     protocol = fsspec.utils.get_protocol(url)
     if protocol in ("file", "local"):
@@ -185,13 +196,39 @@ class FsspecCheckpointStore:
             The file's entry (size and CRC computed while writing).
         """
         path = f"{self.save_path(step, save_id)}/{name}"
-        with self.fs.open(path, "wb") as f:
+        if not self.is_local:
+            with self.fs.open(path, "wb") as f:
+                writer = _HashingWriter(f)
+                write(writer)
+            return FileEntry(name=name, size=writer.size, crc32=writer.crc)
+        self._make_private_dirs(self.save_path(step, save_id))
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, PRIVATE_FILE_MODE)
+        with os.fdopen(fd, "wb") as f:
             writer = _HashingWriter(f)
             write(writer)
-            if self.is_local:
-                f.flush()
-                os.fsync(f.fileno())
+            f.flush()
+            os.fsync(f.fileno())
         return FileEntry(name=name, size=writer.size, crc32=writer.crc)
+
+    def _make_private_dirs(self, path: str) -> None:
+        """Create the missing directories down to ``path``, each 0700 (local storage).
+
+        Why: under umask 022 the step directories were 0755 and the files 0644, and another
+        local user read a running job's model and optimizer. Existing directories (the
+        root an operator made) are left as they are.
+        """
+        missing = []
+        while not os.path.isdir(path):
+            missing.append(path)
+            parent = os.path.dirname(path)
+            if parent == path:
+                break
+            path = parent
+        for level in reversed(missing):
+            try:
+                os.mkdir(level, PRIVATE_DIR_MODE)
+            except FileExistsError:
+                pass  # another rank made it at the same moment
 
     def write_manifest(self, manifest: Manifest) -> str:
         """Write the manifest (create-only) after all data: this commits the checkpoint.
@@ -213,7 +250,9 @@ class FsspecCheckpointStore:
         # like "xb", fails if the name exists. Readers would skip a torn one anyway, but
         # this keeps their logs free of half-written manifests.
         tmp = f"{final}.{os.getpid()}.tmp"
-        with open(tmp, "xb") as f:
+        self._make_private_dirs(save_path)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, PRIVATE_FILE_MODE)
+        with os.fdopen(fd, "wb") as f:
             f.write(manifest.to_json())
             f.flush()
             os.fsync(f.fileno())
@@ -278,7 +317,13 @@ class FsspecCheckpointStore:
         """
         path = f"{self.save_path(step, save_id)}/{MANIFEST_NAME}"
         try:
-            data = self.fs.cat_file(path, start=0, end=MAX_MANIFEST_BYTES + 1)
+            if isinstance(self.fs, LocalFileSystem):
+                # Not fsspec's open: a FIFO planted as manifest.json blocked it forever.
+                data = boundedjson.read_file(path, max_bytes=MAX_MANIFEST_BYTES)
+            else:
+                data = self.fs.cat_file(path, start=0, end=MAX_MANIFEST_BYTES + 1)
+        except boundedjson.BoundedJSONError as exc:  # not a regular file, or oversized
+            raise CheckpointCorruptError(f"{MANIFEST_NAME}: {exc}; not one elasticd wrote") from None
         except FileNotFoundError:
             raise CheckpointCorruptError("no manifest (save torn or still in flight)") from None
         except _PATH_ERRORS as exc:

@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any
 
+from elasticd import boundedjson
 from elasticd.config.checks import validate_config
 from elasticd.config.model import (
     MASK,
@@ -52,6 +53,7 @@ ENV_PREFIX = "ELASTICD_"
 # A config file is a few kilobytes; the bound makes `--config /dev/zero` (or a log file
 # given by mistake) fail at once instead of reading forever.
 MAX_CONFIG_BYTES = 1024 * 1024
+MAX_CONFIG_DEPTH = 16  # [section] -> key -> a table or array or two: nothing deeper is ours
 # Variables the agent sets for every worker itself; a value from [workers.env] would
 # be silently overwritten, so it is refused up front.
 RESERVED_WORKER_ENV = frozenset(
@@ -197,14 +199,27 @@ def _merge_file(
     path: str, raw: dict[str, tuple[Any, str, bool]], worker_env: dict[str, tuple[Any, str]]
 ) -> None:
     try:
-        with open(path, "rb") as f:
-            blob = f.read(MAX_CONFIG_BYTES + 1)
-        if len(blob) > MAX_CONFIG_BYTES:
+        try:
+            blob = boundedjson.read_file(path, max_bytes=MAX_CONFIG_BYTES)
+        except boundedjson.NotRegularFileError:
+            raise ConfigError(
+                f"config file {path!r} is not a regular file (a FIFO, a socket or a "
+                "device); pass the path of the TOML file (examples in agents/)"
+            ) from None
+        except boundedjson.BoundedJSONError:
             raise ConfigError(
                 f"config file {path!r} is larger than {MAX_CONFIG_BYTES // 1024} KiB, so not an "
                 "elasticd config; pass the path of the TOML file (examples in agents/)"
-            )
-        data = tomllib.loads(blob.decode("utf-8"))
+            ) from None
+        try:
+            data = tomllib.loads(blob.decode("utf-8"))
+            boundedjson.check_depth(data, what=f"config file {path!r}", max_depth=MAX_CONFIG_DEPTH)
+        except (RecursionError, boundedjson.BoundedJSONError):
+            raise ConfigError(
+                f"config file {path!r} nests tables or arrays deeper than {MAX_CONFIG_DEPTH}, "
+                "so it is not an elasticd config; an elasticd config is [section] tables of "
+                "keys (examples in agents/)"
+            ) from None
     except FileNotFoundError as exc:
         raise ConfigError(
             f"config file {path!r} does not exist; pass the path of an existing TOML file "

@@ -157,6 +157,17 @@ def optional_string(value: Any, text: bool) -> str | None:
     return value or None
 
 
+def checkpoint_url(value: Any, text: bool) -> str | None:
+    """A checkpoint URL (any fsspec URL); credentials inside it are refused, as for etcd
+    endpoints: they would be printed in logs, status and process listings."""
+    url = optional_string(value, text)
+    if url is not None and "://" in url and "@" in urlsplit(url).netloc:
+        raise Invalid("has credentials in the URL (user:secret@); pass them through the "
+                      "storage's own configuration instead (AWS_* variables, ~/.aws, an "
+                      "instance role, or storage_options)")
+    return url
+
+
 def choice(*options: str) -> Parser:
     """One of ``options`` (case-insensitive)."""
 
@@ -203,9 +214,23 @@ def nproc(value: Any, text: bool) -> int | str:
         value = int(word)
     if isinstance(value, bool) or not isinstance(value, int):
         raise Invalid(f"expected a worker count, got {_kind(value)}", fix)
-    if value < 1:
-        raise Invalid("must be at least 1", fix)
+    if not 1 <= value <= MAX_NPROC_PER_NODE:
+        raise Invalid(f"must be between 1 and {MAX_NPROC_PER_NODE} (workers on one node)", fix)
     return value
+
+
+MAX_NPROC_PER_NODE = 1024  # the control channel's bound on local ranks
+MIN_HANG_TIMEOUT_S = 1.0
+
+
+def hang_timeout(value: Any, text: bool) -> float:
+    """0 (off), or a timeout of at least ``MIN_HANG_TIMEOUT_S`` and at most 30 days:
+    ``1e-300`` would restart every healthy worker group at its first monitor tick."""
+    seconds = number(0, hi=30 * 86400)(value, text)
+    if 0 < seconds < MIN_HANG_TIMEOUT_S:
+        raise Invalid(f"must be 0 (off) or at least {MIN_HANG_TIMEOUT_S:g} s; use several times "
+                      "your slowest step-free stretch, e.g. 1800")
+    return seconds
 
 
 def command(value: Any, text: bool) -> tuple[str, ...]:
@@ -264,9 +289,12 @@ def endpoints(value: Any, text: bool) -> tuple[str, ...]:
             raise Invalid(f"endpoint {item!r} has scheme {scheme!r}; use http or https", fix)
         try:
             parts = urlsplit("//" + rest)
-            port = parts.port or DEFAULT_ETCD_PORT
+            port = parts.port if parts.port is not None else DEFAULT_ETCD_PORT
         except ValueError:
             raise Invalid(f"endpoint {item!r} has an invalid port", fix) from None
+        if port == 0:  # was silently read as 2379 (`parts.port or ...`)
+            raise Invalid(f"endpoint {item!r} has port 0, which no etcd listens on; write its "
+                          "client port (2379 by default)", fix)
         host = parts.hostname
         if "@" in rest:
             raise Invalid("an endpoint carries credentials in its URL (they would be logged and "
@@ -314,7 +342,7 @@ KEYS: dict[str, Key] = {
     for k in (
         Key("job", "name", string, REQUIRED, 'name = "my-run"'),
         Key("job", "nnodes", nnodes, (1, 1), 'nnodes = "2:8"'),
-        Key("job", "checkpoint_url", optional_string, None,
+        Key("job", "checkpoint_url", checkpoint_url, None,
             'checkpoint_url = "s3://bucket/my-run"'),
         Key("job", "standalone", boolean, False, "standalone = true"),
         Key("job", "resume", choice(*RESUME_MODES), "auto", 'resume = "require"'),
@@ -351,7 +379,7 @@ KEYS: dict[str, Key] = {
         Key("workers", "env", lambda v, t: v, {}, 'OMP_NUM_THREADS = "4"'),
         Key("workers", "monitor_interval_s", number(0, lo_open=True, hi=60), 0.1,
             "monitor_interval_s = 0.1"),
-        Key("workers", "hang_timeout_s", number(0), 0.0, "hang_timeout_s = 1800"),
+        Key("workers", "hang_timeout_s", hang_timeout, 0.0, "hang_timeout_s = 1800"),
         Key("workers", "warm_start", boolean, True, "warm_start = false"),
         Key("workers", "live_reform", boolean, True, "live_reform = false"),
         Key("workers", "live_reform_timeout_s", number(0, lo_open=True), 30.0,

@@ -19,6 +19,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from elasticd import boundedjson
 from elasticd.control.api import CommitOutcome
 from elasticd.errors import ElasticdError
 from elasticd.records import CheckpointPointer
@@ -149,12 +150,9 @@ def _object(line: bytes) -> dict[str, Any]:
     if len(line) > MAX_LINE_BYTES:
         raise MessageError(f"line of {len(line)} bytes exceeds {MAX_LINE_BYTES}")
     try:
-        obj = json.loads(line)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise MessageError(f"not JSON: {exc}") from None
-    if not isinstance(obj, dict):
-        raise MessageError(f"a message is a JSON object, got {type(obj).__name__}")
-    return obj
+        return boundedjson.loads_object(line, what="message", max_bytes=MAX_LINE_BYTES)
+    except boundedjson.BoundedJSONError as exc:
+        raise MessageError(str(exc)) from None
 
 
 def request_id(line: bytes) -> int | None:

@@ -24,9 +24,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from elasticd import boundedjson
 from elasticd.control.api import PARKED_PREFIX, REFORM_FILE, REFORMED_PREFIX
 
 MAX_WORLD = 2**20
+MAX_FILE_BYTES = 1 << 20  # an order or a marker is a few hundred bytes
 
 
 @dataclass(frozen=True)
@@ -53,15 +55,13 @@ class ReformOrder:
                            "ranks": {str(k): v for k, v in self.ranks.items()}})
 
     @classmethod
-    def from_json(cls, text: str) -> ReformOrder:
+    def from_json(cls, text: str | bytes) -> ReformOrder:
         """Parse and validate an order.
 
         Raises:
             ValueError: not an order (a field missing, of the wrong type or out of bounds).
         """
-        obj = json.loads(text)
-        if not isinstance(obj, dict):
-            raise ValueError("an order is a JSON object")
+        obj = boundedjson.loads_object(text, what="re-formation order", max_bytes=MAX_FILE_BYTES)
 
         def whole(v: Any, lo: int, hi: int, name: str) -> int:
             if type(v) is not int or not lo <= v < hi:
@@ -96,7 +96,8 @@ def write_order(control_dir: Path, order: ReformOrder) -> None:
 def read_order(control_dir: Path) -> ReformOrder | None:
     """The current order, or None (absent, torn, or invalid)."""
     try:
-        return ReformOrder.from_json((control_dir / REFORM_FILE).read_text())
+        return ReformOrder.from_json(boundedjson.read_file(control_dir / REFORM_FILE,
+                                                           max_bytes=MAX_FILE_BYTES))
     except (OSError, ValueError):
         return None
 
@@ -114,7 +115,8 @@ def read_markers(control_dir: Path, prefix: str) -> dict[int, dict[str, Any]]:
         if not suffix.isdigit():
             continue
         try:
-            fields = json.loads(p.read_text() or "{}")
+            data = boundedjson.read_file(p, max_bytes=MAX_FILE_BYTES) or b"{}"
+            fields = boundedjson.loads(data, what=p.name, max_bytes=MAX_FILE_BYTES)
         except (OSError, ValueError):
             continue
         if isinstance(fields, dict):

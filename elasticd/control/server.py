@@ -10,10 +10,11 @@ garbage.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
+import socket
 import socketserver
+import struct
 import tempfile
 import threading
 import time
@@ -24,6 +25,7 @@ from typing import Any
 
 import structlog
 
+from elasticd import boundedjson
 from elasticd.control.api import (
     DONE_PREFIX,
     DRAIN_FILE,
@@ -55,6 +57,9 @@ from elasticd.records import CheckpointPointer
 log = structlog.get_logger(__name__)
 
 MAX_CONNECTIONS = 256  # a node has a few workers; each holds one connection
+# Per connecting process (SO_PEERCRED pid): a worker holds one, its data-loader children
+# their own; 256 idle connections from one process used to lock every worker out.
+MAX_CONNECTIONS_PER_PROCESS = 8
 
 
 @dataclass
@@ -118,6 +123,15 @@ CommitHandler = Callable[[CommitRequest], tuple[CommitOutcome, str]]
 LatestHandler = Callable[[], CheckpointPointer | None]
 
 
+def _peer_pid(sock: socket.socket) -> int:
+    """The connecting process's pid (``SO_PEERCRED``; 0 where the kernel does not say)."""
+    try:
+        creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    except (OSError, AttributeError):
+        return 0
+    return int(struct.unpack("3i", creds)[0])
+
+
 class ControlChannel:
     """Owns the runtime directory and the control socket server of one agent.
 
@@ -144,6 +158,8 @@ class ControlChannel:
         self._server: socketserver.ThreadingUnixStreamServer | None = None
         self._thread: threading.Thread | None = None
         self._connections = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        self._per_pid: dict[int, int] = {}
+        self._per_pid_lock = threading.Lock()
         self.rejected = 0  # invalid messages so far (tests, logs)
         # Called (server thread; must not block) on every ping: a live worker that parked
         # pings, and the agent wakes its tick instead of finding the marker a tick later.
@@ -162,13 +178,30 @@ class ControlChannel:
 
         class Handler(socketserver.StreamRequestHandler):
             def handle(self) -> None:
-                if not channel._connections.acquire(blocking=False):
-                    log.warning("control_connection_refused", reason=f"over {MAX_CONNECTIONS} connections")
-                    return
+                pid = _peer_pid(self.request)
+                with channel._per_pid_lock:
+                    held = channel._per_pid.get(pid, 0)
+                    if held >= MAX_CONNECTIONS_PER_PROCESS:
+                        log.warning("control_connection_refused", pid=pid,
+                                    reason=f"process holds {held} connections already")
+                        return
+                    channel._per_pid[pid] = held + 1
                 try:
-                    channel._serve(self.rfile, self.wfile)
+                    if not channel._connections.acquire(blocking=False):
+                        log.warning("control_connection_refused",
+                                    reason=f"over {MAX_CONNECTIONS} connections")
+                        return
+                    try:
+                        channel._serve(self.rfile, self.wfile)
+                    finally:
+                        channel._connections.release()
                 finally:
-                    channel._connections.release()
+                    with channel._per_pid_lock:
+                        left = channel._per_pid[pid] - 1
+                        if left:
+                            channel._per_pid[pid] = left
+                        else:
+                            del channel._per_pid[pid]
 
         class Server(socketserver.ThreadingUnixStreamServer):
             daemon_threads = True
@@ -273,7 +306,10 @@ class ControlChannel:
         out: dict[int, dict[str, Any]] = {}
         for p in self.dir.glob(STOPPED_PREFIX + "*"):
             try:
-                out[int(p.name[len(STOPPED_PREFIX):])] = json.loads(p.read_text() or "{}")
+                data = boundedjson.read_file(p, max_bytes=MAX_LINE_BYTES) or b"{}"
+                fields = boundedjson.loads(data, what=p.name, max_bytes=MAX_LINE_BYTES)
+                if isinstance(fields, dict):
+                    out[int(p.name[len(STOPPED_PREFIX):])] = fields
             except (ValueError, OSError):
                 continue
         return out

@@ -7,7 +7,8 @@ with a data dir of its own, and lets a test hit any one member: ``kill`` (SIGKIL
 ``freeze``/``resume`` (SIGSTOP/SIGCONT), ``stop``/``restart`` (same ports, same data dir).
 ``leader()`` asks every live member who leads (etcd's Maintenance.Status RPC).
 
-Each member is an ``EmbeddedEtcd`` whose command line is the single-member one with the
+Members talk raft over TLS with client-certificate auth from one generated CA (the peer
+ports are on loopback, where every local user can connect). Each member is an ``EmbeddedEtcd`` whose command line is the single-member one with the
 member's identity swapped in (``--name``, ``--initial-cluster``, ``--initial-cluster-token``),
 so whatever hardening ``EmbeddedEtcd`` applies to its own server applies here too.
 """
@@ -24,7 +25,8 @@ from dataclasses import dataclass
 import structlog
 
 from elasticd.errors import EtcdUnavailableError
-from elasticd.etcd.embedded import EmbeddedEtcd
+from elasticd.etcd.embedded import EmbeddedEtcd, make_private_dir
+from elasticd.etcd.pki import PeerTLS, generate_private_pki
 
 log = structlog.get_logger(__name__)
 
@@ -51,11 +53,13 @@ class ClusterMember(EmbeddedEtcd):
         data_dir: its data dir (kept across ``restart``).
         heartbeat_ms, election_ms: raft timing (etcd's ``--heartbeat-interval`` and
             ``--election-timeout``).
+        peer_tls: the cluster's shared peer certificate and CA.
     """
 
     def __init__(self, name: str, data_dir: str, *, heartbeat_ms: int = DEFAULT_HEARTBEAT_MS,
-                 election_ms: int = DEFAULT_ELECTION_MS, start_timeout_s: float = 30.0) -> None:
-        super().__init__(data_dir, start_timeout_s=start_timeout_s)
+                 election_ms: int = DEFAULT_ELECTION_MS, start_timeout_s: float = 30.0,
+                 peer_tls: PeerTLS | None = None) -> None:
+        super().__init__(data_dir, start_timeout_s=start_timeout_s, peer_tls=peer_tls)
         self.name = name
         self.heartbeat_ms = heartbeat_ms
         self.election_ms = election_ms
@@ -86,10 +90,6 @@ class ClusterMember(EmbeddedEtcd):
             EtcdUnavailableError: it exited or did not answer within ``start_timeout_s``.
         """
         super()._wait_healthy()
-
-    @property
-    def peer_url(self) -> str:
-        return f"http://127.0.0.1:{self.peer_port}"
 
     def _command(self) -> list[str]:
         cmd = super()._command()
@@ -143,9 +143,16 @@ class EmbeddedEtcdCluster:
             raise ValueError(f"an etcd cluster needs at least one member, not {size}")
         self._own_dir = root_dir is None
         self.root_dir = root_dir or tempfile.mkdtemp(prefix="elasticd-etcd-cluster-")
+        os.makedirs(self.root_dir, mode=0o700, exist_ok=True)
+        make_private_dir(self.root_dir)
+        # One CA and peer certificate for every member: raft between them is TLS with
+        # client-certificate auth, so no other local user can join, read or write the raft
+        # group through a peer port (they used to be plain http on loopback).
+        peer_tls = generate_private_pki(os.path.join(self.root_dir, "peer-tls")).peer
         self.members = [
             ClusterMember(f"m{i}", os.path.join(self.root_dir, f"m{i}"), heartbeat_ms=heartbeat_ms,
-                          election_ms=election_ms, start_timeout_s=start_timeout_s)
+                          election_ms=election_ms, start_timeout_s=start_timeout_s,
+                          peer_tls=peer_tls)
             for i in range(size)
         ]
         self._token = f"elasticd-{os.getpid()}-{id(self):x}"

@@ -5,6 +5,12 @@ TLS only and requires a client certificate from a CA generated at start (elastic
 the client key is 0600 in a 0700 directory, so other local users, who can reach any
 loopback port, cannot read or write a key. The test fixtures use the plain form.
 
+Whatever the client side, the peer port (raft and etcd's peer HTTP API) always serves TLS
+with ``--peer-client-cert-auth``: plain, it let any local user read the cluster id from
+``GET /members`` and write any key with a raft proposal to ``/raft``. A single member
+generates its peer certificate itself (from its private CA when ``private``); the members of
+an ``EmbeddedEtcdCluster`` share one (``peer_tls``).
+
 It binds free ports, keeps its data in a directory of its own (0700), waits until etcd answers,
 and never outlives its owner: the child gets ``PR_SET_PDEATHSIG`` and ``stop()`` is
 registered with ``atexit``. ``pause()``/``resume()`` (SIGSTOP/SIGCONT) and
@@ -29,7 +35,7 @@ import structlog
 
 from elasticd.errors import ConfigError, EtcdUnavailableError
 from elasticd.etcd.client import TLSFiles
-from elasticd.etcd.pki import PrivatePki, generate_private_pki
+from elasticd.etcd.pki import PeerTLS, PrivatePki, generate_private_pki
 from elasticd.process import die_with_parent
 
 log = structlog.get_logger(__name__)
@@ -72,7 +78,7 @@ def _proc_state(pid: int) -> str | None:
     return "T" if states <= {"T", "t"} else sorted(states - {"T", "t"})[0]
 
 
-def _make_private(path: str) -> None:
+def make_private_dir(path: str) -> None:
     """Refuse a data dir another user controls; make ours 0700.
 
     Raises:
@@ -127,11 +133,14 @@ class EmbeddedEtcd:
         quota_backend_bytes: etcd's ``--quota-backend-bytes`` (tests of NOSPACE); None
             keeps etcd's default.
         start_timeout_s: how long ``start`` waits for etcd to answer.
+        peer_tls: the peer certificate and CA (a cluster's members share one); None
+            generates one in the data dir (``tls/`` when ``private``, else ``peer-tls/``).
     """
 
     def __init__(self, data_dir: str | None = None, *, binary: str | None = None,
                  tls: ServerTLS | None = None, private: bool = False,
-                 quota_backend_bytes: int | None = None, start_timeout_s: float = 20.0) -> None:
+                 quota_backend_bytes: int | None = None, start_timeout_s: float = 20.0,
+                 peer_tls: PeerTLS | None = None) -> None:
         if private and tls is not None:
             raise ValueError("private=True generates its own TLS; do not pass tls")
         self.binary = binary or find_etcd_binary()
@@ -139,12 +148,16 @@ class EmbeddedEtcd:
         self.data_dir = data_dir or tempfile.mkdtemp(prefix="elasticd-etcd-")
         os.makedirs(self.data_dir, mode=0o700, exist_ok=True)
         if private:
-            _make_private(self.data_dir)
+            make_private_dir(self.data_dir)
         self.pki: PrivatePki | None = None
         if private:
             self.pki = generate_private_pki(os.path.join(self.data_dir, "tls"))
             tls = ServerTLS(self.pki.server_cert, self.pki.server_key, self.pki.ca_file)
         self.tls = tls
+        if peer_tls is None:
+            peer_pki = self.pki or generate_private_pki(os.path.join(self.data_dir, "peer-tls"))
+            peer_tls = peer_pki.peer
+        self.peer_tls = peer_tls
         self.quota_backend_bytes = quota_backend_bytes
         self.start_timeout_s = start_timeout_s
         self.client_port = free_port()
@@ -156,6 +169,11 @@ class EmbeddedEtcd:
     @property
     def endpoint(self) -> str:
         return f"127.0.0.1:{self.client_port}"
+
+    @property
+    def peer_url(self) -> str:
+        """Where this member serves its peers (TLS with client-certificate auth)."""
+        return f"https://127.0.0.1:{self.peer_port}"
 
     @property
     def client_tls(self) -> TLSFiles | None:
@@ -170,7 +188,7 @@ class EmbeddedEtcd:
     def _command(self) -> list[str]:
         scheme = "https" if self.tls else "http"
         client_url = f"{scheme}://127.0.0.1:{self.client_port}"
-        peer_url = f"http://127.0.0.1:{self.peer_port}"
+        peer_url = self.peer_url
         cmd = [
             self.binary,
             "--name", "elasticd",
@@ -185,6 +203,11 @@ class EmbeddedEtcd:
             # Keep history small: elasticd's keys churn every round.
             "--auto-compaction-mode", "revision",
             "--auto-compaction-retention", "10000",
+            # Peers only with a certificate of our CA (see the module docstring).
+            "--peer-cert-file", self.peer_tls.cert_file,
+            "--peer-key-file", self.peer_tls.key_file,
+            "--peer-trusted-ca-file", self.peer_tls.ca_file,
+            "--peer-client-cert-auth",
         ]
         if self.quota_backend_bytes is not None:
             cmd += ["--quota-backend-bytes", str(int(self.quota_backend_bytes))]
@@ -192,6 +215,11 @@ class EmbeddedEtcd:
             cmd += ["--cert-file", self.tls.cert_file, "--key-file", self.tls.key_file]
             if self.tls.client_cert_auth:
                 cmd += ["--client-cert-auth", "--trusted-ca-file", self.tls.ca_file]
+                if self.pki is not None:
+                    # The HTTP/JSON gateway dials etcd with the server certificate as a client
+                    # one; ours has server auth only (elasticd.etcd.pki), and elasticd talks
+                    # gRPC only, so the gateway is off rather than failing its handshakes.
+                    cmd += ["--enable-grpc-gateway=false"]
             # (etcd 3.5 with --trusted-ca-file but no --client-cert-auth still refuses a
             # client that presents no certificate, so the CA goes only with client auth.)
         return cmd

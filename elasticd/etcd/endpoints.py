@@ -88,6 +88,10 @@ def read_tls_file(path: str, what: str) -> bytes:
     if len(data) > MAX_TLS_FILE_BYTES:
         raise ConfigError(f"etcd {what} {path!r} is larger than {MAX_TLS_FILE_BYTES} bytes, so not "
                           "a PEM file; check the path")
+    if b"-----BEGIN " not in data:
+        # gRPC would log C++ errors and fail the connection (exit 4, not a config error).
+        raise ConfigError(f"etcd {what} {path!r} is not a PEM file (no '-----BEGIN' line); "
+                          "pass the PEM-encoded file (e.g. ca.pem), not a DER or other file")
     return data
 
 

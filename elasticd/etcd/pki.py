@@ -8,6 +8,11 @@ needs signing); the client key is written 0600 inside a 0700 directory, so only 
 owner (and root) can present it. Loopback plus a private client key is the boundary:
 no password exists, so nothing secret crosses the socket in clear.
 
+The same CA signs a peer certificate: etcd's peer port (raft and the peer HTTP API) used to
+be plain http on 127.0.0.1, where any local user could read the cluster id from
+``GET /members`` and POST a raft proposal to ``/raft`` that wrote any key. Members now serve
+peers with TLS and ``--peer-client-cert-auth`` from this CA.
+
 Keys are ECDSA P-256; certificates are valid for 30 days (a standalone run that lasts
 longer restarts its etcd with fresh ones on the next start).
 """
@@ -37,6 +42,26 @@ class PrivatePki:
     server_key: str
     client_cert: str
     client_key: str
+    peer_cert: str
+    peer_key: str
+
+    @property
+    def peer(self) -> PeerTLS:
+        """What etcd members present to each other (and trust): the peer leaf and the CA."""
+        return PeerTLS(self.ca_file, self.peer_cert, self.peer_key)
+
+
+@dataclass(frozen=True)
+class PeerTLS:
+    """etcd's peer TLS: ``--peer-cert-file``, ``--peer-key-file``, ``--peer-trusted-ca-file``.
+
+    Served with ``--peer-client-cert-auth``: a member accepts raft traffic and the peer HTTP
+    API (``/members``, ``/raft``) only from a holder of a certificate this CA signed.
+    """
+
+    ca_file: str
+    cert_file: str
+    key_file: str
 
 
 def _name(cn: str) -> x509.Name:
@@ -62,7 +87,8 @@ def _cert_pem(cert: x509.Certificate) -> bytes:
 
 
 def generate_private_pki(directory: str) -> PrivatePki:
-    """Create a CA, a server certificate for 127.0.0.1 and a client certificate in ``directory``.
+    """Create a CA, a server certificate for 127.0.0.1, a client certificate and a peer
+    certificate (server and client auth, for raft between members) in ``directory``.
 
     ``directory`` is created (or tightened) to mode 0700; every file is 0600.
 
@@ -100,11 +126,17 @@ def generate_private_pki(directory: str) -> PrivatePki:
                 critical=False)
         return _cert_pem(builder.sign(ca_key, hashes.SHA256())), _key_pem(key)
 
-    # etcd's own health/gateway connections present the server certificate as a client one.
-    server_cert, server_key = leaf("elasticd-embedded-etcd",
-                                   [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH],
+    # Server auth only: the server key is on disk for etcd to read, so with client auth too
+    # any process of the owner's uid (the workers' training code) could present it as a
+    # client certificate (issue 21). etcd's gRPC gateway dials itself with this certificate;
+    # elasticd talks gRPC only, so a gateway refused by client-cert auth costs nothing.
+    server_cert, server_key = leaf("elasticd-embedded-etcd", [ExtendedKeyUsageOID.SERVER_AUTH],
                                    san=True)
     client_cert, client_key = leaf("elasticd-owner", [ExtendedKeyUsageOID.CLIENT_AUTH], san=False)
+    # A member dials its peers (client auth) and serves them (server auth, 127.0.0.1).
+    peer_cert, peer_key = leaf("elasticd-etcd-peer",
+                               [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH],
+                               san=True)
     j = os.path.join
     return PrivatePki(
         directory=directory,
@@ -113,4 +145,6 @@ def generate_private_pki(directory: str) -> PrivatePki:
         server_key=_write(j(directory, "server-key.pem"), server_key),
         client_cert=_write(j(directory, "client.pem"), client_cert),
         client_key=_write(j(directory, "client-key.pem"), client_key),
+        peer_cert=_write(j(directory, "peer.pem"), peer_cert),
+        peer_key=_write(j(directory, "peer-key.pem"), peer_key),
     )

@@ -30,6 +30,11 @@ from elasticd.etcd.client import KV, EtcdClient, PrefixWatch, WatchEvent
 from elasticd.retry import call_with_retry
 
 T = TypeVar("T")
+# torch's agent stores addresses, ranks and barrier counters here: bytes, not megabytes.
+# A bound keeps one caller from filling etcd (its request limit is 1.5 MiB, its space is
+# shared by every job); the workers' own TCPStore has no such bound (docs/security.md).
+MAX_VALUE_BYTES = 64 * 1024
+MAX_COUNTER_DIGITS = 32
 
 
 class EtcdStore(dist.Store):
@@ -131,10 +136,15 @@ class EtcdStore(dist.Store):
     @staticmethod
     def _bytes(value: Any) -> bytes:
         if isinstance(value, bytes):
-            return value
-        if isinstance(value, str):
-            return value.encode()
-        return bytes(value)
+            data = value
+        elif isinstance(value, str):
+            data = value.encode()
+        else:
+            data = bytes(value)
+        if len(data) > MAX_VALUE_BYTES:
+            raise ValueError(f"store value of {len(data)} bytes is over the {MAX_VALUE_BYTES}-byte "
+                             "limit of the rendezvous store (it holds addresses and counters)")
+        return data
 
     def _timeout(self, timeout: timedelta | None) -> float:
         return timeout.total_seconds() if timeout is not None else self._timeout_s
@@ -150,6 +160,9 @@ class EtcdStore(dist.Store):
         full = self._prefix + key
         while True:
             kv = self._retry(lambda: self._client.get(full))
+            if kv is not None and (len(kv.value) > MAX_COUNTER_DIGITS
+                                   or not kv.value.strip().lstrip(b"-").isdigit()):
+                raise ValueError(f"store key {key!r} does not hold a counter")
             current = int(kv.value) if kv else 0
             new = current + int(amount)
             rev = kv.mod_revision if kv else 0

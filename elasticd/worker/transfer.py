@@ -29,6 +29,7 @@ bounded by the caller's deadline; a closed, reset or late connection raises
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import secrets
 import select
@@ -51,6 +52,11 @@ HEADER = struct.Struct("!4s32sQI")
 ACK = struct.Struct("!4sQ")
 IOV_BATCH = 512  # buffers per sendmsg/recvmsg_into call (Linux allows 1024)
 ACCEPT_POLL_S = 0.02  # how often the accept loop also looks at its senders' failures
+# A connection that has not said who it is holds a thread: at most this many at once (a
+# connect flood made 575 threads and pushed a join onto the restart path), each for at
+# most HELLO_TIMEOUT_S (a receiver sends its hello right after connecting).
+MAX_UNIDENTIFIED = 64
+HELLO_TIMEOUT_S = 2.0
 
 
 class TransferError(RuntimeError):
@@ -236,6 +242,8 @@ class TransferSource:
         self._allowed = allowed_peers
         self.ticket = new_ticket(host, int(self._listener.getsockname()[1]), self._views)
         self.refused = 0  # connections refused (strangers), for logs and tests
+        self.refused_crowded = 0  # silent connections dropped for a newer one (over the cap)
+        self.refused_silent = 0  # connections closed without a hello (timed out or dropped)
 
     def close(self) -> None:
         """Stop listening (idempotent)."""
@@ -256,19 +264,31 @@ class TransferSource:
         served: dict[int, threading.Thread] = {}
         failures: dict[int, BaseException] = {}
         conns: list[socket.socket] = []
+        # Connections whose hello is not checked yet, oldest first (under lock).
+        unidentified: dict[socket.socket, None] = {}
 
         def serve_one(conn: socket.socket, peer: str) -> None:
             rank = -1
             try:
-                conn.settimeout(_remaining(deadline, "waiting for a receiver's hello"))
-                hello = _recv_exact(conn, HELLO.size, deadline)
                 try:
-                    rank = check_hello(hello, self.ticket, expected)
-                except TransferError as exc:
+                    try:
+                        hello = _recv_exact(conn, HELLO.size,
+                                            min(deadline, time.monotonic() + HELLO_TIMEOUT_S))
+                    except (OSError, TransferError):  # silent, closed or dropped: counted, logged once
+                        with lock:
+                            self.refused += 1
+                            self.refused_silent += 1
+                        return
+                    try:
+                        rank = check_hello(hello, self.ticket, expected)
+                    except TransferError as exc:
+                        with lock:
+                            self.refused += 1
+                        log.warning("live_transfer_refused", peer=peer, reason=str(exc))
+                        return
+                finally:
                     with lock:
-                        self.refused += 1
-                    log.warning("live_transfer_refused", peer=peer, reason=str(exc))
-                    return
+                        unidentified.pop(conn, None)
                 with lock:
                     if rank in served:
                         self.refused += 1
@@ -302,6 +322,17 @@ class TransferSource:
                     log.warning("live_transfer_refused", peer=addr[0], reason="not a group peer")
                     conn.close()
                     continue
+                with lock:
+                    # Full: drop the oldest silent one, not the newcomer (a receiver sends
+                    # its hello at once, so a flood cannot starve it of a slot).
+                    oldest = next(iter(unidentified)) if len(unidentified) >= MAX_UNIDENTIFIED else None
+                    if oldest is not None:
+                        del unidentified[oldest]
+                        self.refused_crowded += 1
+                    unidentified[conn] = None
+                if oldest is not None:
+                    with contextlib.suppress(OSError):
+                        oldest.shutdown(socket.SHUT_RDWR)  # its thread's recv ends now
                 conns.append(conn)
                 threading.Thread(target=serve_one, args=(conn, addr[0]), daemon=True,
                                  name="elasticd-live-send").start()
@@ -319,6 +350,10 @@ class TransferSource:
             self.close()
             for conn in conns:  # a stranger's stalled hello, a timed-out receiver
                 _close(conn)
+            if self.refused_silent:
+                log.warning("live_transfer_refused", peer=None, reason=(
+                    f"{self.refused_silent} connection(s) sent no hello within "
+                    f"{HELLO_TIMEOUT_S:g} s or were dropped over the cap of {MAX_UNIDENTIFIED}"))
 
 
 def receive(ticket: TransferTicket, rank: int, views: Sequence[memoryview], deadline: float) -> None:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import tempfile
 import time
 from pathlib import Path
 
@@ -26,6 +25,7 @@ from harness import ROOT, read_jsonl, wait_until
 from elasticd.checkpoint.catalog import list_checkpoints
 from elasticd.etcd.client import EtcdClient
 from elasticd.keys import JobKeys
+from elasticd.logs import default_state_root
 from elasticd.records import CheckpointPointer
 
 SCRIPT = str(ROOT / "tests" / "workers" / "ckpt_every_step.py")
@@ -108,7 +108,8 @@ def test_drain_during_etcd_outage_keeps_its_checkpoint(nodes, tmp_path):
     agent leaves, so the agent writes it down as an intent; the next agent of the job commits
     it before joining (nobody re-formed the job since) and the workers resume from it."""
     job = f"drain-outage-{tmp_path.name[-12:].replace('_', '-')}"
-    state_dir = Path(tempfile.gettempdir()) / f"elasticd-{os.geteuid()}" / "commit-intents" / job
+    state_root = default_state_root(os.environ.get("XDG_STATE_HOME"), os.environ.get("HOME"))
+    state_dir = Path(state_root) / "commit-intents" / job
     url = f"file://{tmp_path}/ckpt"
     out = tmp_path / "steps.jsonl"
     env = {"OUT": str(out), "STEP_S": "0.05"}

@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import threading
+from typing import Any
 
 import pytest
 from harness import ROOT, children_of, wait_until
@@ -17,10 +18,10 @@ from elasticd.process import pid_alive
 pytestmark = pytest.mark.timeout(90)
 
 
-def _start(*args: str) -> tuple[subprocess.Popen, str, list[int]]:
+def _start(*args: str, stderr: Any = subprocess.DEVNULL) -> tuple[subprocess.Popen, str, list[int]]:
     """Start ``elasticd etcd ARGS``; return it, the endpoints it printed, and its etcd PIDs."""
     proc = subprocess.Popen([sys.executable, "-m", "elasticd.cli", "etcd", *args], cwd=str(ROOT),
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                            stdout=subprocess.PIPE, stderr=stderr, text=True,
                             start_new_session=True)
     box: list[str] = []
     reader = threading.Thread(target=lambda: box.append(proc.stdout.readline()), daemon=True)  # type: ignore[union-attr]
@@ -78,3 +79,16 @@ def test_etcd_command_stops_on_ctrl_c(tmp_path):
     assert proc.wait(timeout=30) == 0
     wait_until(lambda: not pid_alive(pids[0]), 10, "etcd to exit")
     assert not os.path.exists(root)
+
+
+def test_etcd_command_says_it_serves_plaintext(tmp_path):
+    """`elasticd etcd` says at start that its clients are served in plaintext without auth
+    (every local user can read and write it), pointing at --standalone for a private one."""
+    with open(tmp_path / "stderr", "w") as err:
+        proc, _, pids = _start(stderr=err)
+        try:
+            wait_until(lambda: "Ctrl-C" in (tmp_path / "stderr").read_text(), 10, "the start lines")
+        finally:
+            assert _stop(proc, pids) == 0
+    text = (tmp_path / "stderr").read_text()
+    assert "plaintext" in text and "every local user" in text and "--standalone" in text, text

@@ -164,3 +164,43 @@ def test_a_connection_from_outside_the_group_is_refused_and_the_wait_is_bounded(
         receive(source.ticket, 1, [memoryview(bytearray(8))], deadline)
     result["thread"].join(5)
     assert isinstance(result.get("error"), TransferError) and source.refused == 1
+
+
+@pytest.mark.timeout(30)
+def test_a_connect_flood_is_capped_and_silent_strangers_are_dropped_after_the_hello_timeout():
+    """200 silent connections hold at most MAX_UNIDENTIFIED threads (the oldest silent one
+    is dropped for a newcomer), each is closed after HELLO_TIMEOUT_S (not at the 20 s
+    deadline), and the real receiver is still served."""
+    import elasticd.worker.transfer as tr
+
+    # (getattr: so that on the code before the cap the test fails on the behaviour)
+    HELLO_TIMEOUT_S, MAX_UNIDENTIFIED = getattr(tr, "HELLO_TIMEOUT_S", 2.0), getattr(tr, "MAX_UNIDENTIFIED", 64)  # noqa: N806
+
+    data = torch.arange(1 << 12, dtype=torch.float64)
+    source = TransferSource("127.0.0.1", [byte_view(data)])
+    deadline = time.monotonic() + 20
+    before = threading.active_count()
+    result = _serve_in_thread(source, [1], deadline)
+    addr = ("127.0.0.1", source.ticket.port)
+    flood = []
+    try:
+        t0 = time.monotonic()
+        for _ in range(200):
+            flood.append(socket.create_connection(addr, timeout=5))
+        peak = 0
+        while time.monotonic() - t0 < 0.5:
+            peak = max(peak, threading.active_count() - before)
+            time.sleep(0.01)
+        assert peak <= MAX_UNIDENTIFIED + 2, f"{peak} threads for a flood of 200 connections"
+        last = flood[-1]  # the newest: kept in the table until its hello timeout
+        # (a SYN over the listen backlog is retried by the kernel after 1 s, 3 s: margin)
+        last.settimeout(HELLO_TIMEOUT_S + 6)
+        assert last.recv(1) == b"", "a silent stranger was held past its hello timeout"
+        got = torch.empty_like(data)
+        receive(source.ticket, 1, [byte_view(got)], deadline)  # slots freed: served
+        assert torch.equal(got, data)
+        result["thread"].join(5)
+        assert result.get("ok") and source.refused_crowded > 0
+    finally:
+        for s in flood:
+            s.close()

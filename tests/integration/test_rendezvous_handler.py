@@ -715,3 +715,19 @@ def test_resurrection_is_fenced_by_the_round_state(handlers):
     assert now is not None and kept is not None
     assert (now.create_revision, now.lease) == (kept.create_revision, kept.lease), \
         "a fenced-out re-registration wrote the node record"
+@pytest.mark.timeout(30)
+def test_rendezvous_store_bounds_what_it_accepts(etcd_client):
+    """elasticd's etcd-backed c10d store refuses a value over 64 KiB (nothing is written)
+    and an add on a key that holds no counter, instead of storing or parsing either."""
+    from elasticd.rendezvous.etcd_store import EtcdStore
+
+    store = EtcdStore(etcd_client, "/elasticd/bound/store/0/", timeout_s=5)
+    with pytest.raises(ValueError, match="limit"):
+        store.set("big", b"x" * (1 << 20))
+    assert etcd_client.get("/elasticd/bound/store/0/big") is None
+    store.set("k", b"ok")
+    assert store.get("k") == b"ok"
+    store.set("junk", b"9" * 5000)
+    with pytest.raises(ValueError, match="counter"):
+        store.add("junk", 1)
+    assert store.add("n", 2) == 2

@@ -54,6 +54,50 @@ def _etcdctl(endpoint: str, *args: str, uid: int | None = None, tls: list[str] |
                           env={"PATH": "/usr/bin:/bin", "ETCDCTL_API": "3"}, **kw)
 
 
+# Run as uid 65534: talk to an etcd peer port the way the attack of issue 21 did (GET /members
+# for the cluster id, POST /raft with a raft message), over plain http and over TLS without a
+# client certificate. Prints, per attempt, whether etcd's peer handler answered.
+PEER_ATTACK = """\
+import http.client, json, ssl, sys
+port = int(sys.argv[1])
+HTTPS_ONLY = "HTTP request to an HTTPS server"
+out = {}
+for scheme in ("http", "https"):
+    for method, path, body in (("GET", "/members", None), ("POST", "/raft", b"\\xff")):
+        what = f"{method} {scheme}://127.0.0.1:{port}{path}"
+        try:
+            if scheme == "http":
+                conn = http.client.HTTPConnection("127.0.0.1", port, timeout=3)
+            else:
+                ctx = ssl.create_default_context()
+                ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE
+                conn = http.client.HTTPSConnection("127.0.0.1", port, timeout=3, context=ctx)
+            conn.request(method, path, body=body, headers={"X-Etcd-Cluster-ID": "1"})
+            resp = conn.getresponse()
+            text = resp.read(300).decode(errors="replace")
+            out[what] = "refused" if HTTPS_ONLY in text else f"reached: {resp.status} {text[:120]}"
+        except (OSError, http.client.HTTPException) as exc:
+            out[what] = f"refused ({type(exc).__name__})"
+print(json.dumps(out))
+"""
+
+
+def _attack_peer_port(port: int) -> dict[str, str]:
+    """Run PEER_ATTACK as uid 65534 against ``port``; what each request got."""
+    proc = subprocess.run(["/usr/bin/python3", "-c", PEER_ATTACK, str(port)], capture_output=True,
+                          text=True, timeout=30, cwd="/", env={"PATH": "/usr/bin:/bin"},
+                          user=NOBODY, group=NOBODY, extra_groups=[])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return json.loads(proc.stdout)
+
+
+def _peer_port_from_cmdline(pid: int) -> int:
+    """The peer port an etcd process listens on, read where any local user can: its command line."""
+    argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+    url = argv[argv.index("--listen-peer-urls") + 1]
+    return int(url.rsplit(":", 1)[1])
+
+
 def _log_event(log: str, event: str) -> dict:
     for line in log.splitlines():
         try:
@@ -68,7 +112,8 @@ def _log_event(log: str, event: str) -> dict:
 @pytest.mark.timeout(150)
 def test_standalone_etcd_and_worker_logs_are_private_to_their_owner(tmp_path):
     """`elasticd run --standalone`: uid 65534 can neither read nor write a key of its etcd
-    (plaintext, TLS without a client cert, or the owner's cert files), while the owner can;
+    (plaintext, TLS without a client cert, or the owner's cert files), while the owner can,
+    nor reach its peer port (GET /members, POST /raft over http and TLS without a cert);
     a log dir another user made first at the old predictable path is not used, and the
     chosen one is the owner's, mode 0700, and logged."""
     _need_root()
@@ -107,6 +152,17 @@ def test_standalone_etcd_and_worker_logs_are_private_to_their_owner(tmp_path):
         mine = _etcdctl(f"https://{endpoint}", "get", "--prefix", "--keys-only", JobKeys(job).prefix,
                         tls=owner_tls)
         assert mine.returncode == 0 and JobKeys(job).nodes_prefix in mine.stdout, mine.stderr
+        # The server key is on disk (etcd reads it), readable by the owner's uid and so by its
+        # training code: it must not pass as a client certificate (issue 21, item 3).
+        server_as_client = _etcdctl(f"https://{endpoint}", "get", "--prefix", "/",
+                                    tls=[f"--cacert={tls_dir}/ca.pem", f"--cert={tls_dir}/server.pem",
+                                         f"--key={tls_dir}/server-key.pem"])
+        assert server_as_client.returncode != 0 and "/elasticd/" not in server_as_client.stdout, \
+            "the server certificate works as a client certificate"
+        # The peer port (raft, /members) is as closed as the client port (issue 21, item 1).
+        peer = _attack_peer_port(_peer_port_from_cmdline(etcd_rec["pid"]))
+        reached = {what: got for what, got in peer.items() if not got.startswith("refused")}
+        assert not reached, f"uid {NOBODY} reached the embedded etcd's peer handler: {reached}"
 
         chosen = _log_event(node.log(), "worker_log_dir_chosen")["path"]
         assert Path(chosen) != trap and not Path(chosen).is_relative_to(trap)
@@ -122,6 +178,27 @@ def test_standalone_etcd_and_worker_logs_are_private_to_their_owner(tmp_path):
     finally:
         node.cleanup()
         shutil.rmtree(trap, ignore_errors=True)
+
+
+@pytest.mark.timeout(90)
+def test_local_etcd_cluster_peer_ports_refuse_another_uid(tmp_path):
+    """Every member of a local N-member cluster (`elasticd etcd --members N`) refuses
+    uid 65534's GET /members and POST /raft on its peer port, while the cluster serves."""
+    _need_root()
+    from elasticd.etcd.cluster import EmbeddedEtcdCluster
+
+    with EmbeddedEtcdCluster(3, str(tmp_path / "cluster")) as cluster:
+        client = EtcdClient(cluster.endpoints, timeout_s=3)
+        try:
+            client.put("/elasticd/peer-test/k", b"v")  # the members still talk raft to each other
+            assert client.get("/elasticd/peer-test/k") is not None
+        finally:
+            client.close()
+        for m in cluster.members:
+            assert m.pid is not None
+            peer = _attack_peer_port(_peer_port_from_cmdline(m.pid))
+            reached = {what: got for what, got in peer.items() if not got.startswith("refused")}
+            assert not reached, f"uid {NOBODY} reached member {m.name}'s peer handler: {reached}"
 
 
 @pytest.fixture
@@ -328,8 +405,153 @@ def test_metrics_bind_loopback_by_default_and_the_configured_address(tmp_path):
 
 @pytest.mark.timeout(60)
 def test_config_from_dev_zero_fails_fast():
-    """`elasticd agent --config /dev/zero --check-config` is a config error within seconds."""
+    """`elasticd agent --config /dev/zero --check-config` is a config error within seconds
+    (a device is not a regular file; nothing is read from it)."""
     t0 = time.monotonic()
     proc = _elasticd("agent", "--config", "/dev/zero", "--check-config", timeout_s=30)
-    assert proc.returncode == 78 and "larger than" in proc.stderr, proc.stderr[-2000:]
+    assert proc.returncode == 78 and "not a regular file" in proc.stderr, proc.stderr[-2000:]
     assert time.monotonic() - t0 < 20
+
+
+@pytest.mark.timeout(90)
+def test_commit_intent_dir_is_not_squattable_in_tmp(etcd_server, tmp_path):
+    """uid 65534 making `<tmp>/elasticd-<uid>` first (which blocked every agent of that uid
+    outside systemd) changes nothing: the intents live under $HOME/.local/state/elasticd,
+    every level elasticd made is 0700 and owned by the agent's user, and the job runs."""
+    _need_root()
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    tmp.chmod(0o1777)
+    squat = tmp / f"elasticd-{os.geteuid()}"
+    squat.mkdir()
+    os.chown(squat, NOBODY, NOBODY)
+    home = tmp_path / "home"
+    home.mkdir(mode=0o700)
+    script = tmp_path / "ok.py"
+    script.write_text("pass\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("XDG_STATE_HOME", "STATE_DIRECTORY")}
+    env.update(TMPDIR=str(tmp), HOME=str(home))
+    job = "squat"
+    proc = subprocess.run([sys.executable, "-m", "elasticd.cli", "run", "--etcd", etcd_server.endpoint,
+                           "--job", job, "--nnodes", "1", "--node-ttl", "2", "--local-addr",
+                           "127.0.0.1", "--log-dir", str(tmp_path / "wl"), str(script)],
+                          capture_output=True, text=True, timeout=60, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert list(squat.iterdir()) == []
+    level = home
+    for part in (".local", "state", "elasticd", "commit-intents", job):
+        level = level / part
+        st = os.lstat(level)
+        assert stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid(), level
+        assert stat.S_IMODE(st.st_mode) == 0o700, f"{level} is {stat.S_IMODE(st.st_mode):04o}"
+
+
+@pytest.mark.timeout(60)
+def test_file_checkpoints_are_unreadable_to_another_uid():
+    """A file:// checkpoint under a world-readable root (umask 022): uid 65534 can neither
+    list a save's directory nor read its state.pt or manifest; every level elasticd made is
+    0700 and every file 0600."""
+    _need_root()
+    import torch
+
+    from elasticd.checkpoint import CheckpointManager
+
+    root = Path(tempfile.mkdtemp(prefix="elasticd-ckpt-sec-"))
+    old = os.umask(0o022)
+    try:
+        root.chmod(0o755)  # an operator's shared checkpoint root
+        mgr = CheckpointManager(f"file://{root}", job="sec", keep_last=2)
+        mgr.save(1, {"model": torch.nn.Linear(4, 2)}, blocking=True)
+        files = [p for p in (root / "sec").rglob("*") if p.is_file()]
+        assert any(p.name == "state.pt" for p in files), files
+        probe = ("import os, sys\nfor p in sys.argv[1:]:\n    try:\n"
+                 "        (os.listdir if os.path.isdir(p) else (lambda q: open(q, 'rb').read(1)))(p)\n"
+                 "        print('read', p)\n    except OSError:\n        pass\n")
+        targets = [str(p) for p in [*files, *(p.parent for p in files)]]
+        proc = subprocess.run(["/usr/bin/python3", "-c", probe, *targets], capture_output=True,
+                              text=True, timeout=30, cwd="/", env={"PATH": "/usr/bin:/bin"},
+                              user=NOBODY, group=NOBODY, extra_groups=[])
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout == "", f"uid {NOBODY} read the checkpoint:\n{proc.stdout}"
+        for p in [root / "sec", *(root / "sec").rglob("*")]:
+            mode = stat.S_IMODE(os.lstat(p).st_mode)
+            assert mode == (0o600 if p.is_file() else 0o700), f"{p} is {mode:04o}"
+    finally:
+        os.umask(old)
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.mark.timeout(60)
+def test_idle_connections_from_one_process_do_not_lock_workers_out_of_the_control_socket():
+    """256 idle connections from one process (training code gone wrong) no longer take every
+    slot of the agent's control socket: another process (a worker) still gets its ping
+    answered; the hoarding process is capped."""
+    from elasticd.control.server import ControlChannel
+
+    chan = ControlChannel().start()
+    hoard: list[socket.socket] = []
+    try:
+        served = 0
+        for _ in range(256):
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.settimeout(5)
+            s.connect(chan.socket_path)
+            hoard.append(s)
+            try:
+                s.sendall(b'{"op": "ping", "id": 1}\n')  # answered: its handler holds a slot
+                served += s.recv(4096).startswith(b"{")
+            except OSError:  # refused (closed by the agent)
+                pass
+        worker = ("import sys\nfrom elasticd.control.client import ControlClient\n"
+                  "from elasticd.control.messages import Ping\n"
+                  "c = ControlClient(sys.argv[1], timeout_s=5)\n"
+                  "print(type(c.request(Ping())).__name__)\n")
+        proc = subprocess.run([sys.executable, "-c", worker, chan.socket_path], capture_output=True,
+                              text=True, timeout=30)
+        assert proc.returncode == 0 and "Pong" in proc.stdout, proc.stderr[-2000:]
+        assert served < 256
+    finally:
+        for s in hoard:
+            s.close()
+        chan.close()
+
+
+NON_DUMPABLE_TARGET = """\
+import sys
+if sys.argv[1] == "yes":
+    from elasticd.process import make_non_dumpable
+    assert make_non_dumpable()
+print("ready", flush=True)
+sys.stdin.readline()
+"""
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("non_dumpable", [False, True])
+def test_a_non_dumpable_process_hides_its_environment_from_its_own_uid(non_dumpable):
+    """make_non_dumpable() (what the agent calls at start): another process of the same uid
+    (65534 for both: the workers' training code in the agent's uid) can no longer read its
+    /proc/<pid>/environ, where the agent's etcd credentials live; without it, it can."""
+    _need_root()
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(Path(__file__).resolve().parents[2]),
+           "ELASTICD_ETCD_PASSWORD": "s3cret-in-env"}
+    target = subprocess.Popen(["/usr/bin/python3", "-c", NON_DUMPABLE_TARGET,
+                               "yes" if non_dumpable else "no"], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True, cwd="/", env=env,
+                              user=NOBODY, group=NOBODY, extra_groups=[])
+    try:
+        assert target.stdout is not None and target.stdout.readline().strip() == "ready"
+        reader = subprocess.run(["/usr/bin/python3", "-c",
+                                 "import sys\ntry:\n    print(open(sys.argv[1], 'rb').read().decode(errors='replace'))\n"
+                                 "except OSError as e:\n    print('refused', e.errno)",
+                                 f"/proc/{target.pid}/environ"], capture_output=True, text=True,
+                                timeout=30, cwd="/", env={"PATH": "/usr/bin:/bin"},
+                                user=NOBODY, group=NOBODY, extra_groups=[])
+        if non_dumpable:
+            assert "s3cret-in-env" not in reader.stdout and "refused" in reader.stdout, reader.stdout
+        else:
+            assert "s3cret-in-env" in reader.stdout, reader.stdout + reader.stderr
+    finally:
+        if target.stdin is not None:
+            target.stdin.close()
+        target.wait(timeout=10)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import io
 import time
 
@@ -75,6 +76,24 @@ def test_history_writer_appends_when_due_and_is_fenced(etcd_client):
     h = History.from_json(etcd_client.get(keys.history).value)
     assert [(s.step, s.world_size, s.loss, s.checkpoint_step) for s in h.samples] == [
         (10, 2, 0.5, 40), (12, 1, None, 40)]
+
+
+@pytest.mark.timeout(60)
+def test_history_writer_and_plot_survive_a_deeply_nested_record(etcd_server, etcd_client, tmp_path):
+    """A 100,000-deep value at /elasticd/<job>/history: the writer replaces it with a valid
+    record (no RecursionError) and `status --plot` notes it as unreadable and draws."""
+    keys = JobKeys("deep")
+    write_synthetic_job(etcd_client, SyntheticJob("deep", nodes=1, events=2, history=0),
+                        now=time.time())
+    etcd_client.put(keys.history, b"[" * 100_000 + b"]" * 100_000)
+    if importlib.util.find_spec("matplotlib") is not None:
+        code, out, err = status(etcd_server.endpoint, "--job", "deep", "--plot",
+                                str(tmp_path / "d.svg"))
+        assert code == 0 and "unreadable" in out, err
+    writer = EtcdHistoryWriter(etcd_client, keys, lambda: [])
+    assert writer.append(time.time(), 5, 1, 10.0, 0)
+    h = History.from_json(etcd_client.get(keys.history).value)
+    assert [s.step for s in h.samples] == [5]
 
 
 @pytest.mark.timeout(60)

@@ -93,3 +93,29 @@ def test_cli_entry_point_wires_the_subcommand(url, capsys):
 
     assert main(["checkpoints", url, "--job", "b", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["checkpoints"][0]["step"] == 5
+
+
+def test_verify_loads_the_state_file_as_the_loader_does(url):
+    """--verify says no to a state.pt whose CRC and size match its manifest but which
+    weights_only loading refuses (a pickle of an arbitrary object), as the loader would."""
+    import dataclasses
+    import datetime
+
+    from elasticd.checkpoint.manifest import MANIFEST_NAME, FileEntry, checksum
+
+    mgr = CheckpointManager(url, job="a")
+    save = mgr.store.list_saves()[0]
+    base = mgr.store.save_path(save.step, save.save_id)
+    buf = io.BytesIO()
+    torch.save({"w": datetime.datetime(2026, 1, 1)}, buf)  # not weights_only-loadable
+    bad = buf.getvalue()
+    mgr.store.fs.pipe_file(f"{base}/{STATE_FILE}", bad)
+    manifest = mgr.store.read_manifest(save.step, save.save_id)
+    files = tuple(FileEntry(STATE_FILE, len(bad), checksum(bad)) if f.name == STATE_FILE else f
+                  for f in manifest.files)
+    mgr.store.fs.pipe_file(f"{base}/{MANIFEST_NAME}", dataclasses.replace(manifest, files=files).to_json())
+    assert _run(url, "--job", "a")[0] == 0  # sizes and manifest verify
+    code, out, _ = _run(url, "--job", "a", "--verify", "--json")
+    doc = json.loads(out)
+    bad_rows = [c for c in doc["checkpoints"] if not c["valid"]]
+    assert code == 1 and len(bad_rows) == 1 and "weights_only" in bad_rows[0]["reason"], out

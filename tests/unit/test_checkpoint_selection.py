@@ -129,6 +129,27 @@ def test_manifest_that_is_a_directory_is_skipped_named_and_never_pruned(tmp_path
     assert infos[1].valid and not infos[2].valid and path in (infos[2].reason or "")
 
 
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("plant", ["fifo", "deep"])
+def test_fifo_or_deeply_nested_manifest_is_skipped_without_hanging(tmp_path, plant):
+    """A FIFO as the newest manifest.json (which blocked the reader forever), or a manifest
+    nested 100,000 deep under the 1 MiB cap: load falls back to the older save at once."""
+    url = f"file://{tmp_path}"
+    mgr = CheckpointManager(url, job="j", keep_last=5)
+    mgr.save(1, {"model": _net()}, blocking=True)
+    mgr.save(2, {"model": _net()}, blocking=True)
+    path = _manifest_path(mgr, 2)
+    os.remove(path)
+    if plant == "fifo":
+        os.mkfifo(path)
+    else:
+        with open(path, "wb") as fh:
+            fh.write(b"[" * 100_000 + b"]" * 100_000)
+    loaded = CheckpointManager(url, job="j").load_latest({"model": _net()})
+    assert loaded.step == 1
+    assert loaded.skipped and "step-000000000002" in loaded.skipped[0].url, loaded.skipped
+
+
 def test_permission_denied_manifest_is_skipped_not_fatal(url, monkeypatch):
     """PermissionError on one manifest: load uses the older save, prune and listing go on."""
     clock = [1000.0]

@@ -190,9 +190,14 @@ def test_metrics_addr_defaults_to_loopback_and_must_be_an_ip():
 
 
 def test_config_file_size_is_bounded(tmp_path):
-    """A config larger than 1 MiB (or /dev/zero) is refused without reading it all."""
-    with pytest.raises(ConfigError, match="larger than"):
+    """A config larger than 1 MiB is refused without reading it all; /dev/zero (not a
+    regular file) without reading it at all."""
+    with pytest.raises(ConfigError, match="not a regular file"):
         load_config("/dev/zero", {}, BASE)
+    big = tmp_path / "big.toml"
+    big.write_bytes(b"#" * (2 << 20))
+    with pytest.raises(ConfigError, match="larger than"):
+        load_config(str(big), {}, BASE)
 
 
 # --- names ------------------------------------------------------------------------------
@@ -330,3 +335,94 @@ def test_agent_check_config_prints_warnings_on_stderr_and_no_secret(tmp_path, ca
     assert "hunter2" not in out + err
     warnings = [ln for ln in err.splitlines() if ln.startswith("elasticd: warning: insecure setting")]
     assert any("metrics.addr" in w for w in warnings) and any("etcd.password" in w for w in warnings)
+
+
+# --- the commit-intent root (issue 21, item 5) ------------------------------------------
+
+def test_state_root_defaults_to_xdg_state_home_else_local_state():
+    """$XDG_STATE_HOME/elasticd when absolute, else ~/.local/state/elasticd; never <tmp>."""
+    from elasticd.logs import default_state_root
+
+    assert default_state_root("/x/state", "/home/u") == "/x/state/elasticd"
+    assert default_state_root("relative", "/home/u") == "/home/u/.local/state/elasticd"
+    assert default_state_root(None, "/home/u") == "/home/u/.local/state/elasticd"
+    assert default_state_root(None, None).endswith("/.local/state/elasticd")
+    assert not default_state_root(None, None).startswith(tempfile.gettempdir())
+
+
+def test_private_tree_creates_every_level_0700_and_refuses_symlinks(tmp_path):
+    """Missing ancestors and every level are made 0700 (not 0755 under umask 022); a symlink
+    at any level elasticd owns is refused, never followed; a loose existing level is tightened."""
+    from elasticd.logs import ensure_private_tree
+
+    what = ("commit intent dir", "$XDG_STATE_HOME")
+    old = os.umask(0o022)
+    try:
+        got = ensure_private_tree(str(tmp_path / "home/.local/state/elasticd"),
+                                  ("commit-intents", "job"), what)
+    finally:
+        os.umask(old)
+    assert got == str(tmp_path / "home/.local/state/elasticd/commit-intents/job")
+    level = tmp_path
+    for part in ("home", ".local", "state", "elasticd", "commit-intents", "job"):
+        level = level / part
+        assert stat.S_IMODE(os.lstat(level).st_mode) == 0o700, level
+    (tmp_path / "elsewhere").mkdir()
+    os.symlink(tmp_path / "elsewhere", tmp_path / "home/.local/state/elasticd/commit-intents/j2")
+    with pytest.raises(ConfigError, match="symbolic link"):
+        ensure_private_tree(str(tmp_path / "home/.local/state/elasticd"), ("commit-intents", "j2"),
+                            what)
+    os.symlink(tmp_path / "elsewhere", tmp_path / "linked-root")
+    with pytest.raises(ConfigError, match="symbolic link"):
+        ensure_private_tree(str(tmp_path / "linked-root"), ("commit-intents", "j"), what)
+    os.chmod(tmp_path / "home/.local/state/elasticd", 0o755)
+    ensure_private_tree(str(tmp_path / "home/.local/state/elasticd"), ("commit-intents", "job"), what)
+    assert stat.S_IMODE(os.lstat(tmp_path / "home/.local/state/elasticd").st_mode) == 0o700
+
+
+# --- the "Low" list of issue 21 ----------------------------------------------------------
+
+def test_worker_count_and_hang_timeout_are_bounded():
+    """nproc_per_node = 100000 and hang_timeout_s = 1e-300 are config errors; 0 (off) and
+    sane values pass."""
+    with pytest.raises(ConfigError, match="nproc_per_node.*between 1 and 1024"):
+        load_config(None, {}, {**BASE, "workers.nproc_per_node": 100000})
+    with pytest.raises(ConfigError, match="hang_timeout_s.*at least 1"):
+        load_config(None, {}, {**BASE, "workers.hang_timeout_s": 1e-300})
+    assert load_config(None, {}, {**BASE, "workers.hang_timeout_s": 0}).workers.hang_timeout_s == 0
+    assert load_config(None, {}, {**BASE, "workers.hang_timeout_s": 1800}).workers.hang_timeout_s == 1800
+
+
+def test_etcd_endpoint_with_port_zero_is_refused():
+    """`--etcd 127.0.0.1:0` is a config error naming the endpoint (it was read as 2379)."""
+    with pytest.raises(ConfigError, match="port 0"):
+        load_config(None, {}, {**BASE, "etcd.endpoints": "127.0.0.1:0"})
+    assert load_config(None, {}, {**BASE, "etcd.endpoints": "127.0.0.1"}).etcd.endpoints == (
+        "127.0.0.1:2379",)
+
+
+def test_non_pem_tls_file_is_a_config_error(tmp_path):
+    """A CA file that is not PEM is a ConfigError naming the file, before gRPC sees it."""
+    from elasticd.etcd.endpoints import read_tls_file
+
+    der = tmp_path / "ca.der"
+    der.write_bytes(b"\x30\x82\x01\x0a" + os.urandom(64))
+    with pytest.raises(ConfigError, match="not a PEM file"):
+        read_tls_file(str(der), "CA file")
+    pem = tmp_path / "ca.pem"
+    pem.write_bytes(b"-----BEGIN CERTIFICATE-----\nAAAA\n-----END CERTIFICATE-----\n")
+    assert read_tls_file(str(pem), "CA file").startswith(b"-----BEGIN")
+
+
+def test_checkpoint_url_with_inline_credentials_is_refused_without_echoing_them():
+    """s3://KEY:SECRET@bucket is refused like etcd credentials in an endpoint, by the config
+    loader and by the checkpoint store, and the secret is never in the message."""
+    from elasticd.checkpoint.store import open_filesystem
+
+    url = "s3://AKIAEXAMPLE:hunter2secret@bucket/run"
+    for attempt in (lambda: load_config(None, {}, {**BASE, "job.checkpoint_url": url}),
+                    lambda: open_filesystem(url)):
+        with pytest.raises(ConfigError, match="credentials") as info:
+            attempt()
+        assert "hunter2secret" not in str(info.value) and "AKIAEXAMPLE" not in str(info.value)
+    assert load_config(None, {}, {**BASE, "job.checkpoint_url": "s3://bucket/run"}).job.checkpoint_url

@@ -49,3 +49,33 @@ def test_agent_appends_history_that_status_plots(nodes, tmp_path):
         assert png.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
     a.signal_agent(signal.SIGTERM)
     assert a.wait(60) == 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_agent_survives_a_deeply_nested_history_record(nodes, tmp_path):
+    """'[' * 100000 + ']' * 100000 at /elasticd/<job>/history does not crash the rank-0 agent:
+    it replaces the record with a valid one, keeps training and drains to exit 0 (issue 21)."""
+    keys = JobKeys("deep")
+    client = EtcdClient(nodes.etcd.endpoint, timeout_s=3)
+    try:
+        client.put(keys.history, b"[" * 100_000 + b"]" * 100_000)
+        env = {"OUT": str(tmp_path / "steps.jsonl"), "CKPT": str(tmp_path / "ckpt.json"),
+               "STEP_S": "0.05"}
+        a = nodes.start("deep", SCRIPT, env=env, nnodes="1")
+
+        def replaced():
+            kv = client.get(keys.history)
+            try:
+                return History.from_json(kv.value).samples if kv else None
+            except (ValueError, RecursionError):  # RecursionError: the old reader, in this test
+                return None
+
+        wait_until(lambda: replaced() or not a.alive(), 60, "the history record to be replaced",
+                   interval_s=0.2)
+        assert a.alive(), a.log()[-3000:]
+        assert "RecursionError" not in a.log()
+    finally:
+        client.close()
+    a.signal_agent(signal.SIGTERM)
+    assert a.wait(60) == 0, a.log()[-3000:]
