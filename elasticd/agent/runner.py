@@ -234,7 +234,7 @@ def run_node(spec: NodeSpec, early: Any = None, arrival: EarlyArrival | None = N
         # that run finished (elasticd.agent.standalone_runs): decided before anything starts.
         plan = RunPlan()
         if embedded is not None and spec.etcd_data_dir is None:
-            runs_dir = records_dir(spec.state_dir)
+            runs_dir = records_dir(spec.state_dir, spec.state_home)
             plan = plan_standalone_run(read_record(runs_dir, spec.job), job=spec.job,
                                        checkpoint_url=spec.supervision.checkpoint_url,
                                        resume=spec.resume)

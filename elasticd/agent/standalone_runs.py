@@ -24,14 +24,14 @@ from __future__ import annotations
 import json
 import os
 import shlex
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from elasticd import boundedjson
 from elasticd.checkpoint.manifest import RUN_ID_RE
 from elasticd.etcd.endpoints import TLSFiles
-from elasticd.logs import ensure_private_dir
+from elasticd.logs import default_state_root, ensure_private_tree
 
 RUNNING = "running"  # written at start: an agent killed outright leaves it so
 FINISHED = "finished"
@@ -99,25 +99,35 @@ def plan_standalone_run(record: RunRecord | None, *, job: str, checkpoint_url: s
         "--job NEW-NAME"))
 
 
-def records_dir(state_dir: str | None) -> str:
-    """The private directory of the records (created 0700 if missing).
+#: A record is a few hundred bytes; anything larger is not one of ours.
+MAX_RECORD_BYTES = 64 * 1024
+
+
+def records_dir(state_dir: str | None, state_home: str | None = None) -> str:
+    """The private directory of the records: ``$STATE_DIRECTORY/standalone-runs``, else
+    ``<state home>/standalone-runs`` (``$XDG_STATE_HOME/elasticd``, else
+    ``~/.local/state/elasticd``), every level 0700 and checked with lstat, as the commit
+    intents' (never a predictable name in a shared temp dir another user could make first).
 
     Raises:
         ConfigError: another user controls it, or it cannot be created.
     """
+    what = ("standalone run records dir",
+            "$STATE_DIRECTORY (systemd StateDirectory=) or $XDG_STATE_HOME")
     if state_dir:
-        root = os.path.join(os.path.abspath(state_dir.split(":")[0]), "standalone-runs")
-    else:
-        root = os.path.join(tempfile.gettempdir(), f"elasticd-{os.geteuid()}", "standalone-runs")
-    return ensure_private_dir(root, ("standalone run records dir",
-                                     "$STATE_DIRECTORY (systemd StateDirectory=)"))
+        return ensure_private_tree(os.path.abspath(state_dir.split(":")[0]),
+                                   ("standalone-runs",), what)
+    return ensure_private_tree(state_home or default_state_root(None, None),
+                               ("standalone-runs",), what)
 
 
 def read_record(directory: str, job: str) -> RunRecord | None:
     """The job's record, or None when there is none or it is not one (never trusted blindly:
     a record that does not parse, or whose run id is malformed, is ignored)."""
     try:
-        data = json.loads((Path(directory) / f"{job}.json").read_text(encoding="utf-8"))
+        data = boundedjson.loads_object(
+            boundedjson.read_file(Path(directory) / f"{job}.json", max_bytes=MAX_RECORD_BYTES),
+            what="standalone run record", max_bytes=MAX_RECORD_BYTES)
     except (OSError, ValueError):
         return None
     if not isinstance(data, dict):
