@@ -384,6 +384,9 @@ class ElasticdAgent(TickWrites, StandbyCare, LocalElasticAgent):
             self._leave("drained", decision.reason)
             return True
         if v is Verdict.FINISH:
+            # Closed first: the flush and the exit barrier take seconds, and meanwhile a
+            # peer that lost its lease would read as lost and reopen the job for joiners.
+            self.handler.mark_finished()
             self._flush_commits("before finishing", self.settings.drain_grace_s)
             if result.state == WorkerState.HEALTHY:  # done, but stuck in torch's teardown
                 self._close_workers(signal.SIGKILL, timeout_s=1)
