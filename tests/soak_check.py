@@ -71,7 +71,7 @@ class WorkerStarts:
     """Worker processes that trained, against what the faults explain."""
 
     seen: int  # distinct worker pids in the trace
-    allowed: int  # one per node started, plus one per node frozen past its TTL
+    allowed: int  # one per node started, per node frozen past its TTL, per fallback
 
     @property
     def unexplained(self) -> int:
@@ -79,9 +79,21 @@ class WorkerStarts:
 
 
 def worker_starts(rows: Iterable[Mapping], *, nodes_started: int, nodes_frozen: int,
-                  nproc: int = 1) -> WorkerStarts:
+                  fallbacks: int = 0, nproc: int = 1) -> WorkerStarts:
     """Count worker starts. With live re-formation a membership change (kill, drain, join,
     an etcd outage) restarts no worker; a node frozen past its TTL comes back a zombie and
-    its agent restarts its workers (fenced), once."""
+    its agent restarts its workers (fenced), once; and a node whose live re-formation fell
+    back to a restart (``live_reform_fell_back``: the membership changed again while it
+    re-formed, e.g. a peer frozen in the middle of it) restarts its workers once, from the
+    checkpoint, by design (docs/failure-model.md). Soak seed 249928404 was that case:
+    the checker, not the product, was wrong."""
     return WorkerStarts(seen=len({r["pid"] for r in rows}),
-                        allowed=(nodes_started + nodes_frozen) * nproc)
+                        allowed=(nodes_started + nodes_frozen + fallbacks) * nproc)
+
+
+def unexplained_retrained(retrained: Sequence[int], *, fallback_rounds: int,
+                          checkpoint_every: int) -> list[int]:
+    """The retrained steps no fallback explains: a fallback to a restart retrains at most
+    the steps since the last checkpoint (``checkpoint_every``) once per round in which
+    nodes fell back; any more, or any with no fallback, is a finding (all of them)."""
+    return list(retrained) if len(retrained) > fallback_rounds * checkpoint_every else []

@@ -184,17 +184,24 @@ class CommitRetrier:
         with self._cond:
             return self._pending
 
-    def flush(self, timeout_s: float) -> bool:
+    def flush(self, timeout_s: float, stop: threading.Event | None = None) -> bool:
         """Wait until no commit is pending (for a drain, before a rendezvous).
 
+        Args:
+            timeout_s: the most to wait.
+            stop: waiting ends (within 0.5 s) once it is set: the agent passes its lease
+                loss, after which the commit can only be refused, and waiting on would
+                keep the agent from re-registering in time (soak seed 777002).
+
         Returns:
-            True if nothing is pending (any more); False when ``timeout_s`` passed.
+            True if nothing is pending (any more); False when ``timeout_s`` passed or
+            ``stop`` was set.
         """
         end = self._clock() + timeout_s
         with self._cond:
             while self._pending is not None:
                 left = end - self._clock()
-                if left <= 0:
+                if left <= 0 or (stop is not None and stop.is_set()):
                     return False
                 self._cond.wait(min(left, 0.5))
         return True

@@ -384,6 +384,9 @@ class ElasticdAgent(TickWrites, StandbyCare, LocalElasticAgent):
             self._leave("drained", decision.reason)
             return True
         if v is Verdict.FINISH:
+            # Closed first: the flush and the exit barrier take seconds, and meanwhile a
+            # peer that lost its lease would read as lost and reopen the job for joiners.
+            self.handler.mark_finished()
             self._flush_commits("before finishing", self.settings.drain_grace_s)
             if result.state == WorkerState.HEALTHY:  # done, but stuck in torch's teardown
                 self._close_workers(signal.SIGKILL, timeout_s=1)
@@ -479,13 +482,23 @@ class ElasticdAgent(TickWrites, StandbyCare, LocalElasticAgent):
         A new round changes the round state, which fences out every commit of the old
         round, and leaving revokes our lease: either would turn a save that is merely
         waiting for etcd into a lost one. Skipped once our lease is lost for good (we are
-        the zombie then: the new round refuses the old commit, as it must).
+        the zombie then: the new round refuses the old commit, as it must). A lease lost
+        *while* we wait (etcd away) is re-registered in our round at once if it may be
+        (``try_resurrect``), and the wait goes on; otherwise the wait ends. Why: the
+        agent's loop is blocked here, and waiting out the coordinator's outage grace made
+        the job re-form without us from an older checkpoint (soak seed 777002: a step
+        trained twice, the commit refused anyway).
         """
         if self.commits is None or self.commits.pending() is None or self.handler.lease_lost.is_set():
             return
         self._log.info("checkpoint_commits_flushing", why=why, timeout_s=round(timeout_s, 1))
-        if not self.commits.flush(max(timeout_s, 0.0)):
-            self._log.warning("checkpoint_commits_still_pending", why=why)
+        end = time.monotonic() + max(timeout_s, 0.0)
+        while not self.commits.flush(max(end - time.monotonic(), 0.0), stop=self.handler.lease_lost):
+            if time.monotonic() >= end or not self.handler.lease_lost.is_set() \
+                    or not self.handler.try_resurrect():
+                self._log.warning("checkpoint_commits_still_pending", why=why,
+                                  lease_lost=self.handler.lease_lost.is_set())
+                return
 
     def _leave(self, kind: str, reason: str) -> None:
         self.handler.leave_kind = LEFT_DRAINED  # a leave, not a loss: peers re-form at once

@@ -337,8 +337,8 @@ def run_node(spec: NodeSpec, early: Any = None, arrival: EarlyArrival | None = N
         if remote.fired is not None and outcome.kind == "drained":
             log.info("agent_stopped_by_operator", reason=remote.fired.reason,
                      fix=restart_hint(remote.fired))
-        if outcome.kind == "finished":
-            handler.set_closed()
+        if outcome.kind == "finished" and not handler.closed_written:
+            handler.set_closed()  # mark_finished could not write it (etcd did not answer)
         return outcome.exit_code
     except (EtcdUnavailableError, RendezvousError) as exc:
         error_line(f"elasticd: {exc}")

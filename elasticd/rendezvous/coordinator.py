@@ -66,6 +66,7 @@ class RoundCoordinator:
         prober: probes the stragglers of a last call (liveness.py); None: never probe.
         holder_probes: probes the holder of ``rdzv/coordinator`` while we wait in an open
             round it should close (reads its record from etcd); None: never probe.
+        finishing: set once this node's workers completed the job (``decide_coordination``).
     """
 
     def __init__(self, client: EtcdClient, keys: JobKeys, session: NodeSession, view: WatchedView, *,
@@ -75,7 +76,8 @@ class RoundCoordinator:
                  open_next: Callable[[Action, RendezvousView, int], bool],
                  defer_lost_until: Callable[[RendezvousView], float | None],
                  prober: PeerProber | None = None,
-                 holder_probes: MemberProbes | None = None) -> None:
+                 holder_probes: MemberProbes | None = None,
+                 finishing: threading.Event | None = None) -> None:
         self.client = client
         self.keys = keys
         self.session = session
@@ -88,6 +90,7 @@ class RoundCoordinator:
         self._defer_lost_until = defer_lost_until
         self.prober = prober
         self.holder_probes = holder_probes
+        self.finishing = finishing if finishing is not None else threading.Event()
         self._holder_probe: tuple[str, float, float] | None = None  # holder, next at, interval
         self._memory = CoordinatorMemory()
         self._watches: list[PrefixWatch] = []
@@ -159,7 +162,8 @@ class RoundCoordinator:
                                      last_call_timeout_s=self.last_call_timeout_s,
                                      now=time.monotonic(),
                                      defer_lost_until=self._defer_lost_until(view),
-                                     proven_dead=proven, start_settle_s=self.start_settle_s)
+                                     proven_dead=proven, start_settle_s=self.start_settle_s,
+                                     finishing=self.finishing.is_set())
         if action.reason != self._last_reason:
             # A round closed or opened is a state change (info, with why); waits are chatter.
             level = "info" if action.kind in (ActionKind.FINALIZE, ActionKind.OPEN_NEXT) else "debug"

@@ -142,6 +142,8 @@ class EtcdRendezvousHandler(RendezvousHandler):
         # the rendezvous"). elasticd's agent sets "drained" when it leaves a running job
         # and None when it gives up (the others then see a lost member, as before).
         self.leave_kind: str | None = LEFT_FINISHED
+        self._finishing = threading.Event()  # mark_finished: our coordinator opens no round
+        self.closed_written = False  # mark_finished wrote rdzv/closed
         self._log = log.bind(job=job, node=self.node_id)
 
     # -- lifecycle ----------------------------------------------------------------------
@@ -181,7 +183,8 @@ class EtcdRendezvousHandler(RendezvousHandler):
                 finalize=lambda a, v, rev: self._finalize(a, v, rev, time.monotonic() + 10.0),
                 open_next=lambda a, v, rev: self._open_next(a, v, rev, time.monotonic() + 10.0),
                 defer_lost_until=self._defer_lost_until, prober=self.prober,
-                holder_probes=MemberProbes(self.prober, self._member_targets)).start()
+                holder_probes=MemberProbes(self.prober, self._member_targets),
+                finishing=self._finishing).start()
 
     def _refuse_finished_job(self, deadline: float) -> None:
         """A node arriving at a finished job does not run it again (``finished.py``).
@@ -444,6 +447,33 @@ class EtcdRendezvousHandler(RendezvousHandler):
                               round=self.session.round if self.session.round is not None else -1)
         retry_rdzv("close", lambda: self.client.put(self.keys.rdzv_closed, record.to_json()),
                     time.monotonic() + self.settings.close_timeout_s)
+
+    def mark_finished(self) -> bool:
+        """Our workers completed the job: close it now, before the agent flushes its
+        checkpoint commits and passes torch's exit barrier (seconds, up to
+        ``drain_grace_s`` while etcd is slow).
+
+        Why: until the close is written, a member whose lease was lost while it finished
+        reads as lost, and the coordinator would open a round for late joiners that
+        retrains the finished job from the last committed checkpoint (soak seed 777000:
+        round 6 "members lost: n2", steps 200-239 trained again). Our coordinator stops
+        opening rounds at once; the close then stops everyone else's.
+
+        Returns:
+            True if ``rdzv/closed`` was written; False if etcd did not answer within
+            ``close_timeout_s`` (the caller writes it again before it exits).
+        """
+        self.leave_kind = LEFT_FINISHED
+        self._finishing.set()
+        self._view.touch()  # wake our coordinator: it must not act on a stale decision
+        try:
+            self.set_closed()
+        except RendezvousConnectionError as exc:
+            self._log.warning("job_close_deferred", error=str(exc))
+            return False
+        self.closed_written = True
+        self._log.info("job_closed", round=self.session.round)
+        return True
 
     def _etcd_trouble(self) -> bool:
         """This node saw etcd fail or stall recently enough to explain expired leases

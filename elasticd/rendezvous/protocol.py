@@ -413,7 +413,7 @@ def decide_coordination(view: RendezvousView, memory: CoordinatorMemory, *, me: 
                         max_nodes: int, last_call_timeout_s: float, now: float,
                         defer_lost_until: float | None = None,
                         proven_dead: frozenset[str] = frozenset(),
-                        start_settle_s: float = 0.0) -> Action:
+                        start_settle_s: float = 0.0, finishing: bool = False) -> Action:
     """The coordinator's duty, run whenever its full view changes. Pure.
 
     Closes an open round exactly when a joined node of the old protocol would (max
@@ -433,6 +433,8 @@ def decide_coordination(view: RendezvousView, memory: CoordinatorMemory, *, me: 
         proven_dead: nodes a liveness probe proved gone: they do not hold a last call.
         start_settle_s: how long the job's first round stays open once ``min_nodes``
             joined (see ``_close_open_round``).
+        finishing: the coordinator's own workers completed the job (its agent is closing
+            it): no round is opened or announced any more, whatever was lost meanwhile.
 
     Returns:
         FINALIZE, OPEN_NEXT (with ``cause``/``changed``), ANNOUNCE (``members`` = the
@@ -444,6 +446,11 @@ def decide_coordination(view: RendezvousView, memory: CoordinatorMemory, *, me: 
         return Action(ActionKind.NONE, "not the coordinator")
     if view.closed:
         return Action(ActionKind.NONE, "the rendezvous is closed")
+    if finishing:
+        # Why: a member whose lease was lost while it finished (an etcd freeze) reads as
+        # lost, and a new round for late joiners would retrain from the last committed
+        # checkpoint a job that is done (soak seed 777000: 40 steps).
+        return Action(ActionKind.NONE, "our workers completed the job: no new round")
     if state is None:
         return Action(ActionKind.NONE, "no round yet")
     if state.phase != "final":

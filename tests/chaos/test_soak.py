@@ -18,6 +18,7 @@ ELASTICD_CHAOS_SEED (the first run's seed; run k uses seed + k).
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import shutil
@@ -31,7 +32,7 @@ from pathlib import Path
 import pytest
 import torch
 from harness import ROOT, Node, elasticd_argv, example_args, read_jsonl, wait_until
-from soak_check import retrained_steps, step_mismatches, worker_starts
+from soak_check import retrained_steps, step_mismatches, unexplained_retrained, worker_starts
 
 from elasticd.etcd.embedded import EmbeddedEtcd
 from elasticd.process import wait_gone
@@ -42,6 +43,7 @@ FAULTS_PER_RUN = int(os.environ.get("ELASTICD_SOAK_FAULTS", "8"))
 SCRIPT = str(ROOT / "examples" / "train.py")
 STEPS = 240
 DATASET = 720  # 30 steps of 24 samples per epoch
+CHECKPOINT_EVERY = 5  # harness.example_args
 FAULTS = ("kill_node", "kill_rank0", "stop_node", "drain_node", "join", "etcd_freeze", "etcd_kill")
 pytestmark = [pytest.mark.soak, pytest.mark.skipif(not SOAK, reason="make soak only (ELASTICD_SOAK=1)"),
               pytest.mark.timeout(900 * max(RUNS, 1))]
@@ -174,8 +176,13 @@ def _one_run(run_dir: Path, seed: int, reference: list[dict], ref_params: dict) 
         rows = read_jsonl(trace)
         findings = step_mismatches(rows, reference)
         retrained = retrained_steps(rows)
-        starts = worker_starts(rows, nodes_started=len(started), nodes_frozen=len(frozen))
-        if retrained:
+        fell_back = [json.loads(line) for node in started for line in node.log().splitlines()
+                     if '"live_reform_fell_back"' in line and line.startswith("{")]
+        starts = worker_starts(rows, nodes_started=len(started), nodes_frozen=len(frozen),
+                               fallbacks=len(fell_back))
+        unexplained = unexplained_retrained(retrained, checkpoint_every=CHECKPOINT_EVERY,
+                                            fallback_rounds=len({f.get("round") for f in fell_back}))
+        if unexplained:
             findings.append(f"{len(retrained)} step(s) retrained: {retrained[:10]}")
         if starts.unexplained:
             findings.append(f"{starts.unexplained} unexplained worker start(s): {starts.seen} "

@@ -193,6 +193,27 @@ def test_finished_node_is_not_a_lost_member_and_the_job_does_not_reform(handlers
         slow.next_rendezvous()
 
 
+def test_a_finished_job_is_closed_before_a_lost_member_reopens_it(handlers):
+    """Regression (soak seed 777000): a node whose workers finished closes the job at once
+    (mark_finished), so a member whose lease expires while the job finishes and a late
+    joiner open no new round: the joiner is refused and the round stays the finished one."""
+    hs = [handlers.make("finlost", f"n{i}", min_nodes=1, max_nodes=4) for i in range(2)]
+    form_round(handlers, hs, world=2)
+    finished_round = hs[0].round
+    coordinator = next(h for h in hs if h.view().coordinator == h.node_id)
+    lost = next(h for h in hs if h is not coordinator)
+    assert coordinator.mark_finished() and coordinator.closed_written
+    lost.session.keeper.stop()  # its lease runs out, as during an etcd freeze
+    late = handlers.make("finlost", "late", min_nodes=1, max_nodes=4)
+    joined = handlers.pool.submit(late.next_rendezvous)
+    wait_until(lambda: lost.node_id not in coordinator.view().alive, 10, "the lease to expire")
+    exc = joined.exception(timeout=10)
+    assert isinstance(exc, RendezvousClosedError), exc
+    state = coordinator.view().state
+    assert state is not None and state.round == finished_round, state
+    assert coordinator.num_nodes_waiting() == 0
+
+
 def test_frozen_node_is_dropped_when_its_lease_expires(handlers):
     """A node whose keep-alives stop (frozen process) is seen as lost by the others within
     about its TTL, and they re-form without it."""

@@ -102,6 +102,18 @@ def test_close_returns_what_is_still_pending():
     assert r.close() == _req(3)
 
 
+def test_flush_ends_at_once_when_its_stop_is_set():
+    """Soak seed 777002: a flush stops waiting once the agent's lease is lost (the commit
+    can only be refused then), instead of blocking the agent's re-registration."""
+    r = _retrier(FakeEtcd([], then=U))
+    r.submit(_req(3))
+    lost = threading.Event()
+    lost.set()
+    assert not r.flush(3600, stop=lost)
+    assert r.pending() == _req(3), "the commit stays pending (the next round refuses it)"
+    r.close()
+
+
 def test_backoff_is_jittered_and_capped():
     """Backoff grows exponentially, stays within [cap/2, cap] and never exceeds max_s."""
     rng = random.Random(1)

@@ -713,10 +713,12 @@ def partial(state, joins=None, *, left=None, coordinator="c") -> RendezvousView:
 
 
 def coordinate(v: RendezvousView, me: str = "c", *, memory=None, min_nodes=1, max_nodes=4,
-               last_call=5.0, now=NOW, defer_until=None, start_settle_s=0.0) -> Action:
+               last_call=5.0, now=NOW, defer_until=None, start_settle_s=0.0,
+               finishing=False) -> Action:
     return decide_coordination(v, memory or CoordinatorMemory(), me=me, min_nodes=min_nodes,
                                max_nodes=max_nodes, last_call_timeout_s=last_call, now=now,
-                               defer_lost_until=defer_until, start_settle_s=start_settle_s)
+                               defer_lost_until=defer_until, start_settle_s=start_settle_s,
+                               finishing=finishing)
 
 
 def test_partial_view_never_closes_a_round_itself():
@@ -745,6 +747,21 @@ def test_round_opened_for_a_cause_is_reported_with_that_kind():
     assert "members lost: b" in w.reason
     assert nodes_waiting(partial(lost), 3, max_nodes=4).kind is MembershipChange.NEWER_ROUND
     assert nodes_waiting(partial(open_(5)), 4, max_nodes=4).kind is MembershipChange.NEWER_ROUND
+
+
+def test_a_coordinator_whose_workers_finished_opens_no_round():
+    """Regression (soak seed 777000): once the coordinator's own workers completed the job,
+    a member lost meanwhile (its lease expired while it finished) and late joiners open or
+    announce no round: the finished job is not trained again from a checkpoint."""
+    v = replace(view(final(5, ["c", "n2"]), {"c", "n4", "n5"}, {6: ["n4", "n5"]}),
+                coordinator="c")
+    assert coordinate(v).kind is ActionKind.OPEN_NEXT, "the loss opens a round otherwise"
+    a = coordinate(v, finishing=True)
+    assert a.kind is ActionKind.NONE and "completed the job" in a.reason
+    joiners = replace(view(final(5, ["c", "n2"]), {"c", "n2", "n4"}, {6: ["n4"]}),
+                      coordinator="c")
+    assert coordinate(joiners).kind is ActionKind.ANNOUNCE
+    assert coordinate(joiners, finishing=True).kind is ActionKind.NONE
 
 
 def test_only_the_coordinator_coordinates():

@@ -3,7 +3,13 @@ step, a missing step, a retrained step and a worker started too often."""
 
 from __future__ import annotations
 
-from soak_check import final_attempts, retrained_steps, step_mismatches, worker_starts
+from soak_check import (
+    final_attempts,
+    retrained_steps,
+    step_mismatches,
+    unexplained_retrained,
+    worker_starts,
+)
 
 
 def _row(step, rnd, rank, idx, glob, *, epoch=0, pid=1):
@@ -47,3 +53,15 @@ def test_worker_starts_beyond_the_nodes_and_freezes_are_unexplained():
     rows = [_row(0, 1, 0, [], [], pid=p) for p in (10, 11, 12)]
     assert worker_starts(rows, nodes_started=2, nodes_frozen=0).unexplained == 1
     assert worker_starts(rows, nodes_started=2, nodes_frozen=1).unexplained == 0
+
+
+def test_a_fallback_to_a_restart_explains_one_start_and_the_steps_since_the_checkpoint():
+    """Soak seed 249928404: a peer frozen in the middle of a live re-formation makes a node
+    fall back to a restart: one more worker start, and at most checkpoint_every steps
+    retrained per round that fell back; without a fallback both stay findings."""
+    rows = [_row(0, 1, 0, [], [], pid=p) for p in (10, 11, 12)]
+    assert worker_starts(rows, nodes_started=2, nodes_frozen=0, fallbacks=1).unexplained == 0
+    assert unexplained_retrained([114], fallback_rounds=1, checkpoint_every=5) == []
+    assert unexplained_retrained([114], fallback_rounds=0, checkpoint_every=5) == [114]
+    six = list(range(110, 116))
+    assert unexplained_retrained(six, fallback_rounds=1, checkpoint_every=5) == six

@@ -38,6 +38,16 @@ def test_node_back_after_the_finish_exits_0_and_trains_nothing(nodes, tmp_path, 
     b.signal(signal.SIGKILL)
     b.wait(10)
     assert a.wait(120) == 0, a.log()[-3000:]
+    # Closed as soon as its workers finished, before its exit (soak seed 777000: a close
+    # written only on the way out let a coordinator reopen the job for joiners).
+    lines = a.log().splitlines()
+
+    def first(needle: str) -> int:
+        return next((i for i, line in enumerate(lines) if needle in line), -1)
+
+    finish, closed, exited = (first('"verdict": "finish"'), first('"job_closed"'),
+                              first('"agent_exited"'))
+    assert -1 < finish < closed < exited, "\n".join(lines[-40:])
     rows_before = len(read_jsonl(out["n1"]))
     seen = len(b.log())  # the node's log file is appended to by each of its agents
 
