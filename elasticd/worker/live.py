@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -37,14 +36,18 @@ import structlog
 import torch
 import torch.distributed as dist
 
-import elasticd.worker.context  # noqa: E402,F401 - loaded here, looked up below
+import elasticd.worker.context as wctx
 from elasticd.checkpoint import rng
-from elasticd.control.api import LIVE_PREFIX, PARKED_PREFIX, REFORMED_PREFIX, STOPPED_PREFIX
+from elasticd.control.api import (
+    LIVE_PREFIX,
+    LIVE_TIMEOUT_DEFAULT_S,
+    PARKED_PREFIX,
+    REFORMED_PREFIX,
+    STOPPED_PREFIX,
+)
 from elasticd.control.reform import read_order, write_marker
 from elasticd.worker.sockets import shutdown_group_connections
 from elasticd.worker.state_broadcast import broadcast_state
-
-wctx = sys.modules["elasticd.worker.context"]  # the module, not the package's context()
 
 log = structlog.get_logger(__name__)
 
@@ -78,6 +81,8 @@ class LiveState:
             group after each re-formation.
         timeout_s: bound on one re-formation (waiting for the order, forming the new
             group, the state transfer); past it the worker falls back to a restart.
+            Default: the agent's ``workers.live_reform_timeout_s`` (``ELASTICD_LIVE_TIMEOUT_S``),
+            so the worker and its agent give up on the same re-formation together.
 
     Attributes:
         step: the last step this rank completed (-1: none yet).
@@ -86,19 +91,20 @@ class LiveState:
     """
 
     def __init__(self, state: Mapping[str, Any], *, checkpoint: Any = None,
-                 timeout_s: float = 60.0) -> None:
+                 timeout_s: float | None = None) -> None:
         self.state = state  # by reference: the loop may swap an entry (a resharded sampler)
         self.checkpoint = checkpoint
         self.step = -1
-        self.timeout_s = timeout_s
+        env = wctx.agent_environment()
+        self.timeout_s = timeout_s if timeout_s is not None else (
+            env.live_timeout_s if env is not None else LIVE_TIMEOUT_DEFAULT_S)
         self.reforms = 0
         self._has_state = False
         # True once the group's ranks agreed on a state in memory (every rank now holds the
         # same one); False when they each loaded it (a start: a DDP wrapper must sync).
         self.agreed_in_memory = False
         self._failures_at: dict[int, int] = {}
-        env = wctx.agent_environment()
-        ctx = wctx.context()
+        ctx = wctx.current_context()
         self.enabled = bool(env is not None and env.live and dist.is_initialized()
                             and wctx.control_dir() is not None)
         if self.enabled:
@@ -135,7 +141,7 @@ class LiveState:
             # none of its collectives fail: a worker alone at world size 1 has no peer to
             # fail on, and without this trained on alone in the superseded round.
             wctx.note_reform_order(order.round)
-            if wctx.context().world_size == 1:
+            if wctx.current_context().world_size == 1:
                 continue  # no peer to wait on: nothing to abort, the step boundary is near
             for group in (dist.group.WORLD, getattr(wctx._S, "stop_group", None)):
                 try:
@@ -220,7 +226,7 @@ class LiveState:
                 obj.zero_grad(set_to_none=True)
 
     def _reform(self, reason: str) -> None:
-        ctx = wctx.context()
+        ctx = wctx.current_context()
         cdir = wctx.control_dir()
         assert cdir is not None
         old_round = ctx.round if ctx.round is not None else -1
@@ -267,7 +273,7 @@ class LiveState:
 
     def _sync(self, load: Callable[[], int] | None) -> None:
         """Agree on the newest completed step; its holder broadcasts to those behind."""
-        ctx = wctx.context()
+        ctx = wctx.current_context()
         # On the group's own device: an NCCL group has no CPU backend (the GPU check found
         # "No backend type associated with device type cpu").
         device = ctx.device if ctx.backend == "nccl" else torch.device("cpu")
@@ -323,7 +329,7 @@ class LiveState:
 
     def _fall_back(self, why: str) -> None:
         """In-place re-formation failed: exit 0 as stopped, so the agent restarts the group."""
-        ctx = wctx.context()
+        ctx = wctx.current_context()
         cdir = wctx.control_dir()
         self._log.warning("live_reform_fell_back", reason=why, step=self.step)
         if cdir is not None:
