@@ -30,6 +30,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
 from typing import Any
 
 import structlog
@@ -38,14 +39,9 @@ import torch.distributed as dist
 
 import elasticd.worker.context as wctx
 from elasticd.checkpoint import rng
-from elasticd.control.api import (
-    LIVE_PREFIX,
-    LIVE_TIMEOUT_DEFAULT_S,
-    PARKED_PREFIX,
-    REFORMED_PREFIX,
-    STOPPED_PREFIX,
-)
-from elasticd.control.reform import read_order, write_marker
+from elasticd.control.api import LIVE_TIMEOUT_DEFAULT_S, STOPPED_PREFIX
+from elasticd.control.messages import LeaveReason, LiveRegistration, ParkedReport, ReformedReport
+from elasticd.control.reform import clear_report, read_order, write_marker, write_report
 from elasticd.worker.sockets import shutdown_group_connections
 from elasticd.worker.state_broadcast import broadcast_state
 
@@ -110,7 +106,7 @@ class LiveState:
         if self.enabled:
             cdir = wctx.control_dir()
             assert cdir is not None
-            write_marker(cdir, LIVE_PREFIX, ctx.local_rank, pid=_pid())
+            write_report(cdir, LiveRegistration(local_rank=ctx.local_rank, pid=os.getpid()))
         self._log = log.bind(rank=ctx.rank, local_rank=ctx.local_rank)
         self._in_reform = False
         self._deadline: float | None = None  # of the re-formation under way
@@ -193,7 +189,7 @@ class LiveState:
         if wctx.stop_requested_locally():
             self._log.info("live_drained", step=step)
             wctx.fast_exit(0)  # survivors hold this state: no checkpoint to write
-        self._reform("ordered" if wctx.reform_ordered() else "agreed_stop")
+        self._reform(LeaveReason.ORDERED if wctx.reform_ordered() else LeaveReason.AGREED_STOP)
         raise Reformed(f"re-formed at the agreed step {step}")
 
     @contextlib.contextmanager
@@ -216,7 +212,7 @@ class LiveState:
                 raise
             self._abandon_step()
             self._log.info("collective_failed", step=self.step + 1, error=str(exc)[:200])
-            self._reform("collective_failed")
+            self._reform(LeaveReason.COLLECTIVE_FAILED)
             raise Reformed(f"re-formed after a failed collective: {exc}") from None
 
     # -- re-formation ---------------------------------------------------------------------
@@ -225,7 +221,7 @@ class LiveState:
             if isinstance(obj, (torch.optim.Optimizer, torch.nn.Module)):
                 obj.zero_grad(set_to_none=True)
 
-    def _reform(self, reason: str) -> None:
+    def _reform(self, reason: LeaveReason) -> None:
         ctx = wctx.current_context()
         cdir = wctx.control_dir()
         assert cdir is not None
@@ -238,11 +234,12 @@ class LiveState:
             self._in_reform = False
             self._deadline = None
 
-    def _reform_inner(self, reason: str, ctx: Any, cdir: Any, old_round: int, t0: float) -> None:
+    def _reform_inner(self, reason: LeaveReason, ctx: wctx.WorkerContext, cdir: Path,
+                      old_round: int, t0: float) -> None:
         wctx.leave_group()
         (cdir / f"{STOPPED_PREFIX}{ctx.rank}").unlink(missing_ok=True)  # not a drain: we stay
-        write_marker(cdir, PARKED_PREFIX, ctx.local_rank, round=old_round, step=self.step,
-                     reason=reason)
+        write_report(cdir, ParkedReport(local_rank=ctx.local_rank, round=old_round,
+                                        step=self.step, reason=reason))
         client = wctx.control_client()
         if client is not None:  # wakes the agent's tick: it opens the next round now
             client.ping()
@@ -265,10 +262,11 @@ class LiveState:
         except Exception as exc:  # noqa: BLE001 - any failure here ends in the restart path
             self._fall_back(f"re-forming round {order.round} failed: {exc!r}"[:300])
         self.reforms += 1
-        (cdir / f"{PARKED_PREFIX}{ctx.local_rank}").unlink(missing_ok=True)
-        write_marker(cdir, REFORMED_PREFIX, ctx.local_rank, round=order.round, step=self.step)
+        clear_report(cdir, ParkedReport, ctx.local_rank)
+        write_report(cdir, ReformedReport(local_rank=ctx.local_rank, round=order.round,
+                                          step=self.step))
         self._log.info("live_reformed", round=order.round, world_size=order.world_size,
-                       rank=order.ranks[ctx.local_rank], step=self.step, reason=reason,
+                       rank=order.ranks[ctx.local_rank], step=self.step, reason=reason.value,
                        group_s=round(formed - t0, 3), total_s=round(time.monotonic() - t0, 3))
 
     def _sync(self, load: Callable[[], int] | None) -> None:
@@ -333,12 +331,8 @@ class LiveState:
         cdir = wctx.control_dir()
         self._log.warning("live_reform_fell_back", reason=why, step=self.step)
         if cdir is not None:
-            (cdir / f"{PARKED_PREFIX}{ctx.local_rank}").unlink(missing_ok=True)
+            clear_report(cdir, ParkedReport, ctx.local_rank)
             write_marker(cdir, STOPPED_PREFIX, ctx.rank, step=self.step, round=ctx.round,
                          live_fallback=why)
         wctx.fast_exit(0)
 
-
-def _pid() -> int:
-
-    return os.getpid()
