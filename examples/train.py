@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     while step < args.steps:
         # (Re)built for the current group: after a re-formation the world size, the rank
         # and the process group changed.
-        ctx = worker.context()
+        ctx = worker.current_context()
         sampler = state["sampler"] = make_sampler(args, sampler)
         ddp = DDP(model) if dist.is_initialized() else model
         plan = worker.plan_global_batch(args.global_batch, ctx.world_size, args.micro_batch,
@@ -180,9 +180,9 @@ def main(argv: list[str] | None = None) -> int:
         except worker.Reformed:
             step = live.step + 1  # continue after the newest step any rank completed
             if ctx.rank == 0:
-                log(event="reformed", step=live.step, world_size=worker.context().world_size,
-                    round=worker.context().round)
-    ctx = worker.context()
+                log(event="reformed", step=live.step, world_size=worker.current_context().world_size,
+                    round=worker.current_context().round)
+    ctx = worker.current_context()
     ckpt.close()
     if args.final_params and ctx.rank == 0:
         torch.save({k: v.detach().cpu() for k, v in model.state_dict().items()}, args.final_params)

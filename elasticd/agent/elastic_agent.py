@@ -40,10 +40,10 @@ from elasticd.agent.supervision import AgentPhase, Outcome, SupervisionSettings
 from elasticd.agent.ticks import TickWrites
 from elasticd.agent.wakeup import TickWaker
 from elasticd.agent.warm import StandbyPool, warm_handlers
-from elasticd.agent.worker_env import agent_worker_env, spawn_environment
+from elasticd.agent.worker_env import spawn_environment, supervised_worker_env
 from elasticd.agent.worker_exec import request_stacks
 from elasticd.control import ControlChannel
-from elasticd.control.api import ENV_LIVE, ENV_ROUND
+from elasticd.control.api import ENV_ROUND
 from elasticd.errors import LeaseLostError, TransientError
 from elasticd.rendezvous.etcd_handler import EtcdRendezvousHandler
 from elasticd.rendezvous.protocol import (
@@ -117,11 +117,9 @@ class ElasticdAgent(TickWrites, StandbyCare, LocalElasticAgent):
     # -- hooks into LocalElasticAgent ----------------------------------------------------
     def _static_worker_env(self) -> dict[str, str]:
         """What every worker of this agent gets on top of torch's per-worker variables."""
-        live = {ENV_LIVE: "1"} if self.settings.live_reform else {}
-        return agent_worker_env(job=self.handler.keys.job, node=self.handler.node_id,
-                                agent_pid=os.getpid(), control_env={**self.control.env(), **live},
-                                user_env=self.settings.worker_env,
-                                checkpoint_url=self.settings.checkpoint_url)
+        return supervised_worker_env(self.settings, job=self.handler.keys.job,
+                                     node=self.handler.node_id, agent_pid=os.getpid(),
+                                     control_env=self.control.env())
 
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
         self.control.clear_round()

@@ -30,8 +30,16 @@ from typing import Any
 
 import structlog
 
-from elasticd.control.api import LIVE_PREFIX, PARK_FILE, REFORM_FILE, REFORMED_PREFIX
-from elasticd.control.reform import ReformOrder, parked, read_markers, reformed, write_order
+from elasticd.control.api import PARK_FILE, REFORM_FILE
+from elasticd.control.messages import LeaveReason, LiveRegistration, ParkedReport, ReformedReport
+from elasticd.control.reform import (
+    ReformOrder,
+    clear_reports,
+    live_workers,
+    parked,
+    reformed,
+    write_order,
+)
 
 log = structlog.get_logger(__name__)
 
@@ -144,19 +152,19 @@ class LiveReformer:
         self.deadline = 0.0
 
     def workers_live(self, local_world_size: int) -> bool:
-        return self.enabled and len(read_markers(self.dir, LIVE_PREFIX)) >= local_world_size
+        return self.enabled and len(live_workers(self.dir)) >= local_world_size
 
     def facts(self, *, local_world_size: int, group_state: str, verdict: str, membership: str,
               draining: bool, now: float) -> LiveFacts:
         live = self.workers_live(local_world_size) if self.enabled else False
         waiting = parked(self.dir) if live else {}
         done = reformed(self.dir) if live and self.reforming_round is not None else {}
-        new_round = {r for r, d in done.items() if d.get("round") == self.reforming_round}
+        new_round = {r for r, d in done.items() if d.round == self.reforming_round}
         return LiveFacts(
             enabled=self.enabled, workers_live=live, group_state=group_state, verdict=verdict,
             membership=membership, draining=draining,
             parked_all=live and len(waiting) >= local_world_size,
-            parked_any_failure=any(p.get("reason") == "collective_failed" for p in waiting.values()),
+            parked_any_failure=any(p.reason is LeaveReason.COLLECTIVE_FAILED for p in waiting.values()),
             parking=self.parking, reforming=self.reforming_round is not None,
             reformed_all=self.reforming_round is not None and len(new_round) >= local_world_size,
             left_old_all=self.reforming_round is not None
@@ -182,16 +190,14 @@ class LiveReformer:
         self.parking = False
         self.reforming_round = None
         (self.dir / PARK_FILE).unlink(missing_ok=True)
-        for p in self.dir.glob(REFORMED_PREFIX + "*"):
-            p.unlink(missing_ok=True)
+        clear_reports(self.dir, ReformedReport)
 
     def reset_group(self) -> None:
         """A new worker group starts (restart path): no live state, no order, no markers."""
         self.finish()
         (self.dir / REFORM_FILE).unlink(missing_ok=True)
-        for prefix in (LIVE_PREFIX, "parked-"):
-            for p in self.dir.glob(prefix + "*"):
-                p.unlink(missing_ok=True)
+        clear_reports(self.dir, LiveRegistration)
+        clear_reports(self.dir, ParkedReport)
 
 
 def live_tick(agent: Any, verdict: str, membership: str) -> bool:

@@ -18,6 +18,7 @@ import structlog
 
 from elasticd.checkpoint.identity import RunIdentity, new_run_id
 from elasticd.checkpoint.manifest import RUN_ID_RE
+from elasticd.control.api import ENV_RESUME, ENV_RUN_ID
 from elasticd.errors import ConfigError
 from elasticd.etcd.client import EtcdClient
 from elasticd.keys import JobKeys
@@ -95,7 +96,7 @@ def check_resume(settings: Any, job: str, run_id: str, resume: str) -> Any:
                         error=repr(exc))
         else:
             log.debug("checkpoint_resume_checked", run_id=run_id, resume=resume, step=step)
-    env = {**settings.worker_env, "ELASTICD_RUN_ID": run_id, "ELASTICD_RESUME": resume}
+    env = {**settings.worker_env, ENV_RUN_ID: run_id, ENV_RESUME: resume}
     return dataclasses.replace(settings, worker_env=env)
 
 

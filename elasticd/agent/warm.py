@@ -66,9 +66,12 @@ from elasticd.control.api import (
     ENV_CONTROL_SOCKET,
     ENV_JOB,
     ENV_LIVE,
+    ENV_LIVE_TIMEOUT,
     ENV_LOG_FORMAT,
     ENV_NODE,
+    ENV_RESUME,
     ENV_ROUND,
+    ENV_RUN_ID,
 )
 
 log = structlog.get_logger(__name__)
@@ -95,7 +98,7 @@ PER_ROUND_PREFIXES = ("TORCHELASTIC_",)
 # reached etcd (the run id), long after a standby that starts with the agent began importing.
 AGENT_ENV = frozenset({
     ENV_JOB, ENV_NODE, ENV_AGENT_PID, ENV_CONTROL_DIR, ENV_CONTROL_SOCKET, ENV_CHECKPOINT_URL,
-    ENV_LOG_FORMAT, ENV_LIVE, "ELASTICD_RUN_ID", "ELASTICD_RESUME",
+    ENV_LOG_FORMAT, ENV_LIVE, ENV_LIVE_TIMEOUT, ENV_RUN_ID, ENV_RESUME,
 })
 URGENT_FLAG = "--urgent"  # argv of a standby that imports at the normal priority
 

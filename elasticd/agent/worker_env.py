@@ -20,7 +20,14 @@ import os
 import re
 from collections.abc import Iterator, Mapping, MutableMapping
 
-from elasticd.control.api import ENV_AGENT_PID, ENV_CHECKPOINT_URL, ENV_JOB, ENV_NODE
+from elasticd.agent.supervision import SupervisionSettings
+from elasticd.control.api import (
+    ENV_AGENT_PID,
+    ENV_CHECKPOINT_URL,
+    ENV_JOB,
+    ENV_NODE,
+    live_worker_env,
+)
 
 # The agent's own configuration that would let a worker talk to etcd as the agent.
 _SECRET_PREFIXES = ("ELASTICD_ETCD_", "ETCDCTL_")
@@ -66,6 +73,20 @@ def agent_worker_env(*, job: str, node: str, agent_pid: int, control_env: Mappin
     if checkpoint_url:
         extra[ENV_CHECKPOINT_URL] = checkpoint_url
     return scrub(extra)
+
+
+def supervised_worker_env(settings: SupervisionSettings, *, job: str, node: str, agent_pid: int,
+                          control_env: Mapping[str, str]) -> dict[str, str]:
+    """What every worker of an agent with ``settings`` gets: :func:`agent_worker_env` with
+    the worker-side settings (live re-formation and its bound; the run identity is in
+    ``settings.worker_env`` once ``check_resume`` ran). Pure.
+
+    Every worker-side setting travels this way (parsed by ``elasticd.control.environment``).
+    """
+    live = live_worker_env(settings.live_reform, settings.live_reform_timeout_s)
+    return agent_worker_env(job=job, node=node, agent_pid=agent_pid,
+                            control_env={**control_env, **live}, user_env=settings.worker_env,
+                            checkpoint_url=settings.checkpoint_url)
 
 
 @contextlib.contextmanager

@@ -2,13 +2,16 @@
 
 Under an agent the manager's fence is the agent's (commits go through the control
 socket) and its run identity is the agent's run id and resume mode: nothing for the
-training script to remember. Outside an agent both default to none. The worker package
-is imported lazily: the CLI's checkpoint listing never needs torch.distributed.
+training script to remember. Outside an agent both default to none. Both come from the
+control seam (``elasticd.control``), never from the worker API: the checkpoint package
+does not import ``elasticd.worker`` (and torch.distributed with it); a unit test keeps it so.
 """
 
 from __future__ import annotations
 
 from elasticd.checkpoint.api import CommitFence
+from elasticd.control.environment import agent_environment
+from elasticd.control.fence import agent_fence
 
 
 class AutoFence:
@@ -26,21 +29,15 @@ def resolve_fence(fence: CommitFence | None | AutoFence) -> CommitFence | None:
 
     Raises:
         ConfigError: started by an agent but without ``ELASTICD_ROUND`` (see
-            ``elasticd.worker.agent_fence``): a commit must never go out unfenced.
+            ``elasticd.control.fence.agent_fence``): a commit must never go out unfenced.
     """
     if not isinstance(fence, AutoFence):
         return fence
-    # Imported here: the worker package imports torch.distributed machinery the CLI's
-    # checkpoint listing never needs.
-    from elasticd.worker.fence import agent_fence
-
     return agent_fence()
 
 
 def agent_identity(resume: str) -> tuple[str | None, str]:
     """The run id and resume mode the agent handed its workers (None, ``resume`` without one)."""
-    from elasticd.worker.context import agent_environment
-
     env = agent_environment()
     if env is None:
         return None, resume

@@ -22,6 +22,8 @@ ENV_NODE = "ELASTICD_NODE"
 ENV_AGENT_PID = "ELASTICD_AGENT_PID"
 ENV_CHECKPOINT_URL = "ELASTICD_CHECKPOINT_URL"
 ENV_LOG_FORMAT = "ELASTICD_LOG_FORMAT"  # "json" when the agent logs JSON (else unset)
+ENV_RUN_ID = "ELASTICD_RUN_ID"  # this run's identity (docs/checkpoints.md)
+ENV_RESUME = "ELASTICD_RESUME"  # what to do with another run's checkpoints: auto/require/never
 
 # Files in the runtime directory (mode 0700).
 DRAIN_FILE = "drain"
@@ -64,6 +66,17 @@ class CommitOutcome(enum.Enum):
 
 # Live re-formation (elasticd.control.reform): the worker group re-forms in place.
 ENV_LIVE = "ELASTICD_LIVE"  # "1": the agent re-forms live workers in place on a membership change
+# Seconds one live re-formation may take on the worker's side (``workers.live_reform_timeout_s``,
+# the agent's own bound for the same re-formation): past it the worker falls back to a restart.
+ENV_LIVE_TIMEOUT = "ELASTICD_LIVE_TIMEOUT_S"
+LIVE_TIMEOUT_DEFAULT_S = 30.0  # = the schema's default of workers.live_reform_timeout_s
+
+
+def live_worker_env(live_reform: bool, live_reform_timeout_s: float) -> dict[str, str]:
+    """The live re-formation settings an agent hands its workers (empty when off). Pure."""
+    if not live_reform:
+        return {}
+    return {ENV_LIVE: "1", ENV_LIVE_TIMEOUT: repr(float(live_reform_timeout_s))}
 LIVE_PREFIX = "live-"  # live-<rank>: this worker re-forms in place when told (worker API)
 PARKED_PREFIX = "parked-"  # parked-<rank>: left its process group, waits for the next round
 REFORMED_PREFIX = "reformed-"  # reformed-<rank>: re-formed in the round it names

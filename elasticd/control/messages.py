@@ -14,6 +14,7 @@ answered); replies echo it, so a client skips any reply that is not for its requ
 
 from __future__ import annotations
 
+import enum
 import json
 import math
 from dataclasses import dataclass
@@ -113,6 +114,46 @@ class ErrorReply:
     op = "error"
 
 
+class LeaveReason(enum.Enum):
+    """Why a live worker left its process group (``ParkedReport.reason``)."""
+
+    COLLECTIVE_FAILED = "collective_failed"  # a peer died: a collective failed
+    AGREED_STOP = "agreed_stop"  # every rank stopped at an agreed step (a node joins/drains)
+    ORDERED = "ordered"  # the agent ordered a newer round (a lone worker, a frozen peer)
+
+
+# -- live re-formation reports (worker to agent, as files in the runtime directory) ----
+@dataclass(frozen=True)
+class LiveRegistration:
+    """This worker re-forms in place when told: the agent does not kill it on a change."""
+
+    local_rank: int
+    pid: int
+    op = "live"
+
+
+@dataclass(frozen=True)
+class ParkedReport:
+    """This worker left its group after ``step`` of ``round`` and waits for an order."""
+
+    local_rank: int
+    round: int  # -1: it had no round (never under an agent: not expected)
+    step: int  # -1: no step completed yet
+    reason: LeaveReason
+    op = "parked"
+
+
+@dataclass(frozen=True)
+class ReformedReport:
+    """This worker trains in ``round`` now (re-formed in place, state agreed at ``step``)."""
+
+    local_rank: int
+    round: int
+    step: int
+    op = "reformed"
+
+
+LiveReport = LiveRegistration | ParkedReport | ReformedReport
 Request = Progress | CommitRequest | LatestRequest | Ping
 Reply = CommitReply | LatestReply | Pong | ErrorReply
 
@@ -193,6 +234,33 @@ def parse_request(line: bytes) -> Request:
     raise MessageError(f"unknown op {shown!r} (known: progress, commit, latest, ping)")
 
 
+def parse_live_report(line: bytes) -> LiveReport:
+    """Parse and validate one live re-formation report (a file's content).
+
+    Raises:
+        MessageError: as :func:`parse_request`.
+    """
+    obj = _object(line)
+    op = obj.get("op")
+    local_rank = _int(obj, "local_rank", 0, MAX_RANK)
+    if op == "live":
+        return LiveRegistration(local_rank=local_rank, pid=_int(obj, "pid", 1, 2**32))
+    if op == "parked":
+        raw = _str(obj, "reason")
+        try:
+            reason = LeaveReason(raw)
+        except ValueError:
+            raise MessageError(f"field 'reason' = {raw!r} is not one of "
+                               f"{[r.value for r in LeaveReason]}") from None
+        return ParkedReport(local_rank=local_rank, round=_int(obj, "round", -1, MAX_COUNT),
+                            step=_int(obj, "step", -1, MAX_COUNT), reason=reason)
+    if op == "reformed":
+        return ReformedReport(local_rank=local_rank, round=_int(obj, "round", 0, MAX_COUNT),
+                              step=_int(obj, "step", -1, MAX_COUNT))
+    shown = op if isinstance(op, str) and len(op) <= 64 else type(op).__name__
+    raise MessageError(f"unknown live report op {shown!r} (known: live, parked, reformed)")
+
+
 def parse_reply(line: bytes) -> Reply:
     """Parse and validate one reply line (agent to worker).
 
@@ -234,7 +302,7 @@ def parse_reply(line: bytes) -> Reply:
     raise MessageError(f"unknown reply op {shown!r}")
 
 
-def serialise(msg: Request | Reply) -> bytes:
+def serialise(msg: Request | Reply | LiveReport) -> bytes:
     """One message as a JSON line (newline included).
 
     Raises:
@@ -242,7 +310,7 @@ def serialise(msg: Request | Reply) -> bytes:
     """
     body: dict[str, Any] = {"op": msg.op}
     for name, value in vars(msg).items():
-        if isinstance(value, CommitOutcome):
+        if isinstance(value, (CommitOutcome, LeaveReason)):
             value = value.value
         elif isinstance(value, CheckpointPointer):
             value = json.loads(value.to_json())

@@ -1,19 +1,29 @@
-"""Live re-formation over the control directory: the agent's order and the workers' answers.
+"""Live re-formation over the control directory: the agent's order and the workers' reports.
 
 The agent and its live workers talk through small files in the private runtime directory
-(the same place as the drain and stopped markers), because a worker waiting for a new
-round must find the order even if it was stuck in a collective when it was written, and
-the agent must see a parked worker without a socket round trip per tick:
+(the same place as the drain and stopped markers). Every file holds one typed message of
+``messages.py`` (:class:`~elasticd.control.messages.LiveRegistration`,
+:class:`~elasticd.control.messages.ParkedReport`,
+:class:`~elasticd.control.messages.ReformedReport`, :class:`ReformOrder`), written
+atomically (rename) and parsed and validated on read (a torn or hostile file reads as
+absent):
 
-- ``live-<rank>`` (worker): this worker re-forms in place; the agent does not kill it on a
-  membership change.
+- ``live-<local_rank>`` (worker, ``LiveRegistration``): this worker re-forms in place; the
+  agent does not kill it on a membership change.
 - ``park`` (agent): leave the process group at the next agreed step (a node joins).
-- ``parked-<local_rank>`` (worker): it left its group (``reason``: ``collective_failed`` or
-  ``agreed_stop``) after step ``step`` of round ``round`` and waits for an order.
-- ``reform.json`` (agent): a :class:`ReformOrder`, written atomically (rename).
-- ``reformed-<local_rank>`` (worker): it is training in the order's round.
+- ``parked-<local_rank>`` (worker, ``ParkedReport``): it left its group (``reason``) after
+  step ``step`` of round ``round`` and waits for an order.
+- ``reform.json`` (agent): a :class:`ReformOrder`.
+- ``reformed-<local_rank>`` (worker, ``ReformedReport``): it is training in the order's round.
 
-Every file is validated on read (a torn or hostile file reads as absent).
+Why files and not the control socket: the order must stay where a blocked worker finds
+it. A worker stuck in a collective with a frozen peer (its main thread in C++, no Python
+handler runs) is woken by its watcher thread, which finds ``reform.json`` by one read and
+aborts the old group; a worker that parks later, or restarts its wait, reads the same
+order again: a message on a socket would be consumed once, by whichever thread read it.
+The workers' reports are state, not events (the agent's tick asks "are all parked?"
+whenever it runs, across its own restarts of the round), so they are files too, one per
+local rank, replaced atomically.
 """
 
 from __future__ import annotations
@@ -22,10 +32,19 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from elasticd import boundedjson
-from elasticd.control.api import PARKED_PREFIX, REFORM_FILE, REFORMED_PREFIX
+from elasticd.control.api import LIVE_PREFIX, PARKED_PREFIX, REFORM_FILE, REFORMED_PREFIX
+from elasticd.control.messages import (
+    LiveRegistration,
+    LiveReport,
+    MessageError,
+    ParkedReport,
+    ReformedReport,
+    parse_live_report,
+    serialise,
+)
 
 MAX_WORLD = 2**20
 MAX_FILE_BYTES = 1 << 20  # an order or a marker is a few hundred bytes
@@ -103,32 +122,62 @@ def read_order(control_dir: Path) -> ReformOrder | None:
 
 
 def write_marker(control_dir: Path, prefix: str, local_rank: int, **fields: Any) -> None:
-    """Write ``<prefix><local_rank>`` with ``fields`` as JSON (atomic)."""
+    """Write ``<prefix><local_rank>`` with ``fields`` as JSON (atomic): the stopped marker."""
     _write_atomic(control_dir / f"{prefix}{local_rank}", json.dumps(fields))
 
 
-def read_markers(control_dir: Path, prefix: str) -> dict[int, dict[str, Any]]:
-    """``{local_rank: fields}`` of every valid ``<prefix><n>`` marker."""
-    out: dict[int, dict[str, Any]] = {}
+_PREFIX: dict[type, str] = {LiveRegistration: LIVE_PREFIX, ParkedReport: PARKED_PREFIX,
+                            ReformedReport: REFORMED_PREFIX}
+R = TypeVar("R", LiveRegistration, ParkedReport, ReformedReport)
+
+
+def write_report(control_dir: Path, report: LiveReport) -> None:
+    """Publish a worker's report as ``<kind>-<local_rank>`` (atomic, replaces the last one)."""
+    _write_atomic(control_dir / f"{_PREFIX[type(report)]}{report.local_rank}",
+                  serialise(report).decode())
+
+
+def clear_report(control_dir: Path, kind: type[LiveReport], local_rank: int) -> None:
+    """Withdraw one worker's report of ``kind`` (absent already is fine)."""
+    (control_dir / f"{_PREFIX[kind]}{local_rank}").unlink(missing_ok=True)
+
+
+def clear_reports(control_dir: Path, kind: type[LiveReport]) -> None:
+    """Withdraw every report of ``kind`` (a new worker group, a finished re-formation)."""
+    for p in control_dir.glob(_PREFIX[kind] + "*"):
+        p.unlink(missing_ok=True)
+
+
+def read_reports(control_dir: Path, kind: type[R]) -> dict[int, R]:
+    """``{local_rank: report}`` of every valid report of ``kind``; a file that does not
+    parse, is of another kind, or names another local rank than its file reads as absent."""
+    prefix = _PREFIX[kind]
+    out: dict[int, R] = {}
     for p in control_dir.glob(prefix + "*"):
         suffix = p.name[len(prefix):]
         if not suffix.isdigit():
-            continue
+            continue  # e.g. a temporary file of an atomic write
         try:
-            data = boundedjson.read_file(p, max_bytes=MAX_FILE_BYTES) or b"{}"
-            fields = boundedjson.loads(data, what=p.name, max_bytes=MAX_FILE_BYTES)
-        except (OSError, ValueError):
+            raw = boundedjson.read_file(p, max_bytes=MAX_FILE_BYTES)
+            boundedjson.loads(raw, what=p.name, max_bytes=MAX_FILE_BYTES)  # size, depth
+            report = parse_live_report(raw)
+        except (OSError, ValueError, MessageError):
             continue
-        if isinstance(fields, dict):
-            out[int(suffix)] = fields
+        if isinstance(report, kind) and report.local_rank == int(suffix):
+            out[report.local_rank] = report
     return out
 
 
-def parked(control_dir: Path) -> dict[int, dict[str, Any]]:
-    """Parked workers: ``{local_rank: {"round", "step", "reason"}}``."""
-    return read_markers(control_dir, PARKED_PREFIX)
+def live_workers(control_dir: Path) -> dict[int, LiveRegistration]:
+    """Workers registered for live re-formation."""
+    return read_reports(control_dir, LiveRegistration)
 
 
-def reformed(control_dir: Path) -> dict[int, dict[str, Any]]:
-    """Re-formed workers: ``{local_rank: {"round"}}``."""
-    return read_markers(control_dir, REFORMED_PREFIX)
+def parked(control_dir: Path) -> dict[int, ParkedReport]:
+    """Parked workers."""
+    return read_reports(control_dir, ParkedReport)
+
+
+def reformed(control_dir: Path) -> dict[int, ReformedReport]:
+    """Re-formed workers."""
+    return read_reports(control_dir, ReformedReport)

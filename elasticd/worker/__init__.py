@@ -22,8 +22,8 @@ from elasticd.data import (
 )
 from elasticd.worker.context import (
     WorkerContext,
-    context,
     control_client,
+    current_context,
     fast_exit,
     init,
     report_progress,
@@ -54,7 +54,7 @@ __all__ = [
     "sample_generator",
     "sample_seed",
     "WorkerContext",
-    "context",
+    "current_context",
     "control_client",
     "fast_exit",
     "init",

@@ -36,13 +36,16 @@ from elasticd.control import (
     DRAIN_FILE,
     DRAINABLE_PREFIX,
     ENV_CONTROL_DIR,
-    ENV_CONTROL_SOCKET,
-    ENV_ROUND,
     STOPPED_PREFIX,
     ControlClient,
     Progress,
 )
-from elasticd.control.api import ENV_LIVE, PARK_FILE
+from elasticd.control.api import ENV_CHECKPOINT_URL, ENV_JOB, ENV_NODE, PARK_FILE
+
+# The agent's variables are parsed behind the control seam (the checkpoint package reads
+# them too); re-exported here for the worker API's callers.
+from elasticd.control.environment import AgentEnvironment, agent_environment  # noqa: F401
+from elasticd.control.fence import set_round_source
 from elasticd.errors import EX_CONFIG, ConfigError
 from elasticd.worker.sockets import socket_links
 
@@ -114,43 +117,6 @@ def _env_int(name: str, default: int) -> int:
     return int(raw) if raw not in (None, "") else default
 
 
-@dataclass(frozen=True)
-class AgentEnvironment:
-    """What an elasticd agent told this process through its environment."""
-
-    control_dir: str
-    socket_path: str
-    round: int
-    run_id: str | None = None  # ELASTICD_RUN_ID: this run's identity (docs/checkpoints.md)
-    resume: str = "auto"  # ELASTICD_RESUME: what to do with another run's checkpoints
-    live: bool = False  # ELASTICD_LIVE=1: the agent re-forms live workers in place
-
-
-def agent_environment() -> AgentEnvironment | None:
-    """The agent's control channel and round, or None when not started by an agent.
-
-    Raises:
-        ConfigError: ``ELASTICD_CONTROL_SOCKET`` is set (started by an agent) but
-            ``ELASTICD_ROUND`` is missing or not a round number. Running on would commit
-            checkpoints unfenced, so a zombie could overwrite the live job's pointer.
-    """
-    socket_path = os.environ.get(ENV_CONTROL_SOCKET)
-    if not socket_path:
-        return None
-    raw = os.environ.get(ENV_ROUND, "")
-    if not raw.isdigit():
-        raise ConfigError(
-            f"{ENV_CONTROL_SOCKET} is set (this process was started by an elasticd agent) "
-            f"but {ENV_ROUND}={raw!r} is not a round number, so checkpoint commits could not "
-            "be fenced. Start workers through `elasticd run`/`elasticd agent` (which set it), "
-            f"or unset {ENV_CONTROL_SOCKET} and {ENV_CONTROL_DIR} to run without an agent")
-    return AgentEnvironment(control_dir=os.environ.get(ENV_CONTROL_DIR, ""),
-                            socket_path=socket_path, round=int(raw),
-                            run_id=os.environ.get("ELASTICD_RUN_ID") or None,
-                            resume=os.environ.get("ELASTICD_RESUME") or "auto",
-                            live=os.environ.get(ENV_LIVE) == "1")
-
-
 def init(backend: str | None = None, *, timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S) -> WorkerContext:
     """Set up the process group from torchrun's environment; idempotent.
 
@@ -193,11 +159,11 @@ def init(backend: str | None = None, *, timeout_s: float = DEFAULT_COLLECTIVE_TI
         local_world_size=_env_int("LOCAL_WORLD_SIZE", 1), device=device, backend=backend,
         restart_count=_env_int("TORCHELASTIC_RESTART_COUNT", 0),
         round=agent.round if agent else None,
-        job=os.environ.get("ELASTICD_JOB"), node=os.environ.get("ELASTICD_NODE"),
-        checkpoint_url=os.environ.get("ELASTICD_CHECKPOINT_URL"),
+        job=os.environ.get(ENV_JOB), node=os.environ.get(ENV_NODE),
+        checkpoint_url=os.environ.get(ENV_CHECKPOINT_URL),
         under_agent=bool(control_dir),
-        run_id=os.environ.get("ELASTICD_RUN_ID") or None,
-        resume=os.environ.get("ELASTICD_RESUME") or "auto",
+        run_id=agent.run_id if agent else None,
+        resume=agent.resume if agent else "auto",
     )
     _S.control_dir = Path(control_dir) if control_dir else None
     _S.client = ControlClient(socket_path) if socket_path else None
@@ -253,6 +219,9 @@ def current_round() -> int | None:
     return _S.ctx.round if _S.ctx is not None else None
 
 
+set_round_source(current_round)  # fences commit with the round this worker trains in now
+
+
 def leave_group() -> None:
     """Leave the process group without waiting on peers (live re-formation).
 
@@ -300,7 +269,7 @@ def rejoin(rank: int, world_size: int, round_: int, master_addr: str, master_por
     """
     import dataclasses
 
-    ctx = context()
+    ctx = current_context()
     if rank != 0:
         # The TCPStore client backs off exponentially (seconds) when it connects before the
         # new rank 0 listens; wait for the port here, in 10 ms polls, instead.
@@ -364,7 +333,7 @@ def control_dir() -> Path | None:
     return _S.control_dir
 
 
-def context() -> WorkerContext:
+def current_context() -> WorkerContext:
     """The context of ``init()`` (calls it with defaults if needed)."""
     return _S.ctx or init()
 
@@ -401,7 +370,7 @@ def should_stop(step: int | None = None, *, every: int = 1) -> bool:
             raise ValueError("should_stop(every=N) needs the step, so all ranks skip the same calls")
         if step % every:
             return False
-    ctx = context()
+    ctx = current_context()
     draining = stop_requested_locally()
     local = 1 if draining or park_requested() or reform_ordered() else 0
     if dist.is_initialized() and ctx.world_size > 1:
@@ -434,7 +403,7 @@ def _note_drainable() -> None:
     if _S.control_dir is None:
         return
     try:
-        (_S.control_dir / f"{DRAINABLE_PREFIX}{context().rank}").touch()
+        (_S.control_dir / f"{DRAINABLE_PREFIX}{current_context().rank}").touch()
     except OSError:  # the agent is restarting us: it falls back to a plain restart
         pass
 
@@ -462,7 +431,7 @@ def report_progress(step: int, *, epoch: int = 0, samples: int = 0, loss: float 
     if not force and now - _S.last_progress_at < PROGRESS_MIN_INTERVAL_S:
         return
     _S.last_progress_at = now
-    ctx = context()
+    ctx = current_context()
     _S.client.send(Progress(local_rank=ctx.local_rank, rank=ctx.rank, step=max(step, -1),
                             epoch=max(epoch, 0), samples=max(samples, 0),
                             loss=None if loss is None else float(loss)))

@@ -1,71 +1,25 @@
-"""The checkpoint commit fence as seen from a worker: ask the agent over the control socket.
+"""The checkpoint commit fence of a worker: ``elasticd.control.fence`` with the worker's client.
 
-Only the agent knows whether its round is still the job's current round, so rank 0 asks
-it to compare-and-swap ``/elasticd/<job>/checkpoint/latest``. The answer has three values
-(``CommitOutcome``): committed; refused (the compare failed: this worker is a zombie);
-unknown. No answer in time (a frozen agent, a busy etcd) is *unknown*: the checkpoint is
-not pointed to, but neither is it deleted, and the agent retries the commit on its own.
+The fence itself lives behind the control seam (so the checkpoint package takes it
+without importing the worker API); this module hands it the worker's control client.
 """
 
 from __future__ import annotations
 
-from elasticd.control import CommitReply, CommitRequest, ControlClient, LatestReply
-from elasticd.control.api import CommitOutcome
-from elasticd.records import CheckpointPointer
+from elasticd.control.fence import AgentCommitFence
+from elasticd.control.fence import agent_fence as _control_fence
 
-
-class AgentCommitFence:
-    """``elasticd.checkpoint.CommitFence`` implemented through this node's agent.
-
-    Args:
-        client: the control channel client (``elasticd.worker.control_client()``).
-        round_: the round this worker was started in (``ELASTICD_ROUND``).
-    """
-
-    def __init__(self, client: ControlClient, round_: int) -> None:
-        self.client = client
-        self.round = round_
-
-    def commit(self, step: int, manifest_url: str, world_size: int) -> CommitOutcome:
-        """Ask the agent to commit; ``UNKNOWN`` when it did not answer or could not tell."""
-        try:
-            reply = self.client.commit(CommitRequest(step=step, manifest_url=manifest_url,
-                                                     world_size=max(world_size, 1), round=self._round()))
-        except OSError:
-            return CommitOutcome.UNKNOWN  # no answer is not a no: never delete on a guess
-        if isinstance(reply, CommitReply):
-            return reply.outcome
-        return CommitOutcome.UNKNOWN  # the agent rejected the request itself: not a fence verdict
-
-    def _round(self) -> int:
-        # After a live re-formation the worker trains in a later round than it started in;
-        # its commits must be fenced by that round, not the one in its environment.
-        from elasticd.worker.context import current_round
-
-        live = current_round()
-        return live if live is not None and live > self.round else self.round
-
-    def latest(self) -> CheckpointPointer | None:
-        """The committed pointer; None when nothing is committed or the agent cannot tell."""
-        try:
-            reply = self.client.latest()
-        except OSError:
-            return None
-        return reply.pointer if isinstance(reply, LatestReply) and reply.ok else None
+__all__ = ["AgentCommitFence", "agent_fence"]
 
 
 def agent_fence() -> AgentCommitFence | None:
     """The fence for this worker when it runs under an elasticd agent, else None.
 
-    ``CheckpointManager`` calls this by default, so under an agent fencing is on without
-    a ``fence=`` argument. Does not initialise the process group.
+    Does not initialise the process group.
 
     Raises:
         ConfigError: started by an agent without ``ELASTICD_ROUND``.
     """
-    from elasticd.worker.context import agent_environment, control_client
+    from elasticd.worker.context import control_client
 
-    env = agent_environment()
-    if env is None:
-        return None
-    return AgentCommitFence(control_client() or ControlClient(env.socket_path), env.round)
+    return _control_fence(control_client())

@@ -27,24 +27,23 @@ from __future__ import annotations
 
 import contextlib
 import os
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
 from typing import Any
 
 import structlog
 import torch
 import torch.distributed as dist
 
-import elasticd.worker.context  # noqa: E402,F401 - loaded here, looked up below
+import elasticd.worker.context as wctx
 from elasticd.checkpoint import rng
-from elasticd.control.api import LIVE_PREFIX, PARKED_PREFIX, REFORMED_PREFIX, STOPPED_PREFIX
-from elasticd.control.reform import read_order, write_marker
+from elasticd.control.api import LIVE_TIMEOUT_DEFAULT_S, STOPPED_PREFIX
+from elasticd.control.messages import LeaveReason, LiveRegistration, ParkedReport, ReformedReport
+from elasticd.control.reform import clear_report, read_order, write_marker, write_report
 from elasticd.worker.sockets import shutdown_group_connections
 from elasticd.worker.state_broadcast import broadcast_state
-
-wctx = sys.modules["elasticd.worker.context"]  # the module, not the package's context()
 
 log = structlog.get_logger(__name__)
 
@@ -78,6 +77,8 @@ class LiveState:
             group after each re-formation.
         timeout_s: bound on one re-formation (waiting for the order, forming the new
             group, the state transfer); past it the worker falls back to a restart.
+            Default: the agent's ``workers.live_reform_timeout_s`` (``ELASTICD_LIVE_TIMEOUT_S``),
+            so the worker and its agent give up on the same re-formation together.
 
     Attributes:
         step: the last step this rank completed (-1: none yet).
@@ -86,25 +87,26 @@ class LiveState:
     """
 
     def __init__(self, state: Mapping[str, Any], *, checkpoint: Any = None,
-                 timeout_s: float = 60.0) -> None:
+                 timeout_s: float | None = None) -> None:
         self.state = state  # by reference: the loop may swap an entry (a resharded sampler)
         self.checkpoint = checkpoint
         self.step = -1
-        self.timeout_s = timeout_s
+        env = wctx.agent_environment()
+        self.timeout_s = timeout_s if timeout_s is not None else (
+            env.live_timeout_s if env is not None else LIVE_TIMEOUT_DEFAULT_S)
         self.reforms = 0
         self._has_state = False
         # True once the group's ranks agreed on a state in memory (every rank now holds the
         # same one); False when they each loaded it (a start: a DDP wrapper must sync).
         self.agreed_in_memory = False
         self._failures_at: dict[int, int] = {}
-        env = wctx.agent_environment()
-        ctx = wctx.context()
+        ctx = wctx.current_context()
         self.enabled = bool(env is not None and env.live and dist.is_initialized()
                             and wctx.control_dir() is not None)
         if self.enabled:
             cdir = wctx.control_dir()
             assert cdir is not None
-            write_marker(cdir, LIVE_PREFIX, ctx.local_rank, pid=_pid())
+            write_report(cdir, LiveRegistration(local_rank=ctx.local_rank, pid=os.getpid()))
         self._log = log.bind(rank=ctx.rank, local_rank=ctx.local_rank)
         self._in_reform = False
         self._deadline: float | None = None  # of the re-formation under way
@@ -135,7 +137,7 @@ class LiveState:
             # none of its collectives fail: a worker alone at world size 1 has no peer to
             # fail on, and without this trained on alone in the superseded round.
             wctx.note_reform_order(order.round)
-            if wctx.context().world_size == 1:
+            if wctx.current_context().world_size == 1:
                 continue  # no peer to wait on: nothing to abort, the step boundary is near
             for group in (dist.group.WORLD, getattr(wctx._S, "stop_group", None)):
                 try:
@@ -187,7 +189,7 @@ class LiveState:
         if wctx.stop_requested_locally():
             self._log.info("live_drained", step=step)
             wctx.fast_exit(0)  # survivors hold this state: no checkpoint to write
-        self._reform("ordered" if wctx.reform_ordered() else "agreed_stop")
+        self._reform(LeaveReason.ORDERED if wctx.reform_ordered() else LeaveReason.AGREED_STOP)
         raise Reformed(f"re-formed at the agreed step {step}")
 
     @contextlib.contextmanager
@@ -210,7 +212,7 @@ class LiveState:
                 raise
             self._abandon_step()
             self._log.info("collective_failed", step=self.step + 1, error=str(exc)[:200])
-            self._reform("collective_failed")
+            self._reform(LeaveReason.COLLECTIVE_FAILED)
             raise Reformed(f"re-formed after a failed collective: {exc}") from None
 
     # -- re-formation ---------------------------------------------------------------------
@@ -219,8 +221,8 @@ class LiveState:
             if isinstance(obj, (torch.optim.Optimizer, torch.nn.Module)):
                 obj.zero_grad(set_to_none=True)
 
-    def _reform(self, reason: str) -> None:
-        ctx = wctx.context()
+    def _reform(self, reason: LeaveReason) -> None:
+        ctx = wctx.current_context()
         cdir = wctx.control_dir()
         assert cdir is not None
         old_round = ctx.round if ctx.round is not None else -1
@@ -232,11 +234,12 @@ class LiveState:
             self._in_reform = False
             self._deadline = None
 
-    def _reform_inner(self, reason: str, ctx: Any, cdir: Any, old_round: int, t0: float) -> None:
+    def _reform_inner(self, reason: LeaveReason, ctx: wctx.WorkerContext, cdir: Path,
+                      old_round: int, t0: float) -> None:
         wctx.leave_group()
         (cdir / f"{STOPPED_PREFIX}{ctx.rank}").unlink(missing_ok=True)  # not a drain: we stay
-        write_marker(cdir, PARKED_PREFIX, ctx.local_rank, round=old_round, step=self.step,
-                     reason=reason)
+        write_report(cdir, ParkedReport(local_rank=ctx.local_rank, round=old_round,
+                                        step=self.step, reason=reason))
         client = wctx.control_client()
         if client is not None:  # wakes the agent's tick: it opens the next round now
             client.ping()
@@ -259,15 +262,16 @@ class LiveState:
         except Exception as exc:  # noqa: BLE001 - any failure here ends in the restart path
             self._fall_back(f"re-forming round {order.round} failed: {exc!r}"[:300])
         self.reforms += 1
-        (cdir / f"{PARKED_PREFIX}{ctx.local_rank}").unlink(missing_ok=True)
-        write_marker(cdir, REFORMED_PREFIX, ctx.local_rank, round=order.round, step=self.step)
+        clear_report(cdir, ParkedReport, ctx.local_rank)
+        write_report(cdir, ReformedReport(local_rank=ctx.local_rank, round=order.round,
+                                          step=self.step))
         self._log.info("live_reformed", round=order.round, world_size=order.world_size,
-                       rank=order.ranks[ctx.local_rank], step=self.step, reason=reason,
+                       rank=order.ranks[ctx.local_rank], step=self.step, reason=reason.value,
                        group_s=round(formed - t0, 3), total_s=round(time.monotonic() - t0, 3))
 
     def _sync(self, load: Callable[[], int] | None) -> None:
         """Agree on the newest completed step; its holder broadcasts to those behind."""
-        ctx = wctx.context()
+        ctx = wctx.current_context()
         # On the group's own device: an NCCL group has no CPU backend (the GPU check found
         # "No backend type associated with device type cpu").
         device = ctx.device if ctx.backend == "nccl" else torch.device("cpu")
@@ -323,16 +327,12 @@ class LiveState:
 
     def _fall_back(self, why: str) -> None:
         """In-place re-formation failed: exit 0 as stopped, so the agent restarts the group."""
-        ctx = wctx.context()
+        ctx = wctx.current_context()
         cdir = wctx.control_dir()
         self._log.warning("live_reform_fell_back", reason=why, step=self.step)
         if cdir is not None:
-            (cdir / f"{PARKED_PREFIX}{ctx.local_rank}").unlink(missing_ok=True)
+            clear_report(cdir, ParkedReport, ctx.local_rank)
             write_marker(cdir, STOPPED_PREFIX, ctx.rank, step=self.step, round=ctx.round,
                          live_fallback=why)
         wctx.fast_exit(0)
 
-
-def _pid() -> int:
-
-    return os.getpid()

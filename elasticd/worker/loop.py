@@ -44,7 +44,7 @@ from elasticd.checkpoint.manager import CheckpointManager
 from elasticd.data.sampler import ElasticSampler
 from elasticd.data.stream import ElasticStream
 from elasticd.errors import ConfigError
-from elasticd.worker.context import context, fast_exit, report_progress, should_stop
+from elasticd.worker.context import current_context, fast_exit, report_progress, should_stop
 from elasticd.worker.fence import agent_fence
 from elasticd.worker.live import LiveState, Reformed
 
@@ -108,7 +108,7 @@ class ElasticLoop:
             raise ConfigError(f"ElasticLoop state uses reserved key(s) {clash}; rename them")
         if save_every < 1:
             raise ConfigError(f"save_every must be >= 1, got {save_every}")
-        ctx = context()
+        ctx = current_context()
         self.ctx = ctx
         self.sampler = sampler
         # These count global batches (one step() per optimizer step), not samples per rank.
@@ -254,7 +254,7 @@ class ElasticLoop:
             shutdown_workers()  # the old loader's workers prefetched the old world's shares
         self._adopt_progress()
         self.sampler.regroup()
-        self.ctx = context()
+        self.ctx = current_context()
         log.info("loop_reformed", steps_done=self.steps_done, world_size=self.ctx.world_size,
                  rank=self.ctx.rank, epoch=int(self.sampler.epoch))
 

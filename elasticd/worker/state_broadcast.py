@@ -9,7 +9,6 @@ broadcast (NCCL).
 
 from __future__ import annotations
 
-import sys
 import time
 from typing import Any
 
@@ -17,11 +16,9 @@ import structlog
 import torch
 import torch.distributed as dist
 
-import elasticd.worker.context  # noqa: F401 - loaded here, looked up below
+import elasticd.worker.context as wctx
 from elasticd.worker.sockets import group_endpoints
 from elasticd.worker.transfer import TransferError, TransferSource, byte_view, receive
-
-wctx = sys.modules["elasticd.worker.context"]  # the module, not the package's context()
 
 log = structlog.get_logger(__name__)
 

@@ -204,3 +204,65 @@ def test_every_flag_is_documented():
     doc = (Path(__file__).resolve().parents[2] / "docs" / "configuration.md").read_text()
     for f in FLAGS:
         assert f"`{f.option}`" in doc and f"`{f.dotted}" in doc, f.option
+
+
+# -- the worker side: every worker-side setting travels through control/ ----------------
+def _worker_env_of(cfg: Any) -> dict[str, str]:
+    """The environment the agent of ``cfg`` hands its workers (the runner's pure path)."""
+    from elasticd.agent.run_identity import check_resume
+    from elasticd.agent.worker_env import supervised_worker_env
+    from elasticd.control.api import ENV_CONTROL_DIR, ENV_CONTROL_SOCKET, ENV_ROUND
+
+    spec = node_spec(cfg, {})
+    sup = check_resume(spec.supervision, spec.job, "0123456789abcdef", spec.resume)
+    env = supervised_worker_env(sup, job=spec.job, node="n0", agent_pid=1,
+                                control_env={ENV_CONTROL_DIR: "/d", ENV_CONTROL_SOCKET: "/d/s"})
+    return {**env, ENV_ROUND: "3"}
+
+
+WORKER_SIDE = {  # key -> (overrides, what the worker reads, expected)
+    "workers.live_reform_timeout_s": ({"workers.live_reform_timeout_s": "7"},
+                                      lambda e: e.live_timeout_s, 7.0),
+    "workers.live_reform": ({"workers.live_reform": "false"}, lambda e: e.live, False),
+    "job.resume": ({"job.resume": "require"}, lambda e: e.resume, "require"),
+}
+
+
+@pytest.mark.parametrize("dotted", sorted(WORKER_SIDE))
+def test_worker_side_keys_reach_the_worker(dotted):
+    """A worker-side key set in the agent's config is what the worker parses from the
+    environment its agent hands it (control.environment), not a literal of its own."""
+    from elasticd.control.environment import agent_environment
+
+    overrides, read, expected = WORKER_SIDE[dotted]
+    cfg = load_config(None, {}, {**BASE, **overrides}, check_files=False, hostname="h")
+    env = agent_environment(_worker_env_of(cfg))
+    assert env is not None and read(env) == expected
+    default = agent_environment(_worker_env_of(load_config(None, {}, BASE, check_files=False,
+                                                           hostname="h")))
+    assert default is not None and read(default) != expected
+    assert env.run_id == "0123456789abcdef"
+
+
+def test_live_state_waits_as_long_as_its_agent(monkeypatch):
+    """LiveState bounds a re-formation by the agent's workers.live_reform_timeout_s (it
+    waited a literal 60 s while the agent gave up after 30 s); the worker's default equals
+    the schema's."""
+    import torch
+
+    import elasticd.worker.context as wctx
+    from elasticd.control.api import LIVE_TIMEOUT_DEFAULT_S
+    from elasticd.control.environment import agent_environment
+    from elasticd.worker.live import LiveState
+
+    cfg = load_config(None, {}, {**BASE, "workers.live_reform_timeout_s": "7"},
+                      check_files=False, hostname="h")
+    env = agent_environment(_worker_env_of(cfg))
+    ctx = wctx.WorkerContext(rank=0, world_size=1, local_rank=0, local_world_size=1,
+                             device=torch.device("cpu"), backend="gloo", restart_count=0,
+                             round=3, job="walk", node="n0", checkpoint_url=None, under_agent=True)
+    monkeypatch.setattr(wctx._S, "ctx", ctx)
+    monkeypatch.setattr(wctx, "agent_environment", lambda: env)
+    assert LiveState({}).timeout_s == 7.0
+    monkeypatch.setattr(wctx, "agent_environment", lambda: None)
+    assert LiveState({}).timeout_s == LIVE_TIMEOUT_DEFAULT_S == KEYS["workers.live_reform_timeout_s"].default

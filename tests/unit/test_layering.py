@@ -1,4 +1,5 @@
-"""The agent and the worker API never import each other; the control package imports neither."""
+"""The agent and the worker API never import each other; the control package imports neither;
+the checkpoint package never imports the worker API."""
 
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ def _imports(path: Path) -> set[str]:
     ("agent", ("elasticd.worker",)),
     ("worker", ("elasticd.agent",)),
     ("control", ("elasticd.agent", "elasticd.worker")),
+    ("checkpoint", ("elasticd.worker",)),
 ])
 def test_package_does_not_import(package, forbidden):
     """No module of the package imports a forbidden one, at any level of the file."""

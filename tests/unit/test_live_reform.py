@@ -4,17 +4,16 @@ state transfer's (un)flattening."""
 from __future__ import annotations
 
 import dataclasses
-import importlib
 
 import pytest
 import torch
 
+import elasticd.worker.context as wctx
 from elasticd.agent.reform import LiveFacts, LiveVerdict, decide_live
 from elasticd.control.reform import ReformOrder
 from elasticd.worker.live import _is_collective_failure
 from elasticd.worker.state_broadcast import _join, _split
 
-wctx = importlib.import_module("elasticd.worker.context")  # the module, not the package's context()
 BASE = LiveFacts(enabled=True, workers_live=True, group_state="HEALTHY", verdict="continue")
 
 

@@ -146,10 +146,9 @@ def test_leaving_an_aborted_group_does_not_wait_out_the_pending_stop_flag(monkey
     """A survivor's pending should_stop all-reduce on the aborted group never completes (a
     peer is dead, and nothing wakes the wait): leaving waits 0.1 s for it, not 5 s (it
     added 5 s to one SIGKILL re-formation in three)."""
-    import importlib
     from datetime import timedelta
 
-    wctx = importlib.import_module("elasticd.worker.context")  # the module, not context()
+    import elasticd.worker.context as wctx
 
     waited: list[timedelta] = []
 
