@@ -9,13 +9,24 @@ not pointed to, but neither is it deleted, and the agent retries the commit on i
 
 from __future__ import annotations
 
-from elasticd.control import CommitReply, CommitRequest, ControlClient, LatestReply
+from elasticd.control import (
+    CheckpointIo,
+    CheckpointIoKind,
+    CommitReply,
+    CommitRequest,
+    ControlClient,
+    LatestReply,
+)
 from elasticd.control.api import CommitOutcome
+from elasticd.control.messages import MAX_SECONDS
 from elasticd.records import CheckpointPointer
 
 
 class AgentCommitFence:
     """``elasticd.checkpoint.CommitFence`` implemented through this node's agent.
+
+    Also a ``CheckpointReporter``: the manager's saves and loads are reported to the agent
+    (fire-and-forget ``checkpoint_io`` messages) for its ``elasticd_checkpoint_*`` metrics.
 
     Args:
         client: the control channel client (``elasticd.worker.control_client()``).
@@ -44,6 +55,19 @@ class AgentCommitFence:
 
         live = current_round()
         return live if live is not None and live > self.round else self.round
+
+    def saved(self, step: int, seconds: float, nbytes: int) -> None:
+        """Report a save to the agent's metrics (never blocks, never raises)."""
+        self._report(CheckpointIoKind.SAVE, step, seconds, nbytes)
+
+    def loaded(self, step: int, seconds: float, nbytes: int) -> None:
+        """Report a load to the agent's metrics (never blocks, never raises)."""
+        self._report(CheckpointIoKind.LOAD, step, seconds, nbytes)
+
+    def _report(self, kind: CheckpointIoKind, step: int, seconds: float, nbytes: int) -> None:
+        self.client.send(CheckpointIo(kind=kind, step=max(step, 0),
+                                      seconds=min(max(seconds, 0.0), MAX_SECONDS),
+                                      nbytes=max(nbytes, 0)))
 
     def latest(self) -> CheckpointPointer | None:
         """The committed pointer; None when nothing is committed or the agent cannot tell."""
