@@ -10,8 +10,9 @@ from __future__ import annotations
 import os
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
 from torch.distributed.elastic.agent.server.api import WorkerSpec
@@ -22,6 +23,7 @@ from torch.distributed.elastic.rendezvous import (
     RendezvousError,
 )
 
+import elasticd
 from elasticd.agent.arrival import EarlyArrival, log_finished
 from elasticd.agent.commits import CommitRetrier, PendingCommit, read_intents, write_intent
 from elasticd.agent.elastic_agent import ElasticdAgent, SupervisionSettings
@@ -39,7 +41,7 @@ from elasticd.agent.standalone_runs import (
     write_record,
 )
 from elasticd.agent.summary import failure_line, failure_summary
-from elasticd.control import CommitRequest, ControlChannel
+from elasticd.control import CheckpointIo, CheckpointIoKind, CommitRequest, ControlChannel
 from elasticd.control.api import ENV_LOG_FORMAT, CommitOutcome
 from elasticd.errors import (
     ETCD_UNREACHABLE_HINT,
@@ -64,6 +66,9 @@ from elasticd.rendezvous.finished import FinishedJob, read_finished
 from elasticd.rendezvous.settings import RendezvousSettings
 from elasticd.retry import call_with_retry
 from elasticd.stopmarks import restart_hint
+
+if TYPE_CHECKING:
+    from elasticd.status.metrics import AgentMetrics
 
 log = structlog.get_logger(__name__)
 
@@ -139,14 +144,31 @@ def _make_notifier(spec: NodeSpec) -> Any:
     return SystemdNotifier(spec.notify_socket, spec.watchdog_usec)
 
 
-def _make_metrics(spec: NodeSpec) -> Any:
+def _make_metrics(spec: NodeSpec, node_id: str) -> AgentMetrics | None:
     if not spec.metrics_port:
         return None
     from elasticd.status.metrics import AgentMetrics
 
     metrics = AgentMetrics()
+    # Every panel of the shipped dashboard joins on elasticd_agent_info{elasticd_job=...}:
+    # without the identity the agent's series exist but no query selects them.
+    metrics.set_identity(job=spec.job, node=node_id, version=elasticd.__version__)
     metrics.serve(spec.metrics_port, addr=spec.metrics_addr)
     return metrics
+
+
+def _checkpoint_io_observer(metrics: AgentMetrics | None) -> Callable[[CheckpointIo], None] | None:
+    """The control channel's handler of the workers' checkpoint reports (None: no metrics)."""
+    if metrics is None:
+        return None
+
+    def observe(m: CheckpointIo) -> None:
+        if m.kind is CheckpointIoKind.SAVE:
+            metrics.observe_checkpoint_save(m.seconds, m.nbytes)
+        else:
+            metrics.observe_checkpoint_load(m.seconds, m.nbytes)
+
+    return observe
 
 
 def run_node(spec: NodeSpec, early: Any = None, arrival: EarlyArrival | None = None) -> int:
@@ -254,7 +276,7 @@ def run_node(spec: NodeSpec, early: Any = None, arrival: EarlyArrival | None = N
         if current_format() == "json":  # the worker API logs JSON when its agent does
             supervision = replace(supervision, worker_env={**supervision.worker_env,
                                                            ENV_LOG_FORMAT: "json"})
-        metrics = _make_metrics(spec)
+        metrics = _make_metrics(spec, handler.node_id)
 
         _commit_intents(recorder, state_dir, spec.job)
 
@@ -279,7 +301,8 @@ def run_node(spec: NodeSpec, early: Any = None, arrival: EarlyArrival | None = N
 
         control = ControlChannel(on_commit=on_commit, on_latest=recorder.latest_checkpoint,
                                  max_local_ranks=spec.nproc_per_node,
-                                 directory=early.control_dir if early is not None else None).start()
+                                 directory=early.control_dir if early is not None else None,
+                                 on_checkpoint_io=_checkpoint_io_observer(metrics)).start()
         worker_spec = WorkerSpec(
             role="default", local_world_size=spec.nproc_per_node, rdzv_handler=handler,
             entrypoint=sys.executable, args=("-m", "elasticd.agent.worker_exec", *spec.command),

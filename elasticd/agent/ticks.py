@@ -71,7 +71,7 @@ class TickWrites:
                                    (wg.group_world_size or 0) * wg.spec.local_world_size,
                                    loss=sum(losses) / len(losses) if losses else None)
             if self.metrics is not None:
-                self.metrics.set_step(top.step)
+                self.metrics.set_step(top.step, samples=top.samples_trained)
         fault_at = self.phase.fault_at
         if fault_at is not None and board.max_step() >= 0 and wg.state == WorkerState.HEALTHY:
             if self.metrics is not None:

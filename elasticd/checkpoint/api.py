@@ -27,6 +27,7 @@ __all__ = [
     "CheckpointMismatchError",
     "CheckpointPointer",
     "CheckpointReadError",
+    "CheckpointReporter",
     "CheckpointSaveError",
     "CheckpointUnreadableError",
     "CommitFence",
@@ -107,6 +108,26 @@ class CommitFence(Protocol):
         ...
 
 
+@runtime_checkable
+class CheckpointReporter(Protocol):
+    """Told of each save and load, for the agent's metrics; a fence may also be one.
+
+    The agent's fence (``elasticd.worker.AgentCommitFence``) is: under an agent every
+    manager that commits through it reports its saves and loads over the control channel,
+    and the agent's ``elasticd_checkpoint_*`` series observe them. Both calls must return
+    at once (fire-and-forget) and never raise.
+    """
+
+    def saved(self, step: int, seconds: float, nbytes: int) -> None:
+        """The writing rank wrote checkpoint ``step`` (``nbytes``) and had the commit answered,
+        ``seconds`` after ``save`` was called."""
+        ...
+
+    def loaded(self, step: int, seconds: float, nbytes: int) -> None:
+        """This rank loaded checkpoint ``step`` (``nbytes`` read) in ``seconds``."""
+        ...
+
+
 @dataclass(frozen=True)
 class SaveResult:
     """What one save wrote (returned by ``CheckpointManager.wait`` on the writing rank).
@@ -155,6 +176,7 @@ class LoadedCheckpoint:
         state: the loaded values of the top-level keys the template did not cover (all
             of them without a template), CPU tensors; template keys were applied in place.
         skipped: newer checkpoints passed over, newest first, with reasons.
+        nbytes: bytes of the checkpoint's data files (what this rank read).
     """
 
     step: int
@@ -164,6 +186,7 @@ class LoadedCheckpoint:
     created_at: float
     state: dict[str, Any]
     skipped: tuple[SkippedCheckpoint, ...] = field(default_factory=tuple)
+    nbytes: int = 0
 
 
 @dataclass(frozen=True)

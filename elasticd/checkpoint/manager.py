@@ -44,6 +44,7 @@ from elasticd.checkpoint.api import (
     CheckpointError,
     CheckpointMismatchError,
     CheckpointReadError,
+    CheckpointReporter,
     CheckpointSaveError,
     CommitFence,
     CommitOutcome,
@@ -257,6 +258,8 @@ class CheckpointManager:
             self._log.error("checkpoint_save_failed", step=step, url=url, error=repr(exc))
             return
         write_s = time.perf_counter() - t0
+        if outcome is not CommitOutcome.REFUSED:  # a refused upload is deleted: not a save
+            self._report_saved(step, inflight.blocked_s + write_s, entry.size)
         inflight.result = SaveResult(step=step, save_id=save_id, manifest_url=url,
                                      nbytes=entry.size, blocked_s=inflight.blocked_s,
                                      write_s=write_s, committed=bool(outcome), outcome=outcome)
@@ -286,6 +289,11 @@ class CheckpointManager:
                        blocked_s=round(inflight.blocked_s, 4), write_s=round(write_s, 3),
                        mb_per_s=round(entry.size / max(write_s, 1e-9) / 1e6, 1))
         self.prune()
+
+    def _report_saved(self, step: int, seconds: float, nbytes: int) -> None:
+        # The agent's fence reports to the agent's metrics (elasticd_checkpoint_save_*).
+        if isinstance(self.fence, CheckpointReporter):
+            self.fence.saved(step, seconds, nbytes)
 
     def wait(self) -> SaveResult | None:
         """Block until the in-flight save is committed (the drain before exit).
@@ -391,9 +399,12 @@ class CheckpointManager:
                             f"exists under {self.store.job_url} ({len(skipped)} skipped); check "
                             "--checkpoint-url and --job, or drop --resume to start afresh")
                 else:
+                    seconds = time.perf_counter() - t0
                     self._log.info("checkpoint_loaded", step=loaded.step, url=loaded.manifest_url,
                                    saved_world_size=loaded.world_size, world_size=self.world_size,
-                                   skipped=len(skipped), seconds=round(time.perf_counter() - t0, 3))
+                                   skipped=len(skipped), seconds=round(seconds, 3))
+                    if isinstance(self.fence, CheckpointReporter):
+                        self.fence.loaded(loaded.step, seconds, loaded.nbytes)
                 return loaded
         raise CheckpointReadError(
             f"checkpoints under {self.store.job_url} kept disappearing while loading "
@@ -463,7 +474,8 @@ class CheckpointManager:
         return LoadedCheckpoint(step=manifest.step, world_size=manifest.world_size,
                                 manifest_url=url, save_id=manifest.save_id,
                                 created_at=manifest.created_at, state=state,
-                                skipped=tuple(skipped))
+                                skipped=tuple(skipped),
+                                nbytes=sum(f.size for f in manifest.files))
 
     def _skip(self, skipped: list[SkippedCheckpoint], url: str, reason: str) -> None:
         skipped.append(SkippedCheckpoint(url, reason))

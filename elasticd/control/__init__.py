@@ -20,7 +20,8 @@ A private runtime directory (mode 0700) per agent, passed to workers as
   so a node joining mid-training is admitted through a drain (no step lost) rather than by
   killing the workers.
 - ``control.sock``: a Unix stream socket, one JSON object per line (``messages.py``):
-  ``progress`` (no reply; hang detection and status), ``commit`` (the fenced checkpoint
+  ``progress`` (no reply; hang detection and status), ``checkpoint_io`` (no reply: a
+  save or load the workers did, for the agent's metrics), ``commit`` (the fenced checkpoint
   commit, done by the agent because only it knows whether its round is still current;
   the reply's outcome is committed, refused or unknown), ``latest`` (the committed
   pointer) and ``ping``.
@@ -38,6 +39,8 @@ from elasticd.control.api import (
 )
 from elasticd.control.client import ControlClient
 from elasticd.control.messages import (
+    CheckpointIo,
+    CheckpointIoKind,
     CommitReply,
     CommitRequest,
     ErrorReply,
@@ -62,6 +65,8 @@ __all__ = [
     "ENV_ROUND",
     "SOCKET_FILE",
     "STOPPED_PREFIX",
+    "CheckpointIo",
+    "CheckpointIoKind",
     "CommitReply",
     "CommitRequest",
     "ControlChannel",

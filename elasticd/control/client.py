@@ -14,6 +14,7 @@ from typing import Any
 
 from elasticd.control.messages import (
     MAX_LINE_BYTES,
+    CheckpointIo,
     CommitReply,
     CommitRequest,
     ErrorReply,
@@ -55,8 +56,8 @@ class ControlClient:
         sock.connect(self.path)
         self._sock, self._file = sock, sock.makefile("rb")
 
-    def send(self, msg: Progress) -> None:
-        """Fire and forget (progress): never blocks training.
+    def send(self, msg: Progress | CheckpointIo) -> None:
+        """Fire and forget (progress, checkpoint reports): never blocks training.
 
         If the agent is not reading (frozen, busy), the message is dropped rather than
         waiting; a line that went out only in part is completed on a later call, so the

@@ -19,7 +19,14 @@ from collections.abc import Callable
 from elasticd.control.api import CommitOutcome
 from elasticd.control.client import ControlClient
 from elasticd.control.environment import agent_environment
-from elasticd.control.messages import CommitReply, CommitRequest, LatestReply
+from elasticd.control.messages import (
+    MAX_SECONDS,
+    CheckpointIo,
+    CheckpointIoKind,
+    CommitReply,
+    CommitRequest,
+    LatestReply,
+)
 from elasticd.records import CheckpointPointer
 
 RoundSource = Callable[[], "int | None"]
@@ -39,6 +46,9 @@ def set_round_source(source: RoundSource) -> None:
 
 class AgentCommitFence:
     """``elasticd.checkpoint.CommitFence`` implemented through this node's agent.
+
+    Also a ``CheckpointReporter``: the manager's saves and loads are reported to the agent
+    (fire-and-forget ``checkpoint_io`` messages) for its ``elasticd_checkpoint_*`` metrics.
 
     Args:
         client: the control channel client (``elasticd.worker.control_client()``).
@@ -69,6 +79,19 @@ class AgentCommitFence:
         # its commits must be fenced by that round, not the one in its environment.
         live = (self._current_round or _round_source[0])()
         return live if live is not None and live > self.round else self.round
+
+    def saved(self, step: int, seconds: float, nbytes: int) -> None:
+        """Report a save to the agent's metrics (never blocks, never raises)."""
+        self._report(CheckpointIoKind.SAVE, step, seconds, nbytes)
+
+    def loaded(self, step: int, seconds: float, nbytes: int) -> None:
+        """Report a load to the agent's metrics (never blocks, never raises)."""
+        self._report(CheckpointIoKind.LOAD, step, seconds, nbytes)
+
+    def _report(self, kind: CheckpointIoKind, step: int, seconds: float, nbytes: int) -> None:
+        self.client.send(CheckpointIo(kind=kind, step=max(step, 0),
+                                      seconds=min(max(seconds, 0.0), MAX_SECONDS),
+                                      nbytes=max(nbytes, 0)))
 
     def latest(self) -> CheckpointPointer | None:
         """The committed pointer; None when nothing is committed or the agent cannot tell."""

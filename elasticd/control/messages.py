@@ -29,6 +29,14 @@ MAX_LINE_BYTES = 64 * 1024
 MAX_STR = 4096  # a manifest URL, a reason
 MAX_COUNT = 2**62  # steps, epochs, samples, rounds, world sizes, request ids
 MAX_RANK = 2**20  # the parser's bound; the server bounds local ranks by its own size
+MAX_SECONDS = 7 * 86400.0  # a checkpoint save or load that took longer is a bogus report
+
+
+class CheckpointIoKind(enum.Enum):
+    """What a :class:`CheckpointIo` report is about."""
+
+    SAVE = "save"
+    LOAD = "load"
 
 
 class MessageError(ElasticdError):
@@ -46,6 +54,22 @@ class Progress:
     samples: int = 0
     loss: float | None = None  # the step's training loss, for the job history (optional)
     op = "progress"
+
+
+@dataclass(frozen=True)
+class CheckpointIo:
+    """A worker saved or loaded a checkpoint (fire-and-forget: no reply); the agent's metrics.
+
+    ``kind`` is ``"save"`` (the writing rank, once its checkpoint is written and the commit
+    answered) or ``"load"`` (every rank that read one); ``seconds`` from the call to the
+    end, ``nbytes`` the bytes written or read.
+    """
+
+    kind: CheckpointIoKind
+    step: int
+    seconds: float
+    nbytes: int
+    op = "checkpoint_io"
 
 
 @dataclass(frozen=True)
@@ -154,7 +178,7 @@ class ReformedReport:
 
 
 LiveReport = LiveRegistration | ParkedReport | ReformedReport
-Request = Progress | CommitRequest | LatestRequest | Ping
+Request = Progress | CheckpointIo | CommitRequest | LatestRequest | Ping
 Reply = CommitReply | LatestReply | Pong | ErrorReply
 
 
@@ -176,6 +200,23 @@ def _loss(obj: dict[str, Any]) -> float | None:
     if type(value) not in (int, float):
         raise MessageError(f"field 'loss' must be a number, got {type(value).__name__}")
     return float(value) if math.isfinite(value) else None
+
+
+def _seconds(obj: dict[str, Any]) -> float:
+    value = obj.get("seconds")
+    if not isinstance(value, int | float) or isinstance(value, bool) \
+            or not 0 <= value <= MAX_SECONDS:  # NaN fails the comparison too
+        raise MessageError(f"field 'seconds' must be a number in [0, {MAX_SECONDS:.0f}], got {value!r}")
+    return float(value)
+
+
+def _io_kind(obj: dict[str, Any]) -> CheckpointIoKind:
+    raw = _str(obj, "kind")
+    try:
+        return CheckpointIoKind(raw)
+    except ValueError:
+        raise MessageError(f"field 'kind' = {raw!r} is not one of "
+                           f"{[k.value for k in CheckpointIoKind]}") from None
 
 
 def _str(obj: dict[str, Any], name: str, default: str | None = None) -> str:
@@ -218,6 +259,9 @@ def parse_request(line: bytes) -> Request:
                         rank=_int(obj, "rank", 0, MAX_RANK), step=_int(obj, "step", -1, MAX_COUNT),
                         epoch=_int(obj, "epoch", 0, MAX_COUNT, 0),
                         samples=_int(obj, "samples", 0, MAX_COUNT, 0), loss=_loss(obj))
+    if op == "checkpoint_io":
+        return CheckpointIo(kind=_io_kind(obj), step=_int(obj, "step", 0, MAX_COUNT),
+                            seconds=_seconds(obj), nbytes=_int(obj, "nbytes", 0, MAX_COUNT))
     rid = _int(obj, "id", 0, MAX_COUNT, 0)
     if op == "commit":
         return CommitRequest(step=_int(obj, "step", 0, MAX_COUNT),
@@ -229,9 +273,9 @@ def parse_request(line: bytes) -> Request:
     if op == "ping":
         return Ping(id=rid)
     if op is None:
-        raise MessageError("no 'op' field (known ops: progress, commit, latest, ping)")
+        raise MessageError("no 'op' field (known ops: progress, checkpoint_io, commit, latest, ping)")
     shown = op if isinstance(op, str) and len(op) <= 64 else type(op).__name__
-    raise MessageError(f"unknown op {shown!r} (known: progress, commit, latest, ping)")
+    raise MessageError(f"unknown op {shown!r} (known: progress, checkpoint_io, commit, latest, ping)")
 
 
 def parse_live_report(line: bytes) -> LiveReport:
@@ -310,7 +354,7 @@ def serialise(msg: Request | Reply | LiveReport) -> bytes:
     """
     body: dict[str, Any] = {"op": msg.op}
     for name, value in vars(msg).items():
-        if isinstance(value, (CommitOutcome, LeaveReason)):
+        if isinstance(value, CommitOutcome | LeaveReason | CheckpointIoKind):
             value = value.value
         elif isinstance(value, CheckpointPointer):
             value = json.loads(value.to_json())

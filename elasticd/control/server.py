@@ -38,6 +38,7 @@ from elasticd.control.api import (
 )
 from elasticd.control.messages import (
     MAX_LINE_BYTES,
+    CheckpointIo,
     CommitReply,
     CommitRequest,
     ErrorReply,
@@ -120,6 +121,7 @@ class ProgressBoard:
 
 
 CommitHandler = Callable[[CommitRequest], tuple[CommitOutcome, str]]
+CheckpointIoHandler = Callable[[CheckpointIo], None]
 LatestHandler = Callable[[], CheckpointPointer | None]
 
 
@@ -144,17 +146,21 @@ class ControlChannel:
         max_local_ranks: progress reports are accepted for local ranks ``[0, this)``.
         directory: an existing private runtime directory to own (made before the agent
             imported torch, for its first standbys); a new one under ``base_dir`` if None.
+        on_checkpoint_io: called (server thread; must not block) for each checkpoint save
+            or load a worker reports (the agent's metrics); an exception is logged.
     """
 
     def __init__(self, on_commit: CommitHandler | None = None, base_dir: str | None = None,
                  on_latest: LatestHandler | None = None, *, max_local_ranks: int = 1024,
-                 directory: Path | None = None) -> None:
+                 directory: Path | None = None,
+                 on_checkpoint_io: CheckpointIoHandler | None = None) -> None:
         self.dir = Path(directory) if directory is not None else Path(
             tempfile.mkdtemp(prefix="elasticd-", dir=base_dir))
         os.chmod(self.dir, 0o700)
         self.progress = ProgressBoard(max_local_ranks=max_local_ranks)
         self._on_commit = on_commit
         self._on_latest = on_latest
+        self._on_checkpoint_io = on_checkpoint_io
         self._server: socketserver.ThreadingUnixStreamServer | None = None
         self._thread: threading.Thread | None = None
         self._connections = threading.BoundedSemaphore(MAX_CONNECTIONS)
@@ -241,7 +247,7 @@ class ControlChannel:
             msg = parse_request(raw)
         except MessageError as exc:
             self._reject(str(exc))
-            if b'"progress"' in raw[:256]:
+            if b'"progress"' in raw[:256] or b'"checkpoint_io"' in raw[:256]:
                 return None  # fire-and-forget: the client reads no reply to it
             return ErrorReply(str(exc), request_id(raw))
         if isinstance(msg, Progress):
@@ -249,6 +255,9 @@ class ControlChannel:
                                         msg.loss):
                 self._reject(f"local rank {msg.local_rank} is outside "
                              f"[0, {self.progress.max_local_ranks})")
+            return None
+        if isinstance(msg, CheckpointIo):
+            self._checkpoint_io(msg)
             return None
         if isinstance(msg, CommitRequest):
             return self._commit(msg)
@@ -263,6 +272,14 @@ class ControlChannel:
         self.rejected += 1
         if self.rejected <= 10 or self.rejected % 1000 == 0:  # calm logs under a flood
             log.warning("control_message_rejected", reason=reason, rejected=self.rejected)
+
+    def _checkpoint_io(self, msg: CheckpointIo) -> None:
+        if self._on_checkpoint_io is None:
+            return
+        try:
+            self._on_checkpoint_io(msg)
+        except Exception as exc:  # noqa: BLE001 - a metrics bug must not stop the channel
+            log.warning("checkpoint_io_not_recorded", error=repr(exc), kind=msg.kind.value)
 
     def _commit(self, msg: CommitRequest) -> CommitReply:
         if self._on_commit is None:

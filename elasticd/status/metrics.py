@@ -83,7 +83,8 @@ class AgentMetrics:
         self._clock = clock
         self._rate_interval_s = rate_interval_s
         self._lock = threading.Lock()
-        self._anchor: tuple[int, float] | None = None  # (step, time) the rate is measured from
+        # (step, samples trained, time) the rates are measured from
+        self._anchor: tuple[int, int | None, float] | None = None
 
         self.info = Info("elasticd_agent", "elasticd agent identity", registry=r)
         self.round = Gauge("elasticd_round", "Current rendezvous round of this node", registry=r)
@@ -148,33 +149,41 @@ class AgentMetrics:
     def observe_recovery_s(self, seconds: float) -> None:
         self.recovery_s.observe(seconds)
 
-    def set_step(self, step: int, samples_per_s: float | None = None) -> None:
-        """Report the current step; the step rate is derived from consecutive reports.
+    def set_step(self, step: int, samples: int | None = None) -> None:
+        """Report the current step; the step and sample rates come from consecutive reports.
 
-        The rate is (steps advanced) / (time elapsed) since the last anchor, updated once
-        at least ``rate_interval_s`` has passed. A step lower than the anchor (workers
-        resumed from an older checkpoint) restarts the measurement.
+        Args:
+            step: the newest step the workers completed.
+            samples: samples trained so far, all ranks together, cumulative over the job
+                (what ``ElasticLoop`` and ``report_progress(samples=...)`` report); None
+                when the workers do not report samples (the sample rate stays as it is).
+
+        The rates are (steps or samples advanced) / (time elapsed) since the last anchor,
+        updated once at least ``rate_interval_s`` has passed. A step lower than the anchor
+        (workers resumed from an older checkpoint) restarts the measurement.
         """
         now = self._clock()
         with self._lock:
             self.step.set(step)
-            if samples_per_s is not None:
-                self.samples_per_s.set(samples_per_s)
             anchor = self._anchor
             if anchor is None or step < anchor[0]:
-                self._anchor = (step, now)
+                self._anchor = (step, samples, now)
                 return
-            dt = now - anchor[1]
+            dt = now - anchor[2]
             if dt >= self._rate_interval_s and dt > 0:
                 self.steps_per_s.set((step - anchor[0]) / dt)
-                self._anchor = (step, now)
+                if samples is not None and anchor[1] is not None and samples >= anchor[1]:
+                    self.samples_per_s.set((samples - anchor[1]) / dt)
+                self._anchor = (step, samples, now)
 
     def observe_checkpoint_save(self, seconds: float, nbytes: int) -> None:
+        """One checkpoint save of this node's workers (reported over the control channel)."""
         self.ckpt_save_s.observe(seconds)
         self.ckpt_save_bytes.inc(max(nbytes, 0))
         self.ckpt_last_save_bytes.set(nbytes)
 
     def observe_checkpoint_load(self, seconds: float, nbytes: int) -> None:
+        """One rank's checkpoint load (every rank reads the checkpoint: one observation each)."""
         self.ckpt_load_s.observe(seconds)
         self.ckpt_load_bytes.inc(max(nbytes, 0))
 

@@ -396,3 +396,38 @@ def test_pointer_outside_the_job_prefix_is_ignored(url):
         loaded = CheckpointManager(url, job="demo", fence=fence).load_latest()
     assert loaded.step == 4
     assert any(e["event"] == "checkpoint_pointer_ignored" for e in cap)
+
+
+class _ReportingFence(MemoryCommitFence):
+    """A fence that is also a CheckpointReporter, as the agent's is."""
+
+    def __init__(self) -> None:
+        super().__init__(0)
+        self.reports: list[tuple[str, int, int]] = []
+
+    def saved(self, step: int, seconds: float, nbytes: int) -> None:
+        assert seconds >= 0
+        self.reports.append(("save", step, nbytes))
+
+    def loaded(self, step: int, seconds: float, nbytes: int) -> None:
+        assert seconds >= 0
+        self.reports.append(("load", step, nbytes))
+
+
+def test_saves_and_loads_are_reported_to_a_reporting_fence(url):
+    """A committed save and a load are reported (step and data bytes) to a fence that is a
+    CheckpointReporter; a refused save is not (its upload is deleted)."""
+    fence = _ReportingFence()
+    state = {"w": torch.arange(64.0)}
+    with CheckpointManager(url, job="j", fence=fence, rank=0, world_size=1) as m:
+        m.save(3, state, blocking=True)
+        nbytes = m.wait().nbytes
+        m.load_latest({"w": torch.zeros(64)})
+    assert fence.reports == [("save", 3, nbytes), ("load", 3, nbytes)] and nbytes > 0
+    zombie = _ReportingFence()
+    zombie.current_round = 1  # this writer's round 0 is over: refused
+    with CheckpointManager(url, job="j", fence=zombie, rank=0, world_size=1) as m:
+        m.save(4, state, blocking=False)
+        with pytest.raises(FencedError):
+            m.wait()
+    assert zombie.reports == []

@@ -8,6 +8,8 @@ import pytest
 
 from elasticd.checkpoint.api import CommitOutcome
 from elasticd.control import (
+    CheckpointIo,
+    CheckpointIoKind,
     CommitReply,
     CommitRequest,
     ControlChannel,
@@ -36,6 +38,7 @@ def _line(**obj: object) -> bytes:
     CommitRequest(step=10, manifest_url="file:///c/j/step-10/x/manifest.json", world_size=4, round=3, id=7),
     LatestRequest(id=2),
     Ping(id=9),
+    CheckpointIo(kind=CheckpointIoKind.SAVE, step=40, seconds=0.25, nbytes=38597),
 ])
 def test_requests_round_trip(msg):
     """Every request type serialises to one line and parses back to an equal value."""
@@ -150,3 +153,28 @@ def test_runtime_dir_is_private():
         assert chan.dir.stat().st_mode & 0o777 == 0o700
     finally:
         chan.close()
+
+
+@pytest.mark.parametrize("obj, fragment", [
+    ({"op": "checkpoint_io", "kind": "delete", "step": 1, "seconds": 1.0, "nbytes": 1}, "'kind'"),
+    ({"op": "checkpoint_io", "kind": "save", "step": 1, "seconds": -1.0, "nbytes": 1}, "'seconds'"),
+    ({"op": "checkpoint_io", "kind": "save", "step": 1, "seconds": True, "nbytes": 1}, "'seconds'"),
+    ({"op": "checkpoint_io", "kind": "load", "step": 1, "seconds": 1.0, "nbytes": -5}, "'nbytes'"),
+])
+def test_invalid_checkpoint_reports_are_rejected(obj, fragment):
+    """A checkpoint report with an unknown kind, a negative or non-number duration, or negative bytes is refused."""
+    with pytest.raises(MessageError, match=fragment):
+        parse_request(_line(**obj))
+
+
+def test_checkpoint_reports_reach_the_handler_without_a_reply(tmp_path):
+    """A valid checkpoint_io report is handed to on_checkpoint_io; neither it nor an invalid one is answered."""
+    seen: list[CheckpointIo] = []
+    ch = ControlChannel(base_dir=str(tmp_path), on_checkpoint_io=seen.append)
+    try:
+        report = CheckpointIo(kind=CheckpointIoKind.LOAD, step=9, seconds=0.03, nbytes=100)
+        assert ch.dispatch(serialise(report)) is None
+        assert ch.dispatch(_line(op="checkpoint_io", kind="x")) is None
+        assert seen == [report] and ch.rejected == 1
+    finally:
+        ch.close()

@@ -62,15 +62,25 @@ def test_step_rate_is_averaged_over_the_interval():
     """The step rate is steps advanced over time elapsed, updated once per interval."""
     clock = FakeClock()
     m = AgentMetrics(clock=clock, rate_interval_s=5.0)
-    m.set_step(100, samples_per_s=512.0)
+    m.set_step(100, samples=6400)
     clock.t += 2
-    m.set_step(110)
+    m.set_step(110, samples=7040)
     assert value(m, "elasticd_training_steps_per_second") == 0  # interval not reached
     clock.t += 3
-    m.set_step(150)
+    m.set_step(150, samples=9600)
     assert value(m, "elasticd_training_steps_per_second") == 10.0
     assert value(m, "elasticd_training_step") == 150
-    assert value(m, "elasticd_training_samples_per_second") == 512.0
+    assert value(m, "elasticd_training_samples_per_second") == 640.0  # (9600 - 6400) / 5 s
+
+
+def test_sample_rate_needs_samples_reported():
+    """Workers that report no samples leave samples/s unset rather than fake a rate."""
+    clock = FakeClock()
+    m = AgentMetrics(clock=clock, rate_interval_s=1.0)
+    m.set_step(0)
+    clock.t += 2
+    m.set_step(20)
+    assert value(m, "elasticd_training_samples_per_second") == 0
 
 
 def test_step_going_back_restarts_the_rate_measurement():
