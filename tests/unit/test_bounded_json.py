@@ -125,16 +125,18 @@ def test_control_socket_line_refuses_a_deep_value_as_message_error():
 
 def test_reform_order_and_markers_refuse_deep_files(tmp_path):
     """The re-formation order and the workers' marker files: deep content is skipped."""
-    from elasticd.control.reform import ReformOrder, read_markers, read_order
+    from elasticd.control.messages import LeaveReason, ParkedReport, serialise
+    from elasticd.control.reform import ReformOrder, parked, read_order
 
     with pytest.raises(ValueError):
         ReformOrder.from_json(DEEP)
     (tmp_path / "reform.json").write_bytes(DEEP)
     assert read_order(tmp_path) is None
     (tmp_path / "parked-0").write_bytes(DEEP)
-    (tmp_path / "parked-1").write_bytes(b'{"step": 3}')
+    ok = ParkedReport(local_rank=1, round=2, step=3, reason=LeaveReason.AGREED_STOP)
+    (tmp_path / "parked-1").write_bytes(serialise(ok))
     os.mkfifo(tmp_path / "parked-2")
-    assert read_markers(tmp_path, "parked-") == {1: {"step": 3}}
+    assert parked(tmp_path) == {1: ok}
 
 
 def test_stopped_markers_skip_deep_files(tmp_path):
