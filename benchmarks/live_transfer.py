@@ -3,8 +3,8 @@
 Two processes (or ``--receivers`` + 1) on 127.0.0.1 in one gloo group, formed through
 ``elasticd.worker.init`` as under an agent. Each repetition times, interleaved:
 
-(a) ``broadcast_state(method="collective")``: the group's broadcast (gloo);
-(b) ``broadcast_state(method="tcp")`` (what ``auto`` picks for CPU tensors): one TCP
+(a) ``broadcast_state(transport=TransportKind.COLLECTIVE)``: the group's broadcast (gloo);
+(b) ``broadcast_state(transport=TransportKind.TCP)`` (what ``None`` picks for CPU tensors): one TCP
     connection per receiver, ``recv_into`` the destination tensors: ``tcp`` into new
     memory (a receiver with no tensors of that shape), ``tcp_into`` into the receiver's
     own model (``into=``: a survivor behind, or a joiner that built its model, as
@@ -85,7 +85,8 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": "0",
                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
     from elasticd.worker.context import init, leave_group
-    from elasticd.worker.live import broadcast_state
+    from elasticd.worker.state_broadcast import broadcast_state
+    from elasticd.worker.transport.api import TransportKind
 
     init("gloo", timeout_s=600)
     sd = {"model": _model(args.gib, args.layer_mib)} if rank == 0 else None
@@ -98,14 +99,14 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str
     ok = True
     for _ in range(args.reps):
         for name in ("collective", "tcp", "tcp_into"):
-            method = "tcp" if name == "tcp_into" else name
+            kind = TransportKind.TCP if name == "tcp_into" else TransportKind(name)
             # A survivor behind, or a joiner that built its model, receives into its own
             # (touched) tensors; "tcp" alone allocates new memory on the receiver.
             own = {"model": {k: torch.full_like(v, -1.0) for k, v in _model(args.gib, args.layer_mib).items()}} \
                 if rank != 0 and name == "tcp_into" else None
             dist.barrier()
             t0 = time.perf_counter()
-            got = broadcast_state(sd, 0, torch.device("cpu"), method=method, timeout_s=600, into=own)
+            got = broadcast_state(sd, 0, torch.device("cpu"), transport=kind, timeout_s=600, into=own)
             dist.barrier()
             times[name].append(time.perf_counter() - t0)
             if rank != 0 and got is not None:

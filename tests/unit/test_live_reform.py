@@ -12,7 +12,7 @@ import elasticd.worker.context as wctx
 from elasticd.agent.reform import LiveFacts, LiveVerdict, decide_live
 from elasticd.control.reform import ReformOrder
 from elasticd.worker.live import _is_collective_failure
-from elasticd.worker.state_broadcast import _join, _split
+from elasticd.worker.transport.tree import flatten_state, unflatten_state
 
 BASE = LiveFacts(enabled=True, workers_live=True, group_state="HEALTHY", verdict="continue")
 
@@ -98,8 +98,8 @@ def test_order_round_trips_and_rejects_garbage():
 def test_state_split_and_join_preserve_structure_and_tensors():
     """The broadcast's skeleton/tensor split is lossless (tuples, lists, nested dicts)."""
     sd = {"a": torch.arange(3.0), "b": [1, (torch.ones(2, 2), "x")], "c": {"d": 5}}
-    tensors: list[torch.Tensor] = []
-    back = _join(_split(sd, tensors), tensors)
+    skeleton, tensors = flatten_state(sd)
+    back = unflatten_state(skeleton, tensors)
     assert torch.equal(back["a"], sd["a"]) and back["b"][0] == 1 and back["b"][1][1] == "x"
     assert torch.equal(back["b"][1][0], torch.ones(2, 2)) and back["c"] == {"d": 5}
 

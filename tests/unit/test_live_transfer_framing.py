@@ -1,5 +1,6 @@
 """The TCP state transfer's pure parts: framing, token checks, partial I/O bookkeeping,
-zero-copy byte views, and where a receiver's own tensors take the state."""
+zero-copy byte views (where a receiver's own tensors take the state:
+tests/unit/test_state_transport.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,6 @@ import dataclasses
 import pytest
 import torch
 
-from elasticd.worker.state_broadcast import _destinations, _metas, _split
 from elasticd.worker.transfer import (
     ACK,
     HEADER,
@@ -97,25 +97,3 @@ def test_byte_views_write_through_to_the_tensor_for_every_dtype():
         assert torch.equal(dst, src) and view.nbytes == src.numel() * src.element_size()
     t = torch.arange(6.0).view(2, 3).t()
     assert bytes(byte_view(t)) == bytes(byte_view(t.contiguous()))
-
-
-def test_a_receiver_takes_the_state_into_its_own_matching_tensors_only():
-    """Same place, shape and dtype, contiguous, on the CPU: received in place; anything
-    else (other shape or dtype, non-contiguous, missing) gets fresh memory."""
-    sent = {"m": {"w": torch.zeros(2, 3), "b": torch.zeros(3), "h": torch.zeros(4, 2), "n": torch.zeros(2)},
-            "o": [torch.zeros(1, dtype=torch.int64), (torch.zeros(5), "x")]}
-    tensors: list[torch.Tensor] = []
-    skeleton = _split(sent, tensors)
-    metas: list = []
-    _metas(skeleton, metas)
-    own_w, own_tuple = torch.ones(2, 3), torch.ones(5)
-    local = {"m": {"w": own_w, "b": torch.ones(4), "h": torch.ones(2, 4).t(),
-                   "n": torch.ones(2, dtype=torch.float64)},
-             "o": [torch.ones(1, dtype=torch.int64), (own_tuple, "x")]}
-    out: dict[int, torch.Tensor] = {}
-    _destinations(skeleton, local, out)
-    assert sorted(out) == [0, 4, 5]
-    assert out[0].data_ptr() == own_w.data_ptr() and out[5].data_ptr() == own_tuple.data_ptr()
-    out.clear()
-    _destinations(skeleton, None, out)
-    assert out == {}
