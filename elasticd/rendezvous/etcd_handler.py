@@ -323,7 +323,10 @@ class EtcdRendezvousHandler(RendezvousHandler):
                 if due is not None and action.until is not None:
                     action = replace(action, until=min(action.until, due))
             if action.reason != self._last_reason:
-                self._log.debug("rendezvous_step", action=action.kind.value, reason=action.reason)
+                # Waiting (for nodes, for the last call) is what an operator looks for when a
+                # job does not start; the other steps of a round are chatter.
+                log_step = self._log.info if action.kind is ActionKind.WAIT else self._log.debug
+                log_step("rendezvous_step", action=action.kind.value, reason=action.reason)
                 self._last_reason = action.reason
             if action.kind is ActionKind.DONE:
                 self.session.state_rev = state_rev
