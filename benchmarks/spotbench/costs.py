@@ -91,10 +91,11 @@ def costs_from_results(results: dict, system: str) -> SystemCosts:
     )
 
 
-def load_costs(path: Path, systems: tuple[str, ...] = SYSTEMS) -> dict[str, SystemCosts]:
-    """Every system's costs from the ``results.json`` at ``path`` (see costs_from_results)."""
-    results = json.loads(path.read_text())
-    return {s: costs_from_results(results, s) for s in systems}
+def load_costs(paths: list[Path], systems: tuple[str, ...] = SYSTEMS) -> dict[str, SystemCosts]:
+    """Every system's costs from the trials of one or more recovery runs' ``results.json``
+    (pooled: a launcher that did not recover in one run's trial is measured by the others)."""
+    trials = [t for path in paths for t in json.loads(path.read_text())["trials"]]
+    return {s: costs_from_results({"trials": trials}, s) for s in systems}
 
 
 def fixed_size(costs: SystemCosts) -> SystemCosts:

@@ -100,8 +100,9 @@ def _order(system: str) -> tuple[int, str]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
-    p.add_argument("--results", type=Path, required=True,
-                   help="results.json of a benchmarks/recovery.py run with the four launchers")
+    p.add_argument("--results", type=Path, required=True, nargs="+",
+                   help="results.json of benchmarks/recovery.py runs with the four launchers "
+                        "(trials pooled)")
     p.add_argument("--traces", type=Path, default=TRACES, help="folder of trace JSON files")
     p.add_argument("--notice-s", type=float, default=120.0,
                    help="preemption notice lead, s (AWS 120, GCP 30, 0 none)")
