@@ -399,7 +399,7 @@ def test_metrics_bind_loopback_by_default_and_the_configured_address(tmp_path):
                                  "metrics.addr": "127.0.0.2"})
     spec = node_spec(cfg, {})
     assert spec.metrics_addr == "127.0.0.2"
-    _make_metrics(spec)
+    _make_metrics(spec, "n0")
     assert _listening(port) == {"127.0.0.2"}
 
 

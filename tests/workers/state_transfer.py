@@ -73,6 +73,7 @@ def reform_kill(rank: int, out: Path) -> None:
     (the RNG state, 5 kB of 4 MiB), then SIGKILLs itself. Rank 1 must fall back (``stopped-1`` marker, exit 0);
     rank 2, which needs nothing, re-forms. Rank 2 writes a report; rank 1 exits in
     ``_fall_back``."""
+    from elasticd.control.messages import LeaveReason
     from elasticd.control.reform import ReformOrder, write_order
     from elasticd.worker import LiveState, transfer
     from elasticd.worker.context import control_dir
@@ -96,7 +97,7 @@ def reform_kill(rank: int, out: Path) -> None:
 
         transfer._send_views = send_part_then_die
     (out.parent / f"rank{rank}-reform-started").write_text(str(time.time()))
-    live._reform("test")  # rank 1 does not return: it falls back and exits 0
+    live._reform(LeaveReason.ORDERED)  # rank 1 does not return: it falls back and exits 0
     out.write_text(json.dumps({"reforms": live.reforms, "step": live.step}))
 
 
