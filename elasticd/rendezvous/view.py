@@ -24,6 +24,9 @@ from elasticd.rendezvous.liveness import ProbeTarget
 from elasticd.rendezvous.protocol import LEAVE_KINDS, RendezvousView
 
 
+_NOT_SEEN_YET = 1 << 62  # the order of a join whose watch event has not come yet
+
+
 def _in_order(table: dict[int, list[tuple[int, str]]]) -> dict[int, list[str]]:
     return {r: [n for _, n in sorted(v)] for r, v in table.items()}
 
@@ -168,6 +171,13 @@ class WatchedView:
                     r = round_of_key(key, k.joins_root)
                     if r is not None:
                         joins.setdefault(r, []).append((kv.create_revision, key.rsplit("/", 1)[1]))
+                # Our own join is in as soon as its put returned, before the watch shows it
+                # (last in order until then): else every other event re-puts it (issue 15's
+                # fan-out bound broke under load with 100 puts of one join key).
+                for r, lease in self.own_joins.items():
+                    if (lease == self.lease_id and (state is None or r >= state.round)
+                            and self.keys.join(r, self.node_id) not in self.joins):
+                        joins.setdefault(r, []).append((_NOT_SEEN_YET, self.node_id))
             else:
                 alive = frozenset()
                 for r, lease in self.own_joins.items():

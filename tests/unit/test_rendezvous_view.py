@@ -61,3 +61,23 @@ def test_malformed_waiting_record_is_ignored():
     assert v.snapshot()[0].announced is None
     v.on_rdzv_hi([WatchEvent(K.rdzv_waiting, b"not json", 10)])
     assert v.snapshot()[0].announced is None
+
+
+def test_full_view_holds_own_join_before_its_watch_event_then_in_creation_order():
+    """The coordinator's own join counts as soon as its put returned (last, until the watch
+    shows it, then by its revision): a lagging watch must not make it put the key again."""
+    v = fed("c")
+    with v.cond:
+        v.lease_id = 7
+    v.on_nodes_resync([kv(K.node(n), "{}", 10 + i) for i, n in enumerate("bcd")], 20)
+    v.on_joins_resync([kv(K.join(5, "d"), "1", 30)], 30)
+    v.set_full(True)
+    v.add_own_join(5, 7)
+    v.add_own_join(3, 7)  # a round before the state's (4): pruned, not a join
+    assert v.snapshot()[0].joins == {5: ["d", "c"]}
+    v.on_joins([WatchEvent(K.join(5, "c"), b"1", 25)])
+    assert v.snapshot()[0].joins == {5: ["c", "d"]}
+    with v.cond:
+        v.lease_id = 8
+    v.on_joins([WatchEvent(K.join(5, "c"), None, 40)])
+    assert v.snapshot()[0].joins == {5: ["d"]}
