@@ -175,8 +175,8 @@ class RoundCoordinator:
         elif action.kind is ActionKind.OPEN_NEXT:
             self._open_next(action, view, state_rev)
         elif action.kind is ActionKind.ATTRIBUTE:
-            record = AttributionRecord(action.round, list(action.members))
-            self.client.put(self.keys.rdzv_attribution, record.to_json())
+            verdict = AttributionRecord(action.round, list(action.members))
+            self.client.put(self.keys.rdzv_attribution, verdict.to_json())
         elif action.kind is ActionKind.ANNOUNCE:
             record = WaitingRecord(action.round, list(action.members))
             self.client.put(self.keys.rdzv_waiting, record.to_json())

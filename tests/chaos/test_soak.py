@@ -199,6 +199,10 @@ def _one_run(run_dir: Path, seed: int, reference: list[dict], ref_params: dict) 
         assert not findings, "\n".join(findings)
         return faults
     except BaseException:
+        for node in started:  # where every agent thread waits, into its log (runner.py)
+            if node.alive():
+                node.signal_agent(signal.SIGUSR1)
+        time.sleep(0.5)  # faulthandler writes from a C handler: give it a moment to land
         kept = _keep(run_dir, seed, etcd, faults)
         print(f"\nsoak seed {seed} failed (rerun: ELASTICD_CHAOS_SEED={seed} ELASTICD_SOAK_RUNS=1); "
               f"files kept in {kept}; faults:\n  " + "\n  ".join(faults))
