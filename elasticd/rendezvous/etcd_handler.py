@@ -45,7 +45,7 @@ from elasticd.rendezvous.coordinator import RoundCoordinator
 from elasticd.rendezvous.etcd_store import EtcdStore
 from elasticd.rendezvous.finished import FinishedJob, finished_job, finished_notice
 from elasticd.rendezvous.liveness import MemberProbes, PeerProber, ProbeTarget
-from elasticd.rendezvous.outage import loss_grace, may_resurrect, outage_window_s
+from elasticd.rendezvous.outage import loss_grace, may_resurrect, outage_window_s, presumed_outage
 from elasticd.rendezvous.protocol import (
     LEFT_FINISHED,
     Action,
@@ -492,9 +492,9 @@ class EtcdRendezvousHandler(RendezvousHandler):
         lost = list(departures(view, view.state).lost) if view.state is not None else []
         with self._view.cond:
             lost = [m for m in lost if m not in self._view.left]
-        grace = loss_grace(lost, etcd_trouble=bool(lost) and self._etcd_trouble(),
-                           loss_seen_at=self._coord_loss_seen_at, now=time.monotonic(),
-                           node_ttl_s=self.settings.node_ttl_s)
+        outage = presumed_outage(lost, view.state, saw_trouble=bool(lost) and self._etcd_trouble())
+        grace = loss_grace(lost, etcd_trouble=outage, loss_seen_at=self._coord_loss_seen_at,
+                           now=time.monotonic(), node_ttl_s=self.settings.node_ttl_s)
         self._coord_loss_seen_at = grace.loss_seen_at
         if not grace.hold or grace.loss_seen_at is None:
             return None

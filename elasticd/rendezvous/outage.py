@@ -60,6 +60,25 @@ def loss_grace(lost: Sequence[str], *, etcd_trouble: bool, loss_seen_at: float |
     return LossGrace(False, loss_seen_at)
 
 
+def presumed_outage(lost: Sequence[str], state: RoundState | None, *, saw_trouble: bool) -> bool:
+    """Whether the loss of ``lost`` is presumed an etcd outage's doing. Pure.
+
+    Yes when this node saw etcd trouble itself, and also when every member of the final
+    round is lost at once: a coordinator that came up after etcd's restart saw no trouble,
+    yet all the leases that expired together were most likely kept alive by healthy agents
+    that reached etcd a moment too late (soak seed 880007: both members' leases went 2 s
+    after an etcd restart, a new node opened the next round 30 ms before they re-registered,
+    and 19 steps were retrained from storage). Holding back costs node_ttl_s + 2 s in a real
+    mass failure, when nothing trains anyway.
+    """
+    if not lost:
+        return False
+    if saw_trouble:
+        return True
+    return (state is not None and state.phase == "final" and bool(state.members)
+            and all(m in lost for m in state.members))
+
+
 def may_resurrect(state: RoundState | None, my_round: int | None, me: str, *,
                   lease_lost: bool, etcd_trouble: bool) -> tuple[bool, str]:
     """Whether this node may re-register in its own round after its lease expired. Pure.

@@ -854,3 +854,17 @@ def test_partial_view_decides_from_the_published_verdict():
     verdict = replace(own, failures={1: ["b", "a"]}, attributed=1)
     assert attribute_failure(verdict, 1, "a")[0] is Attribution.VICTIM
     assert attribute_failure(verdict, 1, "b")[0] is Attribution.ROOT
+
+
+def test_a_whole_round_lost_at_once_is_presumed_an_etcd_outage():
+    """A coordinator that saw no etcd trouble itself still holds back the loss of every
+    member of the final round at once (leases that went together after an etcd restart);
+    the loss of some members, with no trouble seen, counts at once."""
+    from elasticd.rendezvous.outage import presumed_outage
+
+    state = final(1, ["a", "b"])
+    assert presumed_outage(["a", "b"], state, saw_trouble=False)
+    assert not presumed_outage(["a"], state, saw_trouble=False)
+    assert presumed_outage(["a"], state, saw_trouble=True)
+    assert not presumed_outage([], state, saw_trouble=True)
+    assert not presumed_outage(["a", "b"], open_(1, ["a", "b"]), saw_trouble=False)
