@@ -305,9 +305,6 @@ class ControlChannel:
         tmp.write_text(reason)
         tmp.rename(self.dir / DRAIN_FILE)
 
-    def drain_requested(self) -> bool:
-        return (self.dir / DRAIN_FILE).exists()
-
     def clear_round(self) -> None:
         """Forget per-round markers before starting a new worker group."""
         for prefix in (STOPPED_PREFIX, DRAINABLE_PREFIX, DONE_PREFIX):
