@@ -26,7 +26,7 @@ from typing import Any
 
 import structlog
 
-from elasticd.etcd.client import EtcdClient, TLSFiles
+from elasticd.etcd.client import EtcdClient
 from elasticd.keys import JobKeys
 from elasticd.records import RecordError, RoundState
 from elasticd.rendezvous.finished import FinishedJob, finished_notice, read_finished
@@ -104,10 +104,7 @@ def arrive_early(cfg: Any) -> EarlyArrival | None:
         return None
     keys = JobKeys(cfg.job.name)
     try:
-        client = EtcdClient(",".join(e.endpoints), timeout_s=e.timeout_s,
-                            tls=TLSFiles(e.ca_file, e.cert_file, e.key_file), user=e.user,
-                            password=e.resolved_password(),
-                            allow_plaintext_auth=e.insecure_allow_plaintext_auth)
+        client = EtcdClient.from_config(e)
     except Exception:  # noqa: BLE001 - the runner reports configuration problems properly
         return None
     try:

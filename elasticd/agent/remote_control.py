@@ -50,7 +50,6 @@ def refuse_early(cfg: Any) -> bool:
     Args:
         cfg: the validated ``AgentConfig``.
     """
-    from elasticd.etcd.client import TLSFiles
     from elasticd.logs import configure_logging
 
     e = cfg.etcd
@@ -58,10 +57,7 @@ def refuse_early(cfg: Any) -> bool:
         return False
     keys = JobKeys(cfg.job.name)
     try:
-        client = EtcdClient(",".join(e.endpoints), timeout_s=e.timeout_s,
-                            tls=TLSFiles(e.ca_file, e.cert_file, e.key_file), user=e.user,
-                            password=e.resolved_password(),
-                            allow_plaintext_auth=e.insecure_allow_plaintext_auth)
+        client = EtcdClient.from_config(e)
     except Exception:  # noqa: BLE001 - the runner reports connection problems properly
         return False
     try:
