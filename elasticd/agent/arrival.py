@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import structlog
 
@@ -34,6 +34,9 @@ from elasticd.rendezvous.protocol import early_join_round
 from elasticd.rendezvous.session import NodeSession
 from elasticd.rendezvous.settings import default_node_id
 from elasticd.rendezvous.view import WatchedView
+
+if TYPE_CHECKING:
+    from elasticd.config.model import AgentConfig
 
 log = structlog.get_logger(__name__)
 
@@ -91,7 +94,7 @@ def log_finished(finished: FinishedJob, **extra: str) -> None:
     log.warning("agent_not_joining", job=finished.job, reason=reason, fix=fix, **extra)
 
 
-def arrive_early(cfg: Any) -> EarlyArrival | None:
+def arrive_early(cfg: AgentConfig) -> EarlyArrival | None:
     """Check for a finished job, else register this node (lease + node record), before
     torch is imported. None when there is nothing to gain (the embedded etcd is not
     running yet: a standalone job has one node) or anything failed.

@@ -10,7 +10,6 @@ a training step (the agent retries briefly, then logs and moves on).
 from __future__ import annotations
 
 import time
-from typing import Any
 
 import structlog
 
@@ -18,6 +17,7 @@ from elasticd.agent.commits import PendingCommit
 from elasticd.agent.history import EtcdHistoryWriter
 from elasticd.control.api import CommitOutcome
 from elasticd.errors import TransientError
+from elasticd.etcd.kv import KV
 from elasticd.etcd.txn import Compare, ModRevision, Put
 from elasticd.keys import JobKeys
 from elasticd.records import Beat, CheckpointPointer, Event, Progress, RoundState
@@ -53,7 +53,7 @@ class JobRecorder:
         self.history = EtcdHistoryWriter(self.client, self.keys, session.fence)
         self.run_id = ""  # this run's id (/elasticd/<job>/run_id), stamped on the pointer
 
-    def event(self, kind: str, message: str, *, node: str | None = None, **detail: Any) -> None:
+    def event(self, kind: str, message: str, *, node: str | None = None, **detail: object) -> None:
         """Append an event to the job's bounded history (dropped if etcd stays unreachable).
 
         ``node`` is the node the event is about (default: this node).
@@ -243,18 +243,18 @@ class JobRecorder:
         return outcome, reason
 
 
-def _successor_open(state: Any, round_: int) -> bool:
+def _successor_open(state: KV, round_: int) -> bool:
     """True if the round state KV ``state`` is round ``round_ + 1``, still open."""
     rs = RoundState.from_json(state.value)
     return rs.round == round_ + 1 and rs.phase == "open"
 
 
-def _names(current: Any, manifest_url: str) -> bool:
+def _names(current: KV | None, manifest_url: str) -> bool:
     """True if the pointer KV ``current`` already names ``manifest_url``."""
     return current is not None and CheckpointPointer.from_json(current.value).manifest_url == manifest_url
 
 
-def _not_newer(current: Any, step: int, round_: int) -> str:
+def _not_newer(current: KV | None, step: int, round_: int) -> str:
     """Why (step, round) may not replace the pointer ``current`` (a KV or None); "" if it may."""
     if current is None:
         return ""

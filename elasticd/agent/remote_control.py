@@ -17,7 +17,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING
 
 import structlog
 
@@ -25,6 +25,9 @@ from elasticd.etcd.client import KV, EtcdClient, PrefixWatch, WatchEvent
 from elasticd.keys import JobKeys
 from elasticd.retry import call_with_retry
 from elasticd.stopmarks import StopRequest, pending_request, read_request, restart_hint
+
+if TYPE_CHECKING:
+    from elasticd.config.model import AgentConfig
 
 log = structlog.get_logger(__name__)
 
@@ -40,7 +43,7 @@ def refusal_at_start(client: EtcdClient, keys: JobKeys, node_id: str, *,
                            deadline=time.monotonic() + deadline_s)
 
 
-def refuse_early(cfg: Any) -> bool:
+def refuse_early(cfg: AgentConfig) -> bool:
     """True (after logging why and how to restart) when the job is stopped or this node
     drained, checked with one etcd read before the agent imports torch.
 

@@ -69,6 +69,10 @@ from elasticd.retry import call_with_retry
 from elasticd.stopmarks import restart_hint
 
 if TYPE_CHECKING:
+    from elasticd.agent.cloud_metadata import PreemptionNotice
+    from elasticd.agent.early import EarlyStart
+    from elasticd.agent.preemption import PreemptionWatcher
+    from elasticd.agent.sdnotify import SystemdNotifier
     from elasticd.status.metrics import AgentMetrics
 
 log = structlog.get_logger(__name__)
@@ -97,7 +101,7 @@ class NodeSpec:
     log_dir: str | None = None
     metrics_port: int | None = None
     metrics_addr: str = "127.0.0.1"
-    preemption: Any = None  # a started-on-demand PreemptionWatcher, or None
+    preemption: PreemptionWatcher | None = None  # started once the agent runs
     notify_socket: str | None = None
     watchdog_usec: str | None = None
     # $STATE_DIRECTORY: root of the worker logs and the pending commit intents.
@@ -124,7 +128,7 @@ def check_command(command: tuple[str, ...]) -> None:
                           "check the path or the working directory")
 
 
-def _make_notifier(spec: NodeSpec) -> Any:
+def _make_notifier(spec: NodeSpec) -> SystemdNotifier | None:
     if not spec.notify_socket:
         return None
     from elasticd.agent.sdnotify import SystemdNotifier
@@ -159,7 +163,7 @@ def _checkpoint_io_observer(metrics: AgentMetrics | None) -> Callable[[Checkpoin
     return observe
 
 
-def run_node(spec: NodeSpec, early: Any = None, arrival: EarlyArrival | None = None) -> int:
+def run_node(spec: NodeSpec, early: EarlyStart | None = None, arrival: EarlyArrival | None = None) -> int:
     """Run this node until the job finishes, this node drains, or it gives up.
 
     Args:
@@ -469,9 +473,9 @@ def _record_lost(recorder: JobRecorder, handler: EtcdRendezvousHandler, lost: li
                        "frozen or cut off)", node=node, seen_by=handler.node_id)
 
 
-def _on_notice(agent: ElasticdAgent, recorder: JobRecorder, notice: Any) -> None:
-    deadline = getattr(notice, "deadline", None)
+def _on_notice(agent: ElasticdAgent, recorder: JobRecorder, notice: PreemptionNotice) -> None:
+    deadline = notice.deadline
     left = f", {deadline - time.time():.0f}s left" if deadline else ""
-    msg = f"{getattr(notice, 'provider', 'cloud')} preemption notice{left}"
-    recorder.event("notice", msg, detail=getattr(notice, "detail", ""))
+    msg = f"{notice.provider or 'cloud'} preemption notice{left}"
+    recorder.event("notice", msg, detail=notice.detail)
     agent.request_drain(msg)

@@ -20,8 +20,8 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from io import BufferedIOBase
 from pathlib import Path
-from typing import Any
 
 import structlog
 
@@ -218,7 +218,7 @@ class ControlChannel:
         self._thread.start()
         return self
 
-    def _serve(self, rfile: Any, wfile: Any) -> None:
+    def _serve(self, rfile: BufferedIOBase, wfile: BufferedIOBase) -> None:
         """Answer one connection's lines until it closes (or sends an over-long line)."""
         while True:
             raw = rfile.readline(MAX_LINE_BYTES + 1)
@@ -233,7 +233,7 @@ class ControlChannel:
                 return
 
     @staticmethod
-    def _write(wfile: Any, reply: Reply) -> bool:
+    def _write(wfile: BufferedIOBase, reply: Reply) -> bool:
         try:
             wfile.write(serialise(reply))
             wfile.flush()
@@ -315,9 +315,9 @@ class ControlChannel:
     def clear_drain(self) -> None:
         (self.dir / DRAIN_FILE).unlink(missing_ok=True)
 
-    def stopped_markers(self) -> dict[int, dict[str, Any]]:
+    def stopped_markers(self) -> dict[int, dict[str, object]]:
         """``stopped-<rank>`` markers written by workers that exited for a drain."""
-        out: dict[int, dict[str, Any]] = {}
+        out: dict[int, dict[str, object]] = {}
         for p in self.dir.glob(STOPPED_PREFIX + "*"):
             try:
                 data = boundedjson.read_file(p, max_bytes=MAX_LINE_BYTES) or b"{}"

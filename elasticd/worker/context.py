@@ -26,6 +26,7 @@ import time
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
+from types import FrameType, TracebackType
 from typing import Any, NoReturn
 
 import torch
@@ -179,7 +180,7 @@ def init(backend: str | None = None, *, timeout_s: float = DEFAULT_COLLECTIVE_TI
     return _S.ctx
 
 
-def _on_sigterm(signum: int, frame: Any) -> None:
+def _on_sigterm(signum: int, frame: FrameType | None) -> None:
     _S.sigterm = True
 
 
@@ -195,7 +196,7 @@ def _install_teardown_guards() -> None:
     atexit.register(_settle_pending)
     previous = sys.excepthook
 
-    def config_error_exits_78(tp: type[BaseException], exc: BaseException, tb: Any) -> None:
+    def config_error_exits_78(tp: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
         previous(tp, exc, tb)
         if isinstance(exc, ConfigError):
             teardown.end_process(EX_CONFIG)  # deterministic: the agent must not retry it
