@@ -44,7 +44,7 @@ class MessageError(ElasticdError):
 
 
 @dataclass(frozen=True)
-class Progress:
+class StepReport:
     """A worker's last completed step (fire-and-forget: no reply)."""
 
     local_rank: int
@@ -178,7 +178,7 @@ class ReformedReport:
 
 
 LiveReport = LiveRegistration | ParkedReport | ReformedReport
-Request = Progress | CheckpointIo | CommitRequest | LatestRequest | Ping
+Request = StepReport | CheckpointIo | CommitRequest | LatestRequest | Ping
 Reply = CommitReply | LatestReply | Pong | ErrorReply
 
 
@@ -255,7 +255,7 @@ def parse_request(line: bytes) -> Request:
     obj = _object(line)
     op = obj.get("op")
     if op == "progress":
-        return Progress(local_rank=_int(obj, "local_rank", 0, MAX_RANK),
+        return StepReport(local_rank=_int(obj, "local_rank", 0, MAX_RANK),
                         rank=_int(obj, "rank", 0, MAX_RANK), step=_int(obj, "step", -1, MAX_COUNT),
                         epoch=_int(obj, "epoch", 0, MAX_COUNT, 0),
                         samples=_int(obj, "samples", 0, MAX_COUNT, 0), loss=_loss(obj))

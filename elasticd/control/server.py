@@ -47,8 +47,8 @@ from elasticd.control.messages import (
     MessageError,
     Ping,
     Pong,
-    Progress,
     Reply,
+    StepReport,
     parse_request,
     request_id,
     serialise,
@@ -250,7 +250,7 @@ class ControlChannel:
             if b'"progress"' in raw[:256] or b'"checkpoint_io"' in raw[:256]:
                 return None  # fire-and-forget: the client reads no reply to it
             return ErrorReply(str(exc), request_id(raw))
-        if isinstance(msg, Progress):
+        if isinstance(msg, StepReport):
             if not self.progress.report(msg.local_rank, msg.step, msg.epoch, msg.samples, msg.rank,
                                         msg.loss):
                 self._reject(f"local rank {msg.local_rank} is outside "

@@ -39,7 +39,7 @@ from elasticd.control import (
     ENV_CONTROL_DIR,
     STOPPED_PREFIX,
     ControlClient,
-    Progress,
+    StepReport,
 )
 from elasticd.control.api import ENV_CHECKPOINT_URL, ENV_JOB, ENV_NODE, PARK_FILE
 
@@ -433,7 +433,7 @@ def report_progress(step: int, *, epoch: int = 0, samples: int = 0, loss: float 
         return
     _S.last_progress_at = now
     ctx = current_context()
-    _S.client.send(Progress(local_rank=ctx.local_rank, rank=ctx.rank, step=max(step, -1),
+    _S.client.send(StepReport(local_rank=ctx.local_rank, rank=ctx.rank, step=max(step, -1),
                             epoch=max(epoch, 0), samples=max(samples, 0),
                             loss=None if loss is None else float(loss)))
 
