@@ -59,15 +59,6 @@ def die_with_parent(expected_ppid: int | None = None) -> None:
         os._exit(1)
 
 
-def signal_group(pgid: int, sig: int) -> bool:
-    """Send ``sig`` to process group ``pgid``. Returns False if the group is gone."""
-    try:
-        os.killpg(pgid, sig)
-        return True
-    except ProcessLookupError:
-        return False
-
-
 def pid_alive(pid: int) -> bool:
     """True if ``pid`` exists and is not a zombie."""
     try:

@@ -22,11 +22,11 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import structlog
 
-from elasticd.etcd.client import EtcdClient, TLSFiles
+from elasticd.etcd.client import EtcdClient
 from elasticd.keys import JobKeys
 from elasticd.records import RecordError, RoundState
 from elasticd.rendezvous.finished import FinishedJob, finished_notice, read_finished
@@ -34,6 +34,9 @@ from elasticd.rendezvous.protocol import early_join_round
 from elasticd.rendezvous.session import NodeSession
 from elasticd.rendezvous.settings import default_node_id
 from elasticd.rendezvous.view import WatchedView
+
+if TYPE_CHECKING:
+    from elasticd.config.model import AgentConfig
 
 log = structlog.get_logger(__name__)
 
@@ -91,7 +94,7 @@ def log_finished(finished: FinishedJob, **extra: str) -> None:
     log.warning("agent_not_joining", job=finished.job, reason=reason, fix=fix, **extra)
 
 
-def arrive_early(cfg: Any) -> EarlyArrival | None:
+def arrive_early(cfg: AgentConfig) -> EarlyArrival | None:
     """Check for a finished job, else register this node (lease + node record), before
     torch is imported. None when there is nothing to gain (the embedded etcd is not
     running yet: a standalone job has one node) or anything failed.
@@ -104,10 +107,7 @@ def arrive_early(cfg: Any) -> EarlyArrival | None:
         return None
     keys = JobKeys(cfg.job.name)
     try:
-        client = EtcdClient(",".join(e.endpoints), timeout_s=e.timeout_s,
-                            tls=TLSFiles(e.ca_file, e.cert_file, e.key_file), user=e.user,
-                            password=e.resolved_password(),
-                            allow_plaintext_auth=e.insecure_allow_plaintext_auth)
+        client = EtcdClient.from_config(e)
     except Exception:  # noqa: BLE001 - the runner reports configuration problems properly
         return None
     try:

@@ -19,10 +19,13 @@ import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from elasticd.agent.warm import StandbyPool
 from elasticd.control.api import ENV_AGENT_PID, ENV_CONTROL_DIR
+
+if TYPE_CHECKING:
+    from elasticd.config.model import AgentConfig
 
 
 @dataclass
@@ -53,7 +56,7 @@ def early_standby_env(*, agent_pid: int, control_dir: Path, user_env: Mapping[st
             ENV_CONTROL_DIR: str(control_dir), "LOCAL_RANK": str(local_rank)}
 
 
-def start_early(cfg: Any) -> EarlyStart | None:
+def start_early(cfg: AgentConfig) -> EarlyStart | None:
     """Start one standby per local worker now, if the config allows it.
 
     None when standbys are off, or when the number of workers is ``"gpu"``/``"auto"``
@@ -82,7 +85,7 @@ def start_early(cfg: Any) -> EarlyStart | None:
     return EarlyStart(control_dir, pool)
 
 
-def run_node_with_early_standbys(cfg: Any) -> int:
+def run_node_with_early_standbys(cfg: AgentConfig) -> int:
     """Start the standbys, check for a stop, a drain or a finished job, register the node,
     then import the agent (torch) and run the node.
 

@@ -10,8 +10,6 @@ a training step (the agent retries briefly, then logs and moves on).
 from __future__ import annotations
 
 import time
-from dataclasses import asdict
-from typing import Any
 
 import structlog
 
@@ -19,7 +17,8 @@ from elasticd.agent.commits import PendingCommit
 from elasticd.agent.history import EtcdHistoryWriter
 from elasticd.control.api import CommitOutcome
 from elasticd.errors import TransientError
-from elasticd.etcd.txn import ModRevision, Put
+from elasticd.etcd.kv import KV
+from elasticd.etcd.txn import Compare, ModRevision, Put
 from elasticd.keys import JobKeys
 from elasticd.records import Beat, CheckpointPointer, Event, Progress, RoundState
 from elasticd.rendezvous.session import NodeSession
@@ -55,7 +54,7 @@ class JobRecorder:
         self._progress_failing = False  # the last publish failed (logged once per outage)
         self.run_id = ""  # this run's id (/elasticd/<job>/run_id), stamped on the pointer
 
-    def event(self, kind: str, message: str, *, node: str | None = None, **detail: Any) -> None:
+    def event(self, kind: str, message: str, *, node: str | None = None, **detail: object) -> None:
         """Append an event to the job's bounded history (dropped if etcd stays unreachable).
 
         ``node`` is the node the event is about (default: this node).
@@ -175,27 +174,11 @@ class JobRecorder:
                     state_rev: int) -> tuple[CommitOutcome | None, str, int]:
         """One read-compare-swap: (outcome, why, state_rev); outcome None means try again
         with the returned round-state revision (the pointer moved, or the next round opened)."""
-        current = self.client.get(self.keys.checkpoint_latest)
-        if _names(current, manifest_url):  # an earlier attempt went through after all
-            return CommitOutcome.COMMITTED, "already committed", state_rev
-        refused = _not_newer(current, step, round_)
-        if refused:
-            return CommitOutcome.REFUSED, refused, state_rev
-        # successor() carries the job's high-water step (retention never deletes at or
-        # above it) and stamps this run's id, inside the same compare-and-swap.
-        pointer = CheckpointPointer.successor(
-            CheckpointPointer.from_json(current.value) if current is not None else None,
-            step=step, round_=round_, manifest_url=manifest_url, committed_at=time.time(),
-            world_size=world_size, run_id=self.run_id)
-        ok = self.client.txn(
-            [ModRevision(self.keys.rdzv_state, state_rev),
-             ModRevision(self.keys.checkpoint_latest, current.mod_revision if current else 0),
-             *self.session.fence()],
-            [Put(self.keys.checkpoint_latest, pointer.to_json())],
-        )
-        if ok:
-            log.info("checkpoint_committed", step=step, round=round_, url=manifest_url)
-            return CommitOutcome.COMMITTED, "committed", state_rev
+        outcome, reason = self._swap_pointer(step, manifest_url, world_size, round_,
+                                             [ModRevision(self.keys.rdzv_state, state_rev),
+                                              *self.session.fence()])
+        if outcome is not None:
+            return outcome, reason, state_rev
         # Which compare failed decides the outcome: only a moved round state is a verdict.
         state = self.client.get(self.keys.rdzv_state)
         if state is not None and state.mod_revision != state_rev and _successor_open(state, round_):
@@ -213,6 +196,40 @@ class JobRecorder:
                                            "current (an etcd outage?); the agent re-registers"), state_rev
         return None, "the pointer moved", state_rev
 
+    def _swap_pointer(self, step: int, manifest_url: str, world_size: int, round_: int,
+                      compares: list[Compare], *,
+                      from_intent: bool = False) -> tuple[CommitOutcome | None, str]:
+        """The pointer's one compare-and-swap, shared by a commit and a left intent.
+
+        Reads ``checkpoint/latest``; if it already names ``manifest_url`` the commit went
+        through earlier; if it is at least as new the step is refused; otherwise puts the
+        successor pointer (the job's high-water step carried, this run's id stamped) under
+        ``compares`` plus "the pointer is unchanged since we read it".
+
+        Returns:
+            (COMMITTED or REFUSED, reason) when decided, (None, "") when a compare failed.
+        """
+        current = self.client.get(self.keys.checkpoint_latest)
+        if _names(current, manifest_url):  # an earlier attempt went through after all
+            return CommitOutcome.COMMITTED, "already committed"
+        refused = _not_newer(current, step, round_)
+        if refused:
+            return CommitOutcome.REFUSED, refused
+        pointer = CheckpointPointer.successor(
+            CheckpointPointer.from_json(current.value) if current is not None else None,
+            step=step, round_=round_, manifest_url=manifest_url, committed_at=time.time(),
+            world_size=world_size, run_id=self.run_id)
+        ok = self.client.txn(
+            [*compares,
+             ModRevision(self.keys.checkpoint_latest, current.mod_revision if current else 0)],
+            [Put(self.keys.checkpoint_latest, pointer.to_json())],
+        )
+        if not ok:
+            return None, ""
+        log.info("checkpoint_committed", step=step, round=round_, url=manifest_url,
+                 **({"from_intent": True} if from_intent else {}))
+        return CommitOutcome.COMMITTED, "committed"
+
     def commit_intent(self, req: PendingCommit) -> tuple[CommitOutcome, str]:
         """Commit a pending commit left by a previous agent of this node (before joining).
 
@@ -224,43 +241,29 @@ class JobRecorder:
             (outcome, reason); ``UNKNOWN`` when etcd did not answer.
         """
         try:
-            current = self.client.get(self.keys.checkpoint_latest)
-            if _names(current, req.manifest_url):
-                return CommitOutcome.COMMITTED, "already committed"
-            refused = _not_newer(current, req.step, req.round)
-            if refused:
-                return CommitOutcome.REFUSED, refused
-            pointer = CheckpointPointer.successor(
-                CheckpointPointer.from_json(current.value) if current is not None else None,
-                step=req.step, round_=req.round, manifest_url=req.manifest_url,
-                committed_at=time.time(), world_size=req.world_size, run_id=self.run_id)
-            ok = self.client.txn(
-                [ModRevision(self.keys.rdzv_state, req.state_rev),
-                 ModRevision(self.keys.checkpoint_latest, current.mod_revision if current else 0)],
-                [Put(self.keys.checkpoint_latest, pointer.to_json())],
-            )
+            outcome, reason = self._swap_pointer(
+                req.step, req.manifest_url, req.world_size, req.round,
+                [ModRevision(self.keys.rdzv_state, req.state_rev)], from_intent=True)
         except Exception as exc:  # noqa: BLE001 - no answer is not a no
             return CommitOutcome.UNKNOWN, f"etcd did not answer: {exc!r}"
-        if not ok:
+        if outcome is None:
             return CommitOutcome.REFUSED, (f"round {req.round} is no longer current (the job "
                                            "re-formed since) or the pointer moved")
-        log.info("checkpoint_committed", step=req.step, round=req.round, url=req.manifest_url,
-                 from_intent=True)
-        return CommitOutcome.COMMITTED, "committed"
+        return outcome, reason
 
 
-def _successor_open(state: Any, round_: int) -> bool:
+def _successor_open(state: KV, round_: int) -> bool:
     """True if the round state KV ``state`` is round ``round_ + 1``, still open."""
     rs = RoundState.from_json(state.value)
     return rs.round == round_ + 1 and rs.phase == "open"
 
 
-def _names(current: Any, manifest_url: str) -> bool:
+def _names(current: KV | None, manifest_url: str) -> bool:
     """True if the pointer KV ``current`` already names ``manifest_url``."""
     return current is not None and CheckpointPointer.from_json(current.value).manifest_url == manifest_url
 
 
-def _not_newer(current: Any, step: int, round_: int) -> str:
+def _not_newer(current: KV | None, step: int, round_: int) -> str:
     """Why (step, round) may not replace the pointer ``current`` (a KV or None); "" if it may."""
     if current is None:
         return ""
@@ -272,6 +275,3 @@ def _not_newer(current: Any, step: int, round_: int) -> str:
                 f"step {cur.step} of round {cur.round}")
     return ""
 
-
-def pointer_dict(p: CheckpointPointer | None) -> dict[str, Any] | None:
-    return asdict(p) if p else None

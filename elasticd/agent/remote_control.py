@@ -17,7 +17,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING
 
 import structlog
 
@@ -25,6 +25,9 @@ from elasticd.etcd.client import KV, EtcdClient, PrefixWatch, WatchEvent
 from elasticd.keys import JobKeys
 from elasticd.retry import call_with_retry
 from elasticd.stopmarks import StopRequest, pending_request, read_request, restart_hint
+
+if TYPE_CHECKING:
+    from elasticd.config.model import AgentConfig
 
 log = structlog.get_logger(__name__)
 
@@ -40,7 +43,7 @@ def refusal_at_start(client: EtcdClient, keys: JobKeys, node_id: str, *,
                            deadline=time.monotonic() + deadline_s)
 
 
-def refuse_early(cfg: Any) -> bool:
+def refuse_early(cfg: AgentConfig) -> bool:
     """True (after logging why and how to restart) when the job is stopped or this node
     drained, checked with one etcd read before the agent imports torch.
 
@@ -50,7 +53,6 @@ def refuse_early(cfg: Any) -> bool:
     Args:
         cfg: the validated ``AgentConfig``.
     """
-    from elasticd.etcd.client import TLSFiles
     from elasticd.logs import configure_logging
 
     e = cfg.etcd
@@ -58,10 +60,7 @@ def refuse_early(cfg: Any) -> bool:
         return False
     keys = JobKeys(cfg.job.name)
     try:
-        client = EtcdClient(",".join(e.endpoints), timeout_s=e.timeout_s,
-                            tls=TLSFiles(e.ca_file, e.cert_file, e.key_file), user=e.user,
-                            password=e.resolved_password(),
-                            allow_plaintext_auth=e.insecure_allow_plaintext_auth)
+        client = EtcdClient.from_config(e)
     except Exception:  # noqa: BLE001 - the runner reports connection problems properly
         return False
     try:

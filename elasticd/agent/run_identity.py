@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any
 
 import structlog
 
+from elasticd.agent.supervision import SupervisionSettings
 from elasticd.checkpoint.identity import RunIdentity, new_run_id
 from elasticd.checkpoint.manifest import RUN_ID_RE
 from elasticd.control.api import ENV_RESUME, ENV_RUN_ID
@@ -67,7 +67,8 @@ def ensure_run_id(client: EtcdClient, keys: JobKeys, *, deadline_s: float = 30.0
     raise ConfigError(f"etcd key {key} keeps disappearing; is another tool deleting /elasticd/?")
 
 
-def check_resume(settings: Any, job: str, run_id: str, resume: str) -> Any:
+def check_resume(settings: SupervisionSettings, job: str, run_id: str,
+                 resume: str) -> SupervisionSettings:
     """Refuse to start over another run's checkpoints; hand the identity to the workers.
 
     Args:

@@ -43,6 +43,7 @@ from elasticd.agent.standalone_runs import (
     write_record,
 )
 from elasticd.agent.summary import failure_line, failure_summary
+from elasticd.config.model import EtcdConfig
 from elasticd.control import CheckpointIo, CheckpointIoKind, CommitRequest, ControlChannel
 from elasticd.control.api import ENV_LOG_FORMAT, CommitOutcome
 from elasticd.errors import (
@@ -51,7 +52,7 @@ from elasticd.errors import (
     EtcdUnavailableError,
     TransientError,
 )
-from elasticd.etcd.client import EtcdClient, TLSFiles
+from elasticd.etcd.client import EtcdClient
 from elasticd.etcd.embedded import EmbeddedEtcd
 from elasticd.keys import JobKeys
 from elasticd.logs import (
@@ -70,6 +71,10 @@ from elasticd.retry import call_with_retry
 from elasticd.stopmarks import restart_hint
 
 if TYPE_CHECKING:
+    from elasticd.agent.cloud_metadata import PreemptionNotice
+    from elasticd.agent.early import EarlyStart
+    from elasticd.agent.preemption import PreemptionWatcher
+    from elasticd.agent.sdnotify import SystemdNotifier
     from elasticd.history import History
     from elasticd.status.metrics import AgentMetrics
 
@@ -85,26 +90,13 @@ class NodeSpec:
     job: str
     command: tuple[str, ...]  # script [args...] or ("-m", module, args...)
     nproc_per_node: int
-    min_nodes: int
-    max_nodes: int
-    etcd_endpoints: str | None = None  # None: embedded etcd (--standalone)
-    etcd_timeout_s: float = 3.0
-    etcd_connect_timeout_s: float = 30.0
-    etcd_election_timeout_s: float = 1.0  # the members' --election-timeout (outage grace)
-    etcd_data_dir: str | None = None  # the embedded etcd's; a fresh temp dir when None
-    tls: TLSFiles = field(default_factory=TLSFiles)
-    etcd_user: str | None = None
-    etcd_password: str | None = None
-    etcd_insecure_plaintext_auth: bool = False  # send the password without TLS (opt-in)
+    # Size and timing of the rendezvous (RendezvousSettings.from_config); its
+    # worker_log_dir is resolved when the node starts.
+    rendezvous: RendezvousSettings
+    # The [etcd] section, password already resolved (EtcdClient.from_config connects with
+    # it); no endpoints: an embedded etcd (--standalone) in data_dir or a fresh temp dir.
+    etcd: EtcdConfig = field(default_factory=EtcdConfig)
     node_id: str | None = None
-    local_addr: str | None = None
-    node_ttl_s: int = 5
-    join_timeout_s: float = 600.0
-    last_call_timeout_s: float = 1.0
-    start_settle_s: float = 1.0
-    close_timeout_s: float = 30.0
-    store_timeout_s: float = 300.0
-    liveness_probe: bool = True  # rendezvous.liveness_probe
     supervision: SupervisionSettings = field(default_factory=SupervisionSettings)
     workdir: str | None = None
     log_format: str = "auto"
@@ -112,7 +104,7 @@ class NodeSpec:
     log_dir: str | None = None
     metrics_port: int | None = None
     metrics_addr: str = "127.0.0.1"
-    preemption: Any = None  # a started-on-demand PreemptionWatcher, or None
+    preemption: PreemptionWatcher | None = None  # started once the agent runs
     notify_socket: str | None = None
     watchdog_usec: str | None = None
     # $STATE_DIRECTORY: root of the worker logs and the pending commit intents.
@@ -139,7 +131,7 @@ def check_command(command: tuple[str, ...]) -> None:
                           "check the path or the working directory")
 
 
-def _make_notifier(spec: NodeSpec) -> Any:
+def _make_notifier(spec: NodeSpec) -> SystemdNotifier | None:
     if not spec.notify_socket:
         return None
     from elasticd.agent.sdnotify import SystemdNotifier
@@ -190,7 +182,7 @@ def _goodput_publisher(recorder: JobRecorder, metrics: AgentMetrics) -> Callable
     return publish
 
 
-def run_node(spec: NodeSpec, early: Any = None, arrival: EarlyArrival | None = None) -> int:
+def run_node(spec: NodeSpec, early: EarlyStart | None = None, arrival: EarlyArrival | None = None) -> int:
     """Run this node until the job finishes, this node drains, or it gives up.
 
     Args:
@@ -233,32 +225,22 @@ def run_node(spec: NodeSpec, early: Any = None, arrival: EarlyArrival | None = N
         # first, so a refused log dir fails before anything starts.
         log_dir = resolve_worker_log_dir(spec.log_dir, spec.job, state_dir=spec.state_dir)
         state_dir = _intents_dir(spec)
-        endpoints, tls = spec.etcd_endpoints, spec.tls
-        if not endpoints:
+        if spec.etcd.embedded:
             # Private to this user: TLS with a generated client certificate (docs/security.md).
-            embedded = EmbeddedEtcd(spec.etcd_data_dir, private=True).start()
-            endpoints, tls = embedded.endpoint, embedded.client_tls or tls
+            embedded = EmbeddedEtcd(spec.etcd.data_dir, private=True).start()
         early_session = None
         if arrival is not None and arrival.session is not None and not embedded:
             client, early_session = arrival.client, arrival.session
+        elif embedded is not None:
+            client = EtcdClient.from_config(spec.etcd, endpoints=embedded.endpoint,
+                                            tls=embedded.client_tls)
         else:
-            client = EtcdClient(endpoints, timeout_s=spec.etcd_timeout_s, tls=tls,
-                                user=spec.etcd_user, password=spec.etcd_password,
-                                allow_plaintext_auth=spec.etcd_insecure_plaintext_auth)
+            client = EtcdClient.from_config(spec.etcd)
         # Probe the job's own prefix: an etcd role may grant only /elasticd/<job>/.
         job_prefix = JobKeys(spec.job).prefix
-        _connect(client, job_prefix, spec.etcd_connect_timeout_s)
+        _connect(client, job_prefix, spec.etcd.connect_timeout_s)
         handler = EtcdRendezvousHandler(
-            client, spec.job,
-            RendezvousSettings(min_nodes=spec.min_nodes, max_nodes=spec.max_nodes,
-                               node_ttl_s=spec.node_ttl_s, join_timeout_s=spec.join_timeout_s,
-                               last_call_timeout_s=spec.last_call_timeout_s,
-                               start_settle_s=spec.start_settle_s,
-                               close_timeout_s=spec.close_timeout_s,
-                               store_timeout_s=spec.store_timeout_s,
-                               election_timeout_s=spec.etcd_election_timeout_s,
-                               liveness_probe=spec.liveness_probe,
-                               local_addr=spec.local_addr, worker_log_dir=log_dir),
+            client, spec.job, replace(spec.rendezvous, worker_log_dir=log_dir),
             node_id=spec.node_id, session=early_session)
         if arrival is not None and early_session is not None:
             arrival.taken = True  # the handler owns the session now (closed by its shutdown)
@@ -269,7 +251,7 @@ def run_node(spec: NodeSpec, early: Any = None, arrival: EarlyArrival | None = N
         # `elasticd stop` / `drain` (elasticd.stopmarks): a stopped job or a drained node is
         # a clean exit, before joining: systemd restarting us must not bring the node back.
         refused = refusal_at_start(client, handler.keys, handler.node_id,
-                                   deadline_s=spec.etcd_connect_timeout_s)
+                                   deadline_s=spec.etcd.connect_timeout_s)
         if refused is not None:
             log.warning("agent_not_joining", reason=refused.reason, fix=restart_hint(refused))
             return 0
@@ -277,7 +259,7 @@ def run_node(spec: NodeSpec, early: Any = None, arrival: EarlyArrival | None = N
         # A standalone start (a fresh private etcd) continues its job's last run unless
         # that run finished (elasticd.agent.standalone_runs): decided before anything starts.
         plan = RunPlan()
-        if embedded is not None and spec.etcd_data_dir is None:
+        if embedded is not None and spec.etcd.data_dir is None:
             runs_dir = records_dir(spec.state_dir, spec.state_home)
             plan = plan_standalone_run(read_record(runs_dir, spec.job), job=spec.job,
                                        checkpoint_url=spec.supervision.checkpoint_url,
@@ -331,7 +313,7 @@ def run_node(spec: NodeSpec, early: Any = None, arrival: EarlyArrival | None = N
             role="default", local_world_size=spec.nproc_per_node, rdzv_handler=handler,
             entrypoint=sys.executable, args=("-m", "elasticd.agent.worker_exec", *spec.command),
             max_restarts=spec.supervision.max_restarts,
-            monitor_interval=spec.supervision.monitor_interval_s, local_addr=spec.local_addr,
+            monitor_interval=spec.supervision.monitor_interval_s, local_addr=spec.rendezvous.local_addr,
         )
         if current_format() == "json":  # every worker line one JSON object, rank and stream
             from elasticd.agent.worker_logs import JsonTeeLogsSpecs
@@ -356,7 +338,7 @@ def run_node(spec: NodeSpec, early: Any = None, arrival: EarlyArrival | None = N
         remote = RemoteStopWatch(client, handler.keys, handler.node_id,
                                  lambda req: drain(req.reason)).start()
         log.info("agent_started", endpoints=client.endpoint_label(), nproc_per_node=spec.nproc_per_node,
-                 nnodes=f"{spec.min_nodes}:{spec.max_nodes}", command=list(spec.command),
+                 nnodes=f"{spec.rendezvous.min_nodes}:{spec.rendezvous.max_nodes}", command=list(spec.command),
                  worker_log_dir=log_dir)
         if embedded is not None:  # a private etcd: its address and certificate are new each run
             command = status_command(spec.job, embedded.endpoint, embedded.client_tls)
@@ -515,9 +497,9 @@ def _record_lost(recorder: JobRecorder, handler: EtcdRendezvousHandler, lost: li
                        "frozen or cut off)", node=node, seen_by=handler.node_id)
 
 
-def _on_notice(agent: ElasticdAgent, recorder: JobRecorder, notice: Any) -> None:
-    deadline = getattr(notice, "deadline", None)
+def _on_notice(agent: ElasticdAgent, recorder: JobRecorder, notice: PreemptionNotice) -> None:
+    deadline = notice.deadline
     left = f", {deadline - time.time():.0f}s left" if deadline else ""
-    msg = f"{getattr(notice, 'provider', 'cloud')} preemption notice{left}"
-    recorder.event("notice", msg, detail=getattr(notice, "detail", ""))
+    msg = f"{notice.provider or 'cloud'} preemption notice{left}"
+    recorder.event("notice", msg, detail=notice.detail)
     agent.request_drain(msg)

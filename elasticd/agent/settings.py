@@ -9,13 +9,14 @@ key through it, so a key that is validated but never used (as ``logging.level``,
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import replace
 
 from elasticd.agent.elastic_agent import SupervisionSettings
 from elasticd.agent.preemption import make_watcher
 from elasticd.agent.runner import NodeSpec
 from elasticd.config import AgentConfig
-from elasticd.etcd.client import TLSFiles
 from elasticd.logs import default_state_root
+from elasticd.rendezvous.settings import RendezvousSettings
 
 
 def node_spec(cfg: AgentConfig, environ: Mapping[str, str]) -> NodeSpec:
@@ -29,20 +30,13 @@ def node_spec(cfg: AgentConfig, environ: Mapping[str, str]) -> NodeSpec:
     Returns:
         The spec :func:`elasticd.agent.runner.run_node` runs.
     """
-    e, w, r = cfg.etcd, cfg.workers, cfg.rendezvous
+    e, w = cfg.etcd, cfg.workers
     return NodeSpec(
         job=cfg.job.name, command=tuple(w.command), nproc_per_node=w.resolve_nproc_per_node(),
-        min_nodes=cfg.job.min_nodes, max_nodes=cfg.job.max_nodes,
-        etcd_endpoints=",".join(e.endpoints) or None, etcd_timeout_s=e.timeout_s,
-        etcd_connect_timeout_s=e.connect_timeout_s, etcd_data_dir=e.data_dir,
-        etcd_election_timeout_s=e.election_timeout_s,
-        tls=TLSFiles(e.ca_file, e.cert_file, e.key_file), etcd_user=e.user,
-        etcd_password=e.resolved_password(),
-        etcd_insecure_plaintext_auth=e.insecure_allow_plaintext_auth, node_id=cfg.node.id, local_addr=cfg.node.local_addr,
-        node_ttl_s=cfg.node.ttl_s, join_timeout_s=r.join_timeout_s,
-        last_call_timeout_s=r.last_call_timeout_s, start_settle_s=r.start_settle_s,
-        close_timeout_s=r.close_timeout_s,
-        store_timeout_s=r.store_timeout_s, liveness_probe=r.liveness_probe,
+        rendezvous=RendezvousSettings.from_config(cfg),
+        # The password file is read now: an unreadable one fails before anything starts.
+        etcd=replace(e, password=e.resolved_password(), password_file=None),
+        node_id=cfg.node.id,
         supervision=SupervisionSettings(
             max_restarts=cfg.restart.max_restarts, restart_backoff_s=cfg.restart.backoff_s,
             restart_backoff_max_s=cfg.restart.backoff_max_s, drain_grace_s=cfg.drain.grace_s,

@@ -7,10 +7,16 @@ import os
 import signal
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from torch.distributed.elastic.agent.server.api import RunResult
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    from elasticd.agent.supervision import Outcome
 
 
-def first_failure(result: Any) -> tuple[int, str, int] | None:
+def first_failure(result: RunResult) -> tuple[int, str, int] | None:
     """(global rank, description, exit code) of the earliest failure in ``result``."""
     if not result.failures:
         return None
@@ -30,7 +36,7 @@ def first_failure(result: Any) -> tuple[int, str, int] | None:
 _NO_MESSAGE = "To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html"
 
 
-def _recorded(failure: Any) -> tuple[str, str]:
+def _recorded(failure: ProcessFailure) -> tuple[str, str]:
     """(exception line, traceback) from torch's error file data, as far as it says.
 
     ``failure.message`` is a string, or (``ErrorHandler.record_exception``, which our
@@ -47,7 +53,7 @@ def _recorded(failure: Any) -> tuple[str, str]:
     return msg.strip(), stack if isinstance(stack, str) else ""
 
 
-def failure_line(failure: Any) -> str:
+def failure_line(failure: ProcessFailure) -> str:
     """One plain line saying how a worker failed: its exception line
     (``ModuleNotFoundError: No module named 'x'``), else its exit code or signal. Pure."""
     line, _ = _recorded(failure)
@@ -62,7 +68,7 @@ def failure_line(failure: Any) -> str:
     return f"exit code {code}"
 
 
-def failure_summary(outcome: Any, tail_lines: int = 15,
+def failure_summary(outcome: Outcome, tail_lines: int = 15,
                     read: Callable[[str], str] | None = None) -> str:
     """The one-screen summary printed when the agent gives up: plain lines (the error
     file's JSON is unpacked: its exception line and traceback, never the blob)."""
@@ -96,12 +102,12 @@ def _read(path: str) -> str:
         return ""
 
 
-def _stderr_log_of(failure: Any) -> str:
+def _stderr_log_of(failure: ProcessFailure) -> str:
     err = getattr(failure, "error_file", "") or ""
     # torch's DefaultLogsSpecs puts stderr.log next to error.json
     candidate = os.path.join(os.path.dirname(err), "stderr.log") if err else ""
     return candidate if candidate and os.path.exists(candidate) else ""
 
 
-def print_summary(outcome: Any) -> None:
+def print_summary(outcome: Outcome) -> None:
     sys.stderr.write(failure_summary(outcome) + "\n")

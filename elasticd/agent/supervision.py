@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
 
 @dataclass(frozen=True)
@@ -114,7 +117,7 @@ class Outcome:
 
     kind: str = "running"  # finished | drained | failed | closed
     reason: str = ""
-    failures: dict[int, Any] = field(default_factory=dict)  # global rank -> ProcessFailure
+    failures: dict[int, ProcessFailure] = field(default_factory=dict)  # by global rank
     code: int = 1  # exit status when failed (78: a worker's configuration error)
 
     @property

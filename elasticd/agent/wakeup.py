@@ -27,6 +27,7 @@ import os
 import select
 import signal
 import threading
+from types import FrameType
 from typing import Any
 
 
@@ -91,6 +92,6 @@ class TickWaker:
                 os.close(fd)
 
 
-def _child_exited(signum: int, frame: Any) -> None:
+def _child_exited(signum: int, frame: FrameType | None) -> None:
     # Nothing to do: the byte set_wakeup_fd wrote is the message; torch reaps the worker.
     return

@@ -302,7 +302,7 @@ def warm_handlers(pool: StandbyPool) -> Iterator[None]:
     from torch.distributed.elastic.multiprocessing.subprocess_handler import SubprocessHandler
 
     class WarmSubprocessHandler(SubprocessHandler):
-        def _popen(self, args: tuple, env: dict[str, str]) -> Any:
+        def _popen(self, args: tuple, env: dict[str, str]) -> subprocess.Popen[bytes]:
             proc = pool.take(self.local_rank_id, tuple(str(a) for a in args), env,
                              getattr(self._stdout, "name", None), getattr(self._stderr, "name", None))
             return proc if proc is not None else super()._popen(args, env)

@@ -52,7 +52,7 @@ class TailedFile:
     stream: str  # "stdout" | "stderr"
 
 
-def wrap_line(line: str, f: TailedFile, *, job: str, node: str, now: float) -> dict[str, Any]:
+def wrap_line(line: str, f: TailedFile, *, job: str, node: str, now: float) -> dict[str, object]:
     """The JSON object for one worker line (without its newline). Pure.
 
     Args:
@@ -77,7 +77,7 @@ def wrap_line(line: str, f: TailedFile, *, job: str, node: str, now: float) -> d
             parsed.setdefault("node", node)
             return {**where, **parsed, "source": "worker"}  # the worker's own fields win
     ts = datetime.fromtimestamp(now, tz=timezone.utc).isoformat().replace("+00:00", "Z")
-    out: dict[str, Any] = {"event": "worker_output", **where, "line": scrub(text, "line"),
+    out: dict[str, object] = {"event": "worker_output", **where, "line": scrub(text, "line"),
                            "job": job, "node": node, "level": "info", "timestamp": ts}
     if truncated:
         out["truncated"] = True

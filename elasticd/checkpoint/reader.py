@@ -30,7 +30,6 @@ from elasticd.records import CheckpointPointer
 # CORRUPT (decode, CRC, size) and UNREADABLE (one path: permission, a directory) skip to an
 # older checkpoint; FAILED (storage error, out of memory) fails the load loudly.
 OK, CORRUPT, UNREADABLE, VANISHED, FAILED = 0, 1, 2, 3, 4
-SKIPPED = (CORRUPT, UNREADABLE)
 
 
 def candidates(

@@ -1,6 +1,6 @@
 """The worker side of the control channel: a small client that never blocks training long.
 
-Progress reports are fire-and-forget (dropped, never queued, when the agent is not
+Step reports are fire-and-forget (dropped, never queued, when the agent is not
 reading); requests wait for their reply up to ``timeout_s`` and raise ``OSError`` when
 none came, which callers treat as "unknown", never as "no".
 """
@@ -23,8 +23,8 @@ from elasticd.control.messages import (
     MessageError,
     Ping,
     Pong,
-    Progress,
     Reply,
+    StepReport,
     parse_reply,
     serialise,
 )
@@ -56,7 +56,7 @@ class ControlClient:
         sock.connect(self.path)
         self._sock, self._file = sock, sock.makefile("rb")
 
-    def send(self, msg: Progress | CheckpointIo) -> None:
+    def send(self, msg: StepReport | CheckpointIo) -> None:
         """Fire and forget (progress, checkpoint reports): never blocks training.
 
         If the agent is not reading (frozen, busy), the message is dropped rather than

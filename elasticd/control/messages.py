@@ -44,7 +44,7 @@ class MessageError(ElasticdError):
 
 
 @dataclass(frozen=True)
-class Progress:
+class StepReport:
     """A worker's last completed step (fire-and-forget: no reply)."""
 
     local_rank: int
@@ -178,12 +178,12 @@ class ReformedReport:
 
 
 LiveReport = LiveRegistration | ParkedReport | ReformedReport
-Request = Progress | CheckpointIo | CommitRequest | LatestRequest | Ping
+Request = StepReport | CheckpointIo | CommitRequest | LatestRequest | Ping
 Reply = CommitReply | LatestReply | Pong | ErrorReply
 
 
 # -- validation -------------------------------------------------------------------------
-def _int(obj: dict[str, Any], name: str, lo: int, hi: int, default: int | None = None) -> int:
+def _int(obj: dict[str, object], name: str, lo: int, hi: int, default: int | None = None) -> int:
     value = obj.get(name, default)
     if type(value) is not int:  # bool is an int subclass and floats are not counts
         raise MessageError(f"field {name!r} must be an integer, got {type(value).__name__}")
@@ -192,17 +192,17 @@ def _int(obj: dict[str, Any], name: str, lo: int, hi: int, default: int | None =
     return value
 
 
-def _loss(obj: dict[str, Any]) -> float | None:
+def _loss(obj: dict[str, object]) -> float | None:
     value = obj.get("loss")
     if value is None:
         return None
     # A finite number; NaN/inf (a diverged step) are dropped, not plotted as a spike.
-    if type(value) not in (int, float):
+    if isinstance(value, bool) or not isinstance(value, int | float):
         raise MessageError(f"field 'loss' must be a number, got {type(value).__name__}")
     return float(value) if math.isfinite(value) else None
 
 
-def _seconds(obj: dict[str, Any]) -> float:
+def _seconds(obj: dict[str, object]) -> float:
     value = obj.get("seconds")
     if not isinstance(value, int | float) or isinstance(value, bool) \
             or not 0 <= value <= MAX_SECONDS:  # NaN fails the comparison too
@@ -210,7 +210,7 @@ def _seconds(obj: dict[str, Any]) -> float:
     return float(value)
 
 
-def _io_kind(obj: dict[str, Any]) -> CheckpointIoKind:
+def _io_kind(obj: dict[str, object]) -> CheckpointIoKind:
     raw = _str(obj, "kind")
     try:
         return CheckpointIoKind(raw)
@@ -219,7 +219,7 @@ def _io_kind(obj: dict[str, Any]) -> CheckpointIoKind:
                            f"{[k.value for k in CheckpointIoKind]}") from None
 
 
-def _str(obj: dict[str, Any], name: str, default: str | None = None) -> str:
+def _str(obj: dict[str, object], name: str, default: str | None = None) -> str:
     value = obj.get(name, default)
     if not isinstance(value, str):
         raise MessageError(f"field {name!r} must be a string, got {type(value).__name__}")
@@ -228,7 +228,7 @@ def _str(obj: dict[str, Any], name: str, default: str | None = None) -> str:
     return value
 
 
-def _object(line: bytes) -> dict[str, Any]:
+def _object(line: bytes) -> dict[str, object]:
     if len(line) > MAX_LINE_BYTES:
         raise MessageError(f"line of {len(line)} bytes exceeds {MAX_LINE_BYTES}")
     try:
@@ -255,7 +255,7 @@ def parse_request(line: bytes) -> Request:
     obj = _object(line)
     op = obj.get("op")
     if op == "progress":
-        return Progress(local_rank=_int(obj, "local_rank", 0, MAX_RANK),
+        return StepReport(local_rank=_int(obj, "local_rank", 0, MAX_RANK),
                         rank=_int(obj, "rank", 0, MAX_RANK), step=_int(obj, "step", -1, MAX_COUNT),
                         epoch=_int(obj, "epoch", 0, MAX_COUNT, 0),
                         samples=_int(obj, "samples", 0, MAX_COUNT, 0), loss=_loss(obj))

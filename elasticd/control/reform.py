@@ -32,7 +32,7 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from elasticd import boundedjson
 from elasticd.control.api import LIVE_PREFIX, PARKED_PREFIX, REFORM_FILE, REFORMED_PREFIX
@@ -82,7 +82,7 @@ class ReformOrder:
         """
         obj = boundedjson.loads_object(text, what="re-formation order", max_bytes=MAX_FILE_BYTES)
 
-        def whole(v: Any, lo: int, hi: int, name: str) -> int:
+        def whole(v: object, lo: int, hi: int, name: str) -> int:
             if type(v) is not int or not lo <= v < hi:
                 raise ValueError(f"{name} = {v!r} is not an int in [{lo}, {hi})")
             return v
@@ -121,7 +121,7 @@ def read_order(control_dir: Path) -> ReformOrder | None:
         return None
 
 
-def write_marker(control_dir: Path, prefix: str, local_rank: int, **fields: Any) -> None:
+def write_marker(control_dir: Path, prefix: str, local_rank: int, **fields: object) -> None:
     """Write ``<prefix><local_rank>`` with ``fields`` as JSON (atomic): the stopped marker."""
     _write_atomic(control_dir / f"{prefix}{local_rank}", json.dumps(fields))
 

@@ -20,8 +20,8 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from io import BufferedIOBase
 from pathlib import Path
-from typing import Any
 
 import structlog
 
@@ -47,8 +47,8 @@ from elasticd.control.messages import (
     MessageError,
     Ping,
     Pong,
-    Progress,
     Reply,
+    StepReport,
     parse_request,
     request_id,
     serialise,
@@ -218,7 +218,7 @@ class ControlChannel:
         self._thread.start()
         return self
 
-    def _serve(self, rfile: Any, wfile: Any) -> None:
+    def _serve(self, rfile: BufferedIOBase, wfile: BufferedIOBase) -> None:
         """Answer one connection's lines until it closes (or sends an over-long line)."""
         while True:
             raw = rfile.readline(MAX_LINE_BYTES + 1)
@@ -233,7 +233,7 @@ class ControlChannel:
                 return
 
     @staticmethod
-    def _write(wfile: Any, reply: Reply) -> bool:
+    def _write(wfile: BufferedIOBase, reply: Reply) -> bool:
         try:
             wfile.write(serialise(reply))
             wfile.flush()
@@ -250,7 +250,7 @@ class ControlChannel:
             if b'"progress"' in raw[:256] or b'"checkpoint_io"' in raw[:256]:
                 return None  # fire-and-forget: the client reads no reply to it
             return ErrorReply(str(exc), request_id(raw))
-        if isinstance(msg, Progress):
+        if isinstance(msg, StepReport):
             if not self.progress.report(msg.local_rank, msg.step, msg.epoch, msg.samples, msg.rank,
                                         msg.loss):
                 self._reject(f"local rank {msg.local_rank} is outside "
@@ -305,9 +305,6 @@ class ControlChannel:
         tmp.write_text(reason)
         tmp.rename(self.dir / DRAIN_FILE)
 
-    def drain_requested(self) -> bool:
-        return (self.dir / DRAIN_FILE).exists()
-
     def clear_round(self) -> None:
         """Forget per-round markers before starting a new worker group."""
         for prefix in (STOPPED_PREFIX, DRAINABLE_PREFIX, DONE_PREFIX):
@@ -318,9 +315,9 @@ class ControlChannel:
     def clear_drain(self) -> None:
         (self.dir / DRAIN_FILE).unlink(missing_ok=True)
 
-    def stopped_markers(self) -> dict[int, dict[str, Any]]:
+    def stopped_markers(self) -> dict[int, dict[str, object]]:
         """``stopped-<rank>`` markers written by workers that exited for a drain."""
-        out: dict[int, dict[str, Any]] = {}
+        out: dict[int, dict[str, object]] = {}
         for p in self.dir.glob(STOPPED_PREFIX + "*"):
             try:
                 data = boundedjson.read_file(p, max_bytes=MAX_LINE_BYTES) or b"{}"

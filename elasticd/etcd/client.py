@@ -35,7 +35,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import etcd3
 import etcd3.exceptions
@@ -48,6 +48,9 @@ from elasticd.etcd.kv import KV, WatchEvent, kv_map
 from elasticd.etcd.lease import LeaseKeeper
 from elasticd.etcd.txn import Compare, DeletePrefix, ModRevision, Op, Put, raw_compare, raw_op
 from elasticd.etcd.watch import PrefixWatch
+
+if TYPE_CHECKING:
+    from elasticd.config.model import EtcdConfig
 
 log = structlog.get_logger(__name__)
 
@@ -161,6 +164,25 @@ class EtcdClient:
         self.last_error = ""
         self._watches: weakref.WeakSet[PrefixWatch] = weakref.WeakSet()
         self._switch_logged_at = -1e9
+
+    @classmethod
+    def from_config(cls, e: EtcdConfig, *, endpoints: str | None = None,
+                    tls: TLSFiles | None = None) -> EtcdClient:
+        """The client of an ``[etcd]`` section: the one way the agent, its early arrival,
+        its stop check and torchrun's handler connect (so a key reaches all of them).
+
+        Args:
+            e: the validated section (its password file is read here if not resolved yet).
+            endpoints, tls: an embedded etcd's address and client certificate, instead of
+                the configured ones.
+
+        Raises:
+            ConfigError: as the constructor (malformed endpoints, unreadable files, ...).
+        """
+        return cls(endpoints or ",".join(e.endpoints), timeout_s=e.timeout_s,
+                   tls=tls or TLSFiles(e.ca_file, e.cert_file, e.key_file), user=e.user,
+                   password=e.resolved_password(),
+                   allow_plaintext_auth=e.insecure_allow_plaintext_auth)
 
     # -- plumbing ---------------------------------------------------------------------
     def _credentials(self) -> grpc.ChannelCredentials | None:

@@ -170,10 +170,6 @@ class EmbeddedEtcdCluster:
         """Every member's client endpoint, comma-separated: the value of ``--etcd``."""
         return ",".join(m.endpoint for m in self.members)
 
-    @property
-    def quorum(self) -> int:
-        return len(self.members) // 2 + 1
-
     def start(self) -> EmbeddedEtcdCluster:
         """Start every member and wait until the cluster serves requests.
 
@@ -317,11 +313,6 @@ class EmbeddedEtcdCluster:
             if cols[3] == "01" and cols[9] in inodes:  # 01: ESTABLISHED
                 ports.add(int(cols[2].rsplit(":", 1)[1], 16))
         return [i for i, m in enumerate(self.members) if m.client_port in ports]
-
-    def followers(self) -> list[int]:
-        """Indices of the running members that do not lead."""
-        lead = self.leader()
-        return [i for i, m in enumerate(self.members) if m.running and i != lead]
 
     def stop(self) -> None:
         """Stop every member; remove the data dirs if this cluster made them."""

@@ -112,10 +112,6 @@ class RoundCoordinator:
             self._thread.join(timeout=5)
         self._release_watches()
 
-    @property
-    def coordinating(self) -> bool:
-        return bool(self._watches)
-
     # -- the loop ---------------------------------------------------------------------
     def _run(self) -> None:
         while not self._stop.is_set():

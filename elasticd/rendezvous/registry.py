@@ -27,7 +27,7 @@ from torch.distributed.elastic.rendezvous import (
 
 from elasticd.config import load_config
 from elasticd.errors import ConfigError
-from elasticd.etcd.client import EtcdClient, TLSFiles
+from elasticd.etcd.client import EtcdClient
 from elasticd.logs import ensure_configured
 
 BACKEND = "etcd-v3"
@@ -105,19 +105,8 @@ def create_handler(params: RendezvousParameters) -> RendezvousHandler:
     # torchrun passes no training command to the rendezvous; the environment layer
     # (ELASTICD_*) applies as under `elasticd agent`.
     cfg = load_config(None, os.environ, overrides, require_command=False, override_names=names)
-    e, r = cfg.etcd, cfg.rendezvous
-    client = EtcdClient(
-        ",".join(e.endpoints), timeout_s=e.timeout_s,
-        tls=TLSFiles(e.ca_file, e.cert_file, e.key_file), user=e.user,
-        password=e.resolved_password(), allow_plaintext_auth=e.insecure_allow_plaintext_auth,
-    )
-    settings = RendezvousSettings(
-        min_nodes=cfg.job.min_nodes, max_nodes=cfg.job.max_nodes, node_ttl_s=cfg.node.ttl_s,
-        join_timeout_s=r.join_timeout_s, last_call_timeout_s=r.last_call_timeout_s,
-        start_settle_s=r.start_settle_s,
-        close_timeout_s=r.close_timeout_s, store_timeout_s=r.store_timeout_s,
-        local_addr=cfg.node.local_addr, liveness_probe=r.liveness_probe,
-    )
+    client = EtcdClient.from_config(cfg.etcd)
+    settings = RendezvousSettings.from_config(cfg)
     # Without a node_id, torchrun's agents keep torch's own semantics: one id per agent
     # process (HOST-PID), so several agents on one host are several nodes.
     node_id = cfg.node.id if "node.id" in names or cfg.origins["node.id"].startswith("env") else None

@@ -5,6 +5,10 @@ from __future__ import annotations
 import os
 import socket
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from elasticd.config.model import AgentConfig
 
 
 @dataclass(frozen=True)
@@ -26,6 +30,21 @@ class RendezvousSettings:
     election_timeout_s: float = 1.0  # the etcd members' --election-timeout (outage grace)
     # Hold a liveness listener and probe stragglers/peers (elasticd.rendezvous.liveness).
     liveness_probe: bool = True
+
+    @classmethod
+    def from_config(cls, cfg: AgentConfig) -> RendezvousSettings:
+        """The settings of a validated config: the one mapping, for the agent and torchrun.
+
+        ``worker_log_dir`` is left unset: the agent resolves it at start (a private dir).
+        """
+        r = cfg.rendezvous
+        return cls(min_nodes=cfg.job.min_nodes, max_nodes=cfg.job.max_nodes,
+                   node_ttl_s=cfg.node.ttl_s, join_timeout_s=r.join_timeout_s,
+                   last_call_timeout_s=r.last_call_timeout_s, start_settle_s=r.start_settle_s,
+                   close_timeout_s=r.close_timeout_s, store_timeout_s=r.store_timeout_s,
+                   local_addr=cfg.node.local_addr,
+                   election_timeout_s=cfg.etcd.election_timeout_s,
+                   liveness_probe=r.liveness_probe)
 
 
 def default_node_id() -> str:

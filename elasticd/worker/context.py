@@ -26,6 +26,7 @@ import time
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
+from types import FrameType, TracebackType
 from typing import Any, NoReturn
 
 import torch
@@ -38,7 +39,7 @@ from elasticd.control import (
     ENV_CONTROL_DIR,
     STOPPED_PREFIX,
     ControlClient,
-    Progress,
+    StepReport,
 )
 from elasticd.control.api import ENV_CHECKPOINT_URL, ENV_JOB, ENV_NODE, PARK_FILE
 
@@ -179,7 +180,7 @@ def init(backend: str | None = None, *, timeout_s: float = DEFAULT_COLLECTIVE_TI
     return _S.ctx
 
 
-def _on_sigterm(signum: int, frame: Any) -> None:
+def _on_sigterm(signum: int, frame: FrameType | None) -> None:
     _S.sigterm = True
 
 
@@ -195,7 +196,7 @@ def _install_teardown_guards() -> None:
     atexit.register(_settle_pending)
     previous = sys.excepthook
 
-    def config_error_exits_78(tp: type[BaseException], exc: BaseException, tb: Any) -> None:
+    def config_error_exits_78(tp: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
         previous(tp, exc, tb)
         if isinstance(exc, ConfigError):
             teardown.end_process(EX_CONFIG)  # deterministic: the agent must not retry it
@@ -432,7 +433,7 @@ def report_progress(step: int, *, epoch: int = 0, samples: int = 0, loss: float 
         return
     _S.last_progress_at = now
     ctx = current_context()
-    _S.client.send(Progress(local_rank=ctx.local_rank, rank=ctx.rank, step=max(step, -1),
+    _S.client.send(StepReport(local_rank=ctx.local_rank, rank=ctx.rank, step=max(step, -1),
                             epoch=max(epoch, 0), samples=max(samples, 0),
                             loss=None if loss is None else float(loss)))
 

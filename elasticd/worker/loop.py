@@ -33,7 +33,7 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import Any
+from typing import Any, TypeVar
 
 import structlog
 import torch
@@ -51,15 +51,16 @@ from elasticd.worker.live import LiveState, Reformed
 log = structlog.get_logger(__name__)
 
 _RESERVED = ("sampler", "elastic_loop")
+B = TypeVar("B")  # a loader's batch
 
 
-def batch_len(batch: Any) -> int:
+def batch_len(batch: object) -> int:
     """Samples in one collated batch: the first dimension of its first tensor.
 
     Raises:
         ConfigError: No tensor or sized value to measure (call ``loop.step_done(n)`` instead).
     """
-    value = batch
+    value: object = batch
     while True:
         if isinstance(value, torch.Tensor):
             return int(value.shape[0]) if value.dim() else 1
@@ -173,7 +174,7 @@ class ElasticLoop:
         self.steps_done = int(self._progress["steps_done"])
         self._saved_at = int(self._progress.get("saved_at", self.steps_done))
 
-    def ddp(self, module: torch.nn.Module, **kwargs: Any) -> Any:
+    def ddp(self, module: torch.nn.Module, **kwargs: Any) -> RegroupingDDP:
         """``DistributedDataParallel(module, **kwargs)``, rebuilt on the new group after each
         live re-formation (without a process group: ``module`` itself).
 
@@ -186,7 +187,7 @@ class ElasticLoop:
         # model may differ per rank): sync. After a state agreed in memory (a joiner that
         # received it, a re-formation) every rank holds the same state and the survivors
         # rebuild without it: skip it on every rank.
-        return _RegroupingDDP(module, kwargs, lambda: keeper is None or not keeper.agreed_in_memory)
+        return RegroupingDDP(module, kwargs, lambda: keeper is None or not keeper.agreed_in_memory)
 
     @contextlib.contextmanager
     def guard(self) -> Iterator[None]:
@@ -204,7 +205,7 @@ class ElasticLoop:
                 raise  # not inside batches(): the caller restarts its own iteration
             self._reformed = True
 
-    def batches(self, loader: Iterable[Any]) -> Iterator[Any]:
+    def batches(self, loader: Iterable[B]) -> Iterator[B]:
         """Yield ``loader``'s batches; each one counts as trained once the body is done.
 
         After each batch: the sampler advances, progress is reported, a drain saves and
@@ -245,7 +246,7 @@ class ElasticLoop:
         if self.steps_done > self._saved_at:
             self.save(blocking=True)
 
-    def _after_reform(self, old: Any) -> None:
+    def _after_reform(self, old: Iterator[object]) -> None:
         """Continue on the re-formed group: the newest state is in place; reshard."""
         self._reformed = False
         self.reforms += 1
@@ -323,7 +324,7 @@ class ElasticLoop:
         self.manager.close()
 
 
-class _RegroupingDDP:
+class RegroupingDDP:
     """A DDP wrapper that is rebuilt when the default process group changes."""
 
     def __init__(self, module: torch.nn.Module, kwargs: dict[str, Any],
@@ -334,7 +335,7 @@ class _RegroupingDDP:
         self._group: Any = None
         self._ddp: Any = None
 
-    def _current(self) -> Any:
+    def _current(self) -> torch.nn.Module:
         if not dist.is_initialized():
             return self.module
         group = dist.group.WORLD

@@ -33,7 +33,7 @@ SURFACE = {
     "status": ["--job", "--etcd", "--etcd-ca", "--etcd-cert", "--etcd-key", "--etcd-user",
                "--etcd-password-file", "--etcd-insecure-plaintext-auth", "--timeout", "--json", "--watch", "--events", "--window",
                "--max-rows", "--plot"],
-    "checkpoints": None,  # owned by elasticd.cli_checkpoints; only its presence is pinned here
+    "checkpoints": None,  # owned by elasticd.cli.checkpoints; only its presence is pinned here
     "etcd": ["--members", "--data-dir"],
     "stop": ["--job", *ETCD_CLIENT_FLAGS, "--wait", "--reason"],
     "drain": ["--job", "--node", *ETCD_CLIENT_FLAGS, "--wait", "--reason"],

@@ -164,3 +164,30 @@ def test_commit_lands_while_the_next_round_is_open_and_not_after_it_formed(etcd_
         for h in (a, b):
             h.shutdown()
             h.client.close()
+
+
+def test_a_left_intent_commits_once_and_only_forward_under_its_round(etcd_server):
+    """commit_intent (a previous agent's pending commit) shares the pointer's one
+    compare-and-swap: it commits under the round it was made in, is idempotent, refuses a
+    step that is not newer, and refuses once the round state moved on."""
+    from elasticd.agent.commits import PendingCommit
+    from elasticd.control.api import CommitOutcome
+
+    h = _handler(etcd_server, "a", 1)
+    try:
+        h.next_rendezvous()
+        rec = JobRecorder(h.session)
+        rev = h.round_state_revision
+        first = PendingCommit(10, "file:///c/step-10/manifest.json", 1, h.round, rev, "fence")
+        assert rec.commit_intent(first) == (CommitOutcome.COMMITTED, "committed")
+        assert rec.commit_intent(first) == (CommitOutcome.COMMITTED, "already committed")
+        older = PendingCommit(5, "file:///c/step-5/manifest.json", 1, h.round, rev, "fence")
+        outcome, why = rec.commit_intent(older)
+        assert outcome is CommitOutcome.REFUSED and "not newer" in why
+        stale = PendingCommit(20, "file:///c/step-20/manifest.json", 1, h.round, rev - 1, "fence")
+        outcome, why = rec.commit_intent(stale)
+        assert outcome is CommitOutcome.REFUSED and "no longer current" in why
+        pointer = rec.latest_checkpoint()
+        assert (pointer.step, pointer.round) == (10, h.round)
+    finally:
+        h.shutdown()

@@ -200,7 +200,7 @@ def test_config_file_nested_deep_or_a_fifo_is_a_config_error(tmp_path):
 
 def test_etcd_cluster_layout_file_deep_is_a_config_error(tmp_path):
     """`elasticd etcd --data-dir`'s cluster.json nested deep is a ConfigError."""
-    from elasticd.cli_etcd import LAYOUT_FILE, _layout
+    from elasticd.cli.etcd import LAYOUT_FILE, _layout
     from elasticd.errors import ConfigError
 
     (tmp_path / LAYOUT_FILE).write_bytes(DEEP)

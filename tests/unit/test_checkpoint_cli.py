@@ -13,7 +13,7 @@ import torch
 
 from elasticd.checkpoint import CheckpointManager
 from elasticd.checkpoint.manifest import STATE_FILE
-from elasticd.cli_checkpoints import add_parser, parse_storage_options
+from elasticd.cli.checkpoints import add_parser, parse_storage_options
 from elasticd.errors import EX_CONFIG, ConfigError
 
 

@@ -21,6 +21,7 @@ from elasticd.agent.settings import node_spec
 from elasticd.config import load_config, model
 from elasticd.config.flags import FLAGS, NO_FLAG
 from elasticd.config.schema import KEYS, REQUIRED
+from elasticd.etcd.client import EtcdClient
 from elasticd.rendezvous.settings import RendezvousSettings
 
 BASE = {"job.name": "walk", "workers.command": ("train.py",), "etcd.endpoints": "10.0.0.1:2379"}
@@ -28,53 +29,61 @@ BASE = {"job.name": "walk", "workers.command": ("train.py",), "etcd.endpoints": 
 Check = Callable[[NodeSpec], Any]
 
 
+def _client(spec: NodeSpec) -> EtcdClient:
+    """The client the runner builds from the spec (construction connects to nothing)."""
+    return EtcdClient.from_config(spec.etcd)
+
+
 def _rows(tmp_path) -> dict[str, tuple[dict[str, Any], Check, Any]]:
     """key -> (overrides, how to read the runtime value, expected runtime value)."""
     pw = tmp_path / "pw"
     pw.write_text("s3cret\n")
-    auth = {"etcd.user": "u", "etcd.ca_file": "/ca.pem"}  # auth needs TLS
-    tls = {"etcd.ca_file": "/ca.pem", "etcd.cert_file": "/c.pem", "etcd.key_file": "/k.pem"}
+    ca, cert, key = (tmp_path / "ca.pem", tmp_path / "c.pem", tmp_path / "k.pem")
+    for f in (ca, cert, key):
+        f.write_text("-----BEGIN X-----\n")  # read when the client is built, parsed on connecting
+    auth = {"etcd.user": "u", "etcd.ca_file": str(ca)}  # auth needs TLS
+    tls = {"etcd.ca_file": str(ca), "etcd.cert_file": str(cert), "etcd.key_file": str(key)}
     return {
         "job.name": ({"job.name": "other"}, lambda s: s.job, "other"),
-        "job.nnodes": ({"job.nnodes": "2:4"}, lambda s: (s.min_nodes, s.max_nodes), (2, 4)),
+        "job.nnodes": ({"job.nnodes": "2:4"}, lambda s: (s.rendezvous.min_nodes, s.rendezvous.max_nodes), (2, 4)),
         "job.checkpoint_url": ({"job.checkpoint_url": "s3://b/x"},
                                lambda s: s.supervision.checkpoint_url, "s3://b/x"),
         "job.standalone": ({"job.standalone": "true", "etcd.endpoints": ""},
-                           lambda s: (s.etcd_endpoints, s.local_addr), (None, "127.0.0.1")),
+                           lambda s: (s.etcd.embedded, s.rendezvous.local_addr), (True, "127.0.0.1")),
         "job.resume": ({"job.resume": "require"}, lambda s: s.resume, "require"),
-        "etcd.endpoints": ({"etcd.endpoints": "h1:1,h2:2"}, lambda s: s.etcd_endpoints, "h1:1,h2:2"),
-        "etcd.ca_file": ({"etcd.ca_file": "/ca.pem"}, lambda s: s.tls.ca_file, "/ca.pem"),
-        "etcd.cert_file": (tls, lambda s: s.tls.cert_file, "/c.pem"),
-        "etcd.key_file": (tls, lambda s: s.tls.key_file, "/k.pem"),
-        "etcd.user": ({**auth, "etcd.password_file": str(pw)}, lambda s: s.etcd_user, "u"),
-        "etcd.password": ({**auth, "etcd.password": "pw2"}, lambda s: s.etcd_password, "pw2"),
+        "etcd.endpoints": ({"etcd.endpoints": "h1:1,h2:2"}, lambda s: _client(s).endpoints, [("h1", 1), ("h2", 2)]),
+        "etcd.ca_file": ({"etcd.ca_file": str(ca)}, lambda s: _client(s).tls.ca_file, str(ca)),
+        "etcd.cert_file": (tls, lambda s: _client(s).tls.cert_file, str(cert)),
+        "etcd.key_file": (tls, lambda s: _client(s).tls.key_file, str(key)),
+        "etcd.user": ({**auth, "etcd.password_file": str(pw)}, lambda s: s.etcd.user, "u"),
+        "etcd.password": ({**auth, "etcd.password": "pw2"}, lambda s: s.etcd.resolved_password(), "pw2"),
         "etcd.password_file": ({**auth, "etcd.password_file": str(pw)},
-                               lambda s: s.etcd_password, "s3cret"),
+                               lambda s: s.etcd.resolved_password(), "s3cret"),
         "etcd.insecure_allow_plaintext_auth": ({"etcd.user": "u", "etcd.password": "pw2",
                                                 "etcd.insecure_allow_plaintext_auth": "true"},
-                                               lambda s: s.etcd_insecure_plaintext_auth, True),
-        "etcd.timeout_s": ({"etcd.timeout_s": "7"}, lambda s: s.etcd_timeout_s, 7.0),
+                                               lambda s: s.etcd.insecure_allow_plaintext_auth, True),
+        "etcd.timeout_s": ({"etcd.timeout_s": "7"}, lambda s: _client(s).timeout_s, 7.0),
         "etcd.connect_timeout_s": ({"etcd.connect_timeout_s": "9"},
-                                   lambda s: s.etcd_connect_timeout_s, 9.0),
+                                   lambda s: s.etcd.connect_timeout_s, 9.0),
         "etcd.election_timeout_s": ({"etcd.election_timeout_s": "2"},
-                                    lambda s: s.etcd_election_timeout_s, 2.0),
-        "etcd.data_dir": ({"etcd.data_dir": "/var/lib/e"}, lambda s: s.etcd_data_dir, "/var/lib/e"),
+                                    lambda s: s.rendezvous.election_timeout_s, 2.0),
+        "etcd.data_dir": ({"etcd.data_dir": "/var/lib/e"}, lambda s: s.etcd.data_dir, "/var/lib/e"),
         "node.id": ({"node.id": "n7"}, lambda s: s.node_id, "n7"),
-        "node.local_addr": ({"node.local_addr": "10.1.2.3"}, lambda s: s.local_addr, "10.1.2.3"),
+        "node.local_addr": ({"node.local_addr": "10.1.2.3"}, lambda s: s.rendezvous.local_addr, "10.1.2.3"),
         "node.ttl_s": ({"node.ttl_s": "9"},
-                       lambda s: (s.node_ttl_s, s.supervision.attribution_window_s), (9, 10.0)),
+                       lambda s: (s.rendezvous.node_ttl_s, s.supervision.attribution_window_s), (9, 10.0)),
         "rendezvous.join_timeout_s": ({"rendezvous.join_timeout_s": "11"},
-                                      lambda s: s.join_timeout_s, 11.0),
+                                      lambda s: s.rendezvous.join_timeout_s, 11.0),
         "rendezvous.last_call_timeout_s": ({"rendezvous.last_call_timeout_s": "0.5"},
-                                           lambda s: s.last_call_timeout_s, 0.5),
+                                           lambda s: s.rendezvous.last_call_timeout_s, 0.5),
         "rendezvous.start_settle_s": ({"rendezvous.start_settle_s": "2.5"},
-                                      lambda s: s.start_settle_s, 2.5),
+                                      lambda s: s.rendezvous.start_settle_s, 2.5),
         "rendezvous.close_timeout_s": ({"rendezvous.close_timeout_s": "12"},
-                                       lambda s: s.close_timeout_s, 12.0),
+                                       lambda s: s.rendezvous.close_timeout_s, 12.0),
         "rendezvous.store_timeout_s": ({"rendezvous.store_timeout_s": "13"},
-                                       lambda s: s.store_timeout_s, 13.0),
+                                       lambda s: s.rendezvous.store_timeout_s, 13.0),
         "rendezvous.liveness_probe": ({"rendezvous.liveness_probe": "false"},
-                                      lambda s: s.liveness_probe, False),
+                                      lambda s: s.rendezvous.liveness_probe, False),
         "workers.command": ({"workers.command": "other.py --x 1"}, lambda s: s.command,
                             ("other.py", "--x", "1")),
         "workers.nproc_per_node": ({"workers.nproc_per_node": "3"}, lambda s: s.nproc_per_node, 3),
@@ -170,16 +179,14 @@ def test_runtime_defaults_equal_the_schema():
     the schema, so code that builds them directly behaves like the CLI."""
     d = {k: v.default for k, v in KEYS.items()}
     node, sup, rdzv = _defaults(NodeSpec), _defaults(SupervisionSettings), _defaults(RendezvousSettings)
-    assert node["node_ttl_s"] == rdzv["node_ttl_s"] == d["node.ttl_s"]
-    assert node["join_timeout_s"] == rdzv["join_timeout_s"] == d["rendezvous.join_timeout_s"]
-    assert node["last_call_timeout_s"] == rdzv["last_call_timeout_s"] == d["rendezvous.last_call_timeout_s"]
-    assert node["close_timeout_s"] == rdzv["close_timeout_s"] == d["rendezvous.close_timeout_s"]
-    assert node["start_settle_s"] == rdzv["start_settle_s"] == d["rendezvous.start_settle_s"]
-    assert node["store_timeout_s"] == rdzv["store_timeout_s"] == d["rendezvous.store_timeout_s"]
-    assert node["liveness_probe"] == rdzv["liveness_probe"] == d["rendezvous.liveness_probe"]
-    assert node["etcd_timeout_s"] == d["etcd.timeout_s"]
-    assert node["etcd_connect_timeout_s"] == d["etcd.connect_timeout_s"]
-    assert node["etcd_election_timeout_s"] == rdzv["election_timeout_s"] == d["etcd.election_timeout_s"]
+    assert rdzv["node_ttl_s"] == d["node.ttl_s"]
+    assert rdzv["join_timeout_s"] == d["rendezvous.join_timeout_s"]
+    assert rdzv["last_call_timeout_s"] == d["rendezvous.last_call_timeout_s"]
+    assert rdzv["close_timeout_s"] == d["rendezvous.close_timeout_s"]
+    assert rdzv["start_settle_s"] == d["rendezvous.start_settle_s"]
+    assert rdzv["store_timeout_s"] == d["rendezvous.store_timeout_s"]
+    assert rdzv["liveness_probe"] == d["rendezvous.liveness_probe"]
+    assert rdzv["election_timeout_s"] == d["etcd.election_timeout_s"]
     assert node["log_format"] == d["logging.format"] and node["log_level"] == d["logging.level"]
     assert node["metrics_addr"] == d["metrics.addr"]
     assert sup["max_restarts"] == d["restart.max_restarts"]
@@ -266,3 +273,29 @@ def test_live_state_waits_as_long_as_its_agent(monkeypatch):
     assert LiveState({}).timeout_s == 7.0
     monkeypatch.setattr(wctx, "agent_environment", lambda: None)
     assert LiveState({}).timeout_s == LIVE_TIMEOUT_DEFAULT_S == KEYS["workers.live_reform_timeout_s"].default
+
+
+def test_the_etcd_client_is_built_from_the_section_with_its_credentials(tmp_path):
+    """EtcdClient.from_config hands over user, password and the plaintext opt-in: a
+    password without TLS is refused unless the section opts in (so all three arrived)."""
+    from elasticd.errors import ConfigError
+
+    base = {**BASE, "etcd.user": "u", "etcd.password": "pw"}
+    refused = load_config(None, {}, {**base, "etcd.insecure_allow_plaintext_auth": "true"},
+                          check_files=False, hostname="h")
+    client = EtcdClient.from_config(refused.etcd)  # opted in: built
+    assert client.endpoints == [("10.0.0.1", 2379)] and not client.secure
+    no_password = dataclasses.replace(refused.etcd, password=None)
+    with pytest.raises(ConfigError, match="both a user and a password"):
+        EtcdClient.from_config(no_password)
+    no_opt_in = dataclasses.replace(refused.etcd, insecure_allow_plaintext_auth=False)
+    with pytest.raises(ConfigError, match="clear text"):
+        EtcdClient.from_config(no_opt_in)
+
+
+def test_torchrun_and_the_agent_build_the_same_rendezvous_settings():
+    """The agent's NodeSpec and torchrun's handler get RendezvousSettings from one mapping."""
+    cfg = load_config(None, {}, {**BASE, "etcd.election_timeout_s": "2", "node.ttl_s": "9"},
+                      check_files=False, hostname="h")
+    assert node_spec(cfg, {}).rendezvous == RendezvousSettings.from_config(cfg)
+    assert RendezvousSettings.from_config(cfg).election_timeout_s == 2.0

@@ -19,7 +19,7 @@ from elasticd.control import (
     MessageError,
     Ping,
     Pong,
-    Progress,
+    StepReport,
     parse_reply,
     parse_request,
     serialise,
@@ -33,8 +33,8 @@ def _line(**obj: object) -> bytes:
 
 
 @pytest.mark.parametrize("msg", [
-    Progress(local_rank=1, rank=5, step=10, epoch=2, samples=640),
-    Progress(local_rank=0, rank=0, step=3, loss=0.25),
+    StepReport(local_rank=1, rank=5, step=10, epoch=2, samples=640),
+    StepReport(local_rank=0, rank=0, step=3, loss=0.25),
     CommitRequest(step=10, manifest_url="file:///c/j/step-10/x/manifest.json", world_size=4, round=3, id=7),
     LatestRequest(id=2),
     Ping(id=9),
@@ -90,7 +90,7 @@ def test_a_non_finite_loss_is_dropped_not_plotted():
     for raw in (b'NaN', b'Infinity'):
         line = b'{"op": "progress", "local_rank": 0, "rank": 0, "step": 4, "loss": ' + raw + b'}\n'
         msg = parse_request(line)
-        assert isinstance(msg, Progress) and (msg.step, msg.loss) == (4, None)
+        assert isinstance(msg, StepReport) and (msg.step, msg.loss) == (4, None)
 
 
 def test_non_objects_and_overlong_lines_are_rejected():
@@ -125,7 +125,7 @@ def test_progress_table_is_bounded_by_local_ranks():
     try:
         assert chan.dispatch(_line(op="progress", local_rank=10**9, rank=0, step=1)) is None
         for r in range(100_000):
-            chan.dispatch(serialise(Progress(local_rank=r % 1000, rank=r, step=r)))
+            chan.dispatch(serialise(StepReport(local_rank=r % 1000, rank=r, step=r)))
         assert set(chan.progress.snapshot()) <= {0, 1}
         assert chan.rejected >= 100_000 - 200
     finally:

@@ -3,7 +3,7 @@ and the CLI's progress line."""
 
 from __future__ import annotations
 
-from elasticd.cli_control import progress_line
+from elasticd.cli.control import progress_line
 from elasticd.etcd.client import KV
 from elasticd.keys import JobKeys
 from elasticd.records import NodeRecord, StopMark

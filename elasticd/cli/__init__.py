@@ -111,8 +111,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="subcommand", metavar="COMMAND", parser_class=_Parser)
     sub.required = True
     _add_run_parser(sub)
-    for name in ("elasticd.agent.cli", "elasticd.status.cli", "elasticd.cli_checkpoints",
-                 "elasticd.cli_etcd", "elasticd.cli_control"):
+    for name in ("elasticd.agent.cli", "elasticd.status.cli", "elasticd.cli.checkpoints",
+                 "elasticd.cli.etcd", "elasticd.cli.control"):
         try:
             module = __import__(name, fromlist=["add_parser"])
         except ImportError:
@@ -156,6 +156,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
 
-
-if __name__ == "__main__":
-    sys.exit(main())
