@@ -37,7 +37,7 @@ from elasticd.agent.reform import LIVE_VERDICTS, LiveReformation, LiveReformer
 from elasticd.agent.standbys import StandbyCare
 from elasticd.agent.summary import failure_line, failure_summary, print_summary
 from elasticd.agent.supervision import AgentPhase, Outcome, SupervisionSettings
-from elasticd.agent.ticks import TickWrites
+from elasticd.agent.ticks import TickWriter
 from elasticd.agent.wakeup import TickWaker
 from elasticd.agent.warm import StandbyPool, warm_handlers
 from elasticd.agent.worker_env import spawn_environment, supervised_worker_env
@@ -61,7 +61,7 @@ log = structlog.get_logger(__name__)
 _QUIET = (Verdict.CONTINUE, Verdict.LIVE_WAIT)
 
 
-class ElasticdAgent(TickWrites, StandbyCare, LocalElasticAgent):
+class ElasticdAgent(LocalElasticAgent):
     """LocalElasticAgent driven by elasticd's policy (see module docstring)."""
 
     def __init__(self, spec: Any, settings: SupervisionSettings, handler: EtcdRendezvousHandler,
@@ -81,15 +81,16 @@ class ElasticdAgent(TickWrites, StandbyCare, LocalElasticAgent):
         self.stop_signals = 0
         self.notice: str | None = None
         self.phase = AgentPhase()  # drain / resize / failure / completion: one value
-        self._last_heartbeat = 0.0
         self._last_decision = ""
         self._log = log.bind(job=handler.keys.job, node=handler.node_id)
         # The first standbys may have started before torch was imported (agent.early).
         self.standby = standby if standby is not None else StandbyPool(settings.warm_start, control.dir)
+        self.standbys = StandbyCare(settings, handler, control, self.standby, self._worker_pids, self._log)
+        self.ticks = TickWriter(settings, handler, control, recorder, self._worker_group,
+                                metrics=metrics, notifier=notifier, log=self._log)
         self._worker_envs: dict[int, dict[str, str]] = {}
         self._group_started_at = 0.0
         self._done_checked_at = 0.0  # throttle of the done-marker look while workers run
-        self._running_checked_at = 0.0
         # Failed attempts while none got past start-up (policy.repeats_at_startup).
         self._startup_failures: tuple[str, ...] = ()
         self._past_startup = False
@@ -226,10 +227,10 @@ class ElasticdAgent(TickWrites, StandbyCare, LocalElasticAgent):
         static = self._static_worker_env()
         self.standby.fill({r: {**static, "LOCAL_RANK": str(r)} for r in range(wg.spec.local_world_size)},
                           urgent=True)  # nothing of ours trains yet: the node waits for them
-        if self.settings.live_reform and self.standby.enabled and self._joining_running_job():
+        if self.settings.live_reform and self.standby.enabled and self.standbys.joining_running_job():
             # A node joining a running job: members re-forming in place park their workers
             # only from the round on, so join once our workers can start at once.
-            self._wait_for_standbys(wg.spec.local_world_size)
+            self.standbys.wait_for_standbys(wg.spec.local_world_size, lambda: self.stop_signals > 0)
         self._initialize_workers(wg)
         result = RunResult(state=WorkerState.HEALTHY)
         while True:
@@ -244,7 +245,7 @@ class ElasticdAgent(TickWrites, StandbyCare, LocalElasticAgent):
                 self._log.info("agent_decided", verdict=decision.verdict.value, reason=decision.reason,
                                round=self.handler.round)
             self._last_decision = decision.reason
-            self._record_tick(facts, result, now)
+            self.phase = self.ticks.record(facts, result, self.phase, now)
             self._note_attempt(facts, decision)
             if decision.live_abandoned:
                 self.live.abandon(decision)
@@ -255,11 +256,13 @@ class ElasticdAgent(TickWrites, StandbyCare, LocalElasticAgent):
             if done:
                 self.standby.close()
                 return result
-            self._refill_standby(wg.state)
+            self.standbys.refill(wg.state, draining=self.phase.draining,
+                                 local_world_size=wg.spec.local_world_size,
+                                 envs=self._worker_envs, group_started_at=self._group_started_at)
 
     def _facts(self, result: RunResult, now: float) -> Facts:
         """This tick's decision inputs. Read-only: no etcd write, no phase change (the
-        first sight of a failure or of completion is recorded by ``_record_tick``)."""
+        first sight of a failure or of completion is recorded by ``TickWriter.record``)."""
         state = GroupState[result.state.name]
         phase = self.phase
         attribution: Attribution | None = None
