@@ -95,7 +95,7 @@ class ElasticdAgent(LocalElasticAgent):
         self._startup_failures: tuple[str, ...] = ()
         self._past_startup = False
         self.live = LiveReformation(
-            LiveReformer(control.dir, enabled=settings.live_reform,
+            LiveReformer(control, enabled=settings.live_reform,
                          timeout_s=settings.live_reform_timeout_s),
             handler, control, recorder,
             TorchWorkerGroup(self._worker_group, self._join_round, self._worker_pids,

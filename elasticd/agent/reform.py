@@ -1,13 +1,13 @@
 """Live re-formation, agent side: re-form the worker group in place instead of restarting it.
 
-When every local worker registered for live re-formation (``live-<rank>``, written by
-``elasticd.worker.LiveState``), a membership change does not kill them. The agent:
+When every local worker registered for live re-formation (a ``LiveRegistration`` sent by
+``elasticd.worker.LiveState`` over the control socket), a membership change does not kill them. The agent:
 
 - on a node joining, asks them to leave the group at the next agreed step (``park``);
 - on a peer lost or drained, or once its workers parked (a collective failed: a peer died,
   which is seen within milliseconds, long before the lease expires), runs the next
   rendezvous round at once while they wait, and writes the new round's ranks and
-  bootstrap address to ``reform.json``;
+  bootstrap address to ``reform.json`` (and tells the workers waiting on the socket);
 - waits (bounded by ``live_reform_timeout_s``) for every worker to report it re-formed;
   past the bound it falls back to today's restart, with one log line saying why. Workers
   that fail before taking the order (still in the superseded round: a refused commit)
@@ -34,14 +34,7 @@ from elasticd.agent.policy import Decision, LiveFacts, LivePhase, Verdict
 from elasticd.agent.recorder import JobRecorder
 from elasticd.control.api import PARK_FILE, REFORM_FILE
 from elasticd.control.messages import LeaveReason, LiveRegistration, ParkedReport, ReformedReport
-from elasticd.control.reform import (
-    ReformOrder,
-    clear_reports,
-    live_workers,
-    parked,
-    reformed,
-    write_order,
-)
+from elasticd.control.reform import ReformOrder, write_order
 from elasticd.control.server import ControlChannel
 from elasticd.rendezvous.etcd_handler import EtcdRendezvousHandler
 
@@ -49,16 +42,19 @@ log = structlog.get_logger(__name__)
 
 
 class LiveReformer:
-    """The control-directory side of live re-formation for one agent.
+    """The control-channel side of live re-formation for one agent: the workers' reports
+    (``control.reports``), the park file, the order (``reform.json`` and ``control.orders``).
 
     Args:
-        control_dir: the agent's runtime directory.
+        control: the agent's control channel.
         enabled: ``workers.live_reform``.
         timeout_s: bound on one re-formation (and on a park).
     """
 
-    def __init__(self, control_dir: Path, *, enabled: bool, timeout_s: float) -> None:
-        self.dir = Path(control_dir)
+    def __init__(self, control: ControlChannel, *, enabled: bool, timeout_s: float) -> None:
+        self.dir = Path(control.dir)
+        self.reports = control.reports
+        self.orders = control.orders
         self.enabled = enabled
         self.timeout_s = timeout_s
         self.phase = LivePhase.IDLE
@@ -66,16 +62,16 @@ class LiveReformer:
         self.deadline = 0.0
 
     def workers_live(self, local_world_size: int) -> bool:
-        return self.enabled and len(live_workers(self.dir)) >= local_world_size
+        return self.enabled and len(self.reports.get(LiveRegistration)) >= local_world_size
 
     def facts(self, *, local_world_size: int, now: float) -> LiveFacts | None:
         """This tick's live facts; None when live re-formation is off or some local worker
         did not register for it (the restart policy alone decides then)."""
         if not self.workers_live(local_world_size):
             return None
-        waiting = parked(self.dir)
+        waiting = self.reports.get(ParkedReport)
         reforming = self.phase is LivePhase.REFORMING
-        done = reformed(self.dir) if reforming else {}
+        done = self.reports.get(ReformedReport) if reforming else {}
         new_round = {r for r, d in done.items() if d.round == self.reforming_round}
         return LiveFacts(
             phase=self.phase,
@@ -95,6 +91,7 @@ class LiveReformer:
         """Publish the new round to the workers (their parked markers are theirs to clear)."""
         (self.dir / PARK_FILE).unlink(missing_ok=True)
         write_order(self.dir, order)
+        self.orders.published(order.round)  # the workers waiting on the socket read it now
         self.phase = LivePhase.REFORMING
         self.reforming_round = order.round
         self.deadline = now + self.timeout_s
@@ -104,14 +101,15 @@ class LiveReformer:
         self.phase = LivePhase.IDLE
         self.reforming_round = None
         (self.dir / PARK_FILE).unlink(missing_ok=True)
-        clear_reports(self.dir, ReformedReport)
+        self.reports.clear(ReformedReport)
 
     def reset_group(self) -> None:
         """A new worker group starts (restart path): no live state, no order, no markers."""
         self.finish()
         (self.dir / REFORM_FILE).unlink(missing_ok=True)
-        clear_reports(self.dir, LiveRegistration)
-        clear_reports(self.dir, ParkedReport)
+        self.orders.reset()
+        self.reports.clear(LiveRegistration)
+        self.reports.clear(ParkedReport)
 
 
 class WorkerGroupPort(Protocol):

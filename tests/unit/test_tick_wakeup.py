@@ -82,7 +82,8 @@ def test_a_live_reformation_orders_its_workers_and_writes_no_record_itself(tmp_p
     the round and publishes the order, and leaves them to the agent, which writes them after
     the order is out, so the workers re-form meanwhile instead of waiting for them."""
     calls: list[str] = []
-    reformer = LiveReformer(tmp_path, enabled=True, timeout_s=30)
+    channel = ControlChannel(directory=tmp_path)
+    reformer = LiveReformer(channel, enabled=True, timeout_s=30)
     handler = SimpleNamespace(round=3, node_id="n", keys=SimpleNamespace(job="j"))
 
     class Port:
@@ -102,3 +103,5 @@ def test_a_live_reformation_orders_its_workers_and_writes_no_record_itself(tmp_p
     assert calls == ["rendezvous", "clear_drain", "progress_reset"]  # no etcd write, no event
     assert read_order(tmp_path) == order and order.ranks == {0: 1}
     assert reformer.phase is LivePhase.REFORMING and reformer.reforming_round == 4
+    assert channel.orders.wait_newer(3, 0.0) == 4  # workers waiting on the socket are told
+    channel.close()
