@@ -246,11 +246,11 @@ def _loss(obj: dict[str, Any]) -> float | None:
     return float(value) if math.isfinite(value) else None
 
 
-def _seconds(obj: dict[str, Any]) -> float:
-    value = obj.get("seconds")
+def _seconds(obj: dict[str, Any], name: str = "seconds", hi: float = MAX_SECONDS) -> float:
+    value = obj.get(name)
     if not isinstance(value, int | float) or isinstance(value, bool) \
-            or not 0 <= value <= MAX_SECONDS:  # NaN fails the comparison too
-        raise MessageError(f"field 'seconds' must be a number in [0, {MAX_SECONDS:.0f}], got {value!r}")
+            or not 0 <= value <= hi:  # NaN fails the comparison too
+        raise MessageError(f"field {name!r} must be a number in [0, {hi:.0f}], got {value!r}")
     return float(value)
 
 
@@ -319,13 +319,8 @@ def parse_request(line: bytes) -> Request:
     if op in ("live", "parked", "reformed"):
         return _live_report(obj, op, rid)
     if op == "await_order":
-        value = obj.get("timeout_s")
-        if not isinstance(value, int | float) or isinstance(value, bool) \
-                or not 0 <= value <= MAX_AWAIT_S:
-            raise MessageError(f"field 'timeout_s' must be a number in [0, {MAX_AWAIT_S:.0f}], "
-                               f"got {value!r}")
         return AwaitOrder(after_round=_int(obj, "after_round", -1, MAX_COUNT),
-                          timeout_s=float(value), id=rid)
+                          timeout_s=_seconds(obj, "timeout_s", MAX_AWAIT_S), id=rid)
     known = "progress, checkpoint_io, commit, latest, ping, live, parked, reformed, await_order"
     if op is None:
         raise MessageError(f"no 'op' field (known ops: {known})")

@@ -30,9 +30,9 @@ import contextlib
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, MutableMapping
 from pathlib import Path
-from typing import Any
+from typing import Protocol, runtime_checkable
 
 import structlog
 import torch
@@ -61,6 +61,25 @@ log = structlog.get_logger(__name__)
 WAIT_S = 1.0
 AGENT_AWAY_S = 0.5  # the agent did not answer a wait: ask again after this (bounded by the deadline)
 MAX_REFORMS_PER_STEP = 3  # the same step failing again and again is a bug, not a peer
+
+
+@runtime_checkable
+class Stateful(Protocol):
+    """An object whose state a live re-formation moves (a module, an optimizer, a sampler)."""
+
+    def state_dict(self) -> Mapping[str, object]: ...
+
+    def load_state_dict(self, state_dict: Mapping[str, object], /) -> object: ...
+
+
+class Regroupable(Protocol):
+    """What moves to the new group after a re-formation (``CheckpointManager.regroup``)."""
+
+    def regroup(self) -> None: ...
+
+
+# What LiveState keeps: objects with state_dict/load_state_dict, or plain dicts.
+LiveEntry = Stateful | MutableMapping[str, object]
 
 
 class Reformed(Exception):  # noqa: N818 - a signal to the loop, not an error
@@ -97,7 +116,7 @@ class LiveState:
         reforms: re-formations so far in this process.
     """
 
-    def __init__(self, state: Mapping[str, Any], *, checkpoint: Any = None,
+    def __init__(self, state: Mapping[str, LiveEntry], *, checkpoint: Regroupable | None = None,
                  timeout_s: float | None = None) -> None:
         self.state = state  # by reference: the loop may swap an entry (a resharded sampler)
         self.checkpoint = checkpoint
@@ -345,20 +364,26 @@ class LiveState:
                            step=newest, source=src, receivers=behind,
                            seconds=round(time.monotonic() - t0, 3))
 
-    def _collect(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"__rng__": rng.capture(), "__step__": self.step}
+    def _collect(self) -> dict[str, object]:
+        out: dict[str, object] = {"__rng__": rng.capture(), "__step__": self.step}
         for name, obj in self.state.items():
-            out[name] = obj.state_dict() if hasattr(obj, "state_dict") else dict(obj)
+            out[name] = obj.state_dict() if isinstance(obj, Stateful) else dict(obj)
         return out
 
-    def _apply(self, sd: dict[str, Any]) -> None:
+    def _apply(self, sd: Mapping[str, object]) -> None:
         for name, obj in self.state.items():
-            if hasattr(obj, "load_state_dict"):
-                obj.load_state_dict(sd[name])
+            entry = sd[name]
+            if not isinstance(entry, Mapping):
+                raise TypeError(f"received state {name!r} is a {type(entry).__name__}, not a mapping")
+            if isinstance(obj, Stateful):
+                obj.load_state_dict(entry)
             else:
                 obj.clear()
-                obj.update(sd[name])
-        rng.restore([sd["__rng__"]], 0)
+                obj.update(entry)
+        rng_state = sd["__rng__"]
+        if not isinstance(rng_state, dict):
+            raise TypeError("received RNG state is not a mapping")
+        rng.restore([rng_state], 0)
 
     def _fall_back(self, why: str) -> None:
         """In-place re-formation failed: exit 0 as stopped, so the agent restarts the group."""
