@@ -15,6 +15,7 @@ import pytest
 from elasticd.agent.early import early_standby_env
 from elasticd.agent.policy import LivePhase
 from elasticd.agent.reform import LiveReformation, LiveReformer
+from elasticd.agent.supervision import AgentPhase
 from elasticd.agent.wakeup import TickWaker
 from elasticd.agent.warm import env_mismatch
 from elasticd.control.reform import ReformOrder, read_order
@@ -105,3 +106,44 @@ def test_a_live_reformation_orders_its_workers_and_writes_no_record_itself(tmp_p
     assert reformer.phase is LivePhase.REFORMING and reformer.reforming_round == 4
     assert channel.orders.wait_newer(3, 0.0) == 4  # workers waiting on the socket are told
     channel.close()
+
+
+def test_the_agent_writes_the_rounds_records_only_after_the_order_is_out(tmp_path):
+    """REFORM_LIVE: the agent runs the round through its re-formation, and only then writes
+    the node record ("re-forming" until the workers confirm: status must not report them in
+    the new round yet); LIVE_DONE sets it back to training."""
+    from elasticd.agent.elastic_agent import ElasticdAgent
+    from elasticd.agent.policy import Decision, Verdict
+
+    calls: list[str] = []
+    channel = ControlChannel(directory=tmp_path)
+    handler = SimpleNamespace(round=3, node_id="n", keys=SimpleNamespace(job="j"))
+
+    class Port:
+        local_world_size = 1
+
+        def rejoin_keeping_workers(self) -> ReformOrder:
+            calls.append("rendezvous")
+            handler.round = 4
+            return ReformOrder(round=4, world_size=1, master_addr="127.0.0.1", master_port=29500,
+                               ranks={0: 0})
+
+    recorder = SimpleNamespace(event=lambda kind, *a, **k: calls.append(f"event:{kind}"))
+    agent = ElasticdAgent.__new__(ElasticdAgent)  # no torch agent: only the live steps
+    agent.phase = AgentPhase(groups_started=1)
+    agent._worker_group = SimpleNamespace()  # type: ignore[assignment]
+    agent.live = LiveReformation(LiveReformer(channel, enabled=True, timeout_s=30), handler,  # type: ignore[arg-type]
+                                 channel, recorder, Port())
+    agent._record_round = lambda group, *, state="training": calls.append(  # type: ignore[method-assign]
+        f"{state} records (order for round {getattr(read_order(tmp_path), 'round', None)} out)")
+    agent._set_state = lambda state, **kw: calls.append(f"state:{state}")  # type: ignore[method-assign]
+    try:
+        agent._act_live(Decision(Verdict.REFORM_LIVE, "test"), 10.0)
+        assert calls == ["rendezvous", "re-forming records (order for round 4 out)"]
+        assert agent.phase.fault_at is not None
+        calls.clear()
+        agent._act_live(Decision(Verdict.LIVE_DONE, "every worker re-formed"), 11.0)
+        assert calls == ["event:reform", "state:training"]
+        assert agent.live.reformer.phase is LivePhase.IDLE
+    finally:
+        channel.close()
