@@ -113,6 +113,12 @@ class JobKeys:
         return f"{self.rdzv_prefix}waiting"
 
     @property
+    def rdzv_attribution(self) -> str:
+        """The coordinator's verdict on a round's worker failures: who reported, in order
+        (sorts before ``failures/``: every node watches it, only the coordinator those)."""
+        return f"{self.rdzv_prefix}attribution"
+
+    @property
     def joins_root(self) -> str:
         return f"{self.rdzv_prefix}joins/"
 

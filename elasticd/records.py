@@ -158,6 +158,16 @@ class WaitingRecord(_Record):
 
 
 @dataclass(frozen=True)
+class AttributionRecord(_Record):
+    """``/elasticd/<job>/rdzv/attribution``: every member of ``round`` reported a worker
+    failure; ``reporters`` in the order etcd created the reports (the first is the root
+    cause). Written by the coordinator, so a job-wide failure costs O(N) watch events."""
+
+    round: int
+    reporters: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
 class Progress(_Record):
     """``/elasticd/<job>/progress``: written by the agent of group rank 0, fenced by round."""
 

@@ -86,7 +86,9 @@ def worker_starts(rows: Iterable[Mapping], *, nodes_started: int, nodes_frozen: 
     back to a restart (``live_reform_fell_back``: the membership changed again while it
     re-formed, e.g. a peer frozen in the middle of it) restarts its workers once, from the
     checkpoint, by design (docs/failure-model.md). Soak seed 249928404 was that case:
-    the checker, not the product, was wrong."""
+    the checker, not the product, was wrong. ``nodes_frozen`` counts freezes, not nodes:
+    seed 880002 froze n1 three times and n1 rejoined twice (8 starts, 7 explained when
+    the checker counted n1 once)."""
     return WorkerStarts(seen=len({r["pid"] for r in rows}),
                         allowed=(nodes_started + nodes_frozen + fallbacks) * nproc)
 

@@ -37,6 +37,8 @@ class EtcdHistoryWriter:
         self.client = client
         self.keys = keys
         self.fence = fence
+        # Called with the record after each sample written (the goodput metrics).
+        self.on_written: Callable[[History], None] | None = None
         self._last_t = 0.0
         self._last_world = -1
         self._interval_s = 0.0  # of the record last seen; skips I/O for samples not yet due
@@ -74,6 +76,8 @@ class EtcdHistoryWriter:
             return False
         if ok:
             self._remember(new)
+            if self.on_written is not None:
+                self.on_written(new)
         return bool(ok)
 
     def _remember(self, history: History) -> None:

@@ -7,7 +7,9 @@ outcome, clean up on every path, and turn the outcome into an exit code.
 
 from __future__ import annotations
 
+import faulthandler
 import os
+import signal
 import sys
 import time
 from collections.abc import Callable
@@ -68,6 +70,7 @@ from elasticd.retry import call_with_retry
 from elasticd.stopmarks import restart_hint
 
 if TYPE_CHECKING:
+    from elasticd.history import History
     from elasticd.status.metrics import AgentMetrics
 
 log = structlog.get_logger(__name__)
@@ -171,6 +174,22 @@ def _checkpoint_io_observer(metrics: AgentMetrics | None) -> Callable[[Checkpoin
     return observe
 
 
+def _goodput_publisher(recorder: JobRecorder, metrics: AgentMetrics) -> Callable[[History], None]:
+    """After each history sample this node writes: the ledger of `status --goodput` as
+    metrics (one range read of the bounded event history, every few seconds at most)."""
+    from elasticd.status.goodput import life_and_window, read_events
+
+    def publish(history: History) -> None:
+        try:
+            events = read_events(recorder.client, recorder.keys)
+        except TransientError:
+            return  # the next sample tries again
+        life, recent = life_and_window(history, events)
+        metrics.set_goodput(life, recent)
+
+    return publish
+
+
 def run_node(spec: NodeSpec, early: Any = None, arrival: EarlyArrival | None = None) -> int:
     """Run this node until the job finishes, this node drains, or it gives up.
 
@@ -186,6 +205,9 @@ def run_node(spec: NodeSpec, early: Any = None, arrival: EarlyArrival | None = N
         78 configuration error.
     """
     configure_logging(spec.log_format, level=spec.log_level)
+    # `kill -USR1 <agent>` prints every thread's stack to the agent's stderr (its log), as
+    # the workers do: what an operator (or the soak) needs to see where a stuck agent waits.
+    faulthandler.register(signal.SIGUSR1, all_threads=True, chain=False)
     # Training code runs as our uid: it must not read our memory or environment (etcd
     # credentials) through ptrace or /proc (docs/security.md, "Same-uid workers").
     if not make_non_dumpable():
@@ -277,6 +299,8 @@ def run_node(spec: NodeSpec, early: Any = None, arrival: EarlyArrival | None = N
             supervision = replace(supervision, worker_env={**supervision.worker_env,
                                                            ENV_LOG_FORMAT: "json"})
         metrics = _make_metrics(spec, handler.node_id)
+        if metrics is not None:
+            recorder.history.on_written = _goodput_publisher(recorder, metrics)
 
         _commit_intents(recorder, state_dir, spec.job)
 

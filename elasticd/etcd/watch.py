@@ -30,6 +30,71 @@ if not hasattr(etcd3.watch, "six"):
     etcd3.watch.six = types.SimpleNamespace(itervalues=lambda d: iter(list(d.values())))  # type: ignore[attr-defined]
 
 
+# Work-around: python3-etcd3 (0.13) pairs a watch's "created" answer with whichever create
+# is pending when it arrives. A create that timed out (etcd slow or restarting) still gets
+# its answer later, and if another create is pending by then, that one is handed the
+# timed-out watch's id: it receives the other key range's events, and its own watch is
+# cancelled. A rendezvous watch crossed that way never sees the round state again and the
+# job stops (soak seed 880003: the coordinator's creates timed out through an etcd restart
+# and its view of rdzv/ froze at the old round). etcd answers creates in the order a stream
+# sent them, so the answers of timed-out creates come first: count them ("ghosts") with the
+# stream they were sent on and cancel them as they come.
+def _add_callback(self: Any, key: Any, callback: Any, range_end: Any = None,
+                  start_revision: Any = None, progress_notify: bool = False,
+                  filters: Any = None, prev_kv: bool = False) -> int:
+    rq = self._create_watch_request(key, range_end=range_end, start_revision=start_revision,
+                                    progress_notify=progress_notify, filters=filters,
+                                    prev_kv=prev_kv)
+    with self._lock:
+        if self._stopping:
+            self._callback_thread.join()
+            self._callback_thread = None
+            self._stopping = False
+        if not self._callback_thread:
+            self._callback_thread = threading.Thread(name=f"etcd3_watch_{id(self):x}",
+                                                     target=self._run, daemon=True)
+            self._callback_thread.start()
+        while self._new_watch:
+            self._new_watch_cond.wait()
+        new_watch = etcd3.watch._NewWatch(callback)
+        queue = self._request_queue
+        queue.put(rq)
+        self._new_watch = new_watch
+        try:
+            self._new_watch_cond.wait(timeout=self.timeout)
+            if new_watch.id is None and new_watch.err is None:
+                # Its answer may still come, on this stream: it is a ghost's.
+                if getattr(self, "_ghost_queue", None) is not queue:
+                    self._ghost_queue, self._ghosts = queue, 0
+                self._ghosts += 1
+                raise etcd3.exceptions.WatchTimedOut()
+            if new_watch.err:
+                raise new_watch.err
+        finally:
+            self._new_watch = None
+            self._new_watch_cond.notify_all()
+        return int(new_watch.id)
+
+
+_original_handle_response = etcd3.watch.Watcher._handle_response
+
+
+def _handle_response(self: Any, rs: Any) -> None:
+    if rs.created:
+        with self._lock:
+            if getattr(self, "_ghosts", 0) and self._ghost_queue is self._request_queue:
+                self._ghosts -= 1
+                self._cancel_no_lock(rs.watch_id)
+                return
+    _original_handle_response(self, rs)
+
+
+if not getattr(etcd3.watch.Watcher, "_elasticd_patched", False):
+    etcd3.watch.Watcher.add_callback = _add_callback  # type: ignore[method-assign]
+    etcd3.watch.Watcher._handle_response = _handle_response  # type: ignore[method-assign]
+    etcd3.watch.Watcher._elasticd_patched = True  # type: ignore[attr-defined]
+
+
 class PrefixWatch:
     """A watch on a prefix that survives etcd restarts and dropped streams.
 
@@ -100,14 +165,29 @@ class PrefixWatch:
         for ev in response.events:
             if ev.mod_revision <= self._revision:
                 continue  # replay after reconnect
+            key = ev.key.decode()
+            if not self._covers(key):
+                # Another watch's event: the client crossed two watches (see the work-around
+                # above). Start over from a snapshot rather than feed the consumer a key it
+                # never asked for, or miss its own.
+                log.warning("etcd_watch_crossed", watch=self._name, key=key)
+                self._need_snapshot = True
+                self.connected.clear()
+                self._broken.set()
+                return
             value = None if isinstance(ev, etcd_events.DeleteEvent) else ev.value
-            out.append(WatchEvent(ev.key.decode(), value, ev.mod_revision))
+            out.append(WatchEvent(key, value, ev.mod_revision))
         if out:
             self._revision = max(e.mod_revision for e in out)
             try:
                 self._on_events(out)
             except Exception:
                 log.exception("watch_consumer_failed", watch=self._name)
+
+    def _covers(self, key: str) -> bool:
+        if self._range_end is None:
+            return key.startswith(self._prefix)
+        return self._prefix <= key < self._range_end
 
     def _connect(self) -> None:
         # Cleared before the new watch exists, never after: a stop() or a stream break that

@@ -13,7 +13,7 @@ Election: any registered node whose view shows no coordinator creates the key
 (compare create_revision == 0, on its own lease; one wins). The key vanishes with the
 holder's lease (crash, freeze, partition) or its ``shutdown``; everyone sees that on
 the ``rdzv/`` watch and the election runs again. The new holder takes a fresh snapshot
-of ``nodes/`` and ``joins/`` before it acts, so nothing that happened meanwhile is lost.
+of ``nodes/``, ``joins/`` and ``failures/`` before it acts, so nothing that happened meanwhile is lost.
 A SIGKILLed holder keeps the key until its lease expires; a node waiting in an open round
 probes the holder (liveness.py) and, once it is proven gone, deletes the key (compared on
 its mod_revision; the lease is left alone), so the election runs at once.
@@ -34,7 +34,7 @@ from elasticd.etcd.client import EtcdClient
 from elasticd.etcd.txn import CreateRevision, Delete, ModRevision, Put
 from elasticd.etcd.watch import PrefixWatch
 from elasticd.keys import JobKeys
-from elasticd.records import WaitingRecord
+from elasticd.records import AttributionRecord, WaitingRecord
 from elasticd.rendezvous.liveness import REPROBE_S, MemberProbes, PeerProber
 from elasticd.rendezvous.protocol import (
     Action,
@@ -174,6 +174,9 @@ class RoundCoordinator:
             self._finalize(action, view, state_rev)
         elif action.kind is ActionKind.OPEN_NEXT:
             self._open_next(action, view, state_rev)
+        elif action.kind is ActionKind.ATTRIBUTE:
+            verdict = AttributionRecord(action.round, list(action.members))
+            self.client.put(self.keys.rdzv_attribution, verdict.to_json())
         elif action.kind is ActionKind.ANNOUNCE:
             record = WaitingRecord(action.round, list(action.members))
             self.client.put(self.keys.rdzv_waiting, record.to_json())
@@ -233,6 +236,8 @@ class RoundCoordinator:
                                      name="nodes"),
             self.client.watch_prefix(k.joins_root, self.view.on_joins, self.view.on_joins_resync,
                                      name="joins"),
+            self.client.watch_prefix(k.failures_root, self.view.on_failures,
+                                     self.view.on_failures_resync, name="failures"),
         ]
         deadline = time.monotonic() + 10.0
         for w in self._watches:

@@ -154,11 +154,12 @@ class EtcdRendezvousHandler(RendezvousHandler):
             # is reported with gRPC's reason.
             retry_rdzv("connect to etcd", lambda: self.client.get(self.keys.rdzv_state), deadline)
             k = self.keys
-            # rdzv/ but rdzv/joins/: [rdzv/, rdzv/joins/) and [rdzv/joins0, rdzv0).
+            # rdzv/ but rdzv/failures/ and rdzv/joins/ (adjacent: nothing sorts between
+            # them): [rdzv/, rdzv/failures/) and [rdzv/joins0, rdzv0).
             self._watches = [
                 self.client.watch_prefix(k.rdzv_prefix, self._view.on_rdzv,
                                          self._view.on_rdzv_resync, name="rdzv",
-                                         range_end=k.joins_root),
+                                         range_end=k.failures_root),
                 self.client.watch_prefix(_prefix_end(k.joins_root), self._view.on_rdzv_hi,
                                          self._view.on_rdzv_hi_resync, name="rdzv-hi",
                                          range_end=_prefix_end(k.rdzv_prefix)),

@@ -70,6 +70,7 @@ class ActionKind(enum.Enum):
     DONE = "done"  # this node is in the final round
     NONE = "none"  # (coordinator) nothing to do: not the coordinator, or nothing changed
     ANNOUNCE = "announce"  # (coordinator) publish the nodes waiting to join round `round`
+    ATTRIBUTE = "attribute"  # (coordinator) every member of `round` reported: `members` in order
     CLOSED = "closed"  # the job is closed
     TIMEOUT = "timeout"  # join_timeout passed
 
@@ -99,7 +100,9 @@ class RendezvousView:
     alive: frozenset[str]  # node ids with a live lease (node record present)
     joins: Mapping[int, Sequence[str]] = field(default_factory=dict)  # round -> nodes in join order
     closed: bool = False
-    failures: Mapping[int, Sequence[str]] = field(default_factory=dict)  # round -> reporters in order
+    # round -> failure reporters in order: a full view's from the reports themselves, a
+    # partial view's its own report plus the coordinator's verdict (``rdzv/attribution``)
+    failures: Mapping[int, Sequence[str]] = field(default_factory=dict)
     # round -> {node: LEFT_DRAINED | LEFT_FINISHED}: members that left that round cleanly
     left: Mapping[int, Mapping[str, str]] = field(default_factory=dict)
     coordinator: str | None = None  # holder of rdzv/coordinator
@@ -109,6 +112,7 @@ class RendezvousView:
     # True: ``alive`` and ``joins`` are complete (the coordinator's view, or a test's).
     # False: ``alive`` is unknown (empty) and ``joins`` holds only this node's own joins.
     full: bool = True
+    attributed: int | None = None  # the round ``rdzv/attribution`` holds the verdict of
 
 
 @dataclass
@@ -459,6 +463,12 @@ def decide_coordination(view: RendezvousView, memory: CoordinatorMemory, *, me: 
                                  now=now, deadline=float("inf"), proven_dead=proven_dead,
                                  start_settle_s=start_settle_s)
     r = state.round
+    reporters = tuple(view.failures.get(r, ()))
+    if reporters and view.attributed != r and all(m in reporters for m in state.members):
+        # One verdict that every node watches, instead of every node watching every
+        # report: a job-wide worker failure costs O(N) watch events, not O(N^2).
+        return Action(ActionKind.ATTRIBUTE, f"round {r}: every member reported a worker "
+                      f"failure, {reporters[0]} first", round=r, members=reporters)
     change = nodes_waiting(view, r, max_nodes=max_nodes)
     if change.kind is MembershipChange.NONE:
         if view.announced is not None and view.announced[0] == r + 1 and view.announced[1]:

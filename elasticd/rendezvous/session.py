@@ -291,9 +291,11 @@ class NodeSession:
         """Record that our workers failed in the current round (on our lease)."""
         if self.round is None or self.lease_lost.is_set():
             return
-        key = self.keys.failure(self.round, self.node_id)
-        call_with_retry(lambda: self.client.put(key, detail, lease=self.lease_id),
+        rnd, lease = self.round, self.lease_id
+        key = self.keys.failure(rnd, self.node_id)
+        call_with_retry(lambda: self.client.put(key, detail, lease=lease),
                         what="failure report", deadline=time.monotonic() + 5)
+        self.view.add_own_failure(rnd, lease)
 
     def record_leave(self, kind: str | None) -> None:
         """Write ``left/<round>/<node>`` = ``kind`` (best effort) before the lease goes."""

@@ -3,13 +3,16 @@
 ``num_nodes_waiting()`` and ``membership()`` are answered from here with no etcd request.
 ``snapshot`` turns the raw keys into the protocol's ``RendezvousView``.
 
-Every node watches ``rdzv/`` except ``rdzv/joins/`` (two key ranges: the state key,
-``closed``, ``coordinator``, ``failures/``, ``left/``): writes there are O(1) per round or
-per change, so each costs N watch events. Only the coordinator (``coordinator.py``) adds
-watches of ``nodes/`` and ``rdzv/joins/`` (``on_nodes``/``on_joins``), whose N writes a
-round would cost N^2 events if everyone watched them; its view is then *full* (a dead
-peer shows up when its lease expires). Everyone else has a *partial* view: no liveness,
-and only its own joins (``add_own_join``), which is all the protocol needs from them.
+Every node watches ``rdzv/`` except ``rdzv/failures/`` and ``rdzv/joins/`` (two key
+ranges: the state key, ``attribution``, ``closed``, ``coordinator``, ``left/``): writes
+there are O(1) per round or per change, so each costs N watch events. Only the
+coordinator (``coordinator.py``) adds watches of ``nodes/``, ``rdzv/joins/`` and
+``rdzv/failures/`` (``on_nodes``/``on_joins``/``on_failures``), whose N writes a round
+would cost N^2 events if everyone watched them; its view is then *full* (a dead peer shows
+up when its lease expires). Everyone else has a *partial* view: no liveness, only its own
+joins and failure reports (``add_own_join``/``add_own_failure``), and the coordinator's
+verdict once every member reported a failure (``rdzv/attribution``), which is all the
+protocol needs from them.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from collections.abc import Callable, Iterable, Mapping
 
 from elasticd.etcd.kv import KV, WatchEvent
 from elasticd.keys import NODE_ID_RE, JobKeys, round_of_key
-from elasticd.records import NodeRecord, RecordError, RoundState, WaitingRecord
+from elasticd.records import AttributionRecord, NodeRecord, RecordError, RoundState, WaitingRecord
 from elasticd.rendezvous.liveness import ProbeTarget
 from elasticd.rendezvous.protocol import LEAVE_KINDS, RendezvousView
 
@@ -35,6 +38,19 @@ def _left_gracefully(record: bytes) -> bool:
         return NodeRecord.from_json(record).state in ("stopped", "draining")
     except (ValueError, TypeError):
         return False
+
+
+def _attribution(kv: KV | None) -> tuple[int, tuple[str, ...]] | None:
+    """``rdzv/attribution`` as (round, reporters in order), or None if absent or not valid."""
+    if kv is None:
+        return None
+    try:
+        rec = AttributionRecord.from_json(kv.value)
+    except (RecordError, ValueError, TypeError):
+        return None
+    if not rec.reporters or not all(NODE_ID_RE.fullmatch(n) for n in rec.reporters):
+        return None
+    return rec.round, tuple(rec.reporters)
 
 
 def _announced(kv: KV | None) -> tuple[int, tuple[str, ...]] | None:
@@ -66,8 +82,10 @@ class WatchedView:
         self.rdzv: dict[str, KV] = {}  # below rdzv/joins/
         self.rdzv_hi: dict[str, KV] = {}  # above rdzv/joins/
         self.joins: dict[str, KV] = {}  # the coordinator's only
+        self.failures: dict[str, KV] = {}  # the coordinator's only
         self.full = False  # nodes/ and joins/ are watched and in sync (we coordinate)
         self.own_joins: dict[int, int] = {}  # round -> lease id our join key was put on
+        self.own_failures: dict[int, int] = {}  # round -> lease id our failure report was put on
         self.lease_id = 0  # our current lease: own joins on an older one died with it
         self.version = 0
         # Called (watch thread, under the lock: must not block) after every change; the
@@ -123,6 +141,12 @@ class WatchedView:
     def on_joins_resync(self, kvs: list[KV], rev: int) -> None:
         self._reset(self.joins, kvs)
 
+    def on_failures(self, events: list[WatchEvent]) -> None:
+        self._apply(self.failures, events)
+
+    def on_failures_resync(self, kvs: list[KV], rev: int) -> None:
+        self._reset(self.failures, kvs)
+
     def set_full(self, full: bool) -> None:
         """The coordinator's full watches are in sync (True) or were given up (False)."""
         with self.cond:
@@ -130,6 +154,7 @@ class WatchedView:
             if not full:
                 self.nodes.clear()
                 self.joins.clear()
+                self.failures.clear()
             self.version += 1
             self.cond.notify_all()
 
@@ -139,6 +164,12 @@ class WatchedView:
             self.own_joins[round_] = lease_id
             self.version += 1
             self.cond.notify_all()
+
+    def add_own_failure(self, round_: int, lease_id: int) -> None:
+        """Remember that we reported a worker failure in ``round_`` on ``lease_id``."""
+        with self.cond:
+            self.own_failures[round_] = lease_id
+            self._changed()
 
     def rdzv_get(self, key: str) -> KV | None:
         """A key of ``rdzv/`` outside ``joins/`` (state, closed, coordinator...)."""
@@ -158,9 +189,6 @@ class WatchedView:
             failures: dict[int, list[tuple[int, str]]] = {}
             left: dict[int, dict[str, str]] = {}
             for key, kv in rdzv.items():
-                r = round_of_key(key, k.failures_root)
-                if r is not None:
-                    failures.setdefault(r, []).append((kv.create_revision, key.rsplit("/", 1)[1]))
                 r = round_of_key(key, k.left_root)
                 if r is not None and (kind := kv.value.decode(errors="replace")) in LEAVE_KINDS:  # validated: anything else is a loss
                     left.setdefault(r, {})[key.rsplit("/", 1)[1]] = kind
@@ -177,11 +205,23 @@ class WatchedView:
                     if (lease == self.lease_id and (state is None or r >= state.round)
                             and self.keys.join(r, self.node_id) not in self.joins):
                         joins.setdefault(r, []).append((_NOT_SEEN_YET, self.node_id))
+                for key, kv in self.failures.items():
+                    r = round_of_key(key, k.failures_root)
+                    if r is not None:
+                        failures.setdefault(r, []).append((kv.create_revision, key.rsplit("/", 1)[1]))
             else:
                 alive = frozenset()
                 for r, lease in self.own_joins.items():
                     if lease == self.lease_id:
                         joins[r] = [(0, self.node_id)]
+            attributed = _attribution(rdzv.get(k.rdzv_attribution))
+            if attributed is not None and not self.full:
+                r, reporters = attributed
+                failures[r] = list(enumerate(reporters))
+            for r, lease in self.own_failures.items():
+                if (lease == self.lease_id and (state is None or r >= state.round)
+                        and self.node_id not in (n for _, n in failures.get(r, ()))):
+                    failures.setdefault(r, []).append((_NOT_SEEN_YET, self.node_id))
             announced = _announced(rdzv.get(k.rdzv_waiting))
             ordered = _in_order(joins)
             if announced is not None and not self.full:
@@ -189,7 +229,8 @@ class WatchedView:
                 ordered[r] = [*ordered.get(r, []), *(n for n in waiting if n != self.node_id)]
             closed = k.rdzv_closed in rdzv
             return (RendezvousView(state, alive, ordered, closed, _in_order(failures), left,
-                                   coordinator=coordinator, full=self.full, announced=announced),
+                                   coordinator=coordinator, full=self.full, announced=announced,
+                                   attributed=attributed[0] if attributed is not None else None),
                     state_kv.mod_revision if state_kv else 0)
 
     def probe_targets(self, nodes: Iterable[str]) -> list[ProbeTarget]:

@@ -118,6 +118,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-rows", type=_non_negative_int, default=None, metavar="N",
                    help=f"node rows in the table, unhealthy first (default {DEFAULT_MAX_ROWS}; "
                         "0 = all)")
+    p.add_argument("--goodput", action="store_true",
+                   help="show the job's goodput ledger: the share of worker-time that trained "
+                        "new steps, and the rest by cause, for its whole life and the last "
+                        "--goodput-window seconds (with --json: the elasticd.goodput/v1 document)")
+    p.add_argument("--goodput-window", type=_positive_float, default=3600.0, metavar="SECONDS",
+                   help="the recent window of --goodput (default 3600)")
     p.add_argument("--plot", metavar="FILE", default=None,
                    help="draw the job's history (world size, steps/s, loss, events) into "
                         "FILE.png or FILE.svg; needs the [plot] extra (matplotlib)")
@@ -187,6 +193,8 @@ def _run(args: argparse.Namespace, io: _Io, now: Callable[[], float],
             from elasticd.status.plot import run_plot  # matplotlib only when asked for
 
             return run_plot(client, opts, args.plot, out=io.out, fail=io.fail)
+        if getattr(args, "goodput", False):
+            return _run_goodput(client, opts, io, window_s=args.goodput_window)
         if opts.watch:
             from elasticd.status.watch import run_watch  # keeps one-shot startup lean
 
@@ -219,6 +227,27 @@ def _run_once(client: EtcdClient, opts: StatusOptions, io: _Io) -> int:
     if status.exit_code != EXIT_OK:
         print(f"{PROG}: {printable(status_line(status))}", file=io.err, flush=True)
     return status.exit_code
+
+
+def _run_goodput(client: EtcdClient, opts: StatusOptions, io: _Io, *, window_s: float) -> int:
+    from elasticd.status import goodput
+
+    if opts.job is None:
+        raise ConfigError("--goodput reads one job: add --job NAME")
+    if opts.watch:
+        raise ConfigError("--goodput prints once: drop --watch")
+    snap = read_job(client, opts.job)
+    if snap is None:
+        return io.fail(EXIT_UNKNOWN_JOB, unknown_job_message(opts), job=opts.job)
+    report = goodput.read_report(client, opts.job, [e.event for e in snap.events],
+                                 window_s=window_s)
+    if io.json:
+        print(jsondoc.dumps(report.to_dict(), pretty=True), file=io.out, flush=True)
+    else:
+        print(goodput.render(report), file=io.out, flush=True)
+        if report.note:
+            print(f"{PROG}: {report.note}", file=io.err, flush=True)
+    return EXIT_OK
 
 
 def _warn_alarms(client: EtcdClient, io: _Io) -> None:

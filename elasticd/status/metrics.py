@@ -15,6 +15,9 @@ Exposed series (all prefixed ``elasticd_``)::
     checkpoint_save_duration_seconds, checkpoint_save_bytes_total, checkpoint_last_save_bytes
     checkpoint_load_duration_seconds, checkpoint_load_bytes_total
     last_checkpoint_step, last_checkpoint_timestamp_seconds
+    goodput_ratio{window}                      window in life | recent (the ledger of
+    goodput_worker_seconds{window, cause}      `status --goodput`; set by the node that
+                                               writes the job's history)
     agent_info{elasticd_job, node, version}    constant 1
 
 Binding: ``serve`` listens on ``127.0.0.1`` unless told otherwise (``metrics.addr`` /
@@ -35,6 +38,7 @@ import structlog
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, MetricsHandler
 
 from elasticd.errors import ConfigError
+from elasticd.status.goodput import CAUSES, Ledger
 
 log = structlog.get_logger(__name__)
 
@@ -117,6 +121,12 @@ class AgentMetrics:
                                      registry=r)
         self.ckpt_load_bytes = Counter("elasticd_checkpoint_load_bytes",
                                        "Bytes read by checkpoint loads", registry=r)
+        self.goodput = Gauge("elasticd_goodput_ratio",
+                             "Share of worker-time that trained new steps (status --goodput)",
+                             ["window"], registry=r)
+        self.goodput_s = Gauge("elasticd_goodput_worker_seconds",
+                               "Worker-seconds of the job by cause (status --goodput)",
+                               ["window", "cause"], registry=r)
         self.last_ckpt_step = Gauge("elasticd_last_checkpoint_step",
                                     "Step of the newest committed checkpoint", registry=r)
         self.last_ckpt_time = Gauge("elasticd_last_checkpoint_timestamp_seconds",
@@ -186,6 +196,15 @@ class AgentMetrics:
         """One rank's checkpoint load (every rank reads the checkpoint: one observation each)."""
         self.ckpt_load_s.observe(seconds)
         self.ckpt_load_bytes.inc(max(nbytes, 0))
+
+    def set_goodput(self, life: Ledger, recent: Ledger) -> None:
+        """Publish the goodput ledger (``elasticd.status.goodput``) of the job's life and
+        its recent window; called by the agent that writes the job's history."""
+        for window, ledger in (("life", life), ("recent", recent)):
+            ratio = ledger.goodput
+            self.goodput.labels(window=window).set(float("nan") if ratio is None else ratio)
+            for cause in CAUSES:
+                self.goodput_s.labels(window=window, cause=cause).set(ledger.seconds.get(cause, 0.0))
 
     def set_last_checkpoint_step(self, step: int, committed_at: float | None = None) -> None:
         """Record the newest committed checkpoint (``committed_at``: Unix time, default now).

@@ -26,11 +26,10 @@ from typing import IO, Any
 from elasticd.errors import ConfigError
 from elasticd.etcd.client import EtcdClient
 from elasticd.history import History
-from elasticd.keys import JobKeys
 from elasticd.records import Event
 from elasticd.status.model import EXIT_OK, EXIT_UNKNOWN_JOB
 from elasticd.status.options import StatusOptions, unknown_job_message
-from elasticd.status.snapshot import read_job
+from elasticd.status.snapshot import read_history, read_job
 
 FORMATS = (".png", ".svg")
 MISSING_MATPLOTLIB = ("--plot needs matplotlib, which is the optional [plot] extra: "
@@ -299,16 +298,8 @@ def run_plot(client: EtcdClient, opts: StatusOptions, path: str, *, out: IO[str]
     snap = read_job(client, opts.job)
     if snap is None:
         return int(fail(EXIT_UNKNOWN_JOB, unknown_job_message(opts), job=opts.job))
-    kv = client.get(JobKeys(opts.job).history)
-    history = History()
-    note = ""
-    if kv is None:
-        note = " (no history yet: agents older than this CLI, or no progress reported)"
-    else:
-        try:
-            history = History.from_json(kv.value)
-        except ValueError as exc:
-            note = f" (history record unreadable, skipped: {exc})"
+    history, why = read_history(client, opts.job)
+    note = f" ({why})" if why else ""
     data = plot_data(history, [e.event for e in snap.events])
     try:
         draw(data, target, title=f"elasticd job {opts.job}: {len(data.t)} samples{note}")

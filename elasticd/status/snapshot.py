@@ -21,6 +21,7 @@ import structlog
 
 from elasticd.errors import ConfigError, EtcdUnavailableError
 from elasticd.etcd.client import KV, EtcdClient
+from elasticd.history import History
 from elasticd.keys import ROOT, JobKeys, job_of_key, parse_ascii_int, round_of_key
 from elasticd.records import (
     Beat,
@@ -267,3 +268,16 @@ def parse_all_kvs(kvs: Iterable[KV], revision: int) -> list[JobSnapshot]:
     return snaps
 
 
+def read_history(client: EtcdClient, job: str) -> tuple[History, str | None]:
+    """The job's history record (``elasticd.history``), and why it is empty if it is.
+
+    Raises:
+        EtcdUnavailableError: etcd did not answer.
+    """
+    kv = client.get(JobKeys(job).history)
+    if kv is None:
+        return History(), "no history yet: no progress reported, or agents older than this CLI"
+    try:
+        return History.from_json(kv.value), None
+    except ValueError as exc:  # validated like every record read from etcd
+        return History(), f"history record unreadable, skipped: {exc}"

@@ -73,7 +73,7 @@ def _one_run(run_dir: Path, seed: int, reference: list[dict], ref_params: dict) 
     rng = random.Random(seed)
     faults: list[str] = []
     started: list[Node] = []
-    frozen: set[str] = set()
+    frozen: list[str] = []  # one entry a freeze: each may restart that node's workers once
     leaving: set[str] = set()  # killed or drained: may still be alive for a moment
     trace = run_dir / "trace-run.jsonl"
     url = f"file://{run_dir}/ckpt"
@@ -148,7 +148,7 @@ def _one_run(run_dir: Path, seed: int, reference: list[dict], ref_params: dict) 
                 victim.signal(signal.SIGSTOP)
                 time.sleep(4.0)  # the fault itself: frozen longer than the TTL
                 victim.signal(signal.SIGCONT)
-                frozen.add(name)
+                frozen.append(name)
             elif fault == "drain_node":
                 note(f"drain_node {name} (SIGTERM)")
                 leaving.add(name)
@@ -199,6 +199,10 @@ def _one_run(run_dir: Path, seed: int, reference: list[dict], ref_params: dict) 
         assert not findings, "\n".join(findings)
         return faults
     except BaseException:
+        for node in started:  # where every agent thread waits, into its log (runner.py)
+            if node.alive():
+                node.signal_agent(signal.SIGUSR1)
+        time.sleep(0.5)  # faulthandler writes from a C handler: give it a moment to land
         kept = _keep(run_dir, seed, etcd, faults)
         print(f"\nsoak seed {seed} failed (rerun: ELASTICD_CHAOS_SEED={seed} ELASTICD_SOAK_RUNS=1); "
               f"files kept in {kept}; faults:\n  " + "\n  ".join(faults))

@@ -12,7 +12,7 @@ from harness import wait_until
 
 from elasticd.etcd.client import EtcdClient
 from elasticd.rendezvous.etcd_handler import EtcdRendezvousHandler
-from elasticd.rendezvous.protocol import MembershipChange
+from elasticd.rendezvous.protocol import Attribution, MembershipChange, attribute_failure
 from elasticd.rendezvous.settings import RendezvousSettings
 
 pytestmark = pytest.mark.timeout(60)
@@ -65,6 +65,26 @@ def test_a_round_costs_linear_watch_events(nodes, etcd_server):
     assert len(coordinators) == 1 and all(v.coordinator == coordinators[0] for v in views)
     partial = [v for v in views if not v.full]
     assert all(not v.alive and set(v.joins) <= {0} for v in partial)
+
+
+def test_a_job_wide_worker_failure_costs_linear_watch_events(nodes, etcd_server):
+    """Every node of a round of 8 reports a worker failure: the reports reach only the
+    coordinator, whose one verdict reaches everyone (at most 3 watch events per node; with
+    every node watching every report it was 8), and the nodes agree on one root cause."""
+    hs = nodes(8, "fanout-failure", min_nodes=8)
+    [f.result(timeout=30) for f in [nodes.pool.submit(h.next_rendezvous) for h in hs]]
+    before = watch_events_sent(etcd_server.endpoint)
+    [f.result(timeout=30) for f in [nodes.pool.submit(h.report_failure, "exit 1") for h in hs]]
+
+    def verdicts() -> list[Attribution]:
+        return [attribute_failure(h.view(), h.round, h.node_id)[0] for h in hs]
+
+    wait_until(lambda: Attribution.UNDECIDED not in verdicts(), timeout_s=15,
+               what="every node to attribute the failure")
+    assert sorted(v.value for v in verdicts()) == sorted(
+        [Attribution.ROOT.value] + [Attribution.VICTIM.value] * 7)
+    sent = watch_events_sent(etcd_server.endpoint) - before
+    assert sent <= 3 * len(hs), f"{sent:.0f} watch events for a failure of {len(hs)} nodes"
 
 
 def test_lost_coordinator_is_reported_and_replaced(nodes):

@@ -828,3 +828,29 @@ def test_members_dropped_from_the_next_round_are_reported_once():
                                 changed=["c"])
     assert dropped_members(view, by_coordinator, ["a", "b"]) == ()
     assert dropped_members(view, opened, ["a", "b", "c"]) == ()
+
+
+def test_coordinator_publishes_the_verdict_once_every_member_reported():
+    """Once every member of the final round reported a worker failure, the coordinator
+    publishes the reporters in order (one key every node watches), once per round; with a
+    report missing it waits."""
+    members = ["a", "b", "c"]
+    v = replace(view(final(1, members), set(members), failures={1: ["b", "a", "c"]}),
+                coordinator="c")
+    duty = coordinate(v)
+    assert (duty.kind, duty.round, duty.members) == (ActionKind.ATTRIBUTE, 1, ("b", "a", "c"))
+    assert "b first" in duty.reason
+    assert coordinate(replace(v, attributed=1)).kind is not ActionKind.ATTRIBUTE
+    missing = replace(v, failures={1: ["b", "a"]})
+    assert coordinate(missing).kind is not ActionKind.ATTRIBUTE
+
+
+def test_partial_view_decides_from_the_published_verdict():
+    """A node that sees only its own report and the coordinator's verdict attributes the
+    failure as a node that saw every report would."""
+    own = RendezvousView(final(1, ["a", "b"]), frozenset(), {}, False, {1: ["a"]}, {},
+                         coordinator="c", full=False)
+    assert attribute_failure(own, 1, "a")[0] is Attribution.UNDECIDED
+    verdict = replace(own, failures={1: ["b", "a"]}, attributed=1)
+    assert attribute_failure(verdict, 1, "a")[0] is Attribution.VICTIM
+    assert attribute_failure(verdict, 1, "b")[0] is Attribution.ROOT

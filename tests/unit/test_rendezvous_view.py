@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from elasticd.etcd.kv import KV, WatchEvent
 from elasticd.keys import JobKeys
-from elasticd.records import RoundState, WaitingRecord
+from elasticd.records import AttributionRecord, RoundState, WaitingRecord
 from elasticd.rendezvous.view import WatchedView
 
 K = JobKeys("j")
@@ -81,3 +81,34 @@ def test_full_view_holds_own_join_before_its_watch_event_then_in_creation_order(
         v.lease_id = 8
     v.on_joins([WatchEvent(K.join(5, "c"), None, 40)])
     assert v.snapshot()[0].joins == {5: ["d"]}
+
+
+def test_partial_view_has_own_failure_report_and_the_coordinators_verdict():
+    """A partial view holds no one's failure report but its own (on its current lease)
+    until the coordinator's verdict names every reporter in order; a malformed verdict is
+    ignored."""
+    v = fed("a")
+    with v.cond:
+        v.lease_id = 7
+    v.add_own_failure(4, 7)
+    view, _ = v.snapshot()
+    assert view.failures == {4: ["a"]} and view.attributed is None
+    v.on_rdzv([WatchEvent(K.rdzv_attribution, AttributionRecord(4, ["b", "a"]).to_json().encode(), 11)])
+    view, _ = v.snapshot()
+    assert view.failures == {4: ["b", "a"]} and view.attributed == 4
+    v.on_rdzv([WatchEvent(K.rdzv_attribution, b'{"round": 4, "reporters": ["../x"]}', 12)])
+    assert v.snapshot()[0].failures == {4: ["a"]}
+
+
+def test_full_view_has_every_failure_report_in_creation_order():
+    """The coordinator's view takes failure reports from its own watch, ordered by creation;
+    its own report counts before the watch shows it."""
+    v = fed("c")
+    with v.cond:
+        v.lease_id = 7
+    v.on_failures_resync([kv(K.failure(4, "b"), "x", 40), kv(K.failure(4, "a"), "x", 30)], 40)
+    v.set_full(True)
+    v.add_own_failure(4, 7)
+    assert v.snapshot()[0].failures == {4: ["a", "b", "c"]}
+    v.on_failures([WatchEvent(K.failure(4, "c"), b"x", 20)])
+    assert v.snapshot()[0].failures == {4: ["c", "a", "b"]}

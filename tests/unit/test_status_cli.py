@@ -15,7 +15,7 @@ from elasticd.status.options import StatusOptions, options_from_args
 FROZEN_FLAGS = {
     "--job", "--etcd", "--etcd-ca", "--etcd-cert", "--etcd-key", "--etcd-user",
     "--etcd-password-file", "--etcd-insecure-plaintext-auth", "--timeout", "--json", "--watch", "--events", "--window",
-    "--max-rows", "--plot", "-h", "--help",
+    "--max-rows", "--plot", "--goodput", "--goodput-window", "-h", "--help",
 }
 
 

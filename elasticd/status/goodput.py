@@ -1,0 +1,240 @@
+"""The goodput ledger: of the worker-time a job held, how much trained new steps, and why
+the rest did not. Pure: computed from the job's history record and its event history,
+which the agents already keep bounded in etcd (``elasticd.history``, ``events/``).
+
+How an interval is charged. Between two history samples ``a`` and ``b`` the job held
+``a.world_size`` workers for ``b.t - a.t`` seconds (weight: worker-seconds; with the same
+number of workers on every node that is node-time). The steps trained in it are
+``b.step - a.step``, or, after a rollback (the step went back), the steps from the
+checkpoint the job resumed from (``b.checkpoint_step``) to ``b.step``. Steps beyond the
+highest step ever reached are *new*; the others are *retrained*. Each takes the time it
+takes at the job's healthy rate at that world size (the median steps/s of the intervals at
+that size in which nothing happened), and the rest of the interval is lost, charged to
+the cause of the events inside it, in this order: a failure, a lost node, a restart or a
+hang is ``recovery``; a drain, a notice or a leave is ``drain``; a join, a resize or a
+re-formation is ``resize``; before the first step is ``startup``; with no event at all it
+is ``stall`` (checkpoint stalls and slow steps). A gap longer than ``MAX_GAP_FACTOR``
+sample intervals with no sample (no node published progress: the job was below its
+minimum or down) is ``waiting``, weighted by the smaller world size on either side.
+
+What this is not: an audit. Its resolution is the history's (5 s at first, coarser as the
+job ages), the healthy rate is an estimate, and time while no node published anything is
+seen only as a gap. The spot benchmark (benchmarks/spotbench/) measures goodput from the
+outside; this ledger is what an operator can read at any time for any job.
+"""
+
+from __future__ import annotations
+
+import itertools
+import statistics
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from elasticd.etcd.client import EtcdClient
+from elasticd.history import History, Sample
+from elasticd.keys import JobKeys
+from elasticd.records import Event, RecordError
+from elasticd.status.snapshot import read_history
+
+# The ledger's causes, in the order they are shown. "trained" is the goodput.
+CAUSES = ("trained", "retrained", "startup", "recovery", "resize", "drain", "waiting", "stall")
+RECOVERY_KINDS = frozenset({"failure", "lost", "lease_lost", "restart", "hang"})
+DRAIN_KINDS = frozenset({"drain", "notice", "leave"})
+RESIZE_KINDS = frozenset({"join", "resize", "reform", "round"})
+MAX_GAP_FACTOR = 3.0  # a gap of more than 3 sample intervals: nobody published progress
+DEFAULT_WINDOW_S = 3600.0
+
+
+@dataclass(frozen=True)
+class Ledger:
+    """Worker-seconds by cause over ``[since, until]`` (Unix seconds)."""
+
+    since: float
+    until: float
+    seconds: Mapping[str, float] = field(default_factory=dict)
+
+    @property
+    def total_s(self) -> float:
+        return sum(self.seconds.values())
+
+    @property
+    def goodput(self) -> float | None:
+        """The share of worker-time that trained new steps; None with no time at all."""
+        total = self.total_s
+        return self.seconds.get("trained", 0.0) / total if total > 0 else None
+
+    def share(self, cause: str) -> float:
+        total = self.total_s
+        return self.seconds.get(cause, 0.0) / total if total > 0 else 0.0
+
+    def to_dict(self) -> dict[str, object]:
+        return {"since": round(self.since, 3), "until": round(self.until, 3),
+                "worker_seconds": round(self.total_s, 3),
+                "goodput": None if self.goodput is None else round(self.goodput, 4),
+                "by_cause": {c: {"worker_seconds": round(self.seconds.get(c, 0.0), 3),
+                                 "share": round(self.share(c), 4)} for c in CAUSES}}
+
+
+def monotonic(samples: Sequence[Sample]) -> list[Sample]:
+    """The samples whose time is after every earlier one's (a stepped clock's are dropped)."""
+    kept: list[Sample] = []
+    for s in samples:
+        if not kept or s.t > kept[-1].t:
+            kept.append(s)
+    return kept
+
+
+def healthy_rates(samples: Sequence[Sample], events: Sequence[Event]) -> dict[int, float]:
+    """Steps/s by world size: the median over the intervals at that size (same size at
+    both ends, steps forward) with no event inside them."""
+    samples = monotonic(samples)
+    times = sorted(e.time for e in events)
+    rates: dict[int, list[float]] = {}
+    for a, b in itertools.pairwise(samples):
+        dt = b.t - a.t
+        if dt <= 0 or a.world_size != b.world_size or b.step <= a.step or a.world_size <= 0:
+            continue
+        if any(a.t < t <= b.t for t in times):
+            continue
+        rates.setdefault(a.world_size, []).append((b.step - a.step) / dt)
+    return {w: statistics.median(v) for w, v in rates.items()}
+
+
+def _cause(kinds: Iterable[str], *, started: bool) -> str:
+    kinds = set(kinds)
+    if kinds & RECOVERY_KINDS:
+        return "recovery"
+    if kinds & DRAIN_KINDS:
+        return "drain"
+    if kinds & RESIZE_KINDS:
+        return "resize"
+    return "stall" if started else "startup"
+
+
+def _rate_for(rates: Mapping[int, float], world: int) -> float | None:
+    if world in rates:
+        return rates[world]
+    if not rates:
+        return None
+    # No clean interval at this size: the nearest size's rate (a fixed global batch makes
+    # the rate grow with the world size; close enough for an estimate).
+    nearest = min(rates, key=lambda w: (abs(w - world), -w))
+    return rates[nearest] * world / nearest
+
+
+def compute(history: History, events: Sequence[Event], *, since: float | None = None,
+            until: float | None = None) -> Ledger:
+    """The ledger of the job between ``since`` and ``until`` (default: its whole history).
+
+    An interval that straddles ``since`` is counted in proportion to its part inside.
+    """
+    samples = monotonic(history.samples)
+    if len(samples) < 2:
+        t = samples[0].t if samples else 0.0
+        return Ledger(since if since is not None else t, until if until is not None else t, {})
+    lo = samples[0].t if since is None else since
+    hi = samples[-1].t if until is None else until
+    rates = healthy_rates(samples, events)
+    by_time = sorted(events, key=lambda e: e.time)
+    seconds = dict.fromkeys(CAUSES, 0.0)
+    gap_s = MAX_GAP_FACTOR * max(history.interval_s, 1.0)
+    best = samples[0].step
+    started = samples[0].step > 0
+    for a, b in itertools.pairwise(samples):
+        dt = b.t - a.t
+        inside = max(0.0, min(b.t, hi) - max(a.t, lo)) / dt  # the part inside the window
+        rolled_back = b.step < a.step
+        base = (b.checkpoint_step or 0) if rolled_back else a.step
+        trained = max(0, b.step - base)
+        new = max(0, b.step - max(best, base))
+        redo = trained - new
+        best = max(best, b.step)
+        kinds = [e.kind for e in by_time if a.t < e.time <= b.t]
+        if rolled_back:
+            kinds.append("restart")
+        if dt > gap_s and not kinds and trained == 0:
+            weight = min(a.world_size, b.world_size) * dt * inside
+            seconds["waiting"] += weight
+            continue
+        world = a.world_size if a.world_size > 0 else b.world_size
+        rate = _rate_for(rates, world)
+        busy_new = new / rate if rate else 0.0
+        busy_redo = redo / rate if rate else 0.0
+        busy = busy_new + busy_redo
+        if busy > dt:  # faster than the median: all of it trained
+            busy_new, busy_redo = busy_new * dt / busy, busy_redo * dt / busy
+            busy = dt
+        w = world * inside
+        seconds["trained"] += busy_new * w
+        seconds["retrained"] += busy_redo * w
+        seconds[_cause(kinds, started=started)] += (dt - busy) * w
+        started = started or trained > 0
+    return Ledger(lo, hi, seconds)
+
+
+def life_and_window(history: History, events: Sequence[Event], *,
+                    window_s: float = DEFAULT_WINDOW_S) -> tuple[Ledger, Ledger]:
+    """The whole-life ledger and the one of the last ``window_s`` seconds of history."""
+    life = compute(history, events)
+    if not history.samples:
+        return life, life
+    end = history.samples[-1].t
+    return life, compute(history, events, since=max(end - window_s, history.samples[0].t), until=end)
+
+
+@dataclass(frozen=True)
+class GoodputReport:
+    """What ``elasticd status --goodput`` shows: the ledger of a job's life and window."""
+
+    job: str
+    life: Ledger
+    window: Ledger
+    interval_s: float
+    window_s: float
+    note: str | None = None  # why the ledger is empty or partial
+
+    def to_dict(self) -> dict[str, object]:
+        return {"schema": "elasticd.goodput/v1", "job": self.job, "interval_s": self.interval_s,
+                "window_s": self.window_s, "life": self.life.to_dict(),
+                "window": self.window.to_dict(), "note": self.note}
+
+
+def read_events(client: EtcdClient, keys: JobKeys) -> list[Event]:
+    """The job's bounded event history (a record that does not validate is skipped)."""
+    kvs, _ = client.get_prefix(keys.events_prefix)
+    events = []
+    for kv in kvs:
+        try:
+            events.append(Event.from_json(kv.value))
+        except (RecordError, ValueError, TypeError):
+            continue  # validated like every record read from etcd
+    return events
+
+
+def read_report(client: EtcdClient, job: str, events: Sequence[Event], *,
+                window_s: float) -> GoodputReport:
+    """Read a job's history from etcd and compute its goodput report over ``events``.
+
+    Raises:
+        EtcdUnavailableError: etcd did not answer.
+    """
+    history, note = read_history(client, job)
+    life, window = life_and_window(history, events, window_s=window_s)
+    return GoodputReport(job, life, window, history.interval_s, window_s, note)
+
+
+def render(report: GoodputReport) -> str:
+    """The report as a table (``elasticd status --goodput``)."""
+    life, window, window_s = report.life, report.window, report.window_s
+    def pct(v: float | None) -> str:
+        return "-" if v is None else f"{100 * v:5.1f}%"
+
+    lines = [f"job {report.job}: goodput {pct(life.goodput)} of {life.total_s / 3600:.2f} worker-hours "
+             f"(last {window_s / 60:g} min: {pct(window.goodput)})",
+             f"  {'cause':<10} {'life':>7} {'window':>7}"]
+    for c in CAUSES:
+        lines.append(f"  {c:<10} {pct(life.share(c) if life.total_s else None):>7} "
+                     f"{pct(window.share(c) if window.total_s else None):>7}")
+    lines.append(f"  (share of worker-time, from the job's history at {report.interval_s:g} s "
+                 "resolution; see docs/status.md)")
+    return "\n".join(lines)

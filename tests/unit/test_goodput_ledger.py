@@ -1,0 +1,91 @@
+"""The goodput ledger's arithmetic (elasticd.status.goodput) on recorded histories."""
+
+from __future__ import annotations
+
+import pytest
+
+from elasticd.history import History, Sample
+from elasticd.records import Event
+from elasticd.status.goodput import GoodputReport, compute, healthy_rates, life_and_window, render
+
+
+def steady(t0: float, step0: int, n: int, *, world: int = 4, dt: float = 5.0, rate: float = 2.0,
+           ckpt: int | None = None) -> list[Sample]:
+    return [Sample(t0 + i * dt, step0 + int(i * dt * rate), world, checkpoint_step=ckpt)
+            for i in range(n)]
+
+
+def ev(t: float, kind: str) -> Event:
+    return Event(time=t, kind=kind, node="n1", round=1, message=kind)
+
+
+def test_a_job_with_no_fault_is_all_trained():
+    """Steps at the healthy rate and no event: every worker-second trained new steps."""
+    led = compute(History(5.0, tuple(steady(0, 0, 11))), [])
+    assert led.goodput == pytest.approx(1.0)
+    assert led.total_s == pytest.approx(50 * 4)
+
+
+def test_a_kill_with_a_rollback_charges_recovery_and_retrained_steps():
+    """A node lost at t=50, the job back from checkpoint 80 at t=60 and past its old step
+    100 at t=70: 10 s of recovery and the 20 retrained steps (10 s at 2 steps/s) are
+    charged, the rest trained."""
+    before = steady(0, 0, 11)  # step 100 at t=50
+    after = [Sample(60.0, 80, 3, checkpoint_step=80), *steady(65.0, 90, 6, world=3)]
+    led = compute(History(5.0, (*before, *after)), [ev(52.0, "lost")])
+    w = led.seconds
+    assert w["recovery"] == pytest.approx(10 * 4)  # t 50..60 at 4 workers, nothing trained
+    assert w["retrained"] == pytest.approx(10 * 3)  # steps 80..100 at 3 workers
+    assert w["trained"] == pytest.approx(50 * 4 + 30 * 3 - 10 * 3)
+    assert led.goodput == pytest.approx(260 / 330)
+
+
+def test_overlapping_faults_charge_the_interval_once_by_precedence():
+    """A failure and a drain in one interval: the interval is charged once, to recovery."""
+    s = [*steady(0, 0, 3), Sample(15.0, 20, 4), *steady(20.0, 30, 3)]
+    led = compute(History(5.0, tuple(s)), [ev(12.0, "drain"), ev(13.0, "failure")])
+    assert led.seconds["recovery"] == pytest.approx(5 * 4)  # t 10..15: no step at all
+    assert led.seconds["drain"] == 0
+    assert led.total_s == pytest.approx(30 * 4)
+
+
+def test_a_clock_step_back_is_skipped_not_charged_negative():
+    """A sample whose time went back (a node's clock stepped) adds no negative time."""
+    s = [*steady(0, 0, 4), Sample(10.0, 31, 4), *steady(20.0, 40, 3)]
+    led = compute(History(5.0, tuple(s)), [])
+    assert all(v >= 0 for v in led.seconds.values())
+    assert led.total_s == pytest.approx(30 * 4)
+
+
+def test_a_long_gap_with_nothing_trained_is_waiting():
+    """No sample for 10 minutes and no progress across it: the job waited (below its
+    minimum or down), not a stall."""
+    s = [*steady(0, 0, 3), *steady(610.0, 20, 3)]
+    led = compute(History(5.0, tuple(s)), [])
+    assert led.seconds["waiting"] == pytest.approx(600 * 4)
+    assert led.goodput == pytest.approx(20 / 620)  # 40 steps at 2/s of 620 s
+
+
+def test_startup_before_the_first_step_and_a_stall_without_events():
+    """Time before any step is start-up; a slow interval with no event is a stall."""
+    s = [Sample(0.0, 0, 4), Sample(5.0, 0, 4), *steady(10.0, 0, 5), Sample(35.0, 45, 4)]
+    led = compute(History(5.0, tuple(s)), [])
+    assert led.seconds["startup"] == pytest.approx(10 * 4)  # 0..5 and 5..10: no step yet
+    assert led.seconds["stall"] == pytest.approx(2.5 * 4)  # 30..35: 5 steps in 5 s at 2/s
+
+
+def test_the_healthy_rate_ignores_intervals_with_events_and_resizes():
+    """The rate per world size comes only from clean intervals at that size."""
+    s = [*steady(0, 0, 5), Sample(25.0, 45, 2), *steady(30.0, 50, 3, world=2, rate=1.0)]
+    rates = healthy_rates(s, [ev(2.0, "join")])
+    assert rates == {4: pytest.approx(2.0), 2: pytest.approx(1.0)}
+
+
+def test_the_window_counts_only_its_part_of_the_history():
+    """The window's ledger covers the last window_s seconds only."""
+    s = [Sample(0.0, 0, 4), Sample(5.0, 0, 4), *steady(10.0, 0, 19)]
+    life, window = life_and_window(History(5.0, tuple(s)), [], window_s=30.0)
+    assert life.seconds["startup"] > 0 and window.seconds["startup"] == 0
+    assert window.total_s == pytest.approx(30 * 4) and window.goodput == pytest.approx(1.0)
+    text = render(GoodputReport("j", life, window, 5.0, 30.0))
+    assert "goodput" in text and "startup" in text
