@@ -78,6 +78,21 @@ def test_a_first_standby_differs_from_its_worker_only_in_what_the_agent_sets_lat
     assert env_mismatch(early, {**worker, "ELASTICD_SOMETHING_ELSE": "1"}) == ["ELASTICD_SOMETHING_ELSE"]
 
 
+class _Port:
+    """A worker-group port whose rejoin forms round 4 (and says so in ``calls``)."""
+
+    local_world_size = 1
+
+    def __init__(self, handler: SimpleNamespace, calls: list[str], *, ranks: dict[int, int]) -> None:
+        self.handler, self.calls, self.ranks = handler, calls, ranks
+
+    def rejoin_keeping_workers(self) -> ReformOrder:
+        self.calls.append("rendezvous")
+        self.handler.round = 4
+        return ReformOrder(round=4, world_size=1 + max(self.ranks.values()), master_addr="127.0.0.1",
+                           master_port=29500, ranks=self.ranks)
+
+
 def test_a_live_reformation_orders_its_workers_and_writes_no_record_itself(tmp_path):
     """The node record, the round event and metrics are etcd writes: the re-formation runs
     the round and publishes the order, and leaves them to the agent, which writes them after
@@ -87,19 +102,11 @@ def test_a_live_reformation_orders_its_workers_and_writes_no_record_itself(tmp_p
     reformer = LiveReformer(channel, enabled=True, timeout_s=30)
     handler = SimpleNamespace(round=3, node_id="n", keys=SimpleNamespace(job="j"))
 
-    class Port:
-        local_world_size = 1
-
-        def rejoin_keeping_workers(self) -> ReformOrder:
-            calls.append("rendezvous")
-            handler.round = 4
-            return ReformOrder(round=4, world_size=2, master_addr="127.0.0.1", master_port=29500,
-                               ranks={0: 1})
-
     recorder = SimpleNamespace(event=lambda *a, **k: calls.append("event"))
     control = SimpleNamespace(clear_drain=lambda: calls.append("clear_drain"),
                               progress=SimpleNamespace(reset=lambda: calls.append("progress_reset")))
-    live = LiveReformation(reformer, handler, control, recorder, Port())  # type: ignore[arg-type]
+    live = LiveReformation(reformer, handler, control, recorder,  # type: ignore[arg-type]
+                           _Port(handler, calls, ranks={0: 1}))
     order = live.reform("test", draining=False)
     assert calls == ["rendezvous", "clear_drain", "progress_reset"]  # no etcd write, no event
     assert read_order(tmp_path) == order and order.ranks == {0: 1}
@@ -119,21 +126,12 @@ def test_the_agent_writes_the_rounds_records_only_after_the_order_is_out(tmp_pat
     channel = ControlChannel(directory=tmp_path)
     handler = SimpleNamespace(round=3, node_id="n", keys=SimpleNamespace(job="j"))
 
-    class Port:
-        local_world_size = 1
-
-        def rejoin_keeping_workers(self) -> ReformOrder:
-            calls.append("rendezvous")
-            handler.round = 4
-            return ReformOrder(round=4, world_size=1, master_addr="127.0.0.1", master_port=29500,
-                               ranks={0: 0})
-
     recorder = SimpleNamespace(event=lambda kind, *a, **k: calls.append(f"event:{kind}"))
     agent = ElasticdAgent.__new__(ElasticdAgent)  # no torch agent: only the live steps
     agent.phase = AgentPhase(groups_started=1)
     agent._worker_group = SimpleNamespace()  # type: ignore[assignment]
     agent.live = LiveReformation(LiveReformer(channel, enabled=True, timeout_s=30), handler,  # type: ignore[arg-type]
-                                 channel, recorder, Port())
+                                 channel, recorder, _Port(handler, calls, ranks={0: 0}))
     agent._record_round = lambda group, *, state="training": calls.append(  # type: ignore[method-assign]
         f"{state} records (order for round {getattr(read_order(tmp_path), 'round', None)} out)")
     agent._set_state = lambda state, **kw: calls.append(f"state:{state}")  # type: ignore[method-assign]
