@@ -33,15 +33,16 @@ from torch.distributed.elastic.rendezvous import RendezvousGracefulExitError
 from elasticd.agent.commits import CommitRetrier
 from elasticd.agent.policy import STARTUP_S, Decision, Facts, GroupState, Verdict, decide
 from elasticd.agent.recorder import JobRecorder
-from elasticd.agent.reform import LiveReformer, live_tick
+from elasticd.agent.reform import LIVE_VERDICTS, LiveReformation, LiveReformer
 from elasticd.agent.standbys import StandbyCare
 from elasticd.agent.summary import failure_line, failure_summary, print_summary
 from elasticd.agent.supervision import AgentPhase, Outcome, SupervisionSettings
-from elasticd.agent.ticks import TickWrites
+from elasticd.agent.ticks import TickWriter
 from elasticd.agent.wakeup import TickWaker
 from elasticd.agent.warm import StandbyPool, warm_handlers
 from elasticd.agent.worker_env import spawn_environment, supervised_worker_env
 from elasticd.agent.worker_exec import request_stacks
+from elasticd.agent.worker_group import TorchWorkerGroup
 from elasticd.control import ControlChannel
 from elasticd.control.api import ENV_ROUND
 from elasticd.errors import LeaseLostError, TransientError
@@ -56,9 +57,11 @@ from elasticd.rendezvous.protocol import (
 from elasticd.retry import restart_backoff_s
 
 log = structlog.get_logger(__name__)
+# Verdicts not logged as a decision: nothing changes (live steps log their own events).
+_QUIET = (Verdict.CONTINUE, Verdict.LIVE_WAIT)
 
 
-class ElasticdAgent(TickWrites, StandbyCare, LocalElasticAgent):
+class ElasticdAgent(LocalElasticAgent):
     """LocalElasticAgent driven by elasticd's policy (see module docstring)."""
 
     def __init__(self, spec: Any, settings: SupervisionSettings, handler: EtcdRendezvousHandler,
@@ -78,20 +81,25 @@ class ElasticdAgent(TickWrites, StandbyCare, LocalElasticAgent):
         self.stop_signals = 0
         self.notice: str | None = None
         self.phase = AgentPhase()  # drain / resize / failure / completion: one value
-        self._last_heartbeat = 0.0
         self._last_decision = ""
         self._log = log.bind(job=handler.keys.job, node=handler.node_id)
         # The first standbys may have started before torch was imported (agent.early).
         self.standby = standby if standby is not None else StandbyPool(settings.warm_start, control.dir)
+        self.standbys = StandbyCare(settings, handler, control, self.standby, self._worker_pids, self._log)
+        self.ticks = TickWriter(settings, handler, control, recorder, self._worker_group,
+                                metrics=metrics, notifier=notifier, log=self._log)
         self._worker_envs: dict[int, dict[str, str]] = {}
         self._group_started_at = 0.0
         self._done_checked_at = 0.0  # throttle of the done-marker look while workers run
-        self._running_checked_at = 0.0
         # Failed attempts while none got past start-up (policy.repeats_at_startup).
         self._startup_failures: tuple[str, ...] = ()
         self._past_startup = False
-        self.live = LiveReformer(control.dir, enabled=settings.live_reform,
-                                 timeout_s=settings.live_reform_timeout_s)
+        self.live = LiveReformation(
+            LiveReformer(control, enabled=settings.live_reform,
+                         timeout_s=settings.live_reform_timeout_s),
+            handler, control, recorder,
+            TorchWorkerGroup(self._worker_group, self._join_round, self._worker_pids,
+                             lambda: self.handler.round))
         # A stop signal, a worker's exit or a watch event ends the tick's wait at once.
         self.waker = TickWaker()
         handler.on_view_change(self.waker.wake)
@@ -123,7 +131,7 @@ class ElasticdAgent(TickWrites, StandbyCare, LocalElasticAgent):
 
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
         self.control.clear_round()
-        self.live.reset_group()
+        self.live.reformer.reset_group()
         if not self.phase.draining:
             self.control.clear_drain()
         if self.handler.round is None:  # never: torch starts workers after a rendezvous
@@ -219,10 +227,10 @@ class ElasticdAgent(TickWrites, StandbyCare, LocalElasticAgent):
         static = self._static_worker_env()
         self.standby.fill({r: {**static, "LOCAL_RANK": str(r)} for r in range(wg.spec.local_world_size)},
                           urgent=True)  # nothing of ours trains yet: the node waits for them
-        if self.settings.live_reform and self.standby.enabled and self._joining_running_job():
+        if self.settings.live_reform and self.standby.enabled and self.standbys.joining_running_job():
             # A node joining a running job: members re-forming in place park their workers
             # only from the round on, so join once our workers can start at once.
-            self._wait_for_standbys(wg.spec.local_world_size)
+            self.standbys.wait_for_standbys(wg.spec.local_world_size, lambda: self.stop_signals > 0)
         self._initialize_workers(wg)
         result = RunResult(state=WorkerState.HEALTHY)
         while True:
@@ -233,23 +241,28 @@ class ElasticdAgent(TickWrites, StandbyCare, LocalElasticAgent):
             now = time.monotonic()
             facts = self._facts(result, now)
             decision = decide(facts)
-            if decision.reason != self._last_decision and decision.verdict is not Verdict.CONTINUE:
+            if decision.reason != self._last_decision and decision.verdict not in _QUIET:
                 self._log.info("agent_decided", verdict=decision.verdict.value, reason=decision.reason,
                                round=self.handler.round)
             self._last_decision = decision.reason
-            self._record_tick(facts, result, now)
+            self.phase = self.ticks.record(facts, result, self.phase, now)
             self._note_attempt(facts, decision)
-            if live_tick(self, decision.verdict.value, facts.membership.value):
+            if decision.live_abandoned:
+                self.live.abandon(decision)
+            if decision.verdict in LIVE_VERDICTS:
+                self._act_live(decision, now)
                 continue  # the workers re-form in place (elasticd.agent.reform)
             done = self._act(decision, result)
             if done:
                 self.standby.close()
                 return result
-            self._refill_standby(wg.state)
+            self.standbys.refill(wg.state, draining=self.phase.draining,
+                                 local_world_size=wg.spec.local_world_size,
+                                 envs=self._worker_envs, group_started_at=self._group_started_at)
 
     def _facts(self, result: RunResult, now: float) -> Facts:
         """This tick's decision inputs. Read-only: no etcd write, no phase change (the
-        first sight of a failure or of completion is recorded by ``_record_tick``)."""
+        first sight of a failure or of completion is recorded by ``TickWriter.record``)."""
         state = GroupState[result.state.name]
         phase = self.phase
         attribution: Attribution | None = None
@@ -298,6 +311,7 @@ class ElasticdAgent(TickWrites, StandbyCare, LocalElasticAgent):
             startup_failures=self._startup_failures,
             past_startup=(self._past_startup or board.max_step() >= 0
                           or now - self._group_started_at >= STARTUP_S),
+            live=self.live.facts(now),
         )
 
     @staticmethod
@@ -334,6 +348,33 @@ class ElasticdAgent(TickWrites, StandbyCare, LocalElasticAgent):
         return attribute_failure(self.handler.view(), rnd, self.handler.node_id,
                                  proven_dead=self.handler.probe_members())
 
+
+    def _act_live(self, decision: Decision, now: float) -> None:
+        """Carry out a live re-formation verdict: the workers keep running."""
+        v = decision.verdict
+        if v is Verdict.LIVE_WAIT:
+            return
+        if v is Verdict.PARK:
+            self.live.park(decision.reason, now)
+        elif v is Verdict.LIVE_DONE:
+            self.live.completed(now - (self.phase.fault_at or now))
+            self._set_state("training")  # the record said re-forming since the order
+        elif v is Verdict.LIVE_FALLBACK:
+            self.live.fell_back(decision.reason)
+            self.phase = self.phase.fault(now)
+            self._restart("membership", f"live re-formation fell back: {decision.reason}")
+        else:
+            assert v is Verdict.REFORM_LIVE, v
+            self.phase = self.phase.fault(time.monotonic())
+            self.live.reform(decision.reason, draining=self.phase.draining)
+            self.phase = self.phase.group_started()  # as for a restarted group: a resize ends
+            self._group_started_at = time.monotonic()
+            # The round's etcd records only now, after the order: the node is "re-forming"
+            # until every worker confirmed the new round (LIVE_DONE).
+            self._record_round(self._worker_group, state="re-forming")
+
+    def _worker_pids(self) -> dict[int, int]:
+        return dict(self._pcontext.pids()) if self._pcontext is not None else {}
 
     def _act(self, decision: Decision, result: RunResult) -> bool:
         """Carry out one decision. Returns True when the run is over."""

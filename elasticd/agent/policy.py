@@ -30,10 +30,26 @@ with a human-readable reason. Policy in one line each:
 - Workers whose script returned with 0 (every local rank wrote ``done-<rank>``) have
   finished, whatever torch's teardown does next: an abort after that is success, and a
   process still there ``done_exit_s`` later is stopped and counted done.
+
+Live re-formation (``Facts.live``, when every local worker registered for it) comes after
+all of that, in the same function: a stop, a drain, a fence, a hang or a completion is
+never overridden by it; a membership change (or a worker's failed collective) is handled
+in place instead of by a restart:
+
+- a join parks the workers first (they leave their group at the next agreed step), even
+  when the restart policy would restart: an order alone never reaches a worker whose
+  collectives all succeed;
+- a lost or drained peer, or workers that parked, re-form live: the next round runs now
+  and the workers are ordered into it;
+- the re-formation ends when every worker confirmed it, and falls back to a restart
+  (a membership change: no budget spent) past its bound, when a member it waits for is
+  lost again, or when the workers failed in the superseded round before taking the order;
+- workers that end otherwise mid-way abandon it: the restart policy's verdict stands.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from dataclasses import dataclass
 
@@ -58,6 +74,12 @@ class Verdict(enum.Enum):
     STOP_NOW = "stop_now"  # stop requested, workers cannot drain: SIGTERM them (briefly), leave
     FINISH = "finish"  # the job completed
     FAIL = "fail"  # budget exhausted or non-retryable: exit non-zero
+    # Live re-formation (Facts.live): the workers stay, the group re-forms around them.
+    PARK = "park"  # nodes join: the workers leave their group at the next agreed step
+    REFORM_LIVE = "reform_live"  # run the next round now and order the workers into it
+    LIVE_WAIT = "live_wait"  # a park or a re-formation is under way: nothing to do
+    LIVE_DONE = "live_done"  # every worker re-formed: the node trains in the new round
+    LIVE_FALLBACK = "live_fallback"  # in place failed: restart the workers (a membership change)
 
 
 class GroupState(enum.Enum):
@@ -76,6 +98,32 @@ _FAILED = (GroupState.FAILED, GroupState.UNHEALTHY)
 # A peer's drain or a departure our workers may already be saving for (see _membership_changed).
 _AFTER_AGREED_STOP = (MembershipChange.NEWER_ROUND, MembershipChange.MEMBER_LOST,
                       MembershipChange.MEMBER_LEFT)
+
+
+class LivePhase(enum.Enum):
+    """Where this node's live re-formation stands (the agent's, not the workers')."""
+
+    IDLE = "idle"  # none under way
+    PARKING = "parking"  # the workers were asked to leave their group at the next agreed step
+    REFORMING = "reforming"  # an order is out, not every worker confirmed it yet
+
+
+@dataclass(frozen=True)
+class LiveFacts:
+    """The live re-formation part of a tick's facts (``Facts.live``).
+
+    Present only when live re-formation is on and every local worker registered for it;
+    the workers' reports are read from the control channel.
+    """
+
+    phase: LivePhase = LivePhase.IDLE
+    parked_all: bool = False  # every local worker left its group and waits for an order
+    parked_any_failure: bool = False  # a local worker's collective failed (a peer died)
+    reformed_all: bool = False  # REFORMING: every worker confirmed the order's round
+    # REFORMING: every worker has left its old group (parked) or re-formed: none of them
+    # still runs in the superseded round.
+    left_old_all: bool = False
+    deadline_passed: bool = False  # the park's or the re-formation's bound passed
 
 
 @dataclass(frozen=True)
@@ -114,6 +162,8 @@ class Facts:
     # The lines of this node's earlier failed attempts, while none got past start-up.
     startup_failures: tuple[str, ...] = ()
     past_startup: bool = False  # some attempt reported a step or ran STARTUP_S
+    # Live re-formation: None when it is off or some local worker did not register for it.
+    live: LiveFacts | None = None
 
 
 def repeats_at_startup(f: Facts) -> bool:
@@ -127,10 +177,83 @@ class Decision:
     verdict: Verdict
     reason: str
     exit_code: int = 1  # for FAIL: the agent's exit status
+    # Non-empty when a park or re-formation under way ends with this decision (the
+    # workers ended mid-way): why. The agent forgets it, then carries out ``verdict``.
+    live_abandoned: str = ""
+
+
+# The restart policy's verdicts that live re-formation may replace: the others (stop,
+# drain, fence, hang, completion) always act first.
+_LIVE_MAY_ACT = (Verdict.CONTINUE, Verdict.RESTART_MEMBERSHIP, Verdict.START_RESIZE,
+                 Verdict.ATTRIBUTE)
+_MEMBERSHIP_VERDICTS = (Verdict.RESTART_MEMBERSHIP, Verdict.START_RESIZE)
+# A second change during a re-formation that the new group cannot survive.
+_GROUP_CANNOT_FORM = (MembershipChange.MEMBER_LOST, MembershipChange.NEWER_ROUND)
 
 
 def decide(f: Facts) -> Decision:
-    """Map one tick's facts to the next action. Pure; precedence is top to bottom."""
+    """Map one tick's facts to the next action. Pure; precedence is top to bottom: the
+    restart policy first, then live re-formation (``f.live``) where it may replace it."""
+    restart = _decide_restart(f)
+    if f.live is None or f.draining:
+        return restart
+    return _decide_live(f, f.live, restart)
+
+
+def _decide_live(f: Facts, live: LiveFacts, restart: Decision) -> Decision:
+    """Live re-formation's part of the precedence: ``restart`` is the restart policy's verdict."""
+    reforming, parking = live.phase is LivePhase.REFORMING, live.phase is LivePhase.PARKING
+    if f.group_state is not GroupState.HEALTHY:
+        if reforming and not live.left_old_all and f.group_state in _FAILED:
+            # They failed in the round the order superseded (a zombie's commit is refused
+            # there): a consequence of the membership change, which spends no budget.
+            return Decision(Verdict.LIVE_FALLBACK, "workers failed in the superseded round "
+                            "before taking the order")
+        if reforming or parking:
+            return dataclasses.replace(restart, live_abandoned=(
+                f"workers ended during the re-formation ({f.group_state.value}): "
+                "the restart policy decides"))
+        return restart
+    if restart.verdict not in _LIVE_MAY_ACT:
+        return restart
+    if reforming:
+        if live.reformed_all:
+            return Decision(Verdict.LIVE_DONE, "every worker re-formed")
+        if restart.verdict is Verdict.RESTART_MEMBERSHIP and f.membership in _GROUP_CANNOT_FORM:
+            # A member the workers wait for is gone (or the job moved on), so the group
+            # cannot form and waiting for the bound would only delay the restart. (A join
+            # waits: it parks after this one.)
+            return Decision(Verdict.LIVE_FALLBACK, "membership changed again during the "
+                            f"re-formation ({f.membership.value})")
+        if live.deadline_passed:
+            return Decision(Verdict.LIVE_FALLBACK, "workers did not re-form within the bound")
+        return Decision(Verdict.LIVE_WAIT, "waiting for workers to re-form")
+    if live.parked_any_failure:
+        return Decision(Verdict.REFORM_LIVE, "a collective failed (a peer is gone): "
+                        "opening the next round now")
+    if live.parked_all:
+        return Decision(Verdict.REFORM_LIVE, "workers left their group at the agreed step")
+    if restart.verdict in _MEMBERSHIP_VERDICTS:
+        if f.membership is not MembershipChange.JOIN:
+            kind = f.membership.value if f.membership is not MembershipChange.NONE else "peer"
+            return Decision(Verdict.REFORM_LIVE, f"membership changed ({kind}): re-forming in place")
+        # A join parks first, even when the restart policy would restart (a group that has
+        # not trained yet): a worker leaves its group only at an agreed step or on a failed
+        # collective, so an order alone never reaches one whose collectives all succeed
+        # (a node alone at world size 1 trained on, and was restarted after the bound).
+        if parking and live.deadline_passed:
+            return Decision(Verdict.LIVE_FALLBACK, "workers did not reach an agreed step "
+                            "within the bound")
+        if parking:
+            return Decision(Verdict.LIVE_WAIT, "waiting for workers to park")
+        return Decision(Verdict.PARK, "nodes join: workers leave the group at the next step")
+    if parking:
+        return Decision(Verdict.LIVE_WAIT, "waiting for workers to park")
+    return restart
+
+
+def _decide_restart(f: Facts) -> Decision:
+    """The restart policy (no live re-formation). Precedence is top to bottom."""
     if f.lease_lost:
         return Decision(Verdict.FENCE, "lease lost: the job moved on without us; rejoining")
     if f.draining and (f.drain_signals >= 2 or f.drain_deadline_passed):

@@ -1,6 +1,6 @@
 """When the agent starts its warm standbys, and how it waits for them.
 
-A mixin of ``ElasticdAgent``. The pool itself (processes that imported torch and wait to
+``StandbyCare``, one of ``ElasticdAgent``'s collaborators. The pool itself (processes that imported torch and wait to
 become a worker) is ``elasticd.agent.warm.StandbyPool``; this is the agent's policy for
 it: refill once the group trains, or once a plain script's workers run; wait for them
 before a node joins a running job.
@@ -9,49 +9,65 @@ before a node joins a running job.
 from __future__ import annotations
 
 import time
-from typing import Any
+from collections.abc import Callable, Mapping
 
 import structlog
-from torch.distributed.elastic.agent.server.api import WorkerGroup, WorkerState
+from torch.distributed.elastic.agent.server.api import WorkerState
 
-from elasticd.agent.supervision import AgentPhase, SupervisionSettings
+from elasticd.agent.supervision import SupervisionSettings
 from elasticd.agent.warm import StandbyPool, past_imports
 from elasticd.control import ControlChannel
 from elasticd.rendezvous.etcd_handler import EtcdRendezvousHandler
 
 
 class StandbyCare:
-    """Standby refills and waits (mixed into ``ElasticdAgent``, whose state they use)."""
+    """Standby refills and waits for one agent.
 
-    settings: SupervisionSettings
-    handler: EtcdRendezvousHandler
-    control: ControlChannel
-    phase: AgentPhase
-    standby: StandbyPool
-    stop_signals: int
-    _worker_group: WorkerGroup
-    _worker_envs: dict[int, dict[str, str]]
-    _group_started_at: float
-    _running_checked_at: float
-    _pcontext: Any
-    _log: structlog.typing.FilteringBoundLogger
+    Args:
+        settings: the agent's supervision settings (standby delays).
+        handler: the rendezvous handler (the round state, read once at start).
+        control: the control channel (the progress board).
+        standby: the pool of warm standbys.
+        pids: the running workers' pids by local rank (empty when none runs).
+        log: the agent's bound logger.
+    """
 
-    def _refill_standby(self, state: WorkerState) -> None:
+    def __init__(self, settings: SupervisionSettings, handler: EtcdRendezvousHandler,
+                 control: ControlChannel, standby: StandbyPool,
+                 pids: Callable[[], Mapping[int, int]],
+                 log: structlog.typing.FilteringBoundLogger) -> None:
+        self.settings = settings
+        self.handler = handler
+        self.control = control
+        self.standby = standby
+        self._pids = pids
+        self._log = log
+        self._running_checked_at = 0.0
+
+    def refill(self, state: WorkerState, *, draining: bool, local_world_size: int,
+               envs: Mapping[int, dict[str, str]], group_started_at: float) -> None:
         """Start missing standbys once the group trains (its first step, or a while).
 
         Not earlier: on a small machine the standbys' imports would slow the workers' own
         start, which is exactly what a recovery waits for.
+
+        Args:
+            state: the worker group's state this tick.
+            draining: this node leaves (no standby is needed any more).
+            local_world_size: workers per node (a standby for each).
+            envs: each local rank's worker environment (what a standby becomes).
+            group_started_at: when the current worker group started (monotonic).
         """
-        if not self.standby.enabled or state != WorkerState.HEALTHY or self.phase.draining:
+        if not self.standby.enabled or state != WorkerState.HEALTHY or draining:
             return
-        if not self.standby.missing(range(self._worker_group.spec.local_world_size)):
+        if not self.standby.missing(range(local_world_size)):
             return
         board, now = self.control.progress, time.monotonic()
         trained = board.max_step() >= 0 and now - board.first_advance >= self.settings.standby_delay_s
-        if trained or now - self._group_started_at >= self.settings.standby_after_s or self._workers_running(now):
-            self.standby.fill(self._worker_envs)
+        if trained or now - group_started_at >= self.settings.standby_after_s or self._workers_running(now):
+            self.standby.fill(dict(envs))
 
-    def _joining_running_job(self) -> bool:
+    def joining_running_job(self) -> bool:
         """A final round without us exists: we join a job that trains (one read, best effort)."""
         from elasticd.records import RoundState
 
@@ -62,12 +78,12 @@ class StandbyCare:
             return False
         return state is not None and state.phase == "final" and self.handler.node_id not in state.members
 
-    def _wait_for_standbys(self, n: int, timeout_s: float = 60.0) -> None:
-        """Wait (bounded) until ``n`` standbys finished their imports. The node is already
-        registered (``ElasticdAgent._run_loop``): waiting here holds no round open for
-        longer than its last call, and leaves none to close without us."""
+    def wait_for_standbys(self, n: int, stopped: Callable[[], bool], timeout_s: float = 60.0) -> None:
+        """Wait (bounded) until ``n`` standbys finished their imports, or ``stopped()``.
+        The node is already registered (``ElasticdAgent._run_loop``): waiting here holds
+        no round open for longer than its last call, and leaves none to close without us."""
         start = time.monotonic()
-        while time.monotonic() - start < timeout_s and not self.stop_signals:
+        while time.monotonic() - start < timeout_s and not stopped():
             if self.standby.ready(range(n)):
                 self._log.info("standbys_ready", seconds=round(time.monotonic() - start, 2))
                 return
@@ -82,9 +98,9 @@ class StandbyCare:
         soon as the new group runs rather than ``standby_after_s`` later: a second fault
         soon after the first then still finds a warm worker.
         """
-        if now - self._running_checked_at < 1.0 or self._pcontext is None:
+        if now - self._running_checked_at < 1.0:
             return False
         self._running_checked_at = now
-        pids = list(self._pcontext.pids().values())
+        pids = list(self._pids().values())
         return bool(pids) and all(past_imports(p) for p in pids)
 

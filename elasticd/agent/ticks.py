@@ -1,6 +1,6 @@
 """The agent loop's writes of a tick, done in the act step (never while gathering facts).
 
-A mixin of ``ElasticdAgent``: a failure's first sight (reported to etcd, where the peers'
+``TickWriter``, one of ``ElasticdAgent``'s collaborators: a failure's first sight (reported to etcd, where the peers'
 attribution reads it), the first sight of completion, the job's progress (with the loss
 the local ranks reported), the node's beat and the systemd watchdog. Kept apart from the
 loop because they are the loop's only etcd writes per tick: a slow etcd delays them, and
@@ -9,7 +9,7 @@ nothing else.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import structlog
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
@@ -22,26 +22,50 @@ from elasticd.control import ControlChannel
 from elasticd.errors import LeaseLostError, TransientError
 from elasticd.rendezvous.etcd_handler import EtcdRendezvousHandler
 
+if TYPE_CHECKING:
+    from elasticd.agent.sdnotify import SystemdNotifier
+    from elasticd.status.metrics import AgentMetrics
 
-class TickWrites:
-    """The act step's per-tick writes (mixed into ``ElasticdAgent``, whose state they use)."""
 
-    settings: SupervisionSettings
-    handler: EtcdRendezvousHandler
-    control: ControlChannel
-    recorder: JobRecorder
-    metrics: Any
-    notifier: Any
-    phase: AgentPhase
-    _worker_group: WorkerGroup
-    _last_heartbeat: float
-    _log: structlog.typing.FilteringBoundLogger
+class TickWriter:
+    """The act step's per-tick writes.
 
-    def _record_tick(self, facts: Facts, result: RunResult, now: float) -> None:
+    Args:
+        settings: the agent's supervision settings (the beat interval).
+        handler: the rendezvous handler (failure reports).
+        control: the control channel (the progress board).
+        recorder: the job's records (events, progress, beats).
+        group: the agent's worker group (its rank, sizes and state).
+        metrics: the agent's Prometheus metrics, or None.
+        notifier: the systemd notifier, or None.
+        log: the agent's bound logger.
+    """
+
+    def __init__(self, settings: SupervisionSettings, handler: EtcdRendezvousHandler,
+                 control: ControlChannel, recorder: JobRecorder, group: WorkerGroup, *,
+                 metrics: AgentMetrics | None, notifier: SystemdNotifier | None,
+                 log: structlog.typing.FilteringBoundLogger) -> None:
+        self.settings = settings
+        self.handler = handler
+        self.control = control
+        self.recorder = recorder
+        self.group = group
+        self.metrics = metrics
+        self.notifier = notifier
+        self._log = log
+        self.phase = AgentPhase()  # of the tick being recorded (see record)
+        self.last_heartbeat = 0.0
+
+    def record(self, facts: Facts, result: RunResult, phase: AgentPhase, now: float) -> AgentPhase:
         """The tick's writes, before its verdict is carried out: a failure's first sight
         (reported to etcd, where the peers' attribution reads it), the first sight of
         completion, progress and the heartbeat. Before the verdict, because a restart
-        moves this node to the next round."""
+        moves this node to the next round.
+
+        Returns:
+            ``phase`` with what this tick saw first (a failure, completion, a recovery).
+        """
+        self.phase = phase
         failed = facts.group_state in (GroupState.FAILED, GroupState.UNHEALTHY)
         if failed and not facts.draining and self.phase.failure_seen_at is None:
             self.phase = self.phase.failure_seen(now)
@@ -49,7 +73,7 @@ class TickWrites:
         if facts.workers_done and self.phase.done_at is None:
             self.phase = self.phase.done(now)
         self._heartbeat(now)
-
+        return self.phase
 
     def _report_failure(self, result: RunResult) -> None:
         first = first_failure(result)
@@ -62,7 +86,7 @@ class TickWrites:
 
     def _heartbeat(self, now: float) -> None:
         board = self.control.progress
-        wg = self._worker_group
+        wg = self.group
         if wg.group_rank == 0 and board.max_step() >= 0:
             snap = board.snapshot()
             top = max(snap.values(), key=lambda p: p.step)
@@ -77,10 +101,10 @@ class TickWrites:
             if self.metrics is not None:
                 self.metrics.observe_recovery_s(now - fault_at)
             self.phase = self.phase.recovered()
-        if now - self._last_heartbeat >= self.settings.beat_interval_s:
+        if now - self.last_heartbeat >= self.settings.beat_interval_s:
             # The beat, not the node record: peers watch nodes/, so a periodic record
             # rewrite would cost every peer an event; nobody watches beats/.
-            self._last_heartbeat = now
+            self.last_heartbeat = now
             self.recorder.beat(board.max_step(), wg.spec.local_world_size)
         if self.notifier is not None:
             self.notifier.watchdog()

@@ -12,8 +12,8 @@ A private runtime directory (mode 0700) per agent, passed to workers as
   worker checks it with one ``stat`` per step (``elasticd.worker.should_stop``), then all
   ranks agree through one tiny all-reduce, so every rank of every node stops after the
   same step.
-- ``stopped-<rank>``: written by a worker that exits 0 because of a drain (its own node's
-  or a peer's), with the last trained step. It tells the agent "stopped for a drain, the
+- ``stopped-<rank>`` (a typed ``StoppedReport``): written by a worker that exits 0
+  because of a drain (its own node's or a peer's), with the last trained step. It tells the agent "stopped for a drain, the
   job is not finished", so a surviving node re-forms instead of declaring success.
 - ``drainable-<rank>``: written by a worker the first time it calls ``should_stop`` (an
   empty file). It tells the agent "this worker group stops at a step boundary when asked",
@@ -24,7 +24,9 @@ A private runtime directory (mode 0700) per agent, passed to workers as
   save or load the workers did, for the agent's metrics), ``commit`` (the fenced checkpoint
   commit, done by the agent because only it knows whether its round is still current;
   the reply's outcome is committed, refused or unknown), ``latest`` (the committed
-  pointer) and ``ping``.
+  pointer), ``ping``; for live re-formation the workers' reports (``live``, ``parked``,
+  ``reformed``, kept by the agent per local rank) and ``await_order`` (answered when the
+  agent publishes an order in ``reform.json``: see ``reform.py``).
 """
 
 from elasticd.control.api import (

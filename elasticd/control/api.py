@@ -77,8 +77,5 @@ def live_worker_env(live_reform: bool, live_reform_timeout_s: float) -> dict[str
     if not live_reform:
         return {}
     return {ENV_LIVE: "1", ENV_LIVE_TIMEOUT: repr(float(live_reform_timeout_s))}
-LIVE_PREFIX = "live-"  # live-<rank>: this worker re-forms in place when told (worker API)
-PARKED_PREFIX = "parked-"  # parked-<rank>: left its process group, waits for the next round
-REFORMED_PREFIX = "reformed-"  # reformed-<rank>: re-formed in the round it names
 PARK_FILE = "park"  # the agent asks live workers to leave their group at the next agreed step
 REFORM_FILE = "reform.json"  # the agent's order: the new round's ranks and bootstrap address

@@ -14,13 +14,16 @@ from typing import Any
 
 from elasticd.control.messages import (
     MAX_LINE_BYTES,
+    AwaitOrder,
     CheckpointIo,
     CommitReply,
     CommitRequest,
     ErrorReply,
     LatestReply,
     LatestRequest,
+    LiveReport,
     MessageError,
+    OrderNotice,
     Ping,
     Pong,
     Reply,
@@ -84,7 +87,7 @@ class ControlClient:
         except BlockingIOError:
             return 0
 
-    def request(self, msg: CommitRequest | LatestRequest | Ping) -> Reply:
+    def request(self, msg: CommitRequest | LatestRequest | Ping | LiveReport | AwaitOrder) -> Reply:
         """Send a request (its ``id`` is assigned here) and wait for its reply.
 
         Returns:
@@ -133,6 +136,28 @@ class ControlClient:
         if not isinstance(reply, LatestReply | ErrorReply):
             raise OSError(f"unexpected reply {reply.op!r} to latest")
         return reply
+
+    def report(self, msg: LiveReport) -> bool:
+        """Tell the agent a live worker's state; True once it acknowledged it."""
+        try:
+            return isinstance(self.request(msg), Pong)
+        except OSError:
+            return False
+
+    def await_order(self, after_round: int, timeout_s: float) -> int:
+        """Wait (at most ``timeout_s``, which must be below this client's ``timeout_s``)
+        until the agent published an order for a round after ``after_round``.
+
+        Returns:
+            The newest order's round (``<= after_round``: none yet, the wait timed out).
+
+        Raises:
+            OSError: the agent did not answer (it is gone or restarting).
+        """
+        reply = self.request(AwaitOrder(after_round=after_round, timeout_s=timeout_s))
+        if not isinstance(reply, OrderNotice):
+            raise OSError(f"unexpected reply {reply.op!r} to await_order")
+        return reply.round
 
     def ping(self) -> bool:
         """True if the agent answered."""

@@ -146,13 +146,16 @@ class LeaveReason(enum.Enum):
     ORDERED = "ordered"  # the agent ordered a newer round (a lone worker, a frozen peer)
 
 
-# -- live re-formation reports (worker to agent, as files in the runtime directory) ----
+# -- live re-formation reports (worker to agent, over the socket; answered by a Pong) ----
+# The agent keeps the latest report of each kind per local rank (server.WorkerReports):
+# they are state ("are all parked?"), asked by every tick.
 @dataclass(frozen=True)
 class LiveRegistration:
     """This worker re-forms in place when told: the agent does not kill it on a change."""
 
     local_rank: int
     pid: int
+    id: int = 0
     op = "live"
 
 
@@ -164,6 +167,7 @@ class ParkedReport:
     round: int  # -1: it had no round (never under an agent: not expected)
     step: int  # -1: no step completed yet
     reason: LeaveReason
+    id: int = 0
     op = "parked"
 
 
@@ -174,12 +178,52 @@ class ReformedReport:
     local_rank: int
     round: int
     step: int
+    id: int = 0
     op = "reformed"
 
 
+@dataclass(frozen=True)
+class StoppedReport:
+    """This worker exits 0 without finishing its script: it stopped for a drain (its own
+    node's or a peer's, after ``step``), or its live re-formation fell back
+    (``live_fallback`` says why). The agent re-forms the job instead of declaring success.
+
+    Kept as the ``stopped-<rank>`` file (this message, serialised): written on the way out,
+    read once the worker has exited, and it must outlive a busy or restarting socket.
+    """
+
+    rank: int
+    step: int  # -1: none completed
+    round: int  # -1: no round
+    live_fallback: str = ""
+    op = "stopped"
+
+
+@dataclass(frozen=True)
+class AwaitOrder:
+    """Wait (at most ``timeout_s``) until the agent publishes a re-formation order for a
+    round after ``after_round``; answered by an :class:`OrderNotice` either way. The order
+    itself stays in ``reform.json``: this only says when to read it."""
+
+    after_round: int
+    timeout_s: float
+    id: int = 0
+    op = "await_order"
+
+
+@dataclass(frozen=True)
+class OrderNotice:
+    """The newest order's round (-1: none published for this worker group)."""
+
+    round: int
+    id: int = 0
+    op = "order_notice"
+
+
 LiveReport = LiveRegistration | ParkedReport | ReformedReport
-Request = StepReport | CheckpointIo | CommitRequest | LatestRequest | Ping
-Reply = CommitReply | LatestReply | Pong | ErrorReply
+Request = StepReport | CheckpointIo | CommitRequest | LatestRequest | Ping | LiveReport | AwaitOrder
+Reply = CommitReply | LatestReply | Pong | ErrorReply | OrderNotice
+MAX_AWAIT_S = 60.0  # one AwaitOrder's bound: a client asks again
 
 
 # -- validation -------------------------------------------------------------------------
@@ -202,11 +246,11 @@ def _loss(obj: dict[str, object]) -> float | None:
     return float(value) if math.isfinite(value) else None
 
 
-def _seconds(obj: dict[str, object]) -> float:
-    value = obj.get("seconds")
+def _seconds(obj: dict[str, object], name: str = "seconds", hi: float = MAX_SECONDS) -> float:
+    value = obj.get(name)
     if not isinstance(value, int | float) or isinstance(value, bool) \
-            or not 0 <= value <= MAX_SECONDS:  # NaN fails the comparison too
-        raise MessageError(f"field 'seconds' must be a number in [0, {MAX_SECONDS:.0f}], got {value!r}")
+            or not 0 <= value <= hi:  # NaN fails the comparison too
+        raise MessageError(f"field {name!r} must be a number in [0, {hi:.0f}], got {value!r}")
     return float(value)
 
 
@@ -272,23 +316,22 @@ def parse_request(line: bytes) -> Request:
         return LatestRequest(id=rid)
     if op == "ping":
         return Ping(id=rid)
+    if op in ("live", "parked", "reformed"):
+        return _live_report(obj, op, rid)
+    if op == "await_order":
+        return AwaitOrder(after_round=_int(obj, "after_round", -1, MAX_COUNT),
+                          timeout_s=_seconds(obj, "timeout_s", MAX_AWAIT_S), id=rid)
+    known = "progress, checkpoint_io, commit, latest, ping, live, parked, reformed, await_order"
     if op is None:
-        raise MessageError("no 'op' field (known ops: progress, checkpoint_io, commit, latest, ping)")
+        raise MessageError(f"no 'op' field (known ops: {known})")
     shown = op if isinstance(op, str) and len(op) <= 64 else type(op).__name__
-    raise MessageError(f"unknown op {shown!r} (known: progress, checkpoint_io, commit, latest, ping)")
+    raise MessageError(f"unknown op {shown!r} (known: {known})")
 
 
-def parse_live_report(line: bytes) -> LiveReport:
-    """Parse and validate one live re-formation report (a file's content).
-
-    Raises:
-        MessageError: as :func:`parse_request`.
-    """
-    obj = _object(line)
-    op = obj.get("op")
+def _live_report(obj: dict[str, Any], op: str, rid: int) -> LiveReport:
     local_rank = _int(obj, "local_rank", 0, MAX_RANK)
     if op == "live":
-        return LiveRegistration(local_rank=local_rank, pid=_int(obj, "pid", 1, 2**32))
+        return LiveRegistration(local_rank=local_rank, pid=_int(obj, "pid", 1, 2**32), id=rid)
     if op == "parked":
         raw = _str(obj, "reason")
         try:
@@ -297,12 +340,23 @@ def parse_live_report(line: bytes) -> LiveReport:
             raise MessageError(f"field 'reason' = {raw!r} is not one of "
                                f"{[r.value for r in LeaveReason]}") from None
         return ParkedReport(local_rank=local_rank, round=_int(obj, "round", -1, MAX_COUNT),
-                            step=_int(obj, "step", -1, MAX_COUNT), reason=reason)
-    if op == "reformed":
-        return ReformedReport(local_rank=local_rank, round=_int(obj, "round", 0, MAX_COUNT),
-                              step=_int(obj, "step", -1, MAX_COUNT))
-    shown = op if isinstance(op, str) and len(op) <= 64 else type(op).__name__
-    raise MessageError(f"unknown live report op {shown!r} (known: live, parked, reformed)")
+                            step=_int(obj, "step", -1, MAX_COUNT), reason=reason, id=rid)
+    return ReformedReport(local_rank=local_rank, round=_int(obj, "round", 0, MAX_COUNT),
+                          step=_int(obj, "step", -1, MAX_COUNT), id=rid)
+
+
+def parse_stopped(line: bytes) -> StoppedReport:
+    """Parse and validate a ``stopped-<rank>`` file's content.
+
+    Raises:
+        MessageError: as :func:`parse_request`.
+    """
+    obj = _object(line)
+    if obj.get("op") != "stopped":
+        raise MessageError("not a stopped report (op must be 'stopped')")
+    return StoppedReport(rank=_int(obj, "rank", 0, MAX_RANK), step=_int(obj, "step", -1, MAX_COUNT),
+                         round=_int(obj, "round", -1, MAX_COUNT),
+                         live_fallback=_str(obj, "live_fallback", ""))
 
 
 def parse_reply(line: bytes) -> Reply:
@@ -342,11 +396,13 @@ def parse_reply(line: bytes) -> Reply:
         return LatestReply(ok=ok, pointer=pointer, reason=_str(obj, "reason", ""), id=rid)
     if op == "pong":
         return Pong(id=rid)
+    if op == "order_notice":
+        return OrderNotice(round=_int(obj, "round", -1, MAX_COUNT), id=rid)
     shown = op if isinstance(op, str) and len(op) <= 64 else type(op).__name__
     raise MessageError(f"unknown reply op {shown!r}")
 
 
-def serialise(msg: Request | Reply | LiveReport) -> bytes:
+def serialise(msg: Request | Reply | StoppedReport) -> bytes:
     """One message as a JSON line (newline included).
 
     Raises:

@@ -1,48 +1,42 @@
-"""Live re-formation over the control directory: the agent's order and the workers' reports.
+"""Live re-formation's protocol pieces: the agent's order, the workers' reports, the stopped file.
 
-The agent and its live workers talk through small files in the private runtime directory
-(the same place as the drain and stopped markers). Every file holds one typed message of
-``messages.py`` (:class:`~elasticd.control.messages.LiveRegistration`,
-:class:`~elasticd.control.messages.ParkedReport`,
-:class:`~elasticd.control.messages.ReformedReport`, :class:`ReformOrder`), written
-atomically (rename) and parsed and validated on read (a torn or hostile file reads as
-absent):
+- ``reform.json`` (agent, :class:`ReformOrder`, written atomically): the new round's ranks
+  and bootstrap address. A file, because the order must stay where a blocked worker finds
+  it: a worker stuck in a collective with a frozen peer (its main thread in C++, no Python
+  handler runs) is woken by its watcher thread, which reads the order and aborts the old
+  group; a worker that parks later, or restarts its wait, reads the same order again. The
+  socket only says *when* to read it (:class:`OrderBoard`, ``AwaitOrder``), so no worker
+  polls the file.
+- The workers' live reports (``LiveRegistration``, ``ParkedReport``, ``ReformedReport``)
+  are typed messages over the control socket, each acknowledged; the agent keeps the
+  latest of each kind per local rank (:class:`WorkerReports`): they are state, asked by
+  every tick ("are all parked?"), across the agent's own restarts of the round.
+- ``park`` (agent): leave the process group at the next agreed step (a node joins); one
+  ``stat`` per step, beside the drain file.
+- ``stopped-<rank>`` (worker, :class:`~elasticd.control.messages.StoppedReport`): see there.
 
-- ``live-<local_rank>`` (worker, ``LiveRegistration``): this worker re-forms in place; the
-  agent does not kill it on a membership change.
-- ``park`` (agent): leave the process group at the next agreed step (a node joins).
-- ``parked-<local_rank>`` (worker, ``ParkedReport``): it left its group (``reason``) after
-  step ``step`` of round ``round`` and waits for an order.
-- ``reform.json`` (agent): a :class:`ReformOrder`.
-- ``reformed-<local_rank>`` (worker, ``ReformedReport``): it is training in the order's round.
-
-Why files and not the control socket: the order must stay where a blocked worker finds
-it. A worker stuck in a collective with a frozen peer (its main thread in C++, no Python
-handler runs) is woken by its watcher thread, which finds ``reform.json`` by one read and
-aborts the old group; a worker that parks later, or restarts its wait, reads the same
-order again: a message on a socket would be consumed once, by whichever thread read it.
-The workers' reports are state, not events (the agent's tick asks "are all parked?"
-whenever it runs, across its own restarts of the round), so they are files too, one per
-local rank, replaced atomically.
+Every file is parsed and validated on read (a torn or hostile file reads as absent).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
 
 from elasticd import boundedjson
-from elasticd.control.api import LIVE_PREFIX, PARKED_PREFIX, REFORM_FILE, REFORMED_PREFIX
+from elasticd.control.api import REFORM_FILE, STOPPED_PREFIX
 from elasticd.control.messages import (
     LiveRegistration,
     LiveReport,
     MessageError,
     ParkedReport,
     ReformedReport,
-    parse_live_report,
+    StoppedReport,
+    parse_stopped,
     serialise,
 )
 
@@ -121,63 +115,87 @@ def read_order(control_dir: Path) -> ReformOrder | None:
         return None
 
 
-def write_marker(control_dir: Path, prefix: str, local_rank: int, **fields: object) -> None:
-    """Write ``<prefix><local_rank>`` with ``fields`` as JSON (atomic): the stopped marker."""
-    _write_atomic(control_dir / f"{prefix}{local_rank}", json.dumps(fields))
+def write_stopped(control_dir: Path, report: StoppedReport) -> None:
+    """Write ``stopped-<rank>`` (atomic): this worker exits 0 without finishing its script."""
+    _write_atomic(control_dir / f"{STOPPED_PREFIX}{report.rank}", serialise(report).decode())
 
 
-_PREFIX: dict[type, str] = {LiveRegistration: LIVE_PREFIX, ParkedReport: PARKED_PREFIX,
-                            ReformedReport: REFORMED_PREFIX}
-R = TypeVar("R", LiveRegistration, ParkedReport, ReformedReport)
+def clear_stopped(control_dir: Path, rank: int) -> None:
+    """Withdraw this worker's stopped report (it stays: a live re-formation)."""
+    (control_dir / f"{STOPPED_PREFIX}{rank}").unlink(missing_ok=True)
 
 
-def write_report(control_dir: Path, report: LiveReport) -> None:
-    """Publish a worker's report as ``<kind>-<local_rank>`` (atomic, replaces the last one)."""
-    _write_atomic(control_dir / f"{_PREFIX[type(report)]}{report.local_rank}",
-                  serialise(report).decode())
-
-
-def clear_report(control_dir: Path, kind: type[LiveReport], local_rank: int) -> None:
-    """Withdraw one worker's report of ``kind`` (absent already is fine)."""
-    (control_dir / f"{_PREFIX[kind]}{local_rank}").unlink(missing_ok=True)
-
-
-def clear_reports(control_dir: Path, kind: type[LiveReport]) -> None:
-    """Withdraw every report of ``kind`` (a new worker group, a finished re-formation)."""
-    for p in control_dir.glob(_PREFIX[kind] + "*"):
-        p.unlink(missing_ok=True)
-
-
-def read_reports(control_dir: Path, kind: type[R]) -> dict[int, R]:
-    """``{local_rank: report}`` of every valid report of ``kind``; a file that does not
-    parse, is of another kind, or names another local rank than its file reads as absent."""
-    prefix = _PREFIX[kind]
-    out: dict[int, R] = {}
-    for p in control_dir.glob(prefix + "*"):
-        suffix = p.name[len(prefix):]
+def read_stopped(control_dir: Path) -> dict[int, StoppedReport]:
+    """``{rank: report}`` of every valid stopped report; a file that does not parse, or
+    names another rank than its file, reads as absent."""
+    out: dict[int, StoppedReport] = {}
+    for p in control_dir.glob(STOPPED_PREFIX + "*"):
+        suffix = p.name[len(STOPPED_PREFIX):]
         if not suffix.isdigit():
             continue  # e.g. a temporary file of an atomic write
         try:
             raw = boundedjson.read_file(p, max_bytes=MAX_FILE_BYTES)
             boundedjson.loads(raw, what=p.name, max_bytes=MAX_FILE_BYTES)  # size, depth
-            report = parse_live_report(raw)
+            report = parse_stopped(raw)
         except (OSError, ValueError, MessageError):
             continue
-        if isinstance(report, kind) and report.local_rank == int(suffix):
-            out[report.local_rank] = report
+        if report.rank == int(suffix):
+            out[report.rank] = report
     return out
 
 
-def live_workers(control_dir: Path) -> dict[int, LiveRegistration]:
-    """Workers registered for live re-formation."""
-    return read_reports(control_dir, LiveRegistration)
+R = TypeVar("R", LiveRegistration, ParkedReport, ReformedReport)
 
 
-def parked(control_dir: Path) -> dict[int, ParkedReport]:
-    """Parked workers."""
-    return read_reports(control_dir, ParkedReport)
+class WorkerReports:
+    """The latest live report of each kind per local rank, as the workers sent them (thread-safe).
+
+    A worker is parked or re-formed, not both: a ``ReformedReport`` withdraws its rank's
+    ``ParkedReport`` and a ``ParkedReport`` its ``ReformedReport``.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._by_kind: dict[type, dict[int, LiveReport]] = {}
+
+    def put(self, report: LiveReport) -> None:
+        with self._lock:
+            self._by_kind.setdefault(type(report), {})[report.local_rank] = report
+            other = {ParkedReport: ReformedReport, ReformedReport: ParkedReport}.get(type(report))
+            if other is not None:
+                self._by_kind.get(other, {}).pop(report.local_rank, None)
+
+    def get(self, kind: type[R]) -> dict[int, R]:
+        """``{local_rank: report}`` of ``kind``."""
+        with self._lock:
+            return {r: rep for r, rep in self._by_kind.get(kind, {}).items() if isinstance(rep, kind)}
+
+    def clear(self, kind: type[LiveReport]) -> None:
+        """Forget every report of ``kind`` (a new worker group, a finished re-formation)."""
+        with self._lock:
+            self._by_kind.pop(kind, None)
 
 
-def reformed(control_dir: Path) -> dict[int, ReformedReport]:
-    """Re-formed workers."""
-    return read_reports(control_dir, ReformedReport)
+class OrderBoard:
+    """The newest re-formation order's round, and a wait for a newer one (thread-safe)."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._round = -1
+
+    def published(self, rnd: int) -> None:
+        """An order for ``rnd`` is in ``reform.json``: wake every wait for an older one."""
+        with self._cond:
+            self._round = max(self._round, rnd)
+            self._cond.notify_all()
+
+    def reset(self) -> None:
+        """A new worker group: no order (``reform.json`` removed)."""
+        with self._cond:
+            self._round = -1
+
+    def wait_newer(self, after_round: int, timeout_s: float) -> int:
+        """The newest order's round once it is after ``after_round``, or at the timeout."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._round > after_round, timeout=timeout_s)
+            return self._round

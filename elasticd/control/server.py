@@ -25,7 +25,6 @@ from pathlib import Path
 
 import structlog
 
-from elasticd import boundedjson
 from elasticd.control.api import (
     DONE_PREFIX,
     DRAIN_FILE,
@@ -38,21 +37,28 @@ from elasticd.control.api import (
 )
 from elasticd.control.messages import (
     MAX_LINE_BYTES,
+    AwaitOrder,
     CheckpointIo,
     CommitReply,
     CommitRequest,
     ErrorReply,
     LatestReply,
     LatestRequest,
+    LiveRegistration,
     MessageError,
+    OrderNotice,
+    ParkedReport,
     Ping,
     Pong,
+    ReformedReport,
     Reply,
     StepReport,
+    StoppedReport,
     parse_request,
     request_id,
     serialise,
 )
+from elasticd.control.reform import OrderBoard, WorkerReports, read_stopped
 from elasticd.records import CheckpointPointer
 
 log = structlog.get_logger(__name__)
@@ -167,9 +173,11 @@ class ControlChannel:
         self._per_pid: dict[int, int] = {}
         self._per_pid_lock = threading.Lock()
         self.rejected = 0  # invalid messages so far (tests, logs)
-        # Called (server thread; must not block) on every ping: a live worker that parked
-        # pings, and the agent wakes its tick instead of finding the marker a tick later.
+        # Called (server thread; must not block) on every ping and every live report: a
+        # live worker that parked reports it, and the agent wakes its tick at once.
         self.on_ping: Callable[[], None] | None = None
+        self.reports = WorkerReports()  # the live workers' latest reports (control.reform)
+        self.orders = OrderBoard()  # the newest re-formation order's round, and waits on it
 
     @property
     def socket_path(self) -> str:
@@ -263,6 +271,17 @@ class ControlChannel:
             return self._commit(msg)
         if isinstance(msg, LatestRequest):
             return self._latest(msg)
+        if isinstance(msg, AwaitOrder):  # blocks this connection's thread only
+            return OrderNotice(round=self.orders.wait_newer(msg.after_round, msg.timeout_s), id=msg.id)
+        if isinstance(msg, LiveRegistration | ParkedReport | ReformedReport):
+            if msg.local_rank >= self.progress.max_local_ranks:
+                self._reject(f"local rank {msg.local_rank} is outside "
+                             f"[0, {self.progress.max_local_ranks})")
+                return ErrorReply(f"local rank {msg.local_rank} is out of range", msg.id)
+            self.reports.put(msg)
+            if self.on_ping is not None:
+                self.on_ping()
+            return Pong(id=msg.id)
         assert isinstance(msg, Ping)
         if self.on_ping is not None:
             self.on_ping()
@@ -315,18 +334,9 @@ class ControlChannel:
     def clear_drain(self) -> None:
         (self.dir / DRAIN_FILE).unlink(missing_ok=True)
 
-    def stopped_markers(self) -> dict[int, dict[str, object]]:
-        """``stopped-<rank>`` markers written by workers that exited for a drain."""
-        out: dict[int, dict[str, object]] = {}
-        for p in self.dir.glob(STOPPED_PREFIX + "*"):
-            try:
-                data = boundedjson.read_file(p, max_bytes=MAX_LINE_BYTES) or b"{}"
-                fields = boundedjson.loads(data, what=p.name, max_bytes=MAX_LINE_BYTES)
-                if isinstance(fields, dict):
-                    out[int(p.name[len(STOPPED_PREFIX):])] = fields
-            except (ValueError, OSError):
-                continue
-        return out
+    def stopped_markers(self) -> dict[int, StoppedReport]:
+        """``stopped-<rank>`` reports of workers that exited for a drain (or a live fallback)."""
+        return read_stopped(self.dir)
 
     def done_count(self) -> int:
         """How many workers of the current group wrote ``done-<rank>`` (script returned, 0)."""

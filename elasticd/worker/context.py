@@ -17,7 +17,6 @@ still agree; a drain takes effect one step later.
 from __future__ import annotations
 
 import atexit
-import json
 import logging
 import os
 import signal
@@ -37,7 +36,6 @@ from elasticd.control import (
     DRAIN_FILE,
     DRAINABLE_PREFIX,
     ENV_CONTROL_DIR,
-    STOPPED_PREFIX,
     ControlClient,
     StepReport,
 )
@@ -47,6 +45,8 @@ from elasticd.control.api import ENV_CHECKPOINT_URL, ENV_JOB, ENV_NODE, PARK_FIL
 # them too); re-exported here for the worker API's callers.
 from elasticd.control.environment import AgentEnvironment, agent_environment  # noqa: F401
 from elasticd.control.fence import set_round_source
+from elasticd.control.messages import StoppedReport
+from elasticd.control.reform import write_stopped
 from elasticd.errors import EX_CONFIG, ConfigError
 from elasticd.worker.sockets import socket_links
 
@@ -412,10 +412,8 @@ def _note_drainable() -> None:
 def _mark_stopped(ctx: WorkerContext, step: int | None) -> None:
     if _S.control_dir is None:
         return
-    marker = _S.control_dir / f"{STOPPED_PREFIX}{ctx.rank}"
-    tmp = marker.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"step": step, "time": time.time(), "round": ctx.round}))
-    tmp.rename(marker)
+    write_stopped(_S.control_dir, StoppedReport(rank=ctx.rank, step=-1 if step is None else max(step, -1),
+                                                round=ctx.round if ctx.round is not None else -1))
 
 
 def report_progress(step: int, *, epoch: int = 0, samples: int = 0, loss: float | None = None,

@@ -8,8 +8,9 @@ because a peer died, or the agent's order to leave the group at an agreed step) 
 1. abandons the current step (``optimizer.step()`` never ran for it, gradients are
    zeroed): a half-finished step is never applied;
 2. leaves the old process group without waiting on dead peers and tells its agent
-   (``parked-<local_rank>``), which opens the next round at once;
-3. joins the new round's group (the agent's ``reform.json``: ranks, bootstrap address);
+   (a ``ParkedReport`` on the control socket), which opens the next round at once;
+3. joins the new round's group (the agent's ``reform.json``: ranks, bootstrap address;
+   the wait for it is an ``AwaitOrder`` on the socket, answered when the order is out);
 4. agrees with every rank on the newest completed step; one rank that completed it
    broadcasts model, optimizer, sampler position and RNG state to every rank that is
    behind or new (a joining worker receives its state this way: no storage read);
@@ -29,9 +30,9 @@ import contextlib
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, MutableMapping
 from pathlib import Path
-from typing import Any
+from typing import Protocol, runtime_checkable
 
 import structlog
 import torch
@@ -39,17 +40,46 @@ import torch.distributed as dist
 
 import elasticd.worker.context as wctx
 from elasticd.checkpoint import rng
-from elasticd.control.api import LIVE_TIMEOUT_DEFAULT_S, STOPPED_PREFIX
-from elasticd.control.messages import LeaveReason, LiveRegistration, ParkedReport, ReformedReport
-from elasticd.control.reform import clear_report, read_order, write_marker, write_report
+from elasticd.control.api import LIVE_TIMEOUT_DEFAULT_S
+from elasticd.control.client import ControlClient
+from elasticd.control.messages import (
+    LeaveReason,
+    LiveRegistration,
+    ParkedReport,
+    ReformedReport,
+    StoppedReport,
+)
+from elasticd.control.reform import clear_stopped, read_order, write_stopped
 from elasticd.worker.sockets import shutdown_group_connections
 from elasticd.worker.state_broadcast import broadcast_state
 
 log = structlog.get_logger(__name__)
 
-POLL_S = 0.01
-WATCH_S = 0.05  # how often the watcher thread looks for an order while the loop trains
+# One wait for the agent's order on the control socket (AwaitOrder): it answers as soon
+# as the order is out, so this bounds only how often a watcher with nothing to do asks
+# again, and how often it retries an abort that did not wake the loop yet.
+WAIT_S = 1.0
+AGENT_AWAY_S = 0.5  # the agent did not answer a wait: ask again after this (bounded by the deadline)
 MAX_REFORMS_PER_STEP = 3  # the same step failing again and again is a bug, not a peer
+
+
+@runtime_checkable
+class Stateful(Protocol):
+    """An object whose state a live re-formation moves (a module, an optimizer, a sampler)."""
+
+    def state_dict(self) -> Mapping[str, object]: ...
+
+    def load_state_dict(self, state_dict: Mapping[str, object], /) -> object: ...
+
+
+class Regroupable(Protocol):
+    """What moves to the new group after a re-formation (``CheckpointManager.regroup``)."""
+
+    def regroup(self) -> None: ...
+
+
+# What LiveState keeps: objects with state_dict/load_state_dict, or plain dicts.
+LiveEntry = Stateful | MutableMapping[str, object]
 
 
 class Reformed(Exception):  # noqa: N818 - a signal to the loop, not an error
@@ -86,7 +116,7 @@ class LiveState:
         reforms: re-formations so far in this process.
     """
 
-    def __init__(self, state: Mapping[str, Any], *, checkpoint: Any = None,
+    def __init__(self, state: Mapping[str, LiveEntry], *, checkpoint: Regroupable | None = None,
                  timeout_s: float | None = None) -> None:
         self.state = state  # by reference: the loop may swap an entry (a resharded sampler)
         self.checkpoint = checkpoint
@@ -101,15 +131,23 @@ class LiveState:
         self.agreed_in_memory = False
         self._failures_at: dict[int, int] = {}
         ctx = wctx.current_context()
+        client = wctx.control_client()
         self.enabled = bool(env is not None and env.live and dist.is_initialized()
-                            and wctx.control_dir() is not None)
+                            and wctx.control_dir() is not None and client is not None)
         if self.enabled:
-            cdir = wctx.control_dir()
-            assert cdir is not None
-            write_report(cdir, LiveRegistration(local_rank=ctx.local_rank, pid=os.getpid()))
+            assert client is not None and env is not None
+            # Registered only once the agent acknowledged it: unregistered, it restarts us
+            # on a change (the plain path), never counts on us to re-form.
+            self.enabled = client.report(LiveRegistration(local_rank=ctx.local_rank, pid=os.getpid()))
         self._log = log.bind(rank=ctx.rank, local_rank=ctx.local_rank)
         self._in_reform = False
         self._deadline: float | None = None  # of the re-formation under way
+        # Waits on the agent's order, one connection per thread (a wait holds its client).
+        socket_path = env.socket_path if env is not None else ""
+        self._waiter = ControlClient(socket_path, timeout_s=WAIT_S + 10.0)
+        self._watch_waiter = ControlClient(socket_path, timeout_s=WAIT_S + 10.0)
+        self._not_reforming = threading.Event()
+        self._not_reforming.set()
         if self.enabled:
             threading.Thread(target=self._watch, name="elasticd-live-watch", daemon=True).start()
 
@@ -125,14 +163,22 @@ class LiveState:
         """
         cdir = wctx.control_dir()
         assert cdir is not None
+        acted = -1  # the round of the last order acted on: waited past, then acted on again
         while True:
-            time.sleep(WATCH_S)
+            self._not_reforming.wait()
+            current = wctx.current_round()
+            try:
+                self._watch_waiter.await_order(max(acted, current if current is not None else -1), WAIT_S)
+            except OSError:  # the agent is away (restarting us, or gone): nothing to take
+                time.sleep(AGENT_AWAY_S)
+                continue
             if self._in_reform:
                 continue
             order = read_order(cdir)
             current = wctx.current_round()
             if order is None or current is None or order.round <= current or self._in_reform:
                 continue
+            acted = order.round
             # The loop takes the order at its next step boundary (should_stop), even when
             # none of its collectives fail: a worker alone at world size 1 has no peer to
             # fail on, and without this trained on alone in the superseded round.
@@ -228,28 +274,37 @@ class LiveState:
         old_round = ctx.round if ctx.round is not None else -1
         t0 = time.monotonic()
         self._in_reform = True
+        self._not_reforming.clear()
         try:
             self._reform_inner(reason, ctx, cdir, old_round, t0)
         finally:
             self._in_reform = False
             self._deadline = None
+            self._not_reforming.set()
 
     def _reform_inner(self, reason: LeaveReason, ctx: wctx.WorkerContext, cdir: Path,
                       old_round: int, t0: float) -> None:
         wctx.leave_group()
-        (cdir / f"{STOPPED_PREFIX}{ctx.rank}").unlink(missing_ok=True)  # not a drain: we stay
-        write_report(cdir, ParkedReport(local_rank=ctx.local_rank, round=old_round,
-                                        step=self.step, reason=reason))
+        clear_stopped(cdir, ctx.rank)  # not a drain: we stay
         client = wctx.control_client()
-        if client is not None:  # wakes the agent's tick: it opens the next round now
-            client.ping()
+        # The report wakes the agent's tick: it opens the next round now. Not taken (the
+        # agent busy or restarting): its own view of the change may still order us, within
+        # the bound; past it we fall back as for any order that did not come.
+        parked = ParkedReport(local_rank=ctx.local_rank, round=old_round, step=self.step, reason=reason)
+        if client is not None and not client.report(parked):
+            self._log.warning("live_parked_report_not_taken", round=old_round)
         deadline = t0 + self.timeout_s
         self._deadline = deadline
         order = read_order(cdir)
         while order is None or order.round <= old_round or ctx.local_rank not in order.ranks:
-            if time.monotonic() >= deadline:
+            left = deadline - time.monotonic()
+            if left <= 0:
                 self._fall_back(f"no new round within {self.timeout_s:.0f}s")
-            time.sleep(POLL_S)
+            seen = max(old_round, order.round if order is not None else -1)
+            try:  # answered as soon as the agent publishes a newer order
+                self._waiter.await_order(seen, min(WAIT_S, left))
+            except OSError:
+                time.sleep(min(AGENT_AWAY_S, max(left, 0.0)))
             order = read_order(cdir)
         try:
             wctx.rejoin(order.ranks[ctx.local_rank], order.world_size, order.round,
@@ -262,9 +317,8 @@ class LiveState:
         except Exception as exc:  # noqa: BLE001 - any failure here ends in the restart path
             self._fall_back(f"re-forming round {order.round} failed: {exc!r}"[:300])
         self.reforms += 1
-        clear_report(cdir, ParkedReport, ctx.local_rank)
-        write_report(cdir, ReformedReport(local_rank=ctx.local_rank, round=order.round,
-                                          step=self.step))
+        if client is not None:  # withdraws our parked report (control.reform.WorkerReports)
+            client.report(ReformedReport(local_rank=ctx.local_rank, round=order.round, step=self.step))
         self._log.info("live_reformed", round=order.round, world_size=order.world_size,
                        rank=order.ranks[ctx.local_rank], step=self.step, reason=reason.value,
                        group_s=round(formed - t0, 3), total_s=round(time.monotonic() - t0, 3))
@@ -310,20 +364,26 @@ class LiveState:
                            step=newest, source=src, receivers=behind,
                            seconds=round(time.monotonic() - t0, 3))
 
-    def _collect(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"__rng__": rng.capture(), "__step__": self.step}
+    def _collect(self) -> dict[str, object]:
+        out: dict[str, object] = {"__rng__": rng.capture(), "__step__": self.step}
         for name, obj in self.state.items():
-            out[name] = obj.state_dict() if hasattr(obj, "state_dict") else dict(obj)
+            out[name] = obj.state_dict() if isinstance(obj, Stateful) else dict(obj)
         return out
 
-    def _apply(self, sd: dict[str, Any]) -> None:
+    def _apply(self, sd: Mapping[str, object]) -> None:
         for name, obj in self.state.items():
-            if hasattr(obj, "load_state_dict"):
-                obj.load_state_dict(sd[name])
+            entry = sd[name]
+            if not isinstance(entry, Mapping):
+                raise TypeError(f"received state {name!r} is a {type(entry).__name__}, not a mapping")
+            if isinstance(obj, Stateful):
+                obj.load_state_dict(entry)
             else:
                 obj.clear()
-                obj.update(sd[name])
-        rng.restore([sd["__rng__"]], 0)
+                obj.update(entry)
+        rng_state = sd["__rng__"]
+        if not isinstance(rng_state, dict):
+            raise TypeError("received RNG state is not a mapping")
+        rng.restore([rng_state], 0)
 
     def _fall_back(self, why: str) -> None:
         """In-place re-formation failed: exit 0 as stopped, so the agent restarts the group."""
@@ -331,8 +391,10 @@ class LiveState:
         cdir = wctx.control_dir()
         self._log.warning("live_reform_fell_back", reason=why, step=self.step)
         if cdir is not None:
-            clear_report(cdir, ParkedReport, ctx.local_rank)
-            write_marker(cdir, STOPPED_PREFIX, ctx.rank, step=self.step, round=ctx.round,
-                         live_fallback=why)
+            # A file: read once we have exited. A parked report of ours left with the
+            # agent is moot then: the group is no longer running.
+            write_stopped(cdir, StoppedReport(rank=ctx.rank, step=max(self.step, -1),
+                                              round=ctx.round if ctx.round is not None else -1,
+                                              live_fallback=why[:1000]))
         wctx.fast_exit(0)
 

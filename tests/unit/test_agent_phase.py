@@ -10,6 +10,7 @@ from torch.distributed.elastic.agent.server.api import RunResult, WorkerState
 from elasticd.agent.elastic_agent import ElasticdAgent
 from elasticd.agent.policy import GroupState, Verdict, decide
 from elasticd.agent.supervision import AgentPhase, Mode, SupervisionSettings
+from elasticd.agent.ticks import TickWriter
 from elasticd.agent.worker_env import agent_worker_env
 from elasticd.control.api import ENV_CHECKPOINT_URL, ENV_JOB
 from elasticd.records import RoundState
@@ -112,15 +113,21 @@ def _agent() -> tuple[ElasticdAgent, _Recording]:
     agent.stop_signals = 0
     agent.metrics = agent.notifier = None
     agent._remaining_restarts = 3
-    agent._last_heartbeat = 0.0
     agent._done_checked_at = 0.0
     agent._group_started_at = 0.0
     agent._startup_failures, agent._past_startup = (), False
     agent._log = SimpleNamespace(warning=lambda *a, **k: None)  # type: ignore[assignment]
+    agent.live = SimpleNamespace(facts=lambda now: None)  # type: ignore[assignment]  # live off
     spec = SimpleNamespace(local_world_size=1, max_restarts=3)
     agent._worker_group = SimpleNamespace(spec=spec, group_rank=0, group_world_size=2,  # type: ignore[assignment]
                                           state=WorkerState.FAILED)
+    agent.ticks = TickWriter(agent.settings, rec, rec, rec, agent._worker_group,  # type: ignore[arg-type]
+                             metrics=None, notifier=None, log=agent._log)
     return agent, rec
+
+
+def _record_tick(agent: ElasticdAgent, facts, result, now: float) -> None:
+    agent.phase = agent.ticks.record(facts, result, agent.phase, now)
 
 
 def test_fact_gathering_writes_nothing_and_the_act_step_records_the_failure():
@@ -131,11 +138,11 @@ def test_fact_gathering_writes_nothing_and_the_act_step_records_the_failure():
     assert rec.writes == [] and agent.phase == AgentPhase(groups_started=1)
     assert facts.group_state is GroupState.FAILED and facts.attribution is Attribution.ROOT
     assert decide(facts).verdict is Verdict.RESTART_FAILURE
-    agent._record_tick(facts, result, 100.0)
+    _record_tick(agent, facts, result, 100.0)
     assert rec.writes[:2] == ["report_failure", "event:failure"] and "beat" in rec.writes
     assert agent.phase.failure_seen_at == 100.0 and agent.phase.fault_at == 100.0
     rec.writes.clear()
-    agent._record_tick(agent._facts(result, 101.0), result, 101.0)
+    _record_tick(agent, agent._facts(result, 101.0), result, 101.0)
     assert "report_failure" not in rec.writes  # a failure is reported once per group
 
 
@@ -146,7 +153,7 @@ def test_attribution_window_runs_from_the_recorded_first_sight():
                                       frozenset({"a", "b"}))
     result = RunResult(state=WorkerState.FAILED)
     assert not agent._facts(result, 100.0).attribution_window_passed
-    agent._record_tick(agent._facts(result, 100.0), result, 100.0)
+    _record_tick(agent, agent._facts(result, 100.0), result, 100.0)
     assert not agent._facts(result, 102.9).attribution_window_passed
     assert agent._facts(result, 103.0).attribution_window_passed
 

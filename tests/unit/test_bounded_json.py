@@ -123,32 +123,27 @@ def test_control_socket_line_refuses_a_deep_value_as_message_error():
     assert request_id(line) is None
 
 
-def test_reform_order_and_markers_refuse_deep_files(tmp_path):
-    """The re-formation order and the workers' marker files: deep content is skipped."""
-    from elasticd.control.messages import LeaveReason, ParkedReport, serialise
-    from elasticd.control.reform import ReformOrder, parked, read_order
+def test_reform_order_refuses_deep_files(tmp_path):
+    """The re-formation order file: deep content is skipped."""
+    from elasticd.control.reform import ReformOrder, read_order
 
     with pytest.raises(ValueError):
         ReformOrder.from_json(DEEP)
     (tmp_path / "reform.json").write_bytes(DEEP)
     assert read_order(tmp_path) is None
-    (tmp_path / "parked-0").write_bytes(DEEP)
-    ok = ParkedReport(local_rank=1, round=2, step=3, reason=LeaveReason.AGREED_STOP)
-    (tmp_path / "parked-1").write_bytes(serialise(ok))
-    os.mkfifo(tmp_path / "parked-2")
-    assert parked(tmp_path) == {1: ok}
 
 
 def test_stopped_markers_skip_deep_files(tmp_path):
-    """The control dir's stopped-<rank> markers: a deep or FIFO marker is skipped."""
+    """The control dir's stopped-<rank> reports: a deep or FIFO file is skipped."""
     from elasticd.control.api import STOPPED_PREFIX
+    from elasticd.control.messages import StoppedReport, serialise
     from elasticd.control.server import ControlChannel
 
     d = ControlChannel(directory=tmp_path)
     (tmp_path / f"{STOPPED_PREFIX}0").write_bytes(DEEP)
     os.mkfifo(tmp_path / f"{STOPPED_PREFIX}1")
-    (tmp_path / f"{STOPPED_PREFIX}2").write_text('{"step": 7}')
-    assert d.stopped_markers() == {2: {"step": 7}}
+    (tmp_path / f"{STOPPED_PREFIX}2").write_bytes(serialise(StoppedReport(rank=2, step=7, round=1)))
+    assert d.stopped_markers() == {2: StoppedReport(rank=2, step=7, round=1)}
 
 
 def test_worker_log_line_that_is_deep_json_is_forwarded_as_text():

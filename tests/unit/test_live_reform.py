@@ -1,5 +1,5 @@
-"""Live re-formation's pure parts: the agent's decision, the order's validation, and the
-state transfer's (un)flattening."""
+"""Live re-formation's pure parts: its place in the one restart policy (``policy.decide``
+over ``Facts.live``), the order's validation, and the state transfer's (un)flattening."""
 
 from __future__ import annotations
 
@@ -9,80 +9,121 @@ import pytest
 import torch
 
 import elasticd.worker.context as wctx
-from elasticd.agent.reform import LiveFacts, LiveVerdict, decide_live
+from elasticd.agent.policy import Facts, GroupState, LiveFacts, LivePhase, Verdict, decide
 from elasticd.control.reform import ReformOrder
+from elasticd.rendezvous.protocol import MembershipChange
 from elasticd.worker.live import _is_collective_failure
 from elasticd.worker.transport.tree import flatten_state, unflatten_state
 
-BASE = LiveFacts(enabled=True, workers_live=True, group_state="HEALTHY", verdict="continue")
+HEALTHY = Facts(group_state=GroupState.HEALTHY, first_start=False, any_progress=True,
+                remaining_restarts=3, live=LiveFacts())
+IDLE, PARKING, REFORMING = LivePhase.IDLE, LivePhase.PARKING, LivePhase.REFORMING
+JOIN, LOST = MembershipChange.JOIN, MembershipChange.MEMBER_LOST
 
 
-def _v(**kw) -> LiveVerdict:
-    return decide_live(dataclasses.replace(BASE, **kw)).verdict
+def _facts(live: dict | None = None, **kw) -> Facts:
+    f = dataclasses.replace(HEALTHY, **kw)
+    if live is not None:
+        f = dataclasses.replace(f, live=dataclasses.replace(f.live or LiveFacts(), **live))
+    return f
+
+
+def _v(live: dict | None = None, **kw) -> Verdict:
+    return decide(_facts(live, **kw)).verdict
+
+
+def _nodes(kind: MembershipChange) -> dict:
+    """Facts of nodes waiting in a HEALTHY group (the restart policy would act on them)."""
+    return {"nodes_waiting": 1, "membership": kind, "membership_reason": kind.value}
 
 
 def test_plain_scripts_and_a_disabled_agent_keep_the_restart_path():
-    """No live markers, live off, or our own drain: the restart policy decides."""
-    assert _v(workers_live=False, verdict="restart_membership") is LiveVerdict.NONE
-    assert _v(enabled=False, parked_any_failure=True) is LiveVerdict.NONE
-    assert _v(draining=True, verdict="restart_membership") is LiveVerdict.NONE
+    """No live facts (live off, or a worker did not register) or our own drain: the restart
+    policy's verdict, unchanged."""
+    assert decide(dataclasses.replace(_facts(**_nodes(LOST)), live=None)).verdict \
+        is Verdict.RESTART_MEMBERSHIP
+    assert _v({"parked_any_failure": True}, draining=True) is Verdict.CONTINUE
 
 
 def test_a_failed_collective_opens_the_next_round_at_once():
     """A worker's failed collective re-forms now, without waiting for the dead node's lease."""
-    assert _v(parked_any_failure=True) is LiveVerdict.REFORM
+    d = decide(_facts({"parked_any_failure": True}))
+    assert d.verdict is Verdict.REFORM_LIVE and "collective failed" in d.reason
 
 
 def test_membership_changes_reform_and_joins_park_first():
     """Lost/left peers re-form in place; joiners first make workers leave at an agreed step."""
-    assert _v(verdict="restart_membership", membership="member_lost") is LiveVerdict.REFORM
-    assert _v(verdict="start_resize", membership="join") is LiveVerdict.PARK
-    assert _v(verdict="start_resize", membership="join", parking=True) is LiveVerdict.WAIT
-    assert _v(verdict="start_resize", membership="join", parking=True, parked_all=True) is LiveVerdict.REFORM
+    assert _v(**_nodes(LOST)) is Verdict.REFORM_LIVE
+    assert _v(**_nodes(MembershipChange.MEMBER_LEFT)) is Verdict.REFORM_LIVE
+    assert _v(**_nodes(JOIN), workers_drainable=True) is Verdict.PARK
+    assert _v({"phase": PARKING}, **_nodes(JOIN), workers_drainable=True) is Verdict.LIVE_WAIT
+    assert _v({"phase": PARKING, "parked_all": True}, **_nodes(JOIN),
+              workers_drainable=True) is Verdict.REFORM_LIVE
 
 
 def test_a_join_parks_first_even_when_the_policy_would_restart():
-    """A join to a group that has not trained yet (the policy says restart) parks too: an order
-    alone never moves a worker whose collectives all succeed (a node alone at world size 1)."""
-    assert _v(verdict="restart_membership", membership="join") is LiveVerdict.PARK
-    assert _v(verdict="restart_membership", membership="join", parking=True) is LiveVerdict.WAIT
-    assert _v(verdict="restart_membership", membership="join", parking=True,
-              parked_all=True) is LiveVerdict.REFORM
+    """A join to a group that cannot drain (the restart policy says restart) parks too: an
+    order alone never moves a worker whose collectives all succeed (a node alone at world
+    size 1)."""
+    assert decide(dataclasses.replace(_facts(**_nodes(JOIN)), live=None)).verdict \
+        is Verdict.RESTART_MEMBERSHIP
+    assert _v(**_nodes(JOIN)) is Verdict.PARK
+    assert _v({"phase": PARKING}, **_nodes(JOIN)) is Verdict.LIVE_WAIT
+    assert _v({"phase": PARKING, "deadline_passed": True}, **_nodes(JOIN)) is Verdict.LIVE_FALLBACK
 
 
 def test_a_reformation_completes_or_falls_back_after_its_bound():
     """Every worker confirms: done; the bound passes first: fall back to a restart."""
-    assert _v(reforming=True) is LiveVerdict.WAIT
-    assert _v(reforming=True, reformed_all=True) is LiveVerdict.DONE
-    assert _v(reforming=True, deadline_passed=True) is LiveVerdict.FALLBACK
-    assert _v(reforming=True, group_state="SUCCEEDED") is LiveVerdict.ABANDON
+    assert _v({"phase": REFORMING}) is Verdict.LIVE_WAIT
+    assert _v({"phase": REFORMING, "reformed_all": True}) is Verdict.LIVE_DONE
+    assert _v({"phase": REFORMING, "deadline_passed": True}) is Verdict.LIVE_FALLBACK
 
 
 def test_workers_failing_before_they_took_the_order_restart_without_the_budget():
-    """Workers that fail while an order is out and before they left their old group
-    (a zombie's refused commit in the superseded round) fall back to the restart path, a
-    membership change; once they parked or re-formed, a failure is the policy's again."""
-    assert _v(reforming=True, group_state="FAILED") is LiveVerdict.FALLBACK
-    assert _v(reforming=True, group_state="FAILED", left_old_all=True) is LiveVerdict.ABANDON
-    assert _v(reforming=True, group_state="SUCCEEDED") is LiveVerdict.ABANDON
-    assert _v(parking=True, group_state="FAILED") is LiveVerdict.ABANDON
+    """Workers that fail while an order is out and before they left their old group (a
+    zombie's refused commit in the superseded round) fall back to the restart path, a
+    membership change; once they parked or re-formed, a failure is the policy's again: the
+    re-formation is abandoned and the restart policy's verdict acts, with its reason."""
+    failed = {"group_state": GroupState.FAILED, "exit_codes": (1,)}
+    assert _v({"phase": REFORMING}, **failed) is Verdict.LIVE_FALLBACK
+    d = decide(_facts({"phase": REFORMING, "left_old_all": True}, **failed))
+    assert d.verdict is Verdict.ATTRIBUTE and "FAILED" in d.live_abandoned
+    d = decide(_facts({"phase": PARKING}, **failed))
+    assert d.verdict is Verdict.ATTRIBUTE and d.live_abandoned
+    d = decide(_facts({"phase": REFORMING}, group_state=GroupState.SUCCEEDED))
+    assert d.verdict is Verdict.FINISH and d.live_abandoned
+    assert not decide(_facts(**failed)).live_abandoned  # nothing under way: nothing to abandon
 
 
 def test_a_member_lost_during_a_reformation_falls_back_at_once():
     """A second loss while the workers form the new group: the group cannot form, so fall
     back now rather than after the bound; a join then waits for the re-formation to end."""
-    lost = _v(reforming=True, verdict="restart_membership", membership="member_lost")
-    assert lost is LiveVerdict.FALLBACK
-    assert _v(reforming=True, verdict="restart_membership", membership="newer_round") is LiveVerdict.FALLBACK
-    assert _v(reforming=True, verdict="start_resize", membership="join") is LiveVerdict.WAIT
-    assert _v(reforming=True, reformed_all=True, verdict="restart_membership",
-              membership="member_lost") is LiveVerdict.DONE
+    assert _v({"phase": REFORMING}, **_nodes(LOST)) is Verdict.LIVE_FALLBACK
+    assert _v({"phase": REFORMING}, **_nodes(MembershipChange.NEWER_ROUND)) is Verdict.LIVE_FALLBACK
+    assert _v({"phase": REFORMING}, **_nodes(JOIN), workers_drainable=True) is Verdict.LIVE_WAIT
+    assert _v({"phase": REFORMING, "reformed_all": True}, **_nodes(LOST)) is Verdict.LIVE_DONE
 
 
-def test_the_policy_acts_first_on_stops_and_fences():
-    """A stop signal, a drain or a lost lease is never overridden by live re-formation."""
-    for verdict in ("start_drain", "fence", "hard_stop", "leave"):
-        assert _v(verdict=verdict, parked_all=True) is LiveVerdict.NONE
+def test_stops_fences_hangs_and_completion_act_before_live_reformation():
+    """A stop signal, a lost lease, a hang or finished workers are never overridden by a
+    live re-formation, whatever its workers report."""
+    live = {"parked_all": True, "parked_any_failure": True, "phase": REFORMING}
+    assert _v(live, lease_lost=True) is Verdict.FENCE
+    assert _v(live, drain_signals=1, workers_drainable=True) is Verdict.START_DRAIN
+    assert _v(live, drain_signals=2, draining=True) is Verdict.HARD_STOP
+    assert _v(live, hang=True) is Verdict.RESTART_FAILURE
+    assert _v(live, workers_done=True, done_exit_passed=True) is Verdict.FINISH
+
+
+def test_every_live_verdict_carries_its_reason():
+    """Each live verdict says why (logged once when it changes), as the restart verdicts do."""
+    cases = [_facts({"parked_any_failure": True}), _facts(**_nodes(JOIN)),
+             _facts({"phase": REFORMING}), _facts({"phase": REFORMING, "reformed_all": True}),
+             _facts({"phase": REFORMING, "deadline_passed": True})]
+    seen = {decide(f).verdict: decide(f).reason for f in cases}
+    assert set(seen) == {Verdict.REFORM_LIVE, Verdict.PARK, Verdict.LIVE_WAIT, Verdict.LIVE_DONE,
+                         Verdict.LIVE_FALLBACK}
+    assert all(seen.values())
 
 
 def test_order_round_trips_and_rejects_garbage():

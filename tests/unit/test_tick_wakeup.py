@@ -13,11 +13,12 @@ from types import SimpleNamespace
 import pytest
 
 from elasticd.agent.early import early_standby_env
-from elasticd.agent.reform import LiveReformer, reform_in_place
+from elasticd.agent.policy import LivePhase
+from elasticd.agent.reform import LiveReformation, LiveReformer
 from elasticd.agent.supervision import AgentPhase
 from elasticd.agent.wakeup import TickWaker
 from elasticd.agent.warm import env_mismatch
-from elasticd.control.reform import read_order
+from elasticd.control.reform import ReformOrder, read_order
 from elasticd.control.server import ControlChannel
 
 
@@ -77,30 +78,70 @@ def test_a_first_standby_differs_from_its_worker_only_in_what_the_agent_sets_lat
     assert env_mismatch(early, {**worker, "ELASTICD_SOMETHING_ELSE": "1"}) == ["ELASTICD_SOMETHING_ELSE"]
 
 
-def test_a_live_reformation_orders_its_workers_before_writing_the_rounds_records(tmp_path):
-    """The node record, the round event and metrics are etcd writes: they come after the
-    order, so the workers re-form meanwhile instead of waiting for them."""
+class _Port:
+    """A worker-group port whose rejoin forms round 4 (and says so in ``calls``)."""
+
+    local_world_size = 1
+
+    def __init__(self, handler: SimpleNamespace, calls: list[str], *, ranks: dict[int, int]) -> None:
+        self.handler, self.calls, self.ranks = handler, calls, ranks
+
+    def rejoin_keeping_workers(self) -> ReformOrder:
+        self.calls.append("rendezvous")
+        self.handler.round = 4
+        return ReformOrder(round=4, world_size=1 + max(self.ranks.values()), master_addr="127.0.0.1",
+                           master_port=29500, ranks=self.ranks)
+
+
+def test_a_live_reformation_orders_its_workers_and_writes_no_record_itself(tmp_path):
+    """The node record, the round event and metrics are etcd writes: the re-formation runs
+    the round and publishes the order, and leaves them to the agent, which writes them after
+    the order is out, so the workers re-form meanwhile instead of waiting for them."""
     calls: list[str] = []
-    live = LiveReformer(tmp_path, enabled=True, timeout_s=30)
-    workers = [SimpleNamespace(local_rank=0, global_rank=0, world_size=1, id=None)]
-    wg = SimpleNamespace(workers=workers, master_addr="127.0.0.1", master_port=29500)
-    handler = SimpleNamespace(round=3)
+    channel = ControlChannel(directory=tmp_path)
+    reformer = LiveReformer(channel, enabled=True, timeout_s=30)
+    handler = SimpleNamespace(round=3, node_id="n", keys=SimpleNamespace(job="j"))
 
-    def join_round(group):
-        calls.append("rendezvous")
-        handler.round = 4
-        workers[0].global_rank, workers[0].world_size = 1, 2
+    recorder = SimpleNamespace(event=lambda *a, **k: calls.append("event"))
+    control = SimpleNamespace(clear_drain=lambda: calls.append("clear_drain"),
+                              progress=SimpleNamespace(reset=lambda: calls.append("progress_reset")))
+    live = LiveReformation(reformer, handler, control, recorder,  # type: ignore[arg-type]
+                           _Port(handler, calls, ranks={0: 1}))
+    order = live.reform("test", draining=False)
+    assert calls == ["rendezvous", "clear_drain", "progress_reset"]  # no etcd write, no event
+    assert read_order(tmp_path) == order and order.ranks == {0: 1}
+    assert reformer.phase is LivePhase.REFORMING and reformer.reforming_round == 4
+    assert channel.orders.wait_newer(3, 0.0) == 4  # workers waiting on the socket are told
+    channel.close()
 
-    def record_round(group, *, state="training"):
-        order = read_order(tmp_path)
-        calls.append(f"{state} records (order for round {order.round if order else None} out)")
 
-    agent = SimpleNamespace(
-        _worker_group=wg, live=live, phase=AgentPhase(), handler=handler, _pcontext=None,
-        _join_round=join_round, _record_round=record_round, _log=SimpleNamespace(info=lambda *a, **k: None),
-        control=SimpleNamespace(clear_drain=lambda: None, progress=SimpleNamespace(reset=lambda: None)),
-        _group_started_at=0.0)
-    reform_in_place(agent, "test")
-    # "re-forming" until the workers confirm: status must not report them in round 4 yet.
-    assert calls == ["rendezvous", "re-forming records (order for round 4 out)"]
-    assert read_order(tmp_path).ranks == {0: 1}
+def test_the_agent_writes_the_rounds_records_only_after_the_order_is_out(tmp_path):
+    """REFORM_LIVE: the agent runs the round through its re-formation, and only then writes
+    the node record ("re-forming" until the workers confirm: status must not report them in
+    the new round yet); LIVE_DONE sets it back to training."""
+    from elasticd.agent.elastic_agent import ElasticdAgent
+    from elasticd.agent.policy import Decision, Verdict
+
+    calls: list[str] = []
+    channel = ControlChannel(directory=tmp_path)
+    handler = SimpleNamespace(round=3, node_id="n", keys=SimpleNamespace(job="j"))
+
+    recorder = SimpleNamespace(event=lambda kind, *a, **k: calls.append(f"event:{kind}"))
+    agent = ElasticdAgent.__new__(ElasticdAgent)  # no torch agent: only the live steps
+    agent.phase = AgentPhase(groups_started=1)
+    agent._worker_group = SimpleNamespace()  # type: ignore[assignment]
+    agent.live = LiveReformation(LiveReformer(channel, enabled=True, timeout_s=30), handler,  # type: ignore[arg-type]
+                                 channel, recorder, _Port(handler, calls, ranks={0: 0}))
+    agent._record_round = lambda group, *, state="training": calls.append(  # type: ignore[method-assign]
+        f"{state} records (order for round {getattr(read_order(tmp_path), 'round', None)} out)")
+    agent._set_state = lambda state, **kw: calls.append(f"state:{state}")  # type: ignore[method-assign]
+    try:
+        agent._act_live(Decision(Verdict.REFORM_LIVE, "test"), 10.0)
+        assert calls == ["rendezvous", "re-forming records (order for round 4 out)"]
+        assert agent.phase.fault_at is not None
+        calls.clear()
+        agent._act_live(Decision(Verdict.LIVE_DONE, "every worker re-formed"), 11.0)
+        assert calls == ["event:reform", "state:training"]
+        assert agent.live.reformer.phase is LivePhase.IDLE
+    finally:
+        channel.close()

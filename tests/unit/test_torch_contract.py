@@ -141,3 +141,70 @@ def test_listed_private_names_exist_with_the_expected_signature(entry):
 def test_module_hooks_exist(module, attr):
     """Module-level functions elasticd swaps (warm standbys) are still there."""
     assert callable(getattr(importlib.import_module(module), attr, None)), f"{module}.{attr}"
+
+
+# --- behaviour relied on, beyond names ----------------------------------------------------
+
+
+class _OneNodeHandler:
+    """A rendezvous handler that forms a one-node round over an in-process store."""
+
+    def __init__(self) -> None:
+        import torch.distributed as dist
+
+        self.store = dist.HashStore()
+        self.round = 0
+
+    def next_rendezvous(self):  # noqa: ANN201 - torch's RendezvousInfo
+        from torch.distributed.elastic.rendezvous.api import RendezvousInfo, RendezvousStoreInfo
+
+        self.round += 1
+        return RendezvousInfo(self.store, 0, 1, RendezvousStoreInfo("127.0.0.1", 29500 + self.round))
+
+    def get_backend(self) -> str:
+        return "static"
+
+    def get_run_id(self) -> str:
+        return "contract"
+
+    def shutdown(self) -> bool:
+        return True
+
+
+def test_rendezvous_replaces_the_workers_and_forgets_their_pids(tmp_path):
+    """torch's ``_rendezvous`` gives the group new ``Worker`` objects (ranks assigned, ``id``
+    None) and its monitor reports UNKNOWN while the ids do not match the running pids: a
+    live re-formation (workers kept) must give each new Worker its pid back, which
+    ``TorchWorkerGroup`` does, after which the monitor sees the workers again."""
+    from types import SimpleNamespace
+
+    from torch.distributed.elastic.agent.server.api import WorkerSpec, WorkerState
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+
+    from elasticd.agent.worker_group import TorchWorkerGroup
+
+    handler = _OneNodeHandler()
+    spec = WorkerSpec(role="trainer", local_world_size=2, rdzv_handler=handler,  # type: ignore[arg-type]
+                      entrypoint="true", max_restarts=0)
+    agent = LocalElasticAgent(spec, logs_specs=DefaultLogsSpecs(log_dir=str(tmp_path)))
+    wg = agent._worker_group
+    agent._rendezvous(wg)
+    first = list(wg.workers)
+    for w, pid in zip(first, (4101, 4102), strict=True):
+        w.id = pid  # as torch's _start_workers sets them
+    pids = {0: 4101, 1: 4102}
+    agent._pcontext = SimpleNamespace(pids=lambda: pids, wait=lambda *_: None)  # type: ignore[assignment]
+
+    agent._rendezvous(wg)  # torch's own: the running processes are forgotten
+    assert all(a is not b for a, b in zip(first, wg.workers, strict=True))
+    assert [w.id for w in wg.workers] == [None, None]
+    assert [w.local_rank for w in wg.workers] == [0, 1] and wg.workers[1].global_rank == 1
+    assert agent._monitor_workers(wg).state is WorkerState.UNKNOWN
+
+    port = TorchWorkerGroup(wg, agent._rendezvous, lambda: pids, lambda: handler.round)
+    order = port.rejoin_keeping_workers()
+    assert [w.id for w in wg.workers] == [4101, 4102]
+    assert order.round == handler.round and order.ranks == {0: 0, 1: 1} and order.world_size == 2
+    assert (order.master_addr, order.master_port) == ("127.0.0.1", 29500 + handler.round)
+    assert agent._monitor_workers(wg).state is WorkerState.HEALTHY  # wait(0) None: running
