@@ -24,6 +24,7 @@ from torch.distributed.elastic.rendezvous import (
 )
 
 import elasticd
+from elasticd.agent.admission import admit, make_fingerprint, precheck
 from elasticd.agent.arrival import EarlyArrival, log_finished
 from elasticd.agent.commits import CommitRetrier, PendingCommit, read_intents, write_intent
 from elasticd.agent.elastic_agent import ElasticdAgent, SupervisionSettings
@@ -61,6 +62,7 @@ from elasticd.logs import (
     resolve_worker_log_dir,
 )
 from elasticd.process import make_non_dumpable
+from elasticd.records import JobFingerprint
 from elasticd.rendezvous.etcd_handler import EtcdRendezvousHandler
 from elasticd.rendezvous.finished import FinishedJob, read_finished
 from elasticd.rendezvous.settings import RendezvousSettings
@@ -193,6 +195,11 @@ def run_node(spec: NodeSpec, early: Any = None, arrival: EarlyArrival | None = N
     if spec.workdir:
         os.chdir(spec.workdir)
     check_command(spec.command)
+    # What every agent of the job must match (elasticd.agent.admission), read once here.
+    fingerprint = make_fingerprint(spec.command, min_nodes=spec.min_nodes,
+                                   max_nodes=spec.max_nodes,
+                                   checkpoint_url=spec.supervision.checkpoint_url,
+                                   live_reform=spec.supervision.live_reform)
     embedded: EmbeddedEtcd | None = None
     client: EtcdClient | None = None
     control: ControlChannel | None = None
@@ -236,7 +243,8 @@ def run_node(spec: NodeSpec, early: Any = None, arrival: EarlyArrival | None = N
                                store_timeout_s=spec.store_timeout_s,
                                election_timeout_s=spec.etcd_election_timeout_s,
                                liveness_probe=spec.liveness_probe,
-                               local_addr=spec.local_addr, worker_log_dir=log_dir),
+                               local_addr=spec.local_addr, worker_log_dir=log_dir,
+                               fingerprint=fingerprint.digest),
             node_id=spec.node_id, session=early_session)
         if arrival is not None and early_session is not None:
             arrival.taken = True  # the handler owns the session now (closed by its shutdown)
@@ -251,6 +259,12 @@ def run_node(spec: NodeSpec, early: Any = None, arrival: EarlyArrival | None = N
         if refused is not None:
             log.warning("agent_not_joining", reason=refused.reason, fix=restart_hint(refused))
             return 0
+        # Admission: refused (exit 78) before anything of the job is touched when a live
+        # agent runs another program; decided for good once registered (the txn).
+        fingerprint = replace(fingerprint, node=handler.node_id)
+        precheck(client, handler.keys, handler.node_id, fingerprint,
+                 deadline_s=spec.etcd_connect_timeout_s)
+        handler.on_registered = lambda deadline: _admit(client, handler, fingerprint, deadline)
         recorder = JobRecorder(handler.session)
         # A standalone start (a fresh private etcd) continues its job's last run unless
         # that run finished (elasticd.agent.standalone_runs): decided before anything starts.
@@ -482,6 +496,14 @@ def _log_finished(client: EtcdClient, keys: JobKeys, exc: RendezvousClosedError)
         except EtcdUnavailableError:
             finished = None
     log_finished(finished or FinishedJob(keys.job), **extra)
+
+
+def _admit(client: EtcdClient | None, handler: EtcdRendezvousHandler | None,
+           fingerprint: JobFingerprint, deadline: float) -> None:
+    """The handler's ``on_registered``: admit this node, or refuse it (exit 78)."""
+    assert client is not None and handler is not None
+    admit(client, handler.keys, handler.node_id, fingerprint,
+          deadline_s=max(deadline - time.monotonic(), 1.0))
 
 
 def _record_lost(recorder: JobRecorder, handler: EtcdRendezvousHandler, lost: list[str],

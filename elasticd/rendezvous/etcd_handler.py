@@ -119,7 +119,8 @@ class EtcdRendezvousHandler(RendezvousHandler):
                                        worker_log_dir=settings.worker_log_dir,
                                        on_lease_lost=on_lease_lost,
                                        liveness_probe=settings.liveness_probe,
-                                       local_addr=settings.local_addr)
+                                       local_addr=settings.local_addr,
+                                       fingerprint=settings.fingerprint)
         # Proves stragglers and peers gone before their lease expires (liveness.py).
         self.prober = PeerProber(on_dead=self._view.touch) if settings.liveness_probe else None
         self._member_probes = MemberProbes(self.prober, self._member_targets)
@@ -136,6 +137,11 @@ class EtcdRendezvousHandler(RendezvousHandler):
         self.on_wait: Callable[[], None] | None = None
         # Called with the members whose lease expired when we open the next round for it.
         self.on_members_lost: Callable[[list[str], int], None] | None = None
+        # Called once (with the deadline) after our first registration and before we join
+        # or coordinate anything: the agent's admission (elasticd.agent.admission), which
+        # raises to refuse this node.
+        self.on_registered: Callable[[float], None] | None = None
+        self._admitted = False
         # How ``shutdown`` tells the others we went (``left/<round>/<node>``): torch's
         # launch_agent calls shutdown() only once the node is done for good (its workers
         # finished, or failed past the budget), as torch's own backends read it ("closes
@@ -174,6 +180,9 @@ class EtcdRendezvousHandler(RendezvousHandler):
             self._refuse_finished_job(deadline)
             self._arrival_checked = True
         self.session.ensure_registered(deadline)
+        if not self._admitted and self.on_registered is not None:
+            self.on_registered(deadline)
+        self._admitted = True
         if self._coordinator is None:
             s = self.settings
             self._coordinator = RoundCoordinator(
