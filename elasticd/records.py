@@ -63,7 +63,9 @@ def _check(name: str, kind: str, value: Any) -> Any:
     return value
 
 # Node states, as written by the agent into its node record.
-NODE_STATES = ("joining", "training", "re-forming", "restarting", "draining", "stopped", "failed")
+# "spare": registered and joined, waiting for room in a full job (rendezvous.protocol.is_spare).
+NODE_STATES = ("joining", "spare", "training", "re-forming", "restarting", "draining", "stopped",
+               "failed")
 # Round phases of the rendezvous state record.
 ROUND_PHASES = ("open", "final")
 # Event kinds appended to /elasticd/<job>/events/.

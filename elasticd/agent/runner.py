@@ -339,6 +339,8 @@ def run_node(spec: NodeSpec, early: Any = None, arrival: EarlyArrival | None = N
         agent.install_signal_handlers()
         if agent.notifier is not None:
             handler.on_wait = agent.notifier.watchdog
+        if metrics is not None:
+            handler.on_spare = metrics.set_spare
         handler.on_members_lost = lambda lost, rnd: _record_lost(recorder, handler, lost, rnd)
         if spec.preemption is not None:
             spec.preemption.start(lambda notice: _on_notice(agent, recorder, notice))

@@ -57,6 +57,7 @@ from elasticd.rendezvous.protocol import (
     decide_join,
     departures,
     dropped_members,
+    is_spare,
     nodes_waiting,
 )
 from elasticd.rendezvous.session import NodeSession, retry_rdzv
@@ -141,6 +142,10 @@ class EtcdRendezvousHandler(RendezvousHandler):
         # or coordinate anything: the agent's admission (elasticd.agent.admission), which
         # raises to refuse this node.
         self.on_registered: Callable[[float], None] | None = None
+        # Called with True when this node starts waiting as a hot spare (the job is full
+        # without it), False when it is admitted or stops waiting (metrics).
+        self.on_spare: Callable[[bool], None] | None = None
+        self.spare = False
         self._admitted = False
         # How ``shutdown`` tells the others we went (``left/<round>/<node>``): torch's
         # launch_agent calls shutdown() only once the node is done for good (its workers
@@ -318,6 +323,11 @@ class EtcdRendezvousHandler(RendezvousHandler):
                 self.session.register(deadline)
             view, state_rev = self._view.snapshot()
             version = self._view.version
+            if is_spare(view.state, self.node_id, self.settings.max_nodes):
+                # A spare waits as long as the job runs (protocol.is_spare): its join
+                # deadline restarts while the job stays full without it.
+                deadline = progress.deadline = time.monotonic() + self.settings.join_timeout_s
+                self._set_spare(True)
             proven = (self._view.proven_dead(self.prober.dead())
                       if self.prober is not None and view.full else frozenset())
             action = decide_join(view, progress, min_nodes=self.settings.min_nodes,
@@ -339,6 +349,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
                 self._last_reason = action.reason
             if action.kind is ActionKind.DONE:
                 self.session.state_rev = state_rev
+                self._set_spare(False)
                 break
             self._execute(action, view, state_rev, version, deadline)
         rank = action.members.index(self.node_id)
@@ -355,6 +366,23 @@ class EtcdRendezvousHandler(RendezvousHandler):
                        nnodes=len(action.members), members=list(action.members),
                        seconds=round(self.rendezvous_s, 3))
         return RendezvousInfo(store, rank, len(action.members), bootstrap)
+
+    def _set_spare(self, spare: bool) -> None:
+        """Say (once per change) that this node waits as a hot spare, or no longer does."""
+        if spare == self.spare:
+            return
+        self.spare = spare
+        if spare:
+            self._log.info("spare_waiting", reason="the job is full (max_nodes members): "
+                           "admitted when a member is lost or drained")
+            try:
+                self.session.update_record(state="spare")
+            except (LeaseLostError, EtcdUnavailableError) as exc:  # shown on the next write
+                self._log.debug("spare_record_not_written", error=str(exc))
+        else:
+            self._log.info("spare_admitted")
+        if self.on_spare is not None:
+            self.on_spare(spare)
 
     def _execute(self, action: Action, view: RendezvousView, state_rev: int, version: int,
                  deadline: float) -> None:

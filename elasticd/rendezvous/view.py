@@ -23,7 +23,6 @@ from elasticd.records import NodeRecord, RecordError, RoundState, WaitingRecord
 from elasticd.rendezvous.liveness import ProbeTarget
 from elasticd.rendezvous.protocol import LEAVE_KINDS, RendezvousView
 
-
 _NOT_SEEN_YET = 1 << 62  # the order of a join whose watch event has not come yet
 
 
