@@ -173,6 +173,17 @@ def _checkpoint_io_observer(metrics: AgentMetrics | None) -> Callable[[Checkpoin
     return observe
 
 
+def _spare_observer(metrics: AgentMetrics | None) -> Callable[[bool], None] | None:
+    """The handler's ``on_spare``: this node waits as a hot spare, or no longer does."""
+    if metrics is None:
+        return None
+
+    def observe(spare: bool) -> None:
+        metrics.set_spare(spare)
+
+    return observe
+
+
 def run_node(spec: NodeSpec, early: Any = None, arrival: EarlyArrival | None = None) -> int:
     """Run this node until the job finishes, this node drains, or it gives up.
 
@@ -339,8 +350,7 @@ def run_node(spec: NodeSpec, early: Any = None, arrival: EarlyArrival | None = N
         agent.install_signal_handlers()
         if agent.notifier is not None:
             handler.on_wait = agent.notifier.watchdog
-        if metrics is not None:
-            handler.on_spare = metrics.set_spare
+        handler.on_spare = _spare_observer(metrics)
         handler.on_members_lost = lambda lost, rnd: _record_lost(recorder, handler, lost, rnd)
         if spec.preemption is not None:
             spec.preemption.start(lambda notice: _on_notice(agent, recorder, notice))

@@ -323,9 +323,11 @@ class EtcdRendezvousHandler(RendezvousHandler):
                 self.session.register(deadline)
             view, state_rev = self._view.snapshot()
             version = self._view.version
-            if is_spare(view.state, self.node_id, self.settings.max_nodes):
+            if (is_spare(view.state, self.node_id, self.settings.max_nodes)
+                    and self.client.unreachable() is None):
                 # A spare waits as long as the job runs (protocol.is_spare): its join
-                # deadline restarts while the job stays full without it.
+                # deadline restarts while the job stays full without it and etcd answers
+                # (an etcd gone for good still ends the wait, as for any joiner).
                 deadline = progress.deadline = time.monotonic() + self.settings.join_timeout_s
                 self._set_spare(True)
             proven = (self._view.proven_dead(self.prober.dead())
