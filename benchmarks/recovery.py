@@ -212,13 +212,23 @@ def run_trial(system: str, scenario: str, rep: int, etcd_endpoint: str, script: 
         timeout = args.stop_timeout if scenario == "sigstop" else args.timeout
         ranks = src.ranks_per_step(trial.new_world)
         deadline = time.monotonic() + timeout
+
+        def counted_after() -> float:
+            # Same world size before and after (a spare replaces the victim): step lines the
+            # old group wrote before the kill still arrive after t0 (their time is their
+            # arrival), so a step counts only once the spare is in (its spare_admitted).
+            if not spare:
+                return t0
+            return min((now for n in cluster.nodes for now, text in n.lines
+                        if now > t0 and '"spare_admitted"' in text), default=float("inf"))
+
         while time.monotonic() < deadline:
-            if first_step_at(src.records(), trial.new_world, t0, ranks):
+            if first_step_at(src.records(), trial.new_world, counted_after(), ranks):
                 break
             time.sleep(0.1)
             cluster.refresh()  # remember new workers, so cleanup finds them even if orphaned
         records = src.records()
-        analyse(trial, records, t0, ranks)
+        analyse(trial, records, t0, ranks, after=counted_after())
         trial.ckpt_load_s = checkpoint_load_s([n.lines for n in cluster.nodes], t0)
         if not trial.recovered:
             trial.note = f"did not recover within {timeout:.0f}s"
@@ -233,9 +243,11 @@ def run_trial(system: str, scenario: str, rep: int, etcd_endpoint: str, script: 
     return trial
 
 
-def analyse(trial: Trial, records: list[dict], t0: float, ranks: int) -> None:
-    """Fill in recovery time, steps lost and the worker-start split from the step records."""
-    first = first_step_at(records, trial.new_world, t0, ranks)
+def analyse(trial: Trial, records: list[dict], t0: float, ranks: int,
+            after: float | None = None) -> None:
+    """Fill in recovery time, steps lost and the worker-start split from the step records
+    (the first step at the new world counted from ``after``, default ``t0``)."""
+    first = first_step_at(records, trial.new_world, t0 if after is None else after, ranks)
     if first is None:
         return
     step, at = first
