@@ -23,7 +23,9 @@ Scenarios, each after the job trains steadily at world 3:
 - ``sigkill``: SIGKILL to the whole node (launcher and workers);
 - ``sigstop``: SIGSTOP to the whole node (bounded wait, then "did not recover");
 - ``sigterm``: SIGTERM to the launcher only, as systemd would send it;
-- ``join``: a 4th node starts; timed from the start of its launcher.
+- ``join``: a 4th node starts; timed from the start of its launcher;
+- ``spare`` (elasticd only): 4 nodes under ``--nnodes 2:3``, the 4th waits as a hot spare;
+  SIGKILL of a member; timed to the first step back at world 3 (the spare in it).
 
 Figures: seconds from the fault to the first step that every rank of the new world
 completed, and steps lost = (last step completed at the old world size) - (first step at
@@ -77,7 +79,8 @@ from benchmarks.recovery_report import agent_breakdown, live_breakdown, write_re
 CKPT_LOADED = re.compile(r"checkpoint_loaded\b.*?\bseconds[=\"': ]+([0-9.]+)")
 SYSTEMS = ("elasticd-live", "elasticd", "elasticd-cold", "torchrun-default", "torchrun-tuned",
            "torchrun-etcd")
-SCENARIOS = ("sigkill", "sigstop", "sigterm", "join")
+SCENARIOS = ("sigkill", "sigstop", "sigterm", "join", "spare")
+SPARE_NNODES = "2:3"  # the spare scenario: NODES members and one hot spare
 NODES = 3
 NNODES = "2:4"
 TUNED_CONF = [TORCHRUN_TUNED_CONF]  # --torchrun-conf replaces it
@@ -123,7 +126,8 @@ def script_available(script: str) -> bool:
         return proc.returncode == 0
 
 
-def start_node(cluster: Cluster, system: str, idx: int, job: str, endpoint: str, src: StepSource) -> None:
+def start_node(cluster: Cluster, system: str, idx: int, job: str, endpoint: str, src: StepSource,
+               nnodes: str = NNODES) -> None:
     name = f"n{idx}"
     logs = cluster.workdir / "logs" / name
     logs.mkdir(parents=True, exist_ok=True)
@@ -132,7 +136,7 @@ def start_node(cluster: Cluster, system: str, idx: int, job: str, endpoint: str,
         # elasticd: the restart path (warm standbys); elasticd-cold: standbys off too.
         flags = {"elasticd-live": [], "elasticd": ["--no-live-reform"],
                  "elasticd-cold": ["--no-live-reform", "--no-warm-start"]}[system]
-        argv = elasticd_argv(endpoint, job, name, NNODES, 1, [*flags, *src.args()], logs)
+        argv = elasticd_argv(endpoint, job, name, nnodes, 1, [*flags, *src.args()], logs)
         env = {}
     else:
         port = int(endpoint.rsplit(":", 1)[1])
@@ -153,16 +157,21 @@ def run_trial(system: str, scenario: str, rep: int, etcd_endpoint: str, script: 
     job = f"rec-{scenario}-{rep}-{int(time.time() * 1000) % 10**8}"
     on_etcd = system.startswith("elasticd") or system == "torchrun-etcd"
     endpoint = etcd_endpoint if on_etcd else f"127.0.0.1:{free_port()}"
+    spare = scenario == "spare"
+    if spare and not system.startswith("elasticd"):
+        trial.note = "hot spares are elasticd's"
+        return trial
+    nnodes = SPARE_NNODES if spare else NNODES
     with Cluster(workdir) as cluster:
-        start_node(cluster, system, 0, job, endpoint, src)
+        start_node(cluster, system, 0, job, endpoint, src, nnodes)
         if not on_etcd:
             # Node 0 must host the c10d store (the first launcher to bind the port does).
             port = int(endpoint.rsplit(":", 1)[1])
             if not wait_until(lambda: port_listening(port), 60):
                 trial.note = "torchrun node 0 never opened the store port"
                 return trial
-        for i in range(1, NODES):
-            start_node(cluster, system, i, job, endpoint, src)
+        for i in range(1, NODES + (1 if spare else 0)):
+            start_node(cluster, system, i, job, endpoint, src, nnodes)
         ranks = src.ranks_per_step(NODES)
         steady = wait_until(lambda: first_step_at(src.records(), NODES, 0, ranks) and
                             steps_at(src.records(), NODES) >= args.warm_steps, args.start_timeout)
@@ -178,8 +187,19 @@ def run_trial(system: str, scenario: str, rep: int, etcd_endpoint: str, script: 
             cluster.refresh()
         cluster.refresh()
         victim = cluster.nodes[NODES - 1]
-        if scenario == "sigkill":
-            t0, trial.new_world = victim.signal_node(signal.SIGKILL), NODES - 1
+        if spare:
+            # The node that logged spare_waiting is the spare; the fault goes to a member.
+            def spare_node() -> object:
+                return next((n for n in cluster.nodes
+                             if any('"spare_waiting"' in text for _, text in n.lines)), None)
+
+            if not wait_until(spare_node, 30):
+                trial.note = "no node waited as a spare"
+                return trial
+            victim = [n for n in cluster.nodes if n is not spare_node()][-1]
+        if scenario in ("sigkill", "spare"):
+            # With a spare, the job is back at its full size once the spare is in.
+            t0, trial.new_world = victim.signal_node(signal.SIGKILL), NODES if spare else NODES - 1
         elif scenario == "sigstop":
             t0, trial.new_world = victim.signal_node(signal.SIGSTOP), NODES - 1
         elif scenario == "sigterm":
@@ -192,13 +212,23 @@ def run_trial(system: str, scenario: str, rep: int, etcd_endpoint: str, script: 
         timeout = args.stop_timeout if scenario == "sigstop" else args.timeout
         ranks = src.ranks_per_step(trial.new_world)
         deadline = time.monotonic() + timeout
+
+        def counted_after() -> float:
+            # Same world size before and after (a spare replaces the victim): step lines the
+            # old group wrote before the kill still arrive after t0 (their time is their
+            # arrival), so a step counts only once the spare is in (its spare_admitted).
+            if not spare:
+                return t0
+            return min((now for n in cluster.nodes for now, text in n.lines
+                        if now > t0 and '"spare_admitted"' in text), default=float("inf"))
+
         while time.monotonic() < deadline:
-            if first_step_at(src.records(), trial.new_world, t0, ranks):
+            if first_step_at(src.records(), trial.new_world, counted_after(), ranks):
                 break
             time.sleep(0.1)
             cluster.refresh()  # remember new workers, so cleanup finds them even if orphaned
         records = src.records()
-        analyse(trial, records, t0, ranks)
+        analyse(trial, records, t0, ranks, after=counted_after())
         trial.ckpt_load_s = checkpoint_load_s([n.lines for n in cluster.nodes], t0)
         if not trial.recovered:
             trial.note = f"did not recover within {timeout:.0f}s"
@@ -213,9 +243,11 @@ def run_trial(system: str, scenario: str, rep: int, etcd_endpoint: str, script: 
     return trial
 
 
-def analyse(trial: Trial, records: list[dict], t0: float, ranks: int) -> None:
-    """Fill in recovery time, steps lost and the worker-start split from the step records."""
-    first = first_step_at(records, trial.new_world, t0, ranks)
+def analyse(trial: Trial, records: list[dict], t0: float, ranks: int,
+            after: float | None = None) -> None:
+    """Fill in recovery time, steps lost and the worker-start split from the step records
+    (the first step at the new world counted from ``after``, default ``t0``)."""
+    first = first_step_at(records, trial.new_world, t0 if after is None else after, ranks)
     if first is None:
         return
     step, at = first

@@ -18,6 +18,7 @@ Layout (see docs/architecture.md)::
     /elasticd/<job>/history                 bounded progress samples for plots (elasticd/history.py)
     /elasticd/<job>/checkpoint/latest       fenced pointer to the newest committed checkpoint
     /elasticd/<job>/run_id                  this run's id (created once; checkpoints carry it)
+    /elasticd/<job>/fingerprint             what every agent of the job must match (admission)
     /elasticd/<job>/events/<seq>            bounded event history (JSON)
     /elasticd/<job>/control/stop            the job is stopped (`elasticd stop`); agents leave/stay out
     /elasticd/<job>/control/drain/<node>    that node is drained (`elasticd drain`); it leaves/stays out
@@ -170,6 +171,12 @@ class JobKeys:
     @property
     def run_id(self) -> str:
         return f"{self.prefix}run_id"
+
+    @property
+    def fingerprint(self) -> str:
+        """The job's fingerprint (elasticd.agent.admission): no lease; it binds while a
+        live node record carries the same digest, and is replaced when none does."""
+        return f"{self.prefix}fingerprint"
 
     @property
     def events_prefix(self) -> str:

@@ -43,6 +43,8 @@ def _check(name: str, kind: str, value: Any) -> Any:
         ok = isinstance(value, str)
     elif base == "int":
         ok = isinstance(value, int) and not isinstance(value, bool)
+    elif base == "bool":
+        ok = isinstance(value, bool)
     elif base == "float":
         ok = (isinstance(value, (int, float)) and not isinstance(value, bool)
               and math.isfinite(value))
@@ -61,7 +63,9 @@ def _check(name: str, kind: str, value: Any) -> Any:
     return value
 
 # Node states, as written by the agent into its node record.
-NODE_STATES = ("joining", "training", "re-forming", "restarting", "draining", "stopped", "failed")
+# "spare": registered and joined, waiting for room in a full job (rendezvous.protocol.is_spare).
+NODE_STATES = ("joining", "spare", "training", "re-forming", "restarting", "draining", "stopped",
+               "failed")
 # Round phases of the rendezvous state record.
 ROUND_PHASES = ("open", "final")
 # Event kinds appended to /elasticd/<job>/events/.
@@ -129,6 +133,35 @@ class NodeRecord(_Record):
     # it proves the agent gone before its lease expires. Port 0: not probed (opted out).
     probe_host: str | None = None
     probe_port: int = 0
+    # The digest of the job fingerprint this agent runs (elasticd.agent.admission): a
+    # stored fingerprint binds while a live record carries its digest. "": none.
+    fingerprint: str = ""
+
+
+@dataclass(frozen=True)
+class JobFingerprint(_Record):
+    """``/elasticd/<job>/fingerprint``: what every agent of the job must match
+    (elasticd.agent.admission: what is in it, and why)."""
+
+    version: str
+    command: list[str]  # as given on the publishing node (shown, not compared)
+    program: str  # "sha256:<hex>" of the script, or "module:<name>" for ``-m``
+    args: list[str]
+    min_nodes: int
+    max_nodes: int
+    checkpoint_url: str  # redacted; "" when none
+    live_reform: bool
+    node: str = ""  # who published it (shown)
+    published_at: float = 0.0
+    digest: str = ""  # of the compared fields; see :func:`make_fingerprint`
+    extra: dict[str, Any] = field(default_factory=dict)  # reserved for later settings
+
+    def compared(self) -> dict[str, Any]:
+        """The fields that must agree, by name (the digest is over exactly these)."""
+        return {"version": self.version, "program": self.program, "args": list(self.args),
+                "min_nodes": self.min_nodes, "max_nodes": self.max_nodes,
+                "checkpoint_url": self.checkpoint_url, "live_reform": self.live_reform,
+                **{f"extra.{k}": v for k, v in sorted(self.extra.items())}}
 
 
 @dataclass(frozen=True)

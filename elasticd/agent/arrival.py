@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 
 import structlog
 
+from elasticd.agent.admission import AdmissionRefusedError, admit, make_fingerprint, precheck
 from elasticd.etcd.client import EtcdClient
 from elasticd.keys import JobKeys
 from elasticd.records import RecordError, RoundState
@@ -115,13 +116,27 @@ def arrive_early(cfg: AgentConfig) -> EarlyArrival | None:
         if finished is not None:
             return EarlyArrival(client, None, finished)
         node_id = cfg.node.id or default_node_id()
+        # Admission before the first round is touched (elasticd.agent.admission): a
+        # foreign program is refused here, before it registers, in the common case.
+        ours = make_fingerprint(cfg.workers.command, min_nodes=cfg.job.min_nodes,
+                                max_nodes=cfg.job.max_nodes,
+                                checkpoint_url=cfg.job.checkpoint_url,
+                                live_reform=cfg.workers.live_reform,
+                                workdir=cfg.workers.workdir, node=node_id)
+        precheck(client, keys, node_id, ours, deadline_s=_DEADLINE_S)
         session = NodeSession(client, keys, node_id, WatchedView(keys, node_id),
                               ttl_s=cfg.node.ttl_s, liveness_probe=cfg.rendezvous.liveness_probe,
-                              local_addr=cfg.node.local_addr)
+                              local_addr=cfg.node.local_addr, fingerprint=ours.digest)
         deadline = time.monotonic() + _DEADLINE_S
         session.register(deadline)
+        admit(client, keys, node_id, ours, deadline_s=_DEADLINE_S)
         session.early_join = _join_first_round(client, keys, session, cfg.job.min_nodes,
                                                cfg.job.max_nodes)
+    except AdmissionRefusedError:
+        if "session" in locals():
+            session.close()  # revoke: our record goes at once
+        client.close()
+        raise  # exit 78 (elasticd.cli), before torch is imported
     except Exception as exc:  # noqa: BLE001 - best effort: the handler registers and reports
         log.info("early_registration_skipped", error=str(exc))
         if "session" in locals():

@@ -26,6 +26,7 @@ from torch.distributed.elastic.rendezvous import (
 )
 
 import elasticd
+from elasticd.agent.admission import admit, make_fingerprint, precheck
 from elasticd.agent.arrival import EarlyArrival, log_finished
 from elasticd.agent.commits import CommitRetrier, PendingCommit, read_intents, write_intent
 from elasticd.agent.elastic_agent import ElasticdAgent, SupervisionSettings
@@ -64,6 +65,7 @@ from elasticd.logs import (
     resolve_worker_log_dir,
 )
 from elasticd.process import make_non_dumpable
+from elasticd.records import JobFingerprint
 from elasticd.rendezvous.etcd_handler import EtcdRendezvousHandler
 from elasticd.rendezvous.finished import FinishedJob, read_finished
 from elasticd.rendezvous.settings import RendezvousSettings
@@ -182,6 +184,17 @@ def _goodput_publisher(recorder: JobRecorder, metrics: AgentMetrics) -> Callable
     return publish
 
 
+def _spare_observer(metrics: AgentMetrics | None) -> Callable[[bool], None] | None:
+    """The handler's ``on_spare``: this node waits as a hot spare, or no longer does."""
+    if metrics is None:
+        return None
+
+    def observe(spare: bool) -> None:
+        metrics.set_spare(spare)
+
+    return observe
+
+
 def run_node(spec: NodeSpec, early: EarlyStart | None = None, arrival: EarlyArrival | None = None) -> int:
     """Run this node until the job finishes, this node drains, or it gives up.
 
@@ -207,6 +220,11 @@ def run_node(spec: NodeSpec, early: EarlyStart | None = None, arrival: EarlyArri
     if spec.workdir:
         os.chdir(spec.workdir)
     check_command(spec.command)
+    # What every agent of the job must match (elasticd.agent.admission), read once here.
+    fingerprint = make_fingerprint(spec.command, min_nodes=spec.rendezvous.min_nodes,
+                                   max_nodes=spec.rendezvous.max_nodes,
+                                   checkpoint_url=spec.supervision.checkpoint_url,
+                                   live_reform=spec.supervision.live_reform)
     embedded: EmbeddedEtcd | None = None
     client: EtcdClient | None = None
     control: ControlChannel | None = None
@@ -240,7 +258,8 @@ def run_node(spec: NodeSpec, early: EarlyStart | None = None, arrival: EarlyArri
         job_prefix = JobKeys(spec.job).prefix
         _connect(client, job_prefix, spec.etcd.connect_timeout_s)
         handler = EtcdRendezvousHandler(
-            client, spec.job, replace(spec.rendezvous, worker_log_dir=log_dir),
+            client, spec.job, replace(spec.rendezvous, worker_log_dir=log_dir,
+                                      fingerprint=fingerprint.digest),
             node_id=spec.node_id, session=early_session)
         if arrival is not None and early_session is not None:
             arrival.taken = True  # the handler owns the session now (closed by its shutdown)
@@ -255,6 +274,12 @@ def run_node(spec: NodeSpec, early: EarlyStart | None = None, arrival: EarlyArri
         if refused is not None:
             log.warning("agent_not_joining", reason=refused.reason, fix=restart_hint(refused))
             return 0
+        # Admission: refused (exit 78) before anything of the job is touched when a live
+        # agent runs another program; decided for good once registered (the txn).
+        fingerprint = replace(fingerprint, node=handler.node_id)
+        precheck(client, handler.keys, handler.node_id, fingerprint,
+                 deadline_s=spec.etcd.connect_timeout_s)
+        handler.on_registered = lambda deadline: _admit(client, handler, fingerprint, deadline)
         recorder = JobRecorder(handler.session)
         # A standalone start (a fresh private etcd) continues its job's last run unless
         # that run finished (elasticd.agent.standalone_runs): decided before anything starts.
@@ -331,6 +356,7 @@ def run_node(spec: NodeSpec, early: EarlyStart | None = None, arrival: EarlyArri
         agent.install_signal_handlers()
         if agent.notifier is not None:
             handler.on_wait = agent.notifier.watchdog
+        handler.on_spare = _spare_observer(metrics)
         handler.on_members_lost = lambda lost, rnd: _record_lost(recorder, handler, lost, rnd)
         if spec.preemption is not None:
             spec.preemption.start(lambda notice: _on_notice(agent, recorder, notice))
@@ -488,6 +514,14 @@ def _log_finished(client: EtcdClient, keys: JobKeys, exc: RendezvousClosedError)
         except EtcdUnavailableError:
             finished = None
     log_finished(finished or FinishedJob(keys.job), **extra)
+
+
+def _admit(client: EtcdClient | None, handler: EtcdRendezvousHandler | None,
+           fingerprint: JobFingerprint, deadline: float) -> None:
+    """The handler's ``on_registered``: admit this node, or refuse it (exit 78)."""
+    assert client is not None and handler is not None
+    admit(client, handler.keys, handler.node_id, fingerprint,
+          deadline_s=max(deadline - time.monotonic(), 1.0))
 
 
 def _record_lost(recorder: JobRecorder, handler: EtcdRendezvousHandler, lost: list[str],

@@ -57,6 +57,7 @@ from elasticd.rendezvous.protocol import (
     decide_join,
     departures,
     dropped_members,
+    is_spare,
     nodes_waiting,
 )
 from elasticd.rendezvous.session import NodeSession, retry_rdzv
@@ -119,7 +120,8 @@ class EtcdRendezvousHandler(RendezvousHandler):
                                        worker_log_dir=settings.worker_log_dir,
                                        on_lease_lost=on_lease_lost,
                                        liveness_probe=settings.liveness_probe,
-                                       local_addr=settings.local_addr)
+                                       local_addr=settings.local_addr,
+                                       fingerprint=settings.fingerprint)
         # Proves stragglers and peers gone before their lease expires (liveness.py).
         self.prober = PeerProber(on_dead=self._view.touch) if settings.liveness_probe else None
         self._member_probes = MemberProbes(self.prober, self._member_targets)
@@ -136,6 +138,15 @@ class EtcdRendezvousHandler(RendezvousHandler):
         self.on_wait: Callable[[], None] | None = None
         # Called with the members whose lease expired when we open the next round for it.
         self.on_members_lost: Callable[[list[str], int], None] | None = None
+        # Called once (with the deadline) after our first registration and before we join
+        # or coordinate anything: the agent's admission (elasticd.agent.admission), which
+        # raises to refuse this node.
+        self.on_registered: Callable[[float], None] | None = None
+        # Called with True when this node starts waiting as a hot spare (the job is full
+        # without it), False when it is admitted or stops waiting (metrics).
+        self.on_spare: Callable[[bool], None] | None = None
+        self.spare = False
+        self._admitted = False
         # How ``shutdown`` tells the others we went (``left/<round>/<node>``): torch's
         # launch_agent calls shutdown() only once the node is done for good (its workers
         # finished, or failed past the budget), as torch's own backends read it ("closes
@@ -175,6 +186,9 @@ class EtcdRendezvousHandler(RendezvousHandler):
             self._refuse_finished_job(deadline)
             self._arrival_checked = True
         self.session.ensure_registered(deadline)
+        if not self._admitted and self.on_registered is not None:
+            self.on_registered(deadline)
+        self._admitted = True
         if self._coordinator is None:
             s = self.settings
             self._coordinator = RoundCoordinator(
@@ -310,6 +324,13 @@ class EtcdRendezvousHandler(RendezvousHandler):
                 self.session.register(deadline)
             view, state_rev = self._view.snapshot()
             version = self._view.version
+            if (is_spare(view.state, self.node_id, self.settings.max_nodes)
+                    and self.client.unreachable() is None):
+                # A spare waits as long as the job runs (protocol.is_spare): its join
+                # deadline restarts while the job stays full without it and etcd answers
+                # (an etcd gone for good still ends the wait, as for any joiner).
+                deadline = progress.deadline = time.monotonic() + self.settings.join_timeout_s
+                self._set_spare(True)
             proven = (self._view.proven_dead(self.prober.dead())
                       if self.prober is not None and view.full else frozenset())
             action = decide_join(view, progress, min_nodes=self.settings.min_nodes,
@@ -331,6 +352,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
                 self._last_reason = action.reason
             if action.kind is ActionKind.DONE:
                 self.session.state_rev = state_rev
+                self._set_spare(False)
                 break
             self._execute(action, view, state_rev, version, deadline)
         rank = action.members.index(self.node_id)
@@ -347,6 +369,23 @@ class EtcdRendezvousHandler(RendezvousHandler):
                        nnodes=len(action.members), members=list(action.members),
                        seconds=round(self.rendezvous_s, 3))
         return RendezvousInfo(store, rank, len(action.members), bootstrap)
+
+    def _set_spare(self, spare: bool) -> None:
+        """Say (once per change) that this node waits as a hot spare, or no longer does."""
+        if spare == self.spare:
+            return
+        self.spare = spare
+        if spare:
+            self._log.info("spare_waiting", reason="the job is full (max_nodes members): "
+                           "admitted when a member is lost or drained")
+            try:
+                self.session.update_record(state="spare")
+            except (LeaseLostError, EtcdUnavailableError) as exc:  # shown on the next write
+                self._log.debug("spare_record_not_written", error=str(exc))
+        else:
+            self._log.info("spare_admitted")
+        if self.on_spare is not None:
+            self.on_spare(spare)
 
     def _execute(self, action: Action, view: RendezvousView, state_rev: int, version: int,
                  deadline: float) -> None:

@@ -268,6 +268,21 @@ def decide_join(view: RendezvousView, progress: JoinProgress, *, min_nodes: int,
                              start_settle_s=start_settle_s)
 
 
+def is_spare(state: RoundState | None, me: str, max_nodes: int) -> bool:
+    """Whether ``me`` waits as a hot spare: the job's round is final and full (``max_nodes``
+    members) without us. Pure.
+
+    A spare is registered and has joined the next round; it is admitted in the round the
+    members open when one of them is lost or drained (its join is already in), and never
+    closes a round nor changes the running one (``nodes_waiting`` announces joiners only
+    while there is room). Why it matters: its join deadline must not run out -- a spare
+    waits as long as the job runs, where a node waiting for a job to *start* gives up after
+    ``join_timeout``.
+    """
+    return (state is not None and state.phase == "final" and me not in state.members
+            and len(state.members) >= max_nodes)
+
+
 def early_join_round(state: RoundState | None) -> int | None:
     """The round a node may join before its agent has imported torch (a node of the
     job's start, ``agent/arrival.py``), or None: the job's first round while it is open

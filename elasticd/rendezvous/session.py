@@ -73,7 +73,7 @@ class NodeSession:
     def __init__(self, client: EtcdClient, keys: JobKeys, node_id: str, view: WatchedView, *,
                  ttl_s: int, worker_log_dir: str | None = None,
                  on_lease_lost: Callable[[], None] | None = None, liveness_probe: bool = False,
-                 local_addr: str | None = None) -> None:
+                 local_addr: str | None = None, fingerprint: str = "") -> None:
         self.client = client
         self.keys = keys
         self.node_id = node_id
@@ -91,6 +91,9 @@ class NodeSession:
         self.lease_lost = threading.Event()
         self.liveness_probe = liveness_probe
         self.local_addr = local_addr
+        # Carried in every incarnation's record: a re-registration keeps the job held
+        # (elasticd.agent.admission).
+        self.fingerprint = fingerprint
         self.listener: LivenessListener | None = None
         self._closed = False
         # The round whose join key we put before the handler existed (agent.arrival).
@@ -168,7 +171,8 @@ class NodeSession:
         )
         record = replace(record, state="joining", heartbeat_at=time.time(),
                          probe_host=(self.local_addr or socket.getfqdn()) if self.listener else None,
-                         probe_port=self.listener.port if self.listener else 0)
+                         probe_port=self.listener.port if self.listener else 0,
+                         fingerprint=self.fingerprint)
         if round_rev is None:
             retry_rdzv("node record", lambda: self.client.put(key, record.to_json(), lease=lease),
                        deadline)

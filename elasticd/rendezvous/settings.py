@@ -30,6 +30,8 @@ class RendezvousSettings:
     election_timeout_s: float = 1.0  # the etcd members' --election-timeout (outage grace)
     # Hold a liveness listener and probe stragglers/peers (elasticd.rendezvous.liveness).
     liveness_probe: bool = True
+    # The digest of this agent's job fingerprint, carried in its node record (admission).
+    fingerprint: str = ""
 
     @classmethod
     def from_config(cls, cfg: AgentConfig) -> RendezvousSettings:

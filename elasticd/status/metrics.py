@@ -8,6 +8,7 @@ process (tests) do not collide and nothing from the default process registry lea
 Exposed series (all prefixed ``elasticd_``)::
 
     round, world_size                          gauges of the current round
+    spare                                      1 while this node waits as a hot spare
     restarts_total{cause}                      cause in failure | membership | hang
     rendezvous_duration_seconds                histogram: join -> round final
     recovery_duration_seconds                  histogram: fault detected -> training again
@@ -104,6 +105,9 @@ class AgentMetrics:
         self.recovery_s = Histogram("elasticd_recovery_duration_seconds",
                                     "Time from a detected fault until workers trained again",
                                     buckets=DURATION_BUCKETS_S, registry=r)
+        self.spare = Gauge("elasticd_spare",
+                           "1 while this node waits as a hot spare (the job is full without it)",
+                           registry=r)
         self.step = Gauge("elasticd_training_step", "Last training step reported", registry=r)
         self.steps_per_s = Gauge("elasticd_training_steps_per_second",
                                  "Training steps per second (averaged)", registry=r)
@@ -142,6 +146,10 @@ class AgentMetrics:
 
     def set_world_size(self, n: int) -> None:
         self.world_size.set(n)
+
+    def set_spare(self, spare: bool) -> None:
+        """This node waits as a hot spare (True) or is a member / joining (False)."""
+        self.spare.set(1 if spare else 0)
 
     def restart(self, cause: str) -> None:
         """Count one worker-group restart.

@@ -47,6 +47,7 @@ NODE_STATE_STYLE = {
     "training": "green",
     "re-forming": "yellow",
     "joining": "yellow",
+    "spare": "cyan",
     "restarting": "yellow",
     "draining": "yellow",
     "stopped": "dim",

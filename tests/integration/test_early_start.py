@@ -21,11 +21,13 @@ def test_the_cli_parser_and_the_rendezvous_protocol_do_not_import_torch():
     assert out.stdout.strip() == "[]", out.stdout[:500]
 
 
-def test_a_node_registers_before_the_agent_imports_torch(etcd_server):
+def test_a_node_registers_before_the_agent_imports_torch(etcd_server, tmp_path):
     """Issue 25 item 2: `arrive_early` puts the node's record on a lease kept alive, and
     its join of the job's first round (opened by it: no round yet), with no torch imported,
     so a node started with the others is in the first round however slow its import; the
     arrival's close revokes both."""
+    script = tmp_path / "x.py"  # the arrival fingerprints it (elasticd.agent.admission)
+    script.write_text("pass\n")
     code = (
         "import sys, json\n"
         "from elasticd.config import load_config\n"
@@ -33,7 +35,7 @@ def test_a_node_registers_before_the_agent_imports_torch(etcd_server):
         "from elasticd.etcd.client import EtcdClient\n"
         "from elasticd.keys import JobKeys\n"
         f"cfg = load_config(None, {{}}, {{'etcd.endpoints': {etcd_server.endpoint!r}, "
-        "'job.name': 'early', 'job.nnodes': '1:2', 'node.id': 'n7', 'workers.command': 'x.py'})\n"
+        f"'job.name': 'early', 'job.nnodes': '1:2', 'node.id': 'n7', 'workers.command': {str(script)!r}}})\n"
         "a = arrive_early(cfg)\n"
         "c = EtcdClient(cfg.etcd.endpoints[0])\n"
         "rec = c.get(JobKeys('early').node('n7'))\n"
