@@ -48,9 +48,13 @@ def elastic_mesh(kind: str = "fsdp") -> Any:
     Raises:
         ConfigError: as :func:`mesh_shape`.
     """
+    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
     ctx = current_context()
+    if not dist.is_initialized() and ctx.world_size == 1:
+        # ``python script.py`` with no launcher: FSDP2 still needs a group, of one process.
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     shape, names = mesh_shape(kind, ctx.world_size, ctx.local_world_size)
     device = "cuda" if ctx.device.type == "cuda" else "cpu"
     return init_device_mesh(device, shape, mesh_dim_names=names)
