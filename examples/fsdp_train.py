@@ -33,40 +33,17 @@ from torch.distributed.fsdp import fully_shard
 from elasticd import worker
 from elasticd.checkpoint import CheckpointManager
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import train  # noqa: E402  (examples/train.py: the same flags, data, model and sampler)
+from train import load_checkpoint, make_data, make_model, make_sampler  # noqa: E402
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=200, help="optimizer steps to train in total")
-    p.add_argument("--dataset-size", type=int, default=4096)
-    p.add_argument("--global-batch", type=int, default=64, help="samples per optimizer step, all ranks")
-    p.add_argument("--micro-batch", type=int, default=32, help="max samples per forward pass")
-    p.add_argument("--lr", type=float, default=0.05)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", choices=["float32", "float64"], default="float32")
-    p.add_argument("--checkpoint-url", default=os.environ.get("ELASTICD_CHECKPOINT_URL"),
-                   help="fsspec URL (default: $ELASTICD_CHECKPOINT_URL, else file://./checkpoints)")
-    p.add_argument("--checkpoint-every", type=int, default=10, help="save every N steps (async)")
-    p.add_argument("--keep", type=int, default=3, help="checkpoints to keep")
-    p.add_argument("--step-sleep", type=float, default=0.0, help="extra seconds per step (demos)")
-    p.add_argument("--trace", help="append the sample indices each rank trains to this file (tests)")
-    p.add_argument("--final-params", help="rank 0 writes the final parameters here (tests)")
+    p = train.make_parser()
+    p.description = __doc__.splitlines()[0]
     p.add_argument("--mesh", choices=["fsdp", "hsdp"], default="fsdp",
                    help="fsdp: shard over every rank; hsdp: replicate across nodes, shard within")
     return p.parse_args(argv)
-
-
-def make_data(n: int, dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The same synthetic dataset on every rank: y = tanh(x @ w / 4) + noise."""
-    g = torch.Generator().manual_seed(seed + 1)
-    x = torch.randn(n, 16, generator=g, dtype=dtype)
-    w = torch.randn(16, 1, generator=g, dtype=dtype)
-    y = torch.tanh(x @ w / 4) + 0.05 * torch.randn(n, 1, generator=g, dtype=dtype)
-    return x, y
-
-
-def make_model(dtype: torch.dtype, seed: int) -> nn.Module:
-    torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 1)).to(dtype)
 
 
 def parallelize(model: nn.Module, mesh) -> nn.Module:
@@ -76,23 +53,6 @@ def parallelize(model: nn.Module, mesh) -> nn.Module:
             fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     return model
-
-
-def make_sampler(args: argparse.Namespace, old: worker.ElasticSampler | None = None,
-                 world: int | None = None) -> worker.ElasticSampler:
-    """The sampler for the current world size (or ``world``), at ``old``'s position (if given)."""
-    sampler = worker.ElasticSampler(args.dataset_size, global_batch_size=args.global_batch,
-                                    seed=args.seed, num_replicas=world,
-                                    rank=0 if world is not None else None)
-    if old is not None:
-        sampler.load_state_dict(old.state_dict())
-    return sampler
-
-
-def load_checkpoint(ckpt: CheckpointManager, state: dict) -> int:
-    """Load the newest checkpoint into ``state``; its step, or -1 when there is none."""
-    loaded = ckpt.load_latest(state)
-    return loaded.step if loaded else -1
 
 
 def train_epochs(args, ctx, step, x, y, model, optim, sched, sampler, plan, trace, log, state,
