@@ -156,7 +156,7 @@ def _fill_shards(store: FsspecCheckpointStore, manifest: Manifest, state: Any,
     by_key = read_shard_index(store, manifest)
     where = f"checkpoint step {manifest.step}"
 
-    def read(c: shards.Chunk) -> bytes:
+    def read(c: shards.Chunk) -> bytearray:
         data = store.read_range(manifest.step, manifest.save_id, c.file, c.start, c.length)
         shards.chunk_crc(c, data)
         return data

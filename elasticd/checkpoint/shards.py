@@ -295,14 +295,17 @@ def fill(target: Any, chunks: list[Chunk], read: Any, where: str) -> Any:
             f"{where}: {first.key} is {first.dtype}{list(first.shape)} in the checkpoint, "
             f"{str(target.dtype).removeprefix('torch.')}{list(target.shape)} in the model")
     offsets, sizes = box_of(target)
-    local = torch.empty(sizes, dtype=target.dtype)
-    numel = local.numel()
-    if numel:
-        for c in chunks:
+    same = [c for c in chunks if (c.offsets, c.sizes) == (offsets, sizes)]
+    if same and same[0].numel:
+        # The sharding did not change for this box: the bytes read are the new shard.
+        local = _as_tensor(read(same[0]), same[0])
+    else:
+        local = torch.empty(sizes, dtype=target.dtype)
+        for c in chunks if local.numel() else ():
             inter = _overlap(offsets, sizes, c.offsets, c.sizes) if c.numel else None
             if inter is None:
                 continue
-            saved = torch.frombuffer(bytearray(read(c)), dtype=DTYPES[c.dtype]).view(c.sizes)
+            saved = _as_tensor(read(c), c)
             src = saved[tuple(slice(lo - o, hi - o) for (lo, hi), o in zip(inter, c.offsets, strict=True))]
             local[tuple(slice(lo - o, hi - o) for (lo, hi), o in zip(inter, offsets, strict=True))] = src
     local = local.to(target.to_local().device)
@@ -310,7 +313,13 @@ def fill(target: Any, chunks: list[Chunk], read: Any, where: str) -> Any:
                               shape=target.shape, stride=target.stride())
 
 
-def chunk_crc(chunk: Chunk, data: bytes) -> None:
+def _as_tensor(data: bytes | bytearray, chunk: Chunk) -> torch.Tensor:
+    """The chunk's bytes as a tensor of its box (no copy of a bytearray)."""
+    buf = data if isinstance(data, bytearray) else bytearray(data)
+    return torch.frombuffer(buf, dtype=DTYPES[chunk.dtype]).view(chunk.sizes)
+
+
+def chunk_crc(chunk: Chunk, data: bytes | bytearray) -> None:
     """Check a chunk's bytes against its index entry.
 
     Raises:

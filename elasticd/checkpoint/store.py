@@ -276,8 +276,8 @@ class FsspecCheckpointStore:
             raise CheckpointCorruptError(f"{name} is over {max_bytes} bytes: not one elasticd wrote")
         return bytes(data)
 
-    def read_range(self, step: int, save_id: str, name: str, start: int, length: int) -> bytes:
-        """``length`` bytes of data file ``name`` from ``start`` (one ranged GET).
+    def read_range(self, step: int, save_id: str, name: str, start: int, length: int) -> bytearray:
+        """``length`` bytes of data file ``name`` from ``start`` (one ranged GET), writable.
 
         Raises:
             CheckpointVanishedError: the file is gone (pruned while we read).
@@ -286,10 +286,13 @@ class FsspecCheckpointStore:
         path = f"{self.save_path(step, save_id)}/{name}"
         try:
             if self.is_local:
+                # Into a writable buffer the loaded tensor can keep (no second copy).
+                buf = bytearray(length)
                 with open(path, "rb") as f:
                     f.seek(start)
-                    return f.read(length)
-            return bytes(self.fs.cat_file(path, start=start, end=start + length))
+                    n = f.readinto(buf)
+                return buf if n == length else buf[:n]
+            return bytearray(self.fs.cat_file(path, start=start, end=start + length))
         except FileNotFoundError:
             raise CheckpointVanishedError(f"data file {name} disappeared while reading") from None
         except _PATH_ERRORS as exc:

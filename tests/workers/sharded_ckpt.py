@@ -53,10 +53,10 @@ def main() -> None:
     url = f"file://{workdir}/ckpt"
     for n, (world, kind, action) in enumerate(phases):
         go = f"{workdir}/go-{n}"
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 150
         while not os.path.exists(go):  # the test's signal: its checks of storage are done
             if time.monotonic() > deadline:
-                raise SystemExit(f"no {go} within 60 s")
+                raise SystemExit(f"no {go} within 150 s")
             time.sleep(0.01)
         if rank >= world:
             return
