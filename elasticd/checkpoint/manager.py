@@ -8,6 +8,9 @@ Design, in the order a save happens (docs/checkpoints.md has the full story):
   it is no faster, it cannot checksum while writing, and its loader unpickles ``.metadata``
   and non-tensor values with plain pickle, which requirement "never unpickle arbitrary
   objects from storage" rules out.
+- **Sharded state** (FSDP2/HSDP DTensors) is the exception: every rank writes its own
+  shards from its own background thread (``shards.py``); the writer commits once every
+  rank's index is in storage, and a load reshards to the loading run's mesh.
 - **Async.** ``save`` blocks only while tensors are copied into reusable host buffers
   (``staging.py``); a background thread writes the data, then the manifest (the commit),
   then asks the fence, then prunes. At most one save is in flight: the next ``save``
