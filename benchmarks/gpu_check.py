@@ -24,7 +24,13 @@ e. checkpoints: ``CheckpointManager.save`` of ~1.4 GiB of CUDA model and Adam st
    device-to-host copy is done, until committed; against a synchronous ``torch.save``;
    the loaded state must equal the state at ``save()`` (it is mutated right after).
 
-``--cpu-dry-run`` runs b, c, d and e on the CPU (gloo, tiny sizes) so the script is tested
+f. sharded checkpoints (FSDP2 on a 1-rank mesh): ``fully_shard`` a model on the device,
+   an async ``CheckpointManager.save`` of its CUDA DTensors (parameters and Adam moments:
+   each rank's shards staged into pinned buffers), the state mutated at once, then a
+   differently seeded model sharded on a new mesh loads it; the gathered tensors must equal
+   the state at ``save()``; against a synchronous ``torch.distributed.checkpoint.save``.
+
+``--cpu-dry-run`` runs b, c, d, e and f on the CPU (gloo, tiny sizes) so the script is tested
 without a GPU. Results: a summary on stdout and ``$OUT/gpu_check.json`` (or
 ``./gpu_check.json``). Exit 0 when every check passed (or CUDA is absent without
 ``--cpu-dry-run``: skipped), 1 otherwise.
@@ -374,6 +380,82 @@ def checkpoint(workdir: Path, sz: Sizes) -> dict[str, Any]:
     return res
 
 
+def sharded(workdir: Path, sz: Sizes) -> dict[str, Any]:
+    """f: FSDP2 on a 1-rank mesh: async sharded save of DTensors, load on a new mesh, equality."""
+    import logging
+
+    import structlog
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from elasticd.checkpoint import CheckpointManager
+
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
+    dev = torch.device(sz.device)
+    dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", store=dist.HashStore(),
+                            rank=0, world_size=1)
+    try:
+        def build(seed: int) -> tuple[Any, Any]:
+            torch.manual_seed(seed)
+            model = torch.nn.Sequential(*[torch.nn.Linear(sz.ckpt_width, sz.ckpt_width)
+                                          for _ in range(sz.ckpt_layers)]).to(dev)
+            mesh = init_device_mesh(dev.type, (1,), mesh_dim_names=("shard",))
+            for layer in model:
+                fully_shard(layer, mesh=mesh)
+            fully_shard(model, mesh=mesh)
+            return model, torch.optim.Adam(model.parameters(), lr=1e-3)
+
+        def full(model: Any, optim: Any) -> list[Any]:
+            # clone: on a 1-rank mesh full_tensor() is the live local tensor itself
+            return [(t.full_tensor() if hasattr(t, "full_tensor") else t).detach().cpu().clone()
+                    for t in _tensors(model.state_dict(), optim.state_dict())]
+
+        model, optim = build(0)
+        model(torch.randn(8, sz.ckpt_width, device=dev)).sum().backward()
+        optim.step()
+        optim.zero_grad(set_to_none=True)
+        nbytes = sum(t.numel() * t.element_size() for t in full(model, optim))
+        res: dict[str, Any] = {"state_bytes": nbytes, "device": str(dev), "saves": []}
+        sync = _synchronize(dev)
+        url = f"file://{workdir / 'ckpt-f'}"
+        with CheckpointManager(url, job="gpucheck-sharded", keep_last=1, fence=None) as mgr:
+            for step in (1, 2):  # 1 allocates the pinned buffers, 2 reuses them
+                ref = full(model, optim)
+                sync()
+                t0 = time.perf_counter()
+                mgr.save(step, {"model": model, "optim": optim})
+                t1 = time.perf_counter()
+                with torch.no_grad():
+                    for p in model.parameters():
+                        p.add_(1.0)
+                result = mgr.wait()
+                res["saves"].append({"step": step, "save_blocked_s": round(t1 - t0, 4),
+                                     "committed_s": round(time.perf_counter() - t0, 3),
+                                     "written_bytes": result.nbytes if result else None})
+            fresh, fresh_optim = build(1)
+            loaded = mgr.load_latest({"model": fresh, "optim": fresh_optim})
+            got = full(fresh, fresh_optim)
+        res["loaded_step"] = loaded.step if loaded else None
+        res["equal"] = len(got) == len(ref) and all(torch.equal(g, r) for g, r in zip(got, ref, strict=True))
+        res["dtensors"] = type(next(fresh.parameters())).__name__
+        msd, osd = get_state_dict(model, optim)
+        sync()
+        t0 = time.perf_counter()
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(workdir / "dcp-f"))
+        res["dcp_save_sync_s"] = round(time.perf_counter() - t0, 3)
+        res["blocked_vs_dcp"] = round(res["saves"][-1]["save_blocked_s"] / max(res["dcp_save_sync_s"], 1e-9), 3)
+        shutil.rmtree(workdir / "ckpt-f", ignore_errors=True)
+        shutil.rmtree(workdir / "dcp-f", ignore_errors=True)
+        res["ok"] = bool(res["equal"] and res["loaded_step"] == 2 and res["dtensors"] == "DTensor")
+        return res
+    finally:
+        dist.destroy_process_group()
+
+
 def _tensors(*trees: Any) -> list[Any]:
     import torch
 
@@ -453,6 +535,13 @@ def summary(results: dict[str, Any]) -> str:
     if ck:
         lines.append(f"e [{'ok' if ck.get('ok') else 'FAIL'}] sync torch.save {ck.get('torch_save_sync_s')} s; "
                      f"loaded == saved: {ck.get('equal')}; pinned host buffers: {ck.get('pinned_buffers')}")
+    sh = results.get("sharded") or {}
+    if sh:
+        warm = (sh.get("saves") or [{}])[-1]
+        lines.append(f"f sharded FSDP2 [{'ok' if sh.get('ok') else 'FAIL'}] ({sh.get('device')}, "
+                     f"{sh.get('state_bytes')} B): save() blocked {warm.get('save_blocked_s')} s, "
+                     f"committed {warm.get('committed_s')} s; sync DCP save {sh.get('dcp_save_sync_s')} s "
+                     f"(ratio {sh.get('blocked_vs_dcp')}); loaded == saved: {sh.get('equal')}")
     for name, err in results.get("errors", {}).items():
         lines.append(f"ERROR in {name}: {err.splitlines()[-1][:300]}")
     lines.append(f"all ok: {results['ok']}; total {results['wall_s']} s")
@@ -461,9 +550,9 @@ def summary(results: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--cpu-dry-run", action="store_true", help="run b, c, e on the CPU, tiny sizes")
+    p.add_argument("--cpu-dry-run", action="store_true", help="run b-f on the CPU, tiny sizes")
     p.add_argument("--budget-s", type=float, default=330.0, help="stop everything after this long")
-    p.add_argument("--only", default="b,c,d,e", help="comma-separated subset of b,c,d,e")
+    p.add_argument("--only", default="b,c,d,e,f", help="comma-separated subset of b,c,d,e,f")
     p.add_argument("--workdir", help="scratch directory (default: a temp dir, removed at the end)")
     args = p.parse_args(argv)
     started = time.time()
@@ -497,13 +586,14 @@ def main(argv: list[str] | None = None) -> int:
     old_term = signal.signal(signal.SIGTERM, on_alarm)
     signal.alarm(max(1, int(args.budget_s)))
     try:
-        steps = [("b", "throughput"), ("c", "recovery"), ("d", "reformation"), ("e", "checkpoint")]
+        steps = [("b", "throughput"), ("c", "recovery"), ("d", "reformation"), ("e", "checkpoint"),
+                 ("f", "sharded")]
         early: Run | None = None
         if args.cpu_dry_run and {"b", "c"} <= only:
             # No figures to protect on the CPU: b's job runs alongside c's, which keeps the
             # dry run (and its test) short on a small machine.
             early = start_throughput(workdir, nproc, sz, runs)
-            steps = [steps[1], steps[0], steps[2], steps[3]]
+            steps = [steps[1], steps[0], steps[2], steps[3], steps[4]]
         for key, name in steps:
             if key not in only:
                 continue
@@ -518,8 +608,10 @@ def main(argv: list[str] | None = None) -> int:
                     results[name] = probe("gloo" if args.cpu_dry_run else "nccl",
                                           2 if args.cpu_dry_run or torch.cuda.device_count() >= 2 else 1,
                                           8 if args.cpu_dry_run else 1024, 60.0)
-                else:
+                elif key == "e":
                     results[name] = checkpoint(workdir, sz)
+                else:
+                    results[name] = sharded(workdir, sz)
             except Exception:  # noqa: BLE001 - one failed step must not hide the others
                 results["errors"][name] = traceback.format_exc()
                 say(traceback.format_exc()[-1500:])
@@ -538,12 +630,13 @@ def main(argv: list[str] | None = None) -> int:
             run.node.kill()
         if not args.workdir:
             shutil.rmtree(workdir, ignore_errors=True)
-    steps_ok = [results[k].get("ok") for k in ("throughput", "reformation", "checkpoint") if k in results]
+    steps_ok = [results[k].get("ok") for k in ("throughput", "reformation", "checkpoint", "sharded")
+                if k in results]
     if "recovery" in results:
         steps_ok += [results["recovery"]["kill"].get("ok"), results["recovery"]["drain"].get("ok")]
     results["ok"] = bool(steps_ok) and all(steps_ok) and not results["errors"] and \
-        len([k for k in ("throughput", "recovery", "reformation", "checkpoint") if k in results]) == \
-        len(only & {"b", "c", "d", "e"})
+        len([k for k in ("throughput", "recovery", "reformation", "checkpoint", "sharded")
+             if k in results]) == len(only & {"b", "c", "d", "e", "f"})
     results["wall_s"] = round(time.time() - started, 1)
     out_dir.mkdir(parents=True, exist_ok=True)
     out_path.write_text(json.dumps(results, indent=1, default=str))

@@ -29,7 +29,8 @@ from elasticd import worker
 from elasticd.checkpoint import CheckpointManager
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def make_parser() -> argparse.ArgumentParser:
+    """The flags (examples/fsdp_train.py adds ``--mesh`` to the same ones)."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=200, help="optimizer steps to train in total")
     p.add_argument("--dataset-size", type=int, default=4096)
@@ -45,7 +46,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--step-sleep", type=float, default=0.0, help="extra seconds per step (demos)")
     p.add_argument("--trace", help="append the sample indices each rank trains to this file (tests)")
     p.add_argument("--final-params", help="rank 0 writes the final parameters here (tests)")
-    return p.parse_args(argv)
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    return make_parser().parse_args(argv)
 
 
 def make_data(n: int, dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, torch.Tensor]:

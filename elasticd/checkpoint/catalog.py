@@ -3,7 +3,9 @@
 Validity here is what a reader would decide: a manifest that verifies, belongs to the job
 and names files that are all present with their sizes; ``verify=True`` also reads every
 file and checks its CRC, which is what catches flipped bits, and loads the state file as
-the loader does (weights_only), which is what catches a pickle the loader refuses.
+the loader does (weights_only), which is what catches a pickle the loader refuses. For a
+sharded save it also reads every rank's JSON shard index and checks coverage: every
+element of every tensor stored exactly once.
 """
 
 from __future__ import annotations
@@ -135,6 +137,11 @@ def _inspect(store: FsspecCheckpointStore, save: ListedSave, verify: bool) -> Ch
             for entry in manifest.files:
                 store.verify_file(save.step, save.save_id, entry)
             _check_loadable(store, save, manifest)
+            if manifest.shards:
+                # Every element of every sharded tensor stored exactly once.
+                from elasticd.checkpoint.reader import read_shard_index
+
+                read_shard_index(store, manifest)
         except (CheckpointCorruptError, CheckpointUnreadableError) as exc:
             reason = str(exc)
     return CheckpointInfo(**base, committed_at=manifest.committed_at,

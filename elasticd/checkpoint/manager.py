@@ -8,6 +8,9 @@ Design, in the order a save happens (docs/checkpoints.md has the full story):
   it is no faster, it cannot checksum while writing, and its loader unpickles ``.metadata``
   and non-tensor values with plain pickle, which requirement "never unpickle arbitrary
   objects from storage" rules out.
+- **Sharded state** (FSDP2/HSDP DTensors) is the exception: every rank writes its own
+  shards from its own background thread (``shards.py``); the writer commits once every
+  rank's index is in storage, and a load reshards to the loading run's mesh.
 - **Async.** ``save`` blocks only while tensors are copied into reusable host buffers
   (``staging.py``); a background thread writes the data, then the manifest (the commit),
   then asks the fence, then prunes. At most one save is in flight: the next ``save``
@@ -31,7 +34,7 @@ import json
 import threading
 import time
 from collections.abc import Callable, Mapping, MutableMapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import structlog
@@ -39,6 +42,7 @@ import torch
 
 import elasticd
 from elasticd.checkpoint import reader, rng
+from elasticd.checkpoint import shards as shards_mod
 from elasticd.checkpoint.agent_defaults import AUTO_FENCE, AutoFence, agent_identity, resolve_fence
 from elasticd.checkpoint.api import (
     CheckpointError,
@@ -56,7 +60,9 @@ from elasticd.checkpoint.group import make_group
 from elasticd.checkpoint.identity import ForeignCheckpointError, RunIdentity
 from elasticd.checkpoint.manifest import (
     STATE_FILE,
+    FileEntry,
     Manifest,
+    checksum,
     new_save_id,
     step_dir_name,
 )
@@ -72,6 +78,18 @@ log = structlog.get_logger(__name__)
 # How often a load lists again when files vanish under it (a prune racing a slow reader).
 _MAX_LISTINGS = 5
 _RELIST = object()
+
+
+@dataclass
+class _SaveWork:
+    """What the background writer of one save needs."""
+
+    inflight: _InFlight
+    created_at: float
+    event: Any  # CUDA event of the replicated part's copies, or None
+    shard_event: Any  # CUDA event of the shard copies, or None
+    shards: list[shards_mod.StagedShard] | None  # None: not a sharded save
+    payload: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -152,6 +170,9 @@ class CheckpointManager:
         self.world_size = self._group.size
         self._clock = clock
         self._stager = StateStager()
+        # How long the committing rank waits for the other ranks' shards of a save.
+        self.shard_wait_s = 300.0
+        self._abort = threading.Event()
         self._inflight: _InFlight | None = None
         self._last_result: SaveResult | None = None
         self._closed = False
@@ -206,47 +227,129 @@ class CheckpointManager:
         self._finish_inflight()  # at most one in flight; raises its error
         # Staging validates too; every rank does it before the collective, so a bad value
         # fails everywhere instead of leaving the other ranks waiting in the gather.
-        # Only the writer copies.
-        staged, event = self._stager.stage(resolve(state), copy=self.is_writer and not blocking)
+        # Only the writer copies the replicated part; every rank copies its own shards.
+        resolved = resolve(state)
+        staged, event = self._stager.stage(resolved, copy=self.is_writer and not blocking)
+        shards, shard_event = self._stager.stage_shards(resolved, copy=not blocking)
+        sharded = next(shards_mod.iter_dtensors(resolved), None) is not None  # the same on every rank
         rng_states = self._group.gather(rng.capture())
-        if not self.is_writer:
+        if sharded:
+            # Every rank writes into the save's directory, so all must know its name.
+            created_at, save_id = self._group.broadcast(
+                (now := self._clock(), new_save_id(now)) if self.is_writer else None)
+        elif not self.is_writer:
             return
-        created_at = self._clock()
-        save_id = new_save_id(created_at)
-        payload = dict(staged)
-        payload[RESERVED_KEY] = {"rng": rng_states}
+        else:
+            created_at = self._clock()
+            save_id = new_save_id(created_at)
         inflight = _InFlight(step=step, save_id=save_id, blocked_s=time.perf_counter() - t0,
                              generation=self._generation)
         self._inflight = inflight
-        job = (inflight, payload, event, created_at)
+        work = _SaveWork(inflight, created_at, event, shard_event, shards if sharded else None)
+        if self.is_writer:
+            work.payload = dict(staged)
+            work.payload[RESERVED_KEY] = {"rng": rng_states}
+        target = self._write if self.is_writer else self._write_own_shards
         if blocking:
-            self._write(*job)
+            target(work)
             self.wait()
             return
         # Not a daemon: if the program ends without close(), the interpreter still waits
         # for the upload instead of leaving a torn checkpoint behind.
-        inflight.thread = threading.Thread(target=self._write, args=job,
+        inflight.thread = threading.Thread(target=target, args=(work,),
                                            name=f"elasticd-checkpoint-{step}", daemon=False)
         inflight.thread.start()
 
-    def _write(self, inflight: _InFlight, payload: dict[str, Any], event: Any,
-               created_at: float) -> None:
+    def _write_shards(self, work: _SaveWork) -> list[FileEntry]:
+        """Write this rank's shard data file, then its index (published whole)."""
+        assert work.shards is not None
+        if work.shard_event is not None:
+            work.shard_event.synchronize()
+        step, save_id = work.inflight.step, work.inflight.save_id
+        chunks: list[shards_mod.Chunk] = []
+
+        def write(w: Any) -> None:
+            for s in work.shards or ():
+                start = w.size
+                view = shards_mod.tensor_bytes(s.data)
+                w.write(view)
+                chunks.append(shards_mod.Chunk(
+                    s.key, str(s.data.dtype).removeprefix("torch."), s.shape, s.offsets,
+                    s.sizes, start, view.nbytes, checksum(view)))
+
+        data = self.store.write_file(step, save_id, shards_mod.data_name(self.rank), write)
+        index = self.store.publish_file(
+            step, save_id, shards_mod.index_name(self.rank),
+            shards_mod.index_json(self.rank, chunks, data.size, data.crc32))
+        return [data, index]
+
+    def _write_own_shards(self, work: _SaveWork) -> None:
+        """Background part of a sharded save on a rank that does not commit."""
+        try:
+            self._write_shards(work)
+        except Exception as exc:  # noqa: BLE001 - surfaced on the next call
+            url = self.store.save_url(work.inflight.step, work.inflight.save_id)
+            work.inflight.error = CheckpointSaveError(
+                f"writing rank {self.rank}'s shards of checkpoint step {work.inflight.step} to "
+                f"{url} failed: {exc!r}; the previous checkpoint is intact")
+            work.inflight.error.__cause__ = exc
+            self._log.error("checkpoint_save_failed", step=work.inflight.step, url=url,
+                            error=repr(exc))
+
+    def _peer_shards(self, step: int, save_id: str) -> list[FileEntry]:
+        """The other ranks' shard files, once each has published its index.
+
+        Polls storage (bounded by ``shard_wait_s``): the background writer must not run a
+        collective, which would interleave with the training loop's on the same group.
+
+        Raises:
+            CheckpointSaveError: a rank's index did not appear in time (the save stays
+                uncommitted: no manifest).
+        """
+        entries: list[FileEntry] = []
+        deadline = time.monotonic() + self.shard_wait_s
+        pause = 0.005
+        for rank in range(1, self.world_size):
+            name = shards_mod.index_name(rank)
+            while True:
+                try:
+                    data = self.store.read_small(step, save_id, name, shards_mod.MAX_INDEX_BYTES)
+                    break
+                except FileNotFoundError:
+                    if time.monotonic() > deadline:
+                        raise CheckpointSaveError(
+                            f"rank {rank} did not write its shards of step {step} within "
+                            f"{self.shard_wait_s:.0f} s ({name} missing); not committed") from None
+                    self._abort.wait(pause)
+                    pause = min(pause * 2, 0.25)
+            _, size, crc = shards_mod.parse_index(data, name)
+            entries += [FileEntry(shards_mod.data_name(rank), size, crc),
+                        FileEntry(name, len(data), checksum(data))]
+        return entries
+
+    def _write(self, work: _SaveWork) -> None:
         """Background part of a save: data, manifest (commit), fence, prune."""
+        inflight, payload, event, created_at = work.inflight, work.payload, work.event, work.created_at
         t0 = time.perf_counter()
         step, save_id = inflight.step, inflight.save_id
         url = self.store.manifest_url(step, save_id)
         try:
+            sharded: list[FileEntry] = []
+            if work.shards is not None:
+                sharded = self._write_shards(work) + self._peer_shards(step, save_id)
             if event is not None:
                 event.synchronize()  # device-to-host copies done
             entry = self.store.write_file(step, save_id, STATE_FILE,
                                           lambda w: torch.save(payload, w))  # type: ignore[arg-type]
+            files = (entry, *sharded)
             user = {k: v for k, v in payload.items() if k != RESERVED_KEY}
             manifest = Manifest(
                 job=self.job, step=step, save_id=save_id, world_size=self.world_size,
-                created_at=created_at, committed_at=self._clock(), files=(entry,),
+                created_at=created_at, committed_at=self._clock(), files=files,
                 parts=tuple(user), sampler=_json_or_none(user.get("sampler")),
                 torch_version=torch.__version__, elasticd_version=elasticd.__version__,
-                run_id=self.identity.run_id or "")
+                run_id=self.identity.run_id or "",
+                shards=tuple(f.name for f in sharded if f.name.endswith(".json")))
             self.store.write_manifest(manifest)
             outcome = (CommitOutcome.COMMITTED if self.fence is None
                        else CommitOutcome.of(self.fence.commit(step, url, self.world_size)))
@@ -257,11 +360,12 @@ class CheckpointManager:
             inflight.error.__cause__ = exc
             self._log.error("checkpoint_save_failed", step=step, url=url, error=repr(exc))
             return
+        nbytes = sum(f.size for f in files)
         write_s = time.perf_counter() - t0
         if outcome is not CommitOutcome.REFUSED:  # a refused upload is deleted: not a save
-            self._report_saved(step, inflight.blocked_s + write_s, entry.size)
+            self._report_saved(step, inflight.blocked_s + write_s, nbytes)
         inflight.result = SaveResult(step=step, save_id=save_id, manifest_url=url,
-                                     nbytes=entry.size, blocked_s=inflight.blocked_s,
+                                     nbytes=nbytes, blocked_s=inflight.blocked_s,
                                      write_s=write_s, committed=bool(outcome), outcome=outcome)
         if outcome is CommitOutcome.UNKNOWN:
             # No answer is not a no: keep the bytes (the agent retries the commit, and the
@@ -287,7 +391,7 @@ class CheckpointManager:
         self._protect.pop("loaded", None)
         self._log.info("checkpoint_saved", step=step, url=url, bytes=entry.size,
                        blocked_s=round(inflight.blocked_s, 4), write_s=round(write_s, 3),
-                       mb_per_s=round(entry.size / max(write_s, 1e-9) / 1e6, 1))
+                       mb_per_s=round(nbytes / max(write_s, 1e-9) / 1e6, 1))
         self.prune()
 
     def _report_saved(self, step: int, seconds: float, nbytes: int) -> None:
@@ -387,10 +491,15 @@ class CheckpointManager:
         self._finish_inflight()
         t0 = time.perf_counter()
         skipped: list[SkippedCheckpoint] = []
+        fresh = [v for v in (template or {}).values()
+                 if isinstance(v, torch.optim.Optimizer) and not v.state]
+        targets = self._shard_targets(template)
         for _ in range(_MAX_LISTINGS):
-            loaded = self._load_once(template, skipped)
+            loaded = self._load_once(template, skipped, targets)
             if loaded is not _RELIST:
                 if loaded is None:
+                    for optim in fresh:  # nothing loaded: the optimizer starts as given
+                        optim.state.clear()
                     self._log.info("checkpoint_not_found", url=self.store.job_url,
                                    skipped=len(skipped))
                     if self.identity.resume == "require":
@@ -410,8 +519,20 @@ class CheckpointManager:
             f"checkpoints under {self.store.job_url} kept disappearing while loading "
             f"({_MAX_LISTINGS} listings); is another job pruning the same prefix?")
 
+    @staticmethod
+    def _shard_targets(template: Mapping[str, Any] | None) -> dict[str, Any]:
+        """The template's DTensors by path: the new sharding a sharded checkpoint is read
+        into. A fresh optimizer over DTensor parameters gets its state created first (its
+        moments are DTensors too), so its state dict has somewhere to load into."""
+        if template is None:
+            return {}
+        for value in template.values():
+            if isinstance(value, torch.optim.Optimizer):
+                shards_mod.init_optimizer_state(value)
+        return dict(shards_mod.iter_dtensors(resolve(template)))
+
     def _load_once(self, template: MutableMapping[str, Any] | None,
-                   skipped: list[SkippedCheckpoint]) -> Any:
+                   skipped: list[SkippedCheckpoint], targets: Mapping[str, Any]) -> Any:
         candidates = None
         if self.is_writer:
             candidates = reader.candidates(
@@ -443,12 +564,14 @@ class CheckpointManager:
                 raise CheckpointReadError(msg[1])
             _, url, manifest = msg
             mapped = self.store.is_local and template is not None
-            status, reason, state = reader.read_state(self.store, manifest, mapped)
+            status, reason, state = reader.read_state(self.store, manifest, mapped, targets)
             reports = self._group.all_gather((status, reason))
             worst = max(s for s, _ in reports)
             if worst == reader.OK:
                 return self._apply(template, url, manifest, state, mapped, skipped)
             why = next(r for s, r in reports if s == worst)
+            if worst == reader.MISMATCH:
+                raise CheckpointMismatchError(f"checkpoint {url}: {why}")
             if worst == reader.FAILED:
                 # Storage errors and MemoryError on any rank: not evidence of corruption,
                 # so no rank may move on to an older checkpoint.
@@ -463,6 +586,12 @@ class CheckpointManager:
                skipped: list[SkippedCheckpoint]) -> LoadedCheckpoint:
         internal = state.pop(RESERVED_KEY)
         if template is not None:
+            missing = shards_mod.unfilled(state)
+            if missing:
+                raise CheckpointMismatchError(
+                    f"checkpoint step {manifest.step} ({url}) holds sharded tensors the "
+                    f"template has no DTensor for ({', '.join(missing[:3])}); pass the model and "
+                    "optimizer after parallelizing them (fully_shard) on this run's mesh")
             apply(template, state, f"checkpoint step {manifest.step} ({url})", mapped=mapped)
             # What the template took is in the caller's objects; keep only the rest (and
             # drop our references to the mapped file).

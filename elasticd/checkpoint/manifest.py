@@ -22,6 +22,9 @@ from elasticd.checkpoint.api import CheckpointCorruptError
 
 FORMAT = "elasticd-checkpoint"
 FORMAT_VERSION = 1
+# Version 2: sharded (DTensor) state in per-rank shard files listed in ``shards``. Older
+# elasticd refuses it by version instead of loading placeholders into a model.
+SHARDED_FORMAT_VERSION = 2
 MANIFEST_NAME = "manifest.json"
 STATE_FILE = "state.pt"
 # A manifest is a few KiB. Readers fetch at most this many bytes (plus one, to tell "too
@@ -119,6 +122,7 @@ class Manifest:
     torch_version: str = ""
     elasticd_version: str = ""
     run_id: str = ""
+    shards: tuple[str, ...] = ()
 
     @property
     def total_bytes(self) -> int:
@@ -128,7 +132,7 @@ class Manifest:
     def _body(self) -> dict[str, Any]:
         return {
             "format": FORMAT,
-            "format_version": FORMAT_VERSION,
+            "format_version": SHARDED_FORMAT_VERSION if self.shards else FORMAT_VERSION,
             "job": self.job,
             "step": self.step,
             "save_id": self.save_id,
@@ -141,6 +145,7 @@ class Manifest:
             "torch_version": self.torch_version,
             "elasticd_version": self.elasticd_version,
             "run_id": self.run_id,
+            **({"shards": list(self.shards)} if self.shards else {}),
         }
 
     def to_json(self) -> bytes:
@@ -176,10 +181,10 @@ class Manifest:
         if raw.get("format") != FORMAT:
             raise CheckpointCorruptError(f"manifest format is {raw.get('format')!r}, not {FORMAT!r}")
         version = raw.get("format_version")
-        if version != FORMAT_VERSION:
+        if version not in (FORMAT_VERSION, SHARDED_FORMAT_VERSION):
             raise CheckpointCorruptError(
                 f"manifest format_version {version!r} is not supported by this elasticd "
-                f"(reads {FORMAT_VERSION}); load it with the elasticd that wrote it"
+                f"(reads {FORMAT_VERSION} and {SHARDED_FORMAT_VERSION}); load it with the elasticd that wrote it"
             )
         stored_crc = raw.pop("manifest_crc32", None)
         if stored_crc != f"{checksum(_canonical(raw)):08x}":
@@ -189,6 +194,9 @@ class Manifest:
             parts = _typed(raw, "parts", list)
             if not all(isinstance(p, str) for p in parts):
                 raise TypeError("'parts' holds a non-string")
+            shards = _optional(raw, "shards", list, []) if version == SHARDED_FORMAT_VERSION else []
+            if not shards and version == SHARDED_FORMAT_VERSION:
+                raise ValueError("a sharded manifest lists no shard index")
             manifest = cls(
                 job=_typed(raw, "job", str),
                 step=_ranged(raw, "step", 0, MAX_STEP),
@@ -202,6 +210,7 @@ class Manifest:
                 torch_version=_optional(raw, "torch_version", str, ""),
                 elasticd_version=_optional(raw, "elasticd_version", str, ""),
                 run_id=_optional(raw, "run_id", str, ""),
+                shards=tuple(shards),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise CheckpointCorruptError(f"manifest field invalid: {exc}") from None
@@ -212,6 +221,8 @@ class Manifest:
         names = [f.name for f in files]
         if len(set(names)) != len(names) or MANIFEST_NAME in names:
             raise CheckpointCorruptError("manifest lists a file twice or lists itself")
+        if not set(manifest.shards) <= set(names):
+            raise CheckpointCorruptError("manifest names a shard index it does not list as a file")
         return manifest
 
 

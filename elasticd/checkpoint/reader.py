@@ -7,16 +7,17 @@ outcome; the worst outcome over all ranks decides (skip, list again, fail, or ap
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
+from elasticd.checkpoint import shards
 from elasticd.checkpoint.api import (
     CheckpointCorruptError,
     CheckpointMismatchError,
     CheckpointUnreadableError,
 )
 from elasticd.checkpoint.identity import RunIdentity, refusal
-from elasticd.checkpoint.manifest import STATE_FILE, Manifest
+from elasticd.checkpoint.manifest import STATE_FILE, Manifest, checksum
 from elasticd.checkpoint.restore import deserialize, deserialize_file
 from elasticd.checkpoint.staging import RESERVED_KEY
 from elasticd.checkpoint.store import (
@@ -29,7 +30,8 @@ from elasticd.records import CheckpointPointer
 # Outcome of one rank reading one candidate, ordered so that the worst (max) wins. Only
 # CORRUPT (decode, CRC, size) and UNREADABLE (one path: permission, a directory) skip to an
 # older checkpoint; FAILED (storage error, out of memory) fails the load loudly.
-OK, CORRUPT, UNREADABLE, VANISHED, FAILED = 0, 1, 2, 3, 4
+# MISMATCH: a sharded tensor does not fit the template (a changed model): raised, not skipped.
+OK, CORRUPT, UNREADABLE, VANISHED, FAILED, MISMATCH = 0, 1, 2, 3, 4, 5
 
 
 def candidates(
@@ -120,8 +122,51 @@ def candidates(
         yield ("relist",)
 
 
+def read_shard_index(store: FsspecCheckpointStore,
+                     manifest: Manifest) -> dict[str, list[shards.Chunk]]:
+    """Every rank's shard index of a sharded checkpoint, checked against the manifest's
+    sizes and CRCs, and its coverage (every element stored exactly once).
+
+    Raises:
+        CheckpointCorruptError: an index or the coverage is wrong (names the file).
+        CheckpointVanishedError: an index is gone.
+    """
+    entries = {f.name: f for f in manifest.files}
+    chunks: list[shards.Chunk] = []
+    for name in manifest.shards:
+        entry = entries[name]
+        try:
+            data = store.read_small(manifest.step, manifest.save_id, name, shards.MAX_INDEX_BYTES)
+        except FileNotFoundError:
+            raise CheckpointVanishedError(f"shard index {name} disappeared while reading") from None
+        if len(data) != entry.size or checksum(data) != entry.crc32:
+            raise CheckpointCorruptError(f"shard index {name} does not match its checksum")
+        found, size, crc = shards.parse_index(data, name)
+        bin_entry = entries.get(found[0].file if found else "")
+        if found and (bin_entry is None or (bin_entry.size, bin_entry.crc32) != (size, crc)):
+            raise CheckpointCorruptError(f"shard index {name} and the manifest disagree on its data file")
+        chunks += found
+    return shards.check_coverage(chunks, {f.name: f.size for f in manifest.files})
+
+
+def _fill_shards(store: FsspecCheckpointStore, manifest: Manifest, state: Any,
+                 targets: Mapping[str, Any]) -> Any:
+    """Replace the state's shard placeholders by DTensors of the template's sharding."""
+    by_key = read_shard_index(store, manifest)
+    where = f"checkpoint step {manifest.step}"
+
+    def read(c: shards.Chunk) -> bytearray:
+        data = store.read_range(manifest.step, manifest.save_id, c.file, c.start, c.length)
+        shards.chunk_crc(c, data)
+        return data
+
+    filled = {key: shards.fill(targets[key], chunks, read, where)
+              for key, chunks in by_key.items() if key in targets}
+    return shards.replace_marks(state, "state", filled)
+
+
 def read_state(store: FsspecCheckpointStore, manifest: Manifest,
-               mapped: bool) -> tuple[int, str | None, Any]:
+               mapped: bool, targets: Mapping[str, Any] | None = None) -> tuple[int, str | None, Any]:
     """Verify every file of ``manifest`` and deserialize the state.
 
     Args:
@@ -129,13 +174,19 @@ def read_state(store: FsspecCheckpointStore, manifest: Manifest,
         manifest: the candidate (already verified by rank 0).
         mapped: verify by streaming, then memory-map the state file (local disks, when a
             template will take the tensors); else read each file whole, load from memory.
+        targets: the template's DTensors by path: a sharded checkpoint's tensors are read
+            into their sharding (only the saved boxes that overlap this rank's, each checked
+            against its own CRC; other ranks' files are not read whole).
 
     Returns:
         (outcome, reason or None, state or None); never raises.
     """
     state = None
+    skip = {e.name for e in manifest.files if e.name.startswith("shards-r")} if manifest.shards else set()
     try:
         for entry in manifest.files:
+            if entry.name in skip:
+                continue
             if mapped:
                 store.verify_file(manifest.step, manifest.save_id, entry)
             else:
@@ -148,8 +199,12 @@ def read_state(store: FsspecCheckpointStore, manifest: Manifest,
             state = deserialize_file(path, STATE_FILE)
         if not isinstance(state, dict) or not isinstance(state.get(RESERVED_KEY), dict):
             raise CheckpointCorruptError(f"{STATE_FILE} is missing or is not a checkpoint state")
+        if manifest.shards:
+            state = _fill_shards(store, manifest, state, targets or {})
     except (CheckpointVanishedError, FileNotFoundError) as exc:
         return VANISHED, str(exc) or "a data file disappeared while reading", None
+    except CheckpointMismatchError as exc:
+        return MISMATCH, str(exc), None
     except CheckpointCorruptError as exc:
         return CORRUPT, str(exc), None
     except CheckpointUnreadableError as exc:

@@ -23,6 +23,14 @@ from typing import Any
 
 import torch
 
+from elasticd.checkpoint.shards import (
+    SHARD_MARK,
+    StagedShard,
+    box_of,
+    is_dtensor,
+    iter_dtensors,
+    writes_box,
+)
 from elasticd.errors import ConfigError
 
 # Top-level key the manager keeps its own data under (per-rank RNG states).
@@ -70,9 +78,8 @@ def resolve(state: Mapping[str, Any]) -> dict[str, Any]:
 def _check_tensor(path: str, t: torch.Tensor) -> None:
     if type(t) not in (torch.Tensor, torch.nn.Parameter):
         raise ConfigError(
-            f"cannot checkpoint {path}: {type(t).__name__} is not a plain tensor; elasticd "
-            "checkpoints hold replicated (DDP) state, sharded DTensor state needs "
-            "torch.distributed.checkpoint"
+            f"cannot checkpoint {path}: {type(t).__name__} is not a plain tensor or a DTensor; "
+            "convert it to a tensor"
         )
     if t.layout != torch.strided or t.is_quantized or t.is_nested or t.device.type == "meta":
         raise ConfigError(f"cannot checkpoint {path}: only dense strided tensors are supported "
@@ -85,6 +92,7 @@ class StateStager:
 
     def __init__(self) -> None:
         self._buffers: dict[str, torch.Tensor] = {}
+        self._shard_buffers: dict[str, torch.Tensor] = {}
         self._pool: ThreadPoolExecutor | None = None
 
     def stage(self, state: Mapping[str, Any], *, copy: bool = True) -> tuple[dict[str, Any], Any]:
@@ -107,7 +115,11 @@ class StateStager:
         memo: dict[tuple[Any, ...], torch.Tensor] = {}
         cuda = [False]
 
-        def tensor(path: str, t: torch.Tensor) -> torch.Tensor:
+        def tensor(path: str, t: torch.Tensor) -> Any:
+            if is_dtensor(t):
+                # Sharded: every rank writes its own box (stage_shards); the state file
+                # holds only where it went.
+                return {SHARD_MARK: path}
             _check_tensor(path, t)
             t = t.detach()
             if not copy:
@@ -142,6 +154,47 @@ class StateStager:
             event.record()
         return staged, event
 
+    def stage_shards(self, state: Mapping[str, Any], *,
+                     copy: bool = True) -> tuple[list[StagedShard], Any]:
+        """Copy this rank's boxes of the DTensors in ``state`` (the ones it writes: see
+        :func:`elasticd.checkpoint.shards.writes_box`) into host buffers kept between saves.
+
+        Returns:
+            (the staged boxes, a CUDA event to wait on before reading them, or None).
+
+        Raises:
+            CheckpointMismatchError: a DTensor placement that is not Shard or Replicate.
+        """
+        out: list[StagedShard] = []
+        host: list[tuple[torch.Tensor, torch.Tensor]] = []
+        cuda = False
+        for path, t in iter_dtensors(state):
+            if not writes_box(t):
+                continue
+            offsets, sizes = box_of(t)
+            local = t.to_local().detach()
+            if not copy:
+                data = local.cpu().contiguous()
+            else:
+                name = f"shard:{path}"
+                data = self._shard_buffers.get(name)  # type: ignore[assignment]
+                if data is None or data.shape != local.shape or data.dtype != local.dtype:
+                    data = torch.empty(local.shape, dtype=local.dtype, device="cpu",
+                                       pin_memory=local.is_cuda and torch.cuda.is_available())
+                self._shard_buffers[name] = data
+                if local.is_cuda:
+                    data.copy_(local, non_blocking=True)
+                    cuda = True
+                else:
+                    host.append((data, local))
+            out.append(StagedShard(path, tuple(t.shape), offsets, sizes, data))
+        self._copy_host(host)
+        event = None
+        if cuda:
+            event = torch.cuda.Event()
+            event.record()
+        return out, event
+
     def _copy_host(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Copy CPU tensors into their buffers, on a few threads when there is a lot.
 
@@ -163,6 +216,7 @@ class StateStager:
     def release(self) -> None:
         """Free the buffers (pinned memory is scarce) and the copy threads."""
         self._buffers = {}
+        self._shard_buffers = {}
         if self._pool is not None:
             self._pool.shutdown()
             self._pool = None

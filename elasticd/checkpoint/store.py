@@ -230,6 +230,74 @@ class FsspecCheckpointStore:
             except FileExistsError:
                 pass  # another rank made it at the same moment
 
+    def publish_file(self, step: int, save_id: str, name: str, data: bytes) -> FileEntry:
+        """Write a small file so that a reader sees it whole or not at all (a shard index,
+        which the writing rank waits for), as the manifest is written.
+
+        Returns:
+            Its entry (size, CRC).
+        """
+        save_path = self.save_path(step, save_id)
+        final = f"{save_path}/{name}"
+        entry = FileEntry(name=name, size=len(data), crc32=checksum(data))
+        if not self.is_local:
+            with self.fs.open(final, "wb") as f:  # one PUT: whole or absent
+                f.write(data)
+            return entry
+        self._make_private_dirs(save_path)
+        tmp = f"{final}.{os.getpid()}.tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, PRIVATE_FILE_MODE)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, final)
+        return entry
+
+    def read_small(self, step: int, save_id: str, name: str, max_bytes: int) -> bytes:
+        """Read a small file of a save whole (at most ``max_bytes``).
+
+        Raises:
+            FileNotFoundError: not there (yet).
+            CheckpointCorruptError: over ``max_bytes``.
+            CheckpointUnreadableError: permission denied, or a directory.
+        """
+        path = f"{self.save_path(step, save_id)}/{name}"
+        try:
+            if self.is_local:
+                data = boundedjson.read_file(path, max_bytes=max_bytes)
+            else:
+                data = self.fs.cat_file(path, start=0, end=max_bytes + 1)
+        except boundedjson.BoundedJSONError as exc:
+            raise CheckpointCorruptError(f"{name}: {exc}") from None
+        except _PATH_ERRORS as exc:
+            raise self._unreadable(path, exc) from None
+        if len(data) > max_bytes:
+            raise CheckpointCorruptError(f"{name} is over {max_bytes} bytes: not one elasticd wrote")
+        return bytes(data)
+
+    def read_range(self, step: int, save_id: str, name: str, start: int, length: int) -> bytearray:
+        """``length`` bytes of data file ``name`` from ``start`` (one ranged GET), writable.
+
+        Raises:
+            CheckpointVanishedError: the file is gone (pruned while we read).
+            CheckpointUnreadableError: permission denied, or a directory.
+        """
+        path = f"{self.save_path(step, save_id)}/{name}"
+        try:
+            if self.is_local:
+                # Into a writable buffer the loaded tensor can keep (no second copy).
+                buf = bytearray(length)
+                with open(path, "rb") as f:
+                    f.seek(start)
+                    n = f.readinto(buf)
+                return buf if n == length else buf[:n]
+            return bytearray(self.fs.cat_file(path, start=start, end=start + length))
+        except FileNotFoundError:
+            raise CheckpointVanishedError(f"data file {name} disappeared while reading") from None
+        except _PATH_ERRORS as exc:
+            raise self._unreadable(path, exc) from None
+
     def write_manifest(self, manifest: Manifest) -> str:
         """Write the manifest (create-only) after all data: this commits the checkpoint.
 

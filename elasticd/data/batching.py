@@ -200,7 +200,8 @@ def accumulation_contexts(
         optimizer.step(); optimizer.zero_grad(); sampler.step()
 
     Args:
-        model: The DDP-wrapped model (anything with ``no_sync()``), or a plain module.
+        model: The DDP-wrapped model (anything with ``no_sync()``), an FSDP2 model
+            (``set_requires_gradient_sync``), or a plain module.
         steps: The plan, or its number of accumulation steps.
 
     Yields:
@@ -213,8 +214,13 @@ def accumulation_contexts(
     if count < 1:
         raise ValueError(f"accumulation steps must be >= 1, got {count}")
     no_sync = getattr(model, "no_sync", None)
+    # FSDP2 (fully_shard) has no no_sync: gradient sync is a switch on the module.
+    set_sync = getattr(model, "set_requires_gradient_sync", None)
     for i in range(count):
-        if no_sync is not None and i < count - 1:
+        if set_sync is not None:
+            set_sync(i == count - 1)  # reduce-scatter once, after the last micro-step
+            yield contextlib.nullcontext()
+        elif no_sync is not None and i < count - 1:
             yield no_sync()
         else:
             yield contextlib.nullcontext()

@@ -34,6 +34,7 @@ from elasticd.worker.context import (
 from elasticd.worker.fence import AgentCommitFence, agent_fence
 from elasticd.worker.live import LiveState, Reformed
 from elasticd.worker.loop import ElasticLoop
+from elasticd.worker.mesh import elastic_mesh
 
 __all__ = [
     "AgentCommitFence",
@@ -50,6 +51,7 @@ __all__ = [
     "SeededDataset",
     "accumulation_contexts",
     "agent_fence",
+    "elastic_mesh",
     "plan_global_batch",
     "sample_generator",
     "sample_seed",

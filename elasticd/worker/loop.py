@@ -54,6 +54,14 @@ _RESERVED = ("sampler", "elastic_loop")
 B = TypeVar("B")  # a loader's batch
 
 
+def _sharded(state: Mapping[str, Any]) -> bool:
+    """Does ``state`` hold a model with DTensor (FSDP2 / HSDP) parameters?"""
+    from elasticd.checkpoint.shards import is_dtensor
+
+    return any(isinstance(v, torch.nn.Module) and any(is_dtensor(p) for p in v.parameters())
+               for v in state.values())
+
+
 def batch_len(batch: object) -> int:
     """Samples in one collated batch: the first dimension of its first tensor.
 
@@ -96,6 +104,9 @@ class ElasticLoop:
         live: Re-form in place on a membership change when the agent allows it (see the
             module doc); needs ``loop.ddp(model)`` and ``loop.guard()``, and a sampler with
             ``regroup()`` (both elasticd samplers). Off: every change restarts the workers.
+            A sharded model (FSDP2 / HSDP: DTensor parameters, e.g. on
+            :func:`~elasticd.worker.elastic_mesh`) always takes the restart path: the new
+            workers shard the model on the new mesh and ``resume()`` reshards the checkpoint.
 
     Raises:
         ConfigError: ``state`` uses a reserved key, or ``save_every < 1``.
@@ -129,6 +140,13 @@ class ElasticLoop:
         self.manager = manager or CheckpointManager(url, job=ctx.job or "local",
                                                     keep_last=keep_last, fence=agent_fence())
         self._keeper: LiveState | None = None
+        if live and _sharded(state):
+            # Survivors of an FSDP2/HSDP job hold only their shards, not the whole state a
+            # live re-formation hands to joiners: such jobs take the restart path, whose
+            # checkpoint load reshards to the new mesh.
+            log.info("loop_live_reform_off", reason="sharded (DTensor) state: re-formations "
+                     "restart the workers and reshard the checkpoint")
+            live = False
         if live:
             if not hasattr(sampler, "regroup"):
                 raise ConfigError(f"ElasticLoop(live=True) needs a sampler that can reshard in "

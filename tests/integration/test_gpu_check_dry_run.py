@@ -47,7 +47,8 @@ def test_cpu_dry_run_passes_every_check_and_writes_the_json(tmp_path):
     results = json.loads((tmp_path / "out" / "gpu_check.json").read_text())
     assert results["reformation"]["joiner"]["state_equal"] is True
     assert {"mode", "environment", "throughput", "recovery", "reformation", "checkpoint",
-            "errors", "ok", "wall_s"} <= set(results)
+            "sharded", "errors", "ok", "wall_s"} <= set(results)
+    assert results["sharded"]["equal"] is True and results["sharded"]["dtensors"] == "DTensor"
     assert results["mode"] == "cpu-dry-run" and results["ok"] is True and results["errors"] == {}
     assert results["throughput"]["exit_code"] == 0
     kill, drain = results["recovery"]["kill"], results["recovery"]["drain"]

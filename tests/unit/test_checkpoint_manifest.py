@@ -64,8 +64,8 @@ def test_manifest_file_names_cannot_escape_the_checkpoint_dir(name):
 def test_newer_format_version_is_refused_with_advice():
     """A manifest from a future format says which elasticd can read it."""
     raw = json.loads(_manifest().to_json())
-    raw["format_version"] = 2
-    with pytest.raises(CheckpointCorruptError, match="format_version 2 is not supported"):
+    raw["format_version"] = 3
+    with pytest.raises(CheckpointCorruptError, match="format_version 3 is not supported"):
         Manifest.from_json(json.dumps(raw).encode())
 
 

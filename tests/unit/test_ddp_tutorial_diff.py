@@ -1,4 +1,4 @@
-"""The DDP tutorial becomes elastic by changing at most 10 lines, and the docs show that diff."""
+"""The DDP and FSDP2 tutorials become elastic by changing at most 10 lines, and the docs show that diff."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ ROOT = Path(__file__).resolve().parents[2]
 PLAIN = ROOT / "examples" / "ddp_tutorial.py"
 ELASTIC = ROOT / "examples" / "ddp_tutorial_elastic.py"
 LIVE = ROOT / "examples" / "ddp_tutorial_live.py"
+FSDP_PLAIN = ROOT / "examples" / "fsdp_tutorial.py"
+FSDP_ELASTIC = ROOT / "examples" / "fsdp_tutorial_elastic.py"
 MAX_CHANGED = 10
 MAX_LIVE_CHANGED = 5
 
@@ -60,3 +62,17 @@ def test_live_tutorial_adds_at_most_five_lines_and_the_docs_show_them():
     want = list(difflib.unified_diff(before, after, "examples/ddp_tutorial_elastic.py",
                                      "examples/ddp_tutorial_live.py", lineterm="", n=1))
     assert blocks[1].splitlines() == want
+
+
+def test_fsdp_tutorial_changes_at_most_ten_lines_and_the_docs_show_them():
+    """examples/fsdp_tutorial_elastic.py differs from the plain FSDP2 script in <= 10 lines,
+    and the diff block of docs/worker-api.md that starts with the plain file is exactly it."""
+    before, after = FSDP_PLAIN.read_text().splitlines(), FSDP_ELASTIC.read_text().splitlines()
+    assert len(before) > 60 and "fully_shard" in FSDP_PLAIN.read_text()
+    n = changed_lines(before, after)
+    assert 0 < n <= MAX_CHANGED, f"{n} changed lines"
+    want = list(difflib.unified_diff(before, after, "examples/fsdp_tutorial.py",
+                                     "examples/fsdp_tutorial_elastic.py", lineterm="", n=1))
+    blocks = re.findall(r"```diff\n(.*?)```", (ROOT / "docs" / "worker-api.md").read_text(), re.S)
+    ours = [b for b in blocks if b.startswith("--- examples/fsdp_tutorial.py")]
+    assert len(ours) == 1 and ours[0].splitlines() == want

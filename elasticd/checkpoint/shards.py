@@ -1,0 +1,383 @@
+"""Sharded (DTensor) state: each rank's shards as raw bytes, described by JSON, resharded on load.
+
+FSDP2 and HSDP keep every parameter and optimizer moment as a ``DTensor``: each rank holds
+one box (offsets, sizes) of the global tensor. A save writes, per rank, one data file of
+raw tensor bytes (``shards-r<rank>.bin``) and a JSON index (``shards-r<rank>.json``) that
+says, for each box, which tensor it belongs to (its path in the state), the tensor's
+global shape and dtype, the box's offsets and sizes, its byte range in the data file and
+its CRC-32. Replicated mesh dimensions (HSDP's ``replicate``) are written once: only the
+rank at coordinate 0 of every ``Replicate`` dimension writes its box, which is what DCP's
+save planner dedups too.
+
+A load at any world size or mesh shape takes each DTensor of the new template, asks it
+for its own box (``__create_chunk_list__``, the hook DCP's planners use), and copies in
+the overlap of every saved box that intersects it, after checking that box's CRC. Nothing
+read from storage is unpickled: the index is JSON (validated field by field), the data
+raw bytes of a dtype named in the index.
+
+Coverage (``check_coverage``) is what makes a sharded checkpoint whole: every saved
+tensor's boxes lie inside its shape, never overlap, and their element counts sum to the
+tensor's, so every element is stored exactly once.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import OrderedDict
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from elasticd import boundedjson
+from elasticd.checkpoint.api import CheckpointCorruptError, CheckpointMismatchError
+from elasticd.checkpoint.manifest import checksum
+
+try:  # DTensor is torch.distributed's; a CPU build without distributed has no sharded state.
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+except ImportError:  # pragma: no cover - torch without distributed
+    DTensor = None  # type: ignore[assignment,misc]
+
+INDEX_FORMAT = "elasticd-shards"
+# In a state file, a DTensor's place is held by {SHARD_MARK: <its path>}.
+SHARD_MARK = "__elasticd_shard__"
+MAX_INDEX_BYTES = 64 << 20
+_INDEX_RE = re.compile(r"shards-r([0-9]{5})\.json")
+# dtypes by name; only these are read back (a name from storage never reaches getattr).
+DTYPES: dict[str, torch.dtype] = {
+    str(d).removeprefix("torch."): d for d in (
+        torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
+        torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128)
+}
+
+
+def data_name(rank: int) -> str:
+    """``shards-r00003.bin``: rank 3's data file."""
+    return f"shards-r{rank:05d}.bin"
+
+
+def index_name(rank: int) -> str:
+    """``shards-r00003.json``: rank 3's index."""
+    return f"shards-r{rank:05d}.json"
+
+
+def is_dtensor(value: Any) -> bool:
+    """True for a ``torch.distributed.tensor.DTensor``."""
+    return DTensor is not None and isinstance(value, DTensor)
+
+
+def writes_box(t: Any) -> bool:
+    """Does this rank write its box of ``t``? Only at coordinate 0 of every replicated
+    mesh dimension (the others hold the same bytes).
+
+    Raises:
+        CheckpointMismatchError: a placement other than Shard/Replicate (Partial sums are
+            not state; reduce them first).
+    """
+    coord = t.device_mesh.get_coordinate()
+    if coord is None:
+        return False  # this rank is not on the tensor's mesh
+    for dim, placement in enumerate(t.placements):
+        if isinstance(placement, Replicate):
+            if coord[dim] != 0:
+                return False
+        elif not isinstance(placement, Shard):
+            raise CheckpointMismatchError(
+                f"cannot checkpoint a DTensor with placement {placement}: only Shard and "
+                "Replicate placements are state; reduce a Partial tensor before saving")
+    return True
+
+
+def box_of(t: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(offsets, sizes) of this rank's box of DTensor ``t`` in the global tensor."""
+    chunks = t.__create_chunk_list__()
+    if len(chunks) != 1:
+        raise CheckpointMismatchError(f"a DTensor with {len(chunks)} local chunks is not supported")
+    return tuple(int(x) for x in chunks[0].offsets), tuple(int(x) for x in chunks[0].sizes)
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """The raw bytes of a contiguous CPU tensor (no copy)."""
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
+
+
+def iter_dtensors(obj: Any, path: str = "state") -> Iterator[tuple[str, Any]]:
+    """(path, DTensor) of every DTensor in a state tree, with the paths the stager uses."""
+    if is_dtensor(obj):
+        yield path, obj
+    elif isinstance(obj, Mapping):
+        for key, value in obj.items():
+            yield from iter_dtensors(value, f"{path}[{key!r}]")
+    elif type(obj) in (list, tuple):
+        for i, value in enumerate(obj):
+            yield from iter_dtensors(value, f"{path}[{i}]")
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One saved box of one tensor, as its rank's index describes it."""
+
+    key: str
+    dtype: str
+    shape: tuple[int, ...]
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    start: int
+    length: int
+    crc32: int
+    file: str = ""
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.sizes:
+            n *= s
+        return n
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"key": self.key, "dtype": self.dtype, "shape": list(self.shape),
+                "offsets": list(self.offsets), "sizes": list(self.sizes),
+                "start": self.start, "length": self.length, "crc32": f"{self.crc32:08x}"}
+
+
+@dataclass
+class StagedShard:
+    """A box this rank writes: its description and the host copy of its bytes."""
+
+    key: str
+    shape: tuple[int, ...]
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    data: torch.Tensor  # contiguous, CPU (pinned for CUDA sources)
+
+
+def index_json(rank: int, chunks: list[Chunk], size: int, crc: int) -> bytes:
+    """A rank's index file: its data file's name, size and CRC, and every box in it."""
+    return json.dumps({"format": INDEX_FORMAT, "rank": rank, "data": data_name(rank),
+                       "data_size": size, "data_crc32": f"{crc:08x}",
+                       "chunks": [c.to_dict() for c in chunks]}, sort_keys=True).encode()
+
+
+def parse_index(data: bytes, name: str) -> tuple[list[Chunk], int, int]:
+    """Parse and validate one rank's index (untrusted JSON from storage).
+
+    Returns:
+        (its chunks, its data file's size, that file's CRC-32).
+
+    Raises:
+        CheckpointCorruptError: not JSON, wrong format, or a field of the wrong type or range.
+    """
+    m = _INDEX_RE.fullmatch(name)
+    if m is None:
+        raise CheckpointCorruptError(f"{name} is not a shard index name")
+    try:
+        raw = boundedjson.loads(data, what="shard index", max_bytes=MAX_INDEX_BYTES)
+    except boundedjson.BoundedJSONError as exc:
+        raise CheckpointCorruptError(f"shard index {name} is not valid JSON: {exc}") from None
+    if not isinstance(raw, dict) or raw.get("format") != INDEX_FORMAT:
+        raise CheckpointCorruptError(f"shard index {name} is not an {INDEX_FORMAT} index")
+    rank = int(m.group(1))
+    if raw.get("rank") != rank or raw.get("data") != data_name(rank):
+        raise CheckpointCorruptError(f"shard index {name} names rank {raw.get('rank')!r}, "
+                                     f"file {raw.get('data')!r}: copied or tampered with")
+    chunks = raw.get("chunks")
+    if not isinstance(chunks, list):
+        raise CheckpointCorruptError(f"shard index {name} has no chunk list")
+    try:
+        (size,) = _ints([raw["data_size"]], "data_size")
+        crc = raw["data_crc32"]
+        if not isinstance(crc, str) or not re.fullmatch(r"[0-9a-f]{8}", crc):
+            raise ValueError(f"data_crc32 {crc!r} is malformed")
+        return [_chunk(c, data_name(rank)) for c in chunks], size, int(crc, 16)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CheckpointCorruptError(f"shard index {name}: a chunk is invalid: {exc}") from None
+
+
+def _ints(raw: Any, what: str) -> tuple[int, ...]:
+    if not isinstance(raw, list) or len(raw) > 16 or not all(
+            isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 1 << 48 for x in raw):
+        raise ValueError(f"{what} is not a list of non-negative ints")
+    return tuple(raw)
+
+
+def _chunk(raw: Any, file: str) -> Chunk:
+    if not isinstance(raw, dict):
+        raise TypeError("a chunk is not an object")
+    key, dtype, crc = raw["key"], raw["dtype"], raw["crc32"]
+    if not isinstance(key, str) or len(key) > 4096:
+        raise ValueError("key is not a string")
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not one elasticd reads")
+    if not isinstance(crc, str) or not re.fullmatch(r"[0-9a-f]{8}", crc):
+        raise ValueError(f"crc32 {crc!r} is malformed")
+    shape, offsets, sizes = (_ints(raw["shape"], "shape"), _ints(raw["offsets"], "offsets"),
+                             _ints(raw["sizes"], "sizes"))
+    start, length = _ints([raw["start"], raw["length"]], "start/length")
+    if not len(shape) == len(offsets) == len(sizes):
+        raise ValueError(f"{key}: shape, offsets and sizes differ in rank")
+    if any(o + s > d for o, s, d in zip(offsets, sizes, shape, strict=True)):
+        raise ValueError(f"{key}: box {offsets}+{sizes} lies outside shape {shape}")
+    chunk = Chunk(key, dtype, shape, offsets, sizes, start, length, int(crc, 16), file)
+    if length != chunk.numel * DTYPES[dtype].itemsize:
+        raise ValueError(f"{key}: {length} bytes for {chunk.numel} elements of {dtype}")
+    return chunk
+
+
+def check_coverage(chunks: list[Chunk], sizes: Mapping[str, int]) -> dict[str, list[Chunk]]:
+    """Group chunks by tensor and check each tensor is covered exactly once.
+
+    Args:
+        chunks: every chunk of every rank.
+        sizes: data file name -> its size in bytes (byte ranges must lie inside).
+
+    Returns:
+        tensor path -> its chunks.
+
+    Raises:
+        CheckpointCorruptError: a byte range outside its file, two ranks disagreeing on a
+            tensor's shape or dtype, overlapping boxes, or elements no box covers.
+    """
+    by_key: dict[str, list[Chunk]] = {}
+    for c in chunks:
+        if c.start + c.length > sizes.get(c.file, -1):
+            raise CheckpointCorruptError(f"{c.file}: chunk of {c.key} ends past the file")
+        by_key.setdefault(c.key, []).append(c)
+    for key, group in by_key.items():
+        first = group[0]
+        if any(c.shape != first.shape or c.dtype != first.dtype for c in group):
+            raise CheckpointCorruptError(f"ranks disagree on the shape or dtype of {key}")
+        for i, a in enumerate(group):
+            for b in group[i + 1:]:
+                if a.numel and b.numel and _overlap(a.offsets, a.sizes, b.offsets, b.sizes):
+                    raise CheckpointCorruptError(
+                        f"{key}: boxes in {a.file} and {b.file} overlap (stored twice)")
+        total = 1
+        for d in first.shape:
+            total *= d
+        covered = sum(c.numel for c in group)
+        if covered != total:
+            raise CheckpointCorruptError(
+                f"{key}: shards cover {covered} of {total} elements (a shard is missing)")
+    return by_key
+
+
+def _overlap(ao: tuple[int, ...], asz: tuple[int, ...], bo: tuple[int, ...],
+             bsz: tuple[int, ...]) -> tuple[tuple[int, int], ...] | None:
+    """Per dimension (start, stop) of the intersection of two boxes, None if empty."""
+    out = []
+    for a0, an, b0, bn in zip(ao, asz, bo, bsz, strict=True):
+        lo, hi = max(a0, b0), min(a0 + an, b0 + bn)
+        if lo >= hi:
+            return None
+        out.append((lo, hi))
+    return tuple(out)
+
+
+def fill(target: Any, chunks: list[Chunk], read: Any, where: str) -> Any:
+    """A DTensor like ``target`` (same mesh and placements) holding the saved values of
+    its box, assembled from every saved chunk that overlaps it.
+
+    Args:
+        target: the template DTensor (the new sharding).
+        chunks: the saved chunks of this tensor.
+        read: ``read(chunk) -> bytes`` (checks the chunk's CRC).
+        where: names the checkpoint in errors.
+
+    Raises:
+        CheckpointMismatchError: the saved tensor's shape or dtype differs from the template's.
+        CheckpointCorruptError: as ``read``.
+    """
+    first = chunks[0]
+    if tuple(target.shape) != first.shape or DTYPES[first.dtype] != target.dtype:
+        raise CheckpointMismatchError(
+            f"{where}: {first.key} is {first.dtype}{list(first.shape)} in the checkpoint, "
+            f"{str(target.dtype).removeprefix('torch.')}{list(target.shape)} in the model")
+    offsets, sizes = box_of(target)
+    same = [c for c in chunks if (c.offsets, c.sizes) == (offsets, sizes)]
+    if same and same[0].numel:
+        # The sharding did not change for this box: the bytes read are the new shard.
+        local = _as_tensor(read(same[0]), same[0])
+    else:
+        local = torch.empty(sizes, dtype=target.dtype)
+        for c in chunks if local.numel() else ():
+            inter = _overlap(offsets, sizes, c.offsets, c.sizes) if c.numel else None
+            if inter is None:
+                continue
+            saved = _as_tensor(read(c), c)
+            src = saved[tuple(slice(lo - o, hi - o) for (lo, hi), o in zip(inter, c.offsets, strict=True))]
+            local[tuple(slice(lo - o, hi - o) for (lo, hi), o in zip(inter, offsets, strict=True))] = src
+    local = local.to(target.to_local().device)
+    return DTensor.from_local(local, target.device_mesh, target.placements, run_check=False,
+                              shape=target.shape, stride=target.stride())
+
+
+def _as_tensor(data: bytes | bytearray, chunk: Chunk) -> torch.Tensor:
+    """The chunk's bytes as a tensor of its box (no copy of a bytearray)."""
+    buf = data if isinstance(data, bytearray) else bytearray(data)
+    return torch.frombuffer(buf, dtype=DTYPES[chunk.dtype]).view(chunk.sizes)
+
+
+def chunk_crc(chunk: Chunk, data: bytes | bytearray) -> None:
+    """Check a chunk's bytes against its index entry.
+
+    Raises:
+        CheckpointCorruptError: wrong length or CRC (names the file).
+    """
+    if len(data) != chunk.length or checksum(data) != chunk.crc32:
+        raise CheckpointCorruptError(
+            f"shard file {chunk.file}: the bytes of {chunk.key} do not match their checksum "
+            "(changed after commit)")
+
+
+def unfilled(state: Any, path: str = "state") -> list[str]:
+    """Paths of the shard placeholders still in a loaded state (no template DTensor)."""
+    if isinstance(state, Mapping):
+        if set(state) == {SHARD_MARK}:
+            return [path]
+        return [p for k, v in state.items() for p in unfilled(v, f"{path}[{k!r}]")]
+    if type(state) in (list, tuple):
+        return [p for i, v in enumerate(state) for p in unfilled(v, f"{path}[{i}]")]
+    return []
+
+
+def replace_marks(state: Any, path: str, filled: Mapping[str, Any]) -> Any:
+    """``state`` with each placeholder whose saved path is in ``filled`` replaced by it."""
+    if isinstance(state, Mapping):
+        if set(state) == {SHARD_MARK}:
+            return filled.get(state[SHARD_MARK], state)
+        out: dict[Any, Any] = OrderedDict() if isinstance(state, OrderedDict) else {}
+        for k, v in state.items():
+            out[k] = replace_marks(v, f"{path}[{k!r}]", filled)
+        meta = getattr(state, "_metadata", None)
+        if meta is not None:
+            out._metadata = meta  # type: ignore[attr-defined]
+        return out
+    if type(state) in (list, tuple):
+        return type(state)(replace_marks(v, f"{path}[{i}]", filled) for i, v in enumerate(state))
+    return state
+
+
+def init_optimizer_state(optim: torch.optim.Optimizer) -> None:
+    """Create the state of a fresh optimizer over DTensor parameters (a step with zero
+    gradients at learning rate 0, which moves no parameter), so that its state dict holds
+    DTensors of the current sharding to load a checkpoint into. No-op when it has state."""
+    if optim.state:
+        return
+    params = [p for g in optim.param_groups for p in g["params"] if p.requires_grad]
+    if not any(is_dtensor(p) for p in params):
+        return
+    lrs = [g["lr"] for g in optim.param_groups]
+    grads = [p.grad for p in params]
+    try:
+        for g in optim.param_groups:
+            g["lr"] = 0.0
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        optim.step()
+    finally:
+        for g, lr in zip(optim.param_groups, lrs, strict=True):
+            g["lr"] = lr
+        for p, grad in zip(params, grads, strict=True):
+            p.grad = grad

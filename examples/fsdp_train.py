@@ -1,0 +1,156 @@
+"""elasticd's reference FSDP2 / HSDP training script: examples/train.py, sharded.
+
+The same flags and outputs as examples/train.py (one JSON line per step from rank 0,
+``--trace``, ``--final-params``), plus ``--mesh fsdp|hsdp``: the model is sharded with
+``fully_shard`` on :func:`elasticd.worker.elastic_mesh` (1-D, or HSDP's ``("replicate",
+"shard")`` with one replica per node), with an LR scheduler, under ``elasticd run``:
+
+- every re-formation restarts the workers (the restart path): the new processes build the
+  mesh at the new world size, shard the model on it, and the sharded checkpoint is
+  resharded into it (model, optimizer moments, scheduler, sampler, RNG);
+
+- resumes from the newest valid checkpoint at any world size (model, optimizer, sampler,
+  RNG), and the sampler continues with the next untrained global batch;
+- keeps the global batch constant through resizes (gradient accumulation with no_sync);
+- stops on a drain at the same step on every rank, saves, exits 0;
+- logs one JSON line per step: step, epoch, world_size, samples_trained, loss.
+
+Run it: ``elasticd run --standalone --nnodes 1 --nproc-per-node 2 examples/fsdp_train.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import fully_shard
+
+from elasticd import worker
+from elasticd.checkpoint import CheckpointManager
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import train  # noqa: E402  (examples/train.py: the same flags, data, model and sampler)
+from train import load_checkpoint, make_data, make_model, make_sampler  # noqa: E402
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = train.make_parser()
+    p.description = __doc__.splitlines()[0]
+    p.add_argument("--mesh", choices=["fsdp", "hsdp"], default="fsdp",
+                   help="fsdp: shard over every rank; hsdp: replicate across nodes, shard within")
+    return p.parse_args(argv)
+
+
+def parallelize(model: nn.Module, mesh) -> nn.Module:
+    """Shard each linear layer, then the root (torchtitan's ``parallelize``, for FSDP)."""
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def train_epochs(args, ctx, step, x, y, model, optim, sched, sampler, plan, trace, log, state,
+                 ckpt) -> int:
+    """Train until ``args.steps``; returns the next step."""
+    progress = state["extra"]
+    while step < args.steps:
+        epoch = sampler.epoch
+        whole = make_sampler(args, sampler, world=1) if trace is not None else None
+        wholes = whole.iter_steps() if whole is not None else None
+        for share in sampler.iter_steps():
+            batch = next(wholes) if wholes is not None else None
+            t0 = time.perf_counter()
+            sizes = plan.micro_batch_sizes(ctx.rank)
+            total, start = 0.0, 0
+            for size, sync_ctx in zip(sizes, worker.accumulation_contexts(model, plan), strict=True):
+                idx = torch.tensor(share[start:start + size], dtype=torch.long)
+                start += size
+                with sync_ctx:
+                    loss = nn.functional.mse_loss(model(x[idx].to(ctx.device)), y[idx].to(ctx.device))
+                    (loss * plan.loss_scale(size)).backward()
+                total += loss.item() * size
+            optim.step()
+            optim.zero_grad(set_to_none=True)
+            sched.step()
+            sampler.step()
+            progress["step"] = step
+            if trace is not None:
+                trace.write(json.dumps({"step": step, "epoch": epoch, "rank": ctx.rank,
+                                        "round": ctx.round, "pid": os.getpid(),
+                                        "idx": list(share), "global": batch,
+                                        "lr": sched.get_last_lr()[0],
+                                        "accumulation": plan.accumulation_steps}) + "\n")
+                trace.flush()
+            if args.step_sleep:
+                time.sleep(args.step_sleep)
+            mean_loss = round(total / max(len(share), 1), 6)
+            if ctx.rank == 0:
+                log(step=step, epoch=epoch, world_size=ctx.world_size,
+                    samples_trained=sampler.samples_trained, loss=mean_loss,
+                    step_s=round(time.perf_counter() - t0, 4), round=ctx.round)
+            worker.report_progress(step, epoch=epoch, samples=(step + 1) * args.global_batch,
+                                   loss=mean_loss)
+            done = step + 1 >= args.steps
+            if worker.should_stop(step):  # a drain: every rank stops after this step
+                ckpt.save(step, state, blocking=True)  # commit before exiting 0
+                if ctx.rank == 0:
+                    log(event="drained", step=step)
+                ckpt.close()
+                worker.fast_exit(0)
+            if done or (step + 1) % args.checkpoint_every == 0:
+                ckpt.save(step, state, blocking=done)
+            step += 1
+            if done:
+                break
+        else:
+            sampler.set_epoch(epoch + 1)  # epoch complete: the next one starts at position 0
+    return step
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    ctx = worker.init()
+    dtype = getattr(torch, args.dtype)
+    x, y = make_data(args.dataset_size, dtype, args.seed)
+    # The restart path: this process was started for this round's world; shard on its mesh.
+    model = parallelize(make_model(dtype, args.seed).to(ctx.device), worker.elastic_mesh(args.mesh))
+    optim = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    sched = torch.optim.lr_scheduler.StepLR(optim, step_size=10, gamma=0.9)
+    sampler = make_sampler(args)
+    url = args.checkpoint_url or "file://" + os.path.abspath("checkpoints")
+    ckpt = CheckpointManager(url, job=ctx.job or "local", keep_last=args.keep,
+                             fence=worker.agent_fence(), run_id=ctx.run_id, resume=ctx.resume)
+    progress = {"step": 0}
+    # The optimizer's momentum buffers are DTensors: saved shard by shard, resharded on load.
+    state = {"model": model, "optim": optim, "sched": sched, "sampler": sampler, "extra": progress}
+    resumed_from = load_checkpoint(ckpt, state)
+    step = resumed_from + 1
+    log = lambda **kv: print(json.dumps(kv), flush=True)  # noqa: E731
+    trace = open(args.trace, "a") if args.trace else None  # noqa: SIM115
+    sampler = state["sampler"] = make_sampler(args, sampler)
+    plan = worker.plan_global_batch(args.global_batch, ctx.world_size, args.micro_batch)
+    if ctx.rank == 0:
+        log(event="started", resumed_from=resumed_from if resumed_from >= 0 else None,
+            world_size=ctx.world_size, micro_batch=plan.micro_batch_size,
+            accumulation=plan.accumulation_steps, mesh=args.mesh)
+    step = train_epochs(args, ctx, step, x, y, model, optim, sched, sampler, plan, trace, log,
+                        state, ckpt)
+    ckpt.close()
+    # Gathered on every rank (a collective); rank 0 writes them.
+    full = {k: v.full_tensor().detach().cpu() for k, v in model.state_dict().items()}
+    if args.final_params and ctx.rank == 0:
+        torch.save(full, args.final_params)
+    if ctx.rank == 0:
+        log(event="finished", step=step - 1)
+    worker.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
