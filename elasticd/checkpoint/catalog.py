@@ -19,8 +19,14 @@ from elasticd.checkpoint.api import (
     CheckpointUnreadableError,
 )
 from elasticd.checkpoint.identity import ForeignCheckpointError, RunIdentity, refusal
-from elasticd.checkpoint.manifest import STATE_FILE, Manifest
-from elasticd.checkpoint.store import FsspecCheckpointStore, ListedSave, list_jobs, listing_problem
+from elasticd.checkpoint.manifest import MANIFEST_NAME, STATE_FILE, Manifest
+from elasticd.checkpoint.store import (
+    CheckpointVanishedError,
+    FsspecCheckpointStore,
+    ListedSave,
+    list_jobs,
+    listing_problem,
+)
 
 
 def list_checkpoints(
@@ -48,7 +54,8 @@ def list_checkpoints(
     infos: list[CheckpointInfo] = []
     for name in jobs:
         store = FsspecCheckpointStore(url, name, storage_options)
-        infos.extend(_inspect(store, save, verify) for save in store.list_saves())
+        # A save pruned while we read it (retention of a running job) is not listed.
+        infos.extend(i for save in store.list_saves() if (i := _inspect(store, save, verify)))
     return infos
 
 
@@ -112,12 +119,16 @@ def _check_loadable(store: FsspecCheckpointStore, save: ListedSave, manifest: Ma
             continue
         path = f"{store.save_path(save.step, save.save_id)}/{entry.name}"
         if store.is_local:
-            deserialize_file(path, entry.name)
+            try:
+                deserialize_file(path, entry.name)
+            except FileNotFoundError as exc:
+                raise CheckpointVanishedError(f"{path} vanished while it was verified") from exc
         else:
             deserialize(store.read_verified(save.step, save.save_id, entry), entry.name)
 
 
-def _inspect(store: FsspecCheckpointStore, save: ListedSave, verify: bool) -> CheckpointInfo:
+def _inspect(store: FsspecCheckpointStore, save: ListedSave, verify: bool) -> CheckpointInfo | None:
+    """One save's entry, or None when it vanished while we read it (pruned)."""
     base: dict[str, Any] = {"job": store.job, "step": save.step, "save_id": save.save_id,
             "url": store.manifest_url(save.step, save.save_id),
             "created_at": save.created_at, "size": save.size}
@@ -126,6 +137,8 @@ def _inspect(store: FsspecCheckpointStore, save: ListedSave, verify: bool) -> Ch
         if problem:
             raise CheckpointUnreadableError(problem)
         manifest = store.read_manifest(save.step, save.save_id)
+    except CheckpointVanishedError:
+        return None
     except (CheckpointCorruptError, CheckpointUnreadableError) as exc:
         return CheckpointInfo(**base, committed_at=None, world_size=0, valid=False, reason=str(exc))
     base["run_id"] = manifest.run_id
@@ -142,6 +155,10 @@ def _inspect(store: FsspecCheckpointStore, save: ListedSave, verify: bool) -> Ch
                 from elasticd.checkpoint.reader import read_shard_index
 
                 read_shard_index(store, manifest)
+        except CheckpointVanishedError:
+            if not store.fs.exists(f"{store.save_path(save.step, save.save_id)}/{MANIFEST_NAME}"):
+                return None  # pruned while we verified it: it is not there any more
+            reason = "a file vanished while it was verified, yet the manifest is still there"
         except (CheckpointCorruptError, CheckpointUnreadableError) as exc:
             reason = str(exc)
     return CheckpointInfo(**base, committed_at=manifest.committed_at,

@@ -327,3 +327,27 @@ def test_run_identity_validation():
         RunIdentity("xyz")
     with pytest.raises(ConfigError, match="auto, require, never"):
         RunIdentity(RUN_A, "sometimes")
+
+
+def test_a_save_pruned_while_verify_reads_it_is_not_listed(tmp_path, monkeypatch):
+    """`--verify` of a running job: a save that retention deletes between its CRC check and
+    its load check is left out of the listing (it is gone), not reported as broken and not
+    a traceback (the etcd outage chaos test listed a running job and crashed on it)."""
+    import shutil
+
+    from elasticd.checkpoint import restore
+
+    url = f"file://{tmp_path}"
+    mgr = CheckpointManager(url, job="j", keep_last=5)
+    for step in (1, 2):
+        mgr.save(step, {"model": _net()}, blocking=True)
+    real = restore.deserialize_file
+
+    def pruned_under_us(path, name):
+        if "step-000000000001" in path:
+            shutil.rmtree(os.path.dirname(os.path.dirname(path)))  # retention, meanwhile
+        return real(path, name)
+
+    monkeypatch.setattr(restore, "deserialize_file", pruned_under_us)
+    infos = list_checkpoints(url, "j", verify=True)
+    assert [(i.step, i.valid) for i in infos] == [(2, True)]
