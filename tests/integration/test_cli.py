@@ -32,7 +32,7 @@ SURFACE = {
     "agent": ["--config", "--check-config", *NODE_FLAGS],
     "status": ["--job", "--etcd", "--etcd-ca", "--etcd-cert", "--etcd-key", "--etcd-user",
                "--etcd-password-file", "--etcd-insecure-plaintext-auth", "--timeout", "--json", "--watch", "--events", "--window",
-               "--max-rows", "--plot"],
+               "--max-rows", "--goodput", "--goodput-window", "--plot"],
     "checkpoints": None,  # owned by elasticd.cli.checkpoints; only its presence is pinned here
     "etcd": ["--members", "--data-dir"],
     "stop": ["--job", *ETCD_CLIENT_FLAGS, "--wait", "--reason"],
