@@ -177,3 +177,18 @@ def test_workers_run_as_their_own_uid_and_a_drain_loses_no_step(restart):
         assert owners == {NOBODY}, f"checkpoint files owned by {owners}"
     finally:
         shutil.rmtree(shared, ignore_errors=True)
+
+
+@pytest.mark.timeout(90)
+def test_a_missing_user_exits_78_before_anything_starts():
+    """`--workers-user` naming no user exits 78 naming the fix (as a non-root agent: that it
+    must be root), before etcd or any worker starts (root and the rest: unit tests)."""
+    import subprocess
+
+    proc = subprocess.run([PY, "-m", "elasticd.cli", "run", "--standalone", "--job", "wu-bad",
+                           "--workers-user", "elasticd-no-such-user", str(ROOT / "examples" / "train.py")],
+                          capture_output=True, text=True, timeout=60, cwd=str(ROOT))
+    assert proc.returncode == 78, proc.stderr[-3000:]
+    want = "no such user" if os.geteuid() == 0 else "needs the agent to run as root"
+    assert want in proc.stderr, proc.stderr[-3000:]
+    assert "embedded_etcd_started" not in proc.stderr
