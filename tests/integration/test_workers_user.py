@@ -179,16 +179,33 @@ def test_workers_run_as_their_own_uid_and_a_drain_loses_no_step(restart):
         shutil.rmtree(shared, ignore_errors=True)
 
 
-@pytest.mark.timeout(90)
-def test_a_missing_user_exits_78_before_anything_starts():
-    """`--workers-user` naming no user exits 78 naming the fix (as a non-root agent: that it
-    must be root), before etcd or any worker starts (root and the rest: unit tests)."""
+@pytest.mark.timeout(60)
+def test_the_worker_writes_its_torch_error_file_under_a_root_private_log_dir():
+    """The launcher, started as root with ``ELASTICD_RUN_AS``, switches to uid 65534 and
+    still records its uncaught exception in torch's error file, whose levels above the
+    rank directory stay root's 0700."""
     import subprocess
 
-    proc = subprocess.run([PY, "-m", "elasticd.cli", "run", "--standalone", "--job", "wu-bad",
-                           "--workers-user", "elasticd-no-such-user", str(ROOT / "examples" / "train.py")],
-                          capture_output=True, text=True, timeout=60, cwd=str(ROOT))
-    assert proc.returncode == 78, proc.stderr[-3000:]
-    want = "no such user" if os.geteuid() == 0 else "needs the agent to run as root"
-    assert want in proc.stderr, proc.stderr[-3000:]
-    assert "embedded_etcd_started" not in proc.stderr
+    launcher = _launcher()
+    shared = Path(tempfile.mkdtemp(prefix="elasticd-wu-"))
+    try:
+        shared.chmod(0o755)
+        (shared / "pyenv").mkdir()
+        rank_dir = shared / "logs" / "attempt_0" / "0"
+        rank_dir.mkdir(parents=True)
+        (shared / "logs").chmod(0o700)
+        script = shared / "fail.py"
+        script.write_text('import os\nassert os.getuid() == 65534\nraise RuntimeError("boom")\n')
+        script.chmod(0o644)
+        env = {**os.environ, "PYENV_MNT": str(shared / "pyenv"), "PYTHONSAFEPATH": "1",
+               "ELASTICD_RUN_AS": f"{pwd.getpwuid(NOBODY).pw_name}:{NOBODY}:{pwd.getpwuid(NOBODY).pw_gid}",
+               "TORCHELASTIC_ERROR_FILE": str(rank_dir / "error.json")}
+        proc = subprocess.run([*launcher, PY, "-m", "elasticd.agent.worker_exec", str(script)],
+                              env=env, capture_output=True, text=True, timeout=50, cwd="/")
+        assert proc.returncode == 1, proc.stderr[-3000:]
+        data = json.loads((rank_dir / "error.json").read_text())
+        assert data["message"]["message"] == "RuntimeError: boom", data
+        assert (rank_dir / "error.json").stat().st_uid == NOBODY
+        assert stat.S_IMODE((shared / "logs").stat().st_mode) == 0o700
+    finally:
+        shutil.rmtree(shared, ignore_errors=True)
