@@ -86,7 +86,8 @@ def loads(data: bytes | bytearray | memoryview | str, *, what: str, max_bytes: i
         raise BoundedJSONError(f"{what}: not JSON ({exc})") from None
 
 
-def read_file(path: str | os.PathLike[str], *, max_bytes: int) -> bytes:
+def read_file(path: str | os.PathLike[str], *, max_bytes: int,
+              follow_symlinks: bool = True) -> bytes:
     """Read a regular file of at most ``max_bytes`` without blocking on a FIFO or a device.
 
     The file is opened non-blocking and checked with ``fstat`` before any read: a FIFO as a
@@ -98,7 +99,10 @@ def read_file(path: str | os.PathLike[str], *, max_bytes: int) -> bytes:
         NotRegularFileError: not a regular file.
         BoundedJSONError: larger than ``max_bytes``.
     """
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    # follow_symlinks=False: a file another user may plant (the control dir's markers
+    # under workers.user) is read only if it is itself a regular file (ELOOP otherwise).
+    nofollow = 0 if follow_symlinks else os.O_NOFOLLOW
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | nofollow)
     try:
         st = os.fstat(fd)
         if stat.S_ISDIR(st.st_mode):

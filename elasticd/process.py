@@ -46,8 +46,13 @@ def make_non_dumpable() -> bool:
     Returns:
         True if set; False where the kernel refused (not Linux).
     """
+    return set_dumpable(False)
+
+
+def set_dumpable(dumpable: bool) -> bool:
+    """``prctl(PR_SET_DUMPABLE, dumpable)``; False where the kernel refused (not Linux)."""
     try:
-        return _prctl()(PR_SET_DUMPABLE, 0, 0, 0, 0) == 0
+        return _prctl()(PR_SET_DUMPABLE, int(dumpable), 0, 0, 0) == 0
     except (OSError, AttributeError):
         return False
 

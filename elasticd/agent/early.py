@@ -68,6 +68,8 @@ def start_early(cfg: AgentConfig) -> EarlyStart | None:
     w = cfg.workers
     if not w.warm_start or not isinstance(w.nproc_per_node, int) or w.nproc_per_node < 1:
         return None
+    if w.user:  # the user is checked by run_node first; the group's own standbys follow
+        return None
     # The runtime directory ControlChannel would create: private, removed on exit.
     control_dir = Path(tempfile.mkdtemp(prefix="elasticd-"))
     os.chmod(control_dir, 0o700)

@@ -34,7 +34,7 @@ from elasticd.agent.policy import Decision, LiveFacts, LivePhase, Verdict
 from elasticd.agent.recorder import JobRecorder
 from elasticd.control.api import PARK_FILE, REFORM_FILE
 from elasticd.control.messages import LeaveReason, LiveRegistration, ParkedReport, ReformedReport
-from elasticd.control.reform import ReformOrder, write_order
+from elasticd.control.reform import ReformOrder, write_atomic, write_order
 from elasticd.control.server import ControlChannel
 from elasticd.rendezvous.etcd_handler import EtcdRendezvousHandler
 
@@ -83,7 +83,7 @@ class LiveReformer:
         )
 
     def park(self, now: float) -> None:
-        (self.dir / PARK_FILE).write_text("join")
+        write_atomic(self.dir / PARK_FILE, "join")
         self.phase = LivePhase.PARKING
         self.deadline = now + self.timeout_s
 

@@ -44,6 +44,7 @@ from elasticd.agent.standalone_runs import (
     write_record,
 )
 from elasticd.agent.summary import failure_line, failure_summary
+from elasticd.agent.worker_user import check_checkpoint_dir, resolve_worker_user
 from elasticd.config.model import EtcdConfig
 from elasticd.control import CheckpointIo, CheckpointIoKind, CommitRequest, ControlChannel
 from elasticd.control.api import ENV_LOG_FORMAT, CommitOutcome
@@ -242,6 +243,14 @@ def run_node(spec: NodeSpec, early: EarlyStart | None = None, arrival: EarlyArri
         # Worker logs outlive the agent: private, never a predictable shared path. Chosen
         # first, so a refused log dir fails before anything starts.
         log_dir = resolve_worker_log_dir(spec.log_dir, spec.job, state_dir=spec.state_dir)
+        # workers.user: root, a real unprivileged user, a checkpoint dir it can write
+        # (exit 78 otherwise), checked before anything of the job is touched.
+        workers_user = None
+        if spec.supervision.workers_user:
+            workers_user = resolve_worker_user(spec.supervision.workers_user, euid=os.geteuid())
+            made = check_checkpoint_dir(spec.supervision.checkpoint_url, spec.job, workers_user)
+            if made:
+                log.info("checkpoint_dir_created", path=made, owner=workers_user.run_as.name)
         state_dir = _intents_dir(spec)
         if spec.etcd.embedded:
             # Private to this user: TLS with a generated client certificate (docs/security.md).
@@ -305,6 +314,9 @@ def run_node(spec: NodeSpec, early: EarlyStart | None = None, arrival: EarlyArri
         if current_format() == "json":  # the worker API logs JSON when its agent does
             supervision = replace(supervision, worker_env={**supervision.worker_env,
                                                            ENV_LOG_FORMAT: "json"})
+        if workers_user is not None:  # [workers.env] may still set its own HOME
+            supervision = replace(supervision, worker_env={**workers_user.env(),
+                                                           **supervision.worker_env})
         metrics = _make_metrics(spec, handler.node_id)
         if metrics is not None:
             recorder.history.on_written = _goodput_publisher(recorder, metrics)
@@ -334,6 +346,8 @@ def run_node(spec: NodeSpec, early: EarlyStart | None = None, arrival: EarlyArri
                                  max_local_ranks=spec.nproc_per_node,
                                  directory=early.control_dir if early is not None else None,
                                  on_checkpoint_io=_checkpoint_io_observer(metrics)).start()
+        if workers_user is not None:
+            control.share_with(workers_user.run_as.gid)
         worker_spec = WorkerSpec(
             role="default", local_world_size=spec.nproc_per_node, rdzv_handler=handler,
             entrypoint=sys.executable, args=("-m", "elasticd.agent.worker_exec", *spec.command),

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import stat
 import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -95,11 +96,21 @@ def failure_summary(outcome: Outcome, tail_lines: int = 15,
 
 
 def _read(path: str) -> str:
+    # Never through a symlink, never a FIFO: under workers.user the rank directory is the
+    # worker's (its error file), so it could plant either where stderr.log was.
     try:
-        with open(path, errors="replace") as fh:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return ""
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return ""
+        with os.fdopen(fd, errors="replace", closefd=False) as fh:
             return fh.read()[-20000:]
     except OSError:
         return ""
+    finally:
+        os.close(fd)
 
 
 def _stderr_log_of(failure: ProcessFailure) -> str:

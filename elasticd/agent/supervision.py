@@ -38,6 +38,7 @@ class SupervisionSettings:
     standby_after_s: float = 30.0  # ... or this long after the group started (plain scripts)
     live_reform: bool = True  # re-form workers on the worker API in place (elasticd.agent.reform)
     live_reform_timeout_s: float = 30.0  # ... or fall back to a restart after this long
+    workers_user: str | None = None  # run workers as this user (elasticd.agent.worker_user)
 
 
 class Mode(enum.Enum):

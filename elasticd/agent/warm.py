@@ -209,9 +209,16 @@ class StandbyPool:
             # A standby's own environment is a worker's: no etcd credential, ever.
             env = scrub({**os.environ, **envs[r]})
             argv = [sys.executable, "-m", "elasticd.agent.warm", *([URGENT_FLAG] if urgent else [])]
-            with open(self._log_path(r), "wb") as err:  # the standby keeps its own copy of the fd
+            try:
+                err = _fresh_log(self._log_path(r))
+            except OSError as exc:  # a name the workers planted: no standby (a cold start)
+                log.warning("standby_not_started", local_rank=r, error=repr(exc))
+                continue
+            try:  # the standby keeps its own copy of the fd
                 proc = subprocess.Popen(argv, env=env, stdin=subprocess.PIPE,
                                         stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
+            finally:
+                os.close(err)
             self._slots[r] = Standby(r, proc, env, time.monotonic())
             if announce:
                 log.info("standby_started", local_rank=r, pid=proc.pid, urgent=urgent)
@@ -272,6 +279,13 @@ class StandbyPool:
 
     def _log_path(self, local_rank: int) -> Path:
         return self.log_dir / f"standby-{local_rank}.log"
+
+
+def _fresh_log(path: Path) -> int:
+    """A new, empty log file at ``path`` (fd): never through a symlink or into a file the
+    workers planted (the control dir is shared with them under workers.user)."""
+    path.unlink(missing_ok=True)
+    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
 
 
 def _discard(sb: Standby) -> None:
@@ -357,8 +371,9 @@ def main() -> None:
             sys.stderr.write(f"standby: import of {module} failed: {exc!r}\n")
     control_dir = os.environ.get("ELASTICD_CONTROL_DIR")
     if control_dir:  # tell the agent the imports are done (StandbyPool.ready)
-        with contextlib.suppress(OSError):
-            Path(control_dir, f"{READY_PREFIX}{os.getpid()}").touch()
+        with contextlib.suppress(OSError):  # O_EXCL|O_NOFOLLOW: the dir may be the workers'
+            os.close(os.open(Path(control_dir, f"{READY_PREFIX}{os.getpid()}"),
+                             os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644))
     arrived.wait()
     msg = json.loads(handover[0])
     os.environ.clear()
@@ -371,7 +386,7 @@ def main() -> None:
     sys.stderr.flush()
     for fd, path in ((1, msg["stdout"]), (2, msg["stderr"])):
         if path:
-            f = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            f = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o644)
             os.dup2(f, fd)
             os.close(f)
     from elasticd.agent import worker_exec

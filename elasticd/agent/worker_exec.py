@@ -3,6 +3,9 @@
 The agent starts every worker through this module instead of ``python TARGET`` so that,
 before the user's code runs, the worker:
 
+- becomes ``workers.user`` when the agent names one (``ELASTICD_RUN_AS``; the launcher
+  starts as root then): the user's groups, gid and uid, first of all (a credential change
+  clears ``PR_SET_PDEATHSIG``, so that is set after), see :func:`become_worker_user`;
 - asks the kernel to SIGKILL it when the agent dies (``PR_SET_PDEATHSIG``), so even
   ``kill -9`` of the agent leaves no worker holding a GPU and a rank;
 - registers ``faulthandler`` on SIGUSR1, so the agent can ask a hung worker for the
@@ -35,17 +38,26 @@ import runpy
 import signal
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, MutableMapping
 from typing import NoReturn
 
-from elasticd.control.api import DONE_PREFIX, ENV_LOG_FORMAT
+from elasticd.control.api import DONE_PREFIX, ENV_LOG_FORMAT, ENV_RUN_AS
+from elasticd.control.environment import RunAs, run_as
 from elasticd.errors import EX_CONFIG, ConfigError
 from elasticd.logs import configure_worker_logging
-from elasticd.process import die_with_parent
+from elasticd.process import die_with_parent, set_dumpable
 from elasticd.teardown import end_process, keep_groups_on_destroy
 
 
 def main(argv: list[str]) -> NoReturn:
+    try:
+        if become_worker_user(os.environ) is not None:
+            # The agent set it so that nothing in the (worker-writable) working directory
+            # was imported as root; the training code and its children get the usual path.
+            os.environ.pop(SAFE_PATH_ENV, None)
+    except ConfigError as exc:  # nothing of the user's code runs as root by mistake
+        sys.stderr.write(f"elasticd worker: {exc}\n")
+        os._exit(EX_CONFIG)
     agent_pid = os.environ.get("ELASTICD_AGENT_PID")
     die_with_parent(int(agent_pid) if agent_pid else None)
     faulthandler.register(signal.SIGUSR1, all_threads=True, chain=False)
@@ -61,6 +73,51 @@ def main(argv: list[str]) -> NoReturn:
     end_process(run_target(argv[0], argv[1:], as_module=as_module))
 
 
+ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
+SAFE_PATH_ENV = "PYTHONSAFEPATH"  # Python 3.11+: no cwd / script dir prepended to sys.path
+
+
+def become_worker_user(environ: MutableMapping[str, str]) -> RunAs | None:
+    """Switch to ``ELASTICD_RUN_AS``'s user for good, if the agent names one.
+
+    Still root: torch's per-rank directory (where the worker writes its error file) is
+    given to the user, and ``TORCHELASTIC_ERROR_FILE`` points at it through a descriptor
+    (``/proc/self/fd/N/error.json``), since the levels above it are private to root.
+    Then the user's supplementary groups (``os.initgroups``: the GPU device groups come
+    with the user), gid and uid; the process is made dumpable again (the kernel clears it
+    on a credential change; NCCL's ``pidfd_getfd`` between a node's workers needs it).
+
+    Returns:
+        The user, or None when the agent names none.
+
+    Raises:
+        ConfigError: the variable is malformed, or the launcher is neither root nor
+            already that user.
+    """
+    user = run_as(environ)
+    if user is None:
+        return None
+    if os.geteuid() != 0:
+        if os.getuid() == user.uid and os.getgid() == user.gid:
+            return user  # e.g. a launcher started by an already switched process
+        raise ConfigError(f"{ENV_RUN_AS} names uid {user.uid} but the launcher runs as uid "
+                          f"{os.geteuid()}, not root: start workers through the agent")
+    error_file = environ.get(ERROR_FILE_ENV)
+    if error_file:
+        rank_dir = os.open(os.path.dirname(error_file) or ".",
+                           os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        os.fchown(rank_dir, user.uid, user.gid)
+        os.fchmod(rank_dir, 0o700)
+        environ[ERROR_FILE_ENV] = f"/proc/self/fd/{rank_dir}/{os.path.basename(error_file)}"
+    os.initgroups(user.name, user.gid)
+    os.setresgid(user.gid, user.gid, user.gid)
+    os.setresuid(user.uid, user.uid, user.uid)
+    if os.getresuid() != (user.uid,) * 3 or os.getresgid() != (user.gid,) * 3:
+        raise ConfigError(f"could not switch to {user.name} (uid {user.uid})")
+    set_dumpable(True)
+    return user
+
+
 def run_target(target: str, args: list[str], *, as_module: bool) -> int:
     """Run TARGET as ``__main__``; return the exit status Python would have used.
 
@@ -68,17 +125,25 @@ def run_target(target: str, args: list[str], *, as_module: bool) -> int:
     """
     sys.argv = [target, *args]
     try:
+        # Under PYTHONSAFEPATH (workers.user) the interpreter prepended nothing: add what
+        # `python TARGET` / `python -m TARGET` would have, instead of replacing sys.path[0].
         if as_module:
+            if sys.flags.safe_path:
+                sys.path.insert(0, os.getcwd())
             runpy.run_module(target, run_name="__main__", alter_sys=True)
         else:
-            sys.path[0] = os.path.dirname(os.path.abspath(target))
+            script_dir = os.path.dirname(os.path.abspath(target))
+            if sys.flags.safe_path:
+                sys.path.insert(0, script_dir)
+            else:
+                sys.path[0] = script_dir
             runpy.run_path(target, run_name="__main__")
         code = 0
     except SystemExit as exc:
         code = exit_status(exc)
     except BaseException as exc:  # noqa: BLE001 - reported as Python would, then exit
         code = EX_CONFIG if isinstance(exc, ConfigError) else 130 if isinstance(exc, KeyboardInterrupt) else 1
-        if os.environ.get("TORCHELASTIC_ERROR_FILE"):
+        if os.environ.get(ERROR_FILE_ENV):
             from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
             ErrorHandler().record_exception(exc)

@@ -21,7 +21,7 @@ TOML layout (every key is documented with its default in docs/configuration.md):
                  store_timeout_s, liveness_probe
     [workers]    command, nproc_per_node, workdir, monitor_interval_s,
                  hang_timeout_s, warm_start, live_reform, live_reform_timeout_s,
-                 and a [workers.env] table
+                 user, and a [workers.env] table
     [restart]    max_restarts, backoff_s, backoff_max_s
     [drain]      grace_s, resize_grace_s, plain_stop_s, done_exit_s
     [preemption] provider, base_url, poll_interval_s, drain_lead_s
@@ -49,7 +49,7 @@ Override keys (the ``overrides`` mapping, one per CLI flag) are the dotted names
     rendezvous.close_timeout_s  rendezvous.store_timeout_s
     workers.command  workers.nproc_per_node  workers.workdir  workers.env
     workers.monitor_interval_s  workers.hang_timeout_s  workers.warm_start
-    workers.live_reform  workers.live_reform_timeout_s
+    workers.live_reform  workers.live_reform_timeout_s  workers.user
     restart.max_restarts  restart.backoff_s  restart.backoff_max_s
     drain.grace_s  drain.resize_grace_s  drain.plain_stop_s  drain.done_exit_s
     preemption.provider  preemption.base_url  preemption.poll_interval_s  preemption.drain_lead_s

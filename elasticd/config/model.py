@@ -115,6 +115,9 @@ class WorkersConfig:
     warm_start: bool = True
     live_reform: bool = True
     live_reform_timeout_s: float = 30.0
+    # Run every worker under this user's uid, gid and groups (the agent runs as root):
+    # docs/security.md#workers-under-their-own-uid.
+    user: str | None = None
 
     def resolve_nproc_per_node(self, device_count: Callable[[], int] | None = None) -> int:
         """Return the number of workers to start on this node.

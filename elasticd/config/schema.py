@@ -384,6 +384,7 @@ KEYS: dict[str, Key] = {
         Key("workers", "live_reform", boolean, True, "live_reform = false"),
         Key("workers", "live_reform_timeout_s", number(0, lo_open=True), 30.0,
             "live_reform_timeout_s = 30"),
+        Key("workers", "user", optional_string, None, 'user = "trainer"'),
         Key("restart", "max_restarts", integer(0), 3, "max_restarts = 3"),
         Key("restart", "backoff_s", number(0), 1.0, "backoff_s = 1"),
         Key("restart", "backoff_max_s", number(0), 30.0, "backoff_max_s = 30"),

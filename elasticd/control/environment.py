@@ -22,6 +22,7 @@ from elasticd.control.api import (
     ENV_LIVE_TIMEOUT,
     ENV_RESUME,
     ENV_ROUND,
+    ENV_RUN_AS,
     ENV_RUN_ID,
     LIVE_TIMEOUT_DEFAULT_S,
 )
@@ -84,3 +85,34 @@ def _live_timeout(env: Mapping[str, str]) -> float:
                           "set workers.live_reform_timeout_s in the agent's config (the agent "
                           "sets this variable)")
     return value
+
+
+@dataclass(frozen=True)
+class RunAs:
+    """The user every worker runs as (``workers.user``), as the agent resolved it."""
+
+    name: str
+    uid: int
+    gid: int
+
+    def to_env(self) -> str:
+        return f"{self.name}:{self.uid}:{self.gid}"
+
+
+def run_as(environ: Mapping[str, str] | None = None) -> RunAs | None:
+    """``ELASTICD_RUN_AS`` (``NAME:UID:GID``), or None when unset. Pure.
+
+    Raises:
+        ConfigError: set but not ``NAME:UID:GID`` with a non-root uid (the launcher refuses
+            to run training code rather than run it as root by mistake).
+    """
+    env = os.environ if environ is None else environ
+    raw = env.get(ENV_RUN_AS)
+    if not raw:
+        return None
+    name, _, rest = raw.partition(":")
+    uid, _, gid = rest.partition(":")
+    if not (name and uid.isdigit() and gid.isdigit() and int(uid) != 0):
+        raise ConfigError(f"{ENV_RUN_AS}={raw!r} is not NAME:UID:GID of a user other than root; "
+                          "set workers.user in the agent's config (the agent sets this variable)")
+    return RunAs(name=name, uid=int(uid), gid=int(gid))

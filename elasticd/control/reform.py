@@ -20,8 +20,10 @@ Every file is parsed and validated on read (a torn or hostile file reads as abse
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import tempfile
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -95,15 +97,30 @@ class ReformOrder:
                    ranks=ranks)
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    tmp.write_text(text)
-    tmp.rename(path)
+def write_atomic(path: Path, text: str) -> None:
+    """Replace ``path`` with ``text`` atomically, safe in a directory workers may write.
+
+    The control directory is shared with the workers' group under ``workers.user``
+    (``ControlChannel.share_with``): the temporary file is a fresh random name created
+    with ``O_EXCL`` (``mkstemp``: a name planted in advance, a symlink included, is never
+    opened), and ``rename`` replaces the name without following what it names. Readable by
+    the workers (0644 in a directory only the agent and that group can enter).
+    """
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as fh:
+            os.fchmod(fh.fileno(), 0o644)
+            fh.write(text)
+        os.rename(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
 
 
 def write_order(control_dir: Path, order: ReformOrder) -> None:
     """Publish ``order`` to the node's live workers (atomic)."""
-    _write_atomic(control_dir / REFORM_FILE, order.to_json())
+    write_atomic(control_dir / REFORM_FILE, order.to_json())
 
 
 def read_order(control_dir: Path) -> ReformOrder | None:
@@ -117,7 +134,7 @@ def read_order(control_dir: Path) -> ReformOrder | None:
 
 def write_stopped(control_dir: Path, report: StoppedReport) -> None:
     """Write ``stopped-<rank>`` (atomic): this worker exits 0 without finishing its script."""
-    _write_atomic(control_dir / f"{STOPPED_PREFIX}{report.rank}", serialise(report).decode())
+    write_atomic(control_dir / f"{STOPPED_PREFIX}{report.rank}", serialise(report).decode())
 
 
 def clear_stopped(control_dir: Path, rank: int) -> None:
@@ -134,7 +151,7 @@ def read_stopped(control_dir: Path) -> dict[int, StoppedReport]:
         if not suffix.isdigit():
             continue  # e.g. a temporary file of an atomic write
         try:
-            raw = boundedjson.read_file(p, max_bytes=MAX_FILE_BYTES)
+            raw = boundedjson.read_file(p, max_bytes=MAX_FILE_BYTES, follow_symlinks=False)
             boundedjson.loads(raw, what=p.name, max_bytes=MAX_FILE_BYTES)  # size, depth
             report = parse_stopped(raw)
         except (OSError, ValueError, MessageError):

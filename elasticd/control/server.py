@@ -58,7 +58,7 @@ from elasticd.control.messages import (
     request_id,
     serialise,
 )
-from elasticd.control.reform import OrderBoard, WorkerReports, read_stopped
+from elasticd.control.reform import OrderBoard, WorkerReports, read_stopped, write_atomic
 from elasticd.records import CheckpointPointer
 
 log = structlog.get_logger(__name__)
@@ -320,9 +320,25 @@ class ControlChannel:
 
     # -- drain and stop markers ----------------------------------------------------------
     def request_drain(self, reason: str) -> None:
-        tmp = self.dir / (DRAIN_FILE + ".tmp")
-        tmp.write_text(reason)
-        tmp.rename(self.dir / DRAIN_FILE)
+        write_atomic(self.dir / DRAIN_FILE, reason)
+
+    def share_with(self, gid: int) -> None:
+        """Let the workers of ``workers.user`` (primary group ``gid``) use this channel.
+
+        The directory becomes ``root:<gid>`` mode 1770: the workers' group may enter it
+        and create its markers (``done-``, ``stopped-``, ``drainable-``); the sticky bit
+        keeps it from removing or renaming the agent's files (``drain``, ``park``,
+        ``reform.json``), and the directory itself stays the agent's (no chmod, no
+        rename). The agent writes only through :func:`~elasticd.control.reform.write_atomic`
+        (``O_EXCL`` temporaries, ``rename``) and reads the workers' files as regular files
+        only (``O_NOFOLLOW``), so a planted symlink never makes it write or read elsewhere.
+        The socket is ``root:<gid>`` 0660: only that group connects. See docs/security.md.
+        """
+        os.chown(self.dir, -1, gid)
+        os.chmod(self.dir, 0o1770)
+        if os.path.exists(self.socket_path):
+            os.chown(self.socket_path, -1, gid)
+            os.chmod(self.socket_path, 0o660)
 
     def clear_round(self) -> None:
         """Forget per-round markers before starting a new worker group."""

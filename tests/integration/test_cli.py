@@ -20,7 +20,7 @@ NODE_FLAGS = ["--standalone", "--job", "--nnodes", "--checkpoint-url", "--resume
               "--local-addr", "--node-ttl", "--join-timeout", "--last-call-timeout", "--start-settle",
               "--close-timeout", "--store-timeout", "--no-liveness-probe",
               "--nproc-per-node", "--workdir", "--monitor-interval", "--hang-timeout",
-              "--no-warm-start", "--no-live-reform", "--live-reform-timeout", "--max-restarts", "--restart-backoff", "--restart-backoff-max",
+              "--no-warm-start", "--no-live-reform", "--live-reform-timeout", "--workers-user", "--max-restarts", "--restart-backoff", "--restart-backoff-max",
               "--drain-grace", "--resize-grace", "--plain-stop", "--done-exit", "--preemption", "--preemption-url",
               "--preemption-poll", "--drain-lead", "--log-format", "--log-level", "--log-dir", "--metrics-port",
               "--metrics-addr"]

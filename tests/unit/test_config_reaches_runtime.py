@@ -99,6 +99,8 @@ def _rows(tmp_path) -> dict[str, tuple[dict[str, Any], Check, Any]]:
                                 lambda s: s.supervision.live_reform, False),
         "workers.live_reform_timeout_s": ({"workers.live_reform_timeout_s": "7"},
                                           lambda s: s.supervision.live_reform_timeout_s, 7.0),
+        "workers.user": ({"workers.user": "trainer"}, lambda s: s.supervision.workers_user,
+                         "trainer"),
         "restart.max_restarts": ({"restart.max_restarts": "5"},
                                  lambda s: s.supervision.max_restarts, 5),
         "restart.backoff_s": ({"restart.backoff_s": "2"},
@@ -201,6 +203,7 @@ def test_runtime_defaults_equal_the_schema():
     assert sup["warm_start"] == d["workers.warm_start"]
     assert sup["live_reform"] == d["workers.live_reform"]
     assert sup["live_reform_timeout_s"] == d["workers.live_reform_timeout_s"]
+    assert sup["workers_user"] == d["workers.user"]
     assert node["resume"] == d["job.resume"]
 
 
