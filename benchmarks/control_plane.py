@@ -167,8 +167,9 @@ class Node:
         c.get(key)  # the incarnation
         f.keepalive(self)
         state = f.current_state()
-        if state is None and init:  # decide_join's INIT: one wins
-            c.put_if(k.rdzv_state, f.initial_state(), mod_revision=0)
+        if state is None:
+            if init:  # decide_join's INIT: one wins
+                c.put_if(k.rdzv_state, f.initial_state(), mod_revision=0)
         else:
             self.on_state(*state)
 
