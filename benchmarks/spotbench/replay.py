@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks.spotbench.costs import SYSTEMS, fixed_size, load_costs  # noqa: E402
 from benchmarks.spotbench.model import JobShape, Ledger, Placement, SystemCosts, simulate  # noqa: E402
+from benchmarks.spotbench.projection import SOURCES, GpuJob, project  # noqa: E402
 from benchmarks.spotbench.traces import Trace, load_traces  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -113,8 +114,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--step-s", type=float, default=1.0, help="one step's wall time, for steps retrained")
     p.add_argument("--seeds", type=int, default=5, help="seeds of the uniform placement")
     p.add_argument("--out", type=Path, help="write every replay as one JSON line here")
+    p.add_argument("--project-7b", action="store_true",
+                   help="project each cost to a 7B HSDP job on 16 x 8 GPUs (projection.py)")
+    p.add_argument("--nic-gbps", type=float, default=GpuJob.nic_gbps)
+    p.add_argument("--s3-gbps", type=float, default=GpuJob.s3_gbps)
+    p.add_argument("--nccl-init-s", type=float, default=GpuJob.nccl_init_s)
+    p.add_argument("--compile-cold-s", type=float, default=GpuJob.compile_cold_s)
+    p.add_argument("--compile-cached-s", type=float, default=GpuJob.compile_cached_s)
     args = p.parse_args(argv)
     costs = load_costs(args.results)
+    if args.project_7b:
+        gpu = GpuJob(nic_gbps=args.nic_gbps, s3_gbps=args.s3_gbps, nccl_init_s=args.nccl_init_s,
+                     compile_cold_s=args.compile_cold_s, compile_cached_s=args.compile_cached_s)
+        trials = [t for path in args.results for t in json.loads(path.read_text())["trials"]]
+        costs = {n: project(c, trials, gpu) for n, c in costs.items()}
+        print("projection to a 7B HSDP job, 16 nodes x 8 GPUs:")
+        for k, v in gpu.parts().items():
+            print(f"  {k}: {v:.2f}")
+        for k, src in SOURCES.items():
+            print(f"  {k} = {getattr(gpu, k)}: {src}")
     # elasticd as shipped drains with preemption.drain_lead_s (60 s) left; before, at the notice.
     at_notice = {f"{n} (drain at notice)": c for n, c in costs.items() if c.uses_notice}
     costs = {n: replace(c, drain_lead_s=args.drain_lead_s) if c.uses_notice else c

@@ -188,14 +188,17 @@ class WatchedView:
             joins: dict[int, list[tuple[int, str]]] = {}
             failures: dict[int, list[tuple[int, str]]] = {}
             left: dict[int, dict[str, str]] = {}
+            left_root = k.left_root
             for key, kv in rdzv.items():
-                r = round_of_key(key, k.left_root)
+                r = round_of_key(key, left_root)
                 if r is not None and (kind := kv.value.decode(errors="replace")) in LEAVE_KINDS:  # validated: anything else is a loss
                     left.setdefault(r, {})[key.rsplit("/", 1)[1]] = kind
             if self.full:
-                alive = frozenset(key[len(k.nodes_prefix):] for key in self.nodes)
+                # The roots are properties (f-strings): once per snapshot, not per key.
+                plen, joins_root = len(k.nodes_prefix), k.joins_root
+                alive = frozenset(key[plen:] for key in self.nodes)
                 for key, kv in self.joins.items():
-                    r = round_of_key(key, k.joins_root)
+                    r = round_of_key(key, joins_root)
                     if r is not None:
                         joins.setdefault(r, []).append((kv.create_revision, key.rsplit("/", 1)[1]))
                 # Our own join is in as soon as its put returned, before the watch shows it
@@ -205,8 +208,9 @@ class WatchedView:
                     if (lease == self.lease_id and (state is None or r >= state.round)
                             and self.keys.join(r, self.node_id) not in self.joins):
                         joins.setdefault(r, []).append((_NOT_SEEN_YET, self.node_id))
+                failures_root = k.failures_root
                 for key, kv in self.failures.items():
-                    r = round_of_key(key, k.failures_root)
+                    r = round_of_key(key, failures_root)
                     if r is not None:
                         failures.setdefault(r, []).append((kv.create_revision, key.rsplit("/", 1)[1]))
             else:

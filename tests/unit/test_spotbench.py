@@ -181,3 +181,59 @@ def test_a_drain_lead_trains_through_the_rest_of_the_notice():
     led = simulate([4, 3, 3], GAP, lead, job, Placement.MIDDLE)
     assert led.lost["notice_lead"] == pytest.approx(60.0)
     _adds_up(led)
+
+
+# -- the 7B HSDP projection (benchmarks/spotbench/projection.py) ----------------------------
+def _phased(system, scenario, phases, **kw):
+    return {"system": system, "scenario": scenario, "recovered": True, "phases": phases, **kw}
+
+
+def test_the_projection_scales_state_bytes_over_the_stated_bandwidths():
+    """112 GB per replica (7e9 x 16 B); over 3,200 Gb/s at 80 % and over S3's 100 Gb/s at 80 %."""
+    from benchmarks.spotbench.projection import SOURCES, GpuJob
+
+    g = GpuJob()
+    assert g.state_bytes == pytest.approx(112e9)
+    assert g.peer_transfer_s == pytest.approx(112e9 * 8 / (3200e9 * 0.8))  # 0.35 s
+    assert g.ckpt_read_s == pytest.approx(11.2)
+    assert GpuJob(nic_gbps=400.0).peer_transfer_s == pytest.approx(2.8)  # 8x less bandwidth
+    # every assumption has its source, and every source names a field of the job
+    assert set(SOURCES) <= set(GpuJob.__dataclass_fields__)
+
+
+def test_the_projection_keeps_the_control_plane_and_adds_each_paths_gpu_parts():
+    """Live: phases but the worker's kept, + NCCL (and a joiner's cold start, compile and
+    peer transfer); restart: + the checkpoint read; torchrun: local minus a local worker start."""
+    from benchmarks.spotbench.projection import GpuJob, project
+
+    g = GpuJob(nccl_init_s=2.0, compile_cold_s=60.0, compile_cached_s=15.0,
+               worker_cold_start_s=11.0, standby_start_s=1.0, local_worker_start_s=3.0)
+    trials = [
+        _phased("elasticd-live", "sigkill", {"detection": 0.1, "rendezvous": 0.05,
+                                             "re-form + state + first step": 0.3}),
+        _phased("elasticd-live", "sigterm", {"detection": 0.2, "rendezvous": 0.1,
+                                             "re-form + state + first step": 0.3}),
+        _phased("elasticd-live", "join", {"detection": 15.0, "rendezvous": 0.1,
+                                          "re-form + state + first step": 0.5}),
+        _phased("elasticd", "sigkill", {"detection": 0.4, "rendezvous": 0.1, "worker ready": 1.0,
+                                        "first step": 0.1}),
+        _phased("elasticd", "sigterm", {"detection": 0.1, "drain": 0.2, "worker ready": 0.5}),
+        _phased("elasticd", "join", {"detection": 20.0, "drain": 20.0, "rendezvous": 0.1,
+                                     "new agent start-up": 4.0, "worker ready": 10.0}),
+    ]
+    live = project(SystemCosts(**{**LIVE.__dict__, "name": "elasticd-live"}), trials, g)
+    assert live.kill_s == pytest.approx(0.15 + 2.0)
+    assert live.drain_s == pytest.approx(0.3 + 2.0)
+    assert live.join_pause_s == pytest.approx(0.1 + g.peer_transfer_s + 2.0)
+    assert live.join_s == pytest.approx(0.1 + 11.0 + 60.0 + g.peer_transfer_s + 2.0)
+    assert live.cold_start_s == live.join_s
+    restart = project(SystemCosts(**{**RESTART.__dict__, "name": "elasticd", "uses_notice": True}),
+                      trials, g)
+    assert restart.kill_s == pytest.approx(0.5 + 1.0 + g.ckpt_read_s + 15.0 + 2.0)
+    # a drain on the restart path writes the replica, then restarts from it
+    assert restart.drain_s == pytest.approx(0.3 + g.ckpt_write_s + 1.0 + g.ckpt_read_s + 15.0 + 2.0)
+    assert restart.join_s == pytest.approx(0.1 + 11.0 + 60.0 + g.ckpt_read_s + 2.0)
+    torch = project(SystemCosts(**{**RESTART.__dict__, "name": "torchrun-tuned"}), trials, g)
+    assert torch.kill_s == pytest.approx(0.0 + 11.0 + g.ckpt_read_s + 15.0 + 2.0)
+    assert torch.join_s == pytest.approx((10.0 - 3.0) + 11.0 + 60.0 + g.ckpt_read_s + 2.0)
+    assert torch.drain_s == 0.0  # torchrun ignores the notice
