@@ -12,7 +12,7 @@ import time
 from datetime import datetime
 
 import pytest
-from harness import ROOT, read_jsonl, wait_until
+from harness import ROOT, agent_events, read_jsonl, wait_until
 
 from elasticd.keys import JobKeys
 from elasticd.records import NodeRecord, RoundState
@@ -32,15 +32,10 @@ def _round(etcd_client, keys: JobKeys) -> RoundState | None:
 
 
 def _spare_waiting_since(log: str) -> float:
-    """Wall-clock time of the agent's first ``spare_waiting`` event (its JSON log)."""
-    for line in log.splitlines():
-        try:
-            obj = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(obj, dict) and obj.get("event") == "spare_waiting":
-            return datetime.fromisoformat(obj["timestamp"].replace("Z", "+00:00")).timestamp()
-    raise AssertionError(f"no spare_waiting event in the spare's log:\n{log[-3000:]}")
+    """Wall-clock time of the agent's first ``spare_waiting`` event."""
+    events = agent_events(log, "spare_waiting")
+    assert events, f"no spare_waiting event in the spare's log:\n{log[-3000:]}"
+    return datetime.fromisoformat(events[0]["timestamp"].replace("Z", "+00:00")).timestamp()
 
 
 def test_spare_waits_past_join_timeout_and_replaces_a_killed_member(nodes, etcd_client, tmp_path):
