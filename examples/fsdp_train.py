@@ -27,6 +27,7 @@ import sys
 import time
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import fully_shard
 
@@ -43,7 +44,32 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.description = __doc__.splitlines()[0]
     p.add_argument("--mesh", choices=["fsdp", "hsdp"], default="fsdp",
                    help="fsdp: shard over every rank; hsdp: replicate across nodes, shard within")
+    p.add_argument("--hold-file", help="tests: after each step s, wait while this file names a "
+                   "step <= s (a drain or a join still stops the run there)")
     return p.parse_args(argv)
+
+
+def held_until_stop(path: str, step: int, device, timeout_s: float = 120.0) -> bool:
+    """Wait after ``step`` while ``path`` names a step <= ``step`` on any rank (tests: the
+    run trains up to a point and waits there for a fault or a join). True when a drain was
+    asked for during the wait. A collective: every rank loops the same number of times."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with open(path) as f:
+                held = int(f.read().strip() or "-1") <= step
+        except (OSError, ValueError):
+            held = False
+        flag = torch.tensor([1 if held else 0], device=device)
+        if dist.is_initialized():
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if not flag.item():
+            return False
+        if worker.should_stop(step):
+            return True
+        if time.monotonic() > deadline:
+            raise SystemExit(f"held after step {step} by {path} for {timeout_s:.0f} s")
+        time.sleep(0.02)
 
 
 def parallelize(model: nn.Module, mesh) -> nn.Module:
@@ -97,7 +123,10 @@ def train_epochs(args, ctx, step, x, y, model, optim, sched, sampler, plan, trac
             worker.report_progress(step, epoch=epoch, samples=(step + 1) * args.global_batch,
                                    loss=mean_loss)
             done = step + 1 >= args.steps
-            if worker.should_stop(step):  # a drain: every rank stops after this step
+            stop = worker.should_stop(step)
+            if not stop and args.hold_file:
+                stop = held_until_stop(args.hold_file, step, ctx.device)
+            if stop:  # a drain: every rank stops after this step
                 ckpt.save(step, state, blocking=True)  # commit before exiting 0
                 if ctx.rank == 0:
                     log(event="drained", step=step)

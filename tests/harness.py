@@ -139,6 +139,19 @@ def worker_lines(log_text: str, *, local_rank: int = 0) -> list[str]:
     return out
 
 
+def agent_events(log_text: str, event: str) -> list[dict]:
+    """The agent's JSON log lines (the harness's default format) of one event, in order."""
+    out = []
+    for line in log_text.splitlines():
+        try:
+            obj = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(obj, dict) and obj.get("event") == event:
+            out.append(obj)
+    return out
+
+
 def no_leftovers(nodes: list[Node]) -> list[int]:
     """PIDs of any node process still alive (should be empty after cleanup)."""
     from elasticd.process import pid_alive

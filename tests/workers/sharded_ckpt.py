@@ -1,6 +1,8 @@
 """Sharded checkpoint worker: FSDP2/HSDP save at one world size, resharded load at others.
 
-Run as ``python sharded_ckpt.py <rank> <workdir> <phases json>``; each phase is
+Run as ``python sharded_ckpt.py <ranks> <workdir> <phases json>``: this process imports torch
+once and forks the ``<ranks>`` rank processes (four imports of torch and of
+torch._dynamo, which fully_shard imports, would be most of the test's time); it exits 1 if any rank failed, after all ended. Each phase is
 ``[world, mesh, action]`` with mesh ``hsdp`` (2 x world/2) or ``fsdp`` (1-D), action
 ``save`` (train two Adam steps, save steps 1 and 2) or ``load`` (a differently seeded model,
 load the newest valid checkpoint). Rank r of each phase writes ``<phase>-r<r>.json`` with
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import time
 from datetime import timedelta
@@ -45,10 +48,43 @@ def full(model, optim) -> dict:
 
 
 def main() -> None:
+    ranks, workdir, phases = int(sys.argv[1]), sys.argv[2], json.loads(sys.argv[3])
+    # Imported before the fork, once: torch._dynamo is what fully_shard's first call imports
+    # (seconds of CPU per rank otherwise).
+    import torch._dynamo  # noqa: F401
+
+    import elasticd.checkpoint  # noqa: F401
+
+    pids = {}
+    for rank in range(ranks):
+        pid = os.fork()
+        if pid == 0:  # a rank: its own process (gloo, its own FileStore client)
+            code = 1
+            try:
+                run_rank(rank, workdir, phases)
+                code = 0
+            except BaseException:  # noqa: BLE001 - printed, then the exit code says it
+                import traceback
+
+                traceback.print_exc()
+                sys.stderr.write(f"rank {rank} failed\n")
+            finally:
+                sys.stderr.flush()
+                os._exit(code)
+        pids[pid] = rank
+    while pids:  # the first failure ends the others (they would wait on it in gloo)
+        pid, status = os.wait()
+        rank = pids.pop(pid)
+        if os.waitstatus_to_exitcode(status) != 0:
+            for other in pids:
+                os.kill(other, signal.SIGKILL)
+            sys.exit(f"rank {rank} failed")
+
+
+def run_rank(rank: int, workdir: str, phases: list) -> None:
     from elasticd.checkpoint import CheckpointManager
     from elasticd.logs import configure_logging
 
-    rank, workdir, phases = int(sys.argv[1]), sys.argv[2], json.loads(sys.argv[3])
     configure_logging("json")
     url = f"file://{workdir}/ckpt"
     for n, (world, kind, action) in enumerate(phases):

@@ -9,9 +9,10 @@ import signal
 import subprocess
 import sys
 import time
+from datetime import datetime
 
 import pytest
-from harness import ROOT, read_jsonl, wait_until
+from harness import ROOT, agent_events, read_jsonl, wait_until
 
 from elasticd.keys import JobKeys
 from elasticd.records import NodeRecord, RoundState
@@ -28,6 +29,13 @@ def _records(etcd_client, keys: JobKeys) -> dict[str, NodeRecord]:
 def _round(etcd_client, keys: JobKeys) -> RoundState | None:
     kv = etcd_client.get(keys.rdzv_state)
     return RoundState.from_json(kv.value) if kv is not None else None
+
+
+def _spare_waiting_since(log: str) -> float:
+    """Wall-clock time of the agent's first ``spare_waiting`` event."""
+    events = agent_events(log, "spare_waiting")
+    assert events, f"no spare_waiting event in the spare's log:\n{log[-3000:]}"
+    return datetime.fromisoformat(events[0]["timestamp"].replace("Z", "+00:00")).timestamp()
 
 
 def test_spare_waits_past_join_timeout_and_replaces_a_killed_member(nodes, etcd_client, tmp_path):
@@ -57,9 +65,10 @@ def test_spare_waits_past_join_timeout_and_replaces_a_killed_member(nodes, etcd_
     doc = json.loads(proc.stdout)
     shown = {n["node"]: n["state"] for n in doc["nodes"]}
     assert shown[name] == "spare" and doc["job"]["state"] == "training", doc
-    # Past its join timeout (4 s) the spare still waits: a spare's deadline restarts.
-    since = time.monotonic()
-    wait_until(lambda: time.monotonic() - since > 5 or not started[name].alive(), 10,
+    # Past its join timeout (4 s) the spare still waits: a spare's deadline restarts. It has
+    # waited since its `spare_waiting` line, usually long enough by now.
+    since = _spare_waiting_since(started[name].log())
+    wait_until(lambda: time.time() - since > 5 or not started[name].alive(), 10,
                "the spare's join timeout to pass")
     assert started[name].alive(), started[name].log()[-3000:]
     assert all(node.alive() for node in started.values())

@@ -10,14 +10,21 @@ refused, a restart spent, tens of steps retrained), and `elasticd status` must n
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 from collections import Counter, defaultdict
 from pathlib import Path
 
 import pytest
-from harness import ROOT, example_args, read_jsonl, trained_samples, wait_until, worker_lines
+from harness import (
+    ROOT,
+    agent_events,
+    example_args,
+    read_jsonl,
+    trained_samples,
+    wait_until,
+    worker_lines,
+)
 
 from elasticd.cli import main
 from elasticd.etcd.client import EtcdClient
@@ -34,15 +41,7 @@ pytestmark = pytest.mark.timeout(300)
 
 def _rounds(node_log: str) -> list[int]:
     """The rounds of a node's ``rendezvous_completed`` lines, in order."""
-    out = []
-    for line in node_log.splitlines():
-        try:
-            obj = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(obj, dict) and obj.get("event") == "rendezvous_completed":
-            out.append(obj["round"])
-    return out
+    return [e["round"] for e in agent_events(node_log, "rendezvous_completed")]
 
 
 class StatusSampler:
