@@ -102,6 +102,7 @@ def job_summary(s: JobStatus) -> dict[str, Any]:
         "degraded_reasons": list(s.degraded_reasons),
         "exit_code": s.exit_code,
         "closed": s.closed,
+        "stop_requested": s.stop_requested,
         "round": s.round,
         "round_phase": s.round_phase,
         "round_opened_at": rfc3339(s.round_opened_at),

@@ -74,6 +74,7 @@ class JobStatus:
     now: float
     revision: int
     closed: bool = False
+    stop_requested: bool = False  # `elasticd stop` holds the job out until `elasticd start`
     round: int | None = None
     round_phase: str | None = None
     round_opened_at: float | None = None
@@ -286,7 +287,8 @@ def derive_status(snap: JobSnapshot, now: float, *, window_s: float = DEFAULT_WI
     return JobStatus(
         job=snap.job, state=state, reason=reason, degraded=degraded,
         degraded_reasons=tuple(degraded_reasons), exit_code=exit_code, now=now,
-        revision=snap.revision, closed=snap.closed, round=current,
+        revision=snap.revision, closed=snap.closed, stop_requested=snap.stop_mark is not None,
+        round=current,
         round_phase=rs.phase if rs else None, round_opened_at=(rs.opened_at or None) if rs else None,
         round_completed_at=rs.completed_at if rs else None,
         round_cause=(rs.cause or None) if rs else None,

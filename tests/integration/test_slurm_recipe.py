@@ -21,6 +21,10 @@ from pathlib import Path
 import pytest
 from harness import ROOT, children_of, wait_until
 
+from elasticd.checkpoint.identity import new_run_id
+from elasticd.etcd.client import EtcdClient
+from elasticd.keys import JobKeys
+
 SCRIPT = ROOT / "deploy" / "slurm" / "elasticd.sbatch"
 STUBS = ROOT / "tests" / "stubs" / "slurm"
 NODES = 4
@@ -146,3 +150,34 @@ def test_a_job_stopped_before_the_end_is_requeued(etcd_server, tmp_path):
     assert drained == {f"gpu-{i}" for i in range(NODES)}, out[-4000:]
     assert "not finished (srun exit 0, status exit" in out, out[-4000:]
     assert _scontrol_calls(tmp_path) == ["requeue 4242"], out[-4000:]
+
+
+def test_a_job_stopped_with_elasticd_stop_is_not_requeued(etcd_server, tmp_path):
+    """`elasticd stop` holds a job out until `elasticd start`: its agents drain and exit 0,
+    and the script reads `"stop_requested": true` from `status --json` and exits without
+    `scontrol requeue` (it requeued: the job then sat in the queue to start agents that
+    refuse to join). The agents here are stand-ins that exit 0 as stopped agents do; the
+    stop mark and the status are the real CLI's."""
+    job = "slurm-stopped"
+    client = EtcdClient(etcd_server.endpoint, timeout_s=3)
+    try:
+        client.put(JobKeys(job).run_id, new_run_id())
+    finally:
+        client.close()
+    stop = subprocess.run([sys.executable, "-m", "elasticd.cli", "stop", "--etcd", etcd_server.endpoint,
+                           "--job", job], capture_output=True, text=True, timeout=60)
+    assert stop.returncode == 0, stop.stderr
+    argv, env = _batch(tmp_path, etcd_server, job, ["--steps", "12"])
+    (tmp_path / "elasticd").write_text(
+        "#!/bin/sh\n[ \"$1\" = run ] && exit 0  # a stopped agent: drained, out, exit 0\n"
+        f"exec {sys.executable} -m elasticd.cli \"$@\"\n")
+    out_path = tmp_path / "batch.out"
+    batch = _start(argv, env, out_path)
+    try:
+        rc = batch.wait(120)
+    finally:
+        _kill_tree(batch)
+    out = out_path.read_text()
+    assert rc == 0, out[-3000:]
+    assert f"elasticd: job {job} stopped with elasticd stop" in out, out[-3000:]
+    assert _scontrol_calls(tmp_path) == [], out[-3000:]
