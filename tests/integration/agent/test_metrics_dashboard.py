@@ -83,6 +83,11 @@ def test_every_dashboard_panel_selects_series_of_a_real_agent(nodes, tmp_path):
                    interval_s=0.5)
         wait_until(lambda: scraped(lambda: _value(data, "elasticd_checkpoint_save_duration_seconds_count")
                                    >= 3), 60, "a save after the restart", interval_s=0.5)
+        # The goodput ledger needs two history samples (5 s apart): a fast run is done
+        # before it (a quiet fresh-clone run scraped NaN and failed the goodput panel).
+        wait_until(lambda: scraped(lambda: math.isfinite(_value(data, "elasticd_goodput_ratio",
+                                                                window="life"))),
+                   60, lambda: f"a finite goodput ratio: {_seen(data)}", interval_s=0.5)
     finally:
         a.signal_agent(signal.SIGTERM)
         a.wait(60)
