@@ -532,12 +532,14 @@ class EtcdRendezvousHandler(RendezvousHandler):
         with self._view.cond:
             lost = [m for m in lost if m not in self._view.left]
         outage = presumed_outage(lost, view.state, saw_trouble=bool(lost) and self._etcd_trouble())
+        trouble_at = self.client.last_trouble_at
         grace = loss_grace(lost, etcd_trouble=outage, loss_seen_at=self._coord_loss_seen_at,
-                           now=time.monotonic(), node_ttl_s=self.settings.node_ttl_s)
+                           now=time.monotonic(), node_ttl_s=self.settings.node_ttl_s,
+                           trouble_at=trouble_at)
         self._coord_loss_seen_at = grace.loss_seen_at
         if not grace.hold or grace.loss_seen_at is None:
             return None
-        return grace.loss_seen_at + self.settings.node_ttl_s + 2.0
+        return max(grace.loss_seen_at, trouble_at) + self.settings.node_ttl_s + 2.0
 
     def num_nodes_waiting(self) -> int:
         """Answered from the watch cache: no etcd request. See ``membership``."""
@@ -568,7 +570,8 @@ class EtcdRendezvousHandler(RendezvousHandler):
             lost = [m for m in lost if m not in self._view.left]  # a clean leave needs no grace
         grace = loss_grace(lost, etcd_trouble=bool(lost) and self._etcd_trouble(),
                            loss_seen_at=self._loss_seen_at, now=time.monotonic(),
-                           node_ttl_s=self.settings.node_ttl_s)
+                           node_ttl_s=self.settings.node_ttl_s,
+                           trouble_at=self.client.last_trouble_at)
         self._loss_seen_at = grace.loss_seen_at
         if grace.hold:
             return Waiting()

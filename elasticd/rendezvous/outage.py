@@ -32,12 +32,19 @@ class LossGrace:
 
 
 def loss_grace(lost: Sequence[str], *, etcd_trouble: bool, loss_seen_at: float | None,
-               now: float, node_ttl_s: float) -> LossGrace:
+               now: float, node_ttl_s: float, trouble_at: float = float("-inf")) -> LossGrace:
     """Whether to hold back the loss of ``lost`` members for a grace period. Pure.
 
     Members lost right after this node saw etcd trouble (``etcd_trouble``: within
-    ``outage_window_s``) get ``node_ttl_s + 2`` seconds from the first sight of the loss
-    to re-register (``may_resurrect``) before it counts as a membership change.
+    ``outage_window_s``) get ``node_ttl_s + 2`` seconds to re-register (``may_resurrect``)
+    before it counts as a membership change, counted from the later of the first sight of
+    the loss and the latest etcd trouble seen (``trouble_at``).
+
+    Why the latter: the lost members can re-register only while etcd answers. A second
+    freeze inside the grace used to eat it (soak seed 880009: etcd frozen 4.2 s, a 0.7 s
+    gap, frozen again 4.2 s; the grace ran out as etcd resumed, the coordinator opened the
+    next round 0.3 s before the member that trained alone could re-register, and a step
+    was retrained).
 
     Args:
         lost: members of our round without a live lease that did not leave cleanly.
@@ -45,13 +52,14 @@ def loss_grace(lost: Sequence[str], *, etcd_trouble: bool, loss_seen_at: float |
         loss_seen_at: the memory returned by the previous call (None at first).
         now: monotonic time.
         node_ttl_s: the lease TTL.
+        trouble_at: when this node last saw etcd fail or stall (the same clock as ``now``).
 
     Returns:
         The decision and the memory for the next call (reset once nobody is lost).
     """
     if lost and etcd_trouble:
         seen = loss_seen_at or now
-        if now - seen < node_ttl_s + 2.0:
+        if now - max(seen, trouble_at) < node_ttl_s + 2.0:
             return LossGrace(True, seen, f"members {','.join(lost)} lost right after an etcd "
                              "outage: waiting for them to re-register")
         return LossGrace(False, seen)

@@ -228,11 +228,17 @@ def test_soak_random_faults_under_load_match_the_reference(tmp_path):
     ref_params = torch.load(tmp_path / "final-ref.pt", weights_only=True)
     busy = _busy_loops()
     total = 0
+    failed: list[str] = []  # one line per failing seed: every run goes on, and all are named
     try:
         for k in range(RUNS):
             run_dir = tmp_path / f"run-{k}"
             run_dir.mkdir()
-            faults = _one_run(run_dir, base + k, reference, ref_params)
+            try:
+                faults = _one_run(run_dir, base + k, reference, ref_params)
+            except Exception as exc:  # a finding, or a bounded wait that ran out
+                failed.append(f"seed {base + k}: {str(exc).splitlines()[0]}")
+                print(f"soak run {k} seed {base + k} FAILED:\n{exc}")
+                continue
             injected = [f for f in faults if " started " not in f and not f.endswith("finished")]
             total += len(injected)
             print(f"soak run {k} seed {base + k}: {len(injected)} faults clean:\n  "
@@ -241,4 +247,5 @@ def test_soak_random_faults_under_load_match_the_reference(tmp_path):
         for p in busy:
             os.killpg(p.pid, signal.SIGKILL)
             p.wait(5)
-    print(f"soak: {RUNS} runs, {total} faults, clean")
+    print(f"soak: {RUNS} runs, {RUNS - len(failed)} clean with {total} faults, {len(failed)} failed")
+    assert not failed, "\n".join(failed)

@@ -396,6 +396,18 @@ def test_loss_after_etcd_trouble_is_held_for_ttl_plus_two():
     assert not g.hold and g.loss_seen_at == NOW  # grace over: the loss counts
 
 
+def test_loss_grace_restarts_while_etcd_is_still_in_trouble():
+    """A second etcd freeze inside the grace does not eat it: the lost members need
+    node_ttl_s + 2 s of etcd answering to re-register (soak seed 880009)."""
+    g = loss_grace(["b"], etcd_trouble=True, loss_seen_at=None, now=NOW, node_ttl_s=2)
+    # etcd froze again 0.7 s later and is still failing calls 4.2 s after first sight
+    g = loss_grace(["b"], etcd_trouble=True, loss_seen_at=g.loss_seen_at, now=NOW + 4.3,
+                   node_ttl_s=2, trouble_at=NOW + 4.2)
+    assert g.hold and g.loss_seen_at == NOW
+    assert loss_grace(["b"], etcd_trouble=True, loss_seen_at=NOW, now=NOW + 8.3, node_ttl_s=2,
+                      trouble_at=NOW + 4.2).hold is False
+
+
 def test_loss_without_etcd_trouble_counts_at_once():
     """A member lost while etcd was fine is a membership change at once (no grace)."""
     g = loss_grace(["b"], etcd_trouble=False, loss_seen_at=None, now=NOW, node_ttl_s=5)
