@@ -50,10 +50,14 @@ def resolve_valid_sizes(listed: Sequence[int], global_batch_size: int, nproc_per
         sizes = {n for n in sizes if global_batch_size % (n * nproc_per_node) == 0}
     if not sizes:
         why = (f"none of {sorted(set(listed))} " if listed else f"no node count in {nnodes} ")
+        fits = [n for n in range(min_nodes, max_nodes + 1)
+                if global_batch_size % (n * nproc_per_node) == 0]
+        fix = (f"list node counts that do ({', '.join(map(str, fits))})" if fits else
+               f"use a global batch divisible by {min_nodes * nproc_per_node} "
+               f"({min_nodes} node(s) x {nproc_per_node} worker(s)), or change nnodes")
         raise ConfigError(
             f"rendezvous.global_batch_size = {global_batch_size}: {why}splits it evenly over "
-            f"{nproc_per_node} worker(s) per node; use a global batch divisible by "
-            f"{min_nodes * nproc_per_node} (or another size's workers), or change nnodes")
+            f"{nproc_per_node} worker(s) per node; {fix}")
     return tuple(sorted(sizes))
 
 
