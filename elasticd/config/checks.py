@@ -159,7 +159,7 @@ def validate_config(config: AgentConfig, *, check_files: bool) -> None:
     if rdzv.valid_sizes or rdzv.global_batch_size:
         nproc = workers.nproc_per_node  # "gpu"/"auto": checked once resolved (node_spec)
         try:
-            resolve_valid_sizes(rdzv.valid_sizes, rdzv.global_batch_size,
+            resolve_valid_sizes(rdzv.valid_sizes or (), rdzv.global_batch_size,
                                 nproc if isinstance(nproc, int) else 1,
                                 min_nodes=job.min_nodes, max_nodes=job.max_nodes)
         except ConfigError as exc:

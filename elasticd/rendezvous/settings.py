@@ -52,7 +52,7 @@ class RendezvousSettings:
         nproc = cfg.workers.nproc_per_node
         if nproc_per_node is None:
             nproc_per_node = nproc if isinstance(nproc, int) else 1
-        valid = resolve_valid_sizes(r.valid_sizes, r.global_batch_size, nproc_per_node,
+        valid = resolve_valid_sizes(r.valid_sizes or (), r.global_batch_size, nproc_per_node,
                                     min_nodes=cfg.job.min_nodes, max_nodes=cfg.job.max_nodes)
         return cls(min_nodes=cfg.job.min_nodes, max_nodes=cfg.job.max_nodes,
                    node_ttl_s=cfg.node.ttl_s, join_timeout_s=r.join_timeout_s,
