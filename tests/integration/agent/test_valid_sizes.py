@@ -14,7 +14,7 @@ from elasticd.keys import JobKeys
 from elasticd.records import NodeRecord, RoundState
 
 SCRIPT = str(ROOT / "examples" / "train.py")
-DATASET, BATCH, STEPS = 40, 2, 100  # 20 steps an epoch, 5 epochs
+DATASET, BATCH, STEPS = 40, 2, 60  # 20 steps an epoch, 3 epochs
 pytestmark = pytest.mark.timeout(180)
 
 
@@ -32,7 +32,8 @@ def test_a_batch_of_two_trains_at_two_with_a_spare_admitted_on_a_kill(nodes, etc
                                                                      tmp_path):
     """Three agents, --nnodes 1:3, a global batch of 2 (--global-batch 2): two train, the
     third waits as `spare` saying why (today it joined at world 3 and exited 78); SIGKILL
-    of a member -> the spare is in the next round at once; the job completes with every
+    of a member -> the spare is in the next round at once, its worker a warm standby
+    (imports done); the job completes with every
     sample of every epoch trained exactly once, and no agent exited 78."""
     job, keys = "sizes", JobKeys("sizes")
     trace = tmp_path / "trace.jsonl"
@@ -63,6 +64,15 @@ def test_a_batch_of_two_trains_at_two_with_a_spare_admitted_on_a_kill(nodes, etc
                and s.phase == "final" and name in s.members, 30,
                lambda: f"the spare admitted: {_round(etcd_client, keys)}")
     admitted_s = time.monotonic() - killed_at
+    # A warm spare: its worker is the standby its agent started on arrival (imports done).
+    def after_admission() -> str:
+        text = started[name].log()
+        return text[text.index('"spare_admitted"'):]
+
+    new_round = _round(etcd_client, keys).round  # type: ignore[union-attr]
+    wait_until(lambda: any((r["round"] or 0) >= new_round for r in read_jsonl(trace)), 60,
+               "a step in the round with the spare")
+    assert '"standby_handed_over"' in after_admission(), after_admission()[-3000:]
     # "At once": the round closes when the survivor and the spare joined (the largest
     # valid size), not after a last call or a lease TTL; bounded loosely for a loaded box.
     assert admitted_s < 10, admitted_s
