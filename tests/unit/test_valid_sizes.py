@@ -178,3 +178,18 @@ def test_bad_valid_sizes_are_one_line_config_errors(tmp_path, extra, fragment) -
     message = str(info.value)
     assert fragment in message and "rendezvous." in message and "\n" not in message, message
     assert info.value.exit_code == EX_CONFIG
+
+
+def test_plain_torchrun_refuses_sizes_derived_from_the_batch(monkeypatch) -> None:
+    """Under torchrun the rendezvous cannot see --nproc-per-node: a global batch rule is a
+    config error naming ELASTICD_RENDEZVOUS_VALID_SIZES, before any etcd client exists."""
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+
+    from elasticd.rendezvous.registry import create_handler
+
+    monkeypatch.setenv("ELASTICD_RENDEZVOUS_GLOBAL_BATCH_SIZE", "8")
+    params = RendezvousParameters(backend="etcd-v3", endpoint="127.0.0.1:1", run_id="job",
+                                  min_nodes=1, max_nodes=2)
+    with pytest.raises(ConfigError, match="set ELASTICD_RENDEZVOUS_VALID_SIZES") as info:
+        create_handler(params)
+    assert info.value.exit_code == EX_CONFIG
