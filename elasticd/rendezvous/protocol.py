@@ -189,8 +189,11 @@ def dropped_members(view: RendezvousView, opened: RoundState,
     """
     left = view.left.get(opened.round - 1, {})
     reported = set(opened.changed) if opened.cause == MembershipChange.MEMBER_LOST.value else set()
+    # A previous member that joined the round but was left out is alive: it waits as a
+    # spare (an invalid world size, ``valid_sizes``), it was not lost.
+    joined = set(view.joins.get(opened.round, ()))
     return tuple(m for m in opened.members
-                 if m not in members and m not in left and m not in reported)
+                 if m not in members and m not in left and m not in reported and m not in joined)
 
 
 def decide_join(view: RendezvousView, progress: JoinProgress, *, min_nodes: int, max_nodes: int,

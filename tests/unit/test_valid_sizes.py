@@ -193,3 +193,15 @@ def test_plain_torchrun_refuses_sizes_derived_from_the_batch(monkeypatch) -> Non
     with pytest.raises(ConfigError, match="set ELASTICD_RENDEZVOUS_VALID_SIZES") as info:
         create_handler(params)
     assert info.value.exit_code == EX_CONFIG
+
+
+def test_a_member_left_out_for_an_invalid_size_is_not_reported_lost() -> None:
+    """4 members of sizes {2,4}, d lost: a, b, c rejoin, 2 are admitted; c (joined, alive)
+    waits as a spare and is not reported as a dropped (lost) member; d is."""
+    from elasticd.rendezvous.protocol import dropped_members
+
+    opened = RoundState(6, "open", ["a", "b", "c", "d"], 1, 4)
+    action = _coordinate(opened, {"a", "b", "c"}, {6: ["a", "b", "c"]}, (2, 4), max_nodes=4)
+    assert action.kind is ActionKind.FINALIZE and action.members == ("a", "b")
+    view = RendezvousView(opened, frozenset({"a", "b", "c"}), {6: ["a", "b", "c"]})
+    assert dropped_members(view, opened, action.members) == ("d",)
