@@ -7,7 +7,8 @@ its own, 1 gloo worker each, all on 127.0.0.1), launched by
   member on free ports, shared by all runs, one job name per run);
 - ``elasticd-live``: the same agent; ``examples/train.py`` (``LiveState``) re-forms its
   process group in place, the survivors' state is sent to new ranks (``elasticd`` and
-  ``elasticd-cold`` run with ``--no-live-reform``: the restart path);
+  ``elasticd-cold`` run with ``--no-live-reform``: the restart path;
+  ``elasticd-live-cold`` is live with ``--no-warm-start``: a cold spare);
 - ``torchrun default``: ``torchrun --rdzv-backend c10d --nnodes 2:4 --max-restarts 100``;
 - ``torchrun tuned``: the same plus ``--rdzv-conf last_call_timeout=1,keep_alive_interval=1,
   keep_alive_max_attempt=2``;
@@ -77,8 +78,8 @@ from benchmarks.common import (  # noqa: E402
 from benchmarks.recovery_report import agent_breakdown, live_breakdown, write_report  # noqa: E402
 
 CKPT_LOADED = re.compile(r"checkpoint_loaded\b.*?\bseconds[=\"': ]+([0-9.]+)")
-SYSTEMS = ("elasticd-live", "elasticd", "elasticd-cold", "torchrun-default", "torchrun-tuned",
-           "torchrun-etcd")
+SYSTEMS = ("elasticd-live", "elasticd-live-cold", "elasticd", "elasticd-cold", "torchrun-default",
+           "torchrun-tuned", "torchrun-etcd")
 SCENARIOS = ("sigkill", "sigstop", "sigterm", "join", "spare")
 SPARE_NNODES = "2:3"  # the spare scenario: NODES members and one hot spare
 NODES = 3
@@ -133,8 +134,10 @@ def start_node(cluster: Cluster, system: str, idx: int, job: str, endpoint: str,
     logs.mkdir(parents=True, exist_ok=True)
     if system.startswith("elasticd"):
         # elasticd-live: the workers re-form in place (examples/train.py uses LiveState);
-        # elasticd: the restart path (warm standbys); elasticd-cold: standbys off too.
-        flags = {"elasticd-live": [], "elasticd": ["--no-live-reform"],
+        # elasticd: the restart path (warm standbys); elasticd-cold: standbys off too;
+        # elasticd-live-cold: live, standbys off (a cold spare imports torch on admission).
+        flags = {"elasticd-live": [], "elasticd-live-cold": ["--no-warm-start"],
+                 "elasticd": ["--no-live-reform"],
                  "elasticd-cold": ["--no-live-reform", "--no-warm-start"]}[system]
         argv = elasticd_argv(endpoint, job, name, nnodes, 1, [*flags, *src.args()], logs)
         env = {}
@@ -232,7 +235,7 @@ def run_trial(system: str, scenario: str, rep: int, etcd_endpoint: str, script: 
         trial.ckpt_load_s = checkpoint_load_s([n.lines for n in cluster.nodes], t0)
         if not trial.recovered:
             trial.note = f"did not recover within {timeout:.0f}s"
-        if system == "elasticd-live" and trial.recovered:
+        if system.startswith("elasticd-live") and trial.recovered:
             survivors = [n for n in cluster.nodes if n is not victim or scenario == "join"]
             trial.phases = live_breakdown([n.lines for n in survivors], t0, trial.new_world, records)
         elif system.startswith("elasticd") and trial.recovered:
@@ -335,7 +338,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--reps", type=int, default=3, help="repetitions per scenario and launcher")
     p.add_argument("--scenarios", default=",".join(SCENARIOS), help="comma-separated subset")
-    p.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated subset")
+    p.add_argument("--systems", default=",".join(s for s in SYSTEMS if s != "elasticd-live-cold"),
+                   help=f"comma-separated subset of {','.join(SYSTEMS)}")
     p.add_argument("--script", default=None,
                    help=f"training script (default: {TRAIN_SCRIPT} if it runs, else {BENCH_WORKER})")
     p.add_argument("--step-s", type=float, default=0.02, help="per-step padding handed to the script")

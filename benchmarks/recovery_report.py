@@ -28,7 +28,8 @@ SCENARIO_TITLES = {
     "join": "a 4th node joins",
     "spare": "SIGKILL of a member, a hot spare waiting",
 }
-SYSTEM_TITLES = {"elasticd-live": "elasticd, live re-formation", "elasticd": "elasticd, restart", "elasticd-cold": "elasticd, `--no-warm-start`",
+SYSTEM_TITLES = {"elasticd-live": "elasticd, live re-formation",
+                 "elasticd-live-cold": "elasticd, live, `--no-warm-start`", "elasticd": "elasticd, restart", "elasticd-cold": "elasticd, `--no-warm-start`",
                  "torchrun-default": "torchrun, defaults", "torchrun-tuned": "torchrun, tuned"}
 # (elasticd goal in s, torchrun default, torchrun tuned) measured earlier on this machine.
 REFERENCE = {
@@ -176,7 +177,7 @@ def main_table(results: dict) -> str:
                 ref = f"goal ≤ {goal:g} s, 0 lost: **{'met' if met else 'missed'}**"
             elif system == "elasticd":
                 ref = _verdict(scenario, ts)
-            elif system == "elasticd-cold":
+            elif system in ("elasticd-cold", "elasticd-live-cold"):
                 ref = "same run, standbys off"
             else:
                 ref = "earlier: " + REFERENCE[scenario][1 if system == "torchrun-default" else 2]

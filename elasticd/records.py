@@ -136,6 +136,9 @@ class NodeRecord(_Record):
     # The digest of the job fingerprint this agent runs (elasticd.agent.admission): a
     # stored fingerprint binds while a live record carries its digest. "": none.
     fingerprint: str = ""
+    # Why this node waits as a spare (meaningful while state is "spare"): the job is full,
+    # or one more node would be an invalid world size (rendezvous.sizes).
+    spare_reason: str = ""
 
 
 @dataclass(frozen=True)

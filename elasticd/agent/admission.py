@@ -20,7 +20,9 @@ the nodes of one job, and nothing that may legitimately differ per node:
 - the **checkpoint URL** (redacted): nodes resuming from, and committing to, different
   places lose or repeat work;
 - **live re-formation** on or off: one node re-forming in place while another restarts
-  from the checkpoint breaks every membership change.
+  from the checkpoint breaks every membership change;
+- the **valid world sizes** (resolved, in nodes): nodes disagreeing on them would close
+  rounds at sizes the others refuse.
 
 Left out on purpose: ``nproc_per_node`` (torch's rank table takes per-node local world
 sizes, the sampler shards by global rank), the node TTL, warm start, the worker
@@ -110,6 +112,13 @@ def make_fingerprint(command: Sequence[str], *, min_nodes: int, max_nodes: int,
                         extra=dict(extra or {}))
     blob = json.dumps(fp.compared(), sort_keys=True, separators=(",", ":"))
     return replace(fp, digest=hashlib.sha256(blob.encode()).hexdigest()[:32])
+
+
+def sizes_fingerprint(valid_sizes: Sequence[int]) -> dict[str, object]:
+    """The fingerprint's share of the valid world sizes (``rendezvous.sizes``): every
+    node must form rounds at the same sizes. Empty when every size is valid, so a job
+    that declares none keeps the digest it had."""
+    return {"valid_sizes": list(valid_sizes)} if valid_sizes else {}
 
 
 def _file_sha256(path: str) -> str:

@@ -26,14 +26,20 @@ from typing import TYPE_CHECKING
 
 import structlog
 
-from elasticd.agent.admission import AdmissionRefusedError, admit, make_fingerprint, precheck
+from elasticd.agent.admission import (
+    AdmissionRefusedError,
+    admit,
+    make_fingerprint,
+    precheck,
+    sizes_fingerprint,
+)
 from elasticd.etcd.client import EtcdClient
 from elasticd.keys import JobKeys
 from elasticd.records import RecordError, RoundState
 from elasticd.rendezvous.finished import FinishedJob, finished_notice, read_finished
 from elasticd.rendezvous.protocol import early_join_round
 from elasticd.rendezvous.session import NodeSession
-from elasticd.rendezvous.settings import default_node_id
+from elasticd.rendezvous.settings import RendezvousSettings, default_node_id
 from elasticd.rendezvous.view import WatchedView
 
 if TYPE_CHECKING:
@@ -104,7 +110,9 @@ def arrive_early(cfg: AgentConfig) -> EarlyArrival | None:
         cfg: the validated ``AgentConfig``.
     """
     e = cfg.etcd
-    if e.embedded:
+    if e.embedded or (cfg.rendezvous.global_batch_size
+                      and not isinstance(cfg.workers.nproc_per_node, int)):
+        # Sizes derived from the global batch need the resolved worker count (torch).
         return None
     keys = JobKeys(cfg.job.name)
     try:
@@ -122,7 +130,9 @@ def arrive_early(cfg: AgentConfig) -> EarlyArrival | None:
                                 max_nodes=cfg.job.max_nodes,
                                 checkpoint_url=cfg.job.checkpoint_url,
                                 live_reform=cfg.workers.live_reform,
-                                workdir=cfg.workers.workdir, node=node_id)
+                                workdir=cfg.workers.workdir, node=node_id,
+                                extra=sizes_fingerprint(
+                                    RendezvousSettings.from_config(cfg).valid_sizes))
         precheck(client, keys, node_id, ours, deadline_s=_DEADLINE_S)
         session = NodeSession(client, keys, node_id, WatchedView(keys, node_id),
                               ttl_s=cfg.node.ttl_s, liveness_probe=cfg.rendezvous.liveness_probe,

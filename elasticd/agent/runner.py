@@ -26,7 +26,7 @@ from torch.distributed.elastic.rendezvous import (
 )
 
 import elasticd
-from elasticd.agent.admission import admit, make_fingerprint, precheck
+from elasticd.agent.admission import admit, make_fingerprint, precheck, sizes_fingerprint
 from elasticd.agent.arrival import EarlyArrival, log_finished
 from elasticd.agent.commits import CommitRetrier, PendingCommit, read_intents, write_intent
 from elasticd.agent.elastic_agent import ElasticdAgent, SupervisionSettings
@@ -225,7 +225,8 @@ def run_node(spec: NodeSpec, early: EarlyStart | None = None, arrival: EarlyArri
     fingerprint = make_fingerprint(spec.command, min_nodes=spec.rendezvous.min_nodes,
                                    max_nodes=spec.rendezvous.max_nodes,
                                    checkpoint_url=spec.supervision.checkpoint_url,
-                                   live_reform=spec.supervision.live_reform)
+                                   live_reform=spec.supervision.live_reform,
+                                   extra=sizes_fingerprint(spec.rendezvous.valid_sizes))
     embedded: EmbeddedEtcd | None = None
     client: EtcdClient | None = None
     control: ControlChannel | None = None

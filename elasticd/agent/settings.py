@@ -31,9 +31,10 @@ def node_spec(cfg: AgentConfig, environ: Mapping[str, str]) -> NodeSpec:
         The spec :func:`elasticd.agent.runner.run_node` runs.
     """
     e, w = cfg.etcd, cfg.workers
+    nproc = w.resolve_nproc_per_node()
     return NodeSpec(
-        job=cfg.job.name, command=tuple(w.command), nproc_per_node=w.resolve_nproc_per_node(),
-        rendezvous=RendezvousSettings.from_config(cfg),
+        job=cfg.job.name, command=tuple(w.command), nproc_per_node=nproc,
+        rendezvous=RendezvousSettings.from_config(cfg, nproc),
         # The password file is read now: an unreadable one fails before anything starts.
         etcd=replace(e, password=e.resolved_password(), password_file=None),
         node_id=cfg.node.id,

@@ -14,6 +14,7 @@ from typing import Any
 from elasticd.config.model import MASK, AgentConfig
 from elasticd.errors import ConfigError
 from elasticd.keys import validate_job_name, validate_node_id
+from elasticd.rendezvous.sizes import resolve_valid_sizes
 from elasticd.sensitive import loose_secret_file, mask_value, scrub_text
 
 # node.ttl_s against the etcd members' election timeout E: below 1.5 E a leader stall that
@@ -154,6 +155,17 @@ def validate_config(config: AgentConfig, *, check_files: bool) -> None:
             f"{math.ceil(SAFE_TTL_PER_ELECTION * etcd.election_timeout_s)} (or lower the members' "
             "--election-timeout and etcd.election_timeout_s with it)",
         )
+    rdzv = config.rendezvous
+    if rdzv.valid_sizes or rdzv.global_batch_size:
+        nproc = workers.nproc_per_node  # "gpu"/"auto": checked once resolved (node_spec)
+        try:
+            resolve_valid_sizes(rdzv.valid_sizes or (), rdzv.global_batch_size,
+                                nproc if isinstance(nproc, int) else 1,
+                                min_nodes=job.min_nodes, max_nodes=job.max_nodes)
+        except ConfigError as exc:
+            dotted = "rendezvous.valid_sizes" if rdzv.valid_sizes else "rendezvous.global_batch_size"
+            value = list(rdzv.valid_sizes) if rdzv.valid_sizes else rdzv.global_batch_size
+            raise bad(dotted, value, str(exc).split(": ", 1)[1]) from None
     if config.restart.backoff_max_s < config.restart.backoff_s:
         raise bad(
             "restart.backoff_max_s", config.restart.backoff_max_s,

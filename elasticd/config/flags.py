@@ -91,6 +91,12 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--no-liveness-probe", "rendezvous.liveness_probe",
          "publish no liveness probe and probe no peer (a firewall that rejects makes a live "
          "node look dead): a killed peer is seen when its lease expires", const="false"),
+    Flag("--valid-sizes", "rendezvous.valid_sizes",
+         "node counts a round may form at, e.g. 2,4,8 (default: every count in --nnodes); "
+         "nodes beyond the largest valid count reached wait as spares", metavar="N[,N...]"),
+    Flag("--global-batch", "rendezvous.global_batch_size",
+         "valid node counts are those whose workers split this global batch evenly "
+         "(0 = no such rule)", metavar="N"),
     Flag("--nproc-per-node", "workers.nproc_per_node", "workers on this node: N, 'gpu' or 'auto'",
          metavar="N"),
     Flag("--workdir", "workers.workdir", "working directory of the workers", metavar="DIR"),

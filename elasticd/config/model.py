@@ -100,6 +100,10 @@ class RendezvousConfig:
     close_timeout_s: float = 30.0
     store_timeout_s: float = 300.0
     liveness_probe: bool = True  # a refused TCP probe proves a straggler's agent gone
+    # Node counts a round may form at (rendezvous.sizes); None: every size in job.nnodes.
+    valid_sizes: tuple[int, ...] | None = None
+    # > 0: valid sizes are those whose workers split this global batch evenly.
+    global_batch_size: int = 0
 
 
 @dataclass(frozen=True)

@@ -202,6 +202,30 @@ def nnodes(value: Any, text: bool) -> tuple[int, int]:
     return lo, hi
 
 
+def node_counts(value: Any, text: bool) -> tuple[int, ...]:
+    """Valid world sizes in nodes: a list of node counts >= 1, or ``"2,4,8"`` (a flag).
+
+    Range (within ``job.nnodes``) is checked with the other keys (``rendezvous.sizes``).
+    """
+    fix = "write valid_sizes = [2, 4, 8] (node counts within job.nnodes), or leave it out"
+    if isinstance(value, str):
+        items: list[Any] = [s.strip() for s in value.split(",")]
+        if not re.fullmatch(r"[0-9]+(,[0-9]+)*", ",".join(items)):
+            raise Invalid(f"not a comma-separated list of node counts: {value!r}", fix)
+        items = [int(s, 10) for s in items]
+    elif isinstance(value, (list, tuple)):
+        items = list(value)
+        if not all(isinstance(n, int) and not isinstance(n, bool) for n in items):
+            raise Invalid("every item must be a whole number of nodes", fix)
+    else:
+        raise Invalid(f"expected a list of node counts, got {_kind(value)}", fix)
+    if not items:
+        raise Invalid("an empty list allows no world size at all", fix)
+    if any(n < 1 for n in items):
+        raise Invalid("a node count must be at least 1", fix)
+    return tuple(sorted(set(items)))
+
+
 def nproc(value: Any, text: bool) -> int | str:
     """A worker count >= 1, ``"gpu"`` (one per GPU) or ``"auto"`` (GPUs, else 1)."""
     fix = 'write nproc_per_node = 8, or "gpu" (one per visible GPU), or "auto"'
@@ -373,6 +397,8 @@ KEYS: dict[str, Key] = {
         Key("rendezvous", "store_timeout_s", number(0, lo_open=True), 300.0,
             "store_timeout_s = 300"),
         Key("rendezvous", "liveness_probe", boolean, True, "liveness_probe = false"),
+        Key("rendezvous", "valid_sizes", node_counts, None, "valid_sizes = [2, 4, 8]"),
+        Key("rendezvous", "global_batch_size", integer(0), 0, "global_batch_size = 256"),
         Key("workers", "command", command, REQUIRED, 'command = ["train.py", "--epochs", "10"]'),
         Key("workers", "nproc_per_node", nproc, 1, 'nproc_per_node = "gpu"'),
         Key("workers", "workdir", optional_string, None, 'workdir = "/srv/train"'),

@@ -60,7 +60,7 @@ class RoundCoordinator:
         keys: the job's keys.
         session: this node's lease (campaigns only while it is live).
         view: the handler's watched view; the coordinator adds the full tables to it.
-        min_nodes, max_nodes, last_call_timeout_s, start_settle_s: the round rule.
+        min_nodes, max_nodes, valid_sizes, last_call_timeout_s, start_settle_s: the round rule.
         finalize: writes FINALIZE (CAS of the state key); returns True if it won.
         open_next: writes OPEN_NEXT with its cause (CAS, then the opener's bookkeeping).
         defer_lost_until: when lost members must not be acted on yet (etcd trouble), or None.
@@ -72,6 +72,7 @@ class RoundCoordinator:
 
     def __init__(self, client: EtcdClient, keys: JobKeys, session: NodeSession, view: WatchedView, *,
                  min_nodes: int, max_nodes: int, last_call_timeout_s: float,
+                 valid_sizes: tuple[int, ...] = (),
                  start_settle_s: float = 0.0,
                  finalize: Callable[[Action, RendezvousView, int], bool],
                  open_next: Callable[[Action, RendezvousView, int], bool],
@@ -84,6 +85,7 @@ class RoundCoordinator:
         self.session = session
         self.view = view
         self.min_nodes, self.max_nodes = min_nodes, max_nodes
+        self.valid_sizes = valid_sizes
         self.last_call_timeout_s = last_call_timeout_s
         self.start_settle_s = start_settle_s
         self._finalize = finalize
@@ -155,7 +157,7 @@ class RoundCoordinator:
             return None
         proven = self.view.proven_dead(self.prober.dead()) if self.prober else frozenset()
         action = decide_coordination(view, self._memory, me=me, min_nodes=self.min_nodes,
-                                     max_nodes=self.max_nodes,
+                                     max_nodes=self.max_nodes, valid_sizes=self.valid_sizes,
                                      last_call_timeout_s=self.last_call_timeout_s,
                                      now=time.monotonic(),
                                      defer_lost_until=self._defer_lost_until(view),

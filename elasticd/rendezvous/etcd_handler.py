@@ -59,6 +59,7 @@ from elasticd.rendezvous.protocol import (
     dropped_members,
     is_spare,
     nodes_waiting,
+    spare_reason,
 )
 from elasticd.rendezvous.session import NodeSession, retry_rdzv
 from elasticd.rendezvous.settings import RendezvousSettings, default_node_id
@@ -193,7 +194,8 @@ class EtcdRendezvousHandler(RendezvousHandler):
             s = self.settings
             self._coordinator = RoundCoordinator(
                 self.client, self.keys, self.session, self._view, min_nodes=s.min_nodes,
-                max_nodes=s.max_nodes, last_call_timeout_s=s.last_call_timeout_s,
+                max_nodes=s.max_nodes, valid_sizes=s.valid_sizes,
+                last_call_timeout_s=s.last_call_timeout_s,
                 start_settle_s=s.start_settle_s,
                 finalize=lambda a, v, rev: self._finalize(a, v, rev, time.monotonic() + 10.0),
                 open_next=lambda a, v, rev: self._open_next(a, v, rev, time.monotonic() + 10.0),
@@ -324,17 +326,21 @@ class EtcdRendezvousHandler(RendezvousHandler):
                 self.session.register(deadline)
             view, state_rev = self._view.snapshot()
             version = self._view.version
-            if (is_spare(view.state, self.node_id, self.settings.max_nodes)
+            if (is_spare(view.state, self.node_id, self.settings.max_nodes,
+                         self.settings.valid_sizes)
                     and self.client.unreachable() is None):
                 # A spare waits as long as the job runs (protocol.is_spare): its join
                 # deadline restarts while the job stays full without it and etcd answers
                 # (an etcd gone for good still ends the wait, as for any joiner).
                 deadline = progress.deadline = time.monotonic() + self.settings.join_timeout_s
-                self._set_spare(True)
+                assert view.state is not None  # is_spare
+                self._set_spare(True, spare_reason(len(view.state.members), self.settings.max_nodes,
+                                                   self.settings.valid_sizes))
             proven = (self._view.proven_dead(self.prober.dead())
                       if self.prober is not None and view.full else frozenset())
             action = decide_join(view, progress, min_nodes=self.settings.min_nodes,
                                  max_nodes=self.settings.max_nodes,
+                                 valid_sizes=self.settings.valid_sizes,
                                  last_call_timeout_s=self.settings.last_call_timeout_s,
                                  now=time.monotonic(), proven_dead=proven,
                                  start_settle_s=self.settings.start_settle_s,
@@ -370,16 +376,17 @@ class EtcdRendezvousHandler(RendezvousHandler):
                        seconds=round(self.rendezvous_s, 3))
         return RendezvousInfo(store, rank, len(action.members), bootstrap)
 
-    def _set_spare(self, spare: bool) -> None:
-        """Say (once per change) that this node waits as a hot spare, or no longer does."""
+    def _set_spare(self, spare: bool, reason: str = "") -> None:
+        """Say (once per change) that this node waits as a hot spare (and why: ``reason``,
+        shown by ``status``), or no longer does."""
         if spare == self.spare:
             return
         self.spare = spare
         if spare:
-            self._log.info("spare_waiting", reason="the job is full (max_nodes members): "
-                           "admitted when a member is lost or drained")
+            self._log.info("spare_waiting", reason=f"{reason}: admitted when a member is lost "
+                           "or drained")
             try:
-                self.session.update_record(state="spare")
+                self.session.update_record(state="spare", spare_reason=reason)
             except (LeaseLostError, EtcdUnavailableError) as exc:  # shown on the next write
                 self._log.debug("spare_record_not_written", error=str(exc))
         else:
@@ -567,7 +574,8 @@ class EtcdRendezvousHandler(RendezvousHandler):
         if my_round is None:
             return Waiting()
         view, _ = self._view.snapshot()
-        waiting = nodes_waiting(view, my_round, max_nodes=self.settings.max_nodes)
+        waiting = nodes_waiting(view, my_round, max_nodes=self.settings.max_nodes,
+                                valid_sizes=self.settings.valid_sizes)
         lost = (list(departures(view, view.state).lost)
                 if view.state and view.state.round == my_round else [])
         with self._view.cond:

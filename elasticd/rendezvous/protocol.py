@@ -55,6 +55,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from elasticd.records import RoundState
+from elasticd.rendezvous.sizes import ALL_SIZES, admitted_size, largest_size, smallest_size
 
 LEFT_DRAINED = "drained"  # stopped (drain, stop signal): the others re-form without it
 LEFT_FINISHED = "finished"  # its workers completed: the job is done, nobody re-forms
@@ -188,15 +189,21 @@ def dropped_members(view: RendezvousView, opened: RoundState,
     """
     left = view.left.get(opened.round - 1, {})
     reported = set(opened.changed) if opened.cause == MembershipChange.MEMBER_LOST.value else set()
+    # A previous member that joined the round but was left out is alive: it waits as a
+    # spare (an invalid world size, ``valid_sizes``), it was not lost.
+    joined = set(view.joins.get(opened.round, ()))
     return tuple(m for m in opened.members
-                 if m not in members and m not in left and m not in reported)
+                 if m not in members and m not in left and m not in reported and m not in joined)
 
 
 def decide_join(view: RendezvousView, progress: JoinProgress, *, min_nodes: int, max_nodes: int,
                 last_call_timeout_s: float, now: float,
                 proven_dead: frozenset[str] = frozenset(), start_settle_s: float = 0.0,
-                defer_lost_until: float | None = None) -> Action:
+                defer_lost_until: float | None = None,
+                valid_sizes: Sequence[int] = ALL_SIZES) -> Action:
     """Decide this node's next step towards being in a final round. Pure; see module doc.
+
+    ``valid_sizes``: the node counts a round may form at (``rendezvous.sizes``; empty: all).
 
     ``proven_dead``: nodes whose agent a liveness probe proved gone (their lease may still
     run); they do not hold an open round's last call (see ``_close_open_round``).
@@ -265,12 +272,14 @@ def decide_join(view: RendezvousView, progress: JoinProgress, *, min_nodes: int,
     return _close_open_round(view, state, progress.min_reached_at, min_nodes=min_nodes,
                              max_nodes=max_nodes, last_call_timeout_s=last_call_timeout_s, now=now,
                              deadline=progress.deadline, proven_dead=proven_dead,
-                             start_settle_s=start_settle_s)
+                             start_settle_s=start_settle_s, valid_sizes=valid_sizes)
 
 
-def is_spare(state: RoundState | None, me: str, max_nodes: int) -> bool:
+def is_spare(state: RoundState | None, me: str, max_nodes: int,
+             valid_sizes: Sequence[int] = ALL_SIZES) -> bool:
     """Whether ``me`` waits as a hot spare: the job's round is final and full (``max_nodes``
-    members) without us. Pure.
+    members, or the largest of ``valid_sizes``) without us, or one more node would make an
+    invalid size (members 2 of valid sizes {2, 4}: a third node waits). Pure.
 
     A spare is registered and has joined the next round; it is admitted in the round the
     members open when one of them is lost or drained (its join is already in), and never
@@ -279,8 +288,23 @@ def is_spare(state: RoundState | None, me: str, max_nodes: int) -> bool:
     waits as long as the job runs, where a node waiting for a job to *start* gives up after
     ``join_timeout``.
     """
-    return (state is not None and state.phase == "final" and me not in state.members
-            and len(state.members) >= max_nodes)
+    if state is None or state.phase != "final" or me in state.members:
+        return False
+    return spare_reason(len(state.members), max_nodes, valid_sizes) != ""
+
+
+def spare_reason(members: int, max_nodes: int, valid_sizes: Sequence[int] = ALL_SIZES) -> str:
+    """Why a node outside a final round of ``members`` nodes waits as a spare, in words
+    (shown by ``status``); ``""`` when there is room for it. Pure."""
+    if members >= largest_size(valid_sizes, max_nodes):
+        if valid_sizes and largest_size(valid_sizes, max_nodes) < max_nodes:
+            return (f"the job is at its largest valid size ({members} nodes; valid sizes "
+                    f"{','.join(map(str, valid_sizes))})")
+        return f"the job is full (max_nodes={max_nodes} members)"
+    if admitted_size(members + 1, valid_sizes, min_nodes=1, max_nodes=max_nodes) <= members:
+        return (f"{members + 1} nodes is not a valid world size (valid sizes "
+                f"{','.join(map(str, valid_sizes))})")
+    return ""
 
 
 def early_join_round(state: RoundState | None) -> int | None:
@@ -300,7 +324,7 @@ def early_join_round(state: RoundState | None) -> int | None:
 def _close_open_round(view: RendezvousView, state: RoundState, min_reached_at: dict[int, float], *,
                       min_nodes: int, max_nodes: int, last_call_timeout_s: float, now: float,
                       deadline: float, proven_dead: frozenset[str] = frozenset(),
-                      start_settle_s: float = 0.0) -> Action:
+                      start_settle_s: float = 0.0, valid_sizes: Sequence[int] = ALL_SIZES) -> Action:
     """FINALIZE the open round ``state`` if it may close now, else WAIT (full view only).
 
     A straggler (a live lease, not joined) in ``proven_dead`` holds nothing open: its
@@ -313,13 +337,24 @@ def _close_open_round(view: RendezvousView, state: RoundState, min_reached_at: d
     closes below ``max_nodes`` no earlier than ``start_settle_s`` after ``min_nodes``
     joined, and its last call lasts at least as long: a node started at the same time
     may not hold a lease yet (it is still importing torch).
+
+    With ``valid_sizes`` the round closes at once when the largest valid size joined, and
+    admits the largest valid size the joined nodes reach; the others stay joined to it and
+    wait as spares (they are in the next round).
     """
     r = state.round
     joined = [n for n in view.joins.get(r, ()) if n in view.alive]
-    if len(joined) >= max_nodes:
-        members = order_members(_previous_members(state), joined, max_nodes)
-        return Action(ActionKind.FINALIZE, f"round {r}: max_nodes={max_nodes} joined", round=r,
-                      members=members)
+    full_at = largest_size(valid_sizes, max_nodes)
+
+    def admit(nodes: Sequence[str]) -> tuple[str, ...]:
+        size = admitted_size(len(nodes), valid_sizes, min_nodes=min_nodes, max_nodes=max_nodes)
+        return order_members(_previous_members(state), nodes, size)
+
+    if len(joined) >= full_at:
+        why = f"max_nodes={max_nodes}" if full_at == max_nodes else f"the largest valid size {full_at}"
+        return Action(ActionKind.FINALIZE, f"round {r}: {why} joined", round=r,
+                      members=admit(joined))
+    min_nodes = smallest_size(valid_sizes, min_nodes)
     if len(joined) >= min_nodes:
         first = min_reached_at.setdefault(r, now)
         settled = first + (start_settle_s if not state.members else 0.0)
@@ -330,13 +365,13 @@ def _close_open_round(view: RendezvousView, state: RoundState, min_reached_at: d
                               f"settling {start_settle_s:g}s for nodes started together",
                               round=r, until=min(settled, deadline))
             dead = sorted((view.alive - set(joined)) & proven_dead)
-            members = order_members(_previous_members(state), joined, max_nodes)
+            members = admit(joined)
             why = f"; {','.join(dead)} proven dead (probe refused)" if dead else ""
             return Action(ActionKind.FINALIZE, f"round {r}: all {len(joined)} live nodes joined{why}",
                           round=r, members=members)
         last_call = max(first + last_call_timeout_s, settled)
         if now >= last_call:
-            members = order_members(_previous_members(state), joined, max_nodes)
+            members = admit(joined)
             return Action(ActionKind.FINALIZE,
                           f"round {r}: last call passed with {len(joined)} nodes "
                           f"(not joined: {','.join(stragglers)})", round=r, members=members)
@@ -373,7 +408,8 @@ class Waiting:
     nodes: tuple[str, ...] = ()  # the nodes lost, left or waiting to join (when known)
 
 
-def nodes_waiting(view: RendezvousView, my_round: int, *, max_nodes: int) -> Waiting:
+def nodes_waiting(view: RendezvousView, my_round: int, *, max_nodes: int,
+                  valid_sizes: Sequence[int] = ALL_SIZES) -> Waiting:
     """How many nodes wait for this node to re-rendezvous, why, and what kind of change. Pure.
 
     Counts as waiting (so torch's agent restarts the group without spending the restart
@@ -382,6 +418,7 @@ def nodes_waiting(view: RendezvousView, my_round: int, *, max_nodes: int) -> Wai
     joiners for the next round while there is room for them. The first that applies names
     the kind, in that order; so ``JOIN`` means no member was lost and no newer round
     exists. A member that *finished* is no change at all (see the module docstring).
+    Joiners that would not make a larger valid size (``valid_sizes``) are spares, no change.
     """
     state = view.state
     if state is None or view.closed:
@@ -410,7 +447,9 @@ def nodes_waiting(view: RendezvousView, my_round: int, *, max_nodes: int) -> Wai
     if len(state.members) < max_nodes:
         waiting = [n for n in view.joins.get(my_round + 1, ())
                    if n not in state.members and (n in view.alive or not view.full)]
-        if waiting:
+        grows = admitted_size(len(state.members) + len(waiting), valid_sizes, min_nodes=1,
+                              max_nodes=max_nodes) > len(state.members)
+        if waiting and grows:
             return Waiting(len(waiting), f"nodes waiting to join: {','.join(waiting)}",
                            MembershipChange.JOIN, tuple(waiting))
     return Waiting()
@@ -432,7 +471,8 @@ def decide_coordination(view: RendezvousView, memory: CoordinatorMemory, *, me: 
                         max_nodes: int, last_call_timeout_s: float, now: float,
                         defer_lost_until: float | None = None,
                         proven_dead: frozenset[str] = frozenset(),
-                        start_settle_s: float = 0.0, finishing: bool = False) -> Action:
+                        start_settle_s: float = 0.0, finishing: bool = False,
+                        valid_sizes: Sequence[int] = ALL_SIZES) -> Action:
     """The coordinator's duty, run whenever its full view changes. Pure.
 
     Closes an open round exactly when a joined node of the old protocol would (max
@@ -454,6 +494,7 @@ def decide_coordination(view: RendezvousView, memory: CoordinatorMemory, *, me: 
             joined (see ``_close_open_round``).
         finishing: the coordinator's own workers completed the job (its agent is closing
             it): no round is opened or announced any more, whatever was lost meanwhile.
+        valid_sizes: the node counts a round may form at (empty: every size in min..max).
 
     Returns:
         FINALIZE, OPEN_NEXT (with ``cause``/``changed``), ANNOUNCE (``members`` = the
@@ -476,7 +517,7 @@ def decide_coordination(view: RendezvousView, memory: CoordinatorMemory, *, me: 
         return _close_open_round(view, state, memory.min_reached_at, min_nodes=min_nodes,
                                  max_nodes=max_nodes, last_call_timeout_s=last_call_timeout_s,
                                  now=now, deadline=float("inf"), proven_dead=proven_dead,
-                                 start_settle_s=start_settle_s)
+                                 start_settle_s=start_settle_s, valid_sizes=valid_sizes)
     r = state.round
     reporters = tuple(view.failures.get(r, ()))
     if reporters and view.attributed != r and all(m in reporters for m in state.members):
@@ -484,7 +525,7 @@ def decide_coordination(view: RendezvousView, memory: CoordinatorMemory, *, me: 
         # report: a job-wide worker failure costs O(N) watch events, not O(N^2).
         return Action(ActionKind.ATTRIBUTE, f"round {r}: every member reported a worker "
                       f"failure, {reporters[0]} first", round=r, members=reporters)
-    change = nodes_waiting(view, r, max_nodes=max_nodes)
+    change = nodes_waiting(view, r, max_nodes=max_nodes, valid_sizes=valid_sizes)
     if change.kind is MembershipChange.NONE:
         if view.announced is not None and view.announced[0] == r + 1 and view.announced[1]:
             # The announced joiners vanished (or there is no room any more): withdraw, or

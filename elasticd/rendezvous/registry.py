@@ -105,6 +105,12 @@ def create_handler(params: RendezvousParameters) -> RendezvousHandler:
     # torchrun passes no training command to the rendezvous; the environment layer
     # (ELASTICD_*) applies as under `elasticd agent`.
     cfg = load_config(None, os.environ, overrides, require_command=False, override_names=names)
+    if cfg.rendezvous.global_batch_size:
+        # The rendezvous does not know torchrun's --nproc-per-node: it would derive sizes
+        # for 1 worker a node and admit rounds whose batch does not split.
+        raise ConfigError("rendezvous.global_batch_size is not supported under plain torchrun "
+                          "(the rendezvous does not see --nproc-per-node); set "
+                          "ELASTICD_RENDEZVOUS_VALID_SIZES to the valid node counts instead")
     client = EtcdClient.from_config(cfg.etcd)
     settings = RendezvousSettings.from_config(cfg)
     # Without a node_id, torchrun's agents keep torch's own semantics: one id per agent

@@ -7,6 +7,8 @@ import socket
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from elasticd.rendezvous.sizes import resolve_valid_sizes
+
 if TYPE_CHECKING:
     from elasticd.config.model import AgentConfig
 
@@ -32,21 +34,33 @@ class RendezvousSettings:
     liveness_probe: bool = True
     # The digest of this agent's job fingerprint, carried in its node record (admission).
     fingerprint: str = ""
+    # The node counts a round may form at (rendezvous.sizes); empty: every size in min..max.
+    valid_sizes: tuple[int, ...] = ()
 
     @classmethod
-    def from_config(cls, cfg: AgentConfig) -> RendezvousSettings:
+    def from_config(cls, cfg: AgentConfig, nproc_per_node: int | None = None) -> RendezvousSettings:
         """The settings of a validated config: the one mapping, for the agent and torchrun.
 
         ``worker_log_dir`` is left unset: the agent resolves it at start (a private dir).
+        ``nproc_per_node``: the resolved worker count (for sizes derived from the global
+        batch); None: the configured number (1 for "gpu"/"auto").
+
+        Raises:
+            ConfigError: no valid world size (``rendezvous.sizes.resolve_valid_sizes``).
         """
         r = cfg.rendezvous
+        nproc = cfg.workers.nproc_per_node
+        if nproc_per_node is None:
+            nproc_per_node = nproc if isinstance(nproc, int) else 1
+        valid = resolve_valid_sizes(r.valid_sizes or (), r.global_batch_size, nproc_per_node,
+                                    min_nodes=cfg.job.min_nodes, max_nodes=cfg.job.max_nodes)
         return cls(min_nodes=cfg.job.min_nodes, max_nodes=cfg.job.max_nodes,
                    node_ttl_s=cfg.node.ttl_s, join_timeout_s=r.join_timeout_s,
                    last_call_timeout_s=r.last_call_timeout_s, start_settle_s=r.start_settle_s,
                    close_timeout_s=r.close_timeout_s, store_timeout_s=r.store_timeout_s,
                    local_addr=cfg.node.local_addr,
                    election_timeout_s=cfg.etcd.election_timeout_s,
-                   liveness_probe=r.liveness_probe)
+                   liveness_probe=r.liveness_probe, valid_sizes=valid)
 
 
 def default_node_id() -> str:

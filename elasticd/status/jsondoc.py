@@ -74,6 +74,7 @@ def _node(n: NodeStatus, now: float) -> dict[str, Any]:
         "log_dir": n.log_dir,
         "left": n.left,
         "step": n.step,
+        "spare_reason": n.spare_reason,
     }
 
 

@@ -59,6 +59,7 @@ class NodeStatus:
     log_dir: str | None = None  # where the node keeps its worker logs
     left: str | None = None  # how a "left" node left: "drained" or "finished"
     step: int | None = None  # the newest step this node's workers reported in its round
+    spare_reason: str | None = None  # why a node in state "spare" waits (full, invalid size)
 
 
 @dataclass(frozen=True)
@@ -162,6 +163,7 @@ def _node_rows(snap: JobSnapshot, members: Sequence[str], lost_at: dict[str, flo
             pid=rec.pid, started_at=rec.started_at or None, last_exit=rec.last_exit,
             log_dir=rec.log_dir,
             step=beat.step if in_round and beat and beat.step >= 0 else None,
+            spare_reason=(rec.spare_reason or None) if rec.state == "spare" else None,
         ))
     for node in members:
         if node in live:

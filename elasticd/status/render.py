@@ -335,6 +335,9 @@ def render_nodes(s: JobStatus, *, max_rows: int = DEFAULT_MAX_ROWS) -> Renderabl
     if any(not n.member and n.state == "training" for n in rows):
         notes.append(Text("* trains, but is not a member of the current round (a stale round: "
                           "its workers should be re-formed or stopped)", style="dim"))
+    for n in rows:
+        if n.state == "spare" and n.spare_reason:
+            notes.append(Text(f"{n.node} is a spare: {n.spare_reason}", style="dim"))
     if hidden:
         notes.append(Text(f"... and {hidden} more healthy nodes (--max-rows 0: all)",
                           style="dim"))

@@ -84,6 +84,11 @@ def _rows(tmp_path) -> dict[str, tuple[dict[str, Any], Check, Any]]:
                                        lambda s: s.rendezvous.store_timeout_s, 13.0),
         "rendezvous.liveness_probe": ({"rendezvous.liveness_probe": "false"},
                                       lambda s: s.rendezvous.liveness_probe, False),
+        "rendezvous.valid_sizes": ({"job.nnodes": "1:4", "rendezvous.valid_sizes": "4,2"},
+                                   lambda s: s.rendezvous.valid_sizes, (2, 4)),
+        "rendezvous.global_batch_size": ({"job.nnodes": "1:4", "workers.nproc_per_node": "2",
+                                          "rendezvous.global_batch_size": "8"},
+                                         lambda s: s.rendezvous.valid_sizes, (1, 2, 4)),
         "workers.command": ({"workers.command": "other.py --x 1"}, lambda s: s.command,
                             ("other.py", "--x", "1")),
         "workers.nproc_per_node": ({"workers.nproc_per_node": "3"}, lambda s: s.nproc_per_node, 3),
@@ -188,6 +193,7 @@ def test_runtime_defaults_equal_the_schema():
     assert rdzv["start_settle_s"] == d["rendezvous.start_settle_s"]
     assert rdzv["store_timeout_s"] == d["rendezvous.store_timeout_s"]
     assert rdzv["liveness_probe"] == d["rendezvous.liveness_probe"]
+    assert rdzv["valid_sizes"] == () and d["rendezvous.valid_sizes"] is None  # None: all sizes
     assert rdzv["election_timeout_s"] == d["etcd.election_timeout_s"]
     assert node["log_format"] == d["logging.format"] and node["log_level"] == d["logging.level"]
     assert node["metrics_addr"] == d["metrics.addr"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import re
 
@@ -11,6 +12,7 @@ import pytest
 from elasticd.records import CheckpointPointer, Event, NodeRecord, Progress, RoundState
 from elasticd.status import jsondoc
 from elasticd.status.model import derive_status
+from elasticd.status.render import make_console, render_job
 from elasticd.status.snapshot import JobSnapshot, SeqEvent
 
 NOW = 1_750_000_000.0
@@ -115,3 +117,23 @@ def test_job_list_and_error_documents_validate(schema):
     assert set(err) == keys_of(schema, "error_document")
     with pytest.raises(jsonschema.ValidationError):
         validate({**err, "exit_code": 0}, schema)
+
+
+def test_a_spare_says_why_in_json_and_in_the_table(schema):
+    """A node in state spare carries its record's reason (`spare_reason`, and a note under
+    the nodes table); other nodes have null."""
+    snap = full_snapshot()
+    why = "the job is at its largest valid size (2 nodes; valid sizes 1,2)"
+    spare = NodeRecord(node="c", host="h-c", pid=3, version="0.1.0", started_at=NOW - 50,
+                       state="spare", heartbeat_at=NOW - 1, spare_reason=why)
+    snap = JobSnapshot(job=snap.job, revision=snap.revision, round_state=snap.round_state,
+                       nodes=(*snap.nodes, spare), events=snap.events, progress=snap.progress,
+                       checkpoint=snap.checkpoint)
+    status = derive_status(snap, NOW)
+    doc = jsondoc.job_document(status, endpoints=["127.0.0.1:2379"])
+    validate(doc, schema)
+    reasons = {n["node"]: n["spare_reason"] for n in doc["nodes"]}
+    assert reasons == {"a": None, "b": None, "c": why}
+    buf = io.StringIO()
+    make_console(buf, width=120).print(render_job(status))
+    assert f"c is a spare: {why}" in " ".join(buf.getvalue().split())
