@@ -11,10 +11,9 @@ from __future__ import annotations
 
 import os
 import signal
-
-import pytest
 from datetime import datetime
 
+import pytest
 from harness import ROOT, agent_events, example_args, read_jsonl, wait_until
 
 SCRIPT = str(ROOT / "examples" / "train.py")
