@@ -362,6 +362,10 @@ class ElasticdAgent(LocalElasticAgent):
         elif v is Verdict.LIVE_FALLBACK:
             self.live.fell_back(decision.reason)
             self.phase = self.phase.fault(now)
+            # The workers already had live_reform_timeout_s and are stuck (frozen, or in a
+            # collective with a dead peer): torch's stop would give them 30 s more for a
+            # SIGTERM they cannot act on, and the whole job waits for this node meanwhile.
+            self._close_workers(signal.SIGTERM, timeout_s=self.settings.plain_stop_s)
             self._restart("membership", f"live re-formation fell back: {decision.reason}")
         else:
             assert v is Verdict.REFORM_LIVE, v

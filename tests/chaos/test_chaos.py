@@ -54,11 +54,14 @@ def _script_args(tmp_path, tag):
 _trained = trained_samples
 
 
-def _reference(tmp_path):
-    """The same training in one process without an agent or faults."""
+def _reference(tmp_path) -> subprocess.Popen:
+    """The same training in one process without an agent or faults, started alongside the
+    run (it needs no pacing: ``--step-sleep 0``; the sleep only gives faults time to land)."""
     env = {**os.environ, "ELASTICD_CHECKPOINT_URL": f"file://{tmp_path}/ckpt-ref"}
-    subprocess.run([sys.executable, SCRIPT, *_script_args(tmp_path, "ref"), "--checkpoint-every", "1000"],
-                   check=True, env=env, cwd=str(ROOT), timeout=300, stdout=subprocess.DEVNULL)
+    args = _script_args(tmp_path, "ref")
+    args[args.index("--step-sleep") + 1] = "0"
+    return subprocess.Popen([sys.executable, SCRIPT, *args, "--checkpoint-every", "1000"],
+                            env=env, cwd=str(ROOT), stdout=subprocess.DEVNULL)
 
 
 @pytest.mark.timeout(900 if SOAK else 420)
@@ -95,6 +98,7 @@ def test_chaos_run_loses_nothing(tmp_path, etcd_server):
     def finished() -> bool:
         return not live() and last_step() >= STEPS - 1
 
+    ref_proc = _reference(tmp_path)
     try:
         for _ in range(3):
             add_node()
@@ -129,7 +133,7 @@ def test_chaos_run_loses_nothing(tmp_path, etcd_server):
         wait_until(finished, 300, "the job to finish")
         note(f"finished at step {last_step()}")
 
-        _reference(tmp_path)
+        assert ref_proc.wait(timeout=120) == 0, "the fault-free reference run failed"
         assert _trained(trace) == _trained(tmp_path / "trace-ref.jsonl"), "samples trained differ"
         ref = torch.load(tmp_path / "final-ref.pt", weights_only=True)
         got = torch.load(tmp_path / "final-run.pt", weights_only=True)
@@ -150,6 +154,9 @@ def test_chaos_run_loses_nothing(tmp_path, etcd_server):
             print(f"--- {node.log_path.name} (tail)\n" + node.log()[-2500:])
         raise
     finally:
+        if ref_proc.poll() is None:
+            ref_proc.kill()
+            ref_proc.wait(timeout=10)
         pids = [p for n in started for p in n.tree()]
         for node in started:
             node.cleanup()

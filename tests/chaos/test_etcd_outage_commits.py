@@ -113,7 +113,10 @@ def test_drain_during_etcd_outage_keeps_its_checkpoint(nodes, tmp_path):
     url = f"file://{tmp_path}/ckpt"
     out = tmp_path / "steps.jsonl"
     env = {"OUT": str(out), "STEP_S": "0.05"}
-    extra = ["--checkpoint-url", url, "--no-warm-start", "--drain-grace", "5"]
+    # --etcd-timeout 1: every etcd call of the drain and the leave (node record, events, the
+    # leave record, the lease revoke) waits out its timeout while etcd is frozen, one after
+    # the other; 1 s instead of 3 s each is the same path, about 12 s sooner.
+    extra = ["--checkpoint-url", url, "--no-warm-start", "--drain-grace", "5", "--etcd-timeout", "1"]
     try:
         first = nodes.start(job, SCRIPT, env=env, nnodes="1", extra=extra)
         etcd = nodes.etcd

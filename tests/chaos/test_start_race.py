@@ -27,16 +27,19 @@ pytestmark = pytest.mark.timeout(60 + 60 * STARTS)
 def test_two_nodes_started_apart_run_a_short_script_once(nodes, tmp_path):
     """Each of STARTS jobs: n0, then n1 0-0.4 s later; the script runs exactly once per
     node (one start of each rank, restart count 0), at world size 2, and both exit 0."""
-    bad = []
+    bad, pairs = [], []
+    # The jobs run side by side (a job of its own each, one etcd): a start's race is between
+    # its own two agents, and the others' start-up load only makes the second one slower.
     for i in range(STARTS):
         offset = 0.4 * i / max(STARTS - 1, 1)
-        out = tmp_path / f"runs-{i}.jsonl"
-        env = {"OUT": str(out), "RUN_S": "2"}
+        env = {"OUT": str(tmp_path / f"runs-{i}.jsonl"), "RUN_S": "2"}
         a = nodes.start(f"race{i}", SCRIPT, env=env, nnodes="1:2", name=f"a{i}")
         time.sleep(offset)  # the start-up offset under test, not a synchronisation
         b = nodes.start(f"race{i}", SCRIPT, env=env, nnodes="1:2", name=f"b{i}")
+        pairs.append((offset, a, b))
+    for i, (offset, a, b) in enumerate(pairs):
         codes = (a.wait(90), b.wait(90))
-        runs = read_jsonl(out)
+        runs = read_jsonl(tmp_path / f"runs-{i}.jsonl")
         ok = (codes == (0, 0) and len(runs) == 2 and {r["world"] for r in runs} == {2}
               and {r["rank"] for r in runs} == {0, 1} and {r["restart"] for r in runs} == {"0"})
         if not ok:

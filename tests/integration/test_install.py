@@ -46,6 +46,16 @@ def _run(cmd: list[str], *, cwd: Path, env: dict[str, str], timeout: float) -> s
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
 
 
+def _clean_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One `make wheel` for the module: both tests read the same build (it is seconds of CPU)."""
+    return _make_wheel(tmp_path_factory.mktemp("wheel"), _clean_env())
+
+
 def _make_wheel(tmp_path: Path, env: dict[str, str]) -> Path:
     """`make wheel` in a copy of the checkout (setuptools writes build/ and *.egg-info next
     to the sources); the backend is this venv's setuptools (no index needed)."""
@@ -63,15 +73,13 @@ def _make_wheel(tmp_path: Path, env: dict[str, str]) -> Path:
 
 
 @pytest.mark.timeout(120)
-def test_make_wheel_builds_the_package_with_its_metadata(tmp_path: Path) -> None:
+def test_make_wheel_builds_the_package_with_its_metadata(wheel: Path) -> None:
     """`make wheel` builds dist/elasticd-*.whl: every elasticd module and schema.json, the
     console script and the torchrun handler, pyproject's torch range; no tests."""
     import zipfile
 
     import tomllib
 
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
-    wheel = _make_wheel(tmp_path, env)
     with zipfile.ZipFile(wheel) as zf:
         names = zf.namelist()
         meta = zf.read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
@@ -89,11 +97,9 @@ def test_make_wheel_builds_the_package_with_its_metadata(tmp_path: Path) -> None
 
 
 @pytest.mark.timeout(240)
-def test_wheel_in_fresh_venv_runs_standalone_quick_start(tmp_path: Path) -> None:
+def test_wheel_in_fresh_venv_runs_standalone_quick_start(tmp_path: Path, wheel: Path) -> None:
     """A wheel installed into a fresh venv runs `elasticd run --standalone` to exit 0 from outside the tree."""
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
-    wheel = _make_wheel(tmp_path, env)
+    env = _clean_env()
 
     venv = tmp_path / "venv"
     made = _run([sys.executable, "-m", "venv", str(venv)], cwd=tmp_path, env=env, timeout=60)

@@ -120,14 +120,15 @@ def test_server_rejects_unknown_op_with_a_reply_naming_it():
 
 
 def test_progress_table_is_bounded_by_local_ranks():
-    """A worker reporting rank 10**9, or 100000 distinct ranks, does not grow the agent's table."""
+    """A worker reporting rank 10**9, or 10000 reports from 1000 distinct local ranks, does
+    not grow the agent's table (bound: 2)."""
     chan = ControlChannel(max_local_ranks=2)
     try:
         assert chan.dispatch(_line(op="progress", local_rank=10**9, rank=0, step=1)) is None
-        for r in range(100_000):
+        for r in range(10_000):
             chan.dispatch(serialise(StepReport(local_rank=r % 1000, rank=r, step=r)))
         assert set(chan.progress.snapshot()) <= {0, 1}
-        assert chan.rejected >= 100_000 - 200
+        assert chan.rejected >= 10_000 - 20
     finally:
         chan.close()
 

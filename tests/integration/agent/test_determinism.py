@@ -38,10 +38,12 @@ def test_resizes_match_a_run_without_failures(nodes, tmp_path):
     """3 nodes, SIGKILL of one, a node added back (0 steps lost at that join): same final
     parameters and samples as 2 nodes; the survivors' workers are never restarted (live
     re-formation), and the joiner's state comes from a peer, not from storage."""
+    # The fault-free reference runs alongside, unpaced (the step sleep only gives the
+    # faults of run b time to land; it changes nothing in the math).
+    ref_args = _script_args(tmp_path, "a")
+    ref_args[ref_args.index("--step-sleep") + 1] = "0"
     ref = [nodes.start("det-a", SCRIPT, nnodes="2", extra=_args(tmp_path, "a"),
-                       script_args=_script_args(tmp_path, "a")) for _ in range(2)]
-    for n in ref:
-        assert n.wait(180) == 0, n.log()[-3000:]
+                       script_args=ref_args) for _ in range(2)]
 
     trace_b = tmp_path / "trace-b.jsonl"
     b = [nodes.start("det-b", SCRIPT, nnodes="2:3", extra=_args(tmp_path, "b"),
@@ -61,7 +63,7 @@ def test_resizes_match_a_run_without_failures(nodes, tmp_path):
     wait_until(lambda: any(r["rank"] == 2 and (r["round"] or 0) > round_at_kill + 1
                            for r in read_jsonl(trace_b)), 120, "world 3 again after the rejoin")
     joiner = set(b[3].tree())
-    for n in (b[0], b[1], b[3]):
+    for n in (b[0], b[1], b[3], *ref):
         assert n.wait(180) == 0, n.log()[-3000:]
 
     # The rejoin is a resize (drain-on-join): the round it forms resumes at exactly the

@@ -16,7 +16,8 @@ pytestmark = pytest.mark.timeout(180)
 @pytest.mark.parametrize("outage", ["kill_restart", "freeze"])
 def test_etcd_outage_restarts_no_worker(nodes, tmp_path, outage):
     """etcd killed (then restarted) or frozen for 8 s: training goes on in the same round,
-    with the same worker processes, and the agents resume their leases and watches."""
+    with the same worker processes, and the agents resume their leases and watches (each
+    logs it) and keep their workers over a TTL after that."""
     out = tmp_path / "steps.jsonl"
     env = {"OUT": str(out), "STEPS": "100000", "STEP_S": "0.05"}
     ns = [nodes.start("o1", SCRIPT, env=env, nnodes="2", extra=["--max-restarts", "0"]) for _ in range(2)]
@@ -38,7 +39,12 @@ def test_etcd_outage_restarts_no_worker(nodes, tmp_path, outage):
         else:
             etcd.resume()
     t1 = time.time()
-    wait_until(lambda: len([r for r in read_jsonl(out) if r["time"] > t1 + 8]) >= 10, 60,
+    # Each agent back on etcd (its keep-alive answered again, or its lost lease resurrected),
+    # then 10 steps more than 3 s (over a TTL) later: a lease lost in the outage, a watch's
+    # delete or a coordinator change lands within a TTL of that, and would restart workers.
+    wait_until(lambda: all(_back_at(n.log(), t1) for n in ns), 30, "both agents back on etcd")
+    back = max(_back_at(n.log(), t1) or 0.0 for n in ns)
+    wait_until(lambda: len([r for r in read_jsonl(out) if r["time"] > back + 3]) >= 10, 60,
                "training after etcd returned")
     rows = read_jsonl(out)
     assert {r["pid"] for r in rows} == pids_before, "workers were restarted by the etcd outage"
@@ -53,6 +59,13 @@ def test_etcd_outage_restarts_no_worker(nodes, tmp_path, outage):
                       and _unix(e.get("timestamp", "")) >= t0]
         if lost_after:
             assert "lease_resurrected" in log, log[-2000:]
+
+
+def _back_at(log: str, since: float) -> float | None:
+    """When the agent first reached etcd again after ``since`` (None: not yet)."""
+    back = [t for e in _events(log) if e.get("event") in ("lease_keepalive_resumed", "lease_resurrected")
+            and (t := _unix(e.get("timestamp", ""))) >= since]
+    return min(back) if back else None
 
 
 def _events(log: str) -> list[dict]:
