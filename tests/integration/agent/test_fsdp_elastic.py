@@ -120,3 +120,56 @@ def _check(tmp_path) -> None:
     assert all(got_steps[s]["lr"] == ref_steps[s]["lr"] for s in range(STEPS)), "LR schedule changed"
     accumulation = {worlds[r["round"] or 0]: r["accumulation"] for r in rows}
     assert accumulation == {4: 1, 2: 2}, accumulation
+
+
+def test_hsdp_live_kill_and_join_keeps_the_survivors_and_their_shards(nodes, tmp_path):
+    """2x2 HSDP with ``--live``: a node SIGKILLed, the survivor's two workers re-form 1x2 in
+    place (same PIDs, their own shards), a joiner gets its shards from a peer (no
+    checkpoint read), 2x2 again: final parameters equal a fault-free run's, every sample
+    once, no completed step trained twice, LR schedule and accumulation carried over."""
+    extra, script = _run(tmp_path, "a")
+    script[script.index("--checkpoint-every") + 1] = str(STEPS)
+    ref = subprocess.Popen([sys.executable, SCRIPT, *script, *extra], stdout=subprocess.DEVNULL,
+                           stderr=subprocess.PIPE, cwd=tmp_path,
+                           env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        extra_b, script_b = _run(tmp_path, "b")
+        hold = tmp_path / "hold"
+        script_b += ["--hold-file", str(hold), "--live"]
+        trace = tmp_path / "trace-b.jsonl"
+        _hold_after(hold, 9)
+        b = [nodes.start("hsdp-live", SCRIPT, nnodes="1:2", nproc=2, extra=extra_b,
+                         script_args=script_b) for _ in range(2)]
+        wait_until(lambda: any(r["step"] >= 9 and r["rank"] == 3 for r in read_jsonl(trace)), 120,
+                   "step 9 at world 4")
+        victim = set(b[1].tree())
+        survivors = {r["pid"] for r in read_jsonl(trace)} - victim
+        assert len(survivors) == 2, survivors
+        b[1].signal(signal.SIGKILL)
+        at_kill = max(r["round"] or 0 for r in read_jsonl(trace))
+        _hold_after(hold, 14)
+        wait_until(lambda: any((r["round"] or 0) > at_kill and r["rank"] == 1 for r in read_jsonl(trace)),
+                   60, "training at world 2 after the kill")
+        at_shrink = max(r["round"] or 0 for r in read_jsonl(trace))
+        b.append(nodes.start("hsdp-live", SCRIPT, nnodes="1:2", nproc=2, extra=extra_b,
+                             script_args=script_b))
+        wait_until(lambda: any((r["round"] or 0) > at_shrink and r["rank"] == 3 for r in read_jsonl(trace)),
+                   90, "world 4 again after the join")
+        _hold_after(hold, None)
+        for n in (b[0], b[2]):
+            assert n.wait(120) == 0, n.log()[-3000:]
+        _, err = ref.communicate(timeout=120)
+    finally:
+        if ref.poll() is None:
+            ref.kill()
+            ref.wait(10)
+    assert ref.returncode == 0, err.decode()[-3000:]
+    _check(tmp_path)
+    rows = read_jsonl(trace)
+    after_kill = {r["pid"] for r in rows if (r["round"] or 0) > at_kill}
+    joiner = set(b[2].tree())
+    assert after_kill - joiner == survivors, "a survivor's worker was restarted (no live re-formation)"
+    assert "checkpoint_loaded" not in b[2].log(), "the joiner read the checkpoint"
+    assert "live_shards_received" in b[2].log()
+    per_rank0 = [r["step"] for r in rows if r["rank"] == 0]
+    assert len(per_rank0) == len(set(per_rank0)), "a completed step was trained twice"
