@@ -166,10 +166,40 @@ def test_hsdp_live_kill_and_join_keeps_the_survivors_and_their_shards(nodes, tmp
     assert ref.returncode == 0, err.decode()[-3000:]
     _check(tmp_path)
     rows = read_jsonl(trace)
-    after_kill = {r["pid"] for r in rows if (r["round"] or 0) > at_kill}
-    joiner = set(b[2].tree())
-    assert after_kill - joiner == survivors, "a survivor's worker was restarted (no live re-formation)"
+    alone = {r["pid"] for r in rows if at_kill < (r["round"] or 0) <= at_shrink}
+    last = max(r["round"] or 0 for r in rows)
+    rejoined = {r["pid"] for r in rows if (r["round"] or 0) == last}
+    assert alone == survivors, f"a survivor's worker was restarted (no live re-formation): {alone}"
+    assert survivors < rejoined and len(rejoined) == 4, f"the survivors did not train on: {rejoined}"
     assert "checkpoint_loaded" not in b[2].log(), "the joiner read the checkpoint"
     assert "live_shards_received" in b[2].log()
     per_rank0 = [r["step"] for r in rows if r["rank"] == 0]
     assert len(per_rank0) == len(set(per_rank0)), "a completed step was trained twice"
+
+
+def test_live_fsdp_resize_falls_back_to_the_resharding_load_and_says_why(nodes, tmp_path):
+    """Pure FSDP with ``--live`` over 2 nodes x 1: a node killed changes the shard size
+    (2 -> 1), so the survivor cannot keep its shard: it logs one ``live_reform_fell_back``
+    line naming the shard size change and the job finishes on the restart path (the
+    checkpoint resharded into a new worker)."""
+    steps = 12
+    extra, script = _run(tmp_path, "f")
+    script[script.index("--steps") + 1] = str(steps)
+    script[script.index("--mesh") + 1] = "fsdp"
+    hold = tmp_path / "hold"
+    script += ["--hold-file", str(hold), "--live"]
+    trace = tmp_path / "trace-f.jsonl"
+    _hold_after(hold, 5)
+    b = [nodes.start("fsdp-fb", SCRIPT, nnodes="1:2", nproc=1, extra=extra, script_args=script)
+         for _ in range(2)]
+    wait_until(lambda: any(r["step"] >= 5 and r["rank"] == 1 for r in read_jsonl(trace)), 120,
+               "step 5 at world 2")
+    b[1].signal(signal.SIGKILL)
+    _hold_after(hold, None)
+    assert b[0].wait(120) == 0, b[0].log()[-3000:]
+    fell_back = [line for line in b[0].log().splitlines()
+                 if "live_reform_fell_back" in line and '"source": "worker"' in line]
+    assert len(fell_back) == 1, fell_back  # one line from the worker (and its agent's own)
+    assert "shard size changes from 2 to 1" in fell_back[0], fell_back[0]
+    assert "checkpoint_loaded" in b[0].log(), "the restart path did not reshard the checkpoint"
+    assert sorted({r["step"] for r in read_jsonl(trace)}) == list(range(steps))
