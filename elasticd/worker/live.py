@@ -411,7 +411,8 @@ class LiveState:
             self._fall_back(plan.fallback)
         self.agreed_in_memory = True
         t0 = time.monotonic()
-        optimizers = [o for o in self.state.values() if isinstance(o, torch.optim.Optimizer)]
+        optimizers: list[torch.optim.Optimizer] = [o for o in self.state.values()
+                                                  if isinstance(o, torch.optim.Optimizer)]
         if mesh is not sm.mesh:  # a survivor: the old mesh's group is gone
             old = sm.module
             new = sm.rebuild(mesh, keep=ctx.rank in plan.keepers, optimizers=optimizers)
