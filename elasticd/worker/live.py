@@ -357,11 +357,7 @@ class LiveState:
         values = [int(t.item()) for t in steps]
         newest = max(values)
         if newest == -2:  # nobody holds a state: a fresh start or a full restart
-            if load is None:
-                raise RuntimeError("no rank holds a usable state")
-            self.step = load()
-            self._has_state = True
-            self.agreed_in_memory = False
+            self._load_fresh(load)
             return
         self.agreed_in_memory = True
         src = values.index(newest)
@@ -386,6 +382,14 @@ class LiveState:
                            step=newest, source=src, receivers=behind,
                            seconds=round(time.monotonic() - t0, 3))
 
+    def _load_fresh(self, load: Callable[[], int] | None) -> None:
+        """Nobody holds a state (a fresh start or a full restart): every rank loads it."""
+        if load is None:
+            raise RuntimeError("no rank holds a usable state")
+        self.step = load()
+        self._has_state = True
+        self.agreed_in_memory = False
+
     def _sync_sharded(self, load: Callable[[], int] | None, sm: ShardedModel) -> None:
         """The sharded form of :meth:`_sync`: survivors re-mesh their kept shards, each
         rank behind or new receives its shard coordinate's state from an intact replica."""
@@ -401,11 +405,7 @@ class LiveState:
         coords = shard_coordinates(mesh)
         plan = plan_shard_transfer(ranks, int(mesh.size(-1)), coords)  # type: ignore[attr-defined]
         if plan.step == NOT_HELD:  # nobody holds a state: a fresh start or a full restart
-            if load is None:
-                raise RuntimeError("no rank holds a usable state")
-            self.step = load()
-            self._has_state = True
-            self.agreed_in_memory = False
+            self._load_fresh(load)
             return
         if plan.fallback is not None:
             self._fall_back(plan.fallback)

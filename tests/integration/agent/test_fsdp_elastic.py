@@ -38,6 +38,16 @@ def _run(tmp_path, tag: str) -> tuple[list[str], list[str]]:
     return ["--checkpoint-url", f"file://{tmp_path}/ckpt-{tag}"], script
 
 
+def _start_reference(tmp_path) -> subprocess.Popen:
+    """(a), the fault-free run at world 1, started alongside (b): the suite's time is the
+    agents' and workers' start-ups."""
+    extra, script = _run(tmp_path, "a")
+    script[script.index("--checkpoint-every") + 1] = str(STEPS)  # saves do not change the math
+    return subprocess.Popen([sys.executable, SCRIPT, *script, *extra], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, cwd=tmp_path,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+
 def _hold_after(path, step: int | None) -> None:
     """Workers wait after ``step`` (and any later one) until this changes; None: no hold."""
     if step is None:
@@ -59,12 +69,7 @@ def _last_attempts(rows: list[dict]) -> dict[int, dict]:
 def test_hsdp_kill_and_join_trains_the_same_model_as_no_faults(nodes, tmp_path):
     """2x2 HSDP, SIGKILL of one node, 1x2, a join, 2x2: final parameters equal a fault-free
     run's, every sample trained once, LR schedule and accumulation carried over."""
-    extra, script = _run(tmp_path, "a")
-    script[script.index("--checkpoint-every") + 1] = str(STEPS)  # saves do not change the math
-    # The reference runs alongside (b): the suite's time is the agents' and workers' start-ups.
-    ref = subprocess.Popen([sys.executable, SCRIPT, *script, *extra], stdout=subprocess.DEVNULL,
-                           stderr=subprocess.PIPE, cwd=tmp_path,
-                           env={**os.environ, "PYTHONPATH": str(ROOT)})
+    ref = _start_reference(tmp_path)
     try:
         _run_b(nodes, tmp_path)
         _, err = ref.communicate(timeout=180)
@@ -127,11 +132,7 @@ def test_hsdp_live_kill_and_join_keeps_the_survivors_and_their_shards(nodes, tmp
     place (same PIDs, their own shards), a joiner gets its shards from a peer (no
     checkpoint read), 2x2 again: final parameters equal a fault-free run's, every sample
     once, no completed step trained twice, LR schedule and accumulation carried over."""
-    extra, script = _run(tmp_path, "a")
-    script[script.index("--checkpoint-every") + 1] = str(STEPS)
-    ref = subprocess.Popen([sys.executable, SCRIPT, *script, *extra], stdout=subprocess.DEVNULL,
-                           stderr=subprocess.PIPE, cwd=tmp_path,
-                           env={**os.environ, "PYTHONPATH": str(ROOT)})
+    ref = _start_reference(tmp_path)
     try:
         extra_b, script_b = _run(tmp_path, "b")
         hold = tmp_path / "hold"
