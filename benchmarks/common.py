@@ -410,8 +410,10 @@ class StepSource:
         step_s: the per-step padding handed to the script.
     """
 
-    def __init__(self, script: str, workdir: Path, step_s: float = 0.02) -> None:
+    def __init__(self, script: str, workdir: Path, step_s: float = 0.02,
+                 extra: list[str] | None = None) -> None:
         self.script = script
+        self.extra = list(extra or [])  # more script arguments (e.g. fsdp_train.py --mesh hsdp --live)
         self.workdir = workdir
         self.step_s = step_s
         self.out = workdir / "steps.jsonl"
@@ -429,7 +431,7 @@ class StepSource:
             return [self.script, "--out", str(self.out), "--ckpt", str(self.ckpt),
                     "--step-s", str(self.step_s)]
         return [self.script, "--steps", "100000000", "--step-sleep", str(self.step_s),
-                "--checkpoint-url", f"file://{self.workdir / 'checkpoints'}"]
+                "--checkpoint-url", f"file://{self.workdir / 'checkpoints'}", *self.extra]
 
     def on_line(self, now: float, text: str) -> None:
         """Feed one output line of a node (only used for examples/train.py)."""

@@ -45,6 +45,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -156,7 +157,7 @@ def run_trial(system: str, scenario: str, rep: int, etcd_endpoint: str, script: 
     workdir = root / f"{scenario}-{system}-{rep}"
     workdir.mkdir(parents=True)
     trial = Trial(system, scenario, rep, workdir=str(workdir))
-    src = StepSource(script, workdir, step_s=args.step_s)
+    src = StepSource(script, workdir, step_s=args.step_s, extra=shlex.split(args.script_args))
     job = f"rec-{scenario}-{rep}-{int(time.time() * 1000) % 10**8}"
     on_etcd = system.startswith("elasticd") or system == "torchrun-etcd"
     endpoint = etcd_endpoint if on_etcd else f"127.0.0.1:{free_port()}"
@@ -342,6 +343,8 @@ def main(argv: list[str] | None = None) -> int:
                    help=f"comma-separated subset of {','.join(SYSTEMS)}")
     p.add_argument("--script", default=None,
                    help=f"training script (default: {TRAIN_SCRIPT} if it runs, else {BENCH_WORKER})")
+    p.add_argument("--script-args", default="", help="more arguments for the script, e.g. "
+                   "'--mesh hsdp --live' with --script examples/fsdp_train.py (HSDP live re-formation)")
     p.add_argument("--step-s", type=float, default=0.02, help="per-step padding handed to the script")
     p.add_argument("--warm-steps", type=int, default=20, help="steps at world 3 before the fault")
     p.add_argument("--settle-s", type=float, default=10.0,

@@ -21,6 +21,7 @@ Run it: ``elasticd run --standalone --nnodes 1 --nproc-per-node 2 examples/fsdp_
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -44,12 +45,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.description = __doc__.splitlines()[0]
     p.add_argument("--mesh", choices=["fsdp", "hsdp"], default="fsdp",
                    help="fsdp: shard over every rank; hsdp: replicate across nodes, shard within")
+    p.add_argument("--live", action="store_true",
+                   help="hsdp: keep the shards in memory through a node loss or join (live "
+                   "re-formation, worker PIDs unchanged); without it every change restarts")
     p.add_argument("--hold-file", help="tests: after each step s, wait while this file names a "
                    "step <= s (a drain or a join still stops the run there)")
     return p.parse_args(argv)
 
 
-def held_until_stop(path: str, step: int, device, timeout_s: float = 120.0) -> bool:
+def held_until_stop(path: str, step: int, device, stop=None, timeout_s: float = 120.0) -> bool:
     """Wait after ``step`` while ``path`` names a step <= ``step`` on any rank (tests: the
     run trains up to a point and waits there for a fault or a join). True when a drain was
     asked for during the wait. A collective: every rank loops the same number of times."""
@@ -65,7 +69,7 @@ def held_until_stop(path: str, step: int, device, timeout_s: float = 120.0) -> b
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         if not flag.item():
             return False
-        if worker.should_stop(step):
+        if (stop or worker.should_stop)(step):
             return True
         if time.monotonic() > deadline:
             raise SystemExit(f"held after step {step} by {path} for {timeout_s:.0f} s")
@@ -82,8 +86,8 @@ def parallelize(model: nn.Module, mesh) -> nn.Module:
 
 
 def train_epochs(args, ctx, step, x, y, model, optim, sched, sampler, plan, trace, log, state,
-                 ckpt) -> int:
-    """Train until ``args.steps``; returns the next step."""
+                 ckpt, live=None) -> int:
+    """Train until ``args.steps``; returns the next step. Live: raises ``worker.Reformed``."""
     progress = state["extra"]
     while step < args.steps:
         epoch = sampler.epoch
@@ -91,49 +95,53 @@ def train_epochs(args, ctx, step, x, y, model, optim, sched, sampler, plan, trac
         wholes = whole.iter_steps() if whole is not None else None
         for share in sampler.iter_steps():
             batch = next(wholes) if wholes is not None else None
-            t0 = time.perf_counter()
-            sizes = plan.micro_batch_sizes(ctx.rank)
-            total, start = 0.0, 0
-            for size, sync_ctx in zip(sizes, worker.accumulation_contexts(model, plan), strict=True):
-                idx = torch.tensor(share[start:start + size], dtype=torch.long)
-                start += size
-                with sync_ctx:
-                    loss = nn.functional.mse_loss(model(x[idx].to(ctx.device)), y[idx].to(ctx.device))
-                    (loss * plan.loss_scale(size)).backward()
-                total += loss.item() * size
-            optim.step()
-            optim.zero_grad(set_to_none=True)
-            sched.step()
-            sampler.step()
-            progress["step"] = step
-            if trace is not None:
-                trace.write(json.dumps({"step": step, "epoch": epoch, "rank": ctx.rank,
-                                        "round": ctx.round, "pid": os.getpid(),
-                                        "idx": list(share), "global": batch,
-                                        "lr": sched.get_last_lr()[0],
-                                        "accumulation": plan.accumulation_steps}) + "\n")
-                trace.flush()
-            if args.step_sleep:
-                time.sleep(args.step_sleep)
-            mean_loss = round(total / max(len(share), 1), 6)
-            if ctx.rank == 0:
-                log(step=step, epoch=epoch, world_size=ctx.world_size,
-                    samples_trained=sampler.samples_trained, loss=mean_loss,
-                    step_s=round(time.perf_counter() - t0, 4), round=ctx.round)
-            worker.report_progress(step, epoch=epoch, samples=(step + 1) * args.global_batch,
-                                   loss=mean_loss)
-            done = step + 1 >= args.steps
-            stop = worker.should_stop(step)
-            if not stop and args.hold_file:
-                stop = held_until_stop(args.hold_file, step, ctx.device)
-            if stop:  # a drain: every rank stops after this step
-                ckpt.save(step, state, blocking=True)  # commit before exiting 0
+            with live.guard() if live is not None else contextlib.nullcontext():
+                t0 = time.perf_counter()
+                sizes = plan.micro_batch_sizes(ctx.rank)
+                total, start = 0.0, 0
+                for size, sync_ctx in zip(sizes, worker.accumulation_contexts(model, plan), strict=True):
+                    idx = torch.tensor(share[start:start + size], dtype=torch.long)
+                    start += size
+                    with sync_ctx:
+                        loss = nn.functional.mse_loss(model(x[idx].to(ctx.device)), y[idx].to(ctx.device))
+                        (loss * plan.loss_scale(size)).backward()
+                    total += loss.item() * size
+                optim.step()
+                optim.zero_grad(set_to_none=True)
+                sched.step()
+                sampler.step()
+                progress["step"] = step
+                if trace is not None:
+                    trace.write(json.dumps({"step": step, "epoch": epoch, "rank": ctx.rank,
+                                            "round": ctx.round, "pid": os.getpid(),
+                                            "idx": list(share), "global": batch,
+                                            "lr": sched.get_last_lr()[0],
+                                            "accumulation": plan.accumulation_steps}) + "\n")
+                    trace.flush()
+                if args.step_sleep:
+                    time.sleep(args.step_sleep)
+                mean_loss = round(total / max(len(share), 1), 6)
                 if ctx.rank == 0:
-                    log(event="drained", step=step)
-                ckpt.close()
-                worker.fast_exit(0)
-            if done or (step + 1) % args.checkpoint_every == 0:
-                ckpt.save(step, state, blocking=done)
+                    log(step=step, epoch=epoch, world_size=ctx.world_size,
+                        samples_trained=sampler.samples_trained, loss=mean_loss,
+                        step_s=round(time.perf_counter() - t0, 4), round=ctx.round)
+                worker.report_progress(step, epoch=epoch, samples=(step + 1) * args.global_batch,
+                                       loss=mean_loss)
+                done = step + 1 >= args.steps
+                # Live: a drain or join elsewhere re-forms here (raises Reformed); True only
+                # when every rank stops.
+                stop_at = live.step_done if live is not None else worker.should_stop
+                stop = stop_at(step)
+                if not stop and args.hold_file:
+                    stop = held_until_stop(args.hold_file, step, ctx.device, stop_at)
+                if stop:  # a drain: every rank stops after this step
+                    ckpt.save(step, state, blocking=True)  # commit before exiting 0
+                    if ctx.rank == 0:
+                        log(event="drained", step=step)
+                    ckpt.close()
+                    worker.fast_exit(0)
+                if done or (step + 1) % args.checkpoint_every == 0:
+                    ckpt.save(step, state, blocking=done)
             step += 1
             if done:
                 break
@@ -147,8 +155,16 @@ def main(argv: list[str] | None = None) -> int:
     ctx = worker.init()
     dtype = getattr(torch, args.dtype)
     x, y = make_data(args.dataset_size, dtype, args.seed)
-    # The restart path: this process was started for this round's world; shard on its mesh.
-    model = parallelize(make_model(dtype, args.seed).to(ctx.device), worker.elastic_mesh(args.mesh))
+    live = sharded = None
+    if args.live:
+        # Live: the survivors of a node loss or join re-apply parallelize on the new mesh
+        # and keep their shards; a joiner receives its shards from a peer.
+        sharded = worker.ShardedModel(make_model(dtype, args.seed).to(ctx.device), parallelize,
+                                      args.mesh)
+        model = sharded.module
+    else:
+        # The restart path: this process was started for this round's world; shard on its mesh.
+        model = parallelize(make_model(dtype, args.seed).to(ctx.device), worker.elastic_mesh(args.mesh))
     optim = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     sched = torch.optim.lr_scheduler.StepLR(optim, step_size=10, gamma=0.9)
     sampler = make_sampler(args)
@@ -158,18 +174,37 @@ def main(argv: list[str] | None = None) -> int:
     progress = {"step": 0}
     # The optimizer's momentum buffers are DTensors: saved shard by shard, resharded on load.
     state = {"model": model, "optim": optim, "sched": sched, "sampler": sampler, "extra": progress}
-    resumed_from = load_checkpoint(ckpt, state)
+    if sharded is not None:
+        live = worker.LiveState(state, checkpoint=ckpt, sharded=sharded)
+        resumed_from = live.resume(lambda: load_checkpoint(ckpt, state))
+    else:
+        resumed_from = load_checkpoint(ckpt, state)
     step = resumed_from + 1
     log = lambda **kv: print(json.dumps(kv), flush=True)  # noqa: E731
     trace = open(args.trace, "a") if args.trace else None  # noqa: SIM115
-    sampler = state["sampler"] = make_sampler(args, sampler)
-    plan = worker.plan_global_batch(args.global_batch, ctx.world_size, args.micro_batch)
-    if ctx.rank == 0:
-        log(event="started", resumed_from=resumed_from if resumed_from >= 0 else None,
-            world_size=ctx.world_size, micro_batch=plan.micro_batch_size,
-            accumulation=plan.accumulation_steps, mesh=args.mesh)
-    step = train_epochs(args, ctx, step, x, y, model, optim, sched, sampler, plan, trace, log,
-                        state, ckpt)
+    first = True
+    while True:
+        ctx = worker.current_context()
+        model = state["model"]  # live: a new module after each re-formation
+        sampler = state["sampler"] = make_sampler(args, state["sampler"])
+        plan = worker.plan_global_batch(args.global_batch, ctx.world_size, args.micro_batch)
+        if ctx.rank == 0 and first:
+            log(event="started", resumed_from=resumed_from if resumed_from >= 0 else None,
+                world_size=ctx.world_size, micro_batch=plan.micro_batch_size,
+                accumulation=plan.accumulation_steps, mesh=args.mesh)
+        first = False
+        try:
+            step = train_epochs(args, ctx, step, x, y, model, optim, sched, sampler, plan, trace,
+                                log, state, ckpt, live)
+            break
+        except worker.Reformed:
+            assert live is not None
+            step = live.step + 1  # continue after the newest step any rank completed
+            if worker.current_context().rank == 0:
+                log(event="reformed", step=live.step, world_size=worker.current_context().world_size,
+                    round=worker.current_context().round)
+    ctx = worker.current_context()
+    model = state["model"]
     ckpt.close()
     # Gathered on every rank (a collective); rank 0 writes them.
     full = {k: v.full_tensor().detach().cpu() for k, v in model.state_dict().items()}

@@ -35,6 +35,7 @@ from elasticd.worker.fence import AgentCommitFence, agent_fence
 from elasticd.worker.live import LiveState, Reformed
 from elasticd.worker.loop import ElasticLoop
 from elasticd.worker.mesh import elastic_mesh
+from elasticd.worker.sharded import ShardedModel
 
 __all__ = [
     "AgentCommitFence",
@@ -44,6 +45,7 @@ __all__ = [
     "ElasticLoop",
     "ElasticSampler",
     "LiveState",
+    "ShardedModel",
     "Reformed",
     "PositionedBatchSampler",
     "PositionedSampler",

@@ -50,6 +50,15 @@ from elasticd.control.messages import (
     StoppedReport,
 )
 from elasticd.control.reform import clear_stopped, read_order, write_stopped
+from elasticd.errors import ConfigError
+from elasticd.worker.sharded import (
+    NOT_HELD,
+    RankShards,
+    ShardedModel,
+    optimizer_local_state,
+    plan_shard_transfer,
+    shard_coordinates,
+)
 from elasticd.worker.sockets import shutdown_group_connections
 from elasticd.worker.state_broadcast import broadcast_state
 
@@ -105,6 +114,12 @@ class LiveState:
             plain dicts (updated in place). The module itself, not the DDP wrapper.
         checkpoint: a :class:`~elasticd.checkpoint.CheckpointManager` to move to the new
             group after each re-formation.
+        sharded: the job's :class:`~elasticd.worker.sharded.ShardedModel` (FSDP2 / HSDP):
+            ``state`` holds its module; on a re-formation the survivors re-mesh their kept
+            shards in place (``state``'s entry for the module becomes the new module) and
+            joiners receive each shard from a rank with the same shard coordinate; where
+            that cannot work (the shard size changes, no intact replica holds a shard) the
+            workers take the restart path, with one log line saying why.
         timeout_s: bound on one re-formation (waiting for the order, forming the new
             group, the state transfer); past it the worker falls back to a restart.
             Default: the agent's ``workers.live_reform_timeout_s`` (``ELASTICD_LIVE_TIMEOUT_S``),
@@ -117,9 +132,13 @@ class LiveState:
     """
 
     def __init__(self, state: Mapping[str, LiveEntry], *, checkpoint: Regroupable | None = None,
-                 timeout_s: float | None = None) -> None:
+                 timeout_s: float | None = None, sharded: ShardedModel | None = None) -> None:
         self.state = state  # by reference: the loop may swap an entry (a resharded sampler)
         self.checkpoint = checkpoint
+        self.sharded = sharded
+        if sharded is not None and not any(v is sharded.module for v in state.values()):
+            raise ConfigError("LiveState(sharded=...): the state must hold sharded.module "
+                              '(e.g. {"model": sharded.module, ...})')
         self.step = -1
         env = wctx.agent_environment()
         self.timeout_s = timeout_s if timeout_s is not None else (
@@ -325,6 +344,9 @@ class LiveState:
 
     def _sync(self, load: Callable[[], int] | None) -> None:
         """Agree on the newest completed step; its holder broadcasts to those behind."""
+        if self.sharded is not None:
+            self._sync_sharded(load, self.sharded)
+            return
         ctx = wctx.current_context()
         # On the group's own device: an NCCL group has no CPU backend (the GPU check found
         # "No backend type associated with device type cpu").
@@ -335,11 +357,7 @@ class LiveState:
         values = [int(t.item()) for t in steps]
         newest = max(values)
         if newest == -2:  # nobody holds a state: a fresh start or a full restart
-            if load is None:
-                raise RuntimeError("no rank holds a usable state")
-            self.step = load()
-            self._has_state = True
-            self.agreed_in_memory = False
+            self._load_fresh(load)
             return
         self.agreed_in_memory = True
         src = values.index(newest)
@@ -363,6 +381,101 @@ class LiveState:
             self._log.info("live_state_received" if ctx.rank in behind else "live_state_sent",
                            step=newest, source=src, receivers=behind,
                            seconds=round(time.monotonic() - t0, 3))
+
+    def _load_fresh(self, load: Callable[[], int] | None) -> None:
+        """Nobody holds a state (a fresh start or a full restart): every rank loads it."""
+        if load is None:
+            raise RuntimeError("no rank holds a usable state")
+        self.step = load()
+        self._has_state = True
+        self.agreed_in_memory = False
+
+    def _sync_sharded(self, load: Callable[[], int] | None, sm: ShardedModel) -> None:
+        """The sharded form of :meth:`_sync`: survivors re-mesh their kept shards, each
+        rank behind or new receives its shard coordinate's state from an intact replica."""
+        ctx = wctx.current_context()
+        device = ctx.device if ctx.backend == "nccl" else torch.device("cpu")
+        old_size, old_coord = (sm.shard_size, sm.coordinate) if self._has_state else (0, -1)
+        mesh = sm.mesh_for_world()  # a collective on a survivor; a joiner built it at start
+        mine = torch.tensor([self.step if self._has_state else NOT_HELD, old_size, old_coord],
+                            dtype=torch.int64, device=device)
+        reports = [torch.zeros(3, dtype=torch.int64, device=device) for _ in range(dist.get_world_size())]
+        dist.all_gather(reports, mine)
+        ranks = [RankShards(*(int(x) for x in t.tolist())) for t in reports]
+        coords = shard_coordinates(mesh)
+        plan = plan_shard_transfer(ranks, int(mesh.size(-1)), coords)  # type: ignore[attr-defined]
+        if plan.step == NOT_HELD:  # nobody holds a state: a fresh start or a full restart
+            self._load_fresh(load)
+            return
+        if plan.fallback is not None:
+            self._fall_back(plan.fallback)
+        self.agreed_in_memory = True
+        t0 = time.monotonic()
+        optimizers: list[torch.optim.Optimizer] = [o for o in self.state.values()
+                                                  if isinstance(o, torch.optim.Optimizer)]
+        if mesh is not sm.mesh:  # a survivor: the old mesh's group is gone
+            old = sm.module
+            new = sm.rebuild(mesh, keep=ctx.rank in plan.keepers, optimizers=optimizers)
+            state = self.state
+            assert isinstance(state, MutableMapping)
+            for key in [k for k, v in state.items() if v is old]:
+                state[key] = new
+        rebuilt = time.monotonic()
+        left = self._deadline - rebuilt if self._deadline is not None else self.timeout_s
+        for coord, src, receivers in plan.transfers:
+            behind = ctx.rank in receivers
+            sd = self._collect_sharded(sm, optimizers) if ctx.rank == src or behind else None
+            received = broadcast_state(sd if ctx.rank == src else None, src, device,
+                                       receivers=list(receivers), timeout_s=max(left, 1.0), into=sd)
+            if behind:
+                assert received is not None
+                self._apply_sharded(received, sm, optimizers)
+                self._log.info("live_shards_received", step=plan.step, source=src, coordinate=coord,
+                               seconds=round(time.monotonic() - rebuilt, 3))
+        self.step = plan.step
+        self._has_state = True
+        self._log.info("live_shards_remeshed", step=plan.step, kept=ctx.rank in plan.keepers,
+                       shard_size=int(mesh.size(-1)), rebuild_s=round(rebuilt - t0, 3),  # type: ignore[attr-defined]
+                       transfer_s=round(time.monotonic() - rebuilt, 3))
+
+    def _collect_sharded(self, sm: ShardedModel, optimizers: list[torch.optim.Optimizer]) -> dict[str, object]:
+        out: dict[str, object] = {"__rng__": rng.capture(), "__step__": self.step}
+        for name, obj in self.state.items():
+            if obj is sm.module:
+                out[name] = sm.local_state()
+            elif any(obj is o for o in optimizers):
+                assert isinstance(obj, torch.optim.Optimizer)
+                out[name] = optimizer_local_state(obj)
+            else:
+                out[name] = obj.state_dict() if isinstance(obj, Stateful) else dict(obj)
+        return out
+
+    def _apply_sharded(self, sd: Mapping[str, object], sm: ShardedModel,
+                       optimizers: list[torch.optim.Optimizer]) -> None:
+        rest: dict[str, object] = {}
+        for name, obj in self.state.items():
+            entry = sd[name]
+            if not isinstance(entry, dict):
+                raise TypeError(f"received state {name!r} is a {type(entry).__name__}, not a mapping")
+            if obj is sm.module:
+                sm.load_local_state(entry)
+            elif any(obj is o for o in optimizers):
+                assert isinstance(obj, torch.optim.Optimizer)
+                obj.load_state_dict(entry)
+                sm.adopt_optimizer_state(obj)
+            else:
+                rest[name] = entry
+        for name, entry in rest.items():
+            obj = self.state[name]
+            if isinstance(obj, Stateful):
+                obj.load_state_dict(entry)  # type: ignore[arg-type]
+            else:
+                obj.clear()
+                obj.update(entry)  # type: ignore[call-overload]
+        rng_state = sd["__rng__"]
+        if not isinstance(rng_state, dict):
+            raise TypeError("received RNG state is not a mapping")
+        rng.restore([rng_state], 0)
 
     def _collect(self) -> dict[str, object]:
         out: dict[str, object] = {"__rng__": rng.capture(), "__step__": self.step}

@@ -38,6 +38,16 @@ def _run(tmp_path, tag: str) -> tuple[list[str], list[str]]:
     return ["--checkpoint-url", f"file://{tmp_path}/ckpt-{tag}"], script
 
 
+def _start_reference(tmp_path) -> subprocess.Popen:
+    """(a), the fault-free run at world 1, started alongside (b): the suite's time is the
+    agents' and workers' start-ups."""
+    extra, script = _run(tmp_path, "a")
+    script[script.index("--checkpoint-every") + 1] = str(STEPS)  # saves do not change the math
+    return subprocess.Popen([sys.executable, SCRIPT, *script, *extra], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, cwd=tmp_path,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+
 def _hold_after(path, step: int | None) -> None:
     """Workers wait after ``step`` (and any later one) until this changes; None: no hold."""
     if step is None:
@@ -59,12 +69,7 @@ def _last_attempts(rows: list[dict]) -> dict[int, dict]:
 def test_hsdp_kill_and_join_trains_the_same_model_as_no_faults(nodes, tmp_path):
     """2x2 HSDP, SIGKILL of one node, 1x2, a join, 2x2: final parameters equal a fault-free
     run's, every sample trained once, LR schedule and accumulation carried over."""
-    extra, script = _run(tmp_path, "a")
-    script[script.index("--checkpoint-every") + 1] = str(STEPS)  # saves do not change the math
-    # The reference runs alongside (b): the suite's time is the agents' and workers' start-ups.
-    ref = subprocess.Popen([sys.executable, SCRIPT, *script, *extra], stdout=subprocess.DEVNULL,
-                           stderr=subprocess.PIPE, cwd=tmp_path,
-                           env={**os.environ, "PYTHONPATH": str(ROOT)})
+    ref = _start_reference(tmp_path)
     try:
         _run_b(nodes, tmp_path)
         _, err = ref.communicate(timeout=180)
@@ -120,3 +125,82 @@ def _check(tmp_path) -> None:
     assert all(got_steps[s]["lr"] == ref_steps[s]["lr"] for s in range(STEPS)), "LR schedule changed"
     accumulation = {worlds[r["round"] or 0]: r["accumulation"] for r in rows}
     assert accumulation == {4: 1, 2: 2}, accumulation
+
+
+def test_hsdp_live_kill_and_join_keeps_the_survivors_and_their_shards(nodes, tmp_path):
+    """2x2 HSDP with ``--live``: a node SIGKILLed, the survivor's two workers re-form 1x2 in
+    place (same PIDs, their own shards), a joiner gets its shards from a peer (no
+    checkpoint read), 2x2 again: final parameters equal a fault-free run's, every sample
+    once, no completed step trained twice, LR schedule and accumulation carried over."""
+    ref = _start_reference(tmp_path)
+    try:
+        extra_b, script_b = _run(tmp_path, "b")
+        hold = tmp_path / "hold"
+        script_b += ["--hold-file", str(hold), "--live"]
+        trace = tmp_path / "trace-b.jsonl"
+        _hold_after(hold, 9)
+        b = [nodes.start("hsdp-live", SCRIPT, nnodes="1:2", nproc=2, extra=extra_b,
+                         script_args=script_b) for _ in range(2)]
+        wait_until(lambda: any(r["step"] >= 9 and r["rank"] == 3 for r in read_jsonl(trace)), 120,
+                   "step 9 at world 4")
+        victim = set(b[1].tree())
+        survivors = {r["pid"] for r in read_jsonl(trace)} - victim
+        assert len(survivors) == 2, survivors
+        b[1].signal(signal.SIGKILL)
+        at_kill = max(r["round"] or 0 for r in read_jsonl(trace))
+        _hold_after(hold, 14)
+        wait_until(lambda: any((r["round"] or 0) > at_kill and r["rank"] == 1 for r in read_jsonl(trace)),
+                   60, "training at world 2 after the kill")
+        at_shrink = max(r["round"] or 0 for r in read_jsonl(trace))
+        b.append(nodes.start("hsdp-live", SCRIPT, nnodes="1:2", nproc=2, extra=extra_b,
+                             script_args=script_b))
+        wait_until(lambda: any((r["round"] or 0) > at_shrink and r["rank"] == 3 for r in read_jsonl(trace)),
+                   90, "world 4 again after the join")
+        _hold_after(hold, None)
+        for n in (b[0], b[2]):
+            assert n.wait(120) == 0, n.log()[-3000:]
+        _, err = ref.communicate(timeout=120)
+    finally:
+        if ref.poll() is None:
+            ref.kill()
+            ref.wait(10)
+    assert ref.returncode == 0, err.decode()[-3000:]
+    _check(tmp_path)
+    rows = read_jsonl(trace)
+    alone = {r["pid"] for r in rows if at_kill < (r["round"] or 0) <= at_shrink}
+    last = max(r["round"] or 0 for r in rows)
+    rejoined = {r["pid"] for r in rows if (r["round"] or 0) == last}
+    assert alone == survivors, f"a survivor's worker was restarted (no live re-formation): {alone}"
+    assert survivors < rejoined and len(rejoined) == 4, f"the survivors did not train on: {rejoined}"
+    assert "checkpoint_loaded" not in b[2].log(), "the joiner read the checkpoint"
+    assert "live_shards_received" in b[2].log()
+    per_rank0 = [r["step"] for r in rows if r["rank"] == 0]
+    assert len(per_rank0) == len(set(per_rank0)), "a completed step was trained twice"
+
+
+def test_live_fsdp_resize_falls_back_to_the_resharding_load_and_says_why(nodes, tmp_path):
+    """Pure FSDP with ``--live`` over 2 nodes x 1: a node killed changes the shard size
+    (2 -> 1), so the survivor cannot keep its shard: it logs one ``live_reform_fell_back``
+    line naming the shard size change and the job finishes on the restart path (the
+    checkpoint resharded into a new worker)."""
+    steps = 12
+    extra, script = _run(tmp_path, "f")
+    script[script.index("--steps") + 1] = str(steps)
+    script[script.index("--mesh") + 1] = "fsdp"
+    hold = tmp_path / "hold"
+    script += ["--hold-file", str(hold), "--live"]
+    trace = tmp_path / "trace-f.jsonl"
+    _hold_after(hold, 5)
+    b = [nodes.start("fsdp-fb", SCRIPT, nnodes="1:2", nproc=1, extra=extra, script_args=script)
+         for _ in range(2)]
+    wait_until(lambda: any(r["step"] >= 5 and r["rank"] == 1 for r in read_jsonl(trace)), 120,
+               "step 5 at world 2")
+    b[1].signal(signal.SIGKILL)
+    _hold_after(hold, None)
+    assert b[0].wait(120) == 0, b[0].log()[-3000:]
+    fell_back = [line for line in b[0].log().splitlines()
+                 if "live_reform_fell_back" in line and '"source": "worker"' in line]
+    assert len(fell_back) == 1, fell_back  # one line from the worker (and its agent's own)
+    assert "shard size changes from 2 to 1" in fell_back[0], fell_back[0]
+    assert "checkpoint_loaded" in b[0].log(), "the restart path did not reshard the checkpoint"
+    assert sorted({r["step"] for r in read_jsonl(trace)}) == list(range(steps))
