@@ -91,6 +91,9 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--no-liveness-probe", "rendezvous.liveness_probe",
          "publish no liveness probe and probe no peer (a firewall that rejects makes a live "
          "node look dead): a killed peer is seen when its lease expires", const="false"),
+    Flag("--hang-eject", "rendezvous.hang_eject_s",
+         "eject a node whose workers hang the job after this long without progress "
+         "(at least 5 step times; 0=off), s", metavar="S"),
     Flag("--nproc-per-node", "workers.nproc_per_node", "workers on this node: N, 'gpu' or 'auto'",
          metavar="N"),
     Flag("--workdir", "workers.workdir", "working directory of the workers", metavar="DIR"),

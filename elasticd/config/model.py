@@ -100,6 +100,9 @@ class RendezvousConfig:
     close_timeout_s: float = 30.0
     store_timeout_s: float = 300.0
     liveness_probe: bool = True  # a refused TCP probe proves a straggler's agent gone
+    # The shortest stall after which the coordinator ejects a hung member (0: never):
+    # agent/hangs.py, docs/failure-model.md "Hung node".
+    hang_eject_s: float = 2.0
 
 
 @dataclass(frozen=True)

@@ -373,6 +373,7 @@ KEYS: dict[str, Key] = {
         Key("rendezvous", "store_timeout_s", number(0, lo_open=True), 300.0,
             "store_timeout_s = 300"),
         Key("rendezvous", "liveness_probe", boolean, True, "liveness_probe = false"),
+        Key("rendezvous", "hang_eject_s", number(0, hi=3600), 2.0, "hang_eject_s = 2"),
         Key("workers", "command", command, REQUIRED, 'command = ["train.py", "--epochs", "10"]'),
         Key("workers", "nproc_per_node", nproc, 1, 'nproc_per_node = "gpu"'),
         Key("workers", "workdir", optional_string, None, 'workdir = "/srv/train"'),

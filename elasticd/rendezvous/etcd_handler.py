@@ -199,7 +199,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
                 open_next=lambda a, v, rev: self._open_next(a, v, rev, time.monotonic() + 10.0),
                 defer_lost_until=self._defer_lost_until, prober=self.prober,
                 holder_probes=MemberProbes(self.prober, self._member_targets),
-                finishing=self._finishing).start()
+                finishing=self._finishing, hang_eject_s=s.hang_eject_s).start()
 
     def _refuse_finished_job(self, deadline: float) -> None:
         """A node arriving at a finished job does not run it again (``finished.py``).

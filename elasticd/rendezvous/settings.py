@@ -30,6 +30,8 @@ class RendezvousSettings:
     election_timeout_s: float = 1.0  # the etcd members' --election-timeout (outage grace)
     # Hold a liveness listener and probe stragglers/peers (elasticd.rendezvous.liveness).
     liveness_probe: bool = True
+    # The shortest stall after which the coordinator ejects a hung member (0: never).
+    hang_eject_s: float = 0.0
     # The digest of this agent's job fingerprint, carried in its node record (admission).
     fingerprint: str = ""
 
@@ -46,7 +48,7 @@ class RendezvousSettings:
                    close_timeout_s=r.close_timeout_s, store_timeout_s=r.store_timeout_s,
                    local_addr=cfg.node.local_addr,
                    election_timeout_s=cfg.etcd.election_timeout_s,
-                   liveness_probe=r.liveness_probe)
+                   liveness_probe=r.liveness_probe, hang_eject_s=r.hang_eject_s)
 
 
 def default_node_id() -> str:
