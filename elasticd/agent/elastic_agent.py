@@ -535,6 +535,13 @@ class ElasticdAgent(LocalElasticAgent):
         self._log.warning("node_ejected", reason=reason, round=self.handler.round)
         self._close_workers(signal.SIGKILL, timeout_s=1)  # torch's close: killpg of each worker
         self.phase = self.phase.fault(time.monotonic())
+        # Rejoin once our next workers can start at once: the members park for a joiner
+        # and wait for its workers, so a cold import (seconds to tens of seconds) would
+        # stall the whole job again (the others train at world N-1 meanwhile).
+        n = self._worker_group.spec.local_world_size
+        if self.standby.enabled:
+            self.standby.fill(dict(self._worker_envs), urgent=True)  # nothing of ours trains
+            self.standbys.wait_for_standbys(n, lambda: self.stop_signals > 0)
         self._restart("hang", reason)
 
     def _flush_commits(self, why: str, timeout_s: float) -> None:
