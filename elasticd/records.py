@@ -233,6 +233,9 @@ class Beat(_Record):
     # facts. The beat is rewritten when they or the step change, at most once a second.
     activity: str = ""
     step_s: float = 0.0
+    # The share of its recent wall time its workers worked rather than waited in a
+    # collective (``agent.stragglers.BusyShare``): step_s x busy_share is its own step time.
+    busy_share: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -192,6 +192,10 @@ class ProcActivity:
         self.proc = proc
         self._last: tuple[float, dict[int, float]] | None = None  # (at, pid -> CPU seconds)
 
+    def states(self, pids: Iterable[int]) -> list[str]:
+        """The workers' state letters now (a gone pid is left out)."""
+        return [st[0] for pid in pids if (st := _read_stat(pid, self.proc)) is not None]
+
     def sample(self, pids: Iterable[int], now: float) -> WorkerActivity:
         """The workers' activity since the previous sample (``now``: monotonic seconds)."""
         stats = {pid: st for pid in pids if (st := _read_stat(pid, self.proc)) is not None}

@@ -19,6 +19,7 @@ from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, W
 from elasticd.agent.hangs import ProcActivity, WorkerActivity
 from elasticd.agent.policy import Facts, GroupState
 from elasticd.agent.recorder import JobRecorder
+from elasticd.agent.stragglers import BusyShare
 from elasticd.agent.summary import first_failure
 from elasticd.agent.supervision import AgentPhase, SupervisionSettings
 from elasticd.control import ControlChannel
@@ -95,6 +96,7 @@ class TickWriter:
         self.worker_pids = worker_pids
         self.activity = ProcActivity()
         self.steps = StepClock()
+        self.busy = BusyShare()
         self._activity = WorkerActivity.UNKNOWN
         self._activity_at = 0.0
         self._beaten: tuple[int, int | None, WorkerActivity] | None = None  # step, round, activity
@@ -146,9 +148,11 @@ class TickWriter:
             self.phase = self.phase.recovered()
         step = board.max_step()
         self.steps.observe(step, now)
+        pids = list(self.worker_pids().values())
+        self.busy.observe(self.activity.states(pids) if step >= 0 else [], now)
         if now - self._activity_at >= ACTIVITY_SAMPLE_S:
             self._activity_at = now
-            self._activity = self.activity.sample(self.worker_pids().values(), now)
+            self._activity = self.activity.sample(pids, now)
         facts = (step, self.handler.round, self._activity)
         since = now - self.last_heartbeat
         if since >= self.settings.beat_interval_s or (
@@ -159,6 +163,6 @@ class TickWriter:
             self.last_heartbeat = now
             self._beaten = facts
             self.recorder.beat(step, wg.spec.local_world_size, activity=self._activity.value,
-                               step_s=self.steps.step_s())
+                               step_s=self.steps.step_s(), busy_share=self.busy.share())
         if self.notifier is not None:
             self.notifier.watchdog()

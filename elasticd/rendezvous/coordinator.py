@@ -35,6 +35,7 @@ from collections.abc import Callable
 import structlog
 
 from elasticd.agent.hangs import HangWatch, WorkerActivity
+from elasticd.agent.stragglers import StragglerWatch
 from elasticd.errors import EtcdUnavailableError, LeaseLostError, TransientError
 from elasticd.etcd.client import EtcdClient
 from elasticd.etcd.txn import CreateRevision, Delete, ModRevision, Put
@@ -75,6 +76,8 @@ class RoundCoordinator:
             round it should close (reads its record from etcd); None: never probe.
         finishing: set once this node's workers completed the job (``decide_coordination``).
         hang_eject_s: the shortest stall after which a hung member is ejected (0: never).
+        stragglers: the straggler rule's memory (factor, window); None: never flag.
+        on_stragglers: called with the flagged members (node -> ratio) when they change.
     """
 
     def __init__(self, client: EtcdClient, keys: JobKeys, session: NodeSession, view: WatchedView, *,
@@ -85,7 +88,9 @@ class RoundCoordinator:
                  defer_lost_until: Callable[[RendezvousView], float | None],
                  prober: PeerProber | None = None,
                  holder_probes: MemberProbes | None = None,
-                 finishing: threading.Event | None = None, hang_eject_s: float = 0.0) -> None:
+                 finishing: threading.Event | None = None, hang_eject_s: float = 0.0,
+                 stragglers: StragglerWatch | None = None,
+                 on_stragglers: Callable[[dict[str, float]], None] | None = None) -> None:
         self.client = client
         self.keys = keys
         self.session = session
@@ -111,6 +116,9 @@ class RoundCoordinator:
         self._hangs = HangWatch()
         self._hang_looked_at = 0.0
         self._last_hang_reason = ""
+        self.stragglers = stragglers
+        self.on_stragglers = on_stragglers
+        self._flagged: dict[str, float] = {}
 
     def start(self) -> RoundCoordinator:
         self._thread.start()
@@ -206,12 +214,17 @@ class RoundCoordinator:
         """Read the members' beats (throttled) and ask ``find_hung``; returns (node,
         reason) to eject or None, and when to look again (None: no hurry)."""
         state = view.state
-        if self.hang_eject_s <= 0 or state is None or state.phase != "final" or len(state.members) < 2:
+        watching = self.hang_eject_s > 0 or self.stragglers is not None
+        if not watching or state is None or state.phase != "final" or len(state.members) < 2:
             return None, None
         now = time.monotonic()
         if now - self._hang_looked_at >= _HANG_LOOK_S:
             self._hang_looked_at = now
-            self._hangs.observe(state.round, state.members, self._read_beats(), now)
+            beats = self._read_beats()
+            self._hangs.observe(state.round, state.members, {n: b[:4] for n, b in beats.items()}, now)
+            self._look_for_stragglers(state.round, state.members, beats, now)
+        if self.hang_eject_s <= 0:
+            return None, None
         verdict = self._hangs.verdict(state.members, now=now, floor_s=self.hang_eject_s,
                                       min_nodes=self.min_nodes)
         if verdict.reason != self._last_hang_reason:
@@ -222,10 +235,29 @@ class RoundCoordinator:
         again = self._hang_looked_at + _HANG_LOOK_S
         return ((verdict.node, verdict.reason) if verdict.node else None), again
 
-    def _read_beats(self) -> dict[str, tuple[int, int, WorkerActivity, float]]:
-        """Every beat under ``beats/``: node -> (round, step, activity, step_s); a beat
-        that does not decode is left out (validated, never trusted)."""
-        out: dict[str, tuple[int, int, WorkerActivity, float]] = {}
+    def _look_for_stragglers(self, round_: int, members: list[str],
+                             beats: dict[str, tuple[int, int, WorkerActivity, float, float]],
+                             now: float) -> None:
+        """Feed the members' own step times (step_s x busy share) to the straggler rule;
+        report the flagged set when it changes (logged, ``on_stragglers``)."""
+        if self.stragglers is None:
+            return
+        own = {n: b[3] * b[4] for n, b in beats.items() if b[0] == round_ and b[3] > 0 and b[4] > 0}
+        verdict = self.stragglers.observe(round_, members, own, now)
+        flagged = dict(verdict.flagged)
+        if set(flagged) != set(self._flagged):
+            if flagged:
+                self._log.warning("stragglers_flagged", nodes=flagged, reason=verdict.reason)
+            else:
+                self._log.info("stragglers_cleared", reason=verdict.reason)
+            self._flagged = flagged
+            if self.on_stragglers is not None:
+                self.on_stragglers(flagged)
+
+    def _read_beats(self) -> dict[str, tuple[int, int, WorkerActivity, float, float]]:
+        """Every beat under ``beats/``: node -> (round, step, activity, step_s,
+        busy_share); a beat that does not decode is left out (validated, never trusted)."""
+        out: dict[str, tuple[int, int, WorkerActivity, float, float]] = {}
         kvs, _ = self.client.get_prefix(self.keys.beats_prefix)
         for kv in kvs:
             try:
@@ -233,7 +265,8 @@ class RoundCoordinator:
                 activity = WorkerActivity(beat.activity) if beat.activity else WorkerActivity.UNKNOWN
             except (RecordError, ValueError):
                 continue
-            out[kv.key.rsplit("/", 1)[-1]] = (beat.round, beat.step, activity, beat.step_s)
+            out[kv.key.rsplit("/", 1)[-1]] = (beat.round, beat.step, activity, beat.step_s,
+                                              min(max(beat.busy_share, 0.0), 1.0))
         return out
 
     def _unseat_if_dead(self, holder: str) -> float | None:

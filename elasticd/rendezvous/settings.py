@@ -32,6 +32,9 @@ class RendezvousSettings:
     liveness_probe: bool = True
     # The shortest stall after which the coordinator ejects a hung member (0: never).
     hang_eject_s: float = 0.0
+    # Straggler detection (agent/stragglers.py): the factor (0: off) and the window.
+    straggler_factor: float = 0.0
+    straggler_window_s: float = 30.0
     # The digest of this agent's job fingerprint, carried in its node record (admission).
     fingerprint: str = ""
 
@@ -48,7 +51,8 @@ class RendezvousSettings:
                    close_timeout_s=r.close_timeout_s, store_timeout_s=r.store_timeout_s,
                    local_addr=cfg.node.local_addr,
                    election_timeout_s=cfg.etcd.election_timeout_s,
-                   liveness_probe=r.liveness_probe, hang_eject_s=r.hang_eject_s)
+                   liveness_probe=r.liveness_probe, hang_eject_s=r.hang_eject_s,
+                   straggler_factor=r.straggler_factor, straggler_window_s=r.straggler_window_s)
 
 
 def default_node_id() -> str:
