@@ -85,7 +85,7 @@ CKPT_LOADED = re.compile(r"checkpoint_loaded\b.*?\bseconds[=\"': ]+([0-9.]+)")
 SYSTEMS = ("elasticd-live", "elasticd", "elasticd-cold", "torchrun-default", "torchrun-tuned",
            "torchrun-etcd")
 SCENARIOS = ("sigkill", "sigstop", "sigterm", "join", "spare", "hang")
-HANDED_OVER = re.compile(r"standby_handed_over\b.*?\bpid[=\"': ]+([0-9]+)")
+HANDED_OVER_PID = re.compile(r"\bpid[=\"': ]+([0-9]+)")
 SPARE_NNODES = "2:3"  # the spare scenario: NODES members and one hot spare
 NODES = 3
 NNODES = "2:4"
@@ -262,7 +262,8 @@ def worker_pids(node: NodeProc) -> list[int]:
     started with torch's per-worker ``RANK`` in their environment, and standbys the agent
     handed a worker's place (its ``standby_handed_over`` lines)."""
     tree = set(node.tree())
-    handed = {int(m.group(1)) for _, text in node.lines if (m := HANDED_OVER.search(text))}
+    handed = {int(m.group(1)) for _, text in node.lines
+              if "standby_handed_over" in text and (m := HANDED_OVER_PID.search(text))}
     out = []
     for pid in sorted(tree - {node.pid}):
         try:

@@ -15,6 +15,7 @@ import json
 import os
 import signal
 import subprocess
+import threading
 import time
 from collections import Counter
 
@@ -85,3 +86,51 @@ def test_a_stopped_worker_is_ejected_and_the_others_train_on_in_seconds(nodes, t
     hung = [e for e in doc["events"] if e.get("kind") == "hung"]
     assert hung and "n2" in hung[0]["message"], doc["events"][-10:]
     print(f"SIGSTOP -> others train again: {back_s:.2f} s")
+
+
+def test_a_worker_slowed_from_outside_is_flagged_as_a_straggler(nodes, tmp_path):
+    """A SIGSTOP/SIGCONT duty cycle on one node's worker (about half its time stopped):
+    the coordinator flags that node, and only it, within a few windows; status shows a
+    ``straggler`` event naming it. Nobody is ejected for it."""
+    trace = tmp_path / "trace-s.jsonl"
+    extra = ["--checkpoint-url", f"file://{tmp_path}/ckpt-s", "--straggler-window", "5"]
+    ns = [nodes.start("strag", SCRIPT, nnodes="2:3", extra=extra,
+                      script_args=example_args(tmp_path, "s", steps=2000, dataset_size=DATASET))
+          for _ in range(3)]
+    wait_until(lambda: {r["rank"] for r in read_jsonl(trace) if r["step"] >= 10} >= {0, 1, 2}, 90,
+               "step 10 at world 3")
+    worker = set(ns[2].tree()) & {r["pid"] for r in read_jsonl(trace)}
+    assert len(worker) == 1, worker
+    pid = worker.pop()
+    stop = threading.Event()
+
+    def duty_cycle() -> None:  # fault injection, not synchronisation: 0.1 s on, 0.1 s off
+        while not stop.is_set():
+            for sig in (signal.SIGSTOP, signal.SIGCONT):
+                try:
+                    os.kill(pid, sig)
+                except ProcessLookupError:
+                    return
+                stop.wait(0.1)
+        os.kill(pid, signal.SIGCONT)
+
+    injector = threading.Thread(target=duty_cycle, daemon=True)
+    injector.start()
+    try:
+        wait_until(lambda: any(agent_events(n.log(), "stragglers_flagged") for n in ns), 40,
+                   "the slowed node flagged")
+    finally:
+        stop.set()
+        injector.join(5)
+        try:
+            os.kill(pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+    flagged = [e for n in ns for e in agent_events(n.log(), "stragglers_flagged")]
+    assert set(flagged[0]["nodes"]) == {"n2"}, flagged
+    assert not any(agent_events(n.log(), "member_ejected") for n in ns), "a straggler was ejected as hung"
+    out = subprocess.run([PY, "-m", "elasticd.cli", "status", "--etcd", nodes.etcd.endpoint,
+                          "--job", "strag", "--json"], capture_output=True, text=True, timeout=30,
+                         cwd=str(ROOT))
+    events = json.loads(out.stdout)["events"]
+    assert any(e["kind"] == "straggler" and e["node"] == "n2" for e in events), events[-10:]
