@@ -31,9 +31,9 @@ class RendezvousSettings:
     # Hold a liveness listener and probe stragglers/peers (elasticd.rendezvous.liveness).
     liveness_probe: bool = True
     # The shortest stall after which the coordinator ejects a hung member (0: never).
-    hang_eject_s: float = 0.0
+    hang_eject_s: float = 2.0
     # Straggler detection (agent/stragglers.py): the factor (0: off) and the window.
-    straggler_factor: float = 0.0
+    straggler_factor: float = 1.25
     straggler_window_s: float = 30.0
     # The digest of this agent's job fingerprint, carried in its node record (admission).
     fingerprint: str = ""

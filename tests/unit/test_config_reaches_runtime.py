@@ -84,6 +84,12 @@ def _rows(tmp_path) -> dict[str, tuple[dict[str, Any], Check, Any]]:
                                        lambda s: s.rendezvous.store_timeout_s, 13.0),
         "rendezvous.liveness_probe": ({"rendezvous.liveness_probe": "false"},
                                       lambda s: s.rendezvous.liveness_probe, False),
+        "rendezvous.hang_eject_s": ({"rendezvous.hang_eject_s": "7"},
+                                    lambda s: s.rendezvous.hang_eject_s, 7.0),
+        "rendezvous.straggler_factor": ({"rendezvous.straggler_factor": "1.5"},
+                                        lambda s: s.rendezvous.straggler_factor, 1.5),
+        "rendezvous.straggler_window_s": ({"rendezvous.straggler_window_s": "60"},
+                                          lambda s: s.rendezvous.straggler_window_s, 60.0),
         "workers.command": ({"workers.command": "other.py --x 1"}, lambda s: s.command,
                             ("other.py", "--x", "1")),
         "workers.nproc_per_node": ({"workers.nproc_per_node": "3"}, lambda s: s.nproc_per_node, 3),
@@ -188,6 +194,9 @@ def test_runtime_defaults_equal_the_schema():
     assert rdzv["start_settle_s"] == d["rendezvous.start_settle_s"]
     assert rdzv["store_timeout_s"] == d["rendezvous.store_timeout_s"]
     assert rdzv["liveness_probe"] == d["rendezvous.liveness_probe"]
+    assert rdzv["hang_eject_s"] == d["rendezvous.hang_eject_s"]
+    assert rdzv["straggler_factor"] == d["rendezvous.straggler_factor"]
+    assert rdzv["straggler_window_s"] == d["rendezvous.straggler_window_s"]
     assert rdzv["election_timeout_s"] == d["etcd.election_timeout_s"]
     assert node["log_format"] == d["logging.format"] and node["log_level"] == d["logging.level"]
     assert node["metrics_addr"] == d["metrics.addr"]
