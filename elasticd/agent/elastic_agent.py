@@ -541,6 +541,7 @@ class ElasticdAgent(LocalElasticAgent):
         n = self._worker_group.spec.local_world_size
         if self.standby.enabled:
             self.standby.fill(dict(self._worker_envs), urgent=True)  # nothing of ours trains
+            self.standby.hurry()  # a refill started beside the workers imports at nice 19
             self.standbys.wait_for_standbys(n, lambda: self.stop_signals > 0)
         self._restart("hang", reason)
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 DEFAULT_FACTOR = 1.25
 DEFAULT_WINDOW_S = 30.0
-BUSY_WINDOW_S = 10.0  # an agent's working share is measured over this much wall time
+BUSY_WINDOW_S = 5.0  # an agent's working share is measured over this much wall time
 _WAITING = "S"  # /proc state of a main thread blocked in a collective (or any sleep)
 
 

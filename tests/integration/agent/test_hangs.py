@@ -26,7 +26,7 @@ from elasticd.process import pid_alive
 
 SCRIPT = str(ROOT / "examples" / "train.py")
 pytestmark = pytest.mark.timeout(150)
-STEPS = 40
+STEPS = 100
 DATASET = 480  # 20 steps an epoch at a global batch of 24
 
 
@@ -115,10 +115,12 @@ def test_a_worker_slowed_from_outside_is_flagged_as_a_straggler(nodes, tmp_path)
         os.kill(pid, signal.SIGCONT)
 
     injector = threading.Thread(target=duty_cycle, daemon=True)
+    slowed_at = time.monotonic()
     injector.start()
     try:
         wait_until(lambda: any(agent_events(n.log(), "stragglers_flagged") for n in ns), 40,
                    "the slowed node flagged")
+        print(f"slowed -> flagged (5 s window): {time.monotonic() - slowed_at:.1f} s")
     finally:
         stop.set()
         injector.join(5)
