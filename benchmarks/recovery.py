@@ -23,6 +23,9 @@ Scenarios, each after the job trains steadily at world 3:
 
 - ``sigkill``: SIGKILL to the whole node (launcher and workers);
 - ``sigstop``: SIGSTOP to the whole node (bounded wait, then "did not recover");
+- ``hang``: SIGSTOP to the last node's *worker* only, its launcher alive (elasticd ejects
+  the node as hung, rendezvous.hang_eject_s; a launcher that does not waits out the
+  collective timeout: bounded wait, then "did not recover");
 - ``sigterm``: SIGTERM to the launcher only, as systemd would send it;
 - ``join``: a 4th node starts; timed from the start of its launcher;
 - ``spare`` (elasticd only): 4 nodes under ``--nnodes 2:3``, the 4th waits as a hot spare;
@@ -44,6 +47,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import shlex
 import signal
@@ -64,6 +68,7 @@ from benchmarks.common import (  # noqa: E402
     TORCHRUN_TUNED_CONF,
     TRAIN_SCRIPT,
     Cluster,
+    NodeProc,
     StepSource,
     elasticd_argv,
     first_step_at,
@@ -81,7 +86,8 @@ from benchmarks.recovery_report import agent_breakdown, live_breakdown, write_re
 CKPT_LOADED = re.compile(r"checkpoint_loaded\b.*?\bseconds[=\"': ]+([0-9.]+)")
 SYSTEMS = ("elasticd-live", "elasticd-live-cold", "elasticd", "elasticd-cold", "torchrun-default",
            "torchrun-tuned", "torchrun-etcd")
-SCENARIOS = ("sigkill", "sigstop", "sigterm", "join", "spare")
+SCENARIOS = ("sigkill", "sigstop", "sigterm", "join", "spare", "hang")
+HANDED_OVER_PID = re.compile(r"\bpid[=\"': ]+([0-9]+)")
 SPARE_NNODES = "2:3"  # the spare scenario: NODES members and one hot spare
 NODES = 3
 NNODES = "2:4"
@@ -206,6 +212,14 @@ def run_trial(system: str, scenario: str, rep: int, etcd_endpoint: str, script: 
             t0, trial.new_world = victim.signal_node(signal.SIGKILL), NODES if spare else NODES - 1
         elif scenario == "sigstop":
             t0, trial.new_world = victim.signal_node(signal.SIGSTOP), NODES - 1
+        elif scenario == "hang":
+            workers = worker_pids(victim)
+            if not workers:
+                trial.note = "no worker process found on the victim"
+                return trial
+            t0, trial.new_world = time.time(), NODES - 1
+            for pid in workers:
+                signal_pid(pid, signal.SIGSTOP)
         elif scenario == "sigterm":
             t0, trial.new_world = victim.signal_launcher(signal.SIGTERM), NODES - 1
         else:
@@ -213,7 +227,7 @@ def run_trial(system: str, scenario: str, rep: int, etcd_endpoint: str, script: 
             start_node(cluster, system, NODES, job, endpoint, src)
             t0 = cluster.nodes[-1].started_at
         trial.t0 = t0
-        timeout = args.stop_timeout if scenario == "sigstop" else args.timeout
+        timeout = args.stop_timeout if scenario in ("sigstop", "hang") else args.timeout
         ranks = src.ranks_per_step(trial.new_world)
         deadline = time.monotonic() + timeout
 
@@ -245,6 +259,31 @@ def run_trial(system: str, scenario: str, rep: int, etcd_endpoint: str, script: 
                                            records, src.is_bench)
         (workdir / "trial.json").write_text(json.dumps(asdict(trial), indent=1))
     return trial
+
+
+def worker_pids(node: NodeProc) -> list[int]:
+    """The training workers in a launcher's tree (not its idle warm standbys): processes
+    started with torch's per-worker ``RANK`` in their environment, and standbys the agent
+    handed a worker's place (its ``standby_handed_over`` lines)."""
+    tree = set(node.tree())
+    handed = {int(m.group(1)) for _, text in node.lines
+              if "standby_handed_over" in text and (m := HANDED_OVER_PID.search(text))}
+    out = []
+    for pid in sorted(tree - {node.pid}):
+        try:
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if pid in handed or any(e.startswith(b"RANK=") for e in env):
+            out.append(pid)
+    return out
+
+
+def signal_pid(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
 
 
 def analyse(trial: Trial, records: list[dict], t0: float, ranks: int,

@@ -220,8 +220,9 @@ class Progress(_Record):
 class Beat(_Record):
     """``/elasticd/<job>/beats/<node>``: a node's liveness and its own newest step.
 
-    Written by every agent every few seconds on its lease, and watched by no agent (only
-    `elasticd status` reads it), so a beat costs one write per node, not one event per
+    Written by every agent every few seconds on its lease (and on a change of its step or
+    activity, at most once a second), watched by no agent (the coordinator reads them
+    with one range read a second, `elasticd status` too), so a beat costs one write per node, not one event per
     node per peer: the node record under ``nodes/``, which every peer watches, changes
     only when the node's state does.
     """
@@ -230,6 +231,14 @@ class Beat(_Record):
     round: int = -1
     step: int = -1  # the newest step its workers reported (-1: none yet)
     local_world_size: int = 0
+    # What its workers do (``hangs.WorkerActivity`` value, from /proc; "" if not sampled)
+    # and its recent seconds per step (0: not known): the coordinator's hang and straggler
+    # facts. The beat is rewritten when they or the step change, at most once a second.
+    activity: str = ""
+    step_s: float = 0.0
+    # The share of its recent wall time its workers worked rather than waited in a
+    # collective (``agent.stragglers.BusyShare``): step_s x busy_share is its own step time.
+    busy_share: float = 0.0
 
 
 @dataclass(frozen=True)

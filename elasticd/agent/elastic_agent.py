@@ -87,7 +87,8 @@ class ElasticdAgent(LocalElasticAgent):
         self.standby = standby if standby is not None else StandbyPool(settings.warm_start, control.dir)
         self.standbys = StandbyCare(settings, handler, control, self.standby, self._worker_pids, self._log)
         self.ticks = TickWriter(settings, handler, control, recorder, self._worker_group,
-                                metrics=metrics, notifier=notifier, log=self._log)
+                                metrics=metrics, notifier=notifier, log=self._log,
+                                worker_pids=self._worker_pids)
         self._worker_envs: dict[int, dict[str, str]] = {}
         self._group_started_at = 0.0
         self._done_checked_at = 0.0  # throttle of the done-marker look while workers run
@@ -291,6 +292,8 @@ class ElasticdAgent(LocalElasticAgent):
             drain_deadline_passed=phase.draining and phase.deadline_passed(now),
             stopped_for_drain=bool(self.control.stopped_markers()) if look_for_markers else False,
             lease_lost=self.handler.lease_lost.is_set(),
+            ejected=(waiting.reason if waiting is not None and waiting.kind is MembershipChange.MEMBER_HUNG
+                     and self.handler.node_id in waiting.nodes else ""),
             nodes_waiting=nodes_waiting,
             membership=waiting.kind if waiting is not None and nodes_waiting else MembershipChange.NONE,
             membership_reason=waiting.reason if waiting is not None and nodes_waiting else "",
@@ -393,6 +396,9 @@ class ElasticdAgent(LocalElasticAgent):
             return False
         if v is Verdict.FENCE:
             self._fence(decision.reason)
+            return False
+        if v is Verdict.EJECTED:
+            self._ejected(decision.reason)
             return False
         if v is Verdict.RESTART_MEMBERSHIP:
             self.phase = self.phase.fault(time.monotonic())
@@ -518,6 +524,30 @@ class ElasticdAgent(LocalElasticAgent):
         self._worker_group.state = WorkerState.STOPPED
         self._log.warning("lease_lost", message=msg)
         self._initialize_workers(self._worker_group)  # re-registers a new lease first
+
+    def _ejected(self, reason: str) -> None:
+        """The coordinator ejected us (our workers hang the job): kill them, rejoin cold.
+
+        SIGKILL to each worker's whole process group (its own session): a stopped
+        (SIGSTOPped) or GIL-bound worker never honours a SIGTERM, and its children (data
+        loaders) must not outlive it. No restart budget: a membership change. We rejoin
+        the round after the one the others re-formed in (``protocol.ejected``).
+        """
+        self._dump_stacks()  # where they hung, in the workers' stderr (a SIGSTOPped one: none)
+        self.recorder.event("hung", f"node {self.handler.node_id} ejected: {reason}",
+                            node=self.handler.node_id, round=self.handler.round)
+        self._log.warning("node_ejected", reason=reason, round=self.handler.round)
+        self._close_workers(signal.SIGKILL, timeout_s=1)  # torch's close: killpg of each worker
+        self.phase = self.phase.fault(time.monotonic())
+        # Rejoin once our next workers can start at once: the members park for a joiner
+        # and wait for its workers, so a cold import (seconds to tens of seconds) would
+        # stall the whole job again (the others train at world N-1 meanwhile).
+        n = self._worker_group.spec.local_world_size
+        if self.standby.enabled:
+            self.standby.fill(dict(self._worker_envs), urgent=True)  # nothing of ours trains
+            self.standby.hurry()  # a refill started beside the workers imports at nice 19
+            self.standbys.wait_for_standbys(n, lambda: self.stop_signals > 0)
+        self._restart("hang", reason)
 
     def _flush_commits(self, why: str, timeout_s: float) -> None:
         """Wait (bounded) for checkpoint commits etcd has not answered yet.

@@ -8,6 +8,8 @@ with a human-readable reason. Policy in one line each:
 - A worker failure spends one unit, after an exponential backoff; only the node whose
   failure came first (the root cause) spends it, its peers' failures are membership.
 - A hang (no rank advanced for ``hang_timeout_s`` after the first step) is a failure.
+- Ejected by the coordinator (our workers hung the job: ``agent.hangs``): kill them now
+  and rejoin cold, a membership change (no budget spent); the others re-form without us.
 - A drain stops at the next step boundary; a second signal or the grace period running
   out stops hard.
 - A scale-up (only new nodes wait to join) is a *resize*: workers that call
@@ -69,6 +71,7 @@ class Verdict(enum.Enum):
     RESTART_FAILURE = "restart_failure"  # back off, spend budget, re-rendezvous
     ATTRIBUTE = "attribute"  # a failure: wait for peers' reports before deciding
     FENCE = "fence"  # our lease is gone: kill workers now, rejoin as a new member
+    EJECTED = "ejected"  # the coordinator ejected us (hung): kill workers now, rejoin cold
     LEAVE = "leave"  # drained: leave the rendezvous and exit 0
     HARD_STOP = "hard_stop"  # drain grace over / second signal: kill workers, leave
     STOP_NOW = "stop_now"  # stop requested, workers cannot drain: SIGTERM them (briefly), leave
@@ -97,7 +100,7 @@ class GroupState(enum.Enum):
 _FAILED = (GroupState.FAILED, GroupState.UNHEALTHY)
 # A peer's drain or a departure our workers may already be saving for (see _membership_changed).
 _AFTER_AGREED_STOP = (MembershipChange.NEWER_ROUND, MembershipChange.MEMBER_LOST,
-                      MembershipChange.MEMBER_LEFT)
+                      MembershipChange.MEMBER_LEFT, MembershipChange.MEMBER_HUNG)
 
 
 class LivePhase(enum.Enum):
@@ -138,6 +141,8 @@ class Facts:
     # HEALTHY (looked at only while nodes wait) they are stopping, saving a checkpoint.
     stopped_for_drain: bool = False
     lease_lost: bool = False
+    # Non-empty when the coordinator ejected this node (its workers hang the job): why.
+    ejected: str = ""
     nodes_waiting: int = 0
     # Kind of membership change while nodes_waiting > 0 (NONE otherwise).
     membership: MembershipChange = MembershipChange.NONE
@@ -188,7 +193,8 @@ _LIVE_MAY_ACT = (Verdict.CONTINUE, Verdict.RESTART_MEMBERSHIP, Verdict.START_RES
                  Verdict.ATTRIBUTE)
 _MEMBERSHIP_VERDICTS = (Verdict.RESTART_MEMBERSHIP, Verdict.START_RESIZE)
 # A second change during a re-formation that the new group cannot survive.
-_GROUP_CANNOT_FORM = (MembershipChange.MEMBER_LOST, MembershipChange.NEWER_ROUND)
+_GROUP_CANNOT_FORM = (MembershipChange.MEMBER_LOST, MembershipChange.NEWER_ROUND,
+                      MembershipChange.MEMBER_HUNG)
 
 
 def decide(f: Facts) -> Decision:
@@ -256,6 +262,11 @@ def _decide_restart(f: Facts) -> Decision:
     """The restart policy (no live re-formation). Precedence is top to bottom."""
     if f.lease_lost:
         return Decision(Verdict.FENCE, "lease lost: the job moved on without us; rejoining")
+    if f.ejected and not f.drain_signals and f.group_state in (GroupState.HEALTHY, *_FAILED):
+        # Hung workers reach no step boundary. A stop signal goes to the drain below
+        # instead (it leaves; the others already re-form without us).
+        return Decision(Verdict.EJECTED, f"ejected by the job: {f.ejected}; killing our "
+                        "workers, rejoining cold")
     if f.draining and (f.drain_signals >= 2 or f.drain_deadline_passed):
         why = "second stop signal" if f.drain_signals >= 2 else "drain grace period over"
         return Decision(Verdict.HARD_STOP, f"{why}: stopping workers hard")

@@ -116,7 +116,8 @@ class JobRecorder:
             self._last_progress, self._last_progress_at = prog, now
             self.history.append(now, step, world_size, prog.samples_per_s, rnd, loss)
 
-    def beat(self, step: int, local_world_size: int) -> None:
+    def beat(self, step: int, local_world_size: int, *, activity: str = "",
+             step_s: float = 0.0, busy_share: float = 0.0) -> None:
         """Write this node's beat (``beats/<node>``, on its lease; see ``records.Beat``).
 
         Best effort: a beat that fails is the next one's job, and a lost lease is the
@@ -126,7 +127,8 @@ class JobRecorder:
         if not lease:
             return
         rnd = self.session.round if self.session.round is not None else -1
-        beat = Beat(at=time.time(), round=rnd, step=step, local_world_size=local_world_size)
+        beat = Beat(at=time.time(), round=rnd, step=step, local_world_size=local_world_size,
+                    activity=activity, step_s=round(step_s, 4), busy_share=round(busy_share, 3))
         try:
             self.client.put(self.keys.beat(self.session.node_id), beat.to_json(), lease=lease)
         except Exception as exc:  # noqa: BLE001 - unreachable, or the lease just expired

@@ -196,6 +196,20 @@ def _spare_observer(metrics: AgentMetrics | None) -> Callable[[bool], None] | No
     return observe
 
 
+def _straggler_observer(metrics: AgentMetrics | None,
+                        recorder: JobRecorder) -> Callable[[dict[str, float]], None]:
+    """The handler's ``on_stragglers`` (the coordinator's thread): metrics and an event."""
+
+    def observe(flagged: dict[str, float]) -> None:
+        if metrics is not None:
+            metrics.set_stragglers(flagged)
+        for node, ratio in sorted(flagged.items()):
+            recorder.event("straggler", f"node {node} is a straggler: its own step time is "
+                           f"{ratio:.2f}x the members' median", node=node, ratio=ratio)
+
+    return observe
+
+
 def run_node(spec: NodeSpec, early: EarlyStart | None = None, arrival: EarlyArrival | None = None) -> int:
     """Run this node until the job finishes, this node drains, or it gives up.
 
@@ -372,6 +386,7 @@ def run_node(spec: NodeSpec, early: EarlyStart | None = None, arrival: EarlyArri
         if agent.notifier is not None:
             handler.on_wait = agent.notifier.watchdog
         handler.on_spare = _spare_observer(metrics)
+        handler.on_stragglers = _straggler_observer(metrics, recorder)
         handler.on_members_lost = lambda lost, rnd: _record_lost(recorder, handler, lost, rnd)
         if spec.preemption is not None:
             spec.preemption.start(lambda notice: _on_notice(agent, recorder, notice))

@@ -9,13 +9,17 @@ nothing else.
 
 from __future__ import annotations
 
+from collections import deque
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import structlog
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
 
+from elasticd.agent.hangs import ProcActivity, WorkerActivity
 from elasticd.agent.policy import Facts, GroupState
 from elasticd.agent.recorder import JobRecorder
+from elasticd.agent.stragglers import BusyShare
 from elasticd.agent.summary import first_failure
 from elasticd.agent.supervision import AgentPhase, SupervisionSettings
 from elasticd.control import ControlChannel
@@ -25,6 +29,38 @@ from elasticd.rendezvous.etcd_handler import EtcdRendezvousHandler
 if TYPE_CHECKING:
     from elasticd.agent.sdnotify import SystemdNotifier
     from elasticd.status.metrics import AgentMetrics
+
+# The beat is rewritten on a change of the step or the workers' activity, at most this
+# often (the coordinator's hang facts); unchanged, every ``beat_interval_s``.
+BEAT_MIN_INTERVAL_S = 1.0
+ACTIVITY_SAMPLE_S = 0.5  # /proc is read at most this often
+STEP_WINDOW_S = 10.0  # the node's step time is measured over this window
+
+
+class StepClock:
+    """A node's recent seconds per step, from when its newest step changed (pure memory)."""
+
+    def __init__(self, window_s: float = STEP_WINDOW_S) -> None:
+        self.window_s = window_s
+        self._marks: deque[tuple[float, int]] = deque()
+
+    def observe(self, step: int, now: float) -> None:
+        if step < 0:
+            self._marks.clear()
+            return
+        if self._marks and step < self._marks[-1][1]:
+            self._marks.clear()  # a new worker group resumed from an older step
+        if not self._marks or step > self._marks[-1][1]:
+            self._marks.append((now, step))
+        while len(self._marks) > 2 and now - self._marks[0][0] > self.window_s:
+            self._marks.popleft()
+
+    def step_s(self) -> float:
+        """Seconds per step over the window (0.0: fewer than two steps seen)."""
+        if len(self._marks) < 2:
+            return 0.0
+        (t0, s0), (t1, s1) = self._marks[0], self._marks[-1]
+        return (t1 - t0) / (s1 - s0)
 
 
 class TickWriter:
@@ -39,12 +75,14 @@ class TickWriter:
         metrics: the agent's Prometheus metrics, or None.
         notifier: the systemd notifier, or None.
         log: the agent's bound logger.
+        worker_pids: the running workers' pids by local rank (their activity in the beat).
     """
 
     def __init__(self, settings: SupervisionSettings, handler: EtcdRendezvousHandler,
                  control: ControlChannel, recorder: JobRecorder, group: WorkerGroup, *,
                  metrics: AgentMetrics | None, notifier: SystemdNotifier | None,
-                 log: structlog.typing.FilteringBoundLogger) -> None:
+                 log: structlog.typing.FilteringBoundLogger,
+                 worker_pids: Callable[[], dict[int, int]] = dict) -> None:
         self.settings = settings
         self.handler = handler
         self.control = control
@@ -55,6 +93,13 @@ class TickWriter:
         self._log = log
         self.phase = AgentPhase()  # of the tick being recorded (see record)
         self.last_heartbeat = 0.0
+        self.worker_pids = worker_pids
+        self.activity = ProcActivity()
+        self.steps = StepClock()
+        self.busy = BusyShare()
+        self._activity = WorkerActivity.UNKNOWN
+        self._activity_at = 0.0
+        self._beaten: tuple[int, int | None, WorkerActivity] | None = None  # step, round, activity
 
     def record(self, facts: Facts, result: RunResult, phase: AgentPhase, now: float) -> AgentPhase:
         """The tick's writes, before its verdict is carried out: a failure's first sight
@@ -101,10 +146,23 @@ class TickWriter:
             if self.metrics is not None:
                 self.metrics.observe_recovery_s(now - fault_at)
             self.phase = self.phase.recovered()
-        if now - self.last_heartbeat >= self.settings.beat_interval_s:
+        step = board.max_step()
+        self.steps.observe(step, now)
+        pids = list(self.worker_pids().values())
+        self.busy.observe(self.activity.states(pids) if step >= 0 else [], now)
+        if now - self._activity_at >= ACTIVITY_SAMPLE_S:
+            self._activity_at = now
+            self._activity = self.activity.sample(pids, now)
+        facts = (step, self.handler.round, self._activity)
+        since = now - self.last_heartbeat
+        if since >= self.settings.beat_interval_s or (
+                facts != self._beaten and since >= BEAT_MIN_INTERVAL_S):
             # The beat, not the node record: peers watch nodes/, so a periodic record
-            # rewrite would cost every peer an event; nobody watches beats/.
+            # rewrite would cost every peer an event; nobody watches beats/ (the
+            # coordinator reads them: its hang facts, rendezvous/coordinator.py).
             self.last_heartbeat = now
-            self.recorder.beat(board.max_step(), wg.spec.local_world_size)
+            self._beaten = facts
+            self.recorder.beat(step, wg.spec.local_world_size, activity=self._activity.value,
+                               step_s=self.steps.step_s(), busy_share=self.busy.share())
         if self.notifier is not None:
             self.notifier.watchdog()

@@ -227,6 +227,22 @@ class StandbyPool:
         """``{local_rank: pid}`` of the standbys held now."""
         return {r: sb.proc.pid for r, sb in self._slots.items()}
 
+    def hurry(self) -> None:
+        """Let the standbys still importing at low priority (a refill beside training
+        workers) finish at the agent's: no worker of this node trains any more (it was
+        ejected as hung) and its rejoin waits for them. Best effort (root only lowers)."""
+        niceness = os.getpriority(os.PRIO_PROCESS, 0)
+        for sb in self._slots.values():
+            try:
+                tids = os.listdir(f"/proc/{sb.proc.pid}/task")
+            except OSError:
+                continue
+            for tid in tids:
+                try:
+                    os.setpriority(os.PRIO_PROCESS, int(tid), niceness)
+                except (OSError, ValueError):
+                    pass
+
     def take(self, local_rank: int, args: tuple[str, ...], env: Mapping[str, str],
              stdout: str | None, stderr: str | None) -> subprocess.Popen[bytes] | None:
         """Hand a worker to this rank's standby; None if it cannot be used (start cold).

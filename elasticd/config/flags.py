@@ -97,6 +97,14 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--global-batch", "rendezvous.global_batch_size",
          "valid node counts are those whose workers split this global batch evenly "
          "(0 = no such rule)", metavar="N"),
+    Flag("--hang-eject", "rendezvous.hang_eject_s",
+         "eject a node whose workers hang the job after this long without progress "
+         "(at least 5 step times; 0=off), s", metavar="S"),
+    Flag("--straggler-factor", "rendezvous.straggler_factor",
+         "flag a node whose own step time stays this many times the median's (0=off)",
+         metavar="X"),
+    Flag("--straggler-window", "rendezvous.straggler_window_s",
+         "... for this long before it is flagged, s", metavar="S"),
     Flag("--nproc-per-node", "workers.nproc_per_node", "workers on this node: N, 'gpu' or 'auto'",
          metavar="N"),
     Flag("--workdir", "workers.workdir", "working directory of the workers", metavar="DIR"),

@@ -247,6 +247,15 @@ MAX_NPROC_PER_NODE = 1024  # the control channel's bound on local ranks
 MIN_HANG_TIMEOUT_S = 1.0
 
 
+def straggler_factor(value: Any, text: bool) -> float:
+    """0 (off) or a factor above 1: a node this many times slower than the median."""
+    factor = number(0, hi=100)(value, text)
+    if 0 < factor <= 1:
+        raise ValueError(f"{factor:g} would flag healthy nodes: give a factor above 1 "
+                         "(e.g. 1.25), or 0 to turn straggler detection off")
+    return factor
+
+
 def hang_timeout(value: Any, text: bool) -> float:
     """0 (off), or a timeout of at least ``MIN_HANG_TIMEOUT_S`` and at most 30 days:
     ``1e-300`` would restart every healthy worker group at its first monitor tick."""
@@ -399,6 +408,9 @@ KEYS: dict[str, Key] = {
         Key("rendezvous", "liveness_probe", boolean, True, "liveness_probe = false"),
         Key("rendezvous", "valid_sizes", node_counts, None, "valid_sizes = [2, 4, 8]"),
         Key("rendezvous", "global_batch_size", integer(0), 0, "global_batch_size = 256"),
+        Key("rendezvous", "hang_eject_s", number(0, hi=3600), 2.0, "hang_eject_s = 2"),
+        Key("rendezvous", "straggler_factor", straggler_factor, 1.25, "straggler_factor = 1.25"),
+        Key("rendezvous", "straggler_window_s", number(1, hi=86400), 30.0, "straggler_window_s = 30"),
         Key("workers", "command", command, REQUIRED, 'command = ["train.py", "--epochs", "10"]'),
         Key("workers", "nproc_per_node", nproc, 1, 'nproc_per_node = "gpu"'),
         Key("workers", "workdir", optional_string, None, 'workdir = "/srv/train"'),

@@ -18,6 +18,11 @@ A SIGKILLed holder keeps the key until its lease expires; a node waiting in an o
 probes the holder (liveness.py) and, once it is proven gone, deletes the key (compared on
 its mod_revision; the lease is left alone), so the election runs at once.
 
+Hangs: while a round is final, the holder reads every member's beat (one range read,
+at most every ``_HANG_LOOK_S``) into a ``HangWatch`` and, when ``find_hung`` names a
+member, opens the next round with cause ``member_hung`` naming it (``hang_eject_s``;
+agent/hangs.py, docs/failure-model.md "Hung node").
+
 All of this runs on one daemon thread per handler; it never blocks the agent's loop.
 """
 
@@ -29,12 +34,14 @@ from collections.abc import Callable
 
 import structlog
 
+from elasticd.agent.hangs import HangWatch, WorkerActivity
+from elasticd.agent.stragglers import StragglerWatch
 from elasticd.errors import EtcdUnavailableError, LeaseLostError, TransientError
 from elasticd.etcd.client import EtcdClient
 from elasticd.etcd.txn import CreateRevision, Delete, ModRevision, Put
 from elasticd.etcd.watch import PrefixWatch
 from elasticd.keys import JobKeys
-from elasticd.records import AttributionRecord, WaitingRecord
+from elasticd.records import AttributionRecord, Beat, RecordError, WaitingRecord
 from elasticd.rendezvous.liveness import REPROBE_S, MemberProbes, PeerProber
 from elasticd.rendezvous.protocol import (
     Action,
@@ -50,6 +57,7 @@ from elasticd.rendezvous.view import WatchedView
 log = structlog.get_logger(__name__)
 
 _TICK_S = 1.0  # look again at least this often (a lost wake-up, a WAIT without until)
+_HANG_LOOK_S = 0.5  # read the members' beats at most this often (hang detection)
 
 
 class RoundCoordinator:
@@ -68,6 +76,9 @@ class RoundCoordinator:
         holder_probes: probes the holder of ``rdzv/coordinator`` while we wait in an open
             round it should close (reads its record from etcd); None: never probe.
         finishing: set once this node's workers completed the job (``decide_coordination``).
+        hang_eject_s: the shortest stall after which a hung member is ejected (0: never).
+        stragglers: the straggler rule's memory (factor, window); None: never flag.
+        on_stragglers: called with the flagged members (node -> ratio) when they change.
     """
 
     def __init__(self, client: EtcdClient, keys: JobKeys, session: NodeSession, view: WatchedView, *,
@@ -79,7 +90,9 @@ class RoundCoordinator:
                  defer_lost_until: Callable[[RendezvousView], float | None],
                  prober: PeerProber | None = None,
                  holder_probes: MemberProbes | None = None,
-                 finishing: threading.Event | None = None) -> None:
+                 finishing: threading.Event | None = None, hang_eject_s: float = 0.0,
+                 stragglers: StragglerWatch | None = None,
+                 on_stragglers: Callable[[dict[str, float]], None] | None = None) -> None:
         self.client = client
         self.keys = keys
         self.session = session
@@ -102,6 +115,13 @@ class RoundCoordinator:
                                         daemon=True)
         self._last_reason = ""
         self._log = log.bind(job=keys.job, node=session.node_id)
+        self.hang_eject_s = hang_eject_s
+        self._hangs = HangWatch()
+        self._hang_looked_at = 0.0
+        self._last_hang_reason = ""
+        self.stragglers = stragglers
+        self.on_stragglers = on_stragglers
+        self._flagged: dict[str, float] = {}
 
     def start(self) -> RoundCoordinator:
         self._thread.start()
@@ -156,13 +176,14 @@ class RoundCoordinator:
                 self.view.set_full(True)  # they connected after _take_up_watches gave up waiting
             return None
         proven = self.view.proven_dead(self.prober.dead()) if self.prober else frozenset()
+        hung, hang_until = self._look_for_hangs(view)
         action = decide_coordination(view, self._memory, me=me, min_nodes=self.min_nodes,
                                      max_nodes=self.max_nodes, valid_sizes=self.valid_sizes,
                                      last_call_timeout_s=self.last_call_timeout_s,
                                      now=time.monotonic(),
                                      defer_lost_until=self._defer_lost_until(view),
                                      proven_dead=proven, start_settle_s=self.start_settle_s,
-                                     finishing=self.finishing.is_set())
+                                     finishing=self.finishing.is_set(), hung=hung)
         if action.reason != self._last_reason:
             # A round closed or opened is a state change (info, with why); waits are chatter.
             level = "info" if action.kind in (ActionKind.FINALIZE, ActionKind.OPEN_NEXT) else "debug"
@@ -174,7 +195,9 @@ class RoundCoordinator:
         if action.kind is ActionKind.FINALIZE:
             self._finalize(action, view, state_rev)
         elif action.kind is ActionKind.OPEN_NEXT:
-            self._open_next(action, view, state_rev)
+            if self._open_next(action, view, state_rev) and action.cause == "member_hung":
+                self._log.warning("member_ejected", ejected=list(action.changed), cause="hung",
+                                  round=action.round, reason=action.reason)
         elif action.kind is ActionKind.ATTRIBUTE:
             verdict = AttributionRecord(action.round, list(action.members))
             self.client.put(self.keys.rdzv_attribution, verdict.to_json())
@@ -190,7 +213,66 @@ class RoundCoordinator:
                 if due is not None:
                     until = due if until is None else min(until, due)
             return until
-        return None
+        return hang_until
+
+    def _look_for_hangs(self, view: RendezvousView) -> tuple[tuple[str, str] | None, float | None]:
+        """Read the members' beats (throttled) and ask ``find_hung``; returns (node,
+        reason) to eject or None, and when to look again (None: no hurry)."""
+        state = view.state
+        watching = self.hang_eject_s > 0 or self.stragglers is not None
+        if not watching or state is None or state.phase != "final" or len(state.members) < 2:
+            return None, None
+        now = time.monotonic()
+        if now - self._hang_looked_at >= _HANG_LOOK_S:
+            self._hang_looked_at = now
+            beats = self._read_beats()
+            self._hangs.observe(state.round, state.members, {n: b[:4] for n, b in beats.items()}, now)
+            self._look_for_stragglers(state.round, state.members, beats, now)
+        if self.hang_eject_s <= 0:
+            return None, None
+        verdict = self._hangs.verdict(state.members, now=now, floor_s=self.hang_eject_s,
+                                      min_nodes=self.min_nodes)
+        if verdict.reason != self._last_hang_reason:
+            self._log.debug("hang_looked", node=verdict.node, reason=verdict.reason)
+            self._last_hang_reason = verdict.reason
+        if not self._hangs.armed(state.members):
+            return None, None
+        again = self._hang_looked_at + _HANG_LOOK_S
+        return ((verdict.node, verdict.reason) if verdict.node else None), again
+
+    def _look_for_stragglers(self, round_: int, members: list[str],
+                             beats: dict[str, tuple[int, int, WorkerActivity, float, float]],
+                             now: float) -> None:
+        """Feed the members' own step times (step_s x busy share) to the straggler rule;
+        report the flagged set when it changes (logged, ``on_stragglers``)."""
+        if self.stragglers is None:
+            return
+        own = {n: b[3] * b[4] for n, b in beats.items() if b[0] == round_ and b[3] > 0 and b[4] > 0}
+        verdict = self.stragglers.observe(round_, members, own, now)
+        flagged = dict(verdict.flagged)
+        if set(flagged) != set(self._flagged):
+            if flagged:
+                self._log.warning("stragglers_flagged", nodes=flagged, reason=verdict.reason)
+            else:
+                self._log.info("stragglers_cleared", reason=verdict.reason)
+            self._flagged = flagged
+            if self.on_stragglers is not None:
+                self.on_stragglers(flagged)
+
+    def _read_beats(self) -> dict[str, tuple[int, int, WorkerActivity, float, float]]:
+        """Every beat under ``beats/``: node -> (round, step, activity, step_s,
+        busy_share); a beat that does not decode is left out (validated, never trusted)."""
+        out: dict[str, tuple[int, int, WorkerActivity, float, float]] = {}
+        kvs, _ = self.client.get_prefix(self.keys.beats_prefix)
+        for kv in kvs:
+            try:
+                beat = Beat.from_json(kv.value)
+                activity = WorkerActivity(beat.activity) if beat.activity else WorkerActivity.UNKNOWN
+            except (RecordError, ValueError):
+                continue
+            out[kv.key.rsplit("/", 1)[-1]] = (beat.round, beat.step, activity, beat.step_s,
+                                              min(max(beat.busy_share, 0.0), 1.0))
+        return out
 
     def _unseat_if_dead(self, holder: str) -> float | None:
         """Delete ``rdzv/coordinator`` if a liveness probe proved its holder gone.

@@ -35,6 +35,7 @@ from torch.distributed.elastic.rendezvous import (
     RendezvousTimeoutError,
 )
 
+from elasticd.agent.stragglers import StragglerWatch
 from elasticd.errors import EtcdUnavailableError, LeaseLostError
 from elasticd.etcd.client import EtcdClient
 from elasticd.etcd.txn import DeleteRange
@@ -146,6 +147,9 @@ class EtcdRendezvousHandler(RendezvousHandler):
         # Called with True when this node starts waiting as a hot spare (the job is full
         # without it), False when it is admitted or stops waiting (metrics).
         self.on_spare: Callable[[bool], None] | None = None
+        # Called (from the coordinator's thread) with the members flagged as stragglers,
+        # node -> own step time / the median's, whenever that set changes.
+        self.on_stragglers: Callable[[dict[str, float]], None] | None = None
         self.spare = False
         self._admitted = False
         # How ``shutdown`` tells the others we went (``left/<round>/<node>``): torch's
@@ -201,7 +205,11 @@ class EtcdRendezvousHandler(RendezvousHandler):
                 open_next=lambda a, v, rev: self._open_next(a, v, rev, time.monotonic() + 10.0),
                 defer_lost_until=self._defer_lost_until, prober=self.prober,
                 holder_probes=MemberProbes(self.prober, self._member_targets),
-                finishing=self._finishing).start()
+                finishing=self._finishing, hang_eject_s=s.hang_eject_s,
+                stragglers=(StragglerWatch(s.straggler_factor, s.straggler_window_s)
+                            if s.straggler_factor > 0 else None),
+                on_stragglers=lambda flagged: self.on_stragglers(flagged)
+                if self.on_stragglers is not None else None).start()
 
     def _refuse_finished_job(self, deadline: float) -> None:
         """A node arriving at a finished job does not run it again (``finished.py``).

@@ -188,7 +188,8 @@ def dropped_members(view: RendezvousView, opened: RoundState,
         members: the members of the round being finalized.
     """
     left = view.left.get(opened.round - 1, {})
-    reported = set(opened.changed) if opened.cause == MembershipChange.MEMBER_LOST.value else set()
+    reported = set(opened.changed) if opened.cause in (MembershipChange.MEMBER_LOST.value,
+                                                       MembershipChange.MEMBER_HUNG.value) else set()
     # A previous member that joined the round but was left out is alive: it waits as a
     # spare (an invalid world size, ``valid_sizes``), it was not lost.
     joined = set(view.joins.get(opened.round, ()))
@@ -343,7 +344,10 @@ def _close_open_round(view: RendezvousView, state: RoundState, min_reached_at: d
     wait as spares (they are in the next round).
     """
     r = state.round
-    joined = [n for n in view.joins.get(r, ()) if n in view.alive]
+    # Nodes ejected when this round was opened (hung) neither join it nor hold its last
+    # call: their agents kill their workers and join the next round, cold.
+    out = set(ejected(state))
+    joined = [n for n in view.joins.get(r, ()) if n in view.alive and n not in out]
     full_at = largest_size(valid_sizes, max_nodes)
 
     def admit(nodes: Sequence[str]) -> tuple[str, ...]:
@@ -358,7 +362,7 @@ def _close_open_round(view: RendezvousView, state: RoundState, min_reached_at: d
     if len(joined) >= min_nodes:
         first = min_reached_at.setdefault(r, now)
         settled = first + (start_settle_s if not state.members else 0.0)
-        stragglers = sorted(view.alive - set(joined) - proven_dead)
+        stragglers = sorted(view.alive - set(joined) - proven_dead - out)
         if not stragglers:
             if now < settled:
                 return Action(ActionKind.WAIT, f"round {r}: {len(joined)} joined, first round "
@@ -394,6 +398,8 @@ class MembershipChange(enum.Enum):
     NEWER_ROUND = "newer_round"  # someone else opened a round after ours
     MEMBER_LOST = "member_lost"  # a member of our round has no live lease (and did not leave)
     MEMBER_LEFT = "member_left"  # a member of our round drained and left cleanly
+    # the coordinator ejected a member whose workers hang the job (agent.hangs.find_hung)
+    MEMBER_HUNG = "member_hung"
     JOIN = "join"  # only new nodes wait to join: nobody was lost (a scale-up)
     LEASE_LOST = "lease_lost"  # (handler only) this node's own lease is gone
 
@@ -455,9 +461,19 @@ def nodes_waiting(view: RendezvousView, my_round: int, *, max_nodes: int,
     return Waiting()
 
 
-_CAUSES = {c.value: c for c in (MembershipChange.MEMBER_LOST, MembershipChange.MEMBER_LEFT)}
+_CAUSES = {c.value: c for c in (MembershipChange.MEMBER_LOST, MembershipChange.MEMBER_LEFT,
+                                MembershipChange.MEMBER_HUNG)}
 _CAUSE_WORDS = {MembershipChange.MEMBER_LOST: "members lost",
-                MembershipChange.MEMBER_LEFT: "members left"}
+                MembershipChange.MEMBER_LEFT: "members left",
+                MembershipChange.MEMBER_HUNG: "members hung (ejected)"}
+
+
+def ejected(state: RoundState | None) -> tuple[str, ...]:
+    """The nodes the coordinator ejected from the job when it opened ``state`` (a hang):
+    they take no part in that round; they rejoin the one after. Pure."""
+    if state is None or state.cause != MembershipChange.MEMBER_HUNG.value:
+        return ()
+    return tuple(state.changed)
 
 
 @dataclass
@@ -472,7 +488,8 @@ def decide_coordination(view: RendezvousView, memory: CoordinatorMemory, *, me: 
                         defer_lost_until: float | None = None,
                         proven_dead: frozenset[str] = frozenset(),
                         start_settle_s: float = 0.0, finishing: bool = False,
-                        valid_sizes: Sequence[int] = ALL_SIZES) -> Action:
+                        valid_sizes: Sequence[int] = ALL_SIZES,
+                        hung: tuple[str, str] | None = None) -> Action:
     """The coordinator's duty, run whenever its full view changes. Pure.
 
     Closes an open round exactly when a joined node of the old protocol would (max
@@ -495,6 +512,9 @@ def decide_coordination(view: RendezvousView, memory: CoordinatorMemory, *, me: 
         finishing: the coordinator's own workers completed the job (its agent is closing
             it): no round is opened or announced any more, whatever was lost meanwhile.
         valid_sizes: the node counts a round may form at (empty: every size in min..max).
+        hung: (node, reason) when ``agent.hangs.find_hung`` named a member of the final
+            round that hangs the job: with no other change, the next round is opened with
+            cause ``member_hung`` naming it (it is ejected: ``ejected``).
 
     Returns:
         FINALIZE, OPEN_NEXT (with ``cause``/``changed``), ANNOUNCE (``members`` = the
@@ -526,6 +546,13 @@ def decide_coordination(view: RendezvousView, memory: CoordinatorMemory, *, me: 
         return Action(ActionKind.ATTRIBUTE, f"round {r}: every member reported a worker "
                       f"failure, {reporters[0]} first", round=r, members=reporters)
     change = nodes_waiting(view, r, max_nodes=max_nodes, valid_sizes=valid_sizes)
+    if hung is not None and hung[0] in state.members and len(state.members) > 1 \
+            and change.kind in (MembershipChange.NONE, MembershipChange.JOIN):
+        # Before a join: the members cannot park for joiners while one of them hangs.
+        # A loss or a leave opens the next round anyway (the hang may be its consequence).
+        return Action(ActionKind.OPEN_NEXT, f"round {r}: {hung[0]} hangs the job ({hung[1]}): "
+                      f"ejecting it, opening round {r + 1}", round=r + 1,
+                      cause=MembershipChange.MEMBER_HUNG.value, changed=(hung[0],))
     if change.kind is MembershipChange.NONE:
         if view.announced is not None and view.announced[0] == r + 1 and view.announced[1]:
             # The announced joiners vanished (or there is no room any more): withdraw, or

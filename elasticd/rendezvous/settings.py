@@ -32,6 +32,11 @@ class RendezvousSettings:
     election_timeout_s: float = 1.0  # the etcd members' --election-timeout (outage grace)
     # Hold a liveness listener and probe stragglers/peers (elasticd.rendezvous.liveness).
     liveness_probe: bool = True
+    # The shortest stall after which the coordinator ejects a hung member (0: never).
+    hang_eject_s: float = 2.0
+    # Straggler detection (agent/stragglers.py): the factor (0: off) and the window.
+    straggler_factor: float = 1.25
+    straggler_window_s: float = 30.0
     # The digest of this agent's job fingerprint, carried in its node record (admission).
     fingerprint: str = ""
     # The node counts a round may form at (rendezvous.sizes); empty: every size in min..max.
@@ -60,7 +65,9 @@ class RendezvousSettings:
                    close_timeout_s=r.close_timeout_s, store_timeout_s=r.store_timeout_s,
                    local_addr=cfg.node.local_addr,
                    election_timeout_s=cfg.etcd.election_timeout_s,
-                   liveness_probe=r.liveness_probe, valid_sizes=valid)
+                   liveness_probe=r.liveness_probe, valid_sizes=valid,
+                   hang_eject_s=r.hang_eject_s, straggler_factor=r.straggler_factor,
+                   straggler_window_s=r.straggler_window_s)
 
 
 def default_node_id() -> str:

@@ -9,6 +9,8 @@ Exposed series (all prefixed ``elasticd_``)::
 
     round, world_size                          gauges of the current round
     spare                                      1 while this node waits as a hot spare
+    straggler_ratio{node}                      a flagged straggler's own step time / the
+                                               median's (set by the coordinating node)
     restarts_total{cause}                      cause in failure | membership | hang
     rendezvous_duration_seconds                histogram: join -> round final
     recovery_duration_seconds                  histogram: fault detected -> training again
@@ -108,6 +110,11 @@ class AgentMetrics:
         self.spare = Gauge("elasticd_spare",
                            "1 while this node waits as a hot spare (the job is full without it)",
                            registry=r)
+        self.straggler_ratio = Gauge("elasticd_straggler_ratio",
+                                     "A member flagged as a straggler: its own step time over "
+                                     "the members' median (exported by the coordinating node)",
+                                     ["node"], registry=r)
+        self._stragglers: set[str] = set()
         self.step = Gauge("elasticd_training_step", "Last training step reported", registry=r)
         self.steps_per_s = Gauge("elasticd_training_steps_per_second",
                                  "Training steps per second (averaged)", registry=r)
@@ -146,6 +153,14 @@ class AgentMetrics:
 
     def set_world_size(self, n: int) -> None:
         self.world_size.set(n)
+
+    def set_stragglers(self, flagged: dict[str, float]) -> None:
+        """The members flagged as stragglers now (node -> ratio); the others' series go."""
+        for node in self._stragglers - set(flagged):
+            self.straggler_ratio.remove(node)
+        for node, ratio in flagged.items():
+            self.straggler_ratio.labels(node=node).set(ratio)
+        self._stragglers = set(flagged)
 
     def set_spare(self, spare: bool) -> None:
         """This node waits as a hot spare (True) or is a member / joining (False)."""

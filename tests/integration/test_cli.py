@@ -19,6 +19,7 @@ NODE_FLAGS = ["--standalone", "--job", "--nnodes", "--checkpoint-url", "--resume
               "--etcd-insecure-plaintext-auth", "--etcd-timeout", "--etcd-connect-timeout", "--etcd-election-timeout", "--etcd-data-dir", "--node-id",
               "--local-addr", "--node-ttl", "--join-timeout", "--last-call-timeout", "--start-settle",
               "--close-timeout", "--store-timeout", "--no-liveness-probe", "--valid-sizes", "--global-batch",
+              "--hang-eject", "--straggler-factor", "--straggler-window",
               "--nproc-per-node", "--workdir", "--monitor-interval", "--hang-timeout",
               "--no-warm-start", "--no-live-reform", "--live-reform-timeout", "--workers-user", "--max-restarts", "--restart-backoff", "--restart-backoff-max",
               "--drain-grace", "--resize-grace", "--plain-stop", "--done-exit", "--preemption", "--preemption-url",

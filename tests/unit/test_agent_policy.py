@@ -236,3 +236,18 @@ def test_a_failure_that_repeats_before_any_step_is_not_retried():
 def test_a_failure_that_did_not_repeat_at_start_up_spends_the_budget(change):
     """A first failure, a different one, or one after start-up: restarted as before."""
     assert decide(replace(FAILED_AT_START, **change)).verdict is Verdict.RESTART_FAILURE
+
+
+def test_an_ejected_node_kills_its_workers_and_rejoins_without_spending_the_budget():
+    """The coordinator ejected us (hung): EJECTED, ahead of live re-formation and of the
+    restart policy; a stop signal still drains instead."""
+    from elasticd.agent.policy import LiveFacts
+
+    f = replace(HEALTHY, ejected="round 4 opened: members hung (ejected): n2", nodes_waiting=1,
+                membership=MembershipChange.MEMBER_HUNG, live=LiveFacts(), remaining_restarts=0)
+    d = decide(f)
+    assert d.verdict is Verdict.EJECTED and "n2" in d.reason
+    assert decide(replace(f, drain_signals=1)).verdict is not Verdict.EJECTED
+    # The others see the same change as a membership change: re-form live.
+    others = replace(f, ejected="")
+    assert decide(others).verdict is Verdict.REFORM_LIVE

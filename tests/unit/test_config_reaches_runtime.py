@@ -89,6 +89,12 @@ def _rows(tmp_path) -> dict[str, tuple[dict[str, Any], Check, Any]]:
         "rendezvous.global_batch_size": ({"job.nnodes": "1:4", "workers.nproc_per_node": "2",
                                           "rendezvous.global_batch_size": "8"},
                                          lambda s: s.rendezvous.valid_sizes, (1, 2, 4)),
+        "rendezvous.hang_eject_s": ({"rendezvous.hang_eject_s": "7"},
+                                    lambda s: s.rendezvous.hang_eject_s, 7.0),
+        "rendezvous.straggler_factor": ({"rendezvous.straggler_factor": "1.5"},
+                                        lambda s: s.rendezvous.straggler_factor, 1.5),
+        "rendezvous.straggler_window_s": ({"rendezvous.straggler_window_s": "60"},
+                                          lambda s: s.rendezvous.straggler_window_s, 60.0),
         "workers.command": ({"workers.command": "other.py --x 1"}, lambda s: s.command,
                             ("other.py", "--x", "1")),
         "workers.nproc_per_node": ({"workers.nproc_per_node": "3"}, lambda s: s.nproc_per_node, 3),
@@ -194,6 +200,9 @@ def test_runtime_defaults_equal_the_schema():
     assert rdzv["store_timeout_s"] == d["rendezvous.store_timeout_s"]
     assert rdzv["liveness_probe"] == d["rendezvous.liveness_probe"]
     assert rdzv["valid_sizes"] == () and d["rendezvous.valid_sizes"] is None  # None: all sizes
+    assert rdzv["hang_eject_s"] == d["rendezvous.hang_eject_s"]
+    assert rdzv["straggler_factor"] == d["rendezvous.straggler_factor"]
+    assert rdzv["straggler_window_s"] == d["rendezvous.straggler_window_s"]
     assert rdzv["election_timeout_s"] == d["etcd.election_timeout_s"]
     assert node["log_format"] == d["logging.format"] and node["log_level"] == d["logging.level"]
     assert node["metrics_addr"] == d["metrics.addr"]

@@ -880,3 +880,52 @@ def test_a_whole_round_lost_at_once_is_presumed_an_etcd_outage():
     assert presumed_outage(["a"], state, saw_trouble=True)
     assert not presumed_outage([], state, saw_trouble=True)
     assert not presumed_outage(["a", "b"], open_(1, ["a", "b"]), saw_trouble=False)
+
+
+# --- hang ejection (issue 24 item 3) -------------------------------------------------------
+
+
+def _hung_coordinate(v: RendezvousView, hung, **kw) -> Action:
+    return decide_coordination(v, CoordinatorMemory(), me="c", min_nodes=1, max_nodes=4,
+                               last_call_timeout_s=5.0, now=NOW, hung=hung, **kw)
+
+
+def test_a_hung_member_is_ejected_by_opening_the_next_round_naming_it():
+    """The coordinator turns find_hung's verdict into OPEN_NEXT with cause member_hung;
+    nothing is done for a node that is not a member, or in a one-node round."""
+    v = view(final(2, ["a", "b", "c"]), {"a", "b", "c"})
+    v = replace(v, coordinator="c")
+    a = _hung_coordinate(v, ("b", "stopped"))
+    assert a.kind is ActionKind.OPEN_NEXT and a.round == 3
+    assert a.cause == MembershipChange.MEMBER_HUNG.value and a.changed == ("b",)
+    assert _hung_coordinate(v, ("x", "stopped")).kind is ActionKind.NONE
+    solo = replace(view(final(2, ["c"]), {"c"}), coordinator="c")
+    assert _hung_coordinate(solo, ("c", "stopped")).kind is ActionKind.NONE
+
+
+def test_a_loss_wins_over_a_hang_and_a_hang_over_a_join():
+    """A lost member opens the round as member_lost (the hang may be its consequence);
+    joiners waiting cannot be admitted while a member hangs: the hang goes first."""
+    lost = replace(view(final(2, ["a", "b", "c"]), {"b", "c"}), coordinator="c")
+    assert _hung_coordinate(lost, ("b", "x")).cause == MembershipChange.MEMBER_LOST.value
+    joining = replace(view(final(2, ["a", "b", "c"]), {"a", "b", "c", "d"}, {3: ["d"]}),
+                      coordinator="c")
+    a = _hung_coordinate(joining, ("b", "x"))
+    assert a.kind is ActionKind.OPEN_NEXT and a.cause == MembershipChange.MEMBER_HUNG.value
+
+
+def test_the_round_opened_for_a_hang_closes_without_the_ejected_node():
+    """The ejected node neither joins that round nor holds its last call (it is alive);
+    the others close it at once, and it joins the round after."""
+    opened = replace(open_(3, ["a", "b", "c"]), cause=MembershipChange.MEMBER_HUNG.value,
+                     changed=["b"])
+    v = replace(view(opened, {"a", "b", "c"}, {3: ["a", "c"]}), coordinator="c")
+    a = _hung_coordinate(v, None)
+    assert a.kind is ActionKind.FINALIZE and a.members == ("a", "c")
+    v = replace(view(opened, {"a", "b", "c"}, {3: ["a", "b", "c"]}), coordinator="c")
+    assert _hung_coordinate(v, None).members == ("a", "c")
+    # ...and the members' agents read it as a change naming b; b reads that it is named.
+    w = nodes_waiting(view(opened, set()), 2, max_nodes=4)
+    assert w.kind is MembershipChange.MEMBER_HUNG and w.nodes == ("b",)
+    # The finalizer does not report b lost again (it was ejected, not lost).
+    assert dropped_members(view(opened, {"a", "c"}), opened, ["a", "c"]) == ()

@@ -1,0 +1,163 @@
+"""Which node is a straggler: pure decisions over the step facts the nodes report.
+
+Why: in synchronous data parallel training every rank finishes every step together (the
+gradient all-reduce waits for the slowest), so the step cadence each node sees is the
+same everywhere and names nobody. What differs is how much of a step each node spends
+*working* rather than waiting in the collective for the others: the straggler never
+waits. Each agent samples its workers' main-thread state in ``/proc`` on every tick
+(``S``: waiting, anything else: working, stopped or in I/O: the node is holding the
+step up) and publishes the working share of its recent wall time (``BusyShare``) in its
+beat beside its seconds per step; ``own step time = step_s x busy_share`` is the time the
+node itself needs for a step.
+
+The coordinator keeps a :class:`StragglerWatch` of those own step times and flags a node
+whose own step time stayed at least ``factor`` (1.25) times the median of the members'
+over a whole ``window_s`` (30 s). :func:`shrink_pays` says whether ejecting it would make
+the job faster ((N-1)/N of the median rate beats the current rate): the ejection itself
+is not wired yet (docs/failure-model.md, "Stragglers").
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+DEFAULT_FACTOR = 1.25
+DEFAULT_WINDOW_S = 30.0
+BUSY_WINDOW_S = 5.0  # an agent's working share is measured over this much wall time
+_WAITING = "S"  # /proc state of a main thread blocked in a collective (or any sleep)
+
+
+class BusyShare:
+    """The share of recent wall time a node's workers worked (not waiting), per tick.
+
+    Args:
+        window_s: the wall time the share is measured over.
+    """
+
+    def __init__(self, window_s: float = BUSY_WINDOW_S) -> None:
+        self.window_s = window_s
+        self._looks: deque[tuple[float, bool]] = deque()
+
+    def observe(self, states: Iterable[str], now: float) -> None:
+        """One look at the workers' main-thread states (``/proc/<pid>/stat`` field 3);
+        no state (no worker running) forgets what was seen."""
+        letters = list(states)
+        if not letters:
+            self._looks.clear()
+            return
+        self._looks.append((now, any(s != _WAITING for s in letters)))
+        while self._looks and now - self._looks[0][0] > self.window_s:
+            self._looks.popleft()
+
+    def share(self) -> float:
+        """Working share in [0, 1] over the window (0.0 before two looks)."""
+        if len(self._looks) < 2:
+            return 0.0
+        return sum(1 for _, busy in self._looks if busy) / len(self._looks)
+
+
+@dataclass(frozen=True)
+class StragglerVerdict:
+    """The nodes flagged (node -> own step time / the members' median), and why."""
+
+    flagged: Mapping[str, float]
+    reason: str
+
+
+def find_stragglers(own_step_s: Mapping[str, Iterable[tuple[float, float]]], *, now: float,
+                    factor: float = DEFAULT_FACTOR, window_s: float = DEFAULT_WINDOW_S) -> StragglerVerdict:
+    """Flag the members persistently slower than the median. Pure.
+
+    Args:
+        own_step_s: member -> its (seen at, own step time in seconds) samples, oldest
+            first, on the deciding node's clock.
+        now: the same clock.
+        factor: a node is slow while its own step time is at least this many times the
+            median of the members' (per look, over their newest samples).
+        window_s: a node is flagged only when every one of its samples of the last
+            ``window_s`` was slow *and* its samples cover that whole window.
+
+    Returns:
+        The flagged nodes with their ratio (their median over the window / the members'
+        median), and a one-line reason. Fewer than three members flag nobody: with two,
+        the median is no reference.
+    """
+    series = {n: [(t, s) for t, s in samples if s > 0] for n, samples in own_step_s.items()}
+    if len(series) < 3:
+        return StragglerVerdict({}, "fewer than three members: no median to compare with")
+    # The reference of each sample time: the median of every member's sample nearest
+    # before it (members report at different moments).
+    flagged: dict[str, float] = {}
+    for node, samples in series.items():
+        recent = [(t, s) for t, s in samples if now - t <= window_s]
+        older = [t for t, _ in samples if now - t > window_s]
+        if not recent or not older:
+            continue  # the window is not covered yet
+        ratios = []
+        for t, s in recent:
+            ref = _median_at(series, t)
+            if ref is None or ref <= 0:
+                break
+            ratios.append(s / ref)
+        if len(ratios) == len(recent) and all(r >= factor for r in ratios):
+            flagged[node] = round(statistics.median(ratios), 3)
+    if not flagged:
+        return StragglerVerdict({}, f"nobody was {factor:g}x slower than the median for {window_s:g}s")
+    names = ", ".join(f"{n} {r:.2f}x" for n, r in sorted(flagged.items()))
+    return StragglerVerdict(flagged, f"slower than the median for {window_s:g}s: {names}")
+
+
+def _median_at(series: Mapping[str, list[tuple[float, float]]], t: float) -> float | None:
+    latest = [next((s for at, s in reversed(samples) if at <= t), None) for samples in series.values()]
+    values = [s for s in latest if s is not None]
+    return statistics.median(values) if len(values) >= 3 else None
+
+
+def shrink_pays(own_step_s: Mapping[str, float], straggler: str, *, min_nodes: int) -> bool:
+    """Whether the job is faster without ``straggler``. Pure.
+
+    Synchronous steps go at the pace of the slowest node: with N nodes the job trains N
+    shares per ``max(own)``; without the straggler, N-1 shares per the max of the rest.
+    The shrink pays when ``(N-1) / max(rest) > N / max(all)``, and never below
+    ``min_nodes``.
+    """
+    n = len(own_step_s)
+    rest = [s for node, s in own_step_s.items() if node != straggler]
+    if straggler not in own_step_s or n - 1 < max(min_nodes, 1) or not rest or min(own_step_s.values()) <= 0:
+        return False
+    return (n - 1) / max(rest) > n / max(own_step_s.values())
+
+
+@dataclass
+class StragglerWatch:
+    """The coordinator's memory of the members' own step times in one round (its clock)."""
+
+    factor: float = DEFAULT_FACTOR
+    window_s: float = DEFAULT_WINDOW_S
+    round: int = -1
+    samples: dict[str, deque[tuple[float, float]]] = field(default_factory=dict)
+    flagged: frozenset[str] = frozenset()
+
+    def observe(self, round_: int, members: Iterable[str], own_step_s: Mapping[str, float],
+                now: float) -> StragglerVerdict:
+        """Take in this look's own step times (member -> seconds; 0: unknown) and decide."""
+        names = list(members)
+        if round_ != self.round:
+            self.round, self.samples = round_, {}
+        for node in names:
+            s = own_step_s.get(node, 0.0)
+            if s > 0:
+                q = self.samples.setdefault(node, deque())
+                q.append((now, s))
+                while len(q) > 2 and now - q[1][0] > self.window_s:
+                    q.popleft()  # keep one sample older than the window: its coverage
+        for node in list(self.samples):
+            if node not in names:
+                del self.samples[node]
+        verdict = find_stragglers({n: list(q) for n, q in self.samples.items()}, now=now,
+                                  factor=self.factor, window_s=self.window_s)
+        self.flagged = frozenset(verdict.flagged)
+        return verdict

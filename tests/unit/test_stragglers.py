@@ -1,0 +1,74 @@
+"""Which node is a straggler (pure policy over the members' own step times)."""
+
+from __future__ import annotations
+
+from elasticd.agent.stragglers import BusyShare, StragglerWatch, find_stragglers, shrink_pays
+
+
+def _series(value: float, start: float = 0.0, end: float = 40.0, every: float = 1.0):
+    t, out = start, []
+    while t <= end:
+        out.append((t, value))
+        t += every
+    return out
+
+
+def test_a_node_slower_than_the_median_for_the_whole_window_is_flagged() -> None:
+    """1.5x the median for 40 s against a 30 s window: flagged, with its ratio."""
+    v = find_stragglers({"a": _series(0.1), "b": _series(0.1), "c": _series(0.15)},
+                        now=40.0, factor=1.25, window_s=30.0)
+    assert dict(v.flagged) == {"c": 1.5} and "c 1.50x" in v.reason
+
+
+def test_not_before_the_window_is_covered_nor_if_it_recovered_once() -> None:
+    """Slow for 20 s only, or one fast look inside the window: not persistent."""
+    short = {"a": _series(0.1, 20), "b": _series(0.1, 20), "c": _series(0.15, 20)}
+    assert not find_stragglers(short, now=40.0).flagged
+    blip = _series(0.15)
+    blip[30] = (30.0, 0.1)
+    assert not find_stragglers({"a": _series(0.1), "b": _series(0.1), "c": blip}, now=40.0).flagged
+
+
+def test_slightly_slow_or_two_nodes_flag_nobody() -> None:
+    """1.2x is under the 1.25 default; with two members the median is no reference."""
+    assert not find_stragglers({"a": _series(0.1), "b": _series(0.1), "c": _series(0.12)},
+                               now=40.0).flagged
+    assert not find_stragglers({"a": _series(0.1), "c": _series(0.3)}, now=40.0).flagged
+
+
+def test_everyone_slow_together_flags_nobody() -> None:
+    """The whole job slower (a slow epoch, a checkpoint): the median moves with it."""
+    s = _series(0.1, 0, 20) + _series(0.3, 21, 40)
+    assert not find_stragglers({"a": s, "b": s, "c": s}, now=40.0).flagged
+
+
+def test_shrink_pays_only_when_n_minus_1_over_the_rest_beats_n_over_the_slowest() -> None:
+    """3 nodes, one 1.5x slower: 2/0.1 = 20 beats 3/0.15 = 20? no (equal); 2x: yes.
+    Never below min_nodes."""
+    assert not shrink_pays({"a": 0.1, "b": 0.1, "c": 0.15}, "c", min_nodes=1)
+    assert shrink_pays({"a": 0.1, "b": 0.1, "c": 0.2}, "c", min_nodes=1)
+    assert not shrink_pays({"a": 0.1, "b": 0.1, "c": 0.2}, "c", min_nodes=3)
+    assert shrink_pays({n: 0.1 for n in "abcdefg"} | {"h": 0.13}, "h", min_nodes=1)
+    assert not shrink_pays({"a": 0.1, "b": 0.1}, "x", min_nodes=1)
+
+
+def test_busy_share_is_the_share_of_looks_the_workers_were_not_waiting() -> None:
+    """S is waiting; R (running), T (stopped) and D (I/O) hold the step up."""
+    b = BusyShare(window_s=10.0)
+    assert b.share() == 0.0
+    for i, states in enumerate((["S"], ["R"], ["T"], ["S", "R"], ["S", "S"])):
+        b.observe(states, float(i))
+    assert b.share() == 3 / 5
+    b.observe([], 6.0)  # no worker: forget
+    assert b.share() == 0.0
+
+
+def test_the_watch_flags_and_clears_on_its_own_clock_per_round() -> None:
+    """Fed once a second, the watch flags after the window and forgets on a new round."""
+    w = StragglerWatch(factor=1.25, window_s=10.0)
+    members = ["a", "b", "c"]
+    verdict = None
+    for t in range(15):
+        verdict = w.observe(1, members, {"a": 0.1, "b": 0.1, "c": 0.2}, float(t))
+    assert verdict is not None and set(verdict.flagged) == {"c"} and w.flagged == {"c"}
+    assert not w.observe(2, members, {"a": 0.1, "b": 0.1, "c": 0.2}, 15.0).flagged
