@@ -90,7 +90,8 @@ class _Recording:
     def event(self, kind: str, message: str, **detail: object) -> None:
         self.writes.append(f"event:{kind}")
 
-    def beat(self, step: int, local_world_size: int) -> None:
+    def beat(self, step: int, local_world_size: int, *, activity: str = "",
+             step_s: float = 0.0, busy_share: float = 0.0) -> None:
         self.writes.append("beat")
 
     # control
