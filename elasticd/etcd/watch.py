@@ -152,11 +152,6 @@ class PrefixWatch:
         self.connected.clear()
         self._broken.set()
 
-    def resync(self) -> None:
-        """Start over from a fresh snapshot (the consumer's table is known to be stale)."""
-        self._need_snapshot = True
-        self.reconnect()
-
     def _callback(self, response: Any) -> None:
         if self._stop.is_set():
             return

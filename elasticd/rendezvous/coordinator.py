@@ -47,7 +47,6 @@ from elasticd.rendezvous.protocol import (
     Action,
     ActionKind,
     CoordinatorMemory,
-    MembershipChange,
     RendezvousView,
     decide_coordination,
 )
@@ -190,8 +189,6 @@ class RoundCoordinator:
             getattr(self._log, level)("coordinator_step", action=action.kind.value,
                                       reason=action.reason)
             self._last_reason = action.reason
-        if action.kind in (ActionKind.FINALIZE, ActionKind.OPEN_NEXT) and self.view_is_stale(action, view):
-            return None  # decide again from the fresh snapshot
         if action.kind is ActionKind.FINALIZE:
             self._finalize(action, view, state_rev)
         elif action.kind is ActionKind.OPEN_NEXT:
@@ -310,44 +307,6 @@ class RoundCoordinator:
         if self.client.txn([CreateRevision(key, 0)],
                            [Put(key, self.session.node_id, lease=self.session.lease_id)]):
             self._log.info("coordinator_elected")
-
-    def view_is_stale(self, action: Action, view: RendezvousView) -> bool:
-        """Check with etcd itself before a decision that leaves a live node out: a round
-        closed without a node our view shows alive but not joined, or a round opened for a
-        member our view shows lost. One range read, only for these (rare) decisions.
-
-        Why: a watch that silently stopped delivering after an etcd restart would otherwise
-        decide for good (soak seed 880015: the coordinator's last call closed round 3
-        without the member holding the state, whose join our ``joins`` watch never showed,
-        and 4 steps were retrained from storage). A stale table is re-read from a snapshot.
-
-        Returns:
-            True if the view was stale (the watches start over from a snapshot).
-        """
-        k = self.keys
-        try:
-            if action.kind is ActionKind.FINALIZE:
-                left_out = set(view.alive) - set(action.members)
-                if not left_out:
-                    return False
-                kvs, _ = self.client.get_prefix(k.joins_prefix(action.round), keys_only=True)
-                joined = {kv.key.rsplit("/", 1)[1] for kv in kvs}
-                missed = sorted((joined & left_out) - set(view.joins.get(action.round, ())))
-            elif action.cause == MembershipChange.MEMBER_LOST.value and action.changed:
-                kvs, _ = self.client.get_prefix(k.nodes_prefix, keys_only=True)
-                registered = {kv.key[len(k.nodes_prefix):] for kv in kvs}
-                missed = sorted(set(action.changed) & registered)
-            else:
-                return False
-        except (TransientError, EtcdUnavailableError):
-            return False  # cannot check now: the write that follows fails and is retried too
-        if not missed:
-            return False
-        self._log.warning("coordinator_view_stale", action=action.kind.value, round=action.round,
-                          nodes=missed, fix="re-reading the watched tables from a snapshot")
-        for w in self._watches:
-            w.resync()
-        return True
 
     def _take_up_watches(self) -> None:
         k = self.keys

@@ -416,10 +416,6 @@ class EtcdRendezvousHandler(RendezvousHandler):
                 f"job {k.job!r}: no round with {s.min_nodes}..{s.max_nodes} nodes completed within "
                 f"join_timeout={s.join_timeout_s:.0f}s ({self._last_reason})"
             )
-        if (action.kind in (ActionKind.OPEN_NEXT, ActionKind.FINALIZE) and view.full
-                and self._coordinator is not None and self._coordinator.view_is_stale(action, view)):
-            self._view.wait_change(version, 0.5)  # decide again once the snapshot is in
-            return
         now = time.time()
         if action.kind is ActionKind.INIT:
             state = RoundState(0, "open", [], s.min_nodes, s.max_nodes, opened_at=now)
