@@ -237,7 +237,7 @@ class Beat(_Record):
     activity: str = ""
     step_s: float = 0.0
     # The share of its recent wall time its workers worked rather than waited in a
-    # collective (``agent.stragglers.BusyShare``): step_s x busy_share is its own step time.
+    # collective (``rendezvous.stragglers.BusyShare``): step_s x busy_share is its own step time.
     busy_share: float = 0.0
 
 

@@ -8,7 +8,7 @@ with a human-readable reason. Policy in one line each:
 - A worker failure spends one unit, after an exponential backoff; only the node whose
   failure came first (the root cause) spends it, its peers' failures are membership.
 - A hang (no rank advanced for ``hang_timeout_s`` after the first step) is a failure.
-- Ejected by the coordinator (our workers hung the job: ``agent.hangs``): kill them now
+- Ejected by the coordinator (our workers hung the job: ``rendezvous.hangs``): kill them now
   and rejoin cold, a membership change (no budget spent); the others re-form without us.
 - A drain stops at the next step boundary; a second signal or the grace period running
   out stops hard.

@@ -16,15 +16,15 @@ from typing import TYPE_CHECKING
 import structlog
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
 
-from elasticd.agent.hangs import ProcActivity, WorkerActivity
 from elasticd.agent.policy import Facts, GroupState
 from elasticd.agent.recorder import JobRecorder
-from elasticd.agent.stragglers import BusyShare
 from elasticd.agent.summary import first_failure
 from elasticd.agent.supervision import AgentPhase, SupervisionSettings
 from elasticd.control import ControlChannel
 from elasticd.errors import LeaseLostError, TransientError
 from elasticd.rendezvous.etcd_handler import EtcdRendezvousHandler
+from elasticd.rendezvous.hangs import ProcActivity, WorkerActivity
+from elasticd.rendezvous.stragglers import BusyShare
 
 if TYPE_CHECKING:
     from elasticd.agent.sdnotify import SystemdNotifier

@@ -105,10 +105,10 @@ class RendezvousConfig:
     # > 0: valid sizes are those whose workers split this global batch evenly.
     global_batch_size: int = 0
     # The shortest stall after which the coordinator ejects a hung member (0: never):
-    # agent/hangs.py, docs/failure-model.md "Hung node".
+    # rendezvous/hangs.py, docs/failure-model.md "Hung node".
     hang_eject_s: float = 2.0
     # A member whose own step time stays this many times the median's over the window is
-    # flagged a straggler (0: never): agent/stragglers.py, docs/failure-model.md.
+    # flagged a straggler (0: never): rendezvous/stragglers.py, docs/failure-model.md.
     straggler_factor: float = 1.25
     straggler_window_s: float = 30.0
 

@@ -21,7 +21,7 @@ its mod_revision; the lease is left alone), so the election runs at once.
 Hangs: while a round is final, the holder reads every member's beat (one range read,
 at most every ``_HANG_LOOK_S``) into a ``HangWatch`` and, when ``find_hung`` names a
 member, opens the next round with cause ``member_hung`` naming it (``hang_eject_s``;
-agent/hangs.py, docs/failure-model.md "Hung node").
+rendezvous/hangs.py, docs/failure-model.md "Hung node").
 
 All of this runs on one daemon thread per handler; it never blocks the agent's loop.
 """
@@ -34,23 +34,24 @@ from collections.abc import Callable
 
 import structlog
 
-from elasticd.agent.hangs import HangWatch, WorkerActivity
-from elasticd.agent.stragglers import StragglerWatch
 from elasticd.errors import EtcdUnavailableError, LeaseLostError, TransientError
 from elasticd.etcd.client import EtcdClient
 from elasticd.etcd.txn import CreateRevision, Delete, ModRevision, Put
 from elasticd.etcd.watch import PrefixWatch
 from elasticd.keys import JobKeys
 from elasticd.records import AttributionRecord, Beat, RecordError, WaitingRecord
+from elasticd.rendezvous.hangs import HangWatch, WorkerActivity
 from elasticd.rendezvous.liveness import REPROBE_S, MemberProbes, PeerProber
 from elasticd.rendezvous.protocol import (
     Action,
     ActionKind,
     CoordinatorMemory,
+    MembershipChange,
     RendezvousView,
     decide_coordination,
 )
 from elasticd.rendezvous.session import NodeSession
+from elasticd.rendezvous.stragglers import StragglerWatch
 from elasticd.rendezvous.view import WatchedView
 
 log = structlog.get_logger(__name__)
@@ -192,7 +193,8 @@ class RoundCoordinator:
         if action.kind is ActionKind.FINALIZE:
             self._finalize(action, view, state_rev)
         elif action.kind is ActionKind.OPEN_NEXT:
-            if self._open_next(action, view, state_rev) and action.cause == "member_hung":
+            if (self._open_next(action, view, state_rev)
+                    and action.cause == MembershipChange.MEMBER_HUNG.value):
                 self._log.warning("member_ejected", ejected=list(action.changed), cause="hung",
                                   round=action.round, reason=action.reason)
         elif action.kind is ActionKind.ATTRIBUTE:

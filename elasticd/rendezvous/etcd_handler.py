@@ -35,7 +35,6 @@ from torch.distributed.elastic.rendezvous import (
     RendezvousTimeoutError,
 )
 
-from elasticd.agent.stragglers import StragglerWatch
 from elasticd.errors import EtcdUnavailableError, LeaseLostError
 from elasticd.etcd.client import EtcdClient
 from elasticd.etcd.txn import DeleteRange
@@ -64,6 +63,7 @@ from elasticd.rendezvous.protocol import (
 )
 from elasticd.rendezvous.session import NodeSession, retry_rdzv
 from elasticd.rendezvous.settings import RendezvousSettings, default_node_id
+from elasticd.rendezvous.stragglers import StragglerWatch
 from elasticd.rendezvous.view import WatchedView
 
 log = structlog.get_logger(__name__)

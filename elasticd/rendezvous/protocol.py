@@ -398,7 +398,7 @@ class MembershipChange(enum.Enum):
     NEWER_ROUND = "newer_round"  # someone else opened a round after ours
     MEMBER_LOST = "member_lost"  # a member of our round has no live lease (and did not leave)
     MEMBER_LEFT = "member_left"  # a member of our round drained and left cleanly
-    # the coordinator ejected a member whose workers hang the job (agent.hangs.find_hung)
+    # the coordinator ejected a member whose workers hang the job (rendezvous.hangs.find_hung)
     MEMBER_HUNG = "member_hung"
     JOIN = "join"  # only new nodes wait to join: nobody was lost (a scale-up)
     LEASE_LOST = "lease_lost"  # (handler only) this node's own lease is gone
@@ -512,7 +512,7 @@ def decide_coordination(view: RendezvousView, memory: CoordinatorMemory, *, me: 
         finishing: the coordinator's own workers completed the job (its agent is closing
             it): no round is opened or announced any more, whatever was lost meanwhile.
         valid_sizes: the node counts a round may form at (empty: every size in min..max).
-        hung: (node, reason) when ``agent.hangs.find_hung`` named a member of the final
+        hung: (node, reason) when ``rendezvous.hangs.find_hung`` named a member of the final
             round that hangs the job: with no other change, the next round is opened with
             cause ``member_hung`` naming it (it is ejected: ``ejected``).
 

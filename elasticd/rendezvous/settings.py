@@ -34,7 +34,7 @@ class RendezvousSettings:
     liveness_probe: bool = True
     # The shortest stall after which the coordinator ejects a hung member (0: never).
     hang_eject_s: float = 2.0
-    # Straggler detection (agent/stragglers.py): the factor (0: off) and the window.
+    # Straggler detection (rendezvous/stragglers.py): the factor (0: off) and the window.
     straggler_factor: float = 1.25
     straggler_window_s: float = 30.0
     # The digest of this agent's job fingerprint, carried in its node record (admission).

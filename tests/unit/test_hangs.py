@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from elasticd.agent.hangs import (
+from elasticd.rendezvous.hangs import (
     STALL_STEPS,
     HangWatch,
     NodeProgress,

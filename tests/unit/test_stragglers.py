@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from elasticd.agent.stragglers import BusyShare, StragglerWatch, find_stragglers, shrink_pays
+from elasticd.rendezvous.stragglers import BusyShare, StragglerWatch, find_stragglers, shrink_pays
 
 
 def _series(value: float, start: float = 0.0, end: float = 40.0, every: float = 1.0):
