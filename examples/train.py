@@ -113,7 +113,8 @@ def train_epochs(args, ctx, step, x, y, ddp, optim, sampler, plan, live, trace, 
                 progress["step"] = step
                 if trace is not None:
                     trace.write(json.dumps({"step": step, "epoch": epoch, "rank": ctx.rank,
-                                            "round": ctx.round, "pid": os.getpid(),
+                                            "round": ctx.round, "world": ctx.world_size,
+                                            "pid": os.getpid(), "time": time.time(),
                                             "idx": list(share), "global": batch}) + "\n")
                     trace.flush()
                 if args.step_sleep:
