@@ -169,6 +169,11 @@ class Facts:
     past_startup: bool = False  # some attempt reported a step or ran STARTUP_S
     # Live re-formation: None when it is off or some local worker did not register for it.
     live: LiveFacts | None = None
+    # Live re-formation is on, this worker group started less than live_reform_timeout_s
+    # ago, has reported no step, and some local worker has not registered for it yet (it is
+    # still importing; a script without LiveState never registers, and stops counting as
+    # starting at its first step).
+    live_starting: bool = False
 
 
 def repeats_at_startup(f: Facts) -> bool:
@@ -201,6 +206,16 @@ def decide(f: Facts) -> Decision:
     """Map one tick's facts to the next action. Pure; precedence is top to bottom: the
     restart policy first, then live re-formation (``f.live``) where it may replace it."""
     restart = _decide_restart(f)
+    if f.live is None and f.live_starting and not f.draining and restart.verdict in \
+            _MEMBERSHIP_VERDICTS and f.membership is MembershipChange.JOIN:
+        # Why: a node admitted in the round being re-formed (its workers still starting)
+        # used to restart for the next joiner and open a round itself; the members,
+        # re-forming for this round, saw it as a newer round and fell back to the
+        # checkpoint (spot replay: 116 steps retrained when four nodes came back within
+        # 5 s). A join is never urgent: once our workers register, they park with the
+        # members for it like everyone else's.
+        return Decision(Verdict.CONTINUE, "nodes join while our workers start: they take "
+                        "part once they registered for live re-formation")
     if f.live is None or f.draining:
         return restart
     return _decide_live(f, f.live, restart)

@@ -251,3 +251,20 @@ def test_an_ejected_node_kills_its_workers_and_rejoins_without_spending_the_budg
     # The others see the same change as a membership change: re-form live.
     others = replace(f, ejected="")
     assert decide(others).verdict is Verdict.REFORM_LIVE
+
+
+def test_a_join_waits_while_our_workers_start_for_live_reformation():
+    """Spot replay, round 42: a node admitted in the round being re-formed, its workers still
+    importing, restarted for the next joiner and opened a round itself; the members fell back
+    to the checkpoint. It now waits (its workers park with the members once registered)."""
+    starting = replace(JOIN, any_progress=False, workers_drainable=False, live=None,
+                       live_starting=True)
+    d = decide(starting)
+    assert d.verdict is Verdict.CONTINUE and "register" in d.reason
+    # Not for a loss (the group cannot form), nor once the bound passed or a step was
+    # reported without registering (a script without LiveState): the restart policy acts.
+    lost = replace(starting, membership=MembershipChange.MEMBER_LOST, membership_reason="members lost: n1")
+    assert decide(lost).verdict is Verdict.RESTART_MEMBERSHIP
+    assert decide(replace(starting, live_starting=False)).verdict is Verdict.RESTART_MEMBERSHIP
+    # A drain still leaves at once.
+    assert decide(replace(starting, drain_signals=1)).verdict in (Verdict.START_DRAIN, Verdict.STOP_NOW)
