@@ -88,9 +88,11 @@ def busiest_window(trace: Trace, hours: float) -> int:
     return best_at
 
 
-def window_counts(trace: Trace, hours: float, scale: float, max_nodes: int) -> tuple[int, list[int]]:
-    """(first tick, the window's counts scaled to this machine and capped at ``max_nodes``)."""
-    start = busiest_window(trace, hours)
+def window_counts(trace: Trace, hours: float, scale: float, max_nodes: int,
+                  first_tick: int | None = None) -> tuple[int, list[int]]:
+    """(first tick, the window's counts scaled to this machine and capped at ``max_nodes``);
+    the busiest window unless ``first_tick`` names where it starts."""
+    start = busiest_window(trace, hours) if first_tick is None else first_tick
     width = int(round(hours * 3600 / trace.gap_s))
     return start, [min(max_nodes, int(round(n * scale))) for n in trace.counts[start:start + width + 1]]
 
@@ -159,7 +161,7 @@ def run(args: argparse.Namespace) -> dict:
     from elasticd.etcd.cluster import EmbeddedEtcdCluster
 
     trace = next(t for t in load_traces(args.traces) if t.name == args.trace)
-    first_tick, counts = window_counts(trace, args.hours, args.scale, args.max_nodes)
+    first_tick, counts = window_counts(trace, args.hours, args.scale, args.max_nodes, args.first_tick)
     gap_s = trace.gap_s / args.compress
     end_s = (len(counts) - 1) * gap_s
     notice_s = args.notice_s / args.compress
@@ -284,6 +286,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--traces", type=Path, default=TRACES)
     p.add_argument("--trace", default="aws-08-27-2023/us-east-2b_v100_1")
     p.add_argument("--hours", type=float, default=24.0, help="the window's length in trace time")
+    p.add_argument("--first-tick", type=int, help="start the window here (default: the busiest)")
     p.add_argument("--compress", type=float, default=60.0, help="trace seconds per replay second")
     p.add_argument("--scale", type=float, default=0.5, help="nodes per trace node (16 -> 8)")
     p.add_argument("--max-nodes", type=int, default=8)
