@@ -47,6 +47,7 @@ from elasticd.errors import ConfigError
 from elasticd.worker.context import current_context, fast_exit, report_progress, should_stop
 from elasticd.worker.fence import agent_fence
 from elasticd.worker.live import LiveState, Reformed
+from elasticd.worker.sharded import ShardedModel
 
 log = structlog.get_logger(__name__)
 
@@ -104,22 +105,37 @@ class ElasticLoop:
         live: Re-form in place on a membership change when the agent allows it (see the
             module doc); needs ``loop.ddp(model)`` and ``loop.guard()``, and a sampler with
             ``regroup()`` (both elasticd samplers). Off: every change restarts the workers.
-            A sharded model (FSDP2 / HSDP: DTensor parameters, e.g. on
-            :func:`~elasticd.worker.elastic_mesh`) always takes the restart path: the new
-            workers shard the model on the new mesh and ``resume()`` reshards the checkpoint.
+            A sharded model (FSDP2 / HSDP) re-forms in place only when passed as
+            ``sharded=``; a model with DTensor parameters passed without it takes the
+            restart path (the new workers shard it on the new mesh and ``resume()``
+            reshards the checkpoint).
+        sharded: The job's :class:`~elasticd.worker.sharded.ShardedModel` (built from
+            the unsharded module, the script's ``parallelize`` and ``"fsdp"`` or
+            ``"hsdp"``); ``state`` holds its ``.module``. After every live re-formation
+            elasticd re-applies ``parallelize`` on the new mesh and rebuilds the
+            optimizers in ``state`` around their kept state: read the model as
+            :attr:`model` inside the loop. An HSDP mesh re-forms in place (joiners get
+            their shards from a live replica); an FSDP mesh (shard size changes) and a
+            restart reshard the checkpoint. No ``loop.ddp()``: FSDP2 does the gradient sync.
 
     Raises:
-        ConfigError: ``state`` uses a reserved key, or ``save_every < 1``.
+        ConfigError: ``state`` uses a reserved key, ``save_every < 1``, or ``sharded``'s
+            module is not in ``state``.
     """
 
     def __init__(self, state: Mapping[str, Any], sampler: Any, *, checkpoint_url: str | None = None,
                  save_every: int = 50, keep_last: int = 3,
-                 manager: CheckpointManager | None = None, live: bool = False) -> None:
+                 manager: CheckpointManager | None = None, live: bool = False,
+                 sharded: ShardedModel | None = None) -> None:
         clash = [k for k in _RESERVED if k in state]
         if clash:
             raise ConfigError(f"ElasticLoop state uses reserved key(s) {clash}; rename them")
         if save_every < 1:
             raise ConfigError(f"save_every must be >= 1, got {save_every}")
+        if sharded is not None and not any(v is sharded.module for v in state.values()):
+            raise ConfigError("ElasticLoop(sharded=...): the state must hold sharded.module "
+                              '(e.g. {"model": sharded.module, "optimizer": optimizer})')
+        self.sharded = sharded
         ctx = current_context()
         self.ctx = ctx
         self.sampler = sampler
@@ -140,23 +156,30 @@ class ElasticLoop:
         self.manager = manager or CheckpointManager(url, job=ctx.job or "local",
                                                     keep_last=keep_last, fence=agent_fence())
         self._keeper: LiveState | None = None
-        if live and _sharded(state):
-            # Survivors of an FSDP2/HSDP job hold only their shards, not the whole state a
-            # live re-formation hands to joiners: such jobs take the restart path, whose
-            # checkpoint load reshards to the new mesh.
-            log.info("loop_live_reform_off", reason="sharded (DTensor) state: re-formations "
-                     "restart the workers and reshard the checkpoint")
+        if live and sharded is None and _sharded(state):
+            # Survivors of an FSDP2/HSDP job hold only their shards, and without its
+            # parallelize function elasticd cannot re-shard the model on a new mesh: such
+            # jobs take the restart path, whose checkpoint load reshards to the new mesh.
+            log.info("loop_live_reform_off", reason="sharded (DTensor) state without "
+                     "sharded=ShardedModel(...): re-formations restart the workers and "
+                     "reshard the checkpoint")
             live = False
         if live:
             if not hasattr(sampler, "regroup"):
                 raise ConfigError(f"ElasticLoop(live=True) needs a sampler that can reshard in "
                                   f"place (regroup()); {type(sampler).__name__} cannot: use "
                                   "ElasticDistributedSampler or ElasticSampler, or live=False")
-            keeper = LiveState(self._state, checkpoint=self.manager)
+            keeper = LiveState(self._state, checkpoint=self.manager, sharded=sharded)
             self._keeper = keeper if keeper.enabled else None
         self._ddp_made = False
         self._reformed = False  # guard() swallowed a failed step: batches() restarts on the new group
         self.reforms = 0
+
+    @property
+    def model(self) -> torch.nn.Module | None:
+        """The sharded model as of now (a new module after each live re-formation); None
+        without ``sharded=``."""
+        return self.sharded.module if self.sharded is not None else None
 
     def resume(self) -> int:
         """Load the newest valid checkpoint, if any; a collective.
@@ -232,7 +255,7 @@ class ElasticLoop:
         epoch and a checkpoint is committed.
         A ``break`` out of the loop leaves the current batch uncounted.
         """
-        if self._keeper is not None and not self._ddp_made:
+        if self._keeper is not None and not self._ddp_made and self.sharded is None:
             raise ConfigError("ElasticLoop(live=True): build the DDP wrapper with "
                               "model = loop.ddp(model, ...) instead of DDP(model, ...), so it "
                               "can be rebuilt on the re-formed group; or pass live=False")

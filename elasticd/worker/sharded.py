@@ -184,7 +184,7 @@ class ShardedModel:
     ``parallelize(module, elastic_mesh(mesh))`` and exposes the sharded module as
     :attr:`module` (build the optimizer on its parameters). Hand it to
     :class:`~elasticd.worker.LiveState` (``sharded=``) or
-    :class:`~elasticd.worker.ElasticLoop` (``parallelize=``); after each re-formation
+    :class:`~elasticd.worker.ElasticLoop` (``sharded=``); after each re-formation
     :attr:`module` is a new module (re-read it, e.g. ``model = live.state["model"]``).
 
     Args:

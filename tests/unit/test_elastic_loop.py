@@ -165,3 +165,21 @@ def test_checkpoint_step_is_the_last_trained_step_as_reported(standalone, monkey
     loop, sampler, loader = _loop(url)
     assert loop.resume() == 0 and loop.steps_done == 3 and sampler.samples_trained == 12
     loop.close()
+
+
+def test_sharded_must_name_a_module_the_state_holds(standalone):
+    """ElasticLoop(sharded=...) refuses a state without sharded.module (nothing would be
+    re-meshed or checkpointed) and exposes the sharded module as loop.model otherwise."""
+    from types import SimpleNamespace
+
+    ds = TensorDataset(torch.arange(8, dtype=torch.float64)[:, None])
+    sampler = worker.ElasticDistributedSampler(ds, 1, 0, seed=1)
+    model = torch.nn.Linear(1, 1).double()
+    mgr = CheckpointManager(f"memory://loop-{uuid.uuid4().hex}", job="t", rank=0, world_size=1)
+    with pytest.raises(ConfigError, match="sharded.module"):
+        ElasticLoop({"model": torch.nn.Linear(1, 1)}, sampler, manager=mgr,
+                    sharded=SimpleNamespace(module=model))  # type: ignore[arg-type]
+    loop = ElasticLoop({"model": model}, sampler, manager=mgr,
+                       sharded=SimpleNamespace(module=model))  # type: ignore[arg-type]
+    assert loop.model is model
+    loop.close()
