@@ -30,6 +30,7 @@ endpoint always means TLS, verified against gRPC's default roots when no CA is g
 
 from __future__ import annotations
 
+import queue
 import re
 import threading
 import time
@@ -47,7 +48,7 @@ from elasticd.etcd.endpoints import TLSFiles, endpoints_scheme, parse_endpoints,
 from elasticd.etcd.kv import KV, WatchEvent, kv_map
 from elasticd.etcd.lease import LeaseKeeper
 from elasticd.etcd.txn import Compare, DeletePrefix, ModRevision, Op, Put, raw_compare, raw_op
-from elasticd.etcd.watch import PrefixWatch
+from elasticd.etcd.watch import PrefixWatch, WatchHandle, cancel_on
 
 if TYPE_CHECKING:
     from elasticd.config.model import EtcdConfig
@@ -476,16 +477,28 @@ class EtcdClient:
 
     # -- watches ----------------------------------------------------------------------
     def add_watch(self, prefix: str, callback: Callable[[Any], None], start_revision: int, *,
-                  range_end: str | None = None) -> int:
-        def add(c: etcd3.MultiEndpointEtcd3Client) -> int:
-            return int(c.add_watch_callback(prefix, callback, range_end=_range_end(prefix, range_end),
-                                            start_revision=start_revision))
+                  range_end: str | None = None) -> WatchHandle:
+        """Create a watch; the handle names the stream it lives on (cancel it with
+        ``cancel_watch``, on that stream: see ``WatchHandle``)."""
+
+        def add(c: etcd3.MultiEndpointEtcd3Client) -> WatchHandle:
+            watcher = c.watcher  # the stream this watch is created on, held with its id
+            try:
+                wid = watcher.add_callback(prefix, callback, range_end=_range_end(prefix, range_end),
+                                           start_revision=start_revision)
+            except grpc.RpcError as exc:
+                c._manage_grpc_errors(exc)  # as add_watch_callback: fail the endpoint, re-raise
+                raise
+            except queue.Empty as exc:
+                raise etcd3.exceptions.WatchTimedOut() from exc
+            return WatchHandle(watcher, int(wid))
 
         return self.call(add)
 
-    def cancel_watch(self, watch_id: int) -> None:
+    def cancel_watch(self, handle: WatchHandle) -> None:
+        """Cancel a watch on the stream it was created on (no etcd round trip to wait for)."""
         try:
-            self.call(lambda c: c.cancel_watch(watch_id))
+            cancel_on(handle)
         except Exception:  # the stream is already gone; nothing left to cancel
             pass
 
@@ -520,5 +533,6 @@ def _range_end(prefix: str, range_end: str | None) -> bytes:
 
 __all__ = [
     "KV", "NOSPACE_FIX", "EtcdClient", "LeaseKeeper", "PrefixWatch", "TLSFiles", "WatchEvent",
+    "WatchHandle",
     "endpoints_scheme", "kv_map", "parse_endpoints",
 ]

@@ -8,9 +8,11 @@ a fresh snapshot when that revision was compacted.
 
 from __future__ import annotations
 
+import queue
 import threading
 import types
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import etcd3.exceptions
@@ -89,10 +91,57 @@ def _handle_response(self: Any, rs: Any) -> None:
     _original_handle_response(self, rs)
 
 
+_original_close = etcd3.watch.Watcher.close
+
+
+def _close(self: Any) -> None:
+    # Remember which request queue was closed: nobody reads it any more (see cancel_on).
+    with self._lock:
+        self._closed_queue = self._request_queue
+    _original_close(self)
+
+
 if not getattr(etcd3.watch.Watcher, "_elasticd_patched", False):
     etcd3.watch.Watcher.add_callback = _add_callback  # type: ignore[method-assign]
     etcd3.watch.Watcher._handle_response = _handle_response  # type: ignore[method-assign]
+    etcd3.watch.Watcher.close = _close  # type: ignore[method-assign]
     etcd3.watch.Watcher._elasticd_patched = True  # type: ignore[attr-defined]
+
+
+@dataclass(frozen=True)
+class WatchHandle:
+    """A watch as etcd knows it: its id *and* the stream (python3-etcd3 ``Watcher``) it
+    lives on. Watch ids are numbered per stream, from 0.
+
+    Why: python3-etcd3 replaces its watcher (a new stream) whenever any call fails with
+    UNAVAILABLE/DEADLINE_EXCEEDED, while the old stream lives on and keeps serving the
+    watches on it. Cancelling by bare id on the *current* watcher then cancelled another
+    watch that got the same number on the new stream; that watch went silent for good (no
+    error, no events; soak seed 880015: a coordinator's ``joins`` watch, after an etcd
+    kill and restart, and a round closed without a member).
+    """
+
+    watcher: Any  # python3-etcd3's etcd3.watch.Watcher (untyped library)
+    watch_id: int
+
+
+def cancel_on(handle: WatchHandle) -> None:
+    """Cancel ``handle``'s watch on the stream it was created on (never another stream's
+    watch of the same number). A stream already gone has forgotten its watches; one whose
+    request side was closed still delivers to the watches on it but reads no requests, so
+    only its callback is dropped (its bounded queue would fill and block)."""
+    watcher = handle.watcher
+    with watcher._lock:
+        if watcher._callbacks.pop(handle.watch_id, None) is None:
+            return
+        if getattr(watcher, "_closed_queue", None) is watcher._request_queue:
+            return
+        rq = etcd3.etcdrpc.WatchRequest(
+            cancel_request=etcd3.etcdrpc.WatchCancelRequest(watch_id=handle.watch_id))
+        try:
+            watcher._request_queue.put_nowait(rq)
+        except queue.Full:  # a stuck stream: dropping the callback is what matters
+            pass
 
 
 class PrefixWatch:
@@ -118,7 +167,7 @@ class PrefixWatch:
         self._stop = threading.Event()
         self._broken = threading.Event()
         self._lock = threading.Lock()
-        self._watch_id: int | None = None
+        self._watch_id: WatchHandle | None = None
         self._revision = 0  # last revision delivered to the consumer
         self._need_snapshot = True
         self._thread = threading.Thread(target=self._run, name=f"watch:{self._name}", daemon=True)

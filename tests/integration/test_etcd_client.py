@@ -157,3 +157,34 @@ def test_watch_stopped_while_connecting_stops_at_once(etcd_client):
         watch.stop()
         assert time.monotonic() - t0 < 2.0, f"stop() took {time.monotonic() - t0:.1f}s"
         assert not watch._thread.is_alive(), "the watch thread outlived stop()"
+
+
+def test_stopping_a_watch_after_a_stream_swap_does_not_silence_another(etcd_server):
+    """A call that times out makes python3-etcd3 open a new watch stream while the old one
+    lives on; a watch created there gets the same id as one on the old stream. Stopping the
+    old watch must cancel it on its own stream: it used to cancel the other watch, which then
+    delivered nothing, for good, with no error (soak seed 880015's silent ``joins`` watch)."""
+    client = EtcdClient(etcd_server.endpoint, timeout_s=1.0)
+    a_rec, b_rec = Recorder(), Recorder()
+    a = client.watch_prefix("/a/", a_rec.on_events, a_rec.on_resync, name="a")
+    b = None
+    try:
+        assert a.connected.wait(10)
+        etcd_server.pause()  # a slow etcd, as just after a restart
+        try:
+            with pytest.raises(EtcdUnavailableError):
+                client.get("/x")  # DEADLINE_EXCEEDED: python3-etcd3 drops its watcher
+        finally:
+            etcd_server.resume()
+        b = client.watch_prefix("/b/", b_rec.on_events, b_rec.on_resync, name="b")
+        assert b.connected.wait(10)
+        client.put("/b/1", b"1")
+        wait_until(lambda: b_rec.saw("/b/1", b"1"), 10, "b's first event")
+        a.stop()  # e.g. a coordinator giving up its watches
+        client.put("/b/2", b"2")
+        wait_until(lambda: b_rec.saw("/b/2", b"2"), 10, "b's event after a stopped (b went silent)")
+    finally:
+        a.stop()
+        if b is not None:
+            b.stop()
+        client.close()
