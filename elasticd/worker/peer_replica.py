@@ -223,7 +223,9 @@ def fill_from_memory(targets: Mapping[str, Any], snapshots: Sequence[Snapshot]) 
 
     def read(c: shards.Chunk) -> bytearray:
         raw = files[c.file].data[c.start:c.start + c.length]
-        return bytearray(byte_view(raw.contiguous()))
+        data = bytearray(byte_view(raw.contiguous()))
+        shards.chunk_crc(c, data)
+        return data
 
     return {key: shards.fill(targets[key], group, read, "peer-RAM replica")
             for key, group in by_key.items() if key in targets}
