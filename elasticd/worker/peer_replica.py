@@ -1,0 +1,316 @@
+"""Pure FSDP2 across nodes: a host-memory replica of one peer's shards, resharded in memory.
+
+With a 1-D FSDP mesh across nodes nothing is replicated: a lost node takes its shards with
+it. Every rank therefore keeps, in host memory, a copy of one peer's shards (a rank on the
+next node of a ring over nodes, :func:`ring_holders`), refreshed every ``k`` steps. After a
+single node loss the survivors re-form at the new world size and reshard *in memory*: the
+sharded checkpoint's resharding load (:func:`elasticd.checkpoint.shards.fill`) runs over a
+reader of the held replicas and the rank's own snapshot instead of storage
+(:func:`fill_from_memory`). Storage is read only when a node and the holder of its replica
+are lost together (:func:`plan_peer_recovery` says so, with the reason).
+
+The replica reuses the sharded checkpoint's format: a JSON index of
+:class:`~elasticd.checkpoint.shards.Chunk` (key, dtype, global shape, box offsets and
+sizes, byte range, CRC-32) and one buffer of raw bytes. Nothing received is unpickled: the
+index is parsed and validated as the checkpoint's is, the bytes are a dtype named in it.
+Extra world-size-invariant state (the sampler's position, the step) travels in the index
+as JSON, so a rollback to the replica's step rolls the sampler back too (exactly once).
+
+Cost (docs/checkpoints.md "Peer-RAM replica"): host RAM per rank = its own snapshot + the
+peer's (2 x the rank's shard bytes, model + optimizer); bytes on the network per refresh =
+the rank's shard bytes, once; steps lost on a node loss <= k.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+
+from elasticd.checkpoint import shards
+from elasticd.checkpoint.api import CheckpointCorruptError
+from elasticd.checkpoint.manifest import checksum
+from elasticd.worker.transfer import TransferSource, TransferTicket, byte_view, receive
+
+DEFAULT_EVERY_STEPS = 25  # 2.0 % blocking at 128 MiB/rank, 200 ms steps (docs/benchmarks.md)
+NO_HOLDER = -1
+
+
+def ring_holders(node_of_rank: Sequence[str]) -> list[int]:
+    """Who keeps each rank's replica: the rank with the same local index on the next node.
+
+    Nodes are ordered by their first rank; a next node with fewer ranks takes the local
+    index modulo its size. Pure.
+
+    Args:
+        node_of_rank: each global rank's node id.
+
+    Returns:
+        ``holders[r]``: the rank holding r's replica, ``NO_HOLDER`` on a single node.
+    """
+    nodes: dict[str, list[int]] = {}
+    for rank, node in enumerate(node_of_rank):
+        nodes.setdefault(node, []).append(rank)
+    order = list(nodes)
+    if len(order) < 2:
+        return [NO_HOLDER] * len(node_of_rank)
+    holders = [NO_HOLDER] * len(node_of_rank)
+    for i, node in enumerate(order):
+        nxt = nodes[order[(i + 1) % len(order)]]
+        for local, rank in enumerate(nodes[node]):
+            holders[rank] = nxt[local % len(nxt)]
+    return holders
+
+
+def held_by(holders: Sequence[int], rank: int) -> list[int]:
+    """The ranks whose replica ``rank`` holds."""
+    return [r for r, h in enumerate(holders) if h == rank]
+
+
+@dataclass(frozen=True)
+class PeerPlan:
+    """How the survivors rebuild the old world's shards, or why they cannot.
+
+    Attributes:
+        step: the step every rank rolls back to (the replicas' step).
+        sources: old rank -> the surviving old rank whose memory holds its shards (itself,
+            or its replica holder).
+        fallback: why storage must be read; None when memory suffices.
+    """
+
+    step: int
+    sources: Mapping[int, int] = field(default_factory=dict)
+    fallback: str | None = None
+
+
+def plan_peer_recovery(holders: Sequence[int], lost: frozenset[int],
+                       own_steps: Mapping[int, int], replica_steps: Mapping[int, int],
+                       committed_step: int = -1) -> PeerPlan:
+    """Decide an in-memory recovery after ranks were lost (the same on every survivor). Pure.
+
+    Args:
+        holders: the old world's :func:`ring_holders`.
+        lost: old ranks that are gone.
+        own_steps: survivor (old rank) -> the step of its own snapshot.
+        replica_steps: old rank -> the step of its replica as its holder has it (only
+            replicas held by survivors are present).
+        committed_step: the newest committed checkpoint's step (-1: none).
+
+    Returns:
+        A plan; ``fallback`` names why the replicas cannot be used.
+    """
+    sources: dict[int, int] = {}
+    steps: set[int] = set()
+    for rank in range(len(holders)):
+        if rank not in lost:
+            sources[rank] = rank
+            steps.add(own_steps.get(rank, -1))
+            continue
+        holder = holders[rank]
+        if holder == NO_HOLDER or holder in lost or rank not in replica_steps:
+            return PeerPlan(step=-1, fallback=(
+                f"rank {rank} and the holder of its replica (rank {holder}) were lost together: "
+                "the shards are resharded from the checkpoint"))
+        sources[rank] = holder
+        steps.add(replica_steps[rank])
+    if len(steps) != 1 or -1 in steps:
+        return PeerPlan(step=-1, fallback=(
+            f"the replicas are of different steps ({sorted(steps)}): a refresh was in flight; "
+            "the shards are resharded from the checkpoint"))
+    (step,) = steps
+    if committed_step > step:
+        return PeerPlan(step=step, fallback=(
+            f"the committed checkpoint (step {committed_step}) is newer than the replicas "
+            f"(step {step}): it is loaded instead"))
+    return PeerPlan(step=step, sources=sources)
+
+
+@dataclass
+class Snapshot:
+    """One rank's shards at one step, in the sharded checkpoint's format, in host memory.
+
+    Attributes:
+        rank: the rank whose shards these are (old world).
+        step: the step they are of.
+        chunks: one per box, byte ranges into ``data``.
+        data: the raw bytes (uint8, CPU).
+        extra: world-size-invariant JSON state (the sampler's position) of that step.
+    """
+
+    rank: int
+    step: int
+    chunks: list[shards.Chunk]
+    data: torch.Tensor
+    extra: dict[str, Any]
+
+    def index(self) -> bytes:
+        """The JSON that travels with the bytes (the checkpoint's index plus step and extra)."""
+        body = json.loads(shards.index_json(self.rank, self.chunks, int(self.data.numel()),
+                                            checksum(byte_view(self.data))))
+        body.update(step=self.step, extra=self.extra)
+        return json.dumps(body, sort_keys=True).encode()
+
+
+def take_snapshot(rank: int, step: int, tensors: Mapping[str, Any], extra: dict[str, Any], *,
+                  crc: bool = True) -> Snapshot:
+    """Copy this rank's boxes of ``tensors`` (key -> DTensor) to one host buffer.
+
+    The loop is blocked for this copy only; the transfer runs later (:class:`PeerReplica`).
+    With ``crc=False`` the CRCs are left 0 for :func:`seal` to compute off the loop.
+    """
+    locals_ = []
+    chunks: list[shards.Chunk] = []
+    start = 0
+    for key, t in tensors.items():
+        offsets, sizes = shards.box_of(t)
+        local = t.to_local().detach().to("cpu").contiguous()
+        raw = local.reshape(-1).view(torch.uint8)
+        chunks.append(shards.Chunk(key, str(t.dtype).removeprefix("torch."), tuple(t.shape), offsets,
+                                   sizes, start, int(raw.numel()), checksum(byte_view(raw)) if crc else 0,
+                                   shards.data_name(rank)))
+        locals_.append(raw)
+        start += int(raw.numel())
+    data = torch.cat(locals_) if locals_ else torch.empty(0, dtype=torch.uint8)
+    return Snapshot(rank, step, chunks, data, extra)
+
+
+def seal(snap: Snapshot) -> Snapshot:
+    """``snap`` with every chunk's CRC-32 computed (in the refresh thread, not the loop)."""
+    snap.chunks = [replace(c, crc32=checksum(byte_view(snap.data[c.start:c.start + c.length])))
+                   for c in snap.chunks]
+    return snap
+
+
+def parse_snapshot(index: bytes, data: torch.Tensor) -> Snapshot:
+    """A received replica: the index validated as a checkpoint's, the bytes checked.
+
+    Raises:
+        CheckpointCorruptError: a malformed index, or bytes that do not match it.
+    """
+    body = json.loads(index)
+    if not isinstance(body, dict):
+        raise CheckpointCorruptError("a peer replica's index is not an object")
+    rank, step, extra = body.get("rank"), body.pop("step", None), body.pop("extra", None)
+    if not isinstance(rank, int) or not isinstance(step, int) or not isinstance(extra, dict):
+        raise CheckpointCorruptError("a peer replica's index lacks rank, step or extra")
+    chunks, size, crc = shards.parse_index(json.dumps(body).encode(), shards.index_name(rank))
+    if size != data.numel() or checksum(byte_view(data)) != crc:
+        raise CheckpointCorruptError(f"the replica of rank {rank} does not match its index")
+    return Snapshot(rank, step, chunks, data, extra)
+
+
+def fill_from_memory(targets: Mapping[str, Any], snapshots: Sequence[Snapshot]) -> dict[str, Any]:
+    """The sharded checkpoint's resharding load over host memory instead of storage.
+
+    Args:
+        targets: key -> template DTensor of the new sharding.
+        snapshots: the old world's shards, one per old rank (own and held replicas).
+
+    Returns:
+        key -> DTensor of the new sharding holding the old values.
+
+    Raises:
+        CheckpointCorruptError: the snapshots do not cover every element exactly once.
+    """
+    files = {shards.data_name(s.rank): s for s in snapshots}
+    chunks = [c for s in snapshots for c in s.chunks]
+    by_key = shards.check_coverage(chunks, {name: int(s.data.numel()) for name, s in files.items()})
+
+    def read(c: shards.Chunk) -> bytearray:
+        raw = files[c.file].data[c.start:c.start + c.length]
+        data = bytearray(byte_view(raw.contiguous()))
+        shards.chunk_crc(c, data)
+        return data
+
+    return {key: shards.fill(targets[key], group, read, "peer-RAM replica")
+            for key, group in by_key.items() if key in targets}
+
+
+class PeerReplica:
+    """This rank's side of the replica: its own snapshot, the held peer's, the refresh.
+
+    A refresh (every ``every_steps`` steps, at the same step on every rank) takes the own
+    snapshot (the only blocking part), then a background thread serves it over the
+    authenticated TCP transport to its holder and receives the held peer's through the
+    c10d store's tickets. Tickets and indexes are JSON; nothing is pickled.
+
+    Args:
+        rank: this rank.
+        holders: :func:`ring_holders` of the world.
+        store: the process group's store (tickets are published there).
+        host: the address this rank listens on.
+        every_steps: k.
+        timeout_s: bound on one refresh's transfer.
+    """
+
+    def __init__(self, rank: int, holders: Sequence[int], store: Any, host: str, *,
+                 every_steps: int = DEFAULT_EVERY_STEPS, timeout_s: float = 60.0) -> None:
+        if every_steps < 1:
+            raise ValueError(f"every_steps must be >= 1, not {every_steps}")
+        self.rank, self.holders, self.every_steps = rank, list(holders), every_steps
+        self._store, self._host, self._timeout_s = store, host, timeout_s
+        self.own: Snapshot | None = None
+        self.held: dict[int, Snapshot] = {}
+        self.error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+
+    def due(self, step: int) -> bool:
+        return step % self.every_steps == 0
+
+    def refresh(self, step: int, tensors: Mapping[str, Any], extra: dict[str, Any]) -> None:
+        """Snapshot now; send and receive in the background (waits for the previous one)."""
+        self.wait()
+        snap = take_snapshot(self.rank, step, tensors, extra, crc=False)
+        self._thread = threading.Thread(target=self._exchange, args=(snap,), daemon=True,
+                                        name=f"peer-replica-{step}")
+        self._thread.start()
+
+    def wait(self) -> None:
+        """Join the refresh in flight (if any)."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def _exchange(self, snap: Snapshot) -> None:
+        deadline = time.monotonic() + self._timeout_s
+        prefix = f"peer-replica/{snap.step}"
+        try:
+            if any(c.crc32 == 0 for c in snap.chunks):
+                seal(snap)
+            holder = self.holders[self.rank]
+            source = None
+            if holder != NO_HOLDER:
+                source = TransferSource(self._host, [byte_view(snap.data)])
+                t = source.ticket
+                self._store.set(f"{prefix}/{self.rank}", json.dumps({
+                    "host": t.host, "port": t.port, "recv": t.recv_token.hex(),
+                    "send": t.send_token.hex(), "total": t.total_bytes, "count": t.count,
+                    "index": snap.index().decode()}))
+            serving = threading.Thread(target=source.serve, args=([holder], deadline),
+                                       daemon=True) if source else None
+            if serving:
+                serving.start()
+            for peer in held_by(self.holders, self.rank):
+                self.held[peer] = self._receive(f"{prefix}/{peer}", deadline)
+            if serving:
+                serving.join()
+            if source:
+                source.close()
+            self.own = snap
+        except BaseException as exc:  # kept for the loop: a refresh failure is not fatal
+            self.error = exc
+
+    def _receive(self, key: str, deadline: float) -> Snapshot:
+        raw = json.loads(self._store.get(key))
+        ticket = TransferTicket(host=raw["host"], port=int(raw["port"]),
+                                recv_token=bytes.fromhex(raw["recv"]),
+                                send_token=bytes.fromhex(raw["send"]),
+                                total_bytes=int(raw["total"]), count=int(raw["count"]))
+        data = torch.empty(ticket.total_bytes, dtype=torch.uint8)
+        receive(ticket, self.rank, [byte_view(data)], deadline)
+        return parse_snapshot(raw["index"].encode(), data)
