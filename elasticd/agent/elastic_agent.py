@@ -314,9 +314,9 @@ class ElasticdAgent(LocalElasticAgent):
             startup_failures=self._startup_failures,
             past_startup=(self._past_startup or board.max_step() >= 0
                           or now - self._group_started_at >= STARTUP_S),
-            live=(live := self.live.facts(now)),
-            live_starting=(live is None and self.live.reformer.enabled and board.max_step() < 0
-                           and now - self._group_started_at < self.live.reformer.timeout_s),
+            live=self.live.facts(now),
+            live_starting=self.live.starting(now=now, group_started_at=self._group_started_at,
+                                             any_step=board.max_step() >= 0),
         )
 
     @staticmethod

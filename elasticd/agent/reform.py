@@ -153,6 +153,14 @@ class LiveReformation:
             return None
         return self.reformer.facts(local_world_size=self.group.local_world_size, now=now)
 
+    def starting(self, *, now: float, group_started_at: float, any_step: bool) -> bool:
+        """``Facts.live_starting``: live re-formation is on, but the workers of a group started
+        less than ``timeout_s`` ago have not all registered nor trained a step yet (a join then
+        waits for them instead of restarting the group)."""
+        return (self.reformer.enabled and not any_step
+                and not self.reformer.workers_live(self.group.local_world_size)
+                and now - group_started_at < self.reformer.timeout_s)
+
     def abandon(self, decision: Decision) -> None:
         """The workers ended mid-way: forget the re-formation (``decision`` still acts)."""
         self._log.info("live_reform_abandoned", reason=decision.live_abandoned)

@@ -18,6 +18,7 @@ from elasticd.agent.reform import LiveReformation, LiveReformer
 from elasticd.agent.supervision import AgentPhase
 from elasticd.agent.wakeup import TickWaker
 from elasticd.agent.warm import env_mismatch
+from elasticd.control.messages import LiveRegistration
 from elasticd.control.reform import ReformOrder, read_order
 from elasticd.control.server import ControlChannel
 
@@ -145,3 +146,22 @@ def test_the_agent_writes_the_rounds_records_only_after_the_order_is_out(tmp_pat
         assert agent.live.reformer.phase is LivePhase.IDLE
     finally:
         channel.close()
+
+
+@pytest.mark.parametrize("enabled, registered, any_step, age_s, starting", [
+    (True, False, False, 5.0, True),     # workers still starting: a join waits for them
+    (True, True, False, 5.0, False),     # registered: the live facts decide
+    (True, False, True, 5.0, False),     # a step was trained: not starting
+    (True, False, False, 31.0, False),   # past the re-formation bound: the restart path decides
+    (False, False, False, 5.0, False),   # live re-formation off
+])
+def test_a_group_is_starting_for_live_reform_until_its_workers_register(
+        tmp_path, enabled, registered, any_step, age_s, starting):
+    channel = ControlChannel(directory=tmp_path)
+    handler = SimpleNamespace(round=3, node_id="n", keys=SimpleNamespace(job="j"))
+    live = LiveReformation(LiveReformer(channel, enabled=enabled, timeout_s=30), handler,  # type: ignore[arg-type]
+                           SimpleNamespace(), SimpleNamespace(), _Port(handler, [], ranks={0: 0}))
+    if registered:
+        channel.reports.put(LiveRegistration(local_rank=0, pid=os.getpid()))
+    assert live.starting(now=100.0 + age_s, group_started_at=100.0, any_step=any_step) is starting
+    channel.close()
