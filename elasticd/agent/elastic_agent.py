@@ -47,6 +47,7 @@ from elasticd.control import ControlChannel
 from elasticd.control.api import ENV_ROUND
 from elasticd.errors import LeaseLostError, TransientError
 from elasticd.rendezvous.etcd_handler import EtcdRendezvousHandler
+from elasticd.rendezvous.etcd_store import RoundAbandonedError
 from elasticd.rendezvous.protocol import (
     LEFT_DRAINED,
     LEFT_FINISHED,
@@ -161,7 +162,15 @@ class ElasticdAgent(LocalElasticAgent):
         self._flush_commits("before the next rendezvous", self.settings.drain_grace_s)
         self._set_state("joining")
         try:
-            super()._rendezvous(worker_group)
+            while True:
+                try:
+                    super()._rendezvous(worker_group)
+                    break
+                except RoundAbandonedError as exc:
+                    # A member left the round as it became final (or a newer round opened):
+                    # the rank exchange cannot complete. The next rendezvous sees the round
+                    # as used and joins (or opens) the one after it.
+                    self._log.warning("round_abandoned", round=self.handler.round, reason=str(exc))
         except RendezvousGracefulExitError as exc:
             # Stopped while waiting for a round: no worker runs, nothing to drain. Leave
             # now (revoking the lease drops our join) instead of after join_timeout.

@@ -372,8 +372,10 @@ class EtcdRendezvousHandler(RendezvousHandler):
         rank = action.members.index(self.node_id)
         self.session.round = action.round
         self.session.members = action.members
-        store = EtcdStore(self.client, self.keys.store_prefix(action.round),
-                          timeout_s=self.settings.store_timeout_s)
+        formed = action.round
+        store = EtcdStore(self.client, self.keys.store_prefix(formed),
+                          timeout_s=self.settings.store_timeout_s,
+                          abandoned=lambda: self.round_abandoned(formed))
         self._store = store
         bootstrap = RendezvousStoreInfo.build(rank, store, local_addr=self.settings.local_addr)
         self.rendezvous_s = time.monotonic() - start
@@ -383,6 +385,27 @@ class EtcdRendezvousHandler(RendezvousHandler):
                        nnodes=len(action.members), members=list(action.members),
                        seconds=round(self.rendezvous_s, 3))
         return RendezvousInfo(store, rank, len(action.members), bootstrap)
+
+    def round_abandoned(self, round_: int) -> str:
+        """Why round ``round_`` can no longer complete, or ``""``: a newer round superseded
+        it, or a member of it (not us) left or was lost. Asked by the round's store while a
+        read blocks on the other members (torch's rank exchange)."""
+        view, _ = self._view.snapshot()
+        state = view.state
+        if state is None or state.round < round_:
+            return ""
+        if state.round > round_:
+            return f"round {state.round} superseded round {round_}"
+        if state.phase != "final":
+            return ""
+        gone = departures(view, state)
+        lost = [m for m in gone.lost if m != self.node_id]
+        drained = [m for m in gone.drained if m != self.node_id]
+        if lost:
+            return f"round {round_} lost {','.join(lost)}"
+        if drained:
+            return f"{','.join(drained)} left round {round_}"
+        return ""
 
     def _set_spare(self, spare: bool, reason: str = "") -> None:
         """Say (once per change) that this node waits as a hot spare (and why: ``reason``,

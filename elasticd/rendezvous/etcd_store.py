@@ -37,6 +37,12 @@ MAX_VALUE_BYTES = 64 * 1024
 MAX_COUNTER_DIGITS = 32
 
 
+class RoundAbandonedError(dist.DistStoreError):
+    """A blocking read of a round's store ended because the round can no longer complete:
+    a member it waits for left or was lost, or a newer round superseded it. The agent
+    rendezvouses again at once instead of waiting out the store timeout."""
+
+
 class EtcdStore(dist.Store):
     """c10d Store backed by etcd keys under ``prefix``.
 
@@ -44,10 +50,17 @@ class EtcdStore(dist.Store):
         client: the etcd client.
         prefix: key prefix of this round's store (``JobKeys.store_prefix(round)``).
         timeout_s: default timeout of blocking calls (``get``, ``wait``) and of retries.
+        abandoned: asked while a read blocks (at least once a second): why the round can no
+            longer complete, or ``""``. Without it, a member that left a round just as it
+            became final held every other member in torch's rank exchange (rank 0's address,
+            every node's ranks) for the whole store timeout (the live spot replay: 7 nodes
+            idle for over 2 minutes, their workers falling back to the checkpoint).
     """
 
-    def __init__(self, client: EtcdClient, prefix: str, timeout_s: float = 300.0) -> None:
+    def __init__(self, client: EtcdClient, prefix: str, timeout_s: float = 300.0,
+                 abandoned: Callable[[], str] | None = None) -> None:
         super().__init__()
+        self._abandoned = abandoned
         self._client = client
         self._prefix = prefix
         self._timeout_s = timeout_s
@@ -115,6 +128,9 @@ class EtcdStore(dist.Store):
                 if all(n in found for n in names):
                     return [found[n] for n in names]
                 missing = [n for n in names if n not in found]
+                if self._abandoned is not None and (why := self._abandoned()):
+                    raise RoundAbandonedError(f"etcd store {self._prefix}: stopped waiting for keys "
+                                              f"{missing}: {why}")
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise dist.DistStoreError(

@@ -30,7 +30,7 @@ from elasticd.etcd.lease import LeaseKeeper
 from elasticd.keys import JobKeys
 from elasticd.records import NodeRecord
 from elasticd.rendezvous.etcd_handler import EtcdRendezvousHandler, JobFinishedError
-from elasticd.rendezvous.etcd_store import EtcdStore
+from elasticd.rendezvous.etcd_store import EtcdStore, RoundAbandonedError
 from elasticd.rendezvous.finished import reopen_finished
 from elasticd.rendezvous.protocol import LEFT_DRAINED, MembershipChange
 from elasticd.rendezvous.registry import create_handler
@@ -176,6 +176,30 @@ def test_scale_down_graceful_leave_is_seen_at_once(handlers):
     infos = results(handlers.join(rest))
     assert {i.world_size for i in infos} == {2}
     assert list(rest[0].members) == [m for m in before if m != before[1]]
+
+
+@pytest.mark.parametrize("departure", ["drained", "lost"])
+def test_a_member_gone_before_the_rank_exchange_ends_the_others_wait_at_once(handlers, departure):
+    """A member that leaves (or dies) just after its round became final never writes its
+    part of torch's rank exchange: the others' blocking store read ends within seconds with
+    RoundAbandonedError naming the departure, not after store_timeout (the live spot replay:
+    seven nodes idle for minutes), and their next rendezvous forms a round without it."""
+    hs = [handlers.make(f"gone-{departure}", f"n{i}", min_nodes=1, max_nodes=2, node_ttl_s=2,
+                        store_timeout_s=45.0) for i in range(2)]
+    infos = results(handlers.join(hs))
+    stay, leaver = hs[0], hs[1]
+    store = infos[0].store
+    if departure == "drained":
+        leaver.leave_kind = LEFT_DRAINED
+        leaver.shutdown()
+    else:  # its lease runs out: no keep-alive, no leave record
+        leaver.session.keeper.stop()  # type: ignore[union-attr]
+    err, took = elapsed(lambda: store.get(f"rank_info/{leaver.node_id}"))  # never written
+    assert isinstance(err, RoundAbandonedError), err
+    assert leaver.node_id in str(err), err
+    assert took < 15.0, f"the read waited {took:.1f}s for a gone member"
+    info = results(handlers.join([stay]))[0]
+    assert info.world_size == 1 and stay.round == 1 and stay.members == ("n0",)
 
 
 def test_finished_node_is_not_a_lost_member_and_the_job_does_not_reform(handlers):
