@@ -111,15 +111,28 @@ def _cause(kinds: Iterable[str], *, started: bool) -> str:
     return "stall" if started else "startup"
 
 
-def _rate_for(rates: Mapping[int, float], world: int) -> float | None:
+def rate_for(rates: Mapping[int, float], world: int) -> float | None:
+    """Steps/s at ``world`` workers. With no clean interval at that size: the step time
+    drawn through the two nearest measured sizes (how it changes with the world size is
+    the job's own: faster with a fixed global batch on idle GPUs, slower where the
+    all-reduce or the CPUs are the limit); with one measured size, its rate. Scaling one
+    size's rate by the world size, as this once did, over-counted the rate of a size the
+    job held only briefly, and so under-charged what it trained (the live replay: 5 points
+    off the audit)."""
     if world in rates:
         return rates[world]
     if not rates:
         return None
-    # No clean interval at this size: the nearest size's rate (a fixed global batch makes
-    # the rate grow with the world size; close enough for an estimate).
-    nearest = min(rates, key=lambda w: (abs(w - world), -w))
-    return rates[nearest] * world / nearest
+    near = sorted(rates, key=lambda w: (abs(w - world), -w))[:2]
+    if len(near) == 1:
+        return rates[near[0]]
+    (w1, w2) = sorted(near)
+    t1, t2 = 1.0 / rates[w1], 1.0 / rates[w2]
+    step_s = t1 + (t2 - t1) * (world - w1) / (w2 - w1)
+    # Never beyond the measured range by more than the faster of the two: a line through
+    # two noisy points must not reach zero or below.
+    step_s = max(step_s, min(t1, t2) / 2)
+    return 1.0 / step_s
 
 
 def compute(history: History, events: Sequence[Event], *, since: float | None = None,
@@ -157,7 +170,7 @@ def compute(history: History, events: Sequence[Event], *, since: float | None = 
             seconds["waiting"] += weight
             continue
         world = a.world_size if a.world_size > 0 else b.world_size
-        rate = _rate_for(rates, world)
+        rate = rate_for(rates, world)
         busy_new = new / rate if rate else 0.0
         busy_redo = redo / rate if rate else 0.0
         busy = busy_new + busy_redo

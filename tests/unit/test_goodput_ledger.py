@@ -6,7 +6,14 @@ import pytest
 
 from elasticd.history import History, Sample
 from elasticd.records import Event
-from elasticd.status.goodput import GoodputReport, compute, healthy_rates, life_and_window, render
+from elasticd.status.goodput import (
+    GoodputReport,
+    compute,
+    healthy_rates,
+    life_and_window,
+    rate_for,
+    render,
+)
 
 
 def steady(t0: float, step0: int, n: int, *, world: int = 4, dt: float = 5.0, rate: float = 2.0,
@@ -79,6 +86,22 @@ def test_the_healthy_rate_ignores_intervals_with_events_and_resizes():
     s = [*steady(0, 0, 5), Sample(25.0, 45, 2), *steady(30.0, 50, 3, world=2, rate=1.0)]
     rates = healthy_rates(s, [ev(2.0, "join")])
     assert rates == {4: pytest.approx(2.0), 2: pytest.approx(1.0)}
+
+
+@pytest.mark.parametrize("rates, world, expected", [
+    ({3: 1 / 0.092}, 3, 1 / 0.092),                       # measured: as measured
+    ({2: 1 / 0.075, 3: 1 / 0.092}, 4, 1 / 0.109),         # slower with more workers (CPUs, all-reduce)
+    ({2: 1 / 0.2, 4: 1 / 0.1}, 8, 1 / 0.05),              # faster (a fixed global batch): step time halves, floor
+    ({2: 1 / 0.2, 4: 1 / 0.12}, 3, 1 / 0.16),             # between two sizes: on the line
+    ({3: 2.0}, 4, 2.0),                                   # one size only: its rate, not scaled
+    ({}, 4, None),
+])
+def test_a_size_without_a_clean_interval_takes_the_step_time_of_its_neighbours(rates, world, expected):
+    """The replay held world 4 only in intervals with events: its rate scaled from world 3
+    by 4/3 was 1.6x the truth (steps there slow down with the world), and the ledger
+    under-charged what those steps trained by 5 points."""
+    got = rate_for(rates, world)
+    assert got == (None if expected is None else pytest.approx(expected, rel=1e-3))
 
 
 def test_the_window_counts_only_its_part_of_the_history():

@@ -46,7 +46,11 @@ def main() -> int:
             opt.step()
         time.sleep(max(epoch_end - time.monotonic(), 0.0))
         if rank == 0:
-            torch.save({"model": model.state_dict(), "epoch": epoch}, snapshot)
+            # Written aside and renamed, as a careful torchrun script does: a SIGTERM or
+            # SIGKILL mid-save must not leave a torn snapshot for the next attempt (the
+            # stop test once failed on the EOFError of one).
+            torch.save({"model": model.state_dict(), "epoch": epoch}, snapshot + ".tmp")
+            os.replace(snapshot + ".tmp", snapshot)
             with open(os.environ["OUT"], "a") as fh:
                 fh.write(json.dumps({"epoch": epoch, "restart": os.environ["TORCHELASTIC_RESTART_COUNT"],
                                      "world": dist.get_world_size()}) + "\n")

@@ -21,7 +21,12 @@ pytestmark = pytest.mark.timeout(420)
 
 # Nodes available per 5-minute tick; compressed 30x, a tick lasts 10 s (about 2 minutes).
 COUNTS = [2, 2, 3, 4, 4, 3, 3, 4, 4, 2, 2, 3, 3]
-LEDGER_POINTS = 3.0  # the ledger's figure must be this close to the audit's
+# The ledger's figure must be this close to the audit's. Its history has 5 s resolution
+# and this replay has an event every ~10 s, so most intervals hold one: measured -2.4 idle
+# (2026-12-02), and -7.7 with the defect this guards against (a size held only briefly got
+# a rate scaled up from its neighbour). The ±1-point goal is the long replay's
+# (docs/benchmarks.md), whose intervals are mostly clean.
+LEDGER_POINTS = 5.0
 
 
 def test_a_short_replay_trains_every_sample_once_and_the_ledger_matches_the_audit(tmp_path):
