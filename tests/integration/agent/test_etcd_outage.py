@@ -34,11 +34,14 @@ def test_etcd_outage_restarts_no_worker(nodes, tmp_path, outage):
         during = [r for r in read_jsonl(out) if r["time"] > t0 + 1]
         assert len(during) > 20, "training stalled while etcd was down"
     finally:
+        # The outage's end is taken before etcd comes back: an agent may reach it again
+        # before resume() returns to a loaded test process (it once did, by 0.1 s, and the
+        # wait below never saw the agents' "back" lines after a later t1).
+        t1 = time.time()
         if outage == "kill_restart":
             etcd.start()
         else:
             etcd.resume()
-    t1 = time.time()
     # Each agent back on etcd (its keep-alive answered again, or its lost lease resurrected),
     # then 10 steps more than 3 s (over a TTL) later: a lease lost in the outage, a watch's
     # delete or a coordinator change lands within a TTL of that, and would restart workers.
