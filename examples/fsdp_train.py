@@ -46,8 +46,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--mesh", choices=["fsdp", "hsdp"], default="fsdp",
                    help="fsdp: shard over every rank; hsdp: replicate across nodes, shard within")
     p.add_argument("--live", action="store_true",
-                   help="hsdp: keep the shards in memory through a node loss or join (live "
-                   "re-formation, worker PIDs unchanged); without it every change restarts")
+                   help="keep the shards in memory through a node loss, drain or join (live "
+                   "re-formation, worker PIDs unchanged; fsdp reshards in memory, from the "
+                   "peer-RAM replicas after a loss); without it every change restarts")
+    p.add_argument("--peer-replica-every", type=int, default=worker.DEFAULT_PEER_REPLICA_EVERY,
+                   metavar="K", help="fsdp --live over several nodes: refresh each rank's "
+                   "host-memory replica of a peer's shards every K steps (a node loss rolls back "
+                   "at most K steps); 0: none, a node loss reads the checkpoint")
     p.add_argument("--hold-file", help="tests: after each step s, wait while this file names a "
                    "step <= s (a drain or a join still stops the run there)")
     return p.parse_args(argv)
@@ -175,7 +180,8 @@ def main(argv: list[str] | None = None) -> int:
     # The optimizer's momentum buffers are DTensors: saved shard by shard, resharded on load.
     state = {"model": model, "optim": optim, "sched": sched, "sampler": sampler, "extra": progress}
     if sharded is not None:
-        live = worker.LiveState(state, checkpoint=ckpt, sharded=sharded)
+        live = worker.LiveState(state, checkpoint=ckpt, sharded=sharded,
+                                peer_replica_every=args.peer_replica_every)
         resumed_from = live.resume(lambda: load_checkpoint(ckpt, state))
     else:
         resumed_from = load_checkpoint(ckpt, state)

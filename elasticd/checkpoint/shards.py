@@ -250,7 +250,7 @@ def check_coverage(chunks: list[Chunk], sizes: Mapping[str, int]) -> dict[str, l
             raise CheckpointCorruptError(f"ranks disagree on the shape or dtype of {key}")
         for i, a in enumerate(group):
             for b in group[i + 1:]:
-                if a.numel and b.numel and _overlap(a.offsets, a.sizes, b.offsets, b.sizes):
+                if a.numel and b.numel and overlap(a.offsets, a.sizes, b.offsets, b.sizes):
                     raise CheckpointCorruptError(
                         f"{key}: boxes in {a.file} and {b.file} overlap (stored twice)")
         total = 1
@@ -263,7 +263,7 @@ def check_coverage(chunks: list[Chunk], sizes: Mapping[str, int]) -> dict[str, l
     return by_key
 
 
-def _overlap(ao: tuple[int, ...], asz: tuple[int, ...], bo: tuple[int, ...],
+def overlap(ao: tuple[int, ...], asz: tuple[int, ...], bo: tuple[int, ...],
              bsz: tuple[int, ...]) -> tuple[tuple[int, int], ...] | None:
     """Per dimension (start, stop) of the intersection of two boxes, None if empty."""
     out = []
@@ -302,7 +302,7 @@ def fill(target: Any, chunks: list[Chunk], read: Any, where: str) -> Any:
     else:
         local = torch.empty(sizes, dtype=target.dtype)
         for c in chunks if local.numel() else ():
-            inter = _overlap(offsets, sizes, c.offsets, c.sizes) if c.numel else None
+            inter = overlap(offsets, sizes, c.offsets, c.sizes) if c.numel else None
             if inter is None:
                 continue
             saved = _as_tensor(read(c), c)

@@ -35,11 +35,13 @@ from elasticd.worker.fence import AgentCommitFence, agent_fence
 from elasticd.worker.live import LiveState, Reformed
 from elasticd.worker.loop import ElasticLoop
 from elasticd.worker.mesh import elastic_mesh
+from elasticd.worker.peer_replica import DEFAULT_EVERY_STEPS as DEFAULT_PEER_REPLICA_EVERY
 from elasticd.worker.sharded import ShardedModel
 
 __all__ = [
     "AgentCommitFence",
     "BatchPlan",
+    "DEFAULT_PEER_REPLICA_EVERY",
     "ElasticBatchSampler",
     "ElasticDistributedSampler",
     "ElasticLoop",

@@ -95,8 +95,9 @@ class _State:
     stopped: bool = False
     drainable_noted: bool = False  # drainable-<rank> written for the agent
     last_progress_at: float = 0.0
-    flag: torch.Tensor | None = None  # [any rank asked to stop, -(every rank drains)]
+    flag: torch.Tensor | None = None  # [any rank asked to stop, -(every rank drains), some rank drains]
     all_drain: bool = False  # at the last agreed stop, every rank's own node was draining
+    any_drain: bool = False  # at the last agreed stop, some rank's own node was draining
     stop_group: Any = None  # CPU (gloo) group for the stop flag
     pending: Any = None  # async all-reduce work of the previous should_stop()
     old_sigterm: Any = None
@@ -171,7 +172,7 @@ def init(backend: str | None = None, *, timeout_s: float = DEFAULT_COLLECTIVE_TI
     if not control_dir:
         # Under plain torchrun (or by hand) a SIGTERM asks for a graceful stop.
         _S.old_sigterm = signal.signal(signal.SIGTERM, _on_sigterm)
-    _S.flag = torch.zeros(2, dtype=torch.int32)
+    _S.flag = torch.zeros(3, dtype=torch.int32)
     _install_teardown_guards()
     if dist.is_initialized():
         before = socket_links()
@@ -294,6 +295,11 @@ def every_rank_draining() -> bool:
     return _S.all_drain
 
 
+def some_rank_draining() -> bool:
+    """At the last agreed stop, was some rank's own node draining (its state must be handed on)?"""
+    return _S.any_drain
+
+
 def _wait_for_port(host: str, port: int, deadline: float) -> None:
     import socket
 
@@ -383,14 +389,16 @@ def should_stop(step: int | None = None, *, every: int = 1) -> bool:
             stop = int(_S.flag[0].item()) > 0
             # MAX of -drain is -1 only when every rank's node drains (a whole-job stop).
             _S.all_drain = stop and int(_S.flag[1].item()) < 0
+            _S.any_drain = stop and int(_S.flag[2].item()) > 0
         if not stop:
             _S.flag[0] = local
             _S.flag[1] = -1 if draining else 0
+            _S.flag[2] = 1 if draining else 0
             _S.pending = dist.all_reduce(_S.flag, op=dist.ReduceOp.MAX, group=_S.stop_group,
                                          async_op=True)
     else:
         stop = bool(local)
-        _S.all_drain = draining
+        _S.all_drain = _S.any_drain = draining
     if stop and not _S.stopped:
         _S.stopped = True
         _mark_stopped(ctx, step)
@@ -457,7 +465,7 @@ def shutdown() -> None:
         signal.signal(signal.SIGTERM, _S.old_sigterm)
     _S.ctx, _S.client, _S.control_dir, _S.flag = None, None, None, None
     _S.stop_group, _S.pending, _S.old_sigterm = None, None, None
-    _S.stopped = _S.sigterm = _S.drainable_noted = _S.all_drain = False
+    _S.stopped = _S.sigterm = _S.drainable_noted = _S.all_drain = _S.any_drain = False
     _S.ordered_round = -1
 
 

@@ -22,6 +22,12 @@ checkpoint is loaded as before. When the re-formation fails within its bound, th
 logs why and exits 0 with a stopped marker: the agent restarts the group from the newest
 checkpoint (today's path). Under plain torchrun, or with live re-formation off, the
 object does nothing but call ``should_stop``.
+
+Sharded models (``sharded=``): an HSDP job keeps its shards and feeds joiners from an
+intact replica (:mod:`elasticd.worker.sharded`); a change of the shard size (pure FSDP2:
+every change) is resharded in memory (:mod:`elasticd.worker.peer_reshard`), from the live
+shards when nobody was lost, else from the peer-RAM replicas every rank keeps of one peer
+on another node (:mod:`elasticd.worker.peer_replica`, refreshed every ``k`` steps).
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ import contextlib
 import os
 import threading
 import time
+import zlib
 from collections.abc import Callable, Iterator, Mapping, MutableMapping
 from pathlib import Path
 from typing import Protocol, runtime_checkable
@@ -39,7 +46,7 @@ import torch
 import torch.distributed as dist
 
 import elasticd.worker.context as wctx
-from elasticd.checkpoint import rng
+from elasticd.checkpoint import rng, shards
 from elasticd.control.api import LIVE_TIMEOUT_DEFAULT_S
 from elasticd.control.client import ControlClient
 from elasticd.control.messages import (
@@ -51,15 +58,18 @@ from elasticd.control.messages import (
 )
 from elasticd.control.reform import clear_stopped, read_order, write_stopped
 from elasticd.errors import ConfigError
+from elasticd.worker import peer_reshard as pmem
+from elasticd.worker.peer_replica import DEFAULT_EVERY_STEPS, NO_HOLDER, PeerReplica, ring_holders, take_snapshot
 from elasticd.worker.sharded import (
     NOT_HELD,
     RankShards,
     ShardedModel,
+    ShardPlan,
     optimizer_local_state,
     plan_shard_transfer,
     shard_coordinates,
 )
-from elasticd.worker.sockets import shutdown_group_connections
+from elasticd.worker.sockets import group_endpoints, shutdown_group_connections
 from elasticd.worker.state_broadcast import broadcast_state
 
 log = structlog.get_logger(__name__)
@@ -119,7 +129,11 @@ class LiveState:
             shards in place (``state``'s entry for the module becomes the new module) and
             joiners receive each shard from a rank with the same shard coordinate; where
             that cannot work (the shard size changes, no intact replica holds a shard) the
-            workers take the restart path, with one log line saying why.
+            workers take the restart path, with one log line saying why. A change of the
+            shard size (pure FSDP2) is resharded in memory instead (see the module doc).
+        peer_replica_every: k, the steps between refreshes of the peer-RAM replica of a
+            pure FSDP2 job over several nodes (0: none; a node loss then reads the
+            checkpoint). A node loss rolls back at most k steps.
         timeout_s: bound on one re-formation (waiting for the order, forming the new
             group, the state transfer); past it the worker falls back to a restart.
             Default: the agent's ``workers.live_reform_timeout_s`` (``ELASTICD_LIVE_TIMEOUT_S``),
@@ -132,13 +146,20 @@ class LiveState:
     """
 
     def __init__(self, state: Mapping[str, LiveEntry], *, checkpoint: Regroupable | None = None,
-                 timeout_s: float | None = None, sharded: ShardedModel | None = None) -> None:
+                 timeout_s: float | None = None, sharded: ShardedModel | None = None,
+                 peer_replica_every: int = DEFAULT_EVERY_STEPS) -> None:
         self.state = state  # by reference: the loop may swap an entry (a resharded sampler)
         self.checkpoint = checkpoint
         self.sharded = sharded
         if sharded is not None and not any(v is sharded.module for v in state.values()):
             raise ConfigError("LiveState(sharded=...): the state must hold sharded.module "
                               '(e.g. {"model": sharded.module, ...})')
+        if peer_replica_every < 0:
+            raise ConfigError(f"peer_replica_every must be >= 0 (0: no replica), not {peer_replica_every}")
+        self.peer_replica_every = peer_replica_every
+        self.replica: PeerReplica | None = None
+        self._old_rank, self._old_world = -1, 0  # this rank in the world its shards are of
+        self._refreshed_at = NOT_HELD  # the step of the last replica refresh
         self.step = -1
         env = wctx.agent_environment()
         self.timeout_s = timeout_s if timeout_s is not None else (
@@ -247,10 +268,18 @@ class LiveState:
         """
         self.step = step
         self._has_state = True
+        if self.replica is not None and self.replica.due(step) and self._refreshed_at != step:
+            self.refresh_replica()
         if not wctx.should_stop(step):
             return False
         if not self.enabled or wctx.every_rank_draining():
             return True  # nobody stays to hold the state: save it and exit (the caller)
+        if self.replica is not None and wctx.some_rank_draining():
+            # A drained rank's shards exist nowhere else: every rank refreshes the replica
+            # at this agreed step and waits for it, so the survivors lose no step.
+            if self._refreshed_at != step:
+                self.refresh_replica()
+            self.replica.wait()
         if wctx.stop_requested_locally():
             self._log.info("live_drained", step=step)
             wctx.fast_exit(0)  # survivors hold this state: no checkpoint to write
@@ -279,6 +308,51 @@ class LiveState:
             self._log.info("collective_failed", step=self.step + 1, error=str(exc)[:200])
             self._reform(LeaveReason.COLLECTIVE_FAILED)
             raise Reformed(f"re-formed after a failed collective: {exc}") from None
+
+    def refresh_replica(self) -> None:
+        """Refresh the peer-RAM replica now, at ``self.step`` (a collective: every rank at
+        the same point; the loop is blocked only for the copy to host memory).
+
+        ``ElasticLoop`` calls it at every epoch's end too, so that a rollback never
+        crosses an epoch boundary.
+        """
+        sm, replica = self.sharded, self.replica
+        if sm is None or replica is None:
+            return
+        if replica.error is not None:
+            self._log.warning("peer_replica_refresh_failed", error=repr(replica.error)[:300])
+            replica.error = None
+        try:
+            tensors, extra = pmem.replica_state(self.state, sm.module, sm.names, sm.params, rng.capture())
+        except TypeError as exc:
+            self._log.warning("peer_replica_off", reason=str(exc)[:300])
+            self.replica = None
+            return
+        replica.refresh(self.step, tensors, extra)
+        self._refreshed_at = self.step
+
+    def _make_replica(self, sm: ShardedModel) -> None:
+        """After a group formed: the ring of replica holders over its nodes (a collective)."""
+        self.replica = None
+        self._refreshed_at = NOT_HELD
+        ctx = wctx.current_context()
+        self._old_rank, self._old_world = ctx.rank, ctx.world_size
+        if not self.peer_replica_every or sm.mesh_kind != "fsdp" or not self.enabled:
+            return
+        device = ctx.device if ctx.backend == "nccl" else torch.device("cpu")
+        mine = torch.tensor([zlib.crc32(str(ctx.node).encode())], dtype=torch.int64, device=device)
+        nodes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(ctx.world_size)]
+        dist.all_gather(nodes, mine)
+        holders = ring_holders([str(int(t.item())) for t in nodes])
+        if all(h == NO_HOLDER for h in holders):
+            return  # one node: a replica on it dies with it
+        hosts, _ = group_endpoints(wctx._S.group_sockets)
+        if not hosts:
+            self._log.warning("peer_replica_off", reason="this rank's address in the group is unknown")
+            return
+        self.replica = PeerReplica(ctx.rank, holders, dist.distributed_c10d._get_default_store(), hosts[0],
+                                   every_steps=self.peer_replica_every, timeout_s=self.timeout_s,
+                                   prefix=f"elasticd/peer/{ctx.round}")
 
     # -- re-formation ---------------------------------------------------------------------
     def _abandon_step(self) -> None:
@@ -406,9 +480,12 @@ class LiveState:
         plan = plan_shard_transfer(ranks, int(mesh.size(-1)), coords)  # type: ignore[attr-defined]
         if plan.step == NOT_HELD:  # nobody holds a state: a fresh start or a full restart
             self._load_fresh(load)
+            self._make_replica(sm)
             return
         if plan.fallback is not None:
-            self._fall_back(plan.fallback)
+            self._reshard_in_memory(sm, mesh, plan, device)
+            self._make_replica(sm)
+            return
         self.agreed_in_memory = True
         t0 = time.monotonic()
         optimizers: list[torch.optim.Optimizer] = [o for o in self.state.values()
@@ -434,9 +511,114 @@ class LiveState:
                                seconds=round(time.monotonic() - rebuilt, 3))
         self.step = plan.step
         self._has_state = True
+        self._make_replica(sm)
         self._log.info("live_shards_remeshed", step=plan.step, kept=ctx.rank in plan.keepers,
                        shard_size=int(mesh.size(-1)), rebuild_s=round(rebuilt - t0, 3),  # type: ignore[attr-defined]
                        transfer_s=round(time.monotonic() - rebuilt, 3))
+
+    def _reshard_in_memory(self, sm: ShardedModel, mesh: object, plan: ShardPlan, device: torch.device) -> None:
+        """The shard size changed: rebuild the old world's shards from memory onto ``mesh``
+        (:mod:`elasticd.worker.peer_reshard`), or fall back to the checkpoint saying why."""
+        t0 = time.monotonic()
+        ctx = wctx.current_context()
+        replica = self.replica if self._has_state else None
+        own, held = (replica.own, dict(replica.held)) if replica is not None else (None, {})
+        report = pmem.MemoryReport(
+            self._old_rank if self._has_state else -1, self._old_world if self._has_state else 0,
+            self.step if self._has_state else NOT_HELD, own.step if own is not None else -1,
+            tuple(sorted((o, snap.step) for o, snap in held.items())))
+        mine = torch.tensor(report.encode(), dtype=torch.int64, device=device)
+        gathered = [torch.zeros(pmem.REPORT_LEN, dtype=torch.int64, device=device)
+                    for _ in range(dist.get_world_size())]
+        dist.all_gather(gathered, mine)
+        mplan = pmem.plan_memory_reshard([pmem.MemoryReport.decode(t.tolist()) for t in gathered])
+        if mplan.fallback is not None or mplan.sources is None:
+            why = mplan.fallback if self.peer_replica_every or sm.mesh_kind != "fsdp" else (
+                "no peer-RAM replica (peer_replica_every=0)")
+            self._fall_back(f"{plan.fallback}; in memory: {why}")
+        assert mplan.sources is not None
+        optimizers = [o for o in self.state.values() if isinstance(o, torch.optim.Optimizer)]
+        snaps: dict[int, object] = {}
+        if mplan.fresh and self._has_state:
+            tensors, extra = pmem.replica_state(self.state, sm.module, sm.names, sm.params, rng.capture())
+            # One copy of each box (HSDP: the replicas at replicate coordinate 0).
+            tensors = {k: t for k, t in tensors.items() if shards.writes_box(t)}
+            snaps[self._old_rank] = take_snapshot(self._old_rank, self.step, tensors, extra)
+        elif not mplan.fresh:
+            snaps = pmem.own_snapshots(own, held)
+        store = dist.distributed_c10d._get_default_store()
+        prefix = f"elasticd/reshard/{ctx.round}"
+        for old, src in mplan.sources.items():
+            if src == ctx.rank:
+                store.set(f"{prefix}/{old}", snaps[old].index())  # type: ignore[attr-defined]
+        if mesh is not sm.mesh:  # a survivor: the old mesh's group is gone
+            old_module = sm.module
+            new = sm.rebuild(mesh, keep=False, optimizers=optimizers)
+            state = self.state
+            assert isinstance(state, MutableMapping)
+            for key in [k for k, v in state.items() if v is old_module]:
+                state[key] = new
+        chunks_of: dict[int, list] = {}
+        sizes: dict[int, int] = {}
+        extras: dict[int, dict[str, object]] = {}
+        for old in range(mplan.old_world):
+            rank, _, chunks, size, extra = pmem.parse_index(store.get(f"{prefix}/{old}"))
+            if rank != old:
+                self._fall_back(f"in-memory reshard: the index of old rank {old} names rank {rank}")
+            chunks_of[old], sizes[old], extras[old] = chunks, size, extra
+        keys = {c.key for cs in chunks_of.values() for c in cs}
+        targets = self._reshard_targets(sm, optimizers, keys)
+        need = pmem.needed_ranks(targets, chunks_of)
+        flags = torch.tensor([1 if o in need else 0 for o in range(mplan.old_world)], dtype=torch.int64,
+                             device=device)
+        all_flags = [torch.zeros_like(flags) for _ in range(dist.get_world_size())]
+        dist.all_gather(all_flags, flags)
+        data: dict[int, torch.Tensor] = {}
+        left = self._deadline - time.monotonic() if self._deadline is not None else self.timeout_s
+        moved = 0
+        for old in range(mplan.old_world):
+            src = mplan.sources[old]
+            receivers = [r for r, f in enumerate(all_flags) if int(f[old]) and r != src]
+            if ctx.rank == src and old in need:
+                data[old] = snaps[old].data  # type: ignore[attr-defined]
+            if not receivers:
+                continue
+            sd = {"data": snaps[old].data} if ctx.rank == src else None  # type: ignore[attr-defined]
+            got = broadcast_state(sd, src, device, receivers=receivers, timeout_s=max(left, 1.0))
+            if ctx.rank in receivers:
+                assert got is not None and isinstance(got["data"], torch.Tensor)
+                data[old] = got["data"]
+                moved += int(got["data"].numel())
+        filled = pmem.fill_targets(targets, chunks_of, sizes, data)
+        source_rank = ctx.rank % mplan.old_world
+        rng_state = pmem.apply_replica_state(self.state, sm.module, sm.names, sm.params, filled,
+                                             extras[source_rank])
+        rng.restore([rng_state], 0)
+        lost = self.step - mplan.step if self._has_state else 0
+        self.step = mplan.step
+        self._has_state = True
+        self.agreed_in_memory = True
+        self._log.info("live_resharded_in_memory", step=mplan.step, shards_from="live shards" if mplan.fresh
+                       else "peer-RAM replicas", old_world=mplan.old_world, world_size=dist.get_world_size(),
+                       steps_rolled_back=max(lost, 0), bytes_received=moved,
+                       seconds=round(time.monotonic() - t0, 3))
+
+    def _reshard_targets(self, sm: ShardedModel, optimizers: list[torch.optim.Optimizer],
+                         keys: set[str]) -> dict[str, object]:
+        """Empty DTensors of the new sharding for every saved key: the module's parameters
+        and each optimizer's per-parameter state."""
+        targets: dict[str, object] = {}
+        for key, obj in self.state.items():
+            if obj is sm.module:
+                targets.update({f"{key}/{n}": p for n, p in zip(sm.names, sm.params, strict=True)})
+            elif any(obj is o for o in optimizers):
+                assert isinstance(obj, torch.optim.Optimizer)
+                flat = [p for g in obj.param_groups for p in g["params"]]
+                for k in keys:
+                    parts = k.split("/")
+                    if len(parts) == 3 and parts[0] == key and parts[1].isdigit():
+                        targets[k] = torch.empty_like(flat[int(parts[1])])
+        return targets
 
     def _collect_sharded(self, sm: ShardedModel, optimizers: list[torch.optim.Optimizer]) -> dict[str, object]:
         out: dict[str, object] = {"__rng__": rng.capture(), "__step__": self.step}

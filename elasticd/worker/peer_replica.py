@@ -112,10 +112,14 @@ def plan_peer_recovery(holders: Sequence[int], lost: frozenset[int],
             steps.add(own_steps.get(rank, -1))
             continue
         holder = holders[rank]
-        if holder == NO_HOLDER or holder in lost or rank not in replica_steps:
+        if holder != NO_HOLDER and holder in lost:
             return PeerPlan(step=-1, fallback=(
                 f"rank {rank} and the holder of its replica (rank {holder}) were lost together: "
                 "the shards are resharded from the checkpoint"))
+        if holder == NO_HOLDER or rank not in replica_steps:
+            return PeerPlan(step=-1, fallback=(
+                f"no survivor holds a replica of rank {rank}: the shards are resharded from "
+                "the checkpoint"))
         sources[rank] = holder
         steps.add(replica_steps[rank])
     if len(steps) != 1 or -1 in steps:
@@ -246,14 +250,18 @@ class PeerReplica:
         host: the address this rank listens on.
         every_steps: k.
         timeout_s: bound on one refresh's transfer.
+        prefix: of the store keys (one per group: a round's replicas never meet another's).
     """
 
     def __init__(self, rank: int, holders: Sequence[int], store: Any, host: str, *,
-                 every_steps: int = DEFAULT_EVERY_STEPS, timeout_s: float = 60.0) -> None:
+                 every_steps: int = DEFAULT_EVERY_STEPS, timeout_s: float = 60.0,
+                 prefix: str = "peer-replica") -> None:
         if every_steps < 1:
             raise ValueError(f"every_steps must be >= 1, not {every_steps}")
         self.rank, self.holders, self.every_steps = rank, list(holders), every_steps
         self._store, self._host, self._timeout_s = store, host, timeout_s
+        self._prefix = prefix
+        self._seq = 0  # refreshes so far: every rank refreshes in the same order
         self.own: Snapshot | None = None
         self.held: dict[int, Snapshot] = {}
         self.error: BaseException | None = None
@@ -266,7 +274,8 @@ class PeerReplica:
         """Snapshot now; send and receive in the background (waits for the previous one)."""
         self.wait()
         snap = take_snapshot(self.rank, step, tensors, extra, crc=False)
-        self._thread = threading.Thread(target=self._exchange, args=(snap,), daemon=True,
+        self._seq += 1
+        self._thread = threading.Thread(target=self._exchange, args=(snap, self._seq), daemon=True,
                                         name=f"peer-replica-{step}")
         self._thread.start()
 
@@ -276,9 +285,9 @@ class PeerReplica:
             self._thread.join()
             self._thread = None
 
-    def _exchange(self, snap: Snapshot) -> None:
+    def _exchange(self, snap: Snapshot, seq: int = 0) -> None:
         deadline = time.monotonic() + self._timeout_s
-        prefix = f"peer-replica/{snap.step}"
+        prefix = f"{self._prefix}/{seq}"
         try:
             if any(c.crc32 == 0 for c in snap.chunks):
                 seal(snap)
@@ -295,13 +304,15 @@ class PeerReplica:
                                        daemon=True) if source else None
             if serving:
                 serving.start()
-            for peer in held_by(self.holders, self.rank):
-                self.held[peer] = self._receive(f"{prefix}/{peer}", deadline)
+            held = {peer: self._receive(f"{prefix}/{peer}", deadline)
+                    for peer in held_by(self.holders, self.rank)}
             if serving:
                 serving.join()
             if source:
                 source.close()
-            self.own = snap
+            # Both at once: a recovery reads one refresh's own snapshot and held replicas,
+            # never one of each (a refresh cut short by a loss leaves the previous pair).
+            self.own, self.held = snap, held
         except BaseException as exc:  # kept for the loop: a refresh failure is not fatal
             self.error = exc
 

@@ -178,17 +178,73 @@ def test_hsdp_live_kill_and_join_keeps_the_survivors_and_their_shards(nodes, tmp
     assert len(per_rank0) == len(set(per_rank0)), "a completed step was trained twice"
 
 
+def test_fsdp_live_kill_and_join_reshards_in_memory_and_trains_the_same_model(nodes, tmp_path):
+    """Pure FSDP2 with ``--live`` over 2 nodes x 2, peer-RAM replica every 4 steps: a node
+    SIGKILLed at step 9 takes half the shards with it; the survivor's two workers (same
+    PIDs) rebuild them from the replicas they hold (step 8: one step rolled back, sampler
+    and LR with it) and reshard 4 -> 2 in memory; a joiner is resharded into 2 -> 4 from the
+    live shards. No checkpoint is read; the final parameters equal a fault-free run's and
+    every sample is trained once (each step's last attempt)."""
+    ref = _start_reference(tmp_path)
+    try:
+        extra_b, script_b = _run(tmp_path, "b")
+        script_b[script_b.index("--mesh") + 1] = "fsdp"
+        hold = tmp_path / "hold"
+        script_b += ["--hold-file", str(hold), "--live", "--peer-replica-every", "4"]
+        trace = tmp_path / "trace-b.jsonl"
+        _hold_after(hold, 9)
+        b = [nodes.start("fsdp-live", SCRIPT, nnodes="1:2", nproc=2, extra=extra_b,
+                         script_args=script_b) for _ in range(2)]
+        wait_until(lambda: any(r["step"] >= 9 and r["rank"] == 3 for r in read_jsonl(trace)), 120,
+                   "step 9 at world 4")
+        victim = set(b[1].tree())
+        survivors = {r["pid"] for r in read_jsonl(trace)} - victim
+        assert len(survivors) == 2, survivors
+        b[1].signal(signal.SIGKILL)
+        at_kill = max(r["round"] or 0 for r in read_jsonl(trace))
+        _hold_after(hold, 14)
+        wait_until(lambda: any((r["round"] or 0) > at_kill and r["rank"] == 1 for r in read_jsonl(trace)),
+                   60, "training at world 2 after the kill")
+        at_shrink = max(r["round"] or 0 for r in read_jsonl(trace))
+        b.append(nodes.start("fsdp-live", SCRIPT, nnodes="1:2", nproc=2, extra=extra_b,
+                             script_args=script_b))
+        wait_until(lambda: any((r["round"] or 0) > at_shrink and r["rank"] == 3 for r in read_jsonl(trace)),
+                   90, "world 4 again after the join")
+        _hold_after(hold, None)
+        for n in (b[0], b[2]):
+            assert n.wait(120) == 0, n.log()[-3000:]
+        _, err = ref.communicate(timeout=120)
+    finally:
+        if ref.poll() is None:
+            ref.kill()
+            ref.wait(10)
+    assert ref.returncode == 0, err.decode()[-3000:]
+    _check(tmp_path)
+    rows = read_jsonl(trace)
+    alone = {r["pid"] for r in rows if at_kill < (r["round"] or 0) <= at_shrink}
+    assert alone == survivors, f"a survivor's worker was restarted (no live re-formation): {alone}"
+    for n in (b[0], b[2]):
+        assert "checkpoint_loaded" not in n.log(), "a checkpoint was read"
+    recovered = [line for line in b[0].log().splitlines() if "live_resharded_in_memory" in line
+                 and "peer-RAM replicas" in line]
+    assert recovered and '"steps_rolled_back": 1' in recovered[0], recovered
+    assert "live_resharded_in_memory" in b[2].log(), "the joiner was not resharded in memory"
+    per_rank0 = [r["step"] for r in rows if r["rank"] == 0]
+    assert len(per_rank0) - len(set(per_rank0)) <= 4, "more steps retrained than the replica's k"
+
+
 def test_live_fsdp_resize_falls_back_to_the_resharding_load_and_says_why(nodes, tmp_path):
-    """Pure FSDP with ``--live`` over 2 nodes x 1: a node killed changes the shard size
-    (2 -> 1), so the survivor cannot keep its shard: it logs one ``live_reform_fell_back``
-    line naming the shard size change and the job finishes on the restart path (the
-    checkpoint resharded into a new worker)."""
+    """Pure FSDP with ``--live`` over 2 nodes x 1 and no peer-RAM replica
+    (``--peer-replica-every 0``): a node killed changes the shard size (2 -> 1) and its
+    shard exists nowhere else: the survivor logs one ``live_reform_fell_back`` line naming
+    the shard size change and the missing replica, and the job finishes on the restart
+    path (the checkpoint resharded into a new worker)."""
     steps = 12
     extra, script = _run(tmp_path, "f")
     script[script.index("--steps") + 1] = str(steps)
     script[script.index("--mesh") + 1] = "fsdp"
     hold = tmp_path / "hold"
-    script += ["--hold-file", str(hold), "--live"]
+    script += ["--hold-file", str(hold), "--live", "--peer-replica-every", "0"]
     trace = tmp_path / "trace-f.jsonl"
     _hold_after(hold, 5)
     b = [nodes.start("fsdp-fb", SCRIPT, nnodes="1:2", nproc=1, extra=extra, script_args=script)
@@ -202,5 +258,6 @@ def test_live_fsdp_resize_falls_back_to_the_resharding_load_and_says_why(nodes, 
                  if "live_reform_fell_back" in line and '"source": "worker"' in line]
     assert len(fell_back) == 1, fell_back  # one line from the worker (and its agent's own)
     assert "shard size changes from 2 to 1" in fell_back[0], fell_back[0]
+    assert "no peer-RAM replica" in fell_back[0], fell_back[0]
     assert "checkpoint_loaded" in b[0].log(), "the restart path did not reshard the checkpoint"
     assert sorted({r["step"] for r in read_jsonl(trace)}) == list(range(steps))
