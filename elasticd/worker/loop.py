@@ -47,6 +47,7 @@ from elasticd.errors import ConfigError
 from elasticd.worker.context import current_context, fast_exit, report_progress, should_stop
 from elasticd.worker.fence import agent_fence
 from elasticd.worker.live import LiveState, Reformed
+from elasticd.worker.peer_replica import DEFAULT_EVERY_STEPS as DEFAULT_PEER_REPLICA_EVERY
 from elasticd.worker.sharded import ShardedModel
 
 log = structlog.get_logger(__name__)
@@ -117,6 +118,12 @@ class ElasticLoop:
             :attr:`model` inside the loop. An HSDP mesh re-forms in place (joiners get
             their shards from a live replica); an FSDP mesh (shard size changes) and a
             restart reshard the checkpoint. No ``loop.ddp()``: FSDP2 does the gradient sync.
+            An FSDP mesh over several nodes reshards in memory instead: a join from the
+            live shards, a loss from the peer-RAM replicas (below).
+        peer_replica_every: With ``sharded=`` an ``"fsdp"`` mesh and ``live``: every rank
+            keeps a host-memory copy of one peer's shards (a rank on another node),
+            refreshed every this many steps and at each epoch's end; a node loss then
+            rolls back at most this many steps instead of reading the checkpoint. 0: off.
 
     Raises:
         ConfigError: ``state`` uses a reserved key, ``save_every < 1``, or ``sharded``'s
@@ -126,7 +133,8 @@ class ElasticLoop:
     def __init__(self, state: Mapping[str, Any], sampler: Any, *, checkpoint_url: str | None = None,
                  save_every: int = 50, keep_last: int = 3,
                  manager: CheckpointManager | None = None, live: bool = False,
-                 sharded: ShardedModel | None = None) -> None:
+                 sharded: ShardedModel | None = None,
+                 peer_replica_every: int = DEFAULT_PEER_REPLICA_EVERY) -> None:
         clash = [k for k in _RESERVED if k in state]
         if clash:
             raise ConfigError(f"ElasticLoop state uses reserved key(s) {clash}; rename them")
@@ -169,7 +177,8 @@ class ElasticLoop:
                 raise ConfigError(f"ElasticLoop(live=True) needs a sampler that can reshard in "
                                   f"place (regroup()); {type(sampler).__name__} cannot: use "
                                   "ElasticDistributedSampler or ElasticSampler, or live=False")
-            keeper = LiveState(self._state, checkpoint=self.manager, sharded=sharded)
+            keeper = LiveState(self._state, checkpoint=self.manager, sharded=sharded,
+                               peer_replica_every=peer_replica_every)
             self._keeper = keeper if keeper.enabled else None
         self._ddp_made = False
         self._reformed = False  # guard() swallowed a failed step: batches() restarts on the new group
@@ -284,6 +293,8 @@ class ElasticLoop:
         # a resume starts the next epoch, and code that peeks at the loader before
         # set_epoch() still finds batches.
         self.sampler.set_epoch(int(self.sampler.epoch) + 1)
+        if self._keeper is not None:
+            self._keeper.refresh_replica()  # a rollback to the replica stays in this epoch
         if self.steps_done > self._saved_at:
             self.save(blocking=True)
 

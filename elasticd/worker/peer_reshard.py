@@ -106,13 +106,15 @@ def plan_memory_reshard(reports: Sequence[MemoryReport]) -> MemoryPlan:
     Returns:
         A plan; ``fallback`` names why the shards must be resharded from the checkpoint.
     """
-    survivors = {r.old_rank: i for i, r in enumerate(reports) if r.old_rank >= 0 and r.step != NOT_HELD}
+    holding = [(r.old_rank, i) for i, r in enumerate(reports) if r.old_rank >= 0 and r.step != NOT_HELD]
+    survivors = dict(holding)
     if not survivors:
         return MemoryPlan(step=NOT_HELD, fallback="no rank holds a state")
     worlds = sorted({reports[i].old_world for i in survivors.values()})
-    if len(worlds) != 1:
+    if len(worlds) != 1 or len(survivors) != len(holding):
         return MemoryPlan(step=NOT_HELD, fallback=(
-            f"the ranks holding state come from worlds of sizes {worlds}: the shards are "
+            f"the ranks holding state do not come from one world (sizes {worlds}, old ranks "
+            f"{sorted(o for o, _ in holding)}): the shards are "
             "resharded from the checkpoint"))
     old_world = worlds[0]
     newest = max(reports[i].step for i in survivors.values())

@@ -261,3 +261,70 @@ def test_live_fsdp_resize_falls_back_to_the_resharding_load_and_says_why(nodes, 
     assert "no peer-RAM replica" in fell_back[0], fell_back[0]
     assert "checkpoint_loaded" in b[0].log(), "the restart path did not reshard the checkpoint"
     assert sorted({r["step"] for r in read_jsonl(trace)}) == list(range(steps))
+
+
+def test_fsdp_live_drain_hands_the_shards_on_and_loses_no_step(nodes, tmp_path):
+    """Pure FSDP2 ``--live`` over 2 nodes x 1, replica every 4 steps, one node drained
+    (SIGTERM to its agent) at step 5: at the agreed stop every rank refreshes the replica,
+    so the survivor reshards 2 -> 1 in memory at step 5 (0 rolled back), reads no
+    checkpoint, and no completed step is trained twice."""
+    steps = 12
+    extra, script = _run(tmp_path, "d")
+    script[script.index("--steps") + 1] = str(steps)
+    script[script.index("--mesh") + 1] = "fsdp"
+    hold = tmp_path / "hold"
+    script += ["--hold-file", str(hold), "--live", "--peer-replica-every", "4"]
+    trace = tmp_path / "trace-d.jsonl"
+    _hold_after(hold, 5)
+    b = [nodes.start("fsdp-drain", SCRIPT, nnodes="1:2", nproc=1, extra=extra, script_args=script)
+         for _ in range(2)]
+    wait_until(lambda: any(r["step"] >= 5 and r["rank"] == 1 for r in read_jsonl(trace)), 120,
+               "step 5 at world 2")
+    b[1].signal_agent(signal.SIGTERM)
+    assert b[1].wait(60) == 0, b[1].log()[-3000:]
+    _hold_after(hold, None)
+    assert b[0].wait(120) == 0, b[0].log()[-3000:]
+    recovered = [line for line in b[0].log().splitlines() if "live_resharded_in_memory" in line]
+    assert len(recovered) == 1 and "peer-RAM replicas" in recovered[0], recovered
+    assert '"steps_rolled_back": 0' in recovered[0] and '"step": 5' in recovered[0], recovered[0]
+    assert "checkpoint_loaded" not in b[0].log(), "the survivor read the checkpoint"
+    per_rank0 = [r["step"] for r in read_jsonl(trace) if r["rank"] == 0]
+    assert sorted(per_rank0) == list(range(steps)), "a step was skipped or trained twice"
+
+
+def test_elastic_loop_fsdp_kill_recovers_from_the_peer_replicas_and_trains_every_sample_once(nodes, tmp_path):
+    """``ElasticLoop(sharded=..., live=True)`` with a pure FSDP2 model over 2 nodes x 1,
+    replica every 4 steps (and at each epoch's end): a node SIGKILLed mid-epoch; the
+    survivor (same PID) rebuilds the lost shards from the replica it holds, rolls back at
+    most 4 steps with the sampler, and trains on alone. No checkpoint is read, and the last
+    attempt of every step covers each sample once per epoch."""
+    script = str(ROOT / "tests" / "workers" / "fsdp_loop.py")
+    trace = tmp_path / "trace-l.jsonl"
+    extra = ["--checkpoint-url", f"file://{tmp_path}/ckpt-l"]
+    args = ["--trace", str(trace), "--epochs", "3", "--dataset-size", "48", "--batch", "4"]
+    b = [nodes.start("fsdp-loop", script, nnodes="1:2", nproc=1, extra=extra, script_args=args)
+         for _ in range(2)]
+    wait_until(lambda: any(r["step"] >= 3 and r["world"] == 2 for r in read_jsonl(trace)), 120,
+               "step 3 at world 2")
+    victim = set(b[1].tree())
+    b[1].signal(signal.SIGKILL)
+    assert b[0].wait(120) == 0, b[0].log()[-3000:]
+    rows = read_jsonl(trace)
+    survivor = {r["pid"] for r in rows if r["world"] == 1}
+    assert len(survivor) == 1 and not survivor & victim, survivor
+    assert survivor <= {r["pid"] for r in rows if r["world"] == 2}, "the survivor was restarted"
+    recovered = [line for line in b[0].log().splitlines() if "live_resharded_in_memory" in line]
+    assert len(recovered) == 1 and "peer-RAM replicas" in recovered[0], recovered
+    rolled = int(recovered[0].split('"steps_rolled_back": ')[1].split(",")[0])
+    assert 0 <= rolled <= 4, recovered[0]
+    assert "checkpoint_loaded" not in b[0].log(), "the survivor read the checkpoint"
+    last_round: dict[int, int] = {}
+    for r in rows:
+        last_round[r["step"]] = max(last_round.get(r["step"], -1), r["round"] or 0)
+    per_epoch: dict[int, list[int]] = {}
+    for r in rows:
+        if (r["round"] or 0) == last_round[r["step"]]:
+            per_epoch.setdefault(r["epoch"], []).extend(r["samples"])
+    assert sorted(per_epoch) == [0, 1, 2]
+    for epoch, samples in per_epoch.items():
+        assert sorted(samples) == list(range(48)), f"epoch {epoch}: not every sample exactly once"
