@@ -37,7 +37,7 @@ import os
 import threading
 import time
 import zlib
-from collections.abc import Callable, Iterator, Mapping, MutableMapping
+from collections.abc import Callable, Iterator, Mapping, MutableMapping, Sequence
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
@@ -59,7 +59,15 @@ from elasticd.control.messages import (
 from elasticd.control.reform import clear_stopped, read_order, write_stopped
 from elasticd.errors import ConfigError
 from elasticd.worker import peer_reshard as pmem
-from elasticd.worker.peer_replica import DEFAULT_EVERY_STEPS, NO_HOLDER, PeerReplica, ring_holders, take_snapshot
+from elasticd.worker.peer_replica import (
+    DEFAULT_EVERY_STEPS,
+    NO_HOLDER,
+    PeerReplica,
+    Snapshot,
+    fill_boxes,
+    ring_holders,
+    take_snapshot,
+)
 from elasticd.worker.sharded import (
     NOT_HELD,
     RankShards,
@@ -538,7 +546,7 @@ class LiveState:
             self._fall_back(f"{plan.fallback}; in memory: {why}")
         assert mplan.sources is not None
         optimizers = [o for o in self.state.values() if isinstance(o, torch.optim.Optimizer)]
-        snaps: dict[int, object] = {}
+        snaps: dict[int, Snapshot] = {}
         if mplan.fresh and self._has_state:
             tensors, extra = pmem.replica_state(self.state, sm.module, sm.names, sm.params, rng.capture())
             # One copy of each box (HSDP: the replicas at replicate coordinate 0).
@@ -550,7 +558,7 @@ class LiveState:
         prefix = f"elasticd/reshard/{ctx.round}"
         for old, src in mplan.sources.items():
             if src == ctx.rank:
-                store.set(f"{prefix}/{old}", snaps[old].index())  # type: ignore[attr-defined]
+                store.set(f"{prefix}/{old}", snaps[old].index().decode())
         if mesh is not sm.mesh:  # a survivor: the old mesh's group is gone
             old_module = sm.module
             new = sm.rebuild(mesh, keep=False, optimizers=optimizers)
@@ -580,16 +588,16 @@ class LiveState:
             src = mplan.sources[old]
             receivers = [r for r, f in enumerate(all_flags) if int(f[old]) and r != src]
             if ctx.rank == src and old in need:
-                data[old] = snaps[old].data  # type: ignore[attr-defined]
+                data[old] = snaps[old].data
             if not receivers:
                 continue
-            sd = {"data": snaps[old].data} if ctx.rank == src else None  # type: ignore[attr-defined]
+            sd: dict[str, object] | None = {"data": snaps[old].data} if ctx.rank == src else None
             got = broadcast_state(sd, src, device, receivers=receivers, timeout_s=max(left, 1.0))
             if ctx.rank in receivers:
                 assert got is not None and isinstance(got["data"], torch.Tensor)
                 data[old] = got["data"]
                 moved += int(got["data"].numel())
-        filled = pmem.fill_targets(targets, chunks_of, sizes, data)
+        filled = fill_boxes(targets, chunks_of, sizes, data)
         source_rank = ctx.rank % mplan.old_world
         rng_state = pmem.apply_replica_state(self.state, sm.module, sm.names, sm.params, filled,
                                              extras[source_rank])
@@ -603,7 +611,7 @@ class LiveState:
                        steps_rolled_back=max(lost, 0), bytes_received=moved,
                        seconds=round(time.monotonic() - t0, 3))
 
-    def _reshard_targets(self, sm: ShardedModel, optimizers: list[torch.optim.Optimizer],
+    def _reshard_targets(self, sm: ShardedModel, optimizers: Sequence[torch.optim.Optimizer],
                          keys: set[str]) -> dict[str, object]:
         """Empty DTensors of the new sharding for every saved key: the module's parameters
         and each optimizer's per-parameter state."""

@@ -221,18 +221,44 @@ def fill_from_memory(targets: Mapping[str, Any], snapshots: Sequence[Snapshot]) 
     Raises:
         CheckpointCorruptError: the snapshots do not cover every element exactly once.
     """
-    files = {shards.data_name(s.rank): s for s in snapshots}
-    chunks = [c for s in snapshots for c in s.chunks]
-    by_key = shards.check_coverage(chunks, {name: int(s.data.numel()) for name, s in files.items()})
+    return fill_boxes(targets, {s.rank: s.chunks for s in snapshots},
+                      {s.rank: int(s.data.numel()) for s in snapshots}, {s.rank: s.data for s in snapshots})
+
+
+def fill_boxes(targets: Mapping[str, Any], chunks_of: Mapping[int, Sequence[shards.Chunk]],
+               sizes: Mapping[int, int], data: Mapping[int, torch.Tensor]) -> dict[str, Any]:
+    """Each target's new box, assembled from the old ranks' bytes this rank holds.
+
+    The coverage check runs over every old rank's index (each element exactly once);
+    bytes are read only from the ranks in ``data`` (those whose boxes overlap this rank's),
+    each chunk checked against its CRC.
+
+    Args:
+        targets: key -> template DTensor of the new sharding.
+        chunks_of: old rank -> its chunks (every old rank).
+        sizes: old rank -> the size of its byte buffer.
+        data: old rank -> its bytes (uint8, CPU), for the ranks this rank reads from.
+
+    Raises:
+        CheckpointCorruptError: a gap or overlap in the old shards, a bad CRC, a needed
+            rank's bytes missing, a target no old rank holds.
+    """
+    chunks = [c for cs in chunks_of.values() for c in cs]
+    by_key = shards.check_coverage(chunks, {shards.data_name(o): n for o, n in sizes.items()})
+    by_file = {shards.data_name(o): o for o in chunks_of}
 
     def read(c: shards.Chunk) -> bytearray:
-        raw = files[c.file].data[c.start:c.start + c.length]
-        data = bytearray(byte_view(raw.contiguous()))
-        shards.chunk_crc(c, data)
-        return data
+        old = by_file[c.file]
+        if old not in data:
+            raise CheckpointCorruptError(f"the bytes of old rank {old} did not arrive")
+        raw = bytearray(byte_view(data[old][c.start:c.start + c.length].contiguous()))
+        shards.chunk_crc(c, raw)
+        return raw
 
-    return {key: shards.fill(targets[key], group, read, "peer-RAM replica")
-            for key, group in by_key.items() if key in targets}
+    missing = sorted(set(targets) - set(by_key))
+    if missing:
+        raise CheckpointCorruptError(f"the old shards hold no {missing[0]!r}")
+    return {key: shards.fill(targets[key], by_key[key], read, "peer-RAM replica") for key in targets}
 
 
 class PeerReplica:

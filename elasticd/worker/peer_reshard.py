@@ -288,36 +288,6 @@ def needed_ranks(targets: Mapping[str, Any], chunks_of: Mapping[int, Sequence[sh
     return need
 
 
-def fill_targets(targets: Mapping[str, Any], chunks_of: Mapping[int, Sequence[shards.Chunk]],
-                 sizes: Mapping[int, int], data: Mapping[int, torch.Tensor]) -> dict[str, Any]:
-    """Each target's new box, assembled from the old ranks' bytes this rank holds.
-
-    The coverage check runs over every old rank's index (each element exactly once);
-    bytes are read only from the ranks in ``data`` (:func:`needed_ranks`), each chunk
-    checked against its CRC.
-
-    Raises:
-        CheckpointCorruptError: a gap or overlap in the old shards, a bad CRC, a needed
-            rank's bytes missing.
-    """
-    chunks = [c for cs in chunks_of.values() for c in cs]
-    by_key = shards.check_coverage(chunks, {shards.data_name(o): n for o, n in sizes.items()})
-    by_file = {shards.data_name(o): o for o in chunks_of}
-
-    def read(c: shards.Chunk) -> bytearray:
-        old = by_file[c.file]
-        if old not in data:
-            raise CheckpointCorruptError(f"the bytes of old rank {old} did not arrive")
-        raw = bytearray(memoryview(data[old][c.start:c.start + c.length].contiguous().numpy()))
-        shards.chunk_crc(c, raw)
-        return raw
-
-    missing = sorted(set(targets) - set(by_key))
-    if missing:
-        raise CheckpointCorruptError(f"the old shards hold no {missing[0]!r}")
-    return {key: shards.fill(targets[key], by_key[key], read, "in-memory reshard") for key in targets}
-
-
 def snapshot_targets(tensors: Mapping[str, Any]) -> dict[str, Any]:
     """Empty DTensors like ``tensors`` (the new sharding) to fill."""
     return {key: torch.empty_like(t) for key, t in tensors.items()}

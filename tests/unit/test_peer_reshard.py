@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from elasticd.checkpoint.api import CheckpointCorruptError
+from elasticd.worker.peer_replica import fill_boxes as fill_targets
 from elasticd.worker.peer_reshard import (
     MemoryReport,
     apply_replica_state,
-    fill_targets,
     needed_ranks,
     parse_index,
     plan_memory_reshard,

@@ -38,7 +38,7 @@ def main() -> int:
     p.add_argument("--peer-replica-every", type=int, default=4)
     p.add_argument("--trace", required=True)
     args = p.parse_args()
-    ctx = worker.init()
+    worker.init()
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(1)
     x = torch.randn(args.dataset_size, 4, generator=g, dtype=torch.float64)
