@@ -29,6 +29,9 @@ f. sharded checkpoints (FSDP2 on a 1-rank mesh): ``fully_shard`` a model on the 
    each rank's shards staged into pinned buffers), the state mutated at once, then a
    differently seeded model sharded on a new mesh loads it; the gathered tensors must equal
    the state at ``save()``; against a synchronous ``torch.distributed.checkpoint.save``.
+   Then the live in-memory reshard's data path (a pure FSDP2 job after a node loss): the
+   DTensors snapshotted to host memory as a peer-RAM replica holds them, a third model
+   filled from it; equality, and the times of both halves.
 
 ``--cpu-dry-run`` runs b, c, d, e and f on the CPU (gloo, tiny sizes) so the script is tested
 without a GPU. Results: a summary on stdout and ``$OUT/gpu_check.json`` (or
@@ -441,6 +444,7 @@ def sharded(workdir: Path, sz: Sizes) -> dict[str, Any]:
             got = full(fresh, fresh_optim)
         res["loaded_step"] = loaded.step if loaded else None
         res["equal"] = len(got) == len(ref) and all(torch.equal(g, r) for g, r in zip(got, ref, strict=True))
+        res["peer_reshard"] = _peer_reshard(fresh, fresh_optim, build, full, sync)
         res["dtensors"] = type(next(fresh.parameters())).__name__
         msd, osd = get_state_dict(model, optim)
         sync()
@@ -450,10 +454,48 @@ def sharded(workdir: Path, sz: Sizes) -> dict[str, Any]:
         res["blocked_vs_dcp"] = round(res["saves"][-1]["save_blocked_s"] / max(res["dcp_save_sync_s"], 1e-9), 3)
         shutil.rmtree(workdir / "ckpt-f", ignore_errors=True)
         shutil.rmtree(workdir / "dcp-f", ignore_errors=True)
-        res["ok"] = bool(res["equal"] and res["loaded_step"] == 2 and res["dtensors"] == "DTensor")
+        res["ok"] = bool(res["equal"] and res["loaded_step"] == 2 and res["dtensors"] == "DTensor"
+                         and res["peer_reshard"]["equal"])
         return res
     finally:
         dist.destroy_process_group()
+
+
+def _peer_reshard(model: Any, optim: Any, build: Any, full: Any, sync: Any) -> dict[str, Any]:
+    """f, second part: the live in-memory reshard's data path on the device (what a pure
+    FSDP2 job's survivors run after a node loss): the snapshot of the CUDA DTensors to host
+    memory, the fill of a differently seeded model's DTensors from it, equality."""
+    import torch
+
+    from elasticd.checkpoint import rng
+    from elasticd.worker.peer_replica import fill_boxes, take_snapshot
+    from elasticd.worker.peer_reshard import apply_replica_state, replica_state
+
+    def named(m: Any) -> tuple[list[str], list[Any]]:
+        pairs = list(m.named_parameters())
+        return [n for n, _ in pairs], [p for _, p in pairs]
+
+    names, params = named(model)
+    ref = full(model, optim)
+    sync()
+    t0 = time.perf_counter()
+    tensors, extra = replica_state({"model": model, "optim": optim}, model, names, params, rng.capture())
+    snap = take_snapshot(0, 2, tensors, extra)
+    t1 = time.perf_counter()
+    other, other_optim = build(2)
+    other_names, other_params = named(other)
+    state = {"model": other, "optim": other_optim}
+    targets = {k: torch.empty_like(t) for k, t in tensors.items()}
+    sync()
+    t2 = time.perf_counter()
+    filled = fill_boxes(targets, {0: snap.chunks}, {0: int(snap.data.numel())}, {0: snap.data})
+    apply_replica_state(state, other, other_names, other_params, filled, extra)
+    sync()
+    t3 = time.perf_counter()
+    got = full(other, other_optim)
+    return {"snapshot_s": round(t1 - t0, 4), "fill_s": round(t3 - t2, 4),
+            "bytes": int(snap.data.numel()),
+            "equal": len(got) == len(ref) and all(torch.equal(g, r) for g, r in zip(got, ref, strict=True))}
 
 
 def _tensors(*trees: Any) -> list[Any]:
@@ -542,6 +584,9 @@ def summary(results: dict[str, Any]) -> str:
                      f"{sh.get('state_bytes')} B): save() blocked {warm.get('save_blocked_s')} s, "
                      f"committed {warm.get('committed_s')} s; sync DCP save {sh.get('dcp_save_sync_s')} s "
                      f"(ratio {sh.get('blocked_vs_dcp')}); loaded == saved: {sh.get('equal')}")
+        pr = sh.get("peer_reshard") or {}
+        lines.append(f"  in-memory reshard: snapshot {pr.get('snapshot_s')} s, fill {pr.get('fill_s')} s "
+                     f"({pr.get('bytes')} B); filled == snapshotted: {pr.get('equal')}")
     for name, err in results.get("errors", {}).items():
         lines.append(f"ERROR in {name}: {err.splitlines()[-1][:300]}")
     lines.append(f"all ok: {results['ok']}; total {results['wall_s']} s")
