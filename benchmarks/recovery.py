@@ -187,6 +187,10 @@ def run_trial(system: str, scenario: str, rep: int, etcd_endpoint: str, script: 
                             steps_at(src.records(), NODES) >= args.warm_steps, args.start_timeout)
         if not steady:
             trial.note = f"never trained steadily at world {NODES} within {args.start_timeout:.0f}s"
+            gave_up = sorted({line.split("giving up: ", 1)[1][:200] for log in workdir.glob("n*.log")
+                              for line in log.read_text(errors="replace").splitlines() if "giving up: " in line})
+            if gave_up:  # e.g. a script's configuration error at this world size (exit 78)
+                trial.note += f"; an agent gave up: {gave_up[0]}"
             return trial
         # Faults hit jobs that have been training a while: let every launcher settle (and
         # elasticd's standbys, which start 2 s after the first step, finish importing).

@@ -361,6 +361,9 @@ class LiveState:
         self.replica = PeerReplica(ctx.rank, holders, dist.distributed_c10d._get_default_store(), hosts[0],
                                    every_steps=self.peer_replica_every, timeout_s=self.timeout_s,
                                    prefix=f"elasticd/peer/{ctx.round}")
+        if self._has_state and self.step >= 0:
+            # The new world is covered at once, not only from its first multiple of k.
+            self.refresh_replica()
 
     # -- re-formation ---------------------------------------------------------------------
     def _abandon_step(self) -> None:
