@@ -55,7 +55,8 @@ def test_replicas_exchange_over_tcp_and_reshard_in_memory():
 @pytest.mark.timeout(60)
 def test_snapshot_of_dtensors_round_trips_and_a_flipped_byte_is_refused():
     """take_snapshot(crc=False) + seal of real DTensors parses back equal; one flipped byte of
-    the received buffer raises CheckpointCorruptError (no state from a damaged replica)."""
+    the received buffer raises CheckpointCorruptError when the chunk is read (no state from
+    a damaged replica), a buffer of another size at once."""
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -79,7 +80,10 @@ def test_snapshot_of_dtensors_round_trips_and_a_flipped_byte_is_refused():
         assert torch.equal(out["optim.m"].to_local(), m.to_local())
         bad = snap.data.clone()
         bad[3] ^= 1
-        with pytest.raises(CheckpointCorruptError):
-            parse_snapshot(snap.index(), bad)
+        with pytest.raises(CheckpointCorruptError):  # when a recovery reads the chunk
+            fill_from_memory({"w": distribute_tensor(torch.zeros(5, 3, dtype=torch.float64), mesh, [Shard(0)])},
+                             [parse_snapshot(snap.index(), bad)])
+        with pytest.raises(CheckpointCorruptError):  # bytes of another size
+            parse_snapshot(snap.index(), bad[:-1])
     finally:
         dist.destroy_process_group()
