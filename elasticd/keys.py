@@ -147,6 +147,14 @@ class JobKeys:
     def left(self, round_: int, node_id: str) -> str:
         return f"{self.left_root}{round_:010d}/{validate_node_id(node_id)}"
 
+    # stragglers on probation: on a lease of the probation's length (the coordinator's)
+    @property
+    def probation_root(self) -> str:
+        return f"{self.rdzv_prefix}probation/"
+
+    def probation(self, node_id: str) -> str:
+        return f"{self.probation_root}{validate_node_id(node_id)}"
+
     # per-round c10d store
     @property
     def store_root(self) -> str:

@@ -82,6 +82,9 @@ EVENT_KINDS = (
     "round",  # a round completed (world size in detail)
     "lease_lost",  # this node found its own lease gone (zombie) and is rejoining
     "finished",  # the job's workers all succeeded
+    "hung",  # the coordinator ejected the node: its workers hung the job
+    "straggler",  # the coordinator flagged the node a straggler (ratio in detail)
+    "straggler_ejected",  # ... and ejected it: it waits as a spare until its probation ends
 )
 
 
@@ -191,6 +194,20 @@ class WaitingRecord(_Record):
 
     round: int
     nodes: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class ProbationRecord(_Record):
+    """``/elasticd/<job>/rdzv/probation/<node>``: the coordinator ejected ``node`` as a
+    straggler; it waits as a spare until the key's lease (``probation_s``) expires, then
+    it is admitted again (rendezvous/stragglers.py, docs/failure-model.md "Stragglers")."""
+
+    node: str
+    ratio: float  # its own step time over the members' median when it was ejected
+    probation_s: float
+    ejections: int = 1  # how often the deciding coordinator ejected it (doubles probation)
+    round: int = -1  # the round it was ejected from
+    since: float = 0.0  # wall clock at the ejection (shown, never compared)
 
 
 @dataclass(frozen=True)

@@ -49,6 +49,7 @@ from elasticd.errors import LeaseLostError, TransientError
 from elasticd.rendezvous.etcd_handler import EtcdRendezvousHandler
 from elasticd.rendezvous.etcd_store import RoundAbandonedError
 from elasticd.rendezvous.protocol import (
+    EJECTIONS,
     LEFT_DRAINED,
     LEFT_FINISHED,
     Attribution,
@@ -301,7 +302,7 @@ class ElasticdAgent(LocalElasticAgent):
             drain_deadline_passed=phase.draining and phase.deadline_passed(now),
             stopped_for_drain=bool(self.control.stopped_markers()) if look_for_markers else False,
             lease_lost=self.handler.lease_lost.is_set(),
-            ejected=(waiting.reason if waiting is not None and waiting.kind is MembershipChange.MEMBER_HUNG
+            ejected=(waiting.reason if waiting is not None and waiting.kind in EJECTIONS
                      and self.handler.node_id in waiting.nodes else ""),
             nodes_waiting=nodes_waiting,
             membership=waiting.kind if waiting is not None and nodes_waiting else MembershipChange.NONE,
@@ -537,7 +538,9 @@ class ElasticdAgent(LocalElasticAgent):
         self._initialize_workers(self._worker_group)  # re-registers a new lease first
 
     def _ejected(self, reason: str) -> None:
-        """The coordinator ejected us (our workers hang the job): kill them, rejoin cold.
+        """The coordinator ejected us (our workers hang the job, or we are a straggler it
+        put on probation): kill them, rejoin cold (a straggler waits as a spare until its
+        probation ends).
 
         SIGKILL to each worker's whole process group (its own session): a stopped
         (SIGSTOPped) or GIL-bound worker never honours a SIGTERM, and its children (data
@@ -545,7 +548,9 @@ class ElasticdAgent(LocalElasticAgent):
         the round after the one the others re-formed in (``protocol.ejected``).
         """
         self._dump_stacks()  # where they hung, in the workers' stderr (a SIGSTOPped one: none)
-        self.recorder.event("hung", f"node {self.handler.node_id} ejected: {reason}",
+        waiting = self.handler.membership()
+        kind = "straggler_ejected" if waiting.kind is MembershipChange.MEMBER_SLOW else "hung"
+        self.recorder.event(kind, f"node {self.handler.node_id} ejected: {reason}",
                             node=self.handler.node_id, round=self.handler.round)
         self._log.warning("node_ejected", reason=reason, round=self.handler.round)
         self._close_workers(signal.SIGKILL, timeout_s=1)  # torch's close: killpg of each worker

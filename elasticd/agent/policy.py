@@ -100,7 +100,8 @@ class GroupState(enum.Enum):
 _FAILED = (GroupState.FAILED, GroupState.UNHEALTHY)
 # A peer's drain or a departure our workers may already be saving for (see _membership_changed).
 _AFTER_AGREED_STOP = (MembershipChange.NEWER_ROUND, MembershipChange.MEMBER_LOST,
-                      MembershipChange.MEMBER_LEFT, MembershipChange.MEMBER_HUNG)
+                      MembershipChange.MEMBER_LEFT, MembershipChange.MEMBER_HUNG,
+                      MembershipChange.MEMBER_SLOW)
 
 
 class LivePhase(enum.Enum):
@@ -141,7 +142,8 @@ class Facts:
     # HEALTHY (looked at only while nodes wait) they are stopping, saving a checkpoint.
     stopped_for_drain: bool = False
     lease_lost: bool = False
-    # Non-empty when the coordinator ejected this node (its workers hang the job): why.
+    # Non-empty when the coordinator ejected this node (its workers hang the job, or it is
+    # a straggler the job is faster without): why.
     ejected: str = ""
     nodes_waiting: int = 0
     # Kind of membership change while nodes_waiting > 0 (NONE otherwise).
@@ -199,7 +201,7 @@ _LIVE_MAY_ACT = (Verdict.CONTINUE, Verdict.RESTART_MEMBERSHIP, Verdict.START_RES
 _MEMBERSHIP_VERDICTS = (Verdict.RESTART_MEMBERSHIP, Verdict.START_RESIZE)
 # A second change during a re-formation that the new group cannot survive.
 _GROUP_CANNOT_FORM = (MembershipChange.MEMBER_LOST, MembershipChange.NEWER_ROUND,
-                      MembershipChange.MEMBER_HUNG)
+                      MembershipChange.MEMBER_HUNG, MembershipChange.MEMBER_SLOW)
 
 
 def decide(f: Facts) -> Decision:

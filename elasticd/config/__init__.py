@@ -19,7 +19,8 @@ TOML layout (every key is documented with its default in docs/configuration.md):
     [node]       id, local_addr, ttl_s
     [rendezvous] join_timeout_s, last_call_timeout_s, start_settle_s, close_timeout_s,
                  store_timeout_s, liveness_probe, valid_sizes, global_batch_size,
-                 hang_eject_s, straggler_factor, straggler_window_s
+                 hang_eject_s, straggler_factor, straggler_window_s,
+                 straggler_probation_s
     [workers]    command, nproc_per_node, workdir, monitor_interval_s,
                  hang_timeout_s, warm_start, live_reform, live_reform_timeout_s,
                  user, and a [workers.env] table
@@ -47,7 +48,7 @@ Override keys (the ``overrides`` mapping, one per CLI flag) are the dotted names
     node.id  node.local_addr  node.ttl_s
     rendezvous.join_timeout_s  rendezvous.last_call_timeout_s  rendezvous.liveness_probe
     rendezvous.start_settle_s  rendezvous.hang_eject_s  rendezvous.straggler_factor
-    rendezvous.straggler_window_s
+    rendezvous.straggler_window_s  rendezvous.straggler_probation_s
     rendezvous.close_timeout_s  rendezvous.store_timeout_s
     rendezvous.valid_sizes  rendezvous.global_batch_size
     workers.command  workers.nproc_per_node  workers.workdir  workers.env

@@ -105,6 +105,10 @@ FLAGS: tuple[Flag, ...] = (
          metavar="X"),
     Flag("--straggler-window", "rendezvous.straggler_window_s",
          "... for this long before it is flagged, s", metavar="S"),
+    Flag("--straggler-probation", "rendezvous.straggler_probation_s",
+         "eject a flagged straggler when the job is faster without it and keep it a spare "
+         "this long (doubling if flagged again; live re-formation only; 0=flag only), s",
+         metavar="S"),
     Flag("--nproc-per-node", "workers.nproc_per_node", "workers on this node: N, 'gpu' or 'auto'",
          metavar="N"),
     Flag("--workdir", "workers.workdir", "working directory of the workers", metavar="DIR"),

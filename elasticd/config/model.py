@@ -111,6 +111,9 @@ class RendezvousConfig:
     # flagged a straggler (0: never): rendezvous/stragglers.py, docs/failure-model.md.
     straggler_factor: float = 1.25
     straggler_window_s: float = 30.0
+    # Eject a flagged straggler when the job is faster without it, and keep it a spare this
+    # long before it is admitted again (0: flag only); live re-formation only.
+    straggler_probation_s: float = 60.0
 
 
 @dataclass(frozen=True)

@@ -411,6 +411,8 @@ KEYS: dict[str, Key] = {
         Key("rendezvous", "hang_eject_s", number(0, hi=3600), 2.0, "hang_eject_s = 2"),
         Key("rendezvous", "straggler_factor", straggler_factor, 1.25, "straggler_factor = 1.25"),
         Key("rendezvous", "straggler_window_s", number(1, hi=86400), 30.0, "straggler_window_s = 30"),
+        Key("rendezvous", "straggler_probation_s", number(0, hi=86400), 60.0,
+            "straggler_probation_s = 60"),
         Key("workers", "command", command, REQUIRED, 'command = ["train.py", "--epochs", "10"]'),
         Key("workers", "nproc_per_node", nproc, 1, 'nproc_per_node = "gpu"'),
         Key("workers", "workdir", optional_string, None, 'workdir = "/srv/train"'),

@@ -23,6 +23,13 @@ at most every ``_HANG_LOOK_S``) into a ``HangWatch`` and, when ``find_hung`` nam
 member, opens the next round with cause ``member_hung`` naming it (``hang_eject_s``;
 rendezvous/hangs.py, docs/failure-model.md "Hung node").
 
+Stragglers: from the same beats, a ``StragglerWatch`` flags a member persistently slower
+than the median. With ``straggler_probation_s`` > 0 the holder ejects the slowest flagged
+one when the job is faster without it (``stragglers.pick_ejection``): the next round is
+opened with cause ``member_slow`` and, in the same transaction, ``rdzv/probation/<node>``
+is written on a fresh lease of the probation's length. The others re-form live without
+it; it waits as a spare until the lease ends, then is admitted as any joiner.
+
 All of this runs on one daemon thread per handler; it never blocks the agent's loop.
 """
 
@@ -39,7 +46,7 @@ from elasticd.etcd.client import EtcdClient
 from elasticd.etcd.txn import CreateRevision, Delete, ModRevision, Put
 from elasticd.etcd.watch import PrefixWatch
 from elasticd.keys import JobKeys
-from elasticd.records import AttributionRecord, Beat, RecordError, WaitingRecord
+from elasticd.records import AttributionRecord, Beat, ProbationRecord, RecordError, WaitingRecord
 from elasticd.rendezvous.hangs import HangWatch, WorkerActivity
 from elasticd.rendezvous.liveness import REPROBE_S, MemberProbes, PeerProber
 from elasticd.rendezvous.protocol import (
@@ -51,7 +58,8 @@ from elasticd.rendezvous.protocol import (
     decide_coordination,
 )
 from elasticd.rendezvous.session import NodeSession
-from elasticd.rendezvous.stragglers import StragglerWatch
+from elasticd.rendezvous.sizes import admitted_size
+from elasticd.rendezvous.stragglers import StragglerWatch, pick_ejection, probation_s
 from elasticd.rendezvous.view import WatchedView
 
 log = structlog.get_logger(__name__)
@@ -79,6 +87,8 @@ class RoundCoordinator:
         hang_eject_s: the shortest stall after which a hung member is ejected (0: never).
         stragglers: the straggler rule's memory (factor, window); None: never flag.
         on_stragglers: called with the flagged members (node -> ratio) when they change.
+        straggler_probation_s: eject a flagged straggler when the shrink pays and keep it
+            out this long (doubling per ejection, ``stragglers.probation_s``); 0: never.
     """
 
     def __init__(self, client: EtcdClient, keys: JobKeys, session: NodeSession, view: WatchedView, *,
@@ -86,13 +96,14 @@ class RoundCoordinator:
                  valid_sizes: tuple[int, ...] = (),
                  start_settle_s: float = 0.0,
                  finalize: Callable[[Action, RendezvousView, int], bool],
-                 open_next: Callable[[Action, RendezvousView, int], bool],
+                 open_next: Callable[..., bool],
                  defer_lost_until: Callable[[RendezvousView], float | None],
                  prober: PeerProber | None = None,
                  holder_probes: MemberProbes | None = None,
                  finishing: threading.Event | None = None, hang_eject_s: float = 0.0,
                  stragglers: StragglerWatch | None = None,
-                 on_stragglers: Callable[[dict[str, float]], None] | None = None) -> None:
+                 on_stragglers: Callable[[dict[str, float]], None] | None = None,
+                 straggler_probation_s: float = 0.0) -> None:
         self.client = client
         self.keys = keys
         self.session = session
@@ -122,6 +133,8 @@ class RoundCoordinator:
         self.stragglers = stragglers
         self.on_stragglers = on_stragglers
         self._flagged: dict[str, float] = {}
+        self.straggler_probation_s = straggler_probation_s
+        self._slow_ejections: dict[str, int] = {}  # node -> ejections as a straggler (ours)
 
     def start(self) -> RoundCoordinator:
         self._thread.start()
@@ -177,13 +190,14 @@ class RoundCoordinator:
             return None
         proven = self.view.proven_dead(self.prober.dead()) if self.prober else frozenset()
         hung, hang_until = self._look_for_hangs(view)
+        slow = self._straggler_to_eject(view) if hung is None else None
         action = decide_coordination(view, self._memory, me=me, min_nodes=self.min_nodes,
                                      max_nodes=self.max_nodes, valid_sizes=self.valid_sizes,
                                      last_call_timeout_s=self.last_call_timeout_s,
                                      now=time.monotonic(),
                                      defer_lost_until=self._defer_lost_until(view),
                                      proven_dead=proven, start_settle_s=self.start_settle_s,
-                                     finishing=self.finishing.is_set(), hung=hung)
+                                     finishing=self.finishing.is_set(), hung=hung, slow=slow)
         if action.reason != self._last_reason:
             # A round closed or opened is a state change (info, with why); waits are chatter.
             level = "info" if action.kind in (ActionKind.FINALIZE, ActionKind.OPEN_NEXT) else "debug"
@@ -193,7 +207,9 @@ class RoundCoordinator:
         if action.kind is ActionKind.FINALIZE:
             self._finalize(action, view, state_rev)
         elif action.kind is ActionKind.OPEN_NEXT:
-            if (self._open_next(action, view, state_rev)
+            if action.cause == MembershipChange.MEMBER_SLOW.value:
+                self._eject_straggler(action, view, state_rev)
+            elif (self._open_next(action, view, state_rev)
                     and action.cause == MembershipChange.MEMBER_HUNG.value):
                 self._log.warning("member_ejected", ejected=list(action.changed), cause="hung",
                                   round=action.round, reason=action.reason)
@@ -257,6 +273,40 @@ class RoundCoordinator:
             self._flagged = flagged
             if self.on_stragglers is not None:
                 self.on_stragglers(flagged)
+
+    def _straggler_to_eject(self, view: RendezvousView) -> tuple[str, str] | None:
+        """The flagged straggler the policy ejects now (``pick_ejection``), or None."""
+        state = view.state
+        if (self.straggler_probation_s <= 0 or self.stragglers is None or not self._flagged
+                or state is None or state.phase != "final"):
+            return None
+        own = {n: s for n, s in self.stragglers.latest().items() if n in state.members}
+        if set(own) != set(state.members):
+            return None  # a member's own step time is unknown: no comparison
+
+        def size_ok(n: int) -> bool:
+            return admitted_size(n, self.valid_sizes, min_nodes=self.min_nodes,
+                                 max_nodes=self.max_nodes) == n
+
+        return pick_ejection({n: r for n, r in self._flagged.items() if n in own}, own,
+                             min_nodes=self.min_nodes, size_ok=size_ok)
+
+    def _eject_straggler(self, action: Action, view: RendezvousView, state_rev: int) -> None:
+        """Open the next round without the straggler and put it on probation, in one
+        transaction (a probation without the ejection, or the reverse, is never written)."""
+        node = action.changed[0]
+        count = self._slow_ejections.get(node, 0) + 1
+        length = probation_s(self.straggler_probation_s, count)
+        record = ProbationRecord(node, ratio=self._flagged.get(node, 0.0), probation_s=length,
+                                 ejections=count, round=action.round - 1, since=time.time())
+        lease = self.client.grant_lease(max(int(round(length)), 1))
+        put = Put(self.keys.probation(node), record.to_json(), lease=lease)
+        if self._open_next(action, view, state_rev, (put,)):
+            self._slow_ejections[node] = count
+            self._log.warning("member_ejected", ejected=[node], cause="straggler",
+                              round=action.round, reason=action.reason, probation_s=length)
+        else:
+            self.client.revoke_lease(lease)
 
     def _read_beats(self) -> dict[str, tuple[int, int, WorkerActivity, float, float]]:
         """Every beat under ``beats/``: node -> (round, step, activity, step_s,

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -37,7 +37,7 @@ from torch.distributed.elastic.rendezvous import (
 
 from elasticd.errors import EtcdUnavailableError, LeaseLostError
 from elasticd.etcd.client import EtcdClient
-from elasticd.etcd.txn import DeleteRange
+from elasticd.etcd.txn import DeleteRange, Op
 from elasticd.etcd.watch import PrefixWatch
 from elasticd.keys import JobKeys
 from elasticd.records import ClosedRecord, RoundState
@@ -202,12 +202,14 @@ class EtcdRendezvousHandler(RendezvousHandler):
                 last_call_timeout_s=s.last_call_timeout_s,
                 start_settle_s=s.start_settle_s,
                 finalize=lambda a, v, rev: self._finalize(a, v, rev, time.monotonic() + 10.0),
-                open_next=lambda a, v, rev: self._open_next(a, v, rev, time.monotonic() + 10.0),
+                open_next=lambda a, v, rev, extra=(): self._open_next(
+                    a, v, rev, time.monotonic() + 10.0, extra_ops=extra),
                 defer_lost_until=self._defer_lost_until, prober=self.prober,
                 holder_probes=MemberProbes(self.prober, self._member_targets),
                 finishing=self._finishing, hang_eject_s=s.hang_eject_s,
                 stragglers=(StragglerWatch(s.straggler_factor, s.straggler_window_s)
                             if s.straggler_factor > 0 else None),
+                straggler_probation_s=s.straggler_probation_s,
                 on_stragglers=lambda flagged: self.on_stragglers(flagged)
                 if self.on_stragglers is not None else None).start()
 
@@ -334,16 +336,17 @@ class EtcdRendezvousHandler(RendezvousHandler):
                 self.session.register(deadline)
             view, state_rev = self._view.snapshot()
             version = self._view.version
-            if (is_spare(view.state, self.node_id, self.settings.max_nodes,
-                         self.settings.valid_sizes)
-                    and self.client.unreachable() is None):
+            on_probation = view.probation.get(self.node_id)
+            if ((on_probation or is_spare(view.state, self.node_id, self.settings.max_nodes,
+                                          self.settings.valid_sizes))
+                    and view.state is not None and self.client.unreachable() is None):
                 # A spare waits as long as the job runs (protocol.is_spare): its join
                 # deadline restarts while the job stays full without it and etcd answers
-                # (an etcd gone for good still ends the wait, as for any joiner).
+                # (an etcd gone for good still ends the wait, as for any joiner). So does
+                # a straggler on probation (``rdzv/probation/``), until its lease ends.
                 deadline = progress.deadline = time.monotonic() + self.settings.join_timeout_s
-                assert view.state is not None  # is_spare
-                self._set_spare(True, spare_reason(len(view.state.members), self.settings.max_nodes,
-                                                   self.settings.valid_sizes))
+                self._set_spare(True, on_probation or spare_reason(
+                    len(view.state.members), self.settings.max_nodes, self.settings.valid_sizes))
             proven = (self._view.proven_dead(self.prober.dead())
                       if self.prober is not None and view.full else frozenset())
             action = decide_join(view, progress, min_nodes=self.settings.min_nodes,
@@ -480,16 +483,19 @@ class EtcdRendezvousHandler(RendezvousHandler):
             self.on_members_lost(list(dropped), view.state.round - 1)
         return won
 
-    def _open_next(self, action: Action, view: RendezvousView, state_rev: int, deadline: float) -> bool:
-        """CAS final(r) -> open(r+1), carrying the cause; the winner reports lost members
-        and deletes old rounds' keys. True if this write won."""
+    def _open_next(self, action: Action, view: RendezvousView, state_rev: int, deadline: float,
+                   extra_ops: Sequence[Op] = ()) -> bool:
+        """CAS final(r) -> open(r+1), carrying the cause, and ``extra_ops`` in the same
+        transaction (a straggler's probation); the winner reports lost members and
+        deletes old rounds' keys. True if this write won."""
         assert view.state is not None
         s = self.settings
         state = RoundState(action.round, "open", list(view.state.members), s.min_nodes,
                            s.max_nodes, opened_at=time.time(), cause=action.cause,
                            changed=list(action.changed))
         if not retry_rdzv("open round", lambda: self.client.put_if(
-                self.keys.rdzv_state, state.to_json(), mod_revision=state_rev), deadline):
+                self.keys.rdzv_state, state.to_json(), mod_revision=state_rev,
+                extra_ops=extra_ops), deadline):
             return False
         self._log.info("round_opened", round=action.round, reason=action.reason)
         lost = list(departures(view, view.state).lost)

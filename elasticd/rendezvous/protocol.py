@@ -114,6 +114,9 @@ class RendezvousView:
     # False: ``alive`` is unknown (empty) and ``joins`` holds only this node's own joins.
     full: bool = True
     attributed: int | None = None  # the round ``rdzv/attribution`` holds the verdict of
+    # Stragglers the coordinator ejected, on probation (``rdzv/probation/``): node -> why,
+    # in words. They may join rounds but are not admitted (nor announced) until it ends.
+    probation: Mapping[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -347,7 +350,9 @@ def _close_open_round(view: RendezvousView, state: RoundState, min_reached_at: d
     # Nodes ejected when this round was opened (hung) neither join it nor hold its last
     # call: their agents kill their workers and join the next round, cold.
     out = set(ejected(state))
-    joined = [n for n in view.joins.get(r, ()) if n in view.alive and n not in out]
+    # Stragglers on probation wait as spares: joined (they hold no last call), not admitted.
+    joined = [n for n in view.joins.get(r, ()) if n in view.alive and n not in out
+              and n not in view.probation]
     full_at = largest_size(valid_sizes, max_nodes)
 
     def admit(nodes: Sequence[str]) -> tuple[str, ...]:
@@ -362,7 +367,7 @@ def _close_open_round(view: RendezvousView, state: RoundState, min_reached_at: d
     if len(joined) >= min_nodes:
         first = min_reached_at.setdefault(r, now)
         settled = first + (start_settle_s if not state.members else 0.0)
-        stragglers = sorted(view.alive - set(joined) - proven_dead - out)
+        stragglers = sorted(view.alive - set(joined) - proven_dead - out - set(view.probation))
         if not stragglers:
             if now < settled:
                 return Action(ActionKind.WAIT, f"round {r}: {len(joined)} joined, first round "
@@ -400,6 +405,8 @@ class MembershipChange(enum.Enum):
     MEMBER_LEFT = "member_left"  # a member of our round drained and left cleanly
     # the coordinator ejected a member whose workers hang the job (rendezvous.hangs.find_hung)
     MEMBER_HUNG = "member_hung"
+    # the coordinator ejected a straggler: the job is faster without it (rendezvous.stragglers)
+    MEMBER_SLOW = "member_slow"
     JOIN = "join"  # only new nodes wait to join: nobody was lost (a scale-up)
     LEASE_LOST = "lease_lost"  # (handler only) this node's own lease is gone
 
@@ -452,7 +459,8 @@ def nodes_waiting(view: RendezvousView, my_round: int, *, max_nodes: int,
         return Waiting()
     if len(state.members) < max_nodes:
         waiting = [n for n in view.joins.get(my_round + 1, ())
-                   if n not in state.members and (n in view.alive or not view.full)]
+                   if n not in state.members and (n in view.alive or not view.full)
+                   and n not in view.probation]
         grows = admitted_size(len(state.members) + len(waiting), valid_sizes, min_nodes=1,
                               max_nodes=max_nodes) > len(state.members)
         if waiting and grows:
@@ -462,16 +470,19 @@ def nodes_waiting(view: RendezvousView, my_round: int, *, max_nodes: int,
 
 
 _CAUSES = {c.value: c for c in (MembershipChange.MEMBER_LOST, MembershipChange.MEMBER_LEFT,
-                                MembershipChange.MEMBER_HUNG)}
+                                MembershipChange.MEMBER_HUNG, MembershipChange.MEMBER_SLOW)}
 _CAUSE_WORDS = {MembershipChange.MEMBER_LOST: "members lost",
                 MembershipChange.MEMBER_LEFT: "members left",
-                MembershipChange.MEMBER_HUNG: "members hung (ejected)"}
+                MembershipChange.MEMBER_HUNG: "members hung (ejected)",
+                MembershipChange.MEMBER_SLOW: "stragglers ejected"}
+EJECTIONS = (MembershipChange.MEMBER_HUNG, MembershipChange.MEMBER_SLOW)
 
 
 def ejected(state: RoundState | None) -> tuple[str, ...]:
-    """The nodes the coordinator ejected from the job when it opened ``state`` (a hang):
-    they take no part in that round; they rejoin the one after. Pure."""
-    if state is None or state.cause != MembershipChange.MEMBER_HUNG.value:
+    """The nodes the coordinator ejected from the job when it opened ``state`` (a hang or
+    a straggler): they take no part in that round; they rejoin the one after (a straggler
+    is admitted only once its probation ended). Pure."""
+    if state is None or state.cause not in (c.value for c in EJECTIONS):
         return ()
     return tuple(state.changed)
 
@@ -489,7 +500,8 @@ def decide_coordination(view: RendezvousView, memory: CoordinatorMemory, *, me: 
                         proven_dead: frozenset[str] = frozenset(),
                         start_settle_s: float = 0.0, finishing: bool = False,
                         valid_sizes: Sequence[int] = ALL_SIZES,
-                        hung: tuple[str, str] | None = None) -> Action:
+                        hung: tuple[str, str] | None = None,
+                        slow: tuple[str, str] | None = None) -> Action:
     """The coordinator's duty, run whenever its full view changes. Pure.
 
     Closes an open round exactly when a joined node of the old protocol would (max
@@ -515,6 +527,8 @@ def decide_coordination(view: RendezvousView, memory: CoordinatorMemory, *, me: 
         hung: (node, reason) when ``rendezvous.hangs.find_hung`` named a member of the final
             round that hangs the job: with no other change, the next round is opened with
             cause ``member_hung`` naming it (it is ejected: ``ejected``).
+        slow: (node, reason) when the straggler policy (``rendezvous.stragglers``) ejects a
+            member: as ``hung`` (a hang goes first), with cause ``member_slow``.
 
     Returns:
         FINALIZE, OPEN_NEXT (with ``cause``/``changed``), ANNOUNCE (``members`` = the
@@ -546,13 +560,15 @@ def decide_coordination(view: RendezvousView, memory: CoordinatorMemory, *, me: 
         return Action(ActionKind.ATTRIBUTE, f"round {r}: every member reported a worker "
                       f"failure, {reporters[0]} first", round=r, members=reporters)
     change = nodes_waiting(view, r, max_nodes=max_nodes, valid_sizes=valid_sizes)
-    if hung is not None and hung[0] in state.members and len(state.members) > 1 \
-            and change.kind in (MembershipChange.NONE, MembershipChange.JOIN):
-        # Before a join: the members cannot park for joiners while one of them hangs.
-        # A loss or a leave opens the next round anyway (the hang may be its consequence).
-        return Action(ActionKind.OPEN_NEXT, f"round {r}: {hung[0]} hangs the job ({hung[1]}): "
-                      f"ejecting it, opening round {r + 1}", round=r + 1,
-                      cause=MembershipChange.MEMBER_HUNG.value, changed=(hung[0],))
+    for eject, cause, what in ((hung, MembershipChange.MEMBER_HUNG, "hangs the job"),
+                               (slow, MembershipChange.MEMBER_SLOW, "is a straggler")):
+        if eject is not None and eject[0] in state.members and len(state.members) > 1 \
+                and change.kind in (MembershipChange.NONE, MembershipChange.JOIN):
+            # Before a join: the members cannot park for joiners while one of them hangs.
+            # A loss or a leave opens the next round anyway (the hang may be its consequence).
+            return Action(ActionKind.OPEN_NEXT, f"round {r}: {eject[0]} {what} ({eject[1]}): "
+                          f"ejecting it, opening round {r + 1}", round=r + 1,
+                          cause=cause.value, changed=(eject[0],))
     if change.kind is MembershipChange.NONE:
         if view.announced is not None and view.announced[0] == r + 1 and view.announced[1]:
             # The announced joiners vanished (or there is no room any more): withdraw, or

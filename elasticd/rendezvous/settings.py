@@ -37,6 +37,8 @@ class RendezvousSettings:
     # Straggler detection (rendezvous/stragglers.py): the factor (0: off) and the window.
     straggler_factor: float = 1.25
     straggler_window_s: float = 30.0
+    # Eject a flagged straggler when the shrink pays, on probation this long (0: never).
+    straggler_probation_s: float = 60.0
     # The digest of this agent's job fingerprint, carried in its node record (admission).
     fingerprint: str = ""
     # The node counts a round may form at (rendezvous.sizes); empty: every size in min..max.
@@ -67,7 +69,11 @@ class RendezvousSettings:
                    election_timeout_s=cfg.etcd.election_timeout_s,
                    liveness_probe=r.liveness_probe, valid_sizes=valid,
                    hang_eject_s=r.hang_eject_s, straggler_factor=r.straggler_factor,
-                   straggler_window_s=r.straggler_window_s)
+                   straggler_window_s=r.straggler_window_s,
+                   # Safe only where a shrink loses no step: the live path (a restart
+                   # would cost a checkpoint reload and the steps since).
+                   straggler_probation_s=(r.straggler_probation_s
+                                          if cfg.workers.live_reform else 0.0))
 
 
 def default_node_id() -> str:

@@ -13,15 +13,19 @@ node itself needs for a step.
 The coordinator keeps a :class:`StragglerWatch` of those own step times and flags a node
 whose own step time stayed at least ``factor`` (1.25) times the median of the members'
 over a whole ``window_s`` (30 s). :func:`shrink_pays` says whether ejecting it would make
-the job faster ((N-1)/N of the median rate beats the current rate): the ejection itself
-is not wired yet (docs/failure-model.md, "Stragglers").
+the job faster ((N-1)/N of the median rate beats the current rate), and
+:func:`pick_ejection` whether the coordinator ejects one now: by a live shrink (the next
+round opened with cause ``member_slow``), after which the node waits as a spare on
+probation (``rdzv/probation/<node>``, on a lease of :func:`probation_s`) and is admitted
+again when it ends; flagged again, its probation doubles (docs/failure-model.md,
+"Stragglers").
 """
 
 from __future__ import annotations
 
 import statistics
 from collections import deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 DEFAULT_FACTOR = 1.25
@@ -131,6 +135,35 @@ def shrink_pays(own_step_s: Mapping[str, float], straggler: str, *, min_nodes: i
     return (n - 1) / max(rest) > n / max(own_step_s.values())
 
 
+MAX_PROBATION_DOUBLINGS = 3  # the 4th and later ejections keep 8x the base probation
+
+
+def probation_s(base_s: float, ejections: int) -> float:
+    """How long a straggler ejected for the ``ejections``-th time waits: the base, doubled
+    for each earlier ejection, at most 8x. Pure."""
+    return base_s * 2 ** min(max(ejections - 1, 0), MAX_PROBATION_DOUBLINGS)
+
+
+def pick_ejection(flagged: Mapping[str, float], own_step_s: Mapping[str, float], *,
+                  min_nodes: int, size_ok: Callable[[int], bool]) -> tuple[str, str] | None:
+    """The flagged straggler to eject now, and why, or None. Pure.
+
+    Only the slowest flagged node, only while the job without it is faster
+    (:func:`shrink_pays` over the members' latest own step times ``own_step_s``), never
+    below ``min_nodes`` and only to a size ``size_ok`` accepts (the job's valid sizes).
+    """
+    if not flagged:
+        return None
+    node = max(flagged, key=lambda n: (flagged[n], n))
+    n = len(own_step_s)
+    if node not in own_step_s or not size_ok(n - 1):
+        return None
+    if not shrink_pays(own_step_s, node, min_nodes=min_nodes):
+        return None
+    return node, (f"own step time {flagged[node]:.2f}x the members' median; {n - 1} nodes "
+                  f"train faster than {n}")
+
+
 @dataclass
 class StragglerWatch:
     """The coordinator's memory of the members' own step times in one round (its clock)."""
@@ -161,3 +194,7 @@ class StragglerWatch:
                                   factor=self.factor, window_s=self.window_s)
         self.flagged = frozenset(verdict.flagged)
         return verdict
+
+    def latest(self) -> dict[str, float]:
+        """Each member's newest own step time in this round (seconds)."""
+        return {n: q[-1][1] for n, q in self.samples.items() if q}

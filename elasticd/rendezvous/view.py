@@ -22,7 +22,14 @@ from collections.abc import Callable, Iterable, Mapping
 
 from elasticd.etcd.kv import KV, WatchEvent
 from elasticd.keys import NODE_ID_RE, JobKeys, round_of_key
-from elasticd.records import AttributionRecord, NodeRecord, RecordError, RoundState, WaitingRecord
+from elasticd.records import (
+    AttributionRecord,
+    NodeRecord,
+    ProbationRecord,
+    RecordError,
+    RoundState,
+    WaitingRecord,
+)
 from elasticd.rendezvous.liveness import ProbeTarget
 from elasticd.rendezvous.protocol import LEAVE_KINDS, RendezvousView
 
@@ -51,6 +58,25 @@ def _attribution(kv: KV | None) -> tuple[int, tuple[str, ...]] | None:
     if not rec.reporters or not all(NODE_ID_RE.fullmatch(n) for n in rec.reporters):
         return None
     return rec.round, tuple(rec.reporters)
+
+
+def _probation(rdzv: Mapping[str, KV], root: str) -> dict[str, str]:
+    """``rdzv/probation/<node>`` -> node: why it waits, in words (``status``). A record that
+    does not decode still keeps its node out (the key is the coordinator's, on a lease)."""
+    out: dict[str, str] = {}
+    for key, kv in rdzv.items():
+        if not key.startswith(root):
+            continue
+        node = key[len(root):]
+        if not NODE_ID_RE.fullmatch(node):
+            continue
+        try:
+            rec = ProbationRecord.from_json(kv.value)
+            out[node] = (f"on probation for {rec.probation_s:g}s: ejected as a straggler "
+                         f"({rec.ratio:.2f}x the members' median step time) from round {rec.round}")
+        except RecordError:
+            out[node] = "on probation: ejected as a straggler"
+    return out
 
 
 def _announced(kv: KV | None) -> tuple[int, tuple[str, ...]] | None:
@@ -234,7 +260,8 @@ class WatchedView:
             closed = k.rdzv_closed in rdzv
             return (RendezvousView(state, alive, ordered, closed, _in_order(failures), left,
                                    coordinator=coordinator, full=self.full, announced=announced,
-                                   attributed=attributed[0] if attributed is not None else None),
+                                   attributed=attributed[0] if attributed is not None else None,
+                                   probation=_probation(rdzv, k.probation_root)),
                     state_kv.mod_revision if state_kv else 0)
 
     def probe_targets(self, nodes: Iterable[str]) -> list[ProbeTarget]:

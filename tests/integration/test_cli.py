@@ -20,6 +20,7 @@ NODE_FLAGS = ["--standalone", "--job", "--nnodes", "--checkpoint-url", "--resume
               "--local-addr", "--node-ttl", "--join-timeout", "--last-call-timeout", "--start-settle",
               "--close-timeout", "--store-timeout", "--no-liveness-probe", "--valid-sizes", "--global-batch",
               "--hang-eject", "--straggler-factor", "--straggler-window",
+              "--straggler-probation",
               "--nproc-per-node", "--workdir", "--monitor-interval", "--hang-timeout",
               "--no-warm-start", "--no-live-reform", "--live-reform-timeout", "--workers-user", "--max-restarts", "--restart-backoff", "--restart-backoff-max",
               "--drain-grace", "--resize-grace", "--plain-stop", "--done-exit", "--preemption", "--preemption-url",

@@ -95,6 +95,8 @@ def _rows(tmp_path) -> dict[str, tuple[dict[str, Any], Check, Any]]:
                                         lambda s: s.rendezvous.straggler_factor, 1.5),
         "rendezvous.straggler_window_s": ({"rendezvous.straggler_window_s": "60"},
                                           lambda s: s.rendezvous.straggler_window_s, 60.0),
+        "rendezvous.straggler_probation_s": ({"rendezvous.straggler_probation_s": "90"},
+                                             lambda s: s.rendezvous.straggler_probation_s, 90.0),
         "workers.command": ({"workers.command": "other.py --x 1"}, lambda s: s.command,
                             ("other.py", "--x", "1")),
         "workers.nproc_per_node": ({"workers.nproc_per_node": "3"}, lambda s: s.nproc_per_node, 3),
@@ -203,6 +205,7 @@ def test_runtime_defaults_equal_the_schema():
     assert rdzv["hang_eject_s"] == d["rendezvous.hang_eject_s"]
     assert rdzv["straggler_factor"] == d["rendezvous.straggler_factor"]
     assert rdzv["straggler_window_s"] == d["rendezvous.straggler_window_s"]
+    assert rdzv["straggler_probation_s"] == d["rendezvous.straggler_probation_s"]
     assert rdzv["election_timeout_s"] == d["etcd.election_timeout_s"]
     assert node["log_format"] == d["logging.format"] and node["log_level"] == d["logging.level"]
     assert node["metrics_addr"] == d["metrics.addr"]

@@ -929,3 +929,45 @@ def test_the_round_opened_for_a_hang_closes_without_the_ejected_node():
     assert w.kind is MembershipChange.MEMBER_HUNG and w.nodes == ("b",)
     # The finalizer does not report b lost again (it was ejected, not lost).
     assert dropped_members(view(opened, {"a", "c"}), opened, ["a", "c"]) == ()
+
+
+# --- straggler ejection and probation (issue 24 item 4) -----------------------------------
+
+
+def test_a_straggler_is_ejected_as_member_slow_and_a_hang_goes_first():
+    """``slow`` opens the next round with cause member_slow naming the node (like a hang,
+    which wins when both are named); a loss wins over both."""
+    v = replace(view(final(2, ["a", "b", "c"]), {"a", "b", "c"}), coordinator="c")
+    a = _hung_coordinate(v, None, slow=("b", "1.6x"))
+    assert a.kind is ActionKind.OPEN_NEXT and a.cause == MembershipChange.MEMBER_SLOW.value
+    assert a.changed == ("b",)
+    both = _hung_coordinate(v, ("a", "stopped"), slow=("b", "1.6x"))
+    assert both.cause == MembershipChange.MEMBER_HUNG.value and both.changed == ("a",)
+    lost = replace(view(final(2, ["a", "b", "c"]), {"b", "c"}), coordinator="c")
+    assert _hung_coordinate(lost, None, slow=("b", "x")).cause == MembershipChange.MEMBER_LOST.value
+    w = nodes_waiting(view(replace(open_(3, ["a", "b", "c"]), cause="member_slow",
+                                   changed=["b"]), set()), 2, max_nodes=4)
+    assert w.kind is MembershipChange.MEMBER_SLOW and w.nodes == ("b",)
+
+
+def test_a_node_on_probation_is_neither_admitted_nor_announced_nor_waited_for():
+    """On probation (``rdzv/probation/b``): b joined, but the round closes without it at
+    once (no last call for it), a loss admits the others only, and b waiting to join a
+    final round is no change; once its probation ends it is announced as any joiner."""
+    on = {"b": "on probation"}
+    opened = open_(4, ["a", "c"])
+    v = replace(view(opened, {"a", "b", "c"}, {4: ["a", "b", "c"]}), coordinator="c",
+                probation=on)
+    a = _hung_coordinate(v, None)
+    assert a.kind is ActionKind.FINALIZE and a.members == ("a", "c")
+    # b alive, not joined: it holds no last call either.
+    v = replace(view(opened, {"a", "b", "c"}, {4: ["a", "c"]}), coordinator="c", probation=on)
+    assert _hung_coordinate(v, None).kind is ActionKind.FINALIZE
+    running = view(final(3, ["a", "c"]), {"a", "b", "c"}, {4: ["b"]})
+    assert nodes_waiting(replace(running, probation=on), 3, max_nodes=4).kind is MembershipChange.NONE
+    w = nodes_waiting(running, 3, max_nodes=4)
+    assert w.kind is MembershipChange.JOIN and w.nodes == ("b",)
+    announce = _hung_coordinate(replace(running, coordinator="c"), None)
+    assert announce.kind is ActionKind.ANNOUNCE and announce.members == ("b",)
+    assert _hung_coordinate(replace(running, coordinator="c", probation=on), None).kind \
+        is ActionKind.NONE

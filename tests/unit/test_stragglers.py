@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
-from elasticd.rendezvous.stragglers import BusyShare, StragglerWatch, find_stragglers, shrink_pays
+from elasticd.rendezvous.stragglers import (
+    BusyShare,
+    StragglerWatch,
+    find_stragglers,
+    pick_ejection,
+    probation_s,
+    shrink_pays,
+)
 
 
 def _series(value: float, start: float = 0.0, end: float = 40.0, every: float = 1.0):
@@ -72,3 +79,32 @@ def test_the_watch_flags_and_clears_on_its_own_clock_per_round() -> None:
         verdict = w.observe(1, members, {"a": 0.1, "b": 0.1, "c": 0.2}, float(t))
     assert verdict is not None and set(verdict.flagged) == {"c"} and w.flagged == {"c"}
     assert not w.observe(2, members, {"a": 0.1, "b": 0.1, "c": 0.2}, 15.0).flagged
+
+
+def test_pick_ejection_takes_the_slowest_flagged_only_when_the_shrink_pays():
+    """The slowest flagged node, only when N-1 nodes beat N (shrink_pays), never below
+    min_nodes, never to a size the job cannot run at."""
+    own = {"a": 1.0, "b": 1.0, "c": 2.0, "d": 1.1}
+    anysize = lambda n: True  # noqa: E731
+    node, why = pick_ejection({"c": 2.0, "d": 1.3}, own, min_nodes=1, size_ok=anysize)
+    assert node == "c" and "2.00x" in why and "3 nodes" in why
+    assert pick_ejection({}, own, min_nodes=1, size_ok=anysize) is None
+    # 4 nodes at 1.3 s vs 3 at 1.1 s: 3/1.1 = 2.73 < 4/1.3 = 3.08: keep it.
+    assert pick_ejection({"c": 1.3}, {**own, "c": 1.3}, min_nodes=1, size_ok=anysize) is None
+    assert pick_ejection({"c": 2.0}, own, min_nodes=4, size_ok=anysize) is None
+    assert pick_ejection({"c": 2.0}, own, min_nodes=1, size_ok=lambda n: n % 2 == 0) is None
+    assert pick_ejection({"x": 2.0}, own, min_nodes=1, size_ok=anysize) is None
+
+
+def test_probation_doubles_per_ejection_up_to_8x():
+    assert [probation_s(60, k) for k in (1, 2, 3, 4, 5, 9)] == [60, 120, 240, 480, 480, 480]
+    assert probation_s(60, 0) == 60
+
+
+def test_the_watch_reports_each_members_newest_own_step_time():
+    w = StragglerWatch(window_s=5)
+    w.observe(1, ["a", "b"], {"a": 1.0, "b": 2.0}, now=0.0)
+    w.observe(1, ["a", "b"], {"a": 1.5, "b": 0.0}, now=1.0)
+    assert w.latest() == {"a": 1.5, "b": 2.0}
+    w.observe(2, ["a"], {}, now=2.0)
+    assert w.latest() == {}
