@@ -560,8 +560,12 @@ class ElasticdAgent(LocalElasticAgent):
         # stall the whole job again (the others train at world N-1 meanwhile).
         n = self._worker_group.spec.local_world_size
         if self.standby.enabled:
-            self.standby.fill(dict(self._worker_envs), urgent=True)  # nothing of ours trains
-            self.standby.hurry()  # a refill started beside the workers imports at nice 19
+            # A straggler waits out its probation anyway: its refill stays at nice 19 (on a
+            # shared machine it would slow the others' first steps without it).
+            urgent = kind == "hung"
+            self.standby.fill(dict(self._worker_envs), urgent=urgent)  # nothing of ours trains
+            if urgent:
+                self.standby.hurry()  # a refill started beside the workers imports at nice 19
             self.standbys.wait_for_standbys(n, lambda: self.stop_signals > 0)
         self._restart("hang", reason)
 
