@@ -447,7 +447,8 @@ class StepSource:
                    "resume": (rec.get("resumed_from") if rec.get("resumed_from") is not None
                               else -1) + 1}
         elif "step" in rec and "world_size" in rec:
-            rec = {"step": rec["step"], "world": rec["world_size"], "time": now, "rank": 0}
+            rec = {"step": rec["step"], "world": rec["world_size"], "time": now, "rank": 0,
+                   "round": rec.get("round")}
         else:
             return
         with self._lock:
@@ -463,6 +464,19 @@ class StepSource:
     def ranks_per_step(self, world: int) -> int:
         """How many lines one step at ``world`` produces (all ranks, or rank 0 only)."""
         return world if self.is_bench else 1
+
+
+def newer_rounds(records: list[dict], t0: float) -> list[dict]:
+    """The records without the steps of the round that trained at ``t0`` or before (a step
+    line stamped on arrival after a fault may still be the old group's: its last step can
+    complete after the kill lands). Records without a round are kept."""
+    before = [int(r["round"]) for r in records if "step" in r and "event" not in r
+              and r.get("round") is not None and float(r["time"]) <= t0]
+    if not before:
+        return records
+    old = max(before)
+    return [r for r in records if "step" not in r or "event" in r or r.get("round") is None
+            or int(r["round"]) > old]
 
 
 def first_step_at(records: list[dict], world: int, after: float, ranks: int) -> tuple[int, float] | None:

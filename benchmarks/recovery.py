@@ -74,6 +74,7 @@ from benchmarks.common import (  # noqa: E402
     first_step_at,
     free_port,
     machine_info,
+    newer_rounds,
     other_load,
     port_listening,
     sigterm_as_interrupt,
@@ -244,19 +245,23 @@ def run_trial(system: str, scenario: str, rep: int, etcd_endpoint: str, script: 
             return min((now for n in cluster.nodes for now, text in n.lines
                         if now > t0 and '"spare_admitted"' in text), default=float("inf"))
 
+        def steps() -> list[dict]:
+            # A spare's group has the old one's size: count only the rounds after the kill.
+            return newer_rounds(src.records(), t0) if spare else src.records()
+
         while time.monotonic() < deadline:
-            if first_step_at(src.records(), trial.new_world, counted_after(), ranks):
+            if first_step_at(steps(), trial.new_world, counted_after(), ranks):
                 break
             time.sleep(0.1)
             cluster.refresh()  # remember new workers, so cleanup finds them even if orphaned
-        records = src.records()
-        analyse(trial, records, t0, ranks, after=counted_after())
+        records, counted = src.records(), steps()
+        analyse(trial, records, t0, ranks, after=counted_after(), counted=counted)
         trial.ckpt_load_s = checkpoint_load_s([n.lines for n in cluster.nodes], t0)
         if not trial.recovered:
             trial.note = f"did not recover within {timeout:.0f}s"
         if system.startswith("elasticd-live") and trial.recovered:
             survivors = [n for n in cluster.nodes if n is not victim or scenario == "join"]
-            trial.phases = live_breakdown([n.lines for n in survivors], t0, trial.new_world, records)
+            trial.phases = live_breakdown([n.lines for n in survivors], t0, trial.new_world, counted)
         elif system.startswith("elasticd") and trial.recovered:
             survivors = [n for n in cluster.nodes if n is not victim or scenario == "join"]
             trial.phases = agent_breakdown([n.lines for n in survivors], t0, trial.new_world,
@@ -291,10 +296,12 @@ def signal_pid(pid: int, sig: int) -> None:
 
 
 def analyse(trial: Trial, records: list[dict], t0: float, ranks: int,
-            after: float | None = None) -> None:
+            after: float | None = None, counted: list[dict] | None = None) -> None:
     """Fill in recovery time, steps lost and the worker-start split from the step records
-    (the first step at the new world counted from ``after``, default ``t0``)."""
-    first = first_step_at(records, trial.new_world, t0 if after is None else after, ranks)
+    (the first step at the new world counted from ``after``, default ``t0``, among
+    ``counted``, default all records)."""
+    first = first_step_at(records if counted is None else counted, trial.new_world,
+                          t0 if after is None else after, ranks)
     if first is None:
         return
     step, at = first
@@ -369,7 +376,8 @@ def reanalyse(root: Path) -> dict:
             first = first_step_at(records, trial.new_world, 0, ranks)
             trial.t0 = first[1] - trial.recovery_s if first else 0.0
         if trial.recovered and trial.t0:
-            analyse(trial, records, trial.t0, ranks)
+            counted = newer_rounds(records, trial.t0) if trial.scenario == "spare" else None
+            analyse(trial, records, trial.t0, ranks, counted=counted)
             trial.ckpt_load_s = checkpoint_load_s(list(nodes.values()), trial.t0)
             if trial.system == "elasticd":
                 keep = [v for k, v in nodes.items() if k != f"n{NODES - 1}" or trial.scenario == "join"]
