@@ -520,19 +520,15 @@ class CheckpointManager:
             f"({_MAX_LISTINGS} listings); is another job pruning the same prefix?")
 
     @staticmethod
-    def _shard_targets(template: Mapping[str, Any] | None) -> dict[str, Any]:
-        """The template's DTensors by path: the new sharding a sharded checkpoint is read
-        into. A fresh optimizer over DTensor parameters gets its state created first (its
-        moments are DTensors too), so its state dict has somewhere to load into."""
+    def _shard_targets(template: Mapping[str, Any] | None) -> shards_mod.ShardTargets | None:
+        """The new sharding a sharded checkpoint is read into: the template's DTensors, and
+        a fresh optimizer's parameters for the moments it has not created yet."""
         if template is None:
-            return {}
-        for value in template.values():
-            if isinstance(value, torch.optim.Optimizer):
-                shards_mod.init_optimizer_state(value)
-        return dict(shards_mod.iter_dtensors(resolve(template)))
+            return None
+        return shards_mod.ShardTargets(template, resolve)
 
     def _load_once(self, template: MutableMapping[str, Any] | None,
-                   skipped: list[SkippedCheckpoint], targets: Mapping[str, Any]) -> Any:
+                   skipped: list[SkippedCheckpoint], targets: shards_mod.ShardTargets | None) -> Any:
         candidates = None
         if self.is_writer:
             candidates = reader.candidates(

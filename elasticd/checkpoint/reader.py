@@ -7,7 +7,7 @@ outcome; the worst outcome over all ranks decides (skip, list again, fail, or ap
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from elasticd.checkpoint import shards
@@ -150,7 +150,7 @@ def read_shard_index(store: FsspecCheckpointStore,
 
 
 def _fill_shards(store: FsspecCheckpointStore, manifest: Manifest, state: Any,
-                 targets: Mapping[str, Any]) -> Any:
+                 targets: shards.ShardTargets | None) -> Any:
     """Replace the state's shard placeholders by DTensors of the template's sharding."""
     by_key = read_shard_index(store, manifest)
     where = f"checkpoint step {manifest.step}"
@@ -160,13 +160,16 @@ def _fill_shards(store: FsspecCheckpointStore, manifest: Manifest, state: Any,
         shards.chunk_crc(c, data)
         return data
 
-    filled = {key: shards.fill(targets[key], chunks, read, where)
-              for key, chunks in by_key.items() if key in targets}
+    filled = {}
+    for key, chunks in by_key.items():
+        target = None if targets is None else targets.get(key, chunks[0].shape, shards.DTYPES[chunks[0].dtype])
+        if target is not None:
+            filled[key] = shards.fill(target, chunks, read, where)
     return shards.replace_marks(state, "state", filled)
 
 
 def read_state(store: FsspecCheckpointStore, manifest: Manifest,
-               mapped: bool, targets: Mapping[str, Any] | None = None) -> tuple[int, str | None, Any]:
+               mapped: bool, targets: shards.ShardTargets | None = None) -> tuple[int, str | None, Any]:
     """Verify every file of ``manifest`` and deserialize the state.
 
     Args:
@@ -174,7 +177,7 @@ def read_state(store: FsspecCheckpointStore, manifest: Manifest,
         manifest: the candidate (already verified by rank 0).
         mapped: verify by streaming, then memory-map the state file (local disks, when a
             template will take the tensors); else read each file whole, load from memory.
-        targets: the template's DTensors by path: a sharded checkpoint's tensors are read
+        targets: the template's DTensors (``shards.ShardTargets``): a sharded checkpoint's tensors are read
             into their sharding (only the saved boxes that overlap this rank's, each checked
             against its own CRC; other ranks' files are not read whole).
 
@@ -200,7 +203,7 @@ def read_state(store: FsspecCheckpointStore, manifest: Manifest,
         if not isinstance(state, dict) or not isinstance(state.get(RESERVED_KEY), dict):
             raise CheckpointCorruptError(f"{STATE_FILE} is missing or is not a checkpoint state")
         if manifest.shards:
-            state = _fill_shards(store, manifest, state, targets or {})
+            state = _fill_shards(store, manifest, state, targets)
     except (CheckpointVanishedError, FileNotFoundError) as exc:
         return VANISHED, str(exc) or "a data file disappeared while reading", None
     except CheckpointMismatchError as exc:

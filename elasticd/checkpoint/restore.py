@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from elasticd.checkpoint.api import CheckpointCorruptError, CheckpointMismatchError
+from elasticd.checkpoint.shards import is_dtensor
 from elasticd.checkpoint.staging import unwrap
 from elasticd.errors import ConfigError, ElasticdError
 
@@ -163,7 +164,13 @@ def check_fits(template: Mapping[str, Any], loaded: Mapping[str, Any], where: st
 
 
 def owned(obj: Any) -> Any:
-    """``obj`` with every tensor cloned, so nothing refers to a memory-mapped file."""
+    """``obj`` with every tensor cloned, so nothing refers to a memory-mapped file.
+
+    DTensors are kept as they are: the state file never holds one (the stager writes their
+    shards apart), so each was assembled by the resharding load in private memory
+    (``shards.fill``), and a copy would only double a sharded load's last pass."""
+    if is_dtensor(obj):
+        return obj
     if isinstance(obj, torch.Tensor):
         return obj.clone()
     if isinstance(obj, Mapping):

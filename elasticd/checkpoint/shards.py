@@ -359,6 +359,62 @@ def replace_marks(state: Any, path: str, filled: Mapping[str, Any]) -> Any:
     return state
 
 
+class ShardTargets:
+    """Where each saved DTensor is read into: the template's DTensors by path and, for a
+    fresh optimizer (no state yet) over DTensor parameters, its parameters in place of the
+    moments it does not have yet.
+
+    A load needs a DTensor of the new sharding for every saved tensor (its box, mesh and
+    placements). A fresh optimizer has none for its state; creating it (a step with zero
+    gradients, :func:`init_optimizer_state`) allocates and fills twice the model in zeros
+    only to be overwritten, most of a resharding load's time on a CPU. A moment shaped and
+    typed like its parameter (Adam's, SGD's momentum) has the parameter's sharding, so the
+    parameter stands in: the box read becomes the new state tensor, and the optimizer's
+    ``load_state_dict`` takes it as its state. A saved state tensor shaped otherwise (a
+    factored second moment) creates the optimizer's state the old way, once.
+
+    Args:
+        template: the caller's objects by key (as ``CheckpointManager.load_latest``'s).
+        resolve: the template -> its state tree (``staging.resolve``).
+    """
+
+    def __init__(self, template: Mapping[str, Any], resolve: Any) -> None:
+        self._template = template
+        self._resolve = resolve
+        self._fresh: dict[str, torch.optim.Optimizer] = {}
+        for key, value in template.items():
+            if isinstance(value, torch.optim.Optimizer) and not value.state and any(
+                    is_dtensor(p) for g in value.param_groups for p in g["params"]):
+                self._fresh[key] = value
+        self._real = dict(iter_dtensors(resolve(template)))
+
+    def get(self, key: str, shape: tuple[int, ...], dtype: torch.dtype) -> Any:
+        """The DTensor to read the saved tensor ``key`` (of ``shape`` and ``dtype``) into,
+        or None when the template has no place for it."""
+        target = self._real.get(key)
+        if target is not None:
+            return target
+        for name, optim in self._fresh.items():
+            prefix = f"state[{name!r}]['state']["
+            if not key.startswith(prefix):
+                continue
+            index = key[len(prefix):].split("]", 1)[0]
+            params = [p for g in optim.param_groups for p in g["params"]]
+            if index.isdigit() and int(index) < len(params):
+                param = params[int(index)]
+                if is_dtensor(param) and tuple(param.shape) == tuple(shape) and param.dtype == dtype:
+                    return param
+            # Not shaped like its parameter: give this optimizer its real state once.
+            init_optimizer_state(optim)
+            del self._fresh[name]
+            self._real = dict(iter_dtensors(self._resolve(self._template)))
+            return self._real.get(key)
+        return None
+
+    def __bool__(self) -> bool:
+        return bool(self._real or self._fresh)
+
+
 def init_optimizer_state(optim: torch.optim.Optimizer) -> None:
     """Create the state of a fresh optimizer over DTensor parameters (a step with zero
     gradients at learning rate 0, which moves no parameter), so that its state dict holds

@@ -134,3 +134,76 @@ def test_sharded_save_and_load_through_memory_fs_in_one_process():
         assert got.keys() == want.keys() and all(_close(got[k], want[k], 0) for k in want)
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.timeout(60)
+def test_a_fresh_optimizer_loads_without_a_zero_step_unless_its_state_is_shaped_otherwise(
+        tmp_path, monkeypatch):
+    """A fresh Adam's moments are read straight into new DTensors (its parameters stand in
+    for their sharding: no zero-gradient step, which allocated and filled twice the model in
+    zeros); an optimizer whose state is shaped unlike its parameters still gets its state
+    created once by that step. Both load the saved values exactly."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from elasticd.checkpoint import CheckpointManager
+    from elasticd.checkpoint import shards as shards_mod
+
+    sys.path.insert(0, str(WORKER.parent))
+    from sharded_ckpt import full, model_on
+
+    class Flat(torch.optim.Optimizer):
+        """Keeps each parameter's gradient sum flattened: a state tensor of another shape."""
+
+        def __init__(self, params):
+            super().__init__(params, {"lr": 0.1})
+
+        @torch.no_grad()
+        def step(self, closure=None):
+            for group in self.param_groups:
+                for p in group["params"]:
+                    if p.grad is None:
+                        continue
+                    st = self.state[p]
+                    if "flat" not in st:
+                        st["flat"] = torch.zeros_like(p).flatten()
+                    st["flat"].add_(p.grad.flatten())
+                    p.sub_(group["lr"] * st["flat"].view_as(p))
+
+    def every(model, optim) -> dict:  # full() and the Flat state
+        out = full(model, optim)
+        for i, p in enumerate(model.parameters()):
+            if "flat" in optim.state.get(p, {}):
+                out[f"o.{i}.flat"] = optim.state[p]["flat"].full_tensor().tolist()
+        return out
+
+    created = []
+    real_init = shards_mod.init_optimizer_state
+    monkeypatch.setattr(shards_mod, "init_optimizer_state",
+                        lambda o: (created.append(type(o).__name__), real_init(o)))
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("shard",))
+        for make, creates in ((lambda ps: torch.optim.Adam(ps, lr=0.05), []), (Flat, ["Flat"])):
+            created.clear()
+            model = model_on(mesh, 0)
+            optim = make(model.parameters())
+            for _ in range(2):
+                model(torch.ones(2, 5, dtype=torch.float64)).sum().backward()
+                optim.step()
+            want = json.loads(json.dumps(every(model, optim)))
+            assert any(".flat" in k or ".exp_avg" in k for k in want)
+            mgr = CheckpointManager(f"file://{tmp_path}/{type(optim).__name__}", job="fresh", fence=None)
+            mgr.save(1, {"model": model, "optim": optim})
+            mgr.wait()
+            fresh = model_on(mesh, 5)
+            fresh_optim = make(fresh.parameters())
+            loaded = mgr.load_latest({"model": fresh, "optim": fresh_optim})
+            mgr.close()
+            assert loaded is not None and loaded.step == 1
+            assert created == creates, (type(optim).__name__, created)
+            got = every(fresh, fresh_optim)
+            assert got.keys() == want.keys() and all(_close(got[k], want[k], 0) for k in want)
+    finally:
+        dist.destroy_process_group()
