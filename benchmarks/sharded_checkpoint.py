@@ -9,11 +9,13 @@ caller, every rank copying its own shards into its staging buffers), its commit
 for). Figures are the medians after the first save (which allocates the buffers), the
 slowest rank's. Goal (issue 23): blocked <= 10 % of the synchronous DCP save.
 
-Then a resharding load (``load_latest`` into a fresh model on the same mesh, read + CRC +
-copy) against raw reads of the same shard files.
+Then a load (``load_latest`` into a fresh model on the same mesh, read + CRC + copy) against
+raw reads of the same shard files; with ``--reshard-to M``, a load of the last save at M
+ranks (a new mesh: every box read and reassembled) beside DCP's load of its own last save
+at M ranks and a raw read of as many bytes (``readinto`` one buffer), the slowest rank's.
 
 Run: ``python benchmarks/sharded_checkpoint.py [--mib 256] [--ranks 2] [--repeats 4]
-[--dir /tmp]``; prints one JSON line per rank and a summary line.
+[--dir /tmp] [--reshard-to M]``; prints one JSON line per rank and a summary line.
 """
 
 from __future__ import annotations
@@ -33,26 +35,24 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def child(rank: int, world: int, workdir: str, mib: int, repeats: int) -> dict:
+def _group(rank: int, world: int, workdir: str, mib: int, store_name: str):
+    """Join a gloo group of ``world`` (a FileStore in ``workdir``); the model builder on its
+    1-D mesh: an fp32 MLP of ``mib`` MiB with Adam (params + 2 moments), FSDP2 per layer."""
     import logging
 
     import structlog
     import torch
     import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from elasticd.checkpoint import CheckpointManager
-
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
-    store = dist.FileStore(f"{workdir}/store", world)
+    store = dist.FileStore(f"{workdir}/{store_name}", world)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
                             timeout=timedelta(seconds=300))
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("shard",))
     width = 1024
-    layers = max(1, (mib << 20) // 3 // 4 // (width * width))  # params + 2 Adam moments, fp32
+    layers = max(1, (mib << 20) // 3 // 4 // (width * width))
 
     def build(seed: int):
         torch.manual_seed(seed)
@@ -62,8 +62,20 @@ def child(rank: int, world: int, workdir: str, mib: int, repeats: int) -> dict:
         fully_shard(model, mesh=mesh)
         return model, torch.optim.Adam(model.parameters(), lr=1e-3)
 
+    return build
+
+
+def child(rank: int, world: int, workdir: str, mib: int, repeats: int) -> dict:
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from elasticd.checkpoint import CheckpointManager
+
+    build = _group(rank, world, workdir, mib, "store")
     model, optim = build(0)
-    model(torch.randn(4, width)).sum().backward()
+    model(torch.randn(4, model[0].in_features)).sum().backward()
     optim.step()
     local = sum(p.to_local().numel() * 4 * 3 for p in model.parameters())
     mgr = CheckpointManager(f"file://{workdir}/ckpt", job="bench", keep_last=2, fence=None)
@@ -80,7 +92,8 @@ def child(rank: int, world: int, workdir: str, mib: int, repeats: int) -> dict:
         t3 = time.perf_counter()
         dcp.save({"model": msd, "optim": osd}, checkpoint_id=f"{workdir}/dcp-{step}")
         t4 = time.perf_counter()
-        shutil.rmtree(f"{workdir}/dcp-{step}", ignore_errors=True) if rank == 0 else None
+        if rank == 0 and step < repeats:  # the last is kept for the reshard arm
+            shutil.rmtree(f"{workdir}/dcp-{step}", ignore_errors=True)
         if step:  # the first save allocates the staging buffers
             blocked.append(t1 - t0)
             committed.append(t2 - t0)
@@ -102,31 +115,95 @@ def child(rank: int, world: int, workdir: str, mib: int, repeats: int) -> dict:
             "raw_read_s": raw_s, "raw_read_bytes": raw}
 
 
+def reshard_child(rank: int, world: int, workdir: str, mib: int, repeats: int) -> dict:
+    """Load the checkpoint N ranks saved at ``world`` ranks: elasticd's resharding load, DCP's
+    (``dcp.load`` of the last DCP save, then ``set_state_dict``), and a raw read of as many
+    bytes of the shard files (a contiguous 1/world of them, into one buffer)."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    from elasticd.checkpoint import CheckpointManager
+
+    build = _group(rank, world, workdir, mib, "store-reshard")
+    mgr = CheckpointManager(f"file://{workdir}/ckpt", job="bench", keep_last=2, fence=None)
+    fresh, fresh_optim = build(1)
+    dist.barrier()
+    t0 = time.perf_counter()
+    loaded = mgr.load_latest({"model": fresh, "optim": fresh_optim})
+    load_s = time.perf_counter() - t0
+    files = sorted(Path(loaded.manifest_url.removeprefix("file://")).parent.glob("shards-r*.bin"))
+    mgr.close()
+    other, other_optim = build(2)
+    dist.barrier()
+    t0 = time.perf_counter()
+    msd, osd = get_state_dict(other, other_optim)
+    dcp.load({"model": msd, "optim": osd}, checkpoint_id=f"{workdir}/dcp-{repeats}")
+    set_state_dict(other, other_optim, model_state_dict=msd, optim_state_dict=osd)
+    dcp_load_s = time.perf_counter() - t0
+    total = sum(f.stat().st_size for f in files)
+    lo, hi = total * rank // world, total * (rank + 1) // world
+    buf = bytearray(hi - lo)
+    view, at, pos = memoryview(buf), 0, 0
+    t0 = time.perf_counter()
+    for f in files:
+        size = f.stat().st_size
+        a, b = max(lo, pos), min(hi, pos + size)
+        if a < b:
+            with open(f, "rb", buffering=0) as fh:
+                fh.seek(a - pos)
+                while at < b - lo:
+                    n = fh.readinto(view[at:b - lo])
+                    if not n:
+                        break
+                    at += n
+        pos += size
+    raw_s = time.perf_counter() - t0
+    dist.destroy_process_group()
+    return {"rank": rank, "world": world, "reshard_load_s": load_s, "dcp_reshard_load_s": dcp_load_s,
+            "raw_read_s": raw_s, "raw_read_bytes": hi - lo, "saved_world": loaded.world_size}
+
+
+def _spawn(args: argparse.Namespace, workdir: str, env: dict, mode: str, world: int) -> list[dict]:
+    procs = [subprocess.Popen([sys.executable, __file__, mode, str(r), "--workdir", workdir,
+                               "--ranks", str(world), "--mib", str(args.mib),
+                               "--repeats", str(args.repeats)],
+                              stdout=subprocess.PIPE, env=env) for r in range(world)]
+    rows = []
+    for proc in procs:
+        out, _ = proc.communicate(timeout=900)
+        if proc.returncode:
+            raise SystemExit(f"a rank failed ({proc.returncode})")
+        rows.append(json.loads(out.decode().strip().splitlines()[-1]))
+    return rows
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--mib", type=int, default=256, help="total state (params + Adam), MiB")
     p.add_argument("--ranks", type=int, default=2)
     p.add_argument("--repeats", type=int, default=4)
     p.add_argument("--dir", default=None)
+    p.add_argument("--reshard-to", type=int, default=0, metavar="M",
+                   help="then load the last save at M ranks (elasticd, DCP, raw reads)")
     p.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--reshard-child", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--workdir", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child is not None:
         print(json.dumps(child(args.child, args.ranks, args.workdir, args.mib, args.repeats)), flush=True)
         return 0
+    if args.reshard_child is not None:
+        print(json.dumps(reshard_child(args.reshard_child, args.ranks, args.workdir, args.mib,
+                                       args.repeats)), flush=True)
+        return 0
     workdir = tempfile.mkdtemp(prefix="elasticd-shardbench-", dir=args.dir)
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
+    reshard: list[dict] = []
     try:
-        procs = [subprocess.Popen([sys.executable, __file__, "--child", str(r), "--workdir", workdir,
-                                   "--ranks", str(args.ranks), "--mib", str(args.mib),
-                                   "--repeats", str(args.repeats)],
-                                  stdout=subprocess.PIPE, env=env) for r in range(args.ranks)]
-        rows = []
-        for proc in procs:
-            out, _ = proc.communicate(timeout=900)
-            if proc.returncode:
-                raise SystemExit(f"a rank failed ({proc.returncode})")
-            rows.append(json.loads(out.decode().strip().splitlines()[-1]))
+        rows = _spawn(args, workdir, env, "--child", args.ranks)
+        if args.reshard_to:
+            reshard = _spawn(args, workdir, env, "--reshard-child", args.reshard_to)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     for row in rows:
@@ -141,6 +218,16 @@ def main() -> int:
                       "committed_s": round(max(r["committed_s"] for r in rows), 3),
                       "load_s": round(load, 3), "raw_read_s": round(raw, 3),
                       "load_vs_raw_read": round(raw / load, 3), "load1": os.getloadavg()[0]}))
+    if reshard:
+        for row in reshard:
+            print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}))
+        ours = max(r["reshard_load_s"] for r in reshard)
+        theirs = max(r["dcp_reshard_load_s"] for r in reshard)
+        raw = max(r["raw_read_s"] for r in reshard)
+        print(json.dumps({"summary": "reshard", "saved_ranks": args.ranks, "load_ranks": args.reshard_to,
+                          "reshard_load_s": round(ours, 3), "dcp_reshard_load_s": round(theirs, 3),
+                          "raw_read_s": round(raw, 3), "reshard_vs_raw_read": round(raw / ours, 3),
+                          "reshard_vs_dcp": round(theirs / ours, 3), "load1": os.getloadavg()[0]}))
     return 0
 
 

@@ -33,6 +33,7 @@ from elasticd.agent.admission import (
     precheck,
     sizes_fingerprint,
 )
+from elasticd.agent.lease_bridge import LeaseBridge
 from elasticd.etcd.client import EtcdClient
 from elasticd.keys import JobKeys
 from elasticd.records import RecordError, RoundState
@@ -62,8 +63,18 @@ class EarlyArrival:
     session: NodeSession | None
     finished: FinishedJob | None = None
     taken: bool = False  # run_node owns the client and session now
+    # Keeps the lease alive while torch is imported (elasticd.agent.lease_bridge), or None.
+    bridge: LeaseBridge | None = None
+
+    def hand_over(self) -> None:
+        """The handler owns the session now (torch is imported: its keep-alives run)."""
+        self.taken = True
+        if self.bridge is not None:
+            self.bridge.stop()
 
     def close(self) -> None:
+        if self.bridge is not None:
+            self.bridge.stop()
         if self.taken:
             return
         if self.session is not None:
@@ -153,4 +164,4 @@ def arrive_early(cfg: AgentConfig) -> EarlyArrival | None:
             session.close()  # a lease granted before the failure
         client.close()
         return None
-    return EarlyArrival(client, session)
+    return EarlyArrival(client, session, bridge=LeaseBridge.start(e, session.lease_id))

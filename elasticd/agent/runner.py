@@ -286,7 +286,7 @@ def run_node(spec: NodeSpec, early: EarlyStart | None = None, arrival: EarlyArri
                                       fingerprint=fingerprint.digest),
             node_id=spec.node_id, session=early_session)
         if arrival is not None and early_session is not None:
-            arrival.taken = True  # the handler owns the session now (closed by its shutdown)
+            arrival.hand_over()  # the handler owns the session now (closed by its shutdown)
         # Until the agent says how it leaves (finished, drained), a shutdown is a loss: a
         # node that gives up or crashes out of run() is re-formed around, as before.
         handler.leave_kind = None
