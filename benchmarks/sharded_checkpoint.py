@@ -31,6 +31,7 @@ import tempfile
 import time
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -63,6 +64,19 @@ def _group(rank: int, world: int, workdir: str, mib: int, store_name: str):
         return model, torch.optim.Adam(model.parameters(), lr=1e-3)
 
     return build
+
+
+def _timed_load(mgr, build) -> tuple[float, Any, list[Path]]:
+    """Seconds of ``mgr.load_latest`` into a freshly built model and Adam (after a barrier),
+    what it loaded, and that checkpoint's shard data files."""
+    import torch.distributed as dist
+
+    fresh, fresh_optim = build(1)
+    dist.barrier()
+    t0 = time.perf_counter()
+    loaded = mgr.load_latest({"model": fresh, "optim": fresh_optim})
+    load_s = time.perf_counter() - t0
+    return load_s, loaded, sorted(Path(loaded.manifest_url.removeprefix("file://")).parent.glob("shards-r*.bin"))
 
 
 def child(rank: int, world: int, workdir: str, mib: int, repeats: int) -> dict:
@@ -98,12 +112,7 @@ def child(rank: int, world: int, workdir: str, mib: int, repeats: int) -> dict:
             blocked.append(t1 - t0)
             committed.append(t2 - t0)
             dcp_s.append(t4 - t3)
-    fresh, fresh_optim = build(1)
-    dist.barrier()
-    t0 = time.perf_counter()
-    loaded = mgr.load_latest({"model": fresh, "optim": fresh_optim})
-    load_s = time.perf_counter() - t0
-    shard_files = sorted(Path(loaded.manifest_url.removeprefix("file://")).parent.glob("shards-r*.bin"))
+    load_s, _, shard_files = _timed_load(mgr, build)
     t0 = time.perf_counter()
     raw = sum(len(p.read_bytes()) for p in shard_files[rank::world])
     raw_s = time.perf_counter() - t0
@@ -116,7 +125,7 @@ def child(rank: int, world: int, workdir: str, mib: int, repeats: int) -> dict:
 
 
 def reshard_child(rank: int, world: int, workdir: str, mib: int, repeats: int) -> dict:
-    """Load the checkpoint N ranks saved at ``world`` ranks: elasticd's resharding load, DCP's
+    """Load, at ``world`` ranks, the last save of the first phase: elasticd's resharding load, DCP's
     (``dcp.load`` of the last DCP save, then ``set_state_dict``), and a raw read of as many
     bytes of the shard files (a contiguous 1/world of them, into one buffer)."""
     import torch.distributed as dist
@@ -127,12 +136,7 @@ def reshard_child(rank: int, world: int, workdir: str, mib: int, repeats: int) -
 
     build = _group(rank, world, workdir, mib, "store-reshard")
     mgr = CheckpointManager(f"file://{workdir}/ckpt", job="bench", keep_last=2, fence=None)
-    fresh, fresh_optim = build(1)
-    dist.barrier()
-    t0 = time.perf_counter()
-    loaded = mgr.load_latest({"model": fresh, "optim": fresh_optim})
-    load_s = time.perf_counter() - t0
-    files = sorted(Path(loaded.manifest_url.removeprefix("file://")).parent.glob("shards-r*.bin"))
+    load_s, loaded, files = _timed_load(mgr, build)
     mgr.close()
     other, other_optim = build(2)
     dist.barrier()

@@ -381,11 +381,13 @@ class ShardTargets:
     def __init__(self, template: Mapping[str, Any], resolve: Any) -> None:
         self._template = template
         self._resolve = resolve
-        self._fresh: dict[str, torch.optim.Optimizer] = {}
+        # A fresh optimizer over DTensors by key, with its parameters in state-dict order.
+        self._fresh: dict[str, tuple[torch.optim.Optimizer, list[Any]]] = {}
         for key, value in template.items():
-            if isinstance(value, torch.optim.Optimizer) and not value.state and any(
-                    is_dtensor(p) for g in value.param_groups for p in g["params"]):
-                self._fresh[key] = value
+            if isinstance(value, torch.optim.Optimizer) and not value.state:
+                params = [p for g in value.param_groups for p in g["params"]]
+                if any(is_dtensor(p) for p in params):
+                    self._fresh[key] = (value, params)
         self._real = dict(iter_dtensors(resolve(template)))
 
     def get(self, key: str, shape: tuple[int, ...], dtype: torch.dtype) -> Any:
@@ -394,12 +396,11 @@ class ShardTargets:
         target = self._real.get(key)
         if target is not None:
             return target
-        for name, optim in self._fresh.items():
+        for name, (optim, params) in self._fresh.items():
             prefix = f"state[{name!r}]['state']["
             if not key.startswith(prefix):
                 continue
             index = key[len(prefix):].split("]", 1)[0]
-            params = [p for g in optim.param_groups for p in g["params"]]
             if index.isdigit() and int(index) < len(params):
                 param = params[int(index)]
                 if is_dtensor(param) and tuple(param.shape) == tuple(shape) and param.dtype == dtype:
@@ -410,9 +411,6 @@ class ShardTargets:
             self._real = dict(iter_dtensors(self._resolve(self._template)))
             return self._real.get(key)
         return None
-
-    def __bool__(self) -> bool:
-        return bool(self._real or self._fresh)
 
 
 def init_optimizer_state(optim: torch.optim.Optimizer) -> None:
