@@ -93,6 +93,7 @@ SPARE_NNODES = "2:3"  # the spare scenario: NODES members and one hot spare
 NODES = 3
 NNODES = "2:4"
 TUNED_CONF = [TORCHRUN_TUNED_CONF]  # --torchrun-conf replaces it
+TORCHRUN_SCRIPT_ARGS: list[str] = []  # --torchrun-script-args: the torchrun arms' own script flags
 
 
 @dataclass
@@ -153,7 +154,8 @@ def start_node(cluster: Cluster, system: str, idx: int, job: str, endpoint: str,
         port = int(endpoint.rsplit(":", 1)[1])
         conf = TUNED_CONF[0] if system == "torchrun-tuned" else None
         backend = "etcd-v3" if system == "torchrun-etcd" else "c10d"
-        argv = torchrun_argv(port, job, NNODES, 1, src.args(), conf, logs, backend)
+        argv = torchrun_argv(port, job, NNODES, 1, [*src.args(), *TORCHRUN_SCRIPT_ARGS], conf, logs,
+                             backend)
         env = dict(TORCHRUN_ENV)
     cluster.start(name, argv, {**env, "PYTHONUNBUFFERED": "1"}, on_line=src.on_line)
 
@@ -396,6 +398,10 @@ def main(argv: list[str] | None = None) -> int:
                    help=f"training script (default: {TRAIN_SCRIPT} if it runs, else {BENCH_WORKER})")
     p.add_argument("--script-args", default="", help="more arguments for the script, e.g. "
                    "'--mesh hsdp --live' with --script examples/fsdp_train.py (HSDP live re-formation)")
+    p.add_argument("--torchrun-script-args", default="",
+                   help="more arguments for the script under torchrun only, e.g. "
+                   "--torchrun-script-args=--dcp with "
+                   "--script examples/fsdp_train.py (torchrun + DCP checkpoints beside elasticd's)")
     p.add_argument("--step-s", type=float, default=0.02, help="per-step padding handed to the script")
     p.add_argument("--warm-steps", type=int, default=20, help="steps at world 3 before the fault")
     p.add_argument("--settle-s", type=float, default=10.0,
@@ -422,6 +428,7 @@ def main(argv: list[str] | None = None) -> int:
     if bad:
         p.error(f"unknown scenario/system {bad}; choose from {SCENARIOS} and {SYSTEMS}")
     TUNED_CONF[0] = args.torchrun_conf
+    TORCHRUN_SCRIPT_ARGS[:] = shlex.split(args.torchrun_script_args)
     script = args.script or (TRAIN_SCRIPT if script_available(TRAIN_SCRIPT) else BENCH_WORKER)
     root = Path(args.workdir or tempfile.mkdtemp(prefix="elasticd-recovery-"))
     root.mkdir(parents=True, exist_ok=True)

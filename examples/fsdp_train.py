@@ -53,6 +53,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    metavar="K", help="fsdp --live over several nodes: refresh each rank's "
                    "host-memory replica of a peer's shards every K steps (a node loss rolls back "
                    "at most K steps); 0: none, a node loss reads the checkpoint")
+    p.add_argument("--dcp", action="store_true",
+                   help="checkpoint with torch.distributed.checkpoint instead (async_save, "
+                   "resharded on load): what a torchrun + DCP script does; the baseline of "
+                   "benchmarks/recovery.py --torchrun-script-args=--dcp. Not with --live")
     p.add_argument("--hold-file", help="tests: after each step s, wait while this file names a "
                    "step <= s (a drain or a join still stops the run there)")
     return p.parse_args(argv)
@@ -79,6 +83,66 @@ def held_until_stop(path: str, step: int, device, stop=None, timeout_s: float = 
         if time.monotonic() > deadline:
             raise SystemExit(f"held after step {step} by {path} for {timeout_s:.0f} s")
         time.sleep(0.02)
+
+
+class DcpCheckpoints:
+    """The checkpoints of a plain torchrun + DCP script, with the CheckpointManager calls used
+    here (``save``, ``close``) and ``load``: ``dcp.async_save`` of ``get_state_dict`` into
+    ``<dir>/step-N`` (the previous save is waited for first), and at start ``dcp.load`` +
+    ``set_state_dict`` of the newest ``step-N`` whose ``.metadata`` exists (DCP writes it
+    last), at any world size: as torchtitan finds its load step."""
+
+    def __init__(self, url: str) -> None:
+        self.root = url.removeprefix("file://")
+        os.makedirs(self.root, exist_ok=True)
+        self._group = dist.new_group(backend="gloo")  # async_save's own collectives
+        self._pending = None
+
+    def _state(self, state: dict, step: int) -> dict:
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        msd, osd = get_state_dict(state["model"], state["optim"])
+        return {"model": msd, "optim": osd, "sched": state["sched"].state_dict(),
+                "sampler": state["sampler"].state_dict(), "step": step}
+
+    def save(self, step: int, state: dict, blocking: bool = False) -> None:
+        import torch.distributed.checkpoint as dcp
+
+        self.close()
+        self._pending = dcp.async_save(self._state(state, step), checkpoint_id=f"{self.root}/step-{step:09d}",
+                                       process_group=self._group)
+        if blocking:
+            self.close()
+
+    def close(self) -> None:
+        if self._pending is not None:
+            self._pending, pending = None, self._pending
+            pending.result()
+
+    def load(self, state: dict) -> int:
+        """Load the newest complete save into ``state``; its step, or -1 when there is none."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        t0 = time.perf_counter()
+        name = [None]
+        if dist.get_rank() == 0:
+            done = sorted(d for d in os.listdir(self.root)
+                          if d.startswith("step-") and os.path.exists(f"{self.root}/{d}/.metadata"))
+            name[0] = done[-1] if done else None
+        dist.broadcast_object_list(name, src=0)
+        if name[0] is None:
+            return -1
+        sd = self._state(state, -1)
+        dcp.load(sd, checkpoint_id=f"{self.root}/{name[0]}")
+        set_state_dict(state["model"], state["optim"], model_state_dict=sd["model"],
+                       optim_state_dict=sd["optim"])
+        state["sched"].load_state_dict(sd["sched"])
+        state["sampler"].load_state_dict(sd["sampler"])
+        if dist.get_rank() == 0:
+            print(json.dumps({"event": "checkpoint_loaded", "step": sd["step"],
+                              "seconds": round(time.perf_counter() - t0, 3)}), flush=True)
+        return int(sd["step"])
 
 
 def parallelize(model: nn.Module, mesh) -> nn.Module:
@@ -174,8 +238,11 @@ def main(argv: list[str] | None = None) -> int:
     sched = torch.optim.lr_scheduler.StepLR(optim, step_size=10, gamma=0.9)
     sampler = make_sampler(args)
     url = args.checkpoint_url or "file://" + os.path.abspath("checkpoints")
-    ckpt = CheckpointManager(url, job=ctx.job or "local", keep_last=args.keep,
-                             fence=worker.agent_fence(), run_id=ctx.run_id, resume=ctx.resume)
+    if args.dcp and args.live:
+        raise SystemExit("--dcp is the torchrun + DCP baseline: not with --live")
+    ckpt = DcpCheckpoints(url) if args.dcp else CheckpointManager(
+        url, job=ctx.job or "local", keep_last=args.keep, fence=worker.agent_fence(),
+        run_id=ctx.run_id, resume=ctx.resume)
     progress = {"step": 0}
     # The optimizer's momentum buffers are DTensors: saved shard by shard, resharded on load.
     state = {"model": model, "optim": optim, "sched": sched, "sampler": sampler, "extra": progress}
@@ -184,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
                                 peer_replica_every=args.peer_replica_every)
         resumed_from = live.resume(lambda: load_checkpoint(ckpt, state))
     else:
-        resumed_from = load_checkpoint(ckpt, state)
+        resumed_from = ckpt.load(state) if args.dcp else load_checkpoint(ckpt, state)
     step = resumed_from + 1
     log = lambda **kv: print(json.dumps(kv), flush=True)  # noqa: E731
     trace = open(args.trace, "a") if args.trace else None  # noqa: SIM115
