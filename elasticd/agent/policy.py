@@ -128,6 +128,9 @@ class LiveFacts:
     # still runs in the superseded round.
     left_old_all: bool = False
     deadline_passed: bool = False  # the park's or the re-formation's bound passed
+    # REFORMING: the order's round holds every node of the round before it (no node was
+    # lost or left: a collective that failed then failed because of a worker of ours).
+    nobody_left: bool = False
 
 
 @dataclass(frozen=True)
@@ -228,6 +231,14 @@ def _decide_live(f: Facts, live: LiveFacts, restart: Decision) -> Decision:
     reforming, parking = live.phase is LivePhase.REFORMING, live.phase is LivePhase.PARKING
     if f.group_state is not GroupState.HEALTHY:
         if reforming and not live.left_old_all and f.group_state in _FAILED:
+            if live.nobody_left:
+                # Every node is still in the job: the collective that started this
+                # re-formation failed because one of our own workers died (its local peers
+                # saw the broken connection before torch's monitor saw the exit). A worker
+                # failure, not a membership change: the budget is spent, so a worker that
+                # crashes at the same step every time ends the job instead of looping.
+                return dataclasses.replace(restart, live_abandoned=(
+                    "a local worker failed and no node left the job: a worker failure"))
             # They failed in the round the order superseded (a zombie's commit is refused
             # there): a consequence of the membership change, which spends no budget.
             return Decision(Verdict.LIVE_FALLBACK, "workers failed in the superseded round "

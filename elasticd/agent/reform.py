@@ -60,6 +60,7 @@ class LiveReformer:
         self.phase = LivePhase.IDLE
         self.reforming_round: int | None = None
         self.deadline = 0.0
+        self.nobody_left = False  # the order's round kept every node of the one before
 
     def workers_live(self, local_world_size: int) -> bool:
         return self.enabled and len(self.reports.get(LiveRegistration)) >= local_world_size
@@ -80,6 +81,7 @@ class LiveReformer:
             reformed_all=reforming and len(new_round) >= local_world_size,
             left_old_all=reforming and len(new_round | set(waiting)) >= local_world_size,
             deadline_passed=self.phase is not LivePhase.IDLE and now >= self.deadline,
+            nobody_left=reforming and self.nobody_left,
         )
 
     def park(self, now: float) -> None:
@@ -87,19 +89,22 @@ class LiveReformer:
         self.phase = LivePhase.PARKING
         self.deadline = now + self.timeout_s
 
-    def order(self, order: ReformOrder, now: float) -> None:
-        """Publish the new round to the workers (their parked markers are theirs to clear)."""
+    def order(self, order: ReformOrder, now: float, *, nobody_left: bool = False) -> None:
+        """Publish the new round to the workers (their parked markers are theirs to clear).
+        ``nobody_left``: the new round holds every node of the one before it."""
         (self.dir / PARK_FILE).unlink(missing_ok=True)
         write_order(self.dir, order)
         self.orders.published(order.round)  # the workers waiting on the socket read it now
         self.phase = LivePhase.REFORMING
         self.reforming_round = order.round
         self.deadline = now + self.timeout_s
+        self.nobody_left = nobody_left
 
     def finish(self) -> None:
         """The re-formation ended (done or fallen back): forget it."""
         self.phase = LivePhase.IDLE
         self.reforming_round = None
+        self.nobody_left = False
         (self.dir / PARK_FILE).unlink(missing_ok=True)
         self.reports.clear(ReformedReport)
 
@@ -191,13 +196,14 @@ class LiveReformation:
         re-form meanwhile (they were on the critical path, 10-70 ms under load, when
         written before the order).
         """
-        old_round = self.handler.round
+        old_round, old_members = self.handler.round, set(self.handler.members)
         self._log.info("live_reform_started", reason=reason, round=old_round)
         order = self.group.rejoin_keeping_workers()
         if not draining:
             self.control.clear_drain()
         self.control.progress.reset()
-        self.reformer.order(order, time.monotonic())  # the bound runs from the order
+        self.reformer.order(order, time.monotonic(),  # the bound runs from the order
+                            nobody_left=bool(old_members) and old_members <= set(self.handler.members))
         self._log.info("live_reform_ordered", round=order.round, world_size=order.world_size,
                        ranks=order.ranks, old_round=old_round)
         return order

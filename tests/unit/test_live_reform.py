@@ -9,7 +9,15 @@ import pytest
 import torch
 
 import elasticd.worker.context as wctx
-from elasticd.agent.policy import Facts, GroupState, LiveFacts, LivePhase, Verdict, decide
+from elasticd.agent.policy import (
+    Attribution,
+    Facts,
+    GroupState,
+    LiveFacts,
+    LivePhase,
+    Verdict,
+    decide,
+)
 from elasticd.control.reform import ReformOrder
 from elasticd.rendezvous.protocol import MembershipChange
 from elasticd.worker.live import _is_collective_failure
@@ -93,6 +101,21 @@ def test_workers_failing_before_they_took_the_order_restart_without_the_budget()
     d = decide(_facts({"phase": REFORMING}, group_state=GroupState.SUCCEEDED))
     assert d.verdict is Verdict.FINISH and d.live_abandoned
     assert not decide(_facts(**failed)).live_abandoned  # nothing under way: nothing to abandon
+
+
+def test_a_local_worker_dying_with_every_node_still_in_the_job_is_a_worker_failure():
+    """A local worker SIGKILLed: its local peers' collective fails first, so the agent re-forms
+    live; when the group then fails with the order's round holding every node of the one
+    before (nobody left), the dead worker was the cause: the restart policy's verdict acts
+    (budget spent, cause failure), not a membership fallback. A fresh-clone suite saw the
+    dashboard's restart counter stay at 0 through exactly this order of events."""
+    failed = {"group_state": GroupState.FAILED, "exit_codes": (-9,)}
+    d = decide(_facts({"phase": REFORMING, "nobody_left": True}, **failed))
+    assert d.verdict is Verdict.ATTRIBUTE and "worker failure" in d.live_abandoned
+    root = {**failed, "attribution": Attribution.ROOT}
+    assert _v({"phase": REFORMING, "nobody_left": True}, **root) is Verdict.RESTART_FAILURE
+    assert _v({"phase": REFORMING, "nobody_left": True}, **root, remaining_restarts=0) is Verdict.FAIL
+    assert _v({"phase": REFORMING, "nobody_left": False}, **failed) is Verdict.LIVE_FALLBACK
 
 
 def test_a_member_lost_during_a_reformation_falls_back_at_once():

@@ -139,3 +139,22 @@ def test_a_script_that_fails_at_import_gives_up_after_one_retry(nodes, tmp_path)
     assert "all 2 attempts failed the same way before their first step" in summary[0]["message"]
     assert summary[0]["error"] == "ModuleNotFoundError: No module named 'nosuchmodule_elasticd_test'"
     assert '"py_callstack"' not in summary[0]["message"]
+
+
+def test_a_killed_worker_of_a_live_job_spends_the_budget(nodes, tmp_path):
+    """examples/train.py (live re-formation on), 2 workers on one node, no restarts allowed:
+    a worker SIGKILLed ends the job non-zero, whichever the agent sees first, the dead
+    worker or its local peer's failed collective (which starts a live re-formation into a
+    round with the same nodes). A fresh-clone suite once saw the second order restart the
+    group as a membership change, outside the budget (a worker crashing at the same step
+    every time would then loop forever)."""
+    a = nodes.start("f9", str(ROOT / "examples" / "train.py"), nnodes="1", nproc=2,
+                    extra=["--max-restarts", "0", "--checkpoint-url", f"file://{tmp_path / 'ckpt'}"],
+                    script_args=["--steps", "100000", "--step-sleep", "0.01"])
+    wait_until(lambda: a.log().count('"checkpoint_committed"') >= 2, 90, "two checkpoints committed")
+    workers = [e["pid"] for e in _events(a, "standby_handed_over")]  # warm standbys run the script
+    assert len(workers) == 2, a.log()[-3000:]
+    os.kill(workers[0], signal.SIGKILL)
+    assert a.wait(60) == 1, a.log()[-3000:]
+    assert "restart budget is spent" in a.log(), a.log()[-3000:]
+
