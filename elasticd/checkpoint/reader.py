@@ -160,11 +160,15 @@ def _fill_shards(store: FsspecCheckpointStore, manifest: Manifest, state: Any,
         shards.chunk_crc(c, data)
         return data
 
+    def read_into(c: shards.Chunk, buf: memoryview) -> None:
+        store.read_range_into(manifest.step, manifest.save_id, c.file, c.start, buf)
+        shards.chunk_crc(c, buf)
+
     filled = {}
     for key, chunks in by_key.items():
         target = None if targets is None else targets.get(key, chunks[0].shape, shards.DTYPES[chunks[0].dtype])
         if target is not None:
-            filled[key] = shards.fill(target, chunks, read, where)
+            filled[key] = shards.fill(target, chunks, read, where, read_into)
     return shards.replace_marks(state, "state", filled)
 
 

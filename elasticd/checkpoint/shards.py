@@ -275,7 +275,7 @@ def overlap(ao: tuple[int, ...], asz: tuple[int, ...], bo: tuple[int, ...],
     return tuple(out)
 
 
-def fill(target: Any, chunks: list[Chunk], read: Any, where: str) -> Any:
+def fill(target: Any, chunks: list[Chunk], read: Any, where: str, read_into: Any = None) -> Any:
     """A DTensor like ``target`` (same mesh and placements) holding the saved values of
     its box, assembled from every saved chunk that overlaps it.
 
@@ -284,6 +284,12 @@ def fill(target: Any, chunks: list[Chunk], read: Any, where: str) -> Any:
         chunks: the saved chunks of this tensor.
         read: ``read(chunk) -> bytes`` (checks the chunk's CRC).
         where: names the checkpoint in errors.
+        read_into: optional ``read_into(chunk, buffer)``: the chunk's bytes straight into a
+            writable buffer of its length, CRC checked there. Used for a chunk that lies
+            whole inside the new box where its place in the box is contiguous (a shard
+            along dim 0 gathered by fewer ranks): one read into the new shard, no buffer
+            of its own and no copy. The new shard is a fresh tensor, so a corrupt chunk
+            written into it harms nothing.
 
     Raises:
         CheckpointMismatchError: the saved tensor's shape or dtype differs from the template's.
@@ -305,12 +311,20 @@ def fill(target: Any, chunks: list[Chunk], read: Any, where: str) -> Any:
             inter = overlap(offsets, sizes, c.offsets, c.sizes) if c.numel else None
             if inter is None:
                 continue
+            dst = local[tuple(slice(lo - o, hi - o) for (lo, hi), o in zip(inter, offsets, strict=True))]
+            if read_into is not None and _whole(inter, c) and dst.is_contiguous():
+                read_into(c, tensor_bytes(dst))
+                continue
             saved = _as_tensor(read(c), c)
-            src = saved[tuple(slice(lo - o, hi - o) for (lo, hi), o in zip(inter, c.offsets, strict=True))]
-            local[tuple(slice(lo - o, hi - o) for (lo, hi), o in zip(inter, offsets, strict=True))] = src
+            dst.copy_(saved[tuple(slice(lo - o, hi - o) for (lo, hi), o in zip(inter, c.offsets, strict=True))])
     local = local.to(target.to_local().device)
     return DTensor.from_local(local, target.device_mesh, target.placements, run_check=False,
                               shape=target.shape, stride=target.stride())
+
+
+def _whole(inter: tuple[tuple[int, int], ...], chunk: Chunk) -> bool:
+    """The overlap is the whole chunk."""
+    return all(lo == o and hi == o + n for (lo, hi), o, n in zip(inter, chunk.offsets, chunk.sizes, strict=True))
 
 
 def _as_tensor(data: bytes | bytearray, chunk: Chunk) -> torch.Tensor:
@@ -319,7 +333,7 @@ def _as_tensor(data: bytes | bytearray, chunk: Chunk) -> torch.Tensor:
     return torch.frombuffer(buf, dtype=DTYPES[chunk.dtype]).view(chunk.sizes)
 
 
-def chunk_crc(chunk: Chunk, data: bytes | bytearray) -> None:
+def chunk_crc(chunk: Chunk, data: bytes | bytearray | memoryview) -> None:
     """Check a chunk's bytes against its index entry.
 
     Raises:

@@ -298,6 +298,31 @@ class FsspecCheckpointStore:
         except _PATH_ERRORS as exc:
             raise self._unreadable(path, exc) from None
 
+    def read_range_into(self, step: int, save_id: str, name: str, start: int, buf: memoryview) -> None:
+        """``len(buf)`` bytes of data file ``name`` from ``start``, into ``buf`` (local files
+        straight from the page cache; remote ones through one ranged GET and a copy). A
+        short file leaves the rest of ``buf`` as it was: the chunk's CRC then fails.
+
+        Raises:
+            CheckpointVanishedError: the file is gone (pruned while we read).
+            CheckpointUnreadableError: permission denied, or a directory.
+        """
+        path = f"{self.save_path(step, save_id)}/{name}"
+        try:
+            if self.is_local:
+                with open(path, "rb", buffering=0) as f:
+                    f.seek(start)
+                    at = 0
+                    while at < len(buf) and (n := f.readinto(buf[at:])):
+                        at += n
+                return
+            data = self.fs.cat_file(path, start=start, end=start + len(buf))
+            buf[:len(data)] = data[:len(buf)]
+        except FileNotFoundError:
+            raise CheckpointVanishedError(f"data file {name} disappeared while reading") from None
+        except _PATH_ERRORS as exc:
+            raise self._unreadable(path, exc) from None
+
     def write_manifest(self, manifest: Manifest) -> str:
         """Write the manifest (create-only) after all data: this commits the checkpoint.
 

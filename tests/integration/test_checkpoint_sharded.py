@@ -207,3 +207,48 @@ def test_a_fresh_optimizer_loads_without_a_zero_step_unless_its_state_is_shaped_
             assert got.keys() == want.keys() and all(_close(got[k], want[k], 0) for k in want)
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.timeout(60)
+def test_whole_chunks_are_read_straight_into_the_new_shard_and_still_checked():
+    """Two saved row blocks of one tensor loaded into a 1-rank mesh's shard (the whole
+    tensor): each is read into its place in the new shard (no buffer of its own, no copy)
+    and its CRC is checked there; a block whose bytes changed is refused."""
+    import zlib
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from elasticd.checkpoint import shards
+    from elasticd.checkpoint.api import CheckpointCorruptError
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("shard",))
+        saved = torch.arange(24, dtype=torch.float32).reshape(6, 4)
+        blocks = [saved[0:2].clone(), saved[2:6].clone()]
+        data = [bytes(shards.tensor_bytes(b)) for b in blocks]
+        chunks = [shards.Chunk("w", "float32", (6, 4), (o, 0), tuple(b.shape), 0, len(d), zlib.crc32(d), f"f{i}")
+                  for i, (o, b, d) in enumerate(zip((0, 2), blocks, data, strict=True))]
+        target = distribute_tensor(torch.zeros(6, 4), mesh, [Shard(0)])
+        into: list[str] = []
+
+        def read(c):
+            raise AssertionError(f"{c.file} read into a buffer of its own")
+
+        def read_into(c, buf, flip=False):
+            into.append(c.file)
+            buf[:] = data[int(c.file[1])]
+            if flip:
+                buf[1] ^= 0xFF
+            shards.chunk_crc(c, buf)
+
+        got = shards.fill(target, chunks, read, "test", read_into)
+        assert into == ["f0", "f1"] and torch.equal(got.to_local(), saved)
+        with pytest.raises(CheckpointCorruptError, match="f1"):
+            shards.fill(target, chunks, read, "test",
+                        lambda c, buf: read_into(c, buf, flip=c.file == "f1"))
+    finally:
+        dist.destroy_process_group()
