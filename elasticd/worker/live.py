@@ -537,7 +537,7 @@ class LiveState:
         report = pmem.MemoryReport(
             self._old_rank if self._has_state else -1, self._old_world if self._has_state else 0,
             self.step if self._has_state else NOT_HELD, own.step if own is not None else -1,
-            tuple(sorted((o, snap.step) for o, snap in held.items())))
+            tuple(sorted((o, snap.step) for o, snap in held.items())), self._committed_step())
         mine = torch.tensor(report.encode(), dtype=torch.int64, device=device)
         gathered = [torch.zeros(pmem.REPORT_LEN, dtype=torch.int64, device=device)
                     for _ in range(dist.get_world_size())]
@@ -613,6 +613,19 @@ class LiveState:
                        else "peer-RAM replicas", old_world=mplan.old_world, world_size=dist.get_world_size(),
                        steps_rolled_back=max(lost, 0), bytes_received=moved,
                        seconds=round(time.monotonic() - t0, 3))
+
+    def _committed_step(self) -> int:
+        """The newest committed checkpoint's step, from the checkpoint's fence (the agent's
+        pointer); -1 when there is none or nobody can tell."""
+        latest = getattr(getattr(self.checkpoint, "fence", None), "latest", None)
+        if latest is None:
+            return -1
+        try:
+            pointer = latest()
+        except Exception:  # noqa: BLE001 - a hint for the plan, never a reason to fail
+            return -1
+        step = getattr(pointer, "step", -1)
+        return step if isinstance(step, int) else -1
 
     def _reshard_targets(self, sm: ShardedModel, optimizers: Sequence[torch.optim.Optimizer],
                          keys: set[str]) -> dict[str, object]:

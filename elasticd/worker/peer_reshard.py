@@ -45,7 +45,7 @@ from elasticd.worker.peer_replica import NO_HOLDER, Snapshot, plan_peer_recovery
 from elasticd.worker.sharded import NOT_HELD, local_of
 
 MAX_HELD = 8  # replicas one rank reports holding (a ring holds 1; more on unequal nodes)
-REPORT_LEN = 5 + 2 * MAX_HELD
+REPORT_LEN = 6 + 2 * MAX_HELD
 
 
 @dataclass(frozen=True)
@@ -58,6 +58,8 @@ class MemoryReport:
         step: the last step its live state completed (``NOT_HELD``: none).
         own_step: the step of its own replica snapshot (-1: none).
         held: (old rank, step) of each peer replica it holds.
+        committed: the newest committed checkpoint's step as its agent knows it (-1: none
+            or unknown); the plan reads the checkpoint instead of replicas older than it.
     """
 
     old_rank: int
@@ -65,17 +67,19 @@ class MemoryReport:
     step: int
     own_step: int = -1
     held: tuple[tuple[int, int], ...] = ()
+    committed: int = -1
 
     def encode(self) -> list[int]:
         held = list(self.held[:MAX_HELD])
         flat = [x for pair in held for x in pair] + [-1] * (2 * (MAX_HELD - len(held)))
-        return [self.old_rank, self.old_world, self.step, self.own_step, len(held), *flat]
+        return [self.old_rank, self.old_world, self.step, self.own_step, len(held), *flat, self.committed]
 
     @classmethod
     def decode(cls, values: Sequence[int]) -> MemoryReport:
         n = int(values[4])
         held = tuple((int(values[5 + 2 * i]), int(values[6 + 2 * i])) for i in range(n))
-        return cls(int(values[0]), int(values[1]), int(values[2]), int(values[3]), held)
+        return cls(int(values[0]), int(values[1]), int(values[2]), int(values[3]), held,
+                   int(values[5 + 2 * MAX_HELD]))
 
 
 @dataclass(frozen=True)
@@ -129,7 +133,10 @@ def plan_memory_reshard(reports: Sequence[MemoryReport]) -> MemoryPlan:
                 if 0 <= held < old_world and held not in replica_steps:
                     holders[held], replica_steps[held] = r.old_rank, step
     own_steps = {o: reports[i].own_step for o, i in survivors.items()}
-    peer = plan_peer_recovery(holders, lost, own_steps, replica_steps)
+    # A checkpoint committed after the replicas' step retrains fewer steps than they would
+    # (checkpoints more often than every k steps): the restart path loads it.
+    committed = max((r.committed for r in reports if r.committed <= newest), default=-1)
+    peer = plan_peer_recovery(holders, lost, own_steps, replica_steps, committed_step=committed)
     if peer.fallback is not None:
         return MemoryPlan(step=peer.step, old_world=old_world, fallback=peer.fallback)
     return MemoryPlan(step=peer.step, old_world=old_world,

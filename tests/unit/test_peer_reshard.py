@@ -57,8 +57,24 @@ def test_replicas_of_different_steps_or_worlds_read_the_checkpoint():
     assert twice.fallback is not None and "one world" in twice.fallback
 
 
+def test_a_checkpoint_committed_after_the_replicas_step_is_loaded_instead():
+    """Replicas of step 8, the job at 9: a checkpoint committed at step 9 (checkpoints more
+    often than every k steps) retrains fewer steps, so the plan reads it, saying why; one at
+    8 or older, or a pointer beyond every survivor's step (not this lineage's), leaves the
+    replicas in use. A join (the live shards, nobody lost) never reads it."""
+    def reports(committed: int) -> list[MemoryReport]:
+        return [MemoryReport(1, 4, 9, 8, ((3, 8),), committed), MemoryReport(0, 4, 9, 8, ((2, 8),), -1)]
+
+    newer = plan_memory_reshard(reports(9))
+    assert newer.fallback is not None and "step 9" in newer.fallback and "newer than the replicas" in newer.fallback
+    for committed in (8, 3, -1, 12):
+        assert plan_memory_reshard(reports(committed)).fallback is None, committed
+    join = plan_memory_reshard([MemoryReport(0, 2, 7, 4, (), 7), MemoryReport(1, 2, 7, 4), _joiner()])
+    assert join.fallback is None and join.fresh
+
+
 def test_a_report_survives_the_all_gather_encoding():
-    r = MemoryReport(3, 4, 17, 16, ((1, 16), (2, 16)))
+    r = MemoryReport(3, 4, 17, 16, ((1, 16), (2, 16)), 15)
     assert MemoryReport.decode(r.encode()) == r
     assert len(r.encode()) == len(_joiner().encode())
 
