@@ -90,6 +90,7 @@ class _Port:
     def rejoin_keeping_workers(self) -> ReformOrder:
         self.calls.append("rendezvous")
         self.handler.round = 4
+        self.handler.members = getattr(self.handler, "next_members", self.handler.members)
         return ReformOrder(round=4, world_size=1 + max(self.ranks.values()), master_addr="127.0.0.1",
                            master_port=29500, ranks=self.ranks)
 
@@ -101,7 +102,7 @@ def test_a_live_reformation_orders_its_workers_and_writes_no_record_itself(tmp_p
     calls: list[str] = []
     channel = ControlChannel(directory=tmp_path)
     reformer = LiveReformer(channel, enabled=True, timeout_s=30)
-    handler = SimpleNamespace(round=3, node_id="n", keys=SimpleNamespace(job="j"))
+    handler = SimpleNamespace(round=3, node_id="n", keys=SimpleNamespace(job="j"), members=("n",))
 
     recorder = SimpleNamespace(event=lambda *a, **k: calls.append("event"))
     control = SimpleNamespace(clear_drain=lambda: calls.append("clear_drain"),
@@ -113,7 +114,28 @@ def test_a_live_reformation_orders_its_workers_and_writes_no_record_itself(tmp_p
     assert read_order(tmp_path) == order and order.ranks == {0: 1}
     assert reformer.phase is LivePhase.REFORMING and reformer.reforming_round == 4
     assert channel.orders.wait_newer(3, 0.0) == 4  # workers waiting on the socket are told
+    assert reformer.nobody_left  # round 4 holds every node of round 3
     channel.close()
+
+
+def test_a_reformation_knows_whether_a_node_left_the_round(tmp_path):
+    """``nobody_left``: the order's round holds every node of the one before (a local
+    worker's death then is a worker failure); a round without one of them is a membership
+    change; once the re-formation ends it is forgotten."""
+    for before, after, want in [(("n", "m"), ("n", "m", "j"), True), (("n", "m"), ("n",), False)]:
+        (tmp_path / f"{len(after)}").mkdir()
+        channel = ControlChannel(directory=tmp_path / f"{len(after)}")
+        reformer = LiveReformer(channel, enabled=True, timeout_s=30)
+        handler = SimpleNamespace(round=3, node_id="n", keys=SimpleNamespace(job="j"),
+                                  members=before, next_members=after)
+        control = SimpleNamespace(clear_drain=lambda: None, progress=SimpleNamespace(reset=lambda: None))
+        live = LiveReformation(reformer, handler, control, SimpleNamespace(),  # type: ignore[arg-type]
+                               _Port(handler, [], ranks={0: 0}))
+        live.reform("test", draining=False)
+        assert reformer.nobody_left is want, (before, after)
+        reformer.finish()
+        assert not reformer.nobody_left
+        channel.close()
 
 
 def test_the_agent_writes_the_rounds_records_only_after_the_order_is_out(tmp_path):
@@ -125,7 +147,7 @@ def test_the_agent_writes_the_rounds_records_only_after_the_order_is_out(tmp_pat
 
     calls: list[str] = []
     channel = ControlChannel(directory=tmp_path)
-    handler = SimpleNamespace(round=3, node_id="n", keys=SimpleNamespace(job="j"))
+    handler = SimpleNamespace(round=3, node_id="n", keys=SimpleNamespace(job="j"), members=("n",))
 
     recorder = SimpleNamespace(event=lambda kind, *a, **k: calls.append(f"event:{kind}"))
     agent = ElasticdAgent.__new__(ElasticdAgent)  # no torch agent: only the live steps
@@ -158,7 +180,7 @@ def test_the_agent_writes_the_rounds_records_only_after_the_order_is_out(tmp_pat
 def test_a_group_is_starting_for_live_reform_until_its_workers_register(
         tmp_path, enabled, registered, any_step, age_s, starting):
     channel = ControlChannel(directory=tmp_path)
-    handler = SimpleNamespace(round=3, node_id="n", keys=SimpleNamespace(job="j"))
+    handler = SimpleNamespace(round=3, node_id="n", keys=SimpleNamespace(job="j"), members=("n",))
     live = LiveReformation(LiveReformer(channel, enabled=enabled, timeout_s=30), handler,  # type: ignore[arg-type]
                            SimpleNamespace(), SimpleNamespace(), _Port(handler, [], ranks={0: 0}))
     if registered:
