@@ -277,31 +277,22 @@ class FsspecCheckpointStore:
         return bytes(data)
 
     def read_range(self, step: int, save_id: str, name: str, start: int, length: int) -> bytearray:
-        """``length`` bytes of data file ``name`` from ``start`` (one ranged GET), writable.
+        """``length`` bytes of data file ``name`` from ``start`` (one ranged GET), writable
+        (the loaded tensor keeps the buffer: no second copy); shorter at the file's end.
 
         Raises:
             CheckpointVanishedError: the file is gone (pruned while we read).
             CheckpointUnreadableError: permission denied, or a directory.
         """
-        path = f"{self.save_path(step, save_id)}/{name}"
-        try:
-            if self.is_local:
-                # Into a writable buffer the loaded tensor can keep (no second copy).
-                buf = bytearray(length)
-                with open(path, "rb") as f:
-                    f.seek(start)
-                    n = f.readinto(buf)
-                return buf if n == length else buf[:n]
-            return bytearray(self.fs.cat_file(path, start=start, end=start + length))
-        except FileNotFoundError:
-            raise CheckpointVanishedError(f"data file {name} disappeared while reading") from None
-        except _PATH_ERRORS as exc:
-            raise self._unreadable(path, exc) from None
+        buf = bytearray(length)
+        n = self.read_range_into(step, save_id, name, start, memoryview(buf))
+        return buf if n == length else buf[:n]
 
-    def read_range_into(self, step: int, save_id: str, name: str, start: int, buf: memoryview) -> None:
-        """``len(buf)`` bytes of data file ``name`` from ``start``, into ``buf`` (local files
-        straight from the page cache; remote ones through one ranged GET and a copy). A
-        short file leaves the rest of ``buf`` as it was: the chunk's CRC then fails.
+    def read_range_into(self, step: int, save_id: str, name: str, start: int, buf: memoryview) -> int:
+        """Up to ``len(buf)`` bytes of data file ``name`` from ``start``, into ``buf`` (local
+        files straight from the page cache; remote ones through one ranged GET and a copy).
+        Returns how many were read: fewer at the file's end, the rest of ``buf`` as it was
+        (a chunk's CRC then fails).
 
         Raises:
             CheckpointVanishedError: the file is gone (pruned while we read).
@@ -315,9 +306,11 @@ class FsspecCheckpointStore:
                     at = 0
                     while at < len(buf) and (n := f.readinto(buf[at:])):
                         at += n
-                return
+                return at
             data = self.fs.cat_file(path, start=start, end=start + len(buf))
-            buf[:len(data)] = data[:len(buf)]
+            at = min(len(data), len(buf))
+            buf[:at] = data[:at]
+            return at
         except FileNotFoundError:
             raise CheckpointVanishedError(f"data file {name} disappeared while reading") from None
         except _PATH_ERRORS as exc:
