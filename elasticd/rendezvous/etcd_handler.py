@@ -80,6 +80,16 @@ class JobFinishedError(RendezvousClosedError):
         self.finished = finished
 
 
+def step_is_news(action: Action, view: RendezvousView, node_id: str, max_nodes: int) -> bool:
+    """Whether a join step is logged at info: waiting (for nodes, for the last call) is what
+    an operator looks for when a job does not start; the other steps of a round are chatter,
+    and so is a one-node job's wait for its own coordinator thread, which closes the round as
+    soon as we joined (seen on a busy machine, when that thread was a moment behind the
+    handler's: the standalone quick start's first log line)."""
+    alone = max_nodes == 1 and view.coordinator == node_id
+    return action.kind is ActionKind.WAIT and not alone
+
+
 class EtcdRendezvousHandler(RendezvousHandler):
     """A torch elastic ``RendezvousHandler`` on etcd v3 (backend name ``etcd-v3``).
 
@@ -362,9 +372,8 @@ class EtcdRendezvousHandler(RendezvousHandler):
                 if due is not None and action.until is not None:
                     action = replace(action, until=min(action.until, due))
             if action.reason != self._last_reason:
-                # Waiting (for nodes, for the last call) is what an operator looks for when a
-                # job does not start; the other steps of a round are chatter.
-                log_step = self._log.info if action.kind is ActionKind.WAIT else self._log.debug
+                news = step_is_news(action, view, self.node_id, self.settings.max_nodes)
+                log_step = self._log.info if news else self._log.debug
                 log_step("rendezvous_step", action=action.kind.value, reason=action.reason)
                 self._last_reason = action.reason
             if action.kind is ActionKind.DONE:

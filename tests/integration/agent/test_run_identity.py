@@ -20,6 +20,7 @@ from elasticd.checkpoint.catalog import list_checkpoints
 from elasticd.errors import EX_CONFIG
 
 SCRIPT = str(ROOT / "examples" / "train.py")
+README_STEPS = 300
 ARGS = ["--dataset-size", "64", "--global-batch", "8", "--micro-batch", "8",
         "--checkpoint-every", "3"]
 
@@ -109,9 +110,11 @@ def test_run_known_in_etcd_resumes_its_own_checkpoints(nodes, tmp_path):
 
 def _readme_run(tmp_path, tag: str) -> Node:
     """The README's own command (no --job, no --checkpoint-url) in directory tmp_path."""
+    # README_STEPS x 0.05 s: the first run must still train while `elasticd status` starts
+    # and answers (with 30 steps a loaded machine saw the job finish first: "not training").
     argv = [PY, "-m", "elasticd.cli", "run", "--standalone", "--nproc-per-node", "1",
             "--log-format", "json", "--no-warm-start", "--workdir", str(tmp_path), SCRIPT,
-            "--steps", "30", "--step-sleep", "0.05", *ARGS]
+            "--steps", str(README_STEPS), "--step-sleep", "0.05", *ARGS]
     return Node(argv, {"STATE_DIRECTORY": str(tmp_path / "state")}, tmp_path / f"{tag}.log")
 
 
@@ -161,7 +164,7 @@ def test_rerunning_the_readme_command_continues_after_ctrl_c_and_stops_once_fini
         resumed = _resumed_from(second)
         assert resumed and resumed[0] is not None and resumed[0] >= 2, resumed
         saves = list_checkpoints(url)
-        assert saves[0].step == 29 and {i.run_id for i in saves} == run1
+        assert saves[0].step == README_STEPS - 1 and {i.run_id for i in saves} == run1
         # The first day's log: round chatter at debug, nodes named nnodes, a closing line.
         assert not _events(second, "rendezvous_step")
         assert [e["action"] for e in _events(second, "coordinator_step")] == ["finalize"]
