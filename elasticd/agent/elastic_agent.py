@@ -294,7 +294,10 @@ class ElasticdAgent(LocalElasticAgent):
         # are stopping. Globbed only when it can matter (a tick costs no file system scan).
         look_for_markers = state is GroupState.SUCCEEDED or nodes_waiting > 0 or done
         # Drainable markers matter when nodes wait (resize or restart) and on a stop signal.
-        look_for_drainable = nodes_waiting > 0 or (self.stop_signals > 0 and not phase.draining)
+        asked_to_drain = (self.handler.asked_to_drain()
+                          if state is GroupState.HEALTHY and not phase.ejecting else "")
+        look_for_drainable = (nodes_waiting > 0 or bool(asked_to_drain)
+                              or (self.stop_signals > 0 and not phase.draining))
         return Facts(
             group_state=state,
             drain_signals=self.stop_signals,
@@ -304,6 +307,9 @@ class ElasticdAgent(LocalElasticAgent):
             lease_lost=self.handler.lease_lost.is_set(),
             ejected=(waiting.reason if waiting is not None and waiting.kind in EJECTIONS
                      and self.handler.node_id in waiting.nodes else ""),
+            asked_to_drain=asked_to_drain,
+            ejecting=phase.ejecting,
+            eject_deadline_passed=phase.ejecting and phase.deadline_passed(now),
             nodes_waiting=nodes_waiting,
             membership=waiting.kind if waiting is not None and nodes_waiting else MembershipChange.NONE,
             membership_reason=waiting.reason if waiting is not None and nodes_waiting else "",
@@ -408,6 +414,9 @@ class ElasticdAgent(LocalElasticAgent):
             return False
         if v is Verdict.FENCE:
             self._fence(decision.reason)
+            return False
+        if v is Verdict.START_EJECT_DRAIN:
+            self._start_eject_drain(decision.reason)
             return False
         if v is Verdict.EJECTED:
             self._ejected(decision.reason)
@@ -537,19 +546,32 @@ class ElasticdAgent(LocalElasticAgent):
         self._log.warning("lease_lost", message=msg)
         self._initialize_workers(self._worker_group)  # re-registers a new lease first
 
+    def _start_eject_drain(self, reason: str) -> None:
+        """The coordinator put us on probation as a straggler: our workers stop at the next
+        agreed step with everyone's (the drain file, as for a drain; with live re-formation
+        a drained worker exits there and the others re-form without it), then ``_ejected``
+        rejoins us as a spare. Bounded by the drain grace; the coordinator's own bound
+        (``stragglers.drain_bound_s``) is shorter and ejects us the hard way."""
+        self.phase = self.phase.eject(time.monotonic() + self.settings.drain_grace_s)
+        self.control.request_drain(f"ejected as a straggler: {reason}")
+        self._log.warning("straggler_drain_started", reason=reason, round=self.handler.round)
+
     def _ejected(self, reason: str) -> None:
         """The coordinator ejected us (our workers hang the job, or we are a straggler it
-        put on probation): kill them, rejoin cold (a straggler waits as a spare until its
-        probation ends).
+        put on probation): kill them (after a straggler's drain, whatever is left of
+        them), rejoin cold (a straggler waits as a spare until its probation ends).
 
         SIGKILL to each worker's whole process group (its own session): a stopped
         (SIGSTOPped) or GIL-bound worker never honours a SIGTERM, and its children (data
         loaders) must not outlive it. No restart budget: a membership change. We rejoin
         the round after the one the others re-formed in (``protocol.ejected``).
         """
-        self._dump_stacks()  # where they hung, in the workers' stderr (a SIGSTOPped one: none)
         waiting = self.handler.membership()
-        kind = "straggler_ejected" if waiting.kind is MembershipChange.MEMBER_SLOW else "hung"
+        straggler = self.phase.ejecting or waiting.kind is MembershipChange.MEMBER_SLOW \
+            or bool(self.handler.asked_to_drain())
+        kind = "straggler_ejected" if straggler else "hung"
+        if kind == "hung":
+            self._dump_stacks()  # where they hung, in the workers' stderr (a SIGSTOPped one: none)
         self.recorder.event(kind, f"node {self.handler.node_id} ejected: {reason}",
                             node=self.handler.node_id, round=self.handler.round)
         self._log.warning("node_ejected", reason=reason, round=self.handler.round)

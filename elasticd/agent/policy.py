@@ -72,6 +72,9 @@ class Verdict(enum.Enum):
     ATTRIBUTE = "attribute"  # a failure: wait for peers' reports before deciding
     FENCE = "fence"  # our lease is gone: kill workers now, rejoin as a new member
     EJECTED = "ejected"  # the coordinator ejected us (hung): kill workers now, rejoin cold
+    # The coordinator put us on probation (a straggler): the workers stop at the next agreed
+    # step with everyone's (nothing rolled back), then we rejoin as a spare.
+    START_EJECT_DRAIN = "start_eject_drain"
     LEAVE = "leave"  # drained: leave the rendezvous and exit 0
     HARD_STOP = "hard_stop"  # drain grace over / second signal: kill workers, leave
     STOP_NOW = "stop_now"  # stop requested, workers cannot drain: SIGTERM them (briefly), leave
@@ -148,6 +151,11 @@ class Facts:
     # Non-empty when the coordinator ejected this node (its workers hang the job, or it is
     # a straggler the job is faster without): why.
     ejected: str = ""
+    # Non-empty when the coordinator put this node on probation as a straggler while it is
+    # a member of the round it trains in: it asks us to drain (stragglers.drain_bound_s).
+    asked_to_drain: str = ""
+    ejecting: bool = False  # our workers were asked to stop at the next step for that
+    eject_deadline_passed: bool = False  # ... and did not within our own bound
     nodes_waiting: int = 0
     # Kind of membership change while nodes_waiting > 0 (NONE otherwise).
     membership: MembershipChange = MembershipChange.NONE
@@ -210,6 +218,8 @@ _GROUP_CANNOT_FORM = (MembershipChange.MEMBER_LOST, MembershipChange.NEWER_ROUND
 def decide(f: Facts) -> Decision:
     """Map one tick's facts to the next action. Pure; precedence is top to bottom: the
     restart policy first, then live re-formation (``f.live``) where it may replace it."""
+    if f.ejecting and not f.lease_lost and not f.drain_signals:
+        return _decide_ejecting(f)
     restart = _decide_restart(f)
     if f.live is None and f.live_starting and not f.draining and restart.verdict in \
             _MEMBERSHIP_VERDICTS and f.membership is MembershipChange.JOIN:
@@ -224,6 +234,22 @@ def decide(f: Facts) -> Decision:
     if f.live is None or f.draining:
         return restart
     return _decide_live(f, f.live, restart)
+
+
+def _decide_ejecting(f: Facts) -> Decision:
+    """Our workers were asked to stop at the next agreed step: we were ejected as a
+    straggler (a lost lease and a stop signal go to the restart policy first)."""
+    if f.group_state is not GroupState.HEALTHY:
+        return Decision(Verdict.EJECTED, "our workers stopped for our ejection as a straggler "
+                        f"({f.group_state.value}): rejoining as a spare on probation")
+    if f.ejected:
+        return Decision(Verdict.EJECTED, f"ejected by the job: {f.ejected}; killing our workers, "
+                        "rejoining cold")
+    if f.eject_deadline_passed:
+        return Decision(Verdict.EJECTED, "our workers did not stop at a step for our ejection "
+                        "within the bound: killing them, rejoining cold")
+    return Decision(Verdict.CONTINUE, "ejected as a straggler: our workers stop at the next "
+                    "agreed step")
 
 
 def _decide_live(f: Facts, live: LiveFacts, restart: Decision) -> Decision:
@@ -295,6 +321,16 @@ def _decide_restart(f: Facts) -> Decision:
         # instead (it leaves; the others already re-form without us).
         return Decision(Verdict.EJECTED, f"ejected by the job: {f.ejected}; killing our "
                         "workers, rejoining cold")
+    if f.asked_to_drain and not f.drain_signals and f.group_state is GroupState.HEALTHY \
+            and (f.live is None or f.live.phase is LivePhase.IDLE):
+        # Drained, not killed: everyone stops at the same step, so a pure FSDP2 job's
+        # survivors hold our shards in their replicas of that very step (0 rolled back).
+        if f.workers_drainable:
+            return Decision(Verdict.START_EJECT_DRAIN, f"ejected as a straggler ({f.asked_to_drain}): "
+                            "our workers stop at the next agreed step, then we wait as a spare")
+        return Decision(Verdict.EJECTED, f"ejected as a straggler ({f.asked_to_drain}); our "
+                        "workers never called should_stop (they cannot stop at a step): killing "
+                        "them, rejoining cold")
     if f.draining and (f.drain_signals >= 2 or f.drain_deadline_passed):
         why = "second stop signal" if f.drain_signals >= 2 else "drain grace period over"
         return Decision(Verdict.HARD_STOP, f"{why}: stopping workers hard")

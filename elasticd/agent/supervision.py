@@ -49,6 +49,10 @@ class Mode(enum.Enum):
     # with stopped markers, the policy re-forms the job, and the next group's start ends it.
     RESIZING = "resizing"
     DRAINING = "draining"  # this node leaves: the workers stop at the next step (or now)
+    # The coordinator ejected this node as a straggler and asked it to drain: the workers
+    # stop at the next agreed step with everyone (a pure FSDP2 job's survivors then hold
+    # its shards in their replicas of that very step), and the node waits as a spare.
+    EJECTING = "ejecting"
 
 
 @dataclass(frozen=True)
@@ -56,7 +60,7 @@ class AgentPhase:
     """Where the agent's supervision of the current worker group stands (monotonic times).
 
     ``deadline`` is the end of the drain's or the resize's grace (``drain_grace_s``,
-    ``resize_grace_s``); ``failure_seen_at`` the first sight of this group's failure (the
+    ``resize_grace_s``), or of a straggler's drain (the coordinator's bound); ``failure_seen_at`` the first sight of this group's failure (the
     attribution window runs from it); ``fault_at`` when the current recovery began (for
     the recovery-time metric; it spans restarts); ``done_at`` when every local worker's
     script had returned.
@@ -77,6 +81,10 @@ class AgentPhase:
     def resizing(self) -> bool:
         return self.mode is Mode.RESIZING
 
+    @property
+    def ejecting(self) -> bool:
+        return self.mode is Mode.EJECTING
+
     def deadline_passed(self, now: float) -> bool:
         """The grace of the drain or resize in progress ran out (False when running)."""
         return self.mode is not Mode.RUNNING and now >= self.deadline
@@ -94,6 +102,10 @@ class AgentPhase:
     def resize(self, deadline: float) -> AgentPhase:
         """Workers stop at the next step for joiners, until ``deadline``."""
         return replace(self, mode=Mode.RESIZING, deadline=deadline)
+
+    def eject(self, deadline: float) -> AgentPhase:
+        """Ejected as a straggler: the workers stop at the next agreed step, until ``deadline``."""
+        return replace(self, mode=Mode.EJECTING, deadline=deadline)
 
     def failure_seen(self, now: float) -> AgentPhase:
         """First sight of the group's failure: the attribution window and a recovery begin."""

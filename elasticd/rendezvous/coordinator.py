@@ -25,10 +25,16 @@ rendezvous/hangs.py, docs/failure-model.md "Hung node").
 
 Stragglers: from the same beats, a ``StragglerWatch`` flags a member persistently slower
 than the median. With ``straggler_probation_s`` > 0 the holder ejects the slowest flagged
-one when the job is faster without it (``stragglers.pick_ejection``): the next round is
-opened with cause ``member_slow`` and, in the same transaction, ``rdzv/probation/<node>``
-is written on a fresh lease of the probation's length. The others re-form live without
-it; it waits as a spare until the lease ends, then is admitted as any joiner.
+one when the job is faster without it (``stragglers.pick_ejection``), in two steps. First
+it writes ``rdzv/probation/<node>`` on a fresh lease of the probation's length (fenced on
+the round state), and nothing else: the straggler's agent reads that as "drain": its
+workers stop at the next agreed step with everyone's, so the others re-form live without
+it from that very step (a pure FSDP2 job's survivors hold its shards in their replicas of
+it: nothing is rolled back), and it waits as a spare until the lease ends, then is
+admitted as any joiner. Only if the straggler is still a member of the round
+:func:`~elasticd.rendezvous.stragglers.drain_bound_s` later (its workers cannot stop at
+a step, or they hang) is the next round opened with cause ``member_slow`` naming it: its
+agent kills its workers, as for a hang.
 
 All of this runs on one daemon thread per handler; it never blocks the agent's loop.
 """
@@ -59,7 +65,7 @@ from elasticd.rendezvous.protocol import (
 )
 from elasticd.rendezvous.session import NodeSession
 from elasticd.rendezvous.sizes import admitted_size
-from elasticd.rendezvous.stragglers import StragglerWatch, pick_ejection, probation_s
+from elasticd.rendezvous.stragglers import StragglerWatch, drain_bound_s, pick_ejection, probation_s
 from elasticd.rendezvous.view import WatchedView
 
 log = structlog.get_logger(__name__)
@@ -135,6 +141,8 @@ class RoundCoordinator:
         self._flagged: dict[str, float] = {}
         self.straggler_probation_s = straggler_probation_s
         self._slow_ejections: dict[str, int] = {}  # node -> ejections as a straggler (ours)
+        # The straggler asked to drain: (node, round, until when it may) (monotonic).
+        self._draining: tuple[str, int, float] | None = None
 
     def start(self) -> RoundCoordinator:
         self._thread.start()
@@ -191,6 +199,10 @@ class RoundCoordinator:
         proven = self.view.proven_dead(self.prober.dead()) if self.prober else frozenset()
         hung, hang_until = self._look_for_hangs(view)
         slow = self._straggler_to_eject(view) if hung is None else None
+        if slow is not None:
+            slow, drain_until = self._drain_first(slow, view, state_rev)
+            if drain_until is not None:
+                hang_until = drain_until if hang_until is None else min(hang_until, drain_until)
         action = decide_coordination(view, self._memory, me=me, min_nodes=self.min_nodes,
                                      max_nodes=self.max_nodes, valid_sizes=self.valid_sizes,
                                      last_call_timeout_s=self.last_call_timeout_s,
@@ -291,22 +303,61 @@ class RoundCoordinator:
         return pick_ejection({n: r for n, r in self._flagged.items() if n in own}, own,
                              min_nodes=self.min_nodes, size_ok=size_ok)
 
-    def _eject_straggler(self, action: Action, view: RendezvousView, state_rev: int) -> None:
-        """Open the next round without the straggler and put it on probation, in one
-        transaction (a probation without the ejection, or the reverse, is never written)."""
-        node = action.changed[0]
+    def _drain_first(self, slow: tuple[str, str], view: RendezvousView,
+                     state_rev: int) -> tuple[tuple[str, str] | None, float | None]:
+        """The straggler to eject now by opening the next round, or None while it drains;
+        and when to look again.
+
+        The first sight puts it on probation, which its agent reads as "drain" (no round
+        is opened). Once it has been on probation for :func:`drain_bound_s` while still a
+        member of the round, it is ejected the hard way (``member_slow``).
+        """
+        node, reason = slow
+        assert view.state is not None
+        r, now = view.state.round, time.monotonic()
+        step_s = max(self.stragglers.latest().values(), default=0.0) if self.stragglers else 0.0
+        bound = drain_bound_s(step_s)
+        if node not in view.probation:
+            if not self._put_on_probation(node, r, state_rev):
+                return None, None  # the round moved meanwhile: look again at the new one
+            self._draining = (node, r, now + bound)
+            self._log.warning("straggler_draining", node=node, round=r, reason=reason,
+                              bound_s=round(bound, 1))
+            return None, now + bound
+        if self._draining is None or self._draining[:2] != (node, r):
+            # On probation already (an earlier coordinator asked): the bound runs from now.
+            self._draining = (node, r, now + bound)
+        until = self._draining[2]
+        if now < until:
+            return None, until
+        return (node, f"{reason}; it did not stop at a step within {bound:.0f}s of being "
+                      "asked to drain"), None
+
+    def _put_on_probation(self, node: str, round_: int, state_rev: int) -> bool:
+        """Write ``rdzv/probation/<node>`` on a fresh lease, fenced on the round state
+        (still round ``round_``, final); True if written."""
         count = self._slow_ejections.get(node, 0) + 1
         length = probation_s(self.straggler_probation_s, count)
         record = ProbationRecord(node, ratio=self._flagged.get(node, 0.0), probation_s=length,
-                                 ejections=count, round=action.round - 1, since=time.time())
+                                 ejections=count, round=round_, since=time.time())
         lease = self.client.grant_lease(max(int(round(length)), 1))
         put = Put(self.keys.probation(node), record.to_json(), lease=lease)
-        if self._open_next(action, view, state_rev, (put,)):
+        if self.client.txn([ModRevision(self.keys.rdzv_state, state_rev)], [put]):
             self._slow_ejections[node] = count
-            self._log.warning("member_ejected", ejected=[node], cause="straggler",
-                              round=action.round, reason=action.reason, probation_s=length)
-        else:
-            self.client.revoke_lease(lease)
+            # ``round``: the first round without it, as for an ejection by a new round.
+            self._log.warning("member_ejected", ejected=[node], cause="straggler", round=round_ + 1,
+                              probation_s=length, how="drained at the next agreed step")
+            return True
+        self.client.revoke_lease(lease)
+        return False
+
+    def _eject_straggler(self, action: Action, view: RendezvousView, state_rev: int) -> None:
+        """Open the next round without the straggler (on probation already: it did not
+        drain within the bound)."""
+        if self._open_next(action, view, state_rev):
+            self._draining = None
+            self._log.warning("member_ejected", ejected=list(action.changed), cause="straggler",
+                              round=action.round, reason=action.reason, how="workers killed")
 
     def _read_beats(self) -> dict[str, tuple[int, int, WorkerActivity, float, float]]:
         """Every beat under ``beats/``: node -> (round, step, activity, step_s,

@@ -598,6 +598,18 @@ class EtcdRendezvousHandler(RendezvousHandler):
         """Answered from the watch cache: no etcd request. See ``membership``."""
         return self.membership().count
 
+    def asked_to_drain(self) -> str:
+        """Why the coordinator put this node on probation (a straggler) while it is a member
+        of the final round it trains in: its agent drains the workers at the next agreed
+        step, then waits as a spare. "" otherwise. From the watch cache: no etcd request."""
+        my_round = self.session.round
+        view, _ = self._view.snapshot()
+        state = view.state
+        if (my_round is None or state is None or state.round != my_round or state.phase != "final"
+                or self.node_id not in state.members):
+            return ""
+        return view.probation.get(self.node_id, "")
+
     def membership(self) -> Waiting:
         """Who waits for this node to re-rendezvous, why, and the kind of change.
 

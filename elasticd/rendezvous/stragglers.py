@@ -14,11 +14,13 @@ The coordinator keeps a :class:`StragglerWatch` of those own step times and flag
 whose own step time stayed at least ``factor`` (1.25) times the median of the members'
 over a whole ``window_s`` (30 s). :func:`shrink_pays` says whether ejecting it would make
 the job faster ((N-1)/N of the median rate beats the current rate), and
-:func:`pick_ejection` whether the coordinator ejects one now: by a live shrink (the next
-round opened with cause ``member_slow``), after which the node waits as a spare on
-probation (``rdzv/probation/<node>``, on a lease of :func:`probation_s`) and is admitted
-again when it ends; flagged again, its probation doubles (docs/failure-model.md,
-"Stragglers").
+:func:`pick_ejection` whether the coordinator ejects one now. The ejection puts the node
+on probation (``rdzv/probation/<node>``, on a lease of :func:`probation_s`), which its
+agent reads as a drain: its workers stop at the next agreed step with everyone's and the
+others re-form live without it; only if it has not left the round within
+:func:`drain_bound_s` is the next round opened with cause ``member_slow`` (its workers
+killed). It waits as a spare and is admitted again when the probation ends; flagged
+again, its probation doubles (docs/failure-model.md, "Stragglers").
 """
 
 from __future__ import annotations
@@ -133,6 +135,21 @@ def shrink_pays(own_step_s: Mapping[str, float], straggler: str, *, min_nodes: i
     if straggler not in own_step_s or n - 1 < max(min_nodes, 1) or not rest or min(own_step_s.values()) <= 0:
         return False
     return (n - 1) / max(rest) > n / max(own_step_s.values())
+
+
+DRAIN_BOUND_MIN_S = 5.0  # an ejected straggler's workers get at least this to stop at a step
+DRAIN_BOUND_STEPS = 10  # ... or this many of its steps, whichever is longer
+DRAIN_BOUND_MAX_S = 120.0
+
+
+def drain_bound_s(step_s: float) -> float:
+    """How long an ejected straggler's workers may take to stop at the next agreed step
+    before the coordinator ejects it the hard way (its workers killed). Pure.
+
+    ``should_stop`` agrees on the flags of the call before, so a drain takes about two
+    steps (more with ``every=N``); ``step_s`` is the straggler's own step time (0:
+    unknown)."""
+    return min(max(DRAIN_BOUND_MIN_S, DRAIN_BOUND_STEPS * max(step_s, 0.0)), DRAIN_BOUND_MAX_S)
 
 
 MAX_PROBATION_DOUBLINGS = 3  # the 4th and later ejections keep 8x the base probation

@@ -253,6 +253,37 @@ def test_an_ejected_node_kills_its_workers_and_rejoins_without_spending_the_budg
     assert decide(others).verdict is Verdict.REFORM_LIVE
 
 
+def test_a_straggler_asked_to_drain_stops_its_workers_at_a_step_then_rejoins_as_a_spare():
+    """Put on probation while a member of its round: its workers stop at the next agreed
+    step with everyone's (nothing rolled back), then it rejoins; workers that cannot stop
+    at a step, a coordinator that gave up waiting, or our own bound: killed, as before."""
+    from elasticd.agent.policy import LiveFacts, LivePhase
+
+    why = "on probation for 60s: ejected as a straggler (2.10x the members' median step time)"
+    asked = replace(HEALTHY, asked_to_drain=why, workers_drainable=True, live=LiveFacts())
+    d = decide(asked)
+    assert d.verdict is Verdict.START_EJECT_DRAIN and "2.10x" in d.reason
+    assert decide(replace(asked, workers_drainable=False)).verdict is Verdict.EJECTED
+    # Not in the middle of a park or a re-formation (its workers wait for an order there).
+    parking = replace(asked, live=LiveFacts(phase=LivePhase.PARKING))
+    assert decide(parking).verdict is not Verdict.START_EJECT_DRAIN
+    # A stop signal is a drain of our own: we leave.
+    assert decide(replace(asked, drain_signals=1)).verdict is Verdict.START_DRAIN
+
+    ejecting = replace(HEALTHY, ejecting=True, workers_drainable=True, live=LiveFacts())
+    assert decide(ejecting).verdict is Verdict.CONTINUE
+    for ended in (GroupState.SUCCEEDED, GroupState.FAILED):
+        d = decide(replace(ejecting, group_state=ended))
+        assert d.verdict is Verdict.EJECTED and "spare" in d.reason, d
+    hard = replace(ejecting, ejected="round 5 opened: stragglers ejected: n2", nodes_waiting=1,
+                   membership=MembershipChange.MEMBER_SLOW)
+    assert decide(hard).verdict is Verdict.EJECTED
+    assert decide(replace(ejecting, eject_deadline_passed=True)).verdict is Verdict.EJECTED
+    # A stop signal or a lost lease during it: the restart policy (drain, fence) decides.
+    assert decide(replace(ejecting, drain_signals=1)).verdict is Verdict.START_DRAIN
+    assert decide(replace(ejecting, lease_lost=True)).verdict is Verdict.FENCE
+
+
 def test_a_join_waits_while_our_workers_start_for_live_reformation():
     """Spot replay, round 42: a node admitted in the round being re-formed, its workers still
     importing, restarted for the next joiner and opened a round itself; the members fell back

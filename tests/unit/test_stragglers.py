@@ -108,3 +108,12 @@ def test_the_watch_reports_each_members_newest_own_step_time():
     assert w.latest() == {"a": 1.5, "b": 2.0}
     w.observe(2, ["a"], {}, now=2.0)
     assert w.latest() == {}
+
+
+def test_the_drain_bound_is_ten_steps_within_5_and_120_s():
+    from elasticd.rendezvous.stragglers import drain_bound_s
+
+    assert drain_bound_s(0.0) == 5.0  # unknown step time
+    assert drain_bound_s(0.2) == 5.0
+    assert drain_bound_s(1.5) == 15.0
+    assert drain_bound_s(60.0) == 120.0

@@ -25,6 +25,7 @@ from harness import PY, ROOT, agent_events, example_args, read_jsonl, trained_sa
 from elasticd.process import pid_alive
 
 SCRIPT = str(ROOT / "examples" / "train.py")
+FSDP_SCRIPT = str(ROOT / "examples" / "fsdp_train.py")
 pytestmark = pytest.mark.timeout(150)
 STEPS = 100
 DATASET = 480  # 20 steps an epoch at a global batch of 24
@@ -92,19 +93,22 @@ STRAGGLER_STEPS = 400
 
 
 @pytest.mark.timeout(300)
-def test_a_straggler_is_flagged_ejected_and_readmitted_after_its_probation(nodes, tmp_path):
-    """A SIGSTOP/SIGCONT duty cycle on one node's worker (about half its time stopped):
-    the coordinator flags that node, and only it; the job is faster without it, so it is
-    ejected by a live shrink (the others keep their workers) and waits as a spare on
-    probation; its agent kills the slowed worker (the injected fault ends with it), and
-    after the probation the node is admitted again. Every step and sample exactly once;
-    status shows the ``straggler`` and ``straggler_ejected`` events naming it."""
+def test_a_straggler_is_flagged_drained_and_readmitted_after_its_probation(nodes, tmp_path):
+    """Pure FSDP2 (``--live``, a peer-RAM replica every 50 steps, checkpoints every 5). A
+    SIGSTOP/SIGCONT duty cycle on one node's worker (about half its time stopped): the
+    coordinator flags that node, and only it; the job is faster without it, so it is put
+    on probation, which its agent reads as a drain: every rank stops at the same step, the
+    replicas are refreshed there, its worker exits and the others re-form live from that
+    very step (killed, its shards would come from replicas up to 50 steps old, or the
+    survivors would restart from the newer checkpoint). It waits as a spare and is admitted
+    again after the probation. Every step trained once, every sample exactly once; status
+    shows the ``straggler`` and ``straggler_ejected`` events naming it."""
     trace = tmp_path / "trace-s.jsonl"
     extra = ["--checkpoint-url", f"file://{tmp_path}/ckpt-s", "--straggler-window", "5",
              "--straggler-probation", "6"]
-    ns = [nodes.start("strag", SCRIPT, nnodes="2:3", extra=extra,
-                      script_args=example_args(tmp_path, "s", steps=STRAGGLER_STEPS,
-                                               dataset_size=DATASET))
+    script = example_args(tmp_path, "s", steps=STRAGGLER_STEPS, dataset_size=DATASET)
+    script += ["--mesh", "fsdp", "--live", "--peer-replica-every", "50"]
+    ns = [nodes.start("strag", FSDP_SCRIPT, nnodes="2:3", extra=extra, script_args=script)
           for _ in range(3)]
     wait_until(lambda: {r["rank"] for r in read_jsonl(trace) if r["step"] >= 10} >= {0, 1, 2}, 90,
                "step 10 at world 3")
@@ -135,8 +139,8 @@ def test_a_straggler_is_flagged_ejected_and_readmitted_after_its_probation(nodes
         wait_until(lambda: any(agent_events(n.log(), "member_ejected") for n in ns), 60,
                    "the slowed node flagged and ejected")
         ejected_s = time.monotonic() - slowed_at
-        # Its agent kills the slowed worker: that ends the injected slowness.
-        wait_until(lambda: not pid_alive(pid), 20, "the straggler's worker killed")
+        # Its worker stops at the agreed step and exits: that ends the injected slowness.
+        wait_until(lambda: not pid_alive(pid), 20, "the straggler's worker gone")
     finally:
         stop.set()
         injector.join(5)
@@ -146,6 +150,8 @@ def test_a_straggler_is_flagged_ejected_and_readmitted_after_its_probation(nodes
     ejection = next(e for text in logs for e in agent_events(text, "member_ejected"))
     assert ejection["cause"] == "straggler" and ejection["ejected"] == ["n2"], ejection
     assert ejection["probation_s"] == 6, ejection
+    assert ejection["how"] == "drained at the next agreed step", ejection
+    assert agent_events(logs[2], "straggler_drain_started"), "the straggler was not drained"
     ejected_round = ejection["round"]
     # After its probation it is admitted again: a round after the ejection with 3 ranks,
     # one of them a new worker of n2.
@@ -163,6 +169,9 @@ def test_a_straggler_is_flagged_ejected_and_readmitted_after_its_probation(nodes
     assert {r["pid"] for r in rows if (r["round"] or 0) == ejected_round} <= survivor_pids, \
         "the survivors restarted their workers for the shrink"
     assert sorted({r["step"] for r in rows}) == list(range(STRAGGLER_STEPS))
+    # Nothing rolled back: rank 0 (a survivor throughout) trained every step once.
+    twice = sorted(s for s, c in Counter(r["step"] for r in rows if r["rank"] == 0).items() if c > 1)
+    assert not twice, f"steps trained twice: {twice}"
     want = Counter((e, i) for e in range(STRAGGLER_STEPS * 24 // DATASET) for i in range(DATASET))
     assert trained_samples(trace) == want
     out = subprocess.run([PY, "-m", "elasticd.cli", "status", "--etcd", nodes.etcd.endpoint,
