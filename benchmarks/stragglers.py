@@ -20,6 +20,8 @@ Usage::
 
     .venv/bin/python benchmarks/stragglers.py                      # default window and probation
     .venv/bin/python benchmarks/stragglers.py --window 10 --probation 20 --out /tmp/s.json
+    .venv/bin/python benchmarks/stragglers.py --script examples/fsdp_train.py \
+        --script-args "--mesh fsdp --live --peer-replica-every 50 --global-batch 48 --micro-batch 8"
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import signal
 import sys
 import tempfile
@@ -82,9 +85,9 @@ def first_event(nodes: list[NodeProc], event: str, after: float) -> tuple[float,
 
 def start_job(cluster: Cluster, endpoint: str, job: str, n: int, trace: Path,
               args: argparse.Namespace, nnodes: str) -> None:
-    script = [TRAIN_SCRIPT, "--steps", "100000000", "--step-sleep", str(args.step_s),
+    script = [args.script, "--steps", "100000000", "--step-sleep", str(args.step_s),
               "--checkpoint-url", f"file://{cluster.workdir / 'ckpt'}", "--checkpoint-every", "100",
-              "--trace", str(trace)]
+              "--trace", str(trace), *shlex.split(args.script_args)]
     flags = ["--straggler-window", str(args.window), "--straggler-probation", str(args.probation)]
     for i in range(n):
         logs = cluster.workdir / "logs" / f"n{i}"
@@ -202,6 +205,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--window", type=float, default=30.0, help="--straggler-window, s (default 30)")
     p.add_argument("--probation", type=float, default=60.0, help="--straggler-probation, s (default 60)")
     p.add_argument("--step-s", type=float, default=0.05, help="--step-sleep of the script, s")
+    p.add_argument("--script", default=TRAIN_SCRIPT, help="the training script (examples/train.py's "
+                   "flags; e.g. examples/fsdp_train.py)")
+    p.add_argument("--script-args", default="", help="more arguments of the script, one string "
+                   '(e.g. "--mesh fsdp --live --global-batch 48 --micro-batch 8")')
     p.add_argument("--stop-s", type=float, default=0.05, help="the duty cycle's stopped time, s")
     p.add_argument("--cont-s", type=float, default=0.1, help="the duty cycle's running time, s")
     p.add_argument("--warm-steps", type=int, default=20)

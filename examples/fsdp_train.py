@@ -182,7 +182,8 @@ def train_epochs(args, ctx, step, x, y, model, optim, sched, sampler, plan, trac
                 progress["step"] = step
                 if trace is not None:
                     trace.write(json.dumps({"step": step, "epoch": epoch, "rank": ctx.rank,
-                                            "round": ctx.round, "pid": os.getpid(),
+                                            "round": ctx.round, "world": ctx.world_size,
+                                            "pid": os.getpid(), "time": time.time(),
                                             "idx": list(share), "global": batch,
                                             "lr": sched.get_last_lr()[0],
                                             "accumulation": plan.accumulation_steps}) + "\n")

@@ -24,7 +24,7 @@ import sys
 
 import pytest
 import torch
-from harness import ROOT, example_args, read_jsonl, trained_samples, wait_until
+from harness import ROOT, agent_events, example_args, read_jsonl, trained_samples, wait_until
 
 SCRIPT = str(ROOT / "examples" / "fsdp_train.py")
 STEPS = 24
@@ -290,6 +290,41 @@ def test_fsdp_live_drain_hands_the_shards_on_and_loses_no_step(nodes, tmp_path):
     assert "checkpoint_loaded" not in b[0].log(), "the survivor read the checkpoint"
     per_rank0 = [r["step"] for r in read_jsonl(trace) if r["rank"] == 0]
     assert sorted(per_rank0) == list(range(steps)), "a step was skipped or trained twice"
+
+
+def test_fsdp_live_kill_loads_a_checkpoint_newer_than_the_replicas_instead(nodes, tmp_path):
+    """Pure FSDP2 ``--live`` over 2 nodes x 1, a peer-RAM replica every 50 steps (held
+    from step 0) and a checkpoint every 3 (after steps 2, 5, 8): a node SIGKILLed at step
+    10, after step 8's checkpoint committed. The replicas would roll back 10 steps; the
+    survivor's workers say so in one ``live_reform_fell_back`` line naming the newer
+    checkpoint, restart and load step 8: two steps retrained, every step trained."""
+    steps = 14
+    extra, script = _run(tmp_path, "n")
+    script[script.index("--steps") + 1] = str(steps)
+    script[script.index("--mesh") + 1] = "fsdp"
+    hold = tmp_path / "hold"
+    script += ["--hold-file", str(hold), "--live", "--peer-replica-every", "50"]
+    trace = tmp_path / "trace-n.jsonl"
+    _hold_after(hold, 10)
+    b = [nodes.start("fsdp-newer", SCRIPT, nnodes="1:2", nproc=1, extra=extra, script_args=script)
+         for _ in range(2)]
+    wait_until(lambda: any(r["step"] >= 10 and r["rank"] == 1 for r in read_jsonl(trace)), 120,
+               "step 10 at world 2")
+    wait_until(lambda: any(e.get("step") == 8 for n in b
+                           for e in agent_events(n.log(), "checkpoint_committed")), 60, "step 8 committed")
+    b[1].signal(signal.SIGKILL)
+    _hold_after(hold, None)
+    assert b[0].wait(120) == 0, b[0].log()[-3000:]
+    log = b[0].log()
+    fell_back = [line for line in log.splitlines() if "live_reform_fell_back" in line
+                 and '"source": "worker"' in line]
+    assert len(fell_back) == 1, fell_back
+    assert "committed checkpoint (step 8) is newer than the replicas" in fell_back[0], fell_back[0]
+    assert "checkpoint_loaded" in log, "the survivor did not load the checkpoint"
+    per_rank0 = [r["step"] for r in read_jsonl(trace) if r["rank"] == 0]
+    assert sorted(set(per_rank0)) == list(range(steps)), "a step was skipped"
+    retrained = len(per_rank0) - len(set(per_rank0))
+    assert retrained <= 2, f"{retrained} steps retrained: the replicas (step 0) were used"
 
 
 def test_elastic_loop_fsdp_kill_recovers_from_the_peer_replicas_and_trains_every_sample_once(nodes, tmp_path):
