@@ -21,6 +21,7 @@ import os
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -56,6 +57,24 @@ def _hold_after(path, step: int | None) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text(str(step))
     os.replace(tmp, path)
+
+
+def _two_fsdp_nodes(nodes, tmp_path, tag: str, job: str, *, steps: int, replica_every: int,
+                    hold_at: int) -> tuple[list, Path, Path]:
+    """Pure FSDP2 ``--live`` over 2 nodes x 1, held after step ``hold_at`` until both
+    ranks reached it; returns (nodes, hold file, trace)."""
+    extra, script = _run(tmp_path, tag)
+    script[script.index("--steps") + 1] = str(steps)
+    script[script.index("--mesh") + 1] = "fsdp"
+    hold = tmp_path / "hold"
+    script += ["--hold-file", str(hold), "--live", "--peer-replica-every", str(replica_every)]
+    trace = tmp_path / f"trace-{tag}.jsonl"
+    _hold_after(hold, hold_at)
+    b = [nodes.start(job, SCRIPT, nnodes="1:2", nproc=1, extra=extra, script_args=script)
+         for _ in range(2)]
+    wait_until(lambda: any(r["step"] >= hold_at and r["rank"] == 1 for r in read_jsonl(trace)), 120,
+               f"step {hold_at} at world 2")
+    return b, hold, trace
 
 
 def _last_attempts(rows: list[dict]) -> dict[int, dict]:
@@ -240,17 +259,8 @@ def test_live_fsdp_resize_falls_back_to_the_resharding_load_and_says_why(nodes, 
     the shard size change and the missing replica, and the job finishes on the restart
     path (the checkpoint resharded into a new worker)."""
     steps = 12
-    extra, script = _run(tmp_path, "f")
-    script[script.index("--steps") + 1] = str(steps)
-    script[script.index("--mesh") + 1] = "fsdp"
-    hold = tmp_path / "hold"
-    script += ["--hold-file", str(hold), "--live", "--peer-replica-every", "0"]
-    trace = tmp_path / "trace-f.jsonl"
-    _hold_after(hold, 5)
-    b = [nodes.start("fsdp-fb", SCRIPT, nnodes="1:2", nproc=1, extra=extra, script_args=script)
-         for _ in range(2)]
-    wait_until(lambda: any(r["step"] >= 5 and r["rank"] == 1 for r in read_jsonl(trace)), 120,
-               "step 5 at world 2")
+    b, hold, trace = _two_fsdp_nodes(nodes, tmp_path, "f", "fsdp-fb", steps=steps, replica_every=0,
+                                     hold_at=5)
     b[1].signal(signal.SIGKILL)
     _hold_after(hold, None)
     assert b[0].wait(120) == 0, b[0].log()[-3000:]
@@ -269,17 +279,8 @@ def test_fsdp_live_drain_hands_the_shards_on_and_loses_no_step(nodes, tmp_path):
     so the survivor reshards 2 -> 1 in memory at step 5 (0 rolled back), reads no
     checkpoint, and no completed step is trained twice."""
     steps = 12
-    extra, script = _run(tmp_path, "d")
-    script[script.index("--steps") + 1] = str(steps)
-    script[script.index("--mesh") + 1] = "fsdp"
-    hold = tmp_path / "hold"
-    script += ["--hold-file", str(hold), "--live", "--peer-replica-every", "4"]
-    trace = tmp_path / "trace-d.jsonl"
-    _hold_after(hold, 5)
-    b = [nodes.start("fsdp-drain", SCRIPT, nnodes="1:2", nproc=1, extra=extra, script_args=script)
-         for _ in range(2)]
-    wait_until(lambda: any(r["step"] >= 5 and r["rank"] == 1 for r in read_jsonl(trace)), 120,
-               "step 5 at world 2")
+    b, hold, trace = _two_fsdp_nodes(nodes, tmp_path, "d", "fsdp-drain", steps=steps, replica_every=4,
+                                     hold_at=5)
     b[1].signal_agent(signal.SIGTERM)
     assert b[1].wait(60) == 0, b[1].log()[-3000:]
     _hold_after(hold, None)
@@ -299,17 +300,8 @@ def test_fsdp_live_kill_loads_a_checkpoint_newer_than_the_replicas_instead(nodes
     survivor's workers say so in one ``live_reform_fell_back`` line naming the newer
     checkpoint, restart and load step 8: two steps retrained, every step trained."""
     steps = 14
-    extra, script = _run(tmp_path, "n")
-    script[script.index("--steps") + 1] = str(steps)
-    script[script.index("--mesh") + 1] = "fsdp"
-    hold = tmp_path / "hold"
-    script += ["--hold-file", str(hold), "--live", "--peer-replica-every", "50"]
-    trace = tmp_path / "trace-n.jsonl"
-    _hold_after(hold, 10)
-    b = [nodes.start("fsdp-newer", SCRIPT, nnodes="1:2", nproc=1, extra=extra, script_args=script)
-         for _ in range(2)]
-    wait_until(lambda: any(r["step"] >= 10 and r["rank"] == 1 for r in read_jsonl(trace)), 120,
-               "step 10 at world 2")
+    b, hold, trace = _two_fsdp_nodes(nodes, tmp_path, "n", "fsdp-newer", steps=steps, replica_every=50,
+                                     hold_at=10)
     wait_until(lambda: any(e.get("step") == 8 for n in b
                            for e in agent_events(n.log(), "checkpoint_committed")), 60, "step 8 committed")
     b[1].signal(signal.SIGKILL)
