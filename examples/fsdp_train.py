@@ -140,8 +140,8 @@ class DcpCheckpoints:
         state["sched"].load_state_dict(sd["sched"])
         state["sampler"].load_state_dict(sd["sampler"])
         if dist.get_rank() == 0:
-            print(json.dumps({"event": "checkpoint_loaded", "step": sd["step"],
-                              "seconds": round(time.perf_counter() - t0, 3)}), flush=True)
+            train.emit(event="checkpoint_loaded", step=sd["step"],
+                       seconds=round(time.perf_counter() - t0, 3))
         return int(sd["step"])
 
 
@@ -254,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         resumed_from = ckpt.load(state) if args.dcp else load_checkpoint(ckpt, state)
     step = resumed_from + 1
-    log = lambda **kv: print(json.dumps(kv), flush=True)  # noqa: E731
+    log = train.emit
     trace = open(args.trace, "a") if args.trace else None  # noqa: SIM115
     first = True
     while True:

@@ -29,6 +29,14 @@ from elasticd import worker
 from elasticd.checkpoint import CheckpointManager
 
 
+def emit(**kv: object) -> None:
+    """One JSON line on stdout, in one write. Under plain torchrun every rank shares the
+    pipe, and ``print`` writes the newline separately when stdout is unbuffered: another
+    rank's output could land inside the line."""
+    sys.stdout.write(json.dumps(kv) + "\n")
+    sys.stdout.flush()
+
+
 def make_parser() -> argparse.ArgumentParser:
     """The flags (examples/fsdp_train.py adds ``--mesh`` to the same ones)."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -163,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     live = worker.LiveState(state, checkpoint=ckpt)
     resumed_from = live.resume(lambda: load_checkpoint(ckpt, state))
     step = resumed_from + 1
-    log = lambda **kv: print(json.dumps(kv), flush=True)  # noqa: E731
+    log = emit
     trace = open(args.trace, "a") if args.trace else None  # noqa: SIM115
     first = True
 
