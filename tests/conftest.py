@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import sys
@@ -73,8 +74,37 @@ def etcd_cluster(tmp_path):
         cluster.stop()
 
 
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_makereport(item, call):
+    """Keep each phase's report on the item: fixtures read ``item.rep_call`` at teardown."""
+    report = yield
+    setattr(item, f"rep_{report.when}", report)
+    return report
+
+
+# What a failed agent test prints of each node's log: the agents' own events (not the
+# workers' step lines), the last ones, each cut short.
+_DIGEST_EVENTS, _DIGEST_CHARS = 80, 300
+
+
+def _agent_digest(text: str) -> list[str]:
+    lines = []
+    for line in text.splitlines():
+        try:
+            doc = json.loads(line)
+        except ValueError:
+            lines.append(line[:_DIGEST_CHARS])  # a traceback, a worker's plain print
+            continue
+        if not isinstance(doc, dict) or doc.get("event") == "worker_output":
+            continue
+        head = f"{doc.get('timestamp', '')[11:23]} {doc.get('event')}"
+        rest = {k: v for k, v in doc.items() if k not in ("timestamp", "event", "job", "level")}
+        lines.append(f"{head} {json.dumps(rest)}"[:_DIGEST_CHARS])
+    return lines[-_DIGEST_EVENTS:]
+
+
 @pytest.fixture
-def nodes(tmp_path, etcd_server):
+def nodes(tmp_path, etcd_server, request):
     """Real agents (``elasticd run`` processes) against ``etcd_server``: start nodes with ``nodes.start(job, script, ...)``; all are killed after the test."""
 
     class Factory:
@@ -97,3 +127,9 @@ def nodes(tmp_path, etcd_server):
     finally:
         for node in factory.started:
             node.cleanup()
+        failed = getattr(request.node, "rep_call", None)
+        if failed is not None and failed.failed:
+            # A CI failure is read from this output alone: say what every agent did.
+            for node in factory.started:
+                print(f"==== {node.log_path.name}: the agent's last events")
+                print("\n".join(_agent_digest(node.log())))

@@ -10,6 +10,8 @@ from __future__ import annotations
 import itertools
 import socket
 import threading
+import time
+from collections.abc import Callable
 from typing import Any
 
 from elasticd.control.messages import (
@@ -178,3 +180,73 @@ class ControlClient:
     def close(self) -> None:
         with self._lock:
             self._close()
+
+
+class LatestReport:
+    """Step reports rate-limited without ever leaving the newest one unsent.
+
+    Why: a report is one line the agent parses, so a job with millisecond steps is
+    throttled; but a throttle that *drops* a report leaves the agent behind the worker's
+    true step exactly when it matters: the step before the job stalls (a peer hung) is
+    the last one ever reported, and hang detection names the node that is behind. So a
+    report that comes too soon is kept (only the newest) and sent by a daemon thread once
+    the interval has passed, while the training thread is blocked in its collective.
+
+    Args:
+        send: sends one report without blocking (``ControlClient.send``).
+        min_interval_s: the least time between two reports (a forced one aside).
+        clock: monotonic seconds (tests).
+    """
+
+    def __init__(self, send: Callable[[StepReport], None], min_interval_s: float,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._send, self.min_interval_s, self._clock = send, min_interval_s, clock
+        self._cond = threading.Condition()
+        self._pending: StepReport | None = None
+        self._next_at = 0.0  # when the next report may go out
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    def offer(self, msg: StepReport, *, force: bool = False) -> None:
+        """Send ``msg`` now if the interval has passed (or ``force``), else keep it as the
+        one to send when it has (replacing an older kept one)."""
+        with self._cond:
+            if self._closed:
+                return
+            now = self._clock()
+            if force or now >= self._next_at:
+                self._pending = None
+                self._next_at = now + self.min_interval_s
+                self._send(msg)
+                return
+            self._pending = msg
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="elasticd-progress",
+                                                daemon=True)
+                self._thread.start()
+            self._cond.notify()
+
+    def _run(self) -> None:
+        with self._cond:
+            while not self._closed:
+                if self._pending is None:
+                    self._cond.wait()
+                    continue
+                delay = self._next_at - self._clock()
+                if delay > 0:
+                    self._cond.wait(delay)
+                    continue
+                msg, self._pending = self._pending, None
+                self._next_at = self._clock() + self.min_interval_s
+                self._send(msg)
+
+    def close(self) -> None:
+        """Send what is kept, stop the thread (a report after this is ignored)."""
+        with self._cond:
+            if self._pending is not None:
+                self._send(self._pending)
+                self._pending = None
+            self._closed = True
+            self._cond.notify()
+        if self._thread is not None:
+            self._thread.join(timeout=1.0)

@@ -41,6 +41,7 @@ All of this runs on one daemon thread per handler; it never blocks the agent's l
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -71,6 +72,7 @@ from elasticd.rendezvous.view import WatchedView
 log = structlog.get_logger(__name__)
 
 _TICK_S = 1.0  # look again at least this often (a lost wake-up, a WAIT without until)
+_STALL_SECONDS = re.compile(r"\d+(\.\d+)?s\b")  # "5.5s" in a stall reason
 _HANG_LOOK_S = 0.5  # read the members' beats at most this often (hang detection)
 
 
@@ -136,6 +138,7 @@ class RoundCoordinator:
         self._hangs = HangWatch()
         self._hang_looked_at = 0.0
         self._last_hang_reason = ""
+        self._stall_gist = ""  # the last stall reason logged, its seconds stripped
         self.stragglers = stragglers
         self.on_stragglers = on_stragglers
         self._flagged: dict[str, float] = {}
@@ -250,19 +253,30 @@ class RoundCoordinator:
         if not watching or state is None or state.phase != "final" or len(state.members) < 2:
             return None, None
         now = time.monotonic()
-        if now - self._hang_looked_at >= _HANG_LOOK_S:
+        if now - self._hang_looked_at >= _HANG_LOOK_S or self._hangs.round != state.round:
+            # A new round is read at once: until then the watch holds the old round's facts.
             self._hang_looked_at = now
             beats = self._read_beats()
             self._hangs.observe(state.round, state.members, {n: b[:4] for n, b in beats.items()}, now)
             self._look_for_stragglers(state.round, state.members, beats, now)
         if self.hang_eject_s <= 0:
             return None, None
-        verdict = self._hangs.verdict(state.members, now=now, floor_s=self.hang_eject_s,
+        verdict = self._hangs.verdict(state.round, state.members, now=now, floor_s=self.hang_eject_s,
                                       min_nodes=self.min_nodes)
         if verdict.reason != self._last_hang_reason:
             self._log.debug("hang_looked", node=verdict.node, reason=verdict.reason)
             self._last_hang_reason = verdict.reason
-        if not self._hangs.armed(state.members):
+        # A stall the verdict cannot pin on one node is what an operator asks about: say it
+        # once per distinct reason (its seconds aside) and once when progress resumes.
+        gist = _STALL_SECONDS.sub("", verdict.reason) if verdict.stalled_s > 0 else ""
+        if gist != self._stall_gist:
+            if gist and verdict.node is None:
+                self._log.info("job_stalled", round=state.round, reason=verdict.reason,
+                               armed=self._hangs.armed(state.round, state.members))
+            elif not gist and self._stall_gist:
+                self._log.info("job_progressing", round=state.round)
+            self._stall_gist = gist
+        if not self._hangs.armed(state.round, state.members):
             return None, None
         again = self._hang_looked_at + _HANG_LOOK_S
         return ((verdict.node, verdict.reason) if verdict.node else None), again

@@ -61,10 +61,12 @@ class NodeProgress:
 
 @dataclass(frozen=True)
 class HangVerdict:
-    """``node`` to eject (None: nobody), and why, in one line."""
+    """``node`` to eject (None: nobody), and why, in one line; ``stalled_s``: how long the
+    job had made no progress when the verdict fell past the stall threshold (0: it had not)."""
 
     node: str | None
     reason: str
+    stalled_s: float = 0.0
 
 
 def find_hung(progress: Mapping[str, NodeProgress], *, now: float, stall_s: float,
@@ -92,43 +94,44 @@ def find_hung(progress: Mapping[str, NodeProgress], *, now: float, stall_s: floa
     latest = max(p.advanced_at for p in progress.values())
     if now - latest < stall_s:
         return HangVerdict(None, "the job makes progress")
+    stalled = now - latest
     if len(progress) - 1 < min_nodes:
-        return HangVerdict(None, f"stalled {now - latest:.1f}s, but ejecting a node would "
-                           f"leave fewer than min_nodes={min_nodes}")
+        return HangVerdict(None, f"stalled {stalled:.1f}s, but ejecting a node would "
+                           f"leave fewer than min_nodes={min_nodes}", stalled)
     io = sorted(n for n, p in progress.items() if p.activity is WorkerActivity.IO)
     if io:
         # Legitimately slow (a synchronous checkpoint to a slow disk): the hang timeout
         # decides, never an ejection that would throw that save away.
-        return HangVerdict(None, f"no progress for {now - latest:.1f}s, but {','.join(io)} "
-                           "is in I/O: not ejecting")
+        return HangVerdict(None, f"no progress for {stalled:.1f}s, but {','.join(io)} "
+                           "is in I/O: not ejecting", stalled)
     top = max(p.step for p in progress.values())
     behind = sorted(n for n, p in progress.items() if p.step < top)
     busy_s = stall_s if busy_stall_s is None else max(busy_stall_s, stall_s)
     if len(behind) == 1:
         node = behind[0]
-        if progress[node].activity is WorkerActivity.BUSY and now - latest < busy_s:
-            return _busy(node, now - latest, busy_s)
-        return HangVerdict(node, f"no progress for {now - latest:.1f}s; {node} is behind at step "
-                           f"{progress[node].step} (the others finished {top})")
+        if progress[node].activity is WorkerActivity.BUSY and stalled < busy_s:
+            return _busy(node, stalled, busy_s)
+        return HangVerdict(node, f"no progress for {stalled:.1f}s; {node} is behind at step "
+                           f"{progress[node].step} (the others finished {top})", stalled)
     if behind:
-        return HangVerdict(None, f"no progress for {now - latest:.1f}s; several nodes behind "
-                           f"({','.join(behind)}): no single culprit")
+        return HangVerdict(None, f"no progress for {stalled:.1f}s; several nodes behind "
+                           f"({','.join(behind)}): no single culprit", stalled)
     odd = sorted(n for n, p in progress.items()
                  if p.activity in (WorkerActivity.STOPPED, WorkerActivity.BUSY))
     waiting = [n for n, p in progress.items() if p.activity is WorkerActivity.WAITING]
     if len(odd) == 1 and len(waiting) == len(progress) - 1:
         node = odd[0]
-        if progress[node].activity is WorkerActivity.BUSY and now - latest < busy_s:
-            return _busy(node, now - latest, busy_s)
-        return HangVerdict(node, f"no progress for {now - latest:.1f}s at step {top}; {node}'s "
-                           f"workers are {progress[node].activity.value} while the others wait")
-    return HangVerdict(None, f"no progress for {now - latest:.1f}s at step {top}; no single "
-                       "node stands out (the hang timeout decides)")
+        if progress[node].activity is WorkerActivity.BUSY and stalled < busy_s:
+            return _busy(node, stalled, busy_s)
+        return HangVerdict(node, f"no progress for {stalled:.1f}s at step {top}; {node}'s "
+                           f"workers are {progress[node].activity.value} while the others wait", stalled)
+    return HangVerdict(None, f"no progress for {stalled:.1f}s at step {top}; no single "
+                       "node stands out (the hang timeout decides)", stalled)
 
 
 def _busy(node: str, stalled_s: float, busy_s: float) -> HangVerdict:
     return HangVerdict(None, f"no progress for {stalled_s:.1f}s; {node}'s workers are busy "
-                       f"while the others wait: named after {busy_s:.1f}s")
+                       f"while the others wait: named after {busy_s:.1f}s", stalled_s)
 
 
 def stall_threshold(floor_s: float, step_times_s: Iterable[float]) -> float:
@@ -240,15 +243,18 @@ class HangWatch:
             if node not in names:
                 del self.seen[node]
 
-    def armed(self, members: Iterable[str]) -> bool:
-        """Every member reported a step (>= 0) in this round."""
-        return all(node in self.seen and self.seen[node].step >= 0 for node in members)
+    def armed(self, round_: int, members: Iterable[str]) -> bool:
+        """Every member reported a step (>= 0) in ``round_``, the round last observed (the
+        facts of an earlier round never judge the members of a newer one)."""
+        return round_ == self.round and all(
+            node in self.seen and self.seen[node].step >= 0 for node in members)
 
-    def verdict(self, members: Iterable[str], *, now: float, floor_s: float,
+    def verdict(self, round_: int, members: Iterable[str], *, now: float, floor_s: float,
                 min_nodes: int) -> HangVerdict:
-        """``find_hung`` over the members, with ``stall_threshold``; None until armed."""
+        """``find_hung`` over the members of ``round_``, with ``stall_threshold``; None
+        until armed."""
         names = list(members)
-        if not self.armed(names):
+        if not self.armed(round_, names):
             return HangVerdict(None, "not every member reported a step in this round yet")
         stall = stall_threshold(floor_s, (self.step_s.get(n, 0.0) for n in names))
         return find_hung({n: self.seen[n] for n in names}, now=now, stall_s=stall,

@@ -40,6 +40,7 @@ from elasticd.control import (
     StepReport,
 )
 from elasticd.control.api import ENV_CHECKPOINT_URL, ENV_JOB, ENV_NODE, PARK_FILE
+from elasticd.control.client import LatestReport
 
 # The agent's variables are parsed behind the control seam (the checkpoint package reads
 # them too); re-exported here for the worker API's callers.
@@ -94,7 +95,7 @@ class _State:
     sigterm: bool = False
     stopped: bool = False
     drainable_noted: bool = False  # drainable-<rank> written for the agent
-    last_progress_at: float = 0.0
+    progress: LatestReport | None = None  # the step reports (throttled, never the newest lost)
     flag: torch.Tensor | None = None  # [any rank asked to stop, -(every rank drains), some rank drains]
     all_drain: bool = False  # at the last agreed stop, every rank's own node was draining
     any_drain: bool = False  # at the last agreed stop, some rank's own node was draining
@@ -169,6 +170,7 @@ def init(backend: str | None = None, *, timeout_s: float = DEFAULT_COLLECTIVE_TI
     )
     _S.control_dir = Path(control_dir) if control_dir else None
     _S.client = ControlClient(socket_path) if socket_path else None
+    _S.progress = LatestReport(_S.client.send, PROGRESS_MIN_INTERVAL_S) if _S.client else None
     if not control_dir:
         # Under plain torchrun (or by hand) a SIGTERM asks for a graceful stop.
         _S.old_sigterm = signal.signal(signal.SIGTERM, _on_sigterm)
@@ -430,18 +432,15 @@ def report_progress(step: int, *, epoch: int = 0, samples: int = 0, loss: float 
 
     ``loss`` (optional, a float) goes into the job's history: ``elasticd status --plot``
     draws it and ``--watch`` shows its trend. Non-blocking and rate-limited (at most every
-    0.2 s unless ``force``); a no-op without an agent.
+    0.2 s unless ``force``); a report that comes sooner is sent once the interval has
+    passed, so the agent always learns the newest step. A no-op without an agent.
     """
-    if _S.client is None:
+    if _S.progress is None:
         return
-    now = time.monotonic()
-    if not force and now - _S.last_progress_at < PROGRESS_MIN_INTERVAL_S:
-        return
-    _S.last_progress_at = now
     ctx = current_context()
-    _S.client.send(StepReport(local_rank=ctx.local_rank, rank=ctx.rank, step=max(step, -1),
-                            epoch=max(epoch, 0), samples=max(samples, 0),
-                            loss=None if loss is None else float(loss)))
+    _S.progress.offer(StepReport(local_rank=ctx.local_rank, rank=ctx.rank, step=max(step, -1),
+                                 epoch=max(epoch, 0), samples=max(samples, 0),
+                                 loss=None if loss is None else float(loss)), force=force)
 
 
 def control_client() -> ControlClient | None:
@@ -459,11 +458,13 @@ def shutdown() -> None:
     _settle_pending()
     if dist.is_initialized():
         dist.destroy_process_group()
+    if _S.progress is not None:
+        _S.progress.close()
     if _S.client is not None:
         _S.client.close()
     if _S.old_sigterm is not None:
         signal.signal(signal.SIGTERM, _S.old_sigterm)
-    _S.ctx, _S.client, _S.control_dir, _S.flag = None, None, None, None
+    _S.ctx, _S.client, _S.control_dir, _S.flag, _S.progress = None, None, None, None, None
     _S.stop_group, _S.pending, _S.old_sigterm = None, None, None
     _S.stopped = _S.sigterm = _S.drainable_noted = _S.all_drain = _S.any_drain = False
     _S.ordered_round = -1

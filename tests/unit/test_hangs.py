@@ -46,6 +46,16 @@ def test_equal_steps_name_the_stopped_or_busy_node_only_if_the_others_wait() -> 
                      now=100.0, stall_s=5).node is None
 
 
+def test_a_verdict_says_how_long_the_job_stalled_once_past_the_threshold() -> None:
+    """``stalled_s`` is the stall the verdict judged (the coordinator's "job_stalled" line),
+    0 while the job makes progress, whether or not a node is named."""
+    assert find_hung({"a": _p(10, 99.0), "b": _p(10, 99.0)}, now=100.0, stall_s=5).stalled_s == 0
+    named = find_hung({"a": _p(10, 90.0), "b": _p(9, 89.0)}, now=100.0, stall_s=5)
+    nobody = find_hung({"a": _p(10, 92.0, W), "b": _p(10, 92.0, W)}, now=100.0, stall_s=5)
+    assert (named.node, named.stalled_s) == ("b", 10.0)
+    assert nobody.node is None and nobody.stalled_s == 8.0 and "8.0s" in nobody.reason
+
+
 def test_never_below_min_nodes_and_never_alone() -> None:
     """An ejection that would leave fewer than min_nodes, or a one-node job: nobody."""
     hung = {"a": _p(10, 90.0), "b": _p(9, 89.0)}
@@ -135,17 +145,20 @@ def test_hang_watch_uses_its_own_clock_and_arms_once_everyone_stepped() -> None:
     hw = HangWatch()
     members = ["a", "b", "c"]
     hw.observe(3, members, {"a": (3, 5, W, 0.1), "b": (3, 5, W, 0.1), "c": (2, 9, W, 0.1)}, 10.0)
-    assert not hw.armed(members)
-    assert hw.verdict(members, now=100.0, floor_s=2.0, min_nodes=1).node is None
+    assert not hw.armed(3, members)
+    assert hw.verdict(3, members, now=100.0, floor_s=2.0, min_nodes=1).node is None
     hw.observe(3, members, {"a": (3, 6, W, 0.1), "b": (3, 6, W, 0.1), "c": (3, 5, S, 0.1)}, 11.0)
-    assert hw.armed(members)
-    assert hw.verdict(members, now=12.0, floor_s=2.0, min_nodes=1).node is None  # 1 s
+    assert hw.armed(3, members)
+    assert hw.verdict(3, members, now=12.0, floor_s=2.0, min_nodes=1).node is None  # 1 s
     # The same facts read again later do not move "advanced_at".
     hw.observe(3, members, {"a": (3, 6, W, 0.1), "b": (3, 6, W, 0.1), "c": (3, 5, S, 0.1)}, 13.5)
-    v = hw.verdict(members, now=13.5, floor_s=2.0, min_nodes=1)
+    v = hw.verdict(3, members, now=13.5, floor_s=2.0, min_nodes=1)
     assert v.node == "c" and "behind" in v.reason
+    # Asked about round 4 before it was observed: the round-3 facts judge nobody.
+    assert not hw.armed(4, members[:2])
+    assert hw.verdict(4, members[:2], now=13.5, floor_s=2.0, min_nodes=1).node is None
     hw.observe(4, members, {}, 14.0)  # a new round forgets the old one
-    assert not hw.armed(members)
+    assert not hw.armed(4, members)
 
 
 def test_step_clock_measures_seconds_per_step_over_its_window() -> None:
