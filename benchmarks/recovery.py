@@ -8,7 +8,9 @@ its own, 1 gloo worker each, all on 127.0.0.1), launched by
 - ``elasticd-live``: the same agent; ``examples/train.py`` (``LiveState``) re-forms its
   process group in place, the survivors' state is sent to new ranks (``elasticd`` and
   ``elasticd-cold`` run with ``--no-live-reform``: the restart path;
-  ``elasticd-live-cold`` is live with ``--no-warm-start``: a cold spare);
+  ``elasticd-live-cold`` is live with ``--no-warm-start``: a cold spare;
+  ``elasticd-live-prebuilt`` is live with ``--spare-prebuild``: the spare's script has
+  built its model before the admission);
 - ``torchrun default``: ``torchrun --rdzv-backend c10d --nnodes 2:4 --max-restarts 100``;
 - ``torchrun tuned``: the same plus ``--rdzv-conf last_call_timeout=1,keep_alive_interval=1,
   keep_alive_max_attempt=2``;
@@ -85,7 +87,7 @@ from benchmarks.common import (  # noqa: E402
 from benchmarks.recovery_report import agent_breakdown, live_breakdown, write_report  # noqa: E402
 
 CKPT_LOADED = re.compile(r"checkpoint_loaded\b.*?\bseconds[=\"': ]+([0-9.]+)")
-SYSTEMS = ("elasticd-live", "elasticd-live-cold", "elasticd", "elasticd-cold", "torchrun-default",
+SYSTEMS = ("elasticd-live", "elasticd-live-cold", "elasticd-live-prebuilt", "elasticd", "elasticd-cold", "torchrun-default",
            "torchrun-tuned", "torchrun-etcd")
 SCENARIOS = ("sigkill", "sigstop", "sigterm", "join", "spare", "hang")
 HANDED_OVER_PID = re.compile(r"\bpid[=\"': ]+([0-9]+)")
@@ -146,6 +148,7 @@ def start_node(cluster: Cluster, system: str, idx: int, job: str, endpoint: str,
         # elasticd: the restart path (warm standbys); elasticd-cold: standbys off too;
         # elasticd-live-cold: live, standbys off (a cold spare imports torch on admission).
         flags = {"elasticd-live": [], "elasticd-live-cold": ["--no-warm-start"],
+                 "elasticd-live-prebuilt": ["--spare-prebuild"],
                  "elasticd": ["--no-live-reform"],
                  "elasticd-cold": ["--no-live-reform", "--no-warm-start"]}[system]
         argv = elasticd_argv(endpoint, job, name, nnodes, 1, [*flags, *src.args()], logs)
@@ -392,7 +395,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--reps", type=int, default=3, help="repetitions per scenario and launcher")
     p.add_argument("--scenarios", default=",".join(SCENARIOS), help="comma-separated subset")
-    p.add_argument("--systems", default=",".join(s for s in SYSTEMS if s != "elasticd-live-cold"),
+    p.add_argument("--systems", default=",".join(s for s in SYSTEMS
+                                                 if s not in ("elasticd-live-cold", "elasticd-live-prebuilt")),
                    help=f"comma-separated subset of {','.join(SYSTEMS)}")
     p.add_argument("--script", default=None,
                    help=f"training script (default: {TRAIN_SCRIPT} if it runs, else {BENCH_WORKER})")

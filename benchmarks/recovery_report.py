@@ -29,7 +29,8 @@ SCENARIO_TITLES = {
     "spare": "SIGKILL of a member, a hot spare waiting",
 }
 SYSTEM_TITLES = {"elasticd-live": "elasticd, live re-formation",
-                 "elasticd-live-cold": "elasticd, live, `--no-warm-start`", "elasticd": "elasticd, restart", "elasticd-cold": "elasticd, `--no-warm-start`",
+                 "elasticd-live-cold": "elasticd, live, `--no-warm-start`",
+                 "elasticd-live-prebuilt": "elasticd, live, `--spare-prebuild`", "elasticd": "elasticd, restart", "elasticd-cold": "elasticd, `--no-warm-start`",
                  "torchrun-default": "torchrun, defaults", "torchrun-tuned": "torchrun, tuned"}
 # (elasticd goal in s, torchrun default, torchrun tuned) measured earlier on this machine.
 REFERENCE = {
@@ -179,6 +180,8 @@ def main_table(results: dict) -> str:
                 ref = _verdict(scenario, ts)
             elif system in ("elasticd-cold", "elasticd-live-cold"):
                 ref = "same run, standbys off"
+            elif system == "elasticd-live-prebuilt":
+                ref = "same run, the spare's model built ahead"
             else:
                 ref = "earlier: " + REFERENCE[scenario][1 if system == "torchrun-default" else 2]
             rows.append(f"| {SCENARIO_TITLES[scenario]} | {SYSTEM_TITLES[system]} | {time_s} | {lost} "

@@ -229,12 +229,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.live:
         # Live: the survivors of a node loss or join re-apply parallelize on the new mesh
         # and keep their shards; a joiner receives its shards from a peer.
-        sharded = worker.ShardedModel(make_model(dtype, args.seed).to(ctx.device), parallelize,
+        sharded = worker.ShardedModel(make_model(dtype, args.seed, args.hidden).to(ctx.device), parallelize,
                                       args.mesh)
         model = sharded.module
     else:
         # The restart path: this process was started for this round's world; shard on its mesh.
-        model = parallelize(make_model(dtype, args.seed).to(ctx.device), worker.elastic_mesh(args.mesh))
+        model = parallelize(make_model(dtype, args.seed, args.hidden).to(ctx.device), worker.elastic_mesh(args.mesh))
     optim = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     sched = torch.optim.lr_scheduler.StepLR(optim, step_size=10, gamma=0.9)
     sampler = make_sampler(args)

@@ -47,6 +47,8 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", choices=["float32", "float64"], default="float32")
+    p.add_argument("--hidden", type=int, default=64, help="width of the model's hidden layer "
+                   "(a larger model: its build, its state transfer and its steps cost more)")
     p.add_argument("--checkpoint-url", default=os.environ.get("ELASTICD_CHECKPOINT_URL"),
                    help="fsspec URL (default: $ELASTICD_CHECKPOINT_URL, else file://./checkpoints)")
     p.add_argument("--checkpoint-every", type=int, default=10, help="save every N steps (async)")
@@ -70,9 +72,9 @@ def make_data(n: int, dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, torc
     return x, y
 
 
-def make_model(dtype: torch.dtype, seed: int) -> nn.Module:
+def make_model(dtype: torch.dtype, seed: int, hidden: int = 64) -> nn.Module:
     torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 1)).to(dtype)
+    return nn.Sequential(nn.Linear(16, hidden), nn.Tanh(), nn.Linear(hidden, 1)).to(dtype)
 
 
 def make_sampler(args: argparse.Namespace, old: worker.ElasticSampler | None = None,
@@ -158,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     ctx = worker.init()
     dtype = getattr(torch, args.dtype)
     x, y = make_data(args.dataset_size, dtype, args.seed)
-    model = make_model(dtype, args.seed).to(ctx.device)
+    model = make_model(dtype, args.seed, args.hidden).to(ctx.device)
     optim = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     sampler = make_sampler(args)
     url = args.checkpoint_url or "file://" + os.path.abspath("checkpoints")

@@ -125,6 +125,27 @@ class ElasticdAgent(LocalElasticAgent):
         self.handler.stop_requested = reason
         self.waker.wake()
 
+    def spare_waiting(self, spare: bool) -> None:
+        """The handler's news that this node waits as a hot spare (in its rendezvous, on
+        this thread): with ``workers.spare_prebuild`` its standbys start the script now, so
+        the imports and the model are done before the admission (``StandbyPool.run_ahead``;
+        the round comes at the admission, through ``StandbyPool.take``)."""
+        if not spare or not self.settings.spare_prebuild or not self.standby.enabled:
+            return
+        if self.settings.workers_user:
+            self._log.info("spare_prebuild_off", reason="not with workers.user: a worker "
+                           "switches user before its round's error file exists")
+            return
+        from torch.distributed.elastic.utils import macros
+
+        spec = self._worker_group.spec
+        n = spec.local_world_size
+        static = self._static_worker_env()
+        for r in range(n):
+            args = (spec.entrypoint, *macros.substitute(list(spec.args), str(r)))
+            env = {**os.environ, **static, "LOCAL_RANK": str(r), "LOCAL_WORLD_SIZE": str(n)}
+            self.standby.run_ahead(r, tuple(str(a) for a in args), env)
+
     # -- hooks into LocalElasticAgent ----------------------------------------------------
     def _static_worker_env(self) -> dict[str, str]:
         """What every worker of this agent gets on top of torch's per-worker variables."""

@@ -185,13 +185,14 @@ def _goodput_publisher(recorder: JobRecorder, metrics: AgentMetrics) -> Callable
     return publish
 
 
-def _spare_observer(metrics: AgentMetrics | None) -> Callable[[bool], None] | None:
-    """The handler's ``on_spare``: this node waits as a hot spare, or no longer does."""
-    if metrics is None:
-        return None
+def _spare_observer(agent: ElasticdAgent, metrics: AgentMetrics | None) -> Callable[[bool], None]:
+    """The handler's ``on_spare``: this node waits as a hot spare, or no longer does (the
+    metric; the agent's spare workers, ``workers.spare_prebuild``)."""
 
     def observe(spare: bool) -> None:
-        metrics.set_spare(spare)
+        if metrics is not None:
+            metrics.set_spare(spare)
+        agent.spare_waiting(spare)
 
     return observe
 
@@ -385,7 +386,7 @@ def run_node(spec: NodeSpec, early: EarlyStart | None = None, arrival: EarlyArri
         agent.install_signal_handlers()
         if agent.notifier is not None:
             handler.on_wait = agent.notifier.watchdog
-        handler.on_spare = _spare_observer(metrics)
+        handler.on_spare = _spare_observer(agent, metrics)
         handler.on_stragglers = _straggler_observer(metrics, recorder)
         handler.on_members_lost = lambda lost, rnd: _record_lost(recorder, handler, lost, rnd)
         if spec.preemption is not None:

@@ -34,6 +34,7 @@ class SupervisionSettings:
     checkpoint_url: str | None = None
     worker_env: dict[str, str] = field(default_factory=dict)
     warm_start: bool = True  # keep a standby per local rank (see elasticd.agent.warm)
+    spare_prebuild: bool = False  # a hot spare's standbys run the script ahead (StandbyPool.run_ahead)
     standby_delay_s: float = 2.0  # start standbys this long after the group's first step
     standby_after_s: float = 30.0  # ... or this long after the group started (plain scripts)
     live_reform: bool = True  # re-form workers on the worker API in place (elasticd.agent.reform)

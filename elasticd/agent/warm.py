@@ -59,6 +59,7 @@ from typing import Any
 import structlog
 
 from elasticd.agent.worker_env import scrub
+from elasticd.control import handover
 from elasticd.control.api import (
     ENV_AGENT_PID,
     ENV_CHECKPOINT_URL,
@@ -72,6 +73,7 @@ from elasticd.control.api import (
     ENV_RESUME,
     ENV_ROUND,
     ENV_RUN_ID,
+    ENV_SPARE,
 )
 
 log = structlog.get_logger(__name__)
@@ -98,7 +100,7 @@ PER_ROUND_PREFIXES = ("TORCHELASTIC_",)
 # reached etcd (the run id), long after a standby that starts with the agent began importing.
 AGENT_ENV = frozenset({
     ENV_JOB, ENV_NODE, ENV_AGENT_PID, ENV_CONTROL_DIR, ENV_CONTROL_SOCKET, ENV_CHECKPOINT_URL,
-    ENV_LOG_FORMAT, ENV_LIVE, ENV_LIVE_TIMEOUT, ENV_RUN_ID, ENV_RESUME,
+    ENV_LOG_FORMAT, ENV_LIVE, ENV_LIVE_TIMEOUT, ENV_RUN_ID, ENV_RESUME, ENV_SPARE,
 })
 URGENT_FLAG = "--urgent"  # argv of a standby that imports at the normal priority
 
@@ -153,6 +155,9 @@ class Standby:
     proc: subprocess.Popen[bytes]
     env: dict[str, str]
     started_at: float
+    # A hot spare's standby runs the worker's script ahead of its round (StandbyPool.run_ahead):
+    # the launcher argv it runs, which the worker it becomes must have.
+    ahead_argv: list[str] | None = None
 
 
 class StandbyPool:
@@ -168,6 +173,9 @@ class StandbyPool:
         self._slots: dict[int, Standby] = {}
         self.handed_over = 0  # hand-overs so far (tests, logs)
         self.cold_starts = 0
+        # Why scripts no longer run ahead on this agent ("" while they may): one that died
+        # before its admission would die again in the next spare wait.
+        self.ahead_failed = ""
 
     def ready(self, local_ranks: range) -> bool:
         """Every local rank has a live standby whose imports are done."""
@@ -184,8 +192,11 @@ class StandbyPool:
         """Local ranks without a live standby."""
         for r, sb in list(self._slots.items()):
             if sb.proc.poll() is not None:
-                log.warning("standby_died", local_rank=r, exit_code=sb.proc.returncode,
-                            log=str(self._log_path(r)))
+                if sb.ahead_argv is not None:
+                    self._ahead_died(sb)
+                else:
+                    log.warning("standby_died", local_rank=r, exit_code=sb.proc.returncode,
+                                log=str(self._log_path(r)))
                 del self._slots[r]
         return [r for r in local_ranks if r not in self._slots]
 
@@ -243,6 +254,42 @@ class StandbyPool:
                 except (OSError, ValueError):
                     pass
 
+    def run_ahead(self, local_rank: int, args: tuple[str, ...], env: Mapping[str, str]) -> bool:
+        """Start the worker's script in this rank's standby before its round exists (a hot
+        spare): it imports and builds its model, then waits in the worker API for the round,
+        which :meth:`take` hands it at the admission. False when it cannot (no standby, not
+        the agent's launcher, a run ahead already failed on this agent).
+
+        Args:
+            local_rank: the worker's local rank.
+            args: the command line torch will run (the launcher's), without the round.
+            env: the worker's environment without the round's variables.
+        """
+        sb = self._slots.get(local_rank)
+        if (not self.enabled or self.ahead_failed or sb is None or sb.ahead_argv is not None
+                or sb.proc.poll() is not None or tuple(args[:3]) != (sys.executable, *LAUNCHER)):
+            return False
+        argv = list(args[3:])
+        msg = handover.message(scrub(env), argv=argv, cwd=os.getcwd(), spare=True)
+        try:
+            assert sb.proc.stdin is not None
+            sb.proc.stdin.write(msg)
+            sb.proc.stdin.flush()
+        except (BrokenPipeError, OSError):
+            return False
+        sb.ahead_argv = argv
+        log.info("spare_script_started", local_rank=local_rank, pid=sb.proc.pid,
+                 log=str(self._log_path(local_rank)))
+        return True
+
+    def _ahead_died(self, sb: Standby) -> None:
+        self.ahead_failed = (f"a spare's script exited with {sb.proc.returncode} before its "
+                             f"admission (its output: {self._log_path(sb.local_rank)})")
+        log.warning("spare_script_failed", local_rank=sb.local_rank, exit_code=sb.proc.returncode,
+                    log=str(self._log_path(sb.local_rank)),
+                    fix="spares of this agent now start their script at the admission; see "
+                        "docs/worker-api.md, 'Hot spares build their model ahead'")
+
     def take(self, local_rank: int, args: tuple[str, ...], env: Mapping[str, str],
              stdout: str | None, stderr: str | None) -> subprocess.Popen[bytes] | None:
         """Hand a worker to this rank's standby; None if it cannot be used (start cold).
@@ -264,18 +311,25 @@ class StandbyPool:
             why = f"command is not the agent's launcher: {' '.join(args[:3])}"
         elif sb.proc.poll() is not None:
             why = f"standby exited with {sb.proc.returncode}"
+            if sb.ahead_argv is not None:
+                self._ahead_died(sb)
         elif bad := env_mismatch(sb.env, env):
             why = f"environment differs in {', '.join(bad[:5])}"
+        elif sb.ahead_argv is not None and sb.ahead_argv != list(args[3:]):
+            why = "the spare's script ran ahead with other arguments"
         if why:
             log.info("standby_not_used", local_rank=local_rank, reason=why)
             _discard(sb)
             self.cold_starts += 1
             return None
-        msg = {"argv": list(args[3:]), "env": scrub(env), "cwd": os.getcwd(),
-               "stdout": stdout, "stderr": stderr}
+        if sb.ahead_argv is not None:  # the script runs: its round, environment and logs
+            msg = handover.message(scrub(env), stdout=stdout, stderr=stderr)
+        else:
+            msg = handover.message(scrub(env), argv=list(args[3:]), cwd=os.getcwd(),
+                                   stdout=stdout, stderr=stderr)
         try:
             assert sb.proc.stdin is not None
-            sb.proc.stdin.write(json.dumps(msg).encode() + b"\n")
+            sb.proc.stdin.write(msg)
             sb.proc.stdin.close()
         except (BrokenPipeError, OSError) as exc:  # it died just now
             log.info("standby_not_used", local_rank=local_rank, reason=f"hand-over failed: {exc}")
@@ -284,7 +338,8 @@ class StandbyPool:
             return None
         self.handed_over += 1
         log.info("standby_handed_over", local_rank=local_rank, pid=sb.proc.pid,
-                 warm_for_s=round(time.monotonic() - sb.started_at, 1))
+                 warm_for_s=round(time.monotonic() - sb.started_at, 1),
+                 ran_ahead=sb.ahead_argv is not None)
         return sb.proc
 
     def close(self) -> None:
@@ -365,14 +420,14 @@ def main() -> None:
     # The hand-over may come while we still import (a restart soon after the group
     # started): a thread takes it at once and gives the normal priority back, so the rest
     # of the imports never starve behind busy training processes.
-    handover: list[bytes] = []
+    lines: list[bytes] = []
     arrived = threading.Event()
 
     def wait_for_handover() -> None:
         line = sys.stdin.buffer.readline()
         if not line:
             os._exit(0)  # discarded by the agent, possibly mid-import
-        handover.append(line)
+        lines.append(line)
         if lowered:
             _set_niceness_of_all_threads(niceness)
         arrived.set()
@@ -391,20 +446,14 @@ def main() -> None:
             os.close(os.open(Path(control_dir, f"{READY_PREFIX}{os.getpid()}"),
                              os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644))
     arrived.wait()
-    msg = json.loads(handover[0])
-    os.environ.clear()
-    os.environ.update(msg["env"])
-    os.chdir(msg["cwd"])
-    devnull = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(devnull, 0)
-    os.close(devnull)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    for fd, path in ((1, msg["stdout"]), (2, msg["stderr"])):
-        if path:
-            f = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o644)
-            os.dup2(f, fd)
-            os.close(f)
+    msg = json.loads(lines[0])
+    ahead = bool(msg.get("spare"))
+    # A spare's script runs ahead of its round: stdin stays open for the second line
+    # (the worker API reads it, elasticd.control.handover), and its output goes to the
+    # standby's log until then.
+    handover.become(msg, keep_stdin=ahead)
+    if ahead:
+        os.dup2(2, 1)
     from elasticd.agent import worker_exec
 
     worker_exec.main(msg["argv"])

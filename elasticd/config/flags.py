@@ -118,6 +118,9 @@ FLAGS: tuple[Flag, ...] = (
          metavar="S"),
     Flag("--no-warm-start", "workers.warm_start",
          "start every worker cold (no standby processes that have imported torch)", const="false"),
+    Flag("--spare-prebuild", "workers.spare_prebuild",
+         "a hot spare's workers start the script before their admission and wait in "
+         "the worker API with the model built", const="true"),
     Flag("--no-live-reform", "workers.live_reform",
          "restart workers on every membership change, even those on the worker API", const="false"),
     Flag("--live-reform-timeout", "workers.live_reform_timeout_s",

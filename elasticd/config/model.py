@@ -127,6 +127,9 @@ class WorkersConfig:
     monitor_interval_s: float = 0.1
     hang_timeout_s: float = 0.0
     warm_start: bool = True
+    # A hot spare's workers run the script ahead of admission: imports done, model built
+    # (docs/worker-api.md, "Hot spares build their model ahead").
+    spare_prebuild: bool = False
     live_reform: bool = True
     live_reform_timeout_s: float = 30.0
     # Run every worker under this user's uid, gid and groups (the agent runs as root):

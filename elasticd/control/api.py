@@ -24,6 +24,9 @@ ENV_CHECKPOINT_URL = "ELASTICD_CHECKPOINT_URL"
 ENV_LOG_FORMAT = "ELASTICD_LOG_FORMAT"  # "json" when the agent logs JSON (else unset)
 ENV_RUN_ID = "ELASTICD_RUN_ID"  # this run's identity (docs/checkpoints.md)
 ENV_RESUME = "ELASTICD_RESUME"  # what to do with another run's checkpoints: auto/require/never
+# "1": this worker runs ahead of its round as a hot spare's (elasticd.control.handover):
+# its script builds the model, then the worker API waits for the round on stdin.
+ENV_SPARE = "ELASTICD_SPARE"
 # "NAME:UID:GID" (``workers.user``): the launcher, still root, switches to this user before
 # anything else (elasticd.agent.worker_exec, parsed by elasticd.control.environment.run_as).
 ENV_RUN_AS = "ELASTICD_RUN_AS"

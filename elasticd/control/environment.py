@@ -24,6 +24,7 @@ from elasticd.control.api import (
     ENV_ROUND,
     ENV_RUN_AS,
     ENV_RUN_ID,
+    ENV_SPARE,
     LIVE_TIMEOUT_DEFAULT_S,
 )
 from elasticd.errors import ConfigError
@@ -60,6 +61,13 @@ def agent_environment(environ: Mapping[str, str] | None = None) -> AgentEnvironm
     if not socket_path:
         return None
     raw = env.get(ENV_ROUND, "")
+    if env.get(ENV_SPARE) == "1" and not raw:
+        raise ConfigError(
+            f"this worker runs ahead of its round as a hot spare's ({ENV_SPARE}=1, "
+            "workers.spare_prebuild), and something asked for the round before the worker API "
+            "waited for it. Call elasticd.worker.init() first and reach the round only through "
+            "elasticd.worker (current_context(), agent_fence(), LiveState, ElasticLoop, "
+            "ShardedModel) before building a CheckpointManager, or turn workers.spare_prebuild off")
     if not raw.isdigit():
         raise ConfigError(
             f"{ENV_CONTROL_SOCKET} is set (this process was started by an elasticd agent) "

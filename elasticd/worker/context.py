@@ -28,6 +28,7 @@ from pathlib import Path
 from types import FrameType, TracebackType
 from typing import Any, NoReturn
 
+import structlog
 import torch
 import torch.distributed as dist
 
@@ -38,8 +39,17 @@ from elasticd.control import (
     ENV_CONTROL_DIR,
     ControlClient,
     StepReport,
+    handover,
 )
-from elasticd.control.api import ENV_CHECKPOINT_URL, ENV_JOB, ENV_NODE, PARK_FILE
+from elasticd.control.api import (
+    ENV_CHECKPOINT_URL,
+    ENV_JOB,
+    ENV_NODE,
+    ENV_RESUME,
+    ENV_RUN_ID,
+    ENV_SPARE,
+    PARK_FILE,
+)
 from elasticd.control.client import LatestReport
 
 # The agent's variables are parsed behind the control seam (the checkpoint package reads
@@ -50,6 +60,8 @@ from elasticd.control.messages import StoppedReport
 from elasticd.control.reform import write_stopped
 from elasticd.errors import EX_CONFIG, ConfigError
 from elasticd.worker.sockets import socket_links
+
+log = structlog.get_logger(__name__)
 
 DEFAULT_COLLECTIVE_TIMEOUT_S = 300.0
 PROGRESS_MIN_INTERVAL_S = 0.2
@@ -110,6 +122,10 @@ class _State:
     # LiveState's watcher saw it; -1: none). A worker still in an older round leaves its
     # group at the next agreed step (``should_stop``), as for a park.
     ordered_round: int = -1
+    # A hot spare's worker before its round (ELASTICD_SPARE=1): what init() was asked for
+    # and the context it returned (no group); None once admitted, or when not a spare.
+    ahead: tuple[str | None, float, WorkerContext, int] | None = None  # ..., and our pid
+    ran_ahead: bool = False  # this worker ran ahead as a spare's, then joined its round
 
 
 _S = _State()
@@ -137,17 +153,13 @@ def init(backend: str | None = None, *, timeout_s: float = DEFAULT_COLLECTIVE_TI
     """
     if _S.ctx is not None:
         return _S.ctx
+    if os.environ.get(ENV_SPARE) == "1":
+        return _run_ahead(backend, timeout_s)
     agent = agent_environment()  # fail before any collective: a config error, not a hang
     world = _env_int("WORLD_SIZE", 1)
     rank = _env_int("RANK", 0)
     local_rank = _env_int("LOCAL_RANK", 0)
-    use_cuda = torch.cuda.is_available() and backend != "gloo"
-    backend = backend or ("nccl" if use_cuda else "gloo")
-    if use_cuda:
-        device = torch.device("cuda", local_rank % max(torch.cuda.device_count(), 1))
-        torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
+    device, backend = _device(backend, local_rank)
     if (world > 1 or "MASTER_ADDR" in os.environ) and not dist.is_initialized():
         kwargs: dict[str, Any] = {"backend": backend, "timeout": timedelta(seconds=timeout_s)}
         if backend == "nccl":
@@ -181,6 +193,61 @@ def init(backend: str | None = None, *, timeout_s: float = DEFAULT_COLLECTIVE_TI
         _S.stop_group = dist.new_group(backend="gloo") if backend != "gloo" else dist.group.WORLD
         _S.group_sockets |= socket_links() - before
     return _S.ctx
+
+
+def _device(backend: str | None, local_rank: int) -> tuple[torch.device, str]:
+    """This worker's device (made current on CUDA) and backend."""
+    use_cuda = torch.cuda.is_available() and backend != "gloo"
+    if not use_cuda:
+        return torch.device("cpu"), backend or "gloo"
+    device = torch.device("cuda", local_rank % max(torch.cuda.device_count(), 1))
+    torch.cuda.set_device(device)
+    return device, backend or "nccl"
+
+
+def _run_ahead(backend: str | None, timeout_s: float) -> WorkerContext:
+    """``init()`` in a hot spare's worker before its round: a context without a group
+    (rank -1, world size 0) whose device the script builds its model on. The first call
+    that needs the round (:func:`current_context`, the control channel, ``LiveState``,
+    ``ElasticLoop``, ``ShardedModel``, ...) waits for it (:func:`_await_round`)."""
+    if _S.ahead is None:
+        local_rank = _env_int("LOCAL_RANK", 0)
+        device, chosen = _device(backend, local_rank)
+        ctx = WorkerContext(rank=-1, world_size=0, local_rank=local_rank,
+                            local_world_size=_env_int("LOCAL_WORLD_SIZE", 1), device=device,
+                            backend=chosen, restart_count=0, round=None,
+                            job=os.environ.get(ENV_JOB), node=os.environ.get(ENV_NODE),
+                            checkpoint_url=os.environ.get(ENV_CHECKPOINT_URL), under_agent=True,
+                            run_id=os.environ.get(ENV_RUN_ID) or None,
+                            resume=os.environ.get(ENV_RESUME) or "auto")
+        _S.ahead = (backend, timeout_s, ctx, os.getpid())
+    return _S.ahead[2]
+
+
+def _await_round() -> None:
+    """A hot spare's worker: wait until the agent admits the spare, then become the
+    round's worker (its environment and log files: ``elasticd.control.handover``) and
+    ``init()`` for real. At once when this worker does not run ahead."""
+    ahead = _S.ahead
+    if ahead is None or ahead[3] != os.getpid():
+        return  # not a spare's worker, or a process it forked (never reads the worker's stdin)
+    started = time.monotonic()
+    log.info("spare_worker_waiting", pid=os.getpid())
+    msg = handover.read(sys.stdin.buffer)
+    if msg is None:  # the agent discarded this spare's worker (it stops, or started cold)
+        os._exit(0)
+    handover.become(msg)
+    _S.ahead = None
+    _S.ran_ahead = True
+    ctx = init(ahead[0], timeout_s=ahead[1])
+    log.info("spare_worker_admitted", rank=ctx.rank, world_size=ctx.world_size, round=ctx.round,
+                waited_s=round(time.monotonic() - started, 3))
+
+
+def ran_ahead() -> bool:
+    """This worker ran ahead as a hot spare's (its script built the model before the
+    round) and has since joined its round: what it built for world size 0 is rebuilt."""
+    return _S.ran_ahead
 
 
 def _on_sigterm(signum: int, frame: FrameType | None) -> None:
@@ -339,16 +406,20 @@ def reform_ordered() -> bool:
 
 def control_dir() -> Path | None:
     """The agent's runtime directory (None without an agent)."""
+    _await_round()
     return _S.control_dir
 
 
 def current_context() -> WorkerContext:
-    """The context of ``init()`` (calls it with defaults if needed)."""
+    """The context of ``init()`` (calls it with defaults if needed). In a hot spare's
+    worker running ahead, waits for its round first."""
+    _await_round()
     return _S.ctx or init()
 
 
 def stop_requested_locally() -> bool:
     """True if this node's agent asked for a drain (or this process got SIGTERM). No collective."""
+    _await_round()
     if _S.sigterm:
         return True
     return _S.control_dir is not None and (_S.control_dir / DRAIN_FILE).exists()
@@ -372,6 +443,7 @@ def should_stop(step: int | None = None, *, every: int = 1) -> bool:
             all-reduce per step is measurable (very short steps, CPU-bound gloo jobs); a
             drain then takes up to ``every`` more steps, which the drain grace must cover.
     """
+    _await_round()
     if not _S.drainable_noted:
         _note_drainable()
     if every > 1:
@@ -435,6 +507,7 @@ def report_progress(step: int, *, epoch: int = 0, samples: int = 0, loss: float 
     0.2 s unless ``force``); a report that comes sooner is sent once the interval has
     passed, so the agent always learns the newest step. A no-op without an agent.
     """
+    _await_round()
     if _S.progress is None:
         return
     ctx = current_context()
@@ -445,6 +518,7 @@ def report_progress(step: int, *, epoch: int = 0, samples: int = 0, loss: float 
 
 def control_client() -> ControlClient | None:
     """The agent's control channel client (None without an agent)."""
+    _await_round()
     return _S.client
 
 

@@ -156,6 +156,7 @@ class LiveState:
     def __init__(self, state: Mapping[str, LiveEntry], *, checkpoint: Regroupable | None = None,
                  timeout_s: float | None = None, sharded: ShardedModel | None = None,
                  peer_replica_every: int = DEFAULT_EVERY_STEPS) -> None:
+        wctx.current_context()  # a hot spare's worker running ahead waits for its round here
         self.state = state  # by reference: the loop may swap an entry (a resharded sampler)
         self.checkpoint = checkpoint
         self.sharded = sharded

@@ -44,7 +44,13 @@ from elasticd.checkpoint.manager import CheckpointManager
 from elasticd.data.sampler import ElasticSampler
 from elasticd.data.stream import ElasticStream
 from elasticd.errors import ConfigError
-from elasticd.worker.context import current_context, fast_exit, report_progress, should_stop
+from elasticd.worker.context import (
+    current_context,
+    fast_exit,
+    ran_ahead,
+    report_progress,
+    should_stop,
+)
 from elasticd.worker.fence import agent_fence
 from elasticd.worker.live import LiveState, Reformed
 from elasticd.worker.peer_replica import DEFAULT_EVERY_STEPS as DEFAULT_PEER_REPLICA_EVERY
@@ -144,9 +150,11 @@ class ElasticLoop:
             raise ConfigError("ElasticLoop(sharded=...): the state must hold sharded.module "
                               '(e.g. {"model": sharded.module, "optimizer": optimizer})')
         self.sharded = sharded
-        ctx = current_context()
+        ctx = current_context()  # a hot spare's worker running ahead waits for its round here
         self.ctx = ctx
         self.sampler = sampler
+        if ran_ahead() and hasattr(sampler, "regroup"):
+            sampler.regroup()  # built before the round, for a world of one
         # These count global batches (one step() per optimizer step), not samples per rank.
         self._per_global_batch = isinstance(sampler, (ElasticSampler, ElasticStream))
         self.save_every = save_every

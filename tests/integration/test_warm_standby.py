@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -157,3 +158,92 @@ def test_past_imports_waits_for_the_first_socket_not_for_libtorch():
         child.kill()
         child.wait(10)
     assert not past_imports(child.pid)  # gone: /proc cannot tell
+
+
+AHEAD_SCRIPT = """\
+import json, os, sys, time
+import torch
+model = torch.nn.Linear(4, 2)  # built before the round
+print(json.dumps({"built": time.time(), "rank": os.environ.get("RANK")}), flush=True)
+from elasticd import worker
+early = worker.init()
+print(json.dumps({"early_rank": early.rank, "early_world": early.world_size}), flush=True)
+ctx = worker.current_context()  # a spare's worker waits here for its round
+print(json.dumps({"rank": ctx.rank, "world": ctx.world_size, "env_rank": os.environ.get("RANK"),
+                  "spare": os.environ.get("ELASTICD_SPARE"), "argv": sys.argv[1:],
+                  "admitted": time.time()}))
+"""
+
+
+def _ahead_env(**extra: str) -> dict[str, str]:
+    env = _env(**extra)
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "ELASTICD_CONTROL_SOCKET"):
+        env.pop(name, None)
+    return env
+
+
+def _wait_for(path: Path, text: str, timeout_s: float) -> str:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        content = path.read_text() if path.exists() else ""
+        if text in content:
+            return content
+        time.sleep(0.05)
+    raise AssertionError(f"{text!r} not in {path} within {timeout_s}s: {content[-2000:]!r}")
+
+
+def test_a_spare_runs_its_script_ahead_and_joins_its_round_at_the_hand_over(pool, tmp_path):
+    """workers.spare_prebuild: the first line starts the script with no round (its model
+    is built, init() returns a context of rank -1 and world 0, and the first call that needs
+    the round waits); the second line, at the admission, gives it the round's environment
+    and the worker's log files, and the script goes on in the same process."""
+    script = tmp_path / "w.py"
+    script.write_text(AHEAD_SCRIPT)
+    pool.fill({0: _ahead_env()})
+    pid = pool._slots[0].proc.pid
+    assert pool.run_ahead(0, _argv(script, "--lr", "0.1"), _ahead_env())
+    standby_log = tmp_path / "standby-0.log"
+    early = _wait_for(standby_log, '"early_world": 0', 90)  # built, and waiting for its round
+    lines = [json.loads(line) for line in early.splitlines() if line.startswith("{")]
+    assert lines[0]["rank"] is None and lines[1] == {"early_rank": -1, "early_world": 0}
+    _wait_for(standby_log, "spare_worker_waiting", 30)
+    assert pool._slots[0].proc.poll() is None, "it waits, it does not train"
+    out, err = tmp_path / "stdout.log", tmp_path / "stderr.log"
+    handed = time.time()
+    proc = pool.take(0, _argv(script, "--lr", "0.1"), _env(RANK="0", WORLD_SIZE="1"), str(out), str(err))
+    assert proc is not None and proc.pid == pid and pool.handed_over == 1
+    assert proc.wait(60) == 0
+    got = json.loads(out.read_text().strip().splitlines()[-1])
+    assert got["rank"] == 0 and got["world"] == 1 and got["env_rank"] == "0"
+    assert got["spare"] is None and got["argv"] == ["--lr", "0.1"]
+    assert lines[0]["built"] < handed <= got["admitted"]
+    assert "spare_worker_admitted" in err.read_text()
+
+
+def test_a_spare_handed_other_arguments_starts_cold(pool, tmp_path):
+    """The worker at the admission must be the one that ran ahead: other arguments (a new
+    command line) discard it and start cold."""
+    script = tmp_path / "w.py"
+    script.write_text(AHEAD_SCRIPT)
+    pool.fill({0: _ahead_env()})
+    old = pool._slots[0].proc.pid
+    assert pool.run_ahead(0, _argv(script, "--lr", "0.1"), _ahead_env())
+    assert pool.take(0, _argv(script, "--lr", "0.2"), _env(RANK="0"), None, None) is None
+    assert pool.cold_starts == 1 and wait_gone([old], 10) == []
+
+
+def test_a_spare_whose_script_dies_ahead_turns_running_ahead_off(pool, tmp_path):
+    """A script that cannot run ahead (here it reads RANK before init()) dies before its
+    admission: the agent says so once, naming the log, and its spares start cold from then
+    on (a crash per spare wait would only repeat)."""
+    script = tmp_path / "w.py"
+    script.write_text("import os\nprint(os.environ['RANK'])\n")
+    pool.fill({0: _ahead_env()})
+    proc = pool._slots[0].proc
+    assert pool.run_ahead(0, _argv(script), _ahead_env())
+    assert proc.wait(60) != 0
+    assert pool.missing(range(1)) == [0]
+    assert "standby-0.log" in pool.ahead_failed
+    assert "KeyError" in (tmp_path / "standby-0.log").read_text()
+    pool.fill({0: _ahead_env()})
+    assert not pool.run_ahead(0, _argv(script), _ahead_env())

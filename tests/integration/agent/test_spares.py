@@ -9,10 +9,12 @@ import signal
 import subprocess
 import sys
 import time
+from collections import Counter
 from datetime import datetime
+from pathlib import Path
 
 import pytest
-from harness import ROOT, agent_events, read_jsonl, wait_until
+from harness import ROOT, agent_events, example_args, read_jsonl, trained_samples, wait_until
 
 from elasticd.keys import JobKeys
 from elasticd.records import NodeRecord, RoundState
@@ -87,3 +89,65 @@ def test_spare_waits_past_join_timeout_and_replaces_a_killed_member(nodes, etcd_
     assert '"spare_admitted"' in started[name].log()
     survivors = [n for n in started.values() if n is not started[victim]]
     assert all(n.alive() for n in survivors), [n.log()[-2000:] for n in survivors]
+
+
+TRAIN = str(ROOT / "examples" / "train.py")
+STEPS = 120
+DATASET = 480  # 20 steps an epoch at a global batch of 24
+
+
+def test_a_prebuilt_spare_has_its_model_built_before_its_admission(nodes, tmp_path):
+    """--spare-prebuild, three agents under --nnodes 1:2 of examples/train.py (live): the
+    spare's worker runs the script while it waits (model built, waiting in the worker API),
+    a member SIGKILLed -> that same process joins the next round at world 2 and gets its
+    state from a peer; every step and every sample exactly once."""
+    trace = tmp_path / "trace-p.jsonl"
+    extra = ["--spare-prebuild", "--checkpoint-url", f"file://{tmp_path}/ckpt-p",
+             "--restart-backoff", "0.1"]
+    started = {n: nodes.start("prebuilt", TRAIN, name=n, nnodes="1:2", extra=extra,
+                              script_args=example_args(tmp_path, "p", steps=STEPS, dataset_size=DATASET))
+               for n in ("n0", "n1", "n2")}
+    wait_until(lambda: sum(1 for r in read_jsonl(trace) if r["world"] == 2) >= 10, 90, "world 2 trains")
+
+    def ahead() -> tuple[str, dict] | None:
+        for name, node in started.items():
+            events = agent_events(node.log(), "spare_script_started")
+            if events:
+                return name, events[0]
+        return None
+
+    wait_until(ahead, 60, "a spare's script started ahead")
+    found = ahead()
+    assert found is not None
+    spare, event = found
+    standby_log = Path(event["log"])  # the spare's output until its admission
+
+    def waiting_text() -> str:
+        return standby_log.read_text() if standby_log.exists() else ""
+
+    wait_until(lambda: "spare_worker_waiting" in waiting_text(), 60,
+               lambda: f"the spare's worker waiting in the worker API; its log: {waiting_text()[-2000:]}")
+    pid = event["pid"]
+    assert pid not in {r["pid"] for r in read_jsonl(trace)}, "the spare trained before its admission"
+    victim = next(n for n in started if n != spare)
+    rows_before = read_jsonl(trace)
+    round_before = max(r["round"] or 0 for r in rows_before)
+    started[victim].signal(signal.SIGKILL)
+    started[victim].wait(10)
+    wait_until(lambda: any(r["pid"] == pid for r in read_jsonl(trace)), 60,
+               "the prebuilt spare's worker training")
+    rows = read_jsonl(trace)
+    mine = [r for r in rows if r["pid"] == pid]
+    assert all((r["round"] or 0) > round_before and r["world"] == 2 for r in mine), mine[:3]
+    for name, node in started.items():
+        if name != victim:
+            assert node.wait(120) == 0, node.log()[-3000:]
+    log = started[spare].log()
+    handed = agent_events(log, "standby_handed_over")
+    assert handed and handed[-1]["pid"] == pid and handed[-1]["ran_ahead"] is True, handed
+    assert "spare_worker_admitted" in log, "the admitted worker's log line"
+    assert not agent_events(log, "spare_script_failed")
+    rows = read_jsonl(trace)
+    assert sorted({r["step"] for r in rows}) == list(range(STEPS))
+    want = Counter((e, i) for e in range(STEPS * 24 // DATASET) for i in range(DATASET))
+    assert trained_samples(trace) == want
