@@ -92,20 +92,27 @@ def test_spare_waits_past_join_timeout_and_replaces_a_killed_member(nodes, etcd_
 
 
 TRAIN = str(ROOT / "examples" / "train.py")
+FSDP_TRAIN = str(ROOT / "examples" / "fsdp_train.py")
 STEPS = 120
 DATASET = 480  # 20 steps an epoch at a global batch of 24
 
 
-def test_a_prebuilt_spare_has_its_model_built_before_its_admission(nodes, tmp_path):
-    """--spare-prebuild, three agents under --nnodes 1:2 of examples/train.py (live): the
-    spare's worker runs the script while it waits (model built, waiting in the worker API),
-    a member SIGKILLed -> that same process joins the next round at world 2 and gets its
-    state from a peer; every step and every sample exactly once."""
+@pytest.mark.parametrize("script,script_args", [
+    (TRAIN, []),
+    # Pure FSDP2 over the nodes: the spare's model is built ahead, and sharded on the
+    # round's mesh once admitted (ShardedModel waits for the round).
+    (FSDP_TRAIN, ["--mesh", "fsdp", "--live", "--peer-replica-every", "50"]),
+], ids=["ddp", "fsdp"])
+def test_a_prebuilt_spare_has_its_model_built_before_its_admission(nodes, tmp_path, script, script_args):
+    """--spare-prebuild, three agents under --nnodes 1:2 (live): the spare's worker runs the
+    script while it waits (model built, waiting in the worker API), a member SIGKILLed ->
+    that same process joins the next round at world 2 and gets its state from a peer;
+    every step and every sample exactly once."""
     trace = tmp_path / "trace-p.jsonl"
     extra = ["--spare-prebuild", "--checkpoint-url", f"file://{tmp_path}/ckpt-p",
              "--restart-backoff", "0.1"]
-    started = {n: nodes.start("prebuilt", TRAIN, name=n, nnodes="1:2", extra=extra,
-                              script_args=example_args(tmp_path, "p", steps=STEPS, dataset_size=DATASET))
+    args = example_args(tmp_path, "p", steps=STEPS, dataset_size=DATASET) + script_args
+    started = {n: nodes.start("prebuilt", script, name=n, nnodes="1:2", extra=extra, script_args=args)
                for n in ("n0", "n1", "n2")}
     wait_until(lambda: sum(1 for r in read_jsonl(trace) if r["world"] == 2) >= 10, 90, "world 2 trains")
 
