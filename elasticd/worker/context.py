@@ -239,6 +239,12 @@ def _await_round() -> None:
     handover.become(msg)
     _S.ahead = None
     _S.ran_ahead = True
+    if _env_int("RANK", 0) != 0 and os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT"):
+        # Admitted the moment the round closed, this worker may connect before the round's
+        # rank 0 listens, and the TCPStore client then backs off for seconds: wait for the
+        # port in 10 ms polls instead (as rejoin() does). A cold worker's start-up hid it.
+        _wait_for_port(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                       time.monotonic() + ahead[1])
     ctx = init(ahead[0], timeout_s=ahead[1])
     log.info("spare_worker_admitted", rank=ctx.rank, world_size=ctx.world_size, round=ctx.round,
                 waited_s=round(time.monotonic() - started, 3))
