@@ -275,7 +275,8 @@ def overlap(ao: tuple[int, ...], asz: tuple[int, ...], bo: tuple[int, ...],
     return tuple(out)
 
 
-def fill(target: Any, chunks: list[Chunk], read: Any, where: str, read_into: Any = None) -> Any:
+def fill(target: Any, chunks: list[Chunk], read: Any, where: str, read_into: Any = None,
+         read_scratch: Any = None) -> Any:
     """A DTensor like ``target`` (same mesh and placements) holding the saved values of
     its box, assembled from every saved chunk that overlaps it.
 
@@ -290,6 +291,8 @@ def fill(target: Any, chunks: list[Chunk], read: Any, where: str, read_into: Any
             along dim 0 gathered by fewer ranks): one read into the new shard, no buffer
             of its own and no copy. The new shard is a fresh tensor, so a corrupt chunk
             written into it harms nothing.
+        read_scratch: optional ``read_scratch(chunk) -> buffer`` (CRC checked) valid only
+            until its next call: for a chunk that is copied from, not kept.
 
     Raises:
         CheckpointMismatchError: the saved tensor's shape or dtype differs from the template's.
@@ -315,7 +318,7 @@ def fill(target: Any, chunks: list[Chunk], read: Any, where: str, read_into: Any
             if read_into is not None and _whole(inter, c) and dst.is_contiguous():
                 read_into(c, tensor_bytes(dst))
                 continue
-            saved = _as_tensor(read(c), c)
+            saved = _as_tensor((read_scratch or read)(c), c)
             dst.copy_(saved[tuple(slice(lo - o, hi - o) for (lo, hi), o in zip(inter, c.offsets, strict=True))])
     local = local.to(target.to_local().device)
     return DTensor.from_local(local, target.device_mesh, target.placements, run_check=False,
@@ -327,9 +330,10 @@ def _whole(inter: tuple[tuple[int, int], ...], chunk: Chunk) -> bool:
     return all(lo == o and hi == o + n for (lo, hi), o, n in zip(inter, chunk.offsets, chunk.sizes, strict=True))
 
 
-def _as_tensor(data: bytes | bytearray, chunk: Chunk) -> torch.Tensor:
-    """The chunk's bytes as a tensor of its box (no copy of a bytearray)."""
-    buf = data if isinstance(data, bytearray) else bytearray(data)
+def _as_tensor(data: bytes | bytearray | memoryview, chunk: Chunk) -> torch.Tensor:
+    """The chunk's bytes as a tensor of its box (no copy of a bytearray or a writable view)."""
+    writable = isinstance(data, bytearray) or (isinstance(data, memoryview) and not data.readonly)
+    buf = data if writable else bytearray(data)
     return torch.frombuffer(buf, dtype=DTYPES[chunk.dtype]).view(chunk.sizes)
 
 

@@ -252,3 +252,52 @@ def test_whole_chunks_are_read_straight_into_the_new_shard_and_still_checked():
                         lambda c, buf: read_into(c, buf, flip=c.file == "f1"))
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.timeout(60)
+def test_blocks_copied_from_share_one_scratch_buffer_and_are_still_checked():
+    """Saved column blocks (sharded on dim 1) loaded on one rank: each block's place in the
+    new shard is not contiguous, so it is read whole and copied from; every block goes
+    through the one reused scratch buffer (valid until the next read), the values come out
+    right, and a block whose bytes changed is refused."""
+    import zlib
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from elasticd.checkpoint import shards
+    from elasticd.checkpoint.api import CheckpointCorruptError
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("shard",))
+        saved = torch.arange(24, dtype=torch.float32).reshape(6, 4)
+        blocks = [saved[:, 0:2].contiguous(), saved[:, 2:4].contiguous()]
+        data = [bytes(shards.tensor_bytes(b)) for b in blocks]
+        chunks = [shards.Chunk("w", "float32", (6, 4), (0, o), tuple(b.shape), 0, len(d), zlib.crc32(d), f"f{i}")
+                  for i, (o, b, d) in enumerate(zip((0, 2), blocks, data, strict=True))]
+        target = distribute_tensor(torch.zeros(6, 4), mesh, [Shard(0)])
+        scratch = bytearray(len(data[0]))
+        served: list[str] = []
+
+        def read(c):
+            raise AssertionError(f"{c.file} read into a buffer of its own")
+
+        def read_scratch(c, flip=False):
+            served.append(c.file)
+            scratch[:] = data[int(c.file[1])]
+            if flip:
+                scratch[1] ^= 0xFF
+            view = memoryview(scratch)
+            shards.chunk_crc(c, view)
+            return view
+
+        got = shards.fill(target, chunks, read, "test", None, read_scratch)
+        assert served == ["f0", "f1"] and torch.equal(got.to_local(), saved)
+        with pytest.raises(CheckpointCorruptError, match="f1"):
+            shards.fill(target, chunks, read, "test", None,
+                        lambda c: read_scratch(c, flip=c.file == "f1"))
+    finally:
+        dist.destroy_process_group()
