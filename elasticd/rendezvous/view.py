@@ -124,7 +124,15 @@ class WatchedView:
         self._joins_by_round: dict[int, dict[str, tuple[int, str]]] = {}  # r -> key -> (create, node)
         self._failures_by_round: dict[int, dict[str, tuple[int, str]]] = {}
         self._nodes_prefix = keys.nodes_prefix
-        self._roots = {"joins": keys.joins_root, "failures": keys.failures_root}
+        self._joins_root, self._failures_root = keys.joins_root, keys.failures_root
+
+    def _round_index(self, table: dict[str, KV]) -> tuple[dict[int, dict[str, tuple[int, str]]], str] | None:
+        """The per-round index of ``table`` and its keys' root (joins, failures), else None."""
+        if table is self.joins:
+            return self._joins_by_round, self._joins_root
+        if table is self.failures:
+            return self._failures_by_round, self._failures_root
+        return None
 
     def _index(self, table: dict[str, KV], key: str, kv: KV | None) -> None:
         """Keep the index of ``table`` in step with ``key`` now being ``kv`` (None: gone)."""
@@ -135,15 +143,9 @@ class WatchedView:
             else:
                 self._alive.add(node)
             return
-        if table is self.joins:
-            index, root = self._joins_by_round, self._roots["joins"]
-        elif table is self.failures:
-            index, root = self._failures_by_round, self._roots["failures"]
-        else:
+        if (found := self._round_index(table)) is None or (r := round_of_key(key, found[1])) is None:
             return
-        r = round_of_key(key, root)
-        if r is None:
-            return
+        index = found[0]
         if kv is not None:
             index.setdefault(r, {})[key] = (kv.create_revision, key.rsplit("/", 1)[1])
         elif (entries := index.get(r)) is not None:
@@ -152,12 +154,11 @@ class WatchedView:
                 del index[r]
 
     def _reindex(self, table: dict[str, KV]) -> None:
+        """Rebuild the index of ``table`` from it (after a resync or a step-down)."""
         if table is self.nodes:
             self._alive.clear()
-        elif table is self.joins:
-            self._joins_by_round.clear()
-        elif table is self.failures:
-            self._failures_by_round.clear()
+        elif (found := self._round_index(table)) is not None:
+            found[0].clear()
         else:
             return
         for key, kv in table.items():
@@ -169,7 +170,7 @@ class WatchedView:
                 if ev.value is None:
                     gone = table.pop(ev.key, None)
                     if gone is not None and table is self.nodes and _left_gracefully(gone.value):
-                        self.left.add(ev.key[len(self.keys.nodes_prefix):])
+                        self.left.add(ev.key[len(self._nodes_prefix):])
                     self._index(table, ev.key, None)
                 else:
                     old = table.get(ev.key)
