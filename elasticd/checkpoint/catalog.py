@@ -151,10 +151,17 @@ def _inspect(store: FsspecCheckpointStore, save: ListedSave, verify: bool) -> Ch
                 store.verify_file(save.step, save.save_id, entry)
             _check_loadable(store, save, manifest)
             if manifest.shards:
-                # Every element of every sharded tensor stored exactly once.
+                # Every element of every sharded tensor stored exactly once, and every
+                # box's block CRCs (what a partial read checks) adding up to its CRC.
+                from elasticd.checkpoint import shards
                 from elasticd.checkpoint.reader import read_shard_index
 
-                read_shard_index(store, manifest)
+                for chunks in read_shard_index(store, manifest).values():
+                    for c in chunks:
+                        if not shards.blocks_agree(c):
+                            raise CheckpointCorruptError(
+                                f"shard index of {c.file}: the block CRCs of {c.key} do not add "
+                                "up to its CRC")
         except CheckpointVanishedError:
             if not store.fs.exists(f"{store.save_path(save.step, save.save_id)}/{MANIFEST_NAME}"):
                 return None  # pruned while we verified it: it is not there any more

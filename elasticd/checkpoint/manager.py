@@ -273,9 +273,8 @@ class CheckpointManager:
                 start = w.size
                 view = shards_mod.tensor_bytes(s.data)
                 w.write(view)
-                chunks.append(shards_mod.Chunk(
-                    s.key, str(s.data.dtype).removeprefix("torch."), s.shape, s.offsets,
-                    s.sizes, start, view.nbytes, checksum(view)))
+                chunks.append(shards_mod.new_chunk(s.key, s.data.dtype, s.shape, s.offsets,
+                                                   s.sizes, start, view))
 
         data = self.store.write_file(step, save_id, shards_mod.data_name(self.rank), write)
         index = self.store.publish_file(

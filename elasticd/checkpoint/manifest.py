@@ -9,6 +9,7 @@ one-line reason, which readers log before falling back to an older checkpoint.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
@@ -75,6 +76,51 @@ def parse_save_id(name: str) -> float | None:
 def checksum(data: Any, value: int = 0) -> int:
     """Running CRC-32 (zlib) of ``data``; continue with the previous ``value``."""
     return zlib.crc32(data, value)
+
+
+def _gf2_times(matrix: tuple[int, ...], vector: int) -> int:
+    out, i = 0, 0
+    while vector:
+        if vector & 1:
+            out ^= matrix[i]
+        vector >>= 1
+        i += 1
+    return out
+
+
+@functools.lru_cache(maxsize=64)
+def _zeros_operator(nbytes: int) -> tuple[int, ...]:
+    """The GF(2) matrix that takes a CRC-32 register past ``nbytes`` zero bytes (zlib's
+    ``crc32_combine`` construction, by repeated squaring; cached per length)."""
+    one_bit = (0xEDB88320,) + tuple(1 << n for n in range(31))
+    power = one_bit
+    for _ in range(3):  # one zero byte = 8 zero bits
+        power = tuple(_gf2_times(power, power[n]) for n in range(32))
+    result = tuple(1 << n for n in range(32))  # identity
+    while nbytes:
+        if nbytes & 1:
+            result = tuple(_gf2_times(power, result[n]) for n in range(32))
+        nbytes >>= 1
+        if nbytes:
+            power = tuple(_gf2_times(power, power[n]) for n in range(32))
+    return result
+
+
+def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
+    """The CRC-32 of ``a + b`` from ``crc32(a)``, ``crc32(b)`` and ``len(b)``: no pass over
+    the bytes (a few microseconds once the operator for ``len2`` is cached)."""
+    return _gf2_times(_zeros_operator(len2), crc1) ^ crc2 if len2 else crc1
+
+
+def block_checksums(data: Any, block: int) -> tuple[list[int], int]:
+    """CRC-32 of each ``block``-byte piece of ``data`` (the last may be shorter), and of
+    all of it, in one pass over the bytes."""
+    view = memoryview(data).cast("B")
+    crcs = [zlib.crc32(view[i:i + block]) for i in range(0, view.nbytes, block)]
+    whole = 0
+    for i, crc in enumerate(crcs):
+        whole = crc32_combine(whole, crc, min(block, view.nbytes - i * block))
+    return crcs, whole
 
 
 @dataclass(frozen=True)

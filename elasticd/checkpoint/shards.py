@@ -33,7 +33,7 @@ import torch
 
 from elasticd import boundedjson
 from elasticd.checkpoint.api import CheckpointCorruptError, CheckpointMismatchError
-from elasticd.checkpoint.manifest import checksum
+from elasticd.checkpoint.manifest import block_checksums, checksum, crc32_combine
 
 try:  # DTensor is torch.distributed's; a CPU build without distributed has no sharded state.
     from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -44,6 +44,10 @@ INDEX_FORMAT = "elasticd-shards"
 # In a state file, a DTensor's place is held by {SHARD_MARK: <its path>}.
 SHARD_MARK = "__elasticd_shard__"
 MAX_INDEX_BYTES = 64 << 20
+# A saved box over one block gets a CRC per block (``Chunk.blocks``). 64 KiB: a partial read
+# reads at most 128 KiB it does not need; the index grows by 11 bytes per block (176 per MiB).
+BLOCK_BYTES = 64 << 10
+MIN_BLOCK_BYTES, MAX_BLOCK_BYTES = 4096, 1 << 30
 _INDEX_RE = re.compile(r"shards-r([0-9]{5})\.json")
 # dtypes by name; only these are read back (a name from storage never reaches getattr).
 DTYPES: dict[str, torch.dtype] = {
@@ -128,6 +132,11 @@ class Chunk:
     length: int
     crc32: int
     file: str = ""
+    # CRC-32 of each ``block_bytes`` piece of the box's bytes (the last may be shorter),
+    # so that a load that needs part of the box reads and checks only the pieces it
+    # needs. Empty for a box of at most one block and in indexes written before them.
+    block_bytes: int = 0
+    blocks: tuple[int, ...] = ()
 
     @property
     def numel(self) -> int:
@@ -137,9 +146,12 @@ class Chunk:
         return n
 
     def to_dict(self) -> dict[str, Any]:
-        return {"key": self.key, "dtype": self.dtype, "shape": list(self.shape),
-                "offsets": list(self.offsets), "sizes": list(self.sizes),
-                "start": self.start, "length": self.length, "crc32": f"{self.crc32:08x}"}
+        out = {"key": self.key, "dtype": self.dtype, "shape": list(self.shape),
+               "offsets": list(self.offsets), "sizes": list(self.sizes),
+               "start": self.start, "length": self.length, "crc32": f"{self.crc32:08x}"}
+        if self.blocks:
+            out.update(block_bytes=self.block_bytes, block_crc32=[f"{c:08x}" for c in self.blocks])
+        return out
 
 
 @dataclass
@@ -219,10 +231,28 @@ def _chunk(raw: Any, file: str) -> Chunk:
         raise ValueError(f"{key}: shape, offsets and sizes differ in rank")
     if any(o + s > d for o, s, d in zip(offsets, sizes, shape, strict=True)):
         raise ValueError(f"{key}: box {offsets}+{sizes} lies outside shape {shape}")
-    chunk = Chunk(key, dtype, shape, offsets, sizes, start, length, int(crc, 16), file)
+    block_bytes, blocks = _blocks(raw, key, length)
+    chunk = Chunk(key, dtype, shape, offsets, sizes, start, length, int(crc, 16), file,
+                  block_bytes, blocks)
     if length != chunk.numel * DTYPES[dtype].itemsize:
         raise ValueError(f"{key}: {length} bytes for {chunk.numel} elements of {dtype}")
     return chunk
+
+
+def _blocks(raw: dict[str, Any], key: str, length: int) -> tuple[int, tuple[int, ...]]:
+    """A chunk's optional per-block CRCs: as many as its length needs. (Whether they add up
+    to the box's CRC is ``blocks_agree``'s to check: ``elasticd checkpoints --verify``.)"""
+    if "block_crc32" not in raw:
+        return 0, ()
+    block_bytes, crcs = raw.get("block_bytes"), raw["block_crc32"]
+    if not isinstance(block_bytes, int) or isinstance(block_bytes, bool) or not (
+            MIN_BLOCK_BYTES <= block_bytes <= MAX_BLOCK_BYTES):
+        raise ValueError(f"{key}: block_bytes {block_bytes!r} is not in "
+                         f"[{MIN_BLOCK_BYTES}, {MAX_BLOCK_BYTES}]")
+    if not isinstance(crcs, list) or len(crcs) != -(-length // block_bytes) or not all(
+            isinstance(c, str) and re.fullmatch(r"[0-9a-f]{8}", c) for c in crcs):
+        raise ValueError(f"{key}: block_crc32 is not {-(-length // block_bytes)} CRCs")
+    return block_bytes, tuple(int(c, 16) for c in crcs)
 
 
 def check_coverage(chunks: list[Chunk], sizes: Mapping[str, int]) -> dict[str, list[Chunk]]:
@@ -276,7 +306,7 @@ def overlap(ao: tuple[int, ...], asz: tuple[int, ...], bo: tuple[int, ...],
 
 
 def fill(target: Any, chunks: list[Chunk], read: Any, where: str, read_into: Any = None,
-         read_scratch: Any = None) -> Any:
+         read_scratch: Any = None, read_span: Any = None, read_span_into: Any = None) -> Any:
     """A DTensor like ``target`` (same mesh and placements) holding the saved values of
     its box, assembled from every saved chunk that overlaps it.
 
@@ -293,6 +323,14 @@ def fill(target: Any, chunks: list[Chunk], read: Any, where: str, read_into: Any
             written into it harms nothing.
         read_scratch: optional ``read_scratch(chunk) -> buffer`` (CRC checked) valid only
             until its next call: for a chunk that is copied from, not kept.
+        read_span: optional ``read_span(chunk, lo, hi) -> buffer``: bytes ``lo:hi`` of a
+            chunk with per-block CRCs, read and checked by whole blocks, valid only until
+            the next call. Used for a chunk only partly inside the new box: only its rows
+            (along dim 0) that overlap the box are read, not the whole chunk.
+        read_span_into: optional ``read_span_into(chunk, lo, hi, buffer)``: the same bytes
+            straight into a writable buffer of their length (checked there). Used when
+            those rows are whole rows of the new box too, contiguous in it (a shard along
+            dim 0 regrouped at any world size): no copy.
 
     Raises:
         CheckpointMismatchError: the saved tensor's shape or dtype differs from the template's.
@@ -318,23 +356,74 @@ def fill(target: Any, chunks: list[Chunk], read: Any, where: str, read_into: Any
             if read_into is not None and _whole(inter, c) and dst.is_contiguous():
                 read_into(c, tensor_bytes(dst))
                 continue
-            saved = _as_tensor((read_scratch or read)(c), c)
-            dst.copy_(saved[tuple(slice(lo - o, hi - o) for (lo, hi), o in zip(inter, c.offsets, strict=True))])
+            origin = c.offsets
+            if read_span is not None and c.blocks and c.sizes and inter[0][1] - inter[0][0] < c.sizes[0]:
+                # Only the rows that overlap: a contiguous run of the box's bytes.
+                (lo0, hi0), row = inter[0], c.length // c.sizes[0]
+                lo_b, hi_b = (lo0 - c.offsets[0]) * row, (hi0 - c.offsets[0]) * row
+                if read_span_into is not None and _whole(inter[1:], c, 1) and dst.is_contiguous():
+                    read_span_into(c, lo_b, hi_b, tensor_bytes(dst))
+                    continue
+                span = read_span(c, lo_b, hi_b)
+                saved = _as_tensor(span, c, (hi0 - lo0, *c.sizes[1:]))
+                origin = (lo0, *c.offsets[1:])
+            else:
+                saved = _as_tensor((read_scratch or read)(c), c)
+            dst.copy_(saved[tuple(slice(lo - o, hi - o) for (lo, hi), o in zip(inter, origin, strict=True))])
     local = local.to(target.to_local().device)
     return DTensor.from_local(local, target.device_mesh, target.placements, run_check=False,
                               shape=target.shape, stride=target.stride())
 
 
-def _whole(inter: tuple[tuple[int, int], ...], chunk: Chunk) -> bool:
-    """The overlap is the whole chunk."""
-    return all(lo == o and hi == o + n for (lo, hi), o, n in zip(inter, chunk.offsets, chunk.sizes, strict=True))
+def _whole(inter: tuple[tuple[int, int], ...], chunk: Chunk, first_dim: int = 0) -> bool:
+    """The overlap is the whole chunk (in its dimensions from ``first_dim`` on)."""
+    return all(lo == o and hi == o + n for (lo, hi), o, n in
+               zip(inter, chunk.offsets[first_dim:], chunk.sizes[first_dim:], strict=True))
 
 
-def _as_tensor(data: bytes | bytearray | memoryview, chunk: Chunk) -> torch.Tensor:
-    """The chunk's bytes as a tensor of its box (no copy of a bytearray or a writable view)."""
+def _as_tensor(data: bytes | bytearray | memoryview, chunk: Chunk,
+               sizes: tuple[int, ...] | None = None) -> torch.Tensor:
+    """The chunk's bytes (or ``sizes`` of them) as a tensor of its box (no copy of a
+    bytearray or a writable view)."""
     writable = isinstance(data, bytearray) or (isinstance(data, memoryview) and not data.readonly)
     buf = data if writable else bytearray(data)
-    return torch.frombuffer(buf, dtype=DTYPES[chunk.dtype]).view(chunk.sizes)
+    return torch.frombuffer(buf, dtype=DTYPES[chunk.dtype]).view(chunk.sizes if sizes is None else sizes)
+
+
+def new_chunk(key: str, dtype: torch.dtype, shape: tuple[int, ...], offsets: tuple[int, ...],
+              sizes: tuple[int, ...], start: int, data: memoryview, file: str = "") -> Chunk:
+    """The index entry of a box about to be written at ``start``: its CRC and, for a box
+    over one block, its per-block CRCs (one pass over the bytes for both)."""
+    name = str(dtype).removeprefix("torch.")
+    if data.nbytes <= BLOCK_BYTES:
+        return Chunk(key, name, shape, offsets, sizes, start, data.nbytes, checksum(data), file)
+    blocks, whole = block_checksums(data, BLOCK_BYTES)
+    return Chunk(key, name, shape, offsets, sizes, start, data.nbytes, whole, file,
+                 BLOCK_BYTES, tuple(blocks))
+
+
+def blocks_agree(chunk: Chunk) -> bool:
+    """Do the chunk's block CRCs add up to its CRC (true when it has none)?"""
+    whole = 0
+    for i, c in enumerate(chunk.blocks):
+        whole = crc32_combine(whole, c, min(chunk.block_bytes, chunk.length - i * chunk.block_bytes))
+    return not chunk.blocks or whole == chunk.crc32
+
+
+def blocks_crc(chunk: Chunk, first: int, count: int, data: memoryview) -> None:
+    """Check ``data``, read as the chunk's blocks ``first`` to ``first + count``, against
+    their CRCs.
+
+    Raises:
+        CheckpointCorruptError: the bytes are short or a block's CRC is wrong (names the file).
+    """
+    bb = chunk.block_bytes
+    end = min(chunk.length, (first + count) * bb)
+    if first + count > len(chunk.blocks) or data.nbytes != end - first * bb or any(
+            checksum(data[i * bb:(i + 1) * bb]) != chunk.blocks[first + i] for i in range(count)):
+        raise CheckpointCorruptError(
+            f"shard file {chunk.file}: the bytes of {chunk.key} do not match their checksum "
+            "(changed after commit)")
 
 
 def chunk_crc(chunk: Chunk, data: bytes | bytearray | memoryview) -> None:

@@ -301,3 +301,100 @@ def test_blocks_copied_from_share_one_scratch_buffer_and_are_still_checked():
                         lambda c: read_scratch(c, flip=c.file == "f1"))
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.timeout(60)
+def test_a_partial_box_reads_only_the_blocks_it_needs_and_checks_each(tmp_path):
+    """A (600, 1000) float32 tensor saved as two row boxes (two ranks' data files on local
+    disk, indexed by the writer's ``new_chunk``: a CRC per 64 KiB block), loaded by the real
+    reader into one rank's box of two larger worlds (a fake process group: no peers needed):
+    rows 200-299 of 6 ranks (inside one saved box: read straight into the new shard) and rows
+    200-399, columns 0-499 of a 3 x 2 mesh (across both boxes, not contiguous in the new
+    shard: copied from the scratch buffer). Each reads its rows rounded out to whole blocks,
+    not the saved boxes whole; a flipped byte in a block it reads is refused even where the
+    byte itself lies outside the rows it needs; an index without block CRCs (written before
+    them) still loads, reading the boxes whole."""
+    import dataclasses
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from elasticd.checkpoint import shards
+    from elasticd.checkpoint.api import CheckpointCorruptError
+    from elasticd.checkpoint.reader import ShardReads
+    from elasticd.checkpoint.store import FsspecCheckpointStore
+
+    saved = torch.randn(600, 1000, generator=torch.Generator().manual_seed(3))
+    row, bb = 1000 * 4, shards.BLOCK_BYTES
+    store = FsspecCheckpointStore(f"file://{tmp_path}", job="blocks")
+    step, save_id = 1, "1700000000000-0123abcd"
+    directory = Path(store.save_path(step, save_id))
+    directory.mkdir(parents=True)
+    chunks = []
+    for r in range(2):
+        box = saved[r * 300:(r + 1) * 300].contiguous()
+        (directory / shards.data_name(r)).write_bytes(bytes(shards.tensor_bytes(box)))
+        chunks.append(shards.new_chunk("w", box.dtype, (600, 1000), (r * 300, 0), (300, 1000), 0,
+                                       shards.tensor_bytes(box), shards.data_name(r)))
+    assert all(len(c.blocks) == -(-300 * row // bb) and shards.blocks_agree(c) for c in chunks)
+    parsed, _, _ = shards.parse_index(shards.index_json(0, chunks[:1], chunks[0].length, 0),
+                                      shards.index_name(0))
+    assert parsed == [chunks[0]]  # the block CRCs survive the index's JSON
+    read_bytes: list[int] = []
+    scratch: list[int] = []  # the scratch buffer's size after each load
+    real = store.read_range_into
+    store.read_range_into = lambda *a: read_bytes.append(n := real(*a)) or n  # type: ignore[method-assign]
+
+    def flip(r: int, at: int) -> None:
+        path = directory / shards.data_name(r)
+        data = bytearray(path.read_bytes())
+        data[at] ^= 0xFF
+        path.write_bytes(bytes(data))
+
+    def load(world_shape, placements, rows, cols, use=chunks):
+        mesh = init_device_mesh("cpu", world_shape)
+        local = torch.zeros(rows[1] - rows[0], cols[1] - cols[0])
+        target = DTensor.from_local(local, mesh, placements, run_check=False,
+                                    shape=torch.Size([600, 1000]), stride=(1000, 1))
+        read_bytes.clear()
+        reads = ShardReads(store, step, save_id)
+        got = reads.fill(target, use, "test").to_local()
+        assert torch.equal(got, saved[rows[0]:rows[1], cols[0]:cols[1]])
+        scratch.append(len(reads._scratch))
+        return sum(read_bytes)
+
+    def rounded(lo: int, hi: int) -> int:  # bytes of the blocks covering lo:hi
+        return min(300 * row, -(-hi // bb) * bb) - lo // bb * bb
+
+    dist.init_process_group("fake", store=FakeStore(), rank=2, world_size=6)
+    try:
+        # 6 ranks, rank 2: rows 200-299, all in box 0.
+        assert load((6,), [Shard(0)], (200, 300), (0, 1000)) == rounded(200 * row, 300 * row)
+        assert scratch[-1] <= bb  # only the partial block at the start went through it
+        # 3 x 2, rank 2 = (1, 0): rows 200-399 (100 of each box), columns 0-499.
+        both = load((3, 2), [Shard(0), Shard(1)], (200, 400), (0, 500))
+        assert both == rounded(200 * row, 300 * row) + rounded(0, 100 * row) < 2 * 300 * row / 2
+        # Written before block CRCs: each box read whole.
+        old = [dataclasses.replace(c, block_bytes=0, blocks=()) for c in chunks]
+        assert load((3, 2), [Shard(0), Shard(1)], (200, 400), (0, 500), old) == 2 * 300 * row
+        # Row 199 of box 0 is not needed, but shares a block with row 200: refused.
+        assert (199 * row) // bb == (200 * row) // bb
+        flip(0, 199 * row + 7)
+        for shape, placements, cols in (((6,), [Shard(0)], (0, 1000)),
+                                        ((3, 2), [Shard(0), Shard(1)], (0, 500))):
+            with pytest.raises(CheckpointCorruptError, match="shards-r00000.bin"):
+                load(shape, placements, (200, 300 if len(shape) == 1 else 400), cols)
+        flip(0, 199 * row + 7)
+        flip(0, 250 * row)  # a whole block read straight into the new shard
+        with pytest.raises(CheckpointCorruptError, match="shards-r00000.bin"):
+            load((6,), [Shard(0)], (200, 300), (0, 1000))
+        flip(0, 250 * row)
+        flip(1, 50 * row)  # a whole block inside the rows of box 1 that 3 x 2 needs
+        with pytest.raises(CheckpointCorruptError, match="shards-r00001.bin"):
+            load((3, 2), [Shard(0), Shard(1)], (200, 400), (0, 500))
+        load((6,), [Shard(0)], (200, 300), (0, 1000))  # box 1 is not read for rows 200-299
+    finally:
+        dist.destroy_process_group()

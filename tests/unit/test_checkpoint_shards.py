@@ -76,3 +76,50 @@ def test_hsdp_mesh_is_nodes_by_processes_per_node():
     assert mesh_shape("fsdp", 3, 2) == ((3,), ("shard",))
     with pytest.raises(ConfigError, match="multiple of 2"):
         mesh_shape("hsdp", 3, 2)
+
+
+def test_crc32_combine_and_block_checksums_agree_with_zlib():
+    """The CRC of a concatenation from its parts' CRCs, and the per-block CRCs with the
+    whole one from one pass, equal zlib's on the bytes, for odd lengths and block sizes."""
+    import os
+    import zlib
+
+    from elasticd.checkpoint.manifest import block_checksums, crc32_combine
+
+    for n, block in ((0, 7), (1, 7), (1000, 7), (65536, 4096), (3 * 65536 + 11, 65536)):
+        data = os.urandom(n)
+        crcs, whole = block_checksums(data, block)
+        assert whole == zlib.crc32(data)
+        assert crcs == [zlib.crc32(data[i:i + block]) for i in range(0, n, block)]
+    a, b = os.urandom(100), os.urandom(333)
+    assert crc32_combine(zlib.crc32(a), zlib.crc32(b), 333) == zlib.crc32(a + b)
+    assert crc32_combine(zlib.crc32(a), zlib.crc32(b""), 0) == zlib.crc32(a)
+
+
+def test_block_crcs_round_trip_and_malformed_ones_are_refused():
+    """A box over one block gets its block CRCs from ``new_chunk``, which parse back and add
+    up to its CRC; a wrong count, a bad block size or a bad hex string is corrupt, and a
+    block CRC changed in a well-formed index is what ``blocks_agree`` catches."""
+    import dataclasses
+
+    import torch
+
+    from elasticd.checkpoint import shards
+
+    t = torch.arange(3 * 65536 // 8 + 5, dtype=torch.float64)
+    chunk = shards.new_chunk("w", t.dtype, tuple(t.shape), (0,), tuple(t.shape), 0,
+                             shards.tensor_bytes(t), "shards-r00000.bin")
+    assert len(chunk.blocks) == 4 and chunk.block_bytes == shards.BLOCK_BYTES
+    assert shards.blocks_agree(chunk)
+    small = shards.new_chunk("b", t.dtype, (5,), (0,), (5,), 0, shards.tensor_bytes(t[:5]))
+    assert small.blocks == () and "block_crc32" not in small.to_dict()
+    data = index_json(0, [chunk], chunk.length, 0)
+    assert parse_index(data, "shards-r00000.json")[0] == [chunk]
+    for field, value in (("block_crc32", ["00000000"] * 3), ("block_bytes", 100),
+                         ("block_bytes", True), ("block_crc32", ["xyz"] * 4)):
+        raw = json.loads(data)
+        raw["chunks"][0][field] = value
+        with pytest.raises(CheckpointCorruptError, match="invalid"):
+            parse_index(json.dumps(raw).encode(), "shards-r00000.json")
+    tampered = dataclasses.replace(chunk, blocks=(chunk.blocks[0] ^ 1, *chunk.blocks[1:]))
+    assert not shards.blocks_agree(tampered)
