@@ -66,6 +66,7 @@ from benchmarks.spotbench.model import (  # noqa: E402
     simulate,
 )
 from benchmarks.spotbench.traces import Trace, load_traces  # noqa: E402
+from elasticd.config.model import LIVE_DRAIN_LEAD_S  # noqa: E402
 
 TRACES = ROOT.parent / "shared" / "spot-traces" / "availability" / "16-node"
 SYSTEMS = ("elasticd-live", "torchrun-etcd")
@@ -294,7 +295,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--step-s", type=float, default=0.1, help="the script's --step-sleep")
     p.add_argument("--checkpoint-every-s", type=float, default=600.0, help="in trace time")
     p.add_argument("--notice-s", type=float, default=120.0, help="the notice lead, trace time")
-    p.add_argument("--drain-lead-s", type=float, default=60.0, help="elasticd's drain lead, trace time")
+    p.add_argument("--drain-lead-s", type=float, default=LIVE_DRAIN_LEAD_S,
+                   help="elasticd's drain lead, trace time (its default under live re-formation)")
     p.add_argument("--workdir", required=True, help="a new directory for logs, trace, checkpoints")
     p.add_argument("--reanalyse", action="store_true",
                    help="do not play: analyse the replay already played in --workdir")

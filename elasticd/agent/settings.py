@@ -53,7 +53,7 @@ def node_spec(cfg: AgentConfig, environ: Mapping[str, str]) -> NodeSpec:
         metrics_port=cfg.metrics.port or None, metrics_addr=cfg.metrics.addr,
         preemption=make_watcher(cfg.preemption.provider, base_url=cfg.preemption.base_url,
                                 poll_interval_s=cfg.preemption.poll_interval_s,
-                                drain_lead_s=cfg.preemption.drain_lead_s),
+                                drain_lead_s=cfg.preemption.lead_s(w.live_reform)),
         notify_socket=environ.get("NOTIFY_SOCKET"), watchdog_usec=environ.get("WATCHDOG_USEC"),
         state_dir=environ.get("STATE_DIRECTORY"), resume=cfg.job.resume,
         state_home=default_state_root(environ.get("XDG_STATE_HOME"), environ.get("HOME")),

@@ -14,6 +14,11 @@ from types import MappingProxyType
 from elasticd.errors import ConfigError
 from elasticd.sensitive import MASK, mask_value, read_secret_file, redact_url
 
+# preemption.drain_lead_s when unset (PreemptionConfig.lead_s): a live drain writes no
+# checkpoint; the restart path's does (docs/spot-instances.md, "When the drain starts").
+LIVE_DRAIN_LEAD_S = 20.0
+RESTART_DRAIN_LEAD_S = 60.0
+
 
 @dataclass(frozen=True)
 class JobConfig:
@@ -201,7 +206,20 @@ class PreemptionConfig:
     base_url: str | None = None
     poll_interval_s: float = 2.0
     # The drain starts when this many seconds are left before the notice's deadline.
-    drain_lead_s: float = 60.0
+    # Unset: LIVE_DRAIN_LEAD_S under live re-formation, else RESTART_DRAIN_LEAD_S.
+    drain_lead_s: float | None = None
+
+    def lead_s(self, live_reform: bool) -> float:
+        """The drain lead this agent uses: the configured one, else the default for its path.
+
+        Under live re-formation a drained node writes no checkpoint (the survivors keep the
+        state; an FSDP node's ranks refresh their peer-RAM replica), so its drain needs the
+        poll delay, one step and the leave; and a drain the deadline cuts off is a lost node,
+        which costs the survivors no steps. The restart path saves at the drain.
+        """
+        if self.drain_lead_s is not None:
+            return self.drain_lead_s
+        return LIVE_DRAIN_LEAD_S if live_reform else RESTART_DRAIN_LEAD_S
 
 
 @dataclass(frozen=True)

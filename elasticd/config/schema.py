@@ -437,7 +437,7 @@ KEYS: dict[str, Key] = {
         Key("preemption", "base_url", http_url, None, 'base_url = "http://169.254.169.254"'),
         Key("preemption", "poll_interval_s", number(0, lo_open=True, hi=60), 2.0,
             "poll_interval_s = 2"),
-        Key("preemption", "drain_lead_s", number(0, hi=3600), 60.0, "drain_lead_s = 60"),
+        Key("preemption", "drain_lead_s", number(0, hi=3600), None, "drain_lead_s = 60"),
         Key("logging", "format", choice(*LOG_FORMATS), "auto", 'format = "json"'),
         Key("logging", "level", choice(*LOG_LEVELS), "info", 'level = "info"'),
         Key("logging", "worker_log_dir", optional_string, None,

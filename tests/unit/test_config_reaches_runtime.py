@@ -228,6 +228,21 @@ def test_runtime_defaults_equal_the_schema():
     assert node["resume"] == d["job.resume"]
 
 
+def test_an_unset_drain_lead_follows_the_recovery_path():
+    """``preemption.drain_lead_s`` unset: 20 s under live re-formation (a live drain writes
+    no checkpoint), 60 s on the restart path (its drain saves); a value set is kept on both."""
+    watch = {**BASE, "preemption.provider": "aws"}
+
+    def lead(**extra: str) -> float:
+        cfg = load_config(None, {}, {**watch, **extra}, check_files=False, hostname="h")
+        return node_spec(cfg, {}).preemption.drain_lead_s
+
+    assert lead() == model.LIVE_DRAIN_LEAD_S == 20.0
+    assert lead(**{"workers.live_reform": "false"}) == model.RESTART_DRAIN_LEAD_S == 60.0
+    for live in ("true", "false"):
+        assert lead(**{"workers.live_reform": live, "preemption.drain_lead_s": "90"}) == 90.0
+
+
 def test_every_flag_is_documented():
     """docs/configuration.md's flag table names every flag and its key."""
     from pathlib import Path
