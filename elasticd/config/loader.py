@@ -168,7 +168,12 @@ def render_effective(config: AgentConfig) -> str:
                 continue
             value = values[key.dotted]
             origin = _short(config.origins.get(key.dotted, "default"))
-            if value is None:
+            if value is None and key.dotted == "preemption.drain_lead_s":
+                live = config.workers.live_reform
+                path = "under live re-formation" if live else "on the restart path"
+                lines.append(f"# {key.name} = (unset: {config.preemption.lead_s(live):g} s {path})"
+                             f"  # {origin}")
+            elif value is None:
                 lines.append(f"# {key.name} = (unset)  # {origin}")
             else:
                 lines.append(f"{key.name} = {format_value(value)}  # {origin}")

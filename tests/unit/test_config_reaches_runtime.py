@@ -18,7 +18,7 @@ import pytest
 from elasticd.agent.elastic_agent import SupervisionSettings
 from elasticd.agent.runner import NodeSpec
 from elasticd.agent.settings import node_spec
-from elasticd.config import load_config, model
+from elasticd.config import load_config, model, render_effective
 from elasticd.config.flags import FLAGS, NO_FLAG
 from elasticd.config.schema import KEYS, REQUIRED
 from elasticd.etcd.client import EtcdClient
@@ -238,6 +238,8 @@ def test_an_unset_drain_lead_follows_the_recovery_path():
         return node_spec(cfg, {}).preemption.drain_lead_s
 
     assert lead() == model.LIVE_DRAIN_LEAD_S == 20.0
+    shown = render_effective(load_config(None, {}, watch, check_files=False, hostname="h"))
+    assert "# drain_lead_s = (unset: 20 s under live re-formation)" in shown
     assert lead(**{"workers.live_reform": "false"}) == model.RESTART_DRAIN_LEAD_S == 60.0
     for live in ("true", "false"):
         assert lead(**{"workers.live_reform": live, "preemption.drain_lead_s": "90"}) == 90.0
