@@ -15,6 +15,7 @@ import math
 import re
 import secrets
 import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -112,15 +113,20 @@ def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
     return _gf2_times(_zeros_operator(len2), crc1) ^ crc2 if len2 else crc1
 
 
+def combine_blocks(crcs: Sequence[int], block: int, length: int) -> int:
+    """The CRC-32 of ``length`` bytes from the CRCs of their ``block``-byte pieces."""
+    whole = 0
+    for i, crc in enumerate(crcs):
+        whole = crc32_combine(whole, crc, min(block, length - i * block))
+    return whole
+
+
 def block_checksums(data: Any, block: int) -> tuple[list[int], int]:
     """CRC-32 of each ``block``-byte piece of ``data`` (the last may be shorter), and of
     all of it, in one pass over the bytes."""
     view = memoryview(data).cast("B")
     crcs = [zlib.crc32(view[i:i + block]) for i in range(0, view.nbytes, block)]
-    whole = 0
-    for i, crc in enumerate(crcs):
-        whole = crc32_combine(whole, crc, min(block, view.nbytes - i * block))
-    return crcs, whole
+    return crcs, combine_blocks(crcs, block, view.nbytes)
 
 
 @dataclass(frozen=True)

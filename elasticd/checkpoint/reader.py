@@ -207,7 +207,7 @@ class ShardReads:
             block = at // bb
             end = min(hi, (block + 1) * bb)
             if at == block * bb and (end - at == bb or end == c.length):
-                stop = min(hi // bb, len(c.blocks)) if hi < c.length else len(c.blocks)
+                stop = len(c.blocks) if hi == c.length else hi // bb
                 end = min(c.length, stop * bb)
                 part = buf[at - lo:end - lo]
                 shards.blocks_crc(c, block, stop - block, part[:self._range_into(c, at, part)])

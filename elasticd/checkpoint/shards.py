@@ -33,7 +33,7 @@ import torch
 
 from elasticd import boundedjson
 from elasticd.checkpoint.api import CheckpointCorruptError, CheckpointMismatchError
-from elasticd.checkpoint.manifest import block_checksums, checksum, crc32_combine
+from elasticd.checkpoint.manifest import block_checksums, checksum, combine_blocks
 
 try:  # DTensor is torch.distributed's; a CPU build without distributed has no sharded state.
     from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -404,10 +404,7 @@ def new_chunk(key: str, dtype: torch.dtype, shape: tuple[int, ...], offsets: tup
 
 def blocks_agree(chunk: Chunk) -> bool:
     """Do the chunk's block CRCs add up to its CRC (true when it has none)?"""
-    whole = 0
-    for i, c in enumerate(chunk.blocks):
-        whole = crc32_combine(whole, c, min(chunk.block_bytes, chunk.length - i * chunk.block_bytes))
-    return not chunk.blocks or whole == chunk.crc32
+    return not chunk.blocks or combine_blocks(chunk.blocks, chunk.block_bytes, chunk.length) == chunk.crc32
 
 
 def blocks_crc(chunk: Chunk, first: int, count: int, data: memoryview) -> None:
