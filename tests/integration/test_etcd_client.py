@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -188,3 +192,76 @@ def test_stopping_a_watch_after_a_stream_swap_does_not_silence_another(etcd_serv
         if b is not None:
             b.stop()
         client.close()
+
+
+# A child that imports elasticd's etcd client, keeps gRPC busy from three threads and a
+# watch, and forks through ``subprocess`` with a ``preexec_fn`` (the GIL held across fork(),
+# as when the agent starts its lease bridge or an embedded etcd) until it has forked
+# ``forks`` times (or for ``limit`` seconds).
+_FORKING_CHILD = r"""
+import os, subprocess, sys, threading, time
+endpoint, forks, limit = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+from elasticd.etcd import EtcdClient
+print("env-after-import", os.environ.get("GRPC_ENABLE_FORK_SUPPORT"), flush=True)
+client = EtcdClient(endpoint, timeout_s=2.0)
+watch = client.watch_prefix("/fork/", lambda events: None, lambda kvs, rev: None)
+stop = threading.Event()
+def busy(i):
+    n = 0
+    while not stop.is_set():
+        client.put(f"/fork/{i}", str(n)); client.get(f"/fork/{i}"); n += 1
+threads = [threading.Thread(target=busy, args=(i,)) for i in range(3)]
+for t in threads: t.start()
+n, deadline = 0, time.monotonic() + limit
+while n < forks and time.monotonic() < deadline:
+    subprocess.Popen(["/bin/true"], preexec_fn=lambda: None).wait()
+    n += 1
+stop.set()
+for t in threads: t.join(10)
+watch.stop(); client.close()
+print("forked", n, flush=True)
+"""
+
+_FORK_HANDLER_LOG = "fork() handlers"  # gRPC core: "... skipping fork() handlers"
+
+
+def _fork_beside_grpc(endpoint: str, tmp_path, *, env_value: str | None) -> tuple[bool, str, str]:
+    """Run :data:`_FORKING_CHILD` (300 forks) in its own process group; (hung, out, err).
+
+    A child still running after 20 s is taken as hung: the forks take ~3 s on 2 busy
+    cores. Its group (the child and a fork stuck in gRPC's handlers) is then SIGKILLed."""
+    script = tmp_path / "forking_child.py"
+    script.write_text(_FORKING_CHILD)
+    env = {k: v for k, v in os.environ.items() if k != "GRPC_ENABLE_FORK_SUPPORT"}
+    env["GRPC_VERBOSITY"] = "INFO"
+    if env_value is not None:
+        env["GRPC_ENABLE_FORK_SUPPORT"] = env_value
+    with subprocess.Popen([sys.executable, str(script), endpoint, "300", "15"], env=env,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          start_new_session=True) as proc:
+        try:
+            out, err = proc.communicate(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, err = proc.communicate(timeout=10)
+            return True, out, err
+    assert proc.returncode == 0, err[-3000:]
+    return False, out, err
+
+
+@pytest.mark.timeout(120)
+def test_forking_beside_live_grpc_runs_no_grpc_fork_handlers(etcd_server, tmp_path):
+    """gRPC core's fork handlers run inside every fork(), which holds the GIL: with gRPC
+    busy they hang the fork (it froze a loaded test run for good). elasticd's import of
+    the etcd client turns them off, and leaves the environment its workers inherit as it
+    found it. The control run, with the handlers on, shows the probe sees them: they log
+    that they ran, or the forks hang."""
+    hung, out, err = _fork_beside_grpc(etcd_server.endpoint, tmp_path, env_value=None)
+    assert not hung, f"forking beside live gRPC hung; the child's stderr ends:\n{err[-2000:]}"
+    assert "env-after-import None" in out
+    assert "forked 300" in out, out
+    assert _FORK_HANDLER_LOG not in err, err[-2000:]
+
+    hung, out, err = _fork_beside_grpc(etcd_server.endpoint, tmp_path, env_value="true")
+    assert "env-after-import true" in out, "an operator's own setting must be kept"
+    assert hung or _FORK_HANDLER_LOG in err, "the probe did not see gRPC's fork handlers when on"
