@@ -17,7 +17,7 @@ So here:
   ``etcd_handler.py``, ``session.py``, ``watch.py``, ``etcd_store.py``):
   register = read ``rdzv/state``; snapshot + watch ``[rdzv/, rdzv/failures/)`` and
   ``[rdzv/joins0, rdzv0)`` (two watchers per node, as the handler); read its old node key;
-  grant a lease; put ``nodes/<node>`` on it; read it back (the incarnation);
+  grant a lease; put ``nodes/<node>`` on it and read it back (the incarnation) in one txn;
   keep-alive = one ``LeaseKeepAlive`` per node every TTL/3 (one stream per client carries
   them); join = put ``rdzv/joins/<round>/<node>`` on the lease when the watched state is an
   open round it has not joined; done = the watched state is final with it as a member, then
@@ -152,6 +152,8 @@ class Node:
         self.lock = threading.Lock()
 
     def register(self, init: bool = True) -> None:
+        from elasticd.etcd.txn import Get, Put
+
         f, k, c = self.fleet, self.fleet.keys, self.client
         c.get(k.rdzv_state)  # the connect read
         for start, end, rev_cb in f.ranges:
@@ -163,8 +165,7 @@ class Node:
         c.get(key)  # _retire_previous_process: any old record?
         self.lease = c.grant_lease(f.ttl)
         record = f.record_json(self.name)
-        c.put(key, record, lease=self.lease)
-        c.get(key)  # the incarnation
+        c.txn_read([], [Put(key, record, lease=self.lease), Get(key)])  # record + incarnation
         f.keepalive(self)
         state = f.current_state()
         if state is None:

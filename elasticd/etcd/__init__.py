@@ -35,10 +35,19 @@ from elasticd.etcd.client import EtcdClient  # noqa: E402 - after gRPC's setting
 from elasticd.etcd.endpoints import TLSFiles  # noqa: E402
 from elasticd.etcd.kv import KV, WatchEvent  # noqa: E402
 from elasticd.etcd.lease import LeaseKeeper  # noqa: E402
-from elasticd.etcd.txn import Compare, CreateRevision, Delete, DeletePrefix, ModRevision, Op, Put  # noqa: E402
+from elasticd.etcd.txn import (  # noqa: E402
+    Compare,
+    CreateRevision,
+    Delete,
+    DeletePrefix,
+    Get,
+    ModRevision,
+    Op,
+    Put,
+)
 from elasticd.etcd.watch import PrefixWatch  # noqa: E402
 
 __all__ = [
-    "KV", "Compare", "CreateRevision", "Delete", "DeletePrefix", "EtcdClient", "LeaseKeeper",
+    "KV", "Compare", "CreateRevision", "Delete", "DeletePrefix", "EtcdClient", "Get", "LeaseKeeper",
     "ModRevision", "Op", "PrefixWatch", "Put", "TLSFiles", "WatchEvent",
 ]

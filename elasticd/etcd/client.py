@@ -423,14 +423,33 @@ class EtcdClient:
             EtcdUnavailableError: etcd did not answer (the outcome is unknown).
         """
 
-        def run(c: etcd3.MultiEndpointEtcd3Client) -> bool:
-            t = c.transactions
-            ok, _ = c.transaction(compare=[raw_compare(t, x) for x in compares],
-                                  success=[raw_op(t, op) for op in success],
-                                  failure=[raw_op(t, op) for op in failure])
-            return bool(ok)
+        return self.txn_read(compares, success, failure)[0]
 
-        return bool(self.call(run))
+    def txn_read(self, compares: Sequence[Compare], success: Sequence[Op],
+                 failure: Sequence[Op] = ()) -> tuple[bool, list[KV | None]]:
+        """:meth:`txn`, also returning what its ``Get`` operations read: one request.
+
+        Returns:
+            Whether the compares held, and one entry per ``Get`` of the branch that ran,
+            in order: the key as the transaction left it (writes before the ``Get`` in
+            the same branch included), or None where the key does not exist.
+
+        Raises:
+            EtcdUnavailableError: etcd did not answer (the outcome is unknown).
+        """
+
+        def run(c: etcd3.MultiEndpointEtcd3Client) -> tuple[bool, list[KV | None]]:
+            t = c.transactions
+            ok, responses = c.transaction(compare=[raw_compare(t, x) for x in compares],
+                                          success=[raw_op(t, op) for op in success],
+                                          failure=[raw_op(t, op) for op in failure])
+            # python3-etcd3 gives a range response as a list of (value, metadata) and the
+            # others as protobuf messages.
+            reads = [self._kv(*r[0]) if r else None for r in responses if isinstance(r, list)]
+            return bool(ok), reads
+
+        ok, reads = self.call(run)
+        return bool(ok), reads
 
     def put_if(self, key: str, value: bytes | str, *, mod_revision: int,
                lease: int | None = None, extra_compare: Sequence[Compare] = (),

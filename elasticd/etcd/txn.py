@@ -71,8 +71,16 @@ class DeleteRange:
     end: str
 
 
+@dataclass(frozen=True)
+class Get:
+    """Operation: read ``key`` at the transaction's revision (``EtcdClient.txn_read``
+    returns it), e.g. a record's create_revision right after the put that made it."""
+
+    key: str
+
+
 Compare = ModRevision | CreateRevision | Exists
-Op = Put | Delete | DeletePrefix | DeleteRange
+Op = Put | Delete | DeletePrefix | DeleteRange | Get
 
 
 def raw_compare(t: Any, compare: Compare) -> Any:
@@ -97,4 +105,6 @@ def raw_op(t: Any, op: Op) -> Any:
         return t.delete(op.prefix, range_end=end)
     if isinstance(op, DeleteRange):
         return t.delete(op.start, range_end=etcd3.utils.to_bytes(op.end))
+    if isinstance(op, Get):
+        return t.get(op.key)
     raise TypeError(f"not an etcd operation: {op!r}")

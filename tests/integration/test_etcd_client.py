@@ -15,6 +15,7 @@ from harness import wait_until
 from elasticd.errors import EtcdUnavailableError
 from elasticd.etcd.client import KV, EtcdClient, WatchEvent
 from elasticd.etcd.lease import LeaseKeeper
+from elasticd.etcd.txn import Get, ModRevision, Put
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -192,6 +193,27 @@ def test_stopping_a_watch_after_a_stream_swap_does_not_silence_another(etcd_serv
         if b is not None:
             b.stop()
         client.close()
+
+
+def test_txn_read_returns_what_its_gets_saw_in_the_same_request(etcd_client):
+    """A registration's put and the read of its incarnation are one txn: the Get sees the
+    put before it (create_revision = the put's revision for a new key, kept on a
+    rewrite), a missing key reads None, and a failed compare runs the failure branch's
+    reads only."""
+    ok, (new, missing) = etcd_client.txn_read([], [Put("/t/node", "a"), Get("/t/node"),
+                                                   Get("/t/absent")])
+    assert ok and missing is None
+    assert new is not None and new.value == b"a"
+    assert new.create_revision == new.mod_revision == etcd_client.get("/t/node").create_revision
+    ok, (again,) = etcd_client.txn_read([ModRevision("/t/node", new.mod_revision)],
+                                        [Put("/t/node", "b"), Get("/t/node")])
+    assert ok and again.value == b"b"
+    assert (again.create_revision, again.mod_revision > new.mod_revision) == (
+        new.create_revision, True)
+    ok, reads = etcd_client.txn_read([ModRevision("/t/node", new.mod_revision)],
+                                     [Put("/t/node", "c"), Get("/t/node")], [Get("/t/node")])
+    assert not ok and [kv.value for kv in reads] == [b"b"]
+    assert etcd_client.txn([ModRevision("/t/node", again.mod_revision)], [Get("/t/node")])
 
 
 # A child that imports elasticd's etcd client, keeps gRPC busy from three threads and a

@@ -11,6 +11,7 @@ from elasticd.etcd.txn import (
     Delete,
     DeletePrefix,
     Exists,
+    Get,
     ModRevision,
     Put,
     raw_compare,
@@ -40,6 +41,8 @@ def test_ops_map_to_put_delete_and_prefix_delete():
     assert one.key == "/k" and one.range_end is None
     rng = raw_op(T, DeletePrefix("/a/"))
     assert (rng.key, rng.range_end) == ("/a/", b"/a0")
+    get = raw_op(T, Get("/k"))
+    assert get.key == "/k" and get.range_end is None
 
 
 def test_untyped_parts_are_refused():
