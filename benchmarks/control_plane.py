@@ -21,7 +21,7 @@ So here:
   keep-alive = one ``LeaseKeepAlive`` per node every TTL/3 (one stream per client carries
   them); join = put ``rdzv/joins/<round>/<node>`` on the lease when the watched state is an
   open round it has not joined; done = the watched state is final with it as a member, then
-  ``RendezvousStoreInfo.build`` on a real ``EtcdStore`` (rank 0 sets MASTER_ADDR/PORT,
+  ``EtcdStore.bootstrap_info`` on a real ``EtcdStore`` (rank 0 sets MASTER_ADDR/PORT,
   everyone reads them); die = stop its keep-alives (the lease expires, as a SIGKILL).
   What they skip is client-side only: the liveness listener (their records say port 0,
   so the coordinator falls back to the lease), decoding the state once per node (parsed
@@ -203,13 +203,11 @@ class Node:
             self.fleet.errors.append(f"{self.name} join {round_}: {exc}")
 
     def _store(self, round_: int, rank: int, world: int) -> None:
-        from torch.distributed.elastic.rendezvous import RendezvousStoreInfo
-
         from elasticd.rendezvous.etcd_store import EtcdStore
 
         try:
             store = EtcdStore(self.client, self.fleet.keys.store_prefix(round_), timeout_s=120.0)
-            RendezvousStoreInfo.build(rank, store, local_addr="127.0.0.1")
+            store.bootstrap_info(rank, "127.0.0.1")
             store.close(wait=False)
         except Exception as exc:  # noqa: BLE001
             self.fleet.errors.append(f"{self.name} store {round_}: {exc}")

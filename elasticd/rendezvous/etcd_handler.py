@@ -31,7 +31,6 @@ from torch.distributed.elastic.rendezvous import (
     RendezvousGracefulExitError,
     RendezvousHandler,
     RendezvousInfo,
-    RendezvousStoreInfo,
     RendezvousTimeoutError,
 )
 
@@ -389,7 +388,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
                           timeout_s=self.settings.store_timeout_s,
                           abandoned=lambda: self.round_abandoned(formed))
         self._store = store
-        bootstrap = RendezvousStoreInfo.build(rank, store, local_addr=self.settings.local_addr)
+        bootstrap = store.bootstrap_info(rank, self.settings.local_addr)
         self.rendezvous_s = time.monotonic() - start
         # nnodes: nodes in the round (torch's "world size" of a rendezvous); the workers'
         # world size is nnodes x nproc_per_node.

@@ -18,6 +18,7 @@ errors are retried until the store timeout.
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -25,8 +26,11 @@ from datetime import timedelta
 from typing import Any, TypeVar
 
 import torch.distributed as dist
+from torch.distributed.elastic.rendezvous import RendezvousStoreInfo
+from torch.distributed.elastic.utils.distributed import get_free_port
 
 from elasticd.etcd.client import KV, EtcdClient, PrefixWatch, WatchEvent
+from elasticd.etcd.txn import Put
 from elasticd.retry import call_with_retry
 
 T = TypeVar("T")
@@ -215,8 +219,22 @@ class EtcdStore(dist.Store):
         return self._wait_for(list(keys), self._timeout_s)
 
     def multi_set(self, keys: list[str], values: list[Any]) -> None:
-        for k, v in zip(keys, values, strict=True):
-            self.set(k, v)
+        """Write every key in one transaction: a reader sees all of them or none."""
+        ops = [Put(self._prefix + k, self._bytes(v)) for k, v in zip(keys, values, strict=True)]
+        self._retry(lambda: self._client.txn([], ops))
+
+    def bootstrap_info(self, rank: int, local_addr: str | None) -> RendezvousStoreInfo:
+        """torch's ``RendezvousStoreInfo.build`` (rank 0 publishes its address and a free
+        port, every rank reads them) in fewer etcd requests: rank 0 writes both in one
+        transaction and keeps what it wrote, the others read both in one request. At
+        1,000 nodes a round is bound by etcd's requests (docs/benchmarks.md)."""
+        keys = [RendezvousStoreInfo.MASTER_ADDR_KEY, RendezvousStoreInfo.MASTER_PORT_KEY]
+        if rank == 0:
+            addr, port = local_addr or socket.getfqdn(), get_free_port()
+            self.multi_set(keys, [addr.encode(), str(port).encode()])
+            return RendezvousStoreInfo(master_addr=addr, master_port=port)
+        addr_b, port_b = self.multi_get(keys)
+        return RendezvousStoreInfo(master_addr=addr_b.decode(), master_port=int(port_b.decode()))
 
     def set_timeout(self, timeout: timedelta) -> None:
         self._timeout_s = timeout.total_seconds()

@@ -186,9 +186,11 @@ def test_a_member_gone_before_the_rank_exchange_ends_the_others_wait_at_once(han
     seven nodes idle for minutes), and their next rendezvous forms a round without it."""
     hs = [handlers.make(f"gone-{departure}", f"n{i}", min_nodes=1, max_nodes=2, node_ttl_s=2,
                         store_timeout_s=45.0) for i in range(2)]
-    infos = results(handlers.join(hs))
+    # min_nodes=1: the first to register may close round 0 alone; drive both, as torch's
+    # agent does, until they share one round of 2.
+    infos = form_round(handlers, hs, world=2)
     stay, leaver = hs[0], hs[1]
-    store = infos[0].store
+    store, formed = infos[0].store, stay.round
     if departure == "drained":
         leaver.leave_kind = LEFT_DRAINED
         leaver.shutdown()
@@ -199,7 +201,7 @@ def test_a_member_gone_before_the_rank_exchange_ends_the_others_wait_at_once(han
     assert leaver.node_id in str(err), err
     assert took < 15.0, f"the read waited {took:.1f}s for a gone member"
     info = results(handlers.join([stay]))[0]
-    assert info.world_size == 1 and stay.round == 1 and stay.members == ("n0",)
+    assert info.world_size == 1 and stay.round == formed + 1 and stay.members == ("n0",)
 
 
 def test_finished_node_is_not_a_lost_member_and_the_job_does_not_reform(handlers):
@@ -641,6 +643,29 @@ def test_store_multi_get_and_multi_set(stores):
     s = stores.make()
     s.multi_set(["x", "y", "z"], [b"1", "2", b"3"])
     assert s.multi_get(["z", "x", "y"]) == [b"3", b"1", b"2"]
+
+
+def test_store_multi_set_is_one_revision_and_bootstrap_info_agrees_with_torch(stores):
+    """multi_set is one transaction (every key at one revision: a reader sees all or none).
+    bootstrap_info: a rank that asks before rank 0 has published waits for it, and every
+    rank, torch's own RendezvousStoreInfo.build on the same store included, gets rank 0's
+    address and port."""
+    from torch.distributed.elastic.rendezvous import RendezvousStoreInfo
+
+    s = stores.make()
+    s.multi_set(["a", "b"], [b"1", b"2"])
+    kvs, _ = stores.made[0][1].get_prefix(stores.keys.store_prefix(0))
+    assert len({kv.mod_revision for kv in kvs}) == 1 and len(kvs) == 2
+
+    r0, r1, torch_r2 = stores.make(3), stores.make(3), stores.make(3)
+    with ThreadPoolExecutor(2) as pool:
+        early = pool.submit(r1.bootstrap_info, 1, None)  # blocks: nothing published yet
+        torch_view = pool.submit(RendezvousStoreInfo.build, 2, torch_r2, None)
+        assert not early.done()
+        mine = r0.bootstrap_info(0, "127.0.0.1")
+        got = [f.result(timeout=10) for f in (early, torch_view)]
+    assert mine.master_addr == "127.0.0.1" and 0 < mine.master_port < 65536
+    assert {(i.master_addr, i.master_port) for i in got} == {(mine.master_addr, mine.master_port)}
 
 
 def test_store_timeout_property_and_prefix_isolation(stores):
