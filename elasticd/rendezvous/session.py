@@ -176,7 +176,7 @@ class NodeSession:
         # The put and the read of our incarnation (the record's create_revision) in one
         # request: a round at 1,000 nodes is bound by etcd's requests (docs/benchmarks.md).
         guard = [] if round_rev is None else [ModRevision(self.keys.rdzv_state, round_rev)]
-        put, kv = retry_rdzv("node record", lambda: self.client.txn_read(
+        put, reads = retry_rdzv("node record", lambda: self.client.txn_read(
             guard, [Put(key, record.to_json(), lease=lease), Get(key)]), deadline)
         if not put:
             try:
@@ -186,7 +186,8 @@ class NodeSession:
             self._log.warning("lease_not_resurrected", round=self.round,
                               reason="the round state moved: the job re-formed during the outage")
             return False
-        self.incarnation = kv[0].create_revision if kv[0] else 0
+        written = reads[0]  # the Get after our put: never None
+        self.incarnation = written.create_revision if written else 0
         self.record = record
         with self.view.cond:  # joins put on an older lease died with it
             self.view.lease_id = lease
