@@ -151,8 +151,8 @@ class Run:
         self.events: list[tuple[float, dict]] = []  # started / drained / finished / agent events
         argv = [PY, "-m", "elasticd.cli", "run", "--standalone", "--job", "gpucheck",
                 "--nproc-per-node", str(nproc), "--log-format", "json",
-                "--log-dir", str(self.workdir / "logs"), "examples/train.py",
-                "--checkpoint-url", self.ckpt_url, *script_args]
+                "--log-dir", str(self.workdir / "logs"), "--checkpoint-url", self.ckpt_url,
+                "examples/train.py", *script_args]
         self.node = NodeProc(name, argv, {"PYTHONUNBUFFERED": "1"}, self.workdir / "agent.log",
                              on_line=self._on_line)
 
@@ -171,8 +171,22 @@ class Run:
     def steps_after(self, after: float) -> list[tuple[float, dict]]:
         return [(t, r) for t, r in list(self.steps) if t > after]
 
-    def committed_steps(self) -> list[int]:
-        """Steps of the committed checkpoints (manifest written), from the storage listing."""
+    def commits(self) -> list[tuple[int, int]]:
+        """(round, step) of each save the agent's commit fence accepted (its
+        ``checkpoint_committed`` events), in the order logged.
+
+        A save counts only once the fence accepts it: a worker killed after writing a
+        manifest and before its fence commit leaves a save that no resume may use.
+        """
+        return [(int(e.get("round", -1)), int(e["step"])) for _, e in list(self.events)
+                if e.get("event") == "checkpoint_committed" and "step" in e]
+
+    def committed_steps(self, round_: int | None = None) -> list[int]:
+        """Steps the fence accepted (of round ``round_`` only, if given), ascending."""
+        return sorted(s for r, s in self.commits() if round_ is None or r == round_)
+
+    def written_steps(self) -> list[int]:
+        """Steps of the saves with a manifest in the storage listing (fenced or not)."""
         from elasticd.checkpoint.store import FsspecCheckpointStore
 
         try:
@@ -260,11 +274,15 @@ def kill_and_drain(workdir: Path, nproc: int, sz: Sizes, runs: list[Run]) -> dic
         return res
     agent_pgid = os.getpgid(run.node.pid)
     groups = sorted({g for p in pids if (g := _pgid(p)) not in (None, agent_pgid)})
-    committed_at_kill = max(run.committed_steps(), default=None)
+    commits = run.commits()
+    killed_round = commits[-1][0] if commits else None
+    committed_at_kill = max(run.committed_steps(killed_round), default=None)
+    written_at_kill = max(run.written_steps(), default=None)
     t0 = time.time()
     for g in groups:
         os.killpg(g, signal.SIGKILL)
-    kill.update(worker_pids=pids, process_groups=groups, committed_at_kill=committed_at_kill)
+    kill.update(worker_pids=pids, process_groups=groups, committed_at_kill=committed_at_kill,
+                written_at_kill=written_at_kill)
     started = wait_until(lambda: run.event_after("started", t0 + 0.2), sz.recover_timeout_s)
     if not started:
         kill["note"] = f"no restarted worker within {sz.recover_timeout_s:.0f}s"
@@ -283,8 +301,13 @@ def kill_and_drain(workdir: Path, nproc: int, sz: Sizes, runs: list[Run]) -> dic
                 steps_lost=(last_old - resumed) if last_old is not None and resumed is not None else None,
                 agent_alive=run.node.alive(),
                 warm_standby_used=run.event_after("standby_handed_over", t0) is not None)
-    kill["ok"] = bool(new and resumed is not None and committed_at_kill is not None
-                      and resumed >= committed_at_kill and run.node.alive())
+    # The killed round's newest commit: one in flight at the kill may land after it (and the
+    # resume must then use it); the worker's "started" line arrives through the log tee
+    # after the new round's first commits, so those are told apart by round, not by time.
+    committed = max(run.committed_steps(killed_round), default=None)
+    kill["committed_before_restart"] = committed
+    kill["ok"] = bool(new and resumed is not None and committed is not None
+                      and resumed >= committed and run.node.alive())
     # Drain: a few steps after the resume, SIGTERM to the agent only (systemd's KillMode=mixed).
     drain = res["drain"]
     if not run.node.alive():
@@ -556,7 +579,8 @@ def summary(results: dict[str, Any]) -> str:
     if kd:
         lines.append(f"c SIGKILL worker [{'ok' if k.get('ok') else 'FAIL'}]: first new step "
                      f"{k.get('first_new_step_s')} s after the kill (restart {k.get('restart_started_s')} s), "
-                     f"resumed from {k.get('resumed_from')} (committed {k.get('committed_at_kill')}), "
+                     f"resumed from {k.get('resumed_from')} (committed {k.get('committed_before_restart')}, "
+                     f"written {k.get('written_at_kill')} at the kill), "
                      f"steps lost {k.get('steps_lost')}, warm standby {k.get('warm_standby_used')} {k.get('note', '')}")
         lines.append(f"c SIGTERM drain [{'ok' if d.get('ok') else 'FAIL'}]: exit {d.get('exit_code')} in "
                      f"{d.get('exit_s')} s, drained at {d.get('drained_step')}, checkpoint "

@@ -209,4 +209,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Not sys.exit: under plain torchrun the interpreter's teardown can abort (SIGABRT,
+    # "terminate called without an active exception") while a gloo thread still releases
+    # the last collective; fast_exit skips it. Under elasticd run the launcher does this.
+    worker.fast_exit(main())

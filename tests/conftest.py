@@ -19,6 +19,21 @@ from elasticd.etcd.client import EtcdClient  # noqa: E402
 from elasticd.etcd.embedded import EmbeddedEtcd  # noqa: E402
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _private_state_home(tmp_path_factory):
+    """Agents started by the tests keep their state (standalone run records, commit intents)
+    under this session's temp dir, never the user's ~/.local/state/elasticd: a record left
+    there by one run would make a later standalone start of the same job and checkpoint
+    URL say "already finished". A test about the default root removes the variable."""
+    old = os.environ.get("XDG_STATE_HOME")
+    os.environ["XDG_STATE_HOME"] = str(tmp_path_factory.mktemp("state-home"))
+    yield
+    if old is None:
+        os.environ.pop("XDG_STATE_HOME", None)
+    else:
+        os.environ["XDG_STATE_HOME"] = old
+
+
 @pytest.fixture(autouse=True)
 def _fresh_logging():
     """Every test starts with elasticd's logging unconfigured. An in-process CLI run (status,
