@@ -24,6 +24,7 @@ Run: ``python benchmarks/sharded_checkpoint.py [--mib 256] [--ranks 2] [--repeat
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
 import os
 import shutil
@@ -37,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
+PROFILE_ENV = "ELASTICD_BENCH_PROFILE_DIR"  # set by --profile for the children
 
 
 def _group(rank: int, world: int, workdir: str, mib: int, store_name: str):
@@ -75,10 +77,17 @@ def _timed_load(mgr, build) -> tuple[float, Any, list[Path]]:
     import torch.distributed as dist
 
     fresh, fresh_optim = build(1)
+    profile_dir = os.environ.get(PROFILE_ENV)
+    prof = cProfile.Profile() if profile_dir else None
     dist.barrier()
     t0 = time.perf_counter()
+    if prof is not None:
+        prof.enable()
     loaded = mgr.load_latest({"model": fresh, "optim": fresh_optim})
     load_s = time.perf_counter() - t0
+    if prof is not None and profile_dir:
+        prof.disable()
+        prof.dump_stats(os.path.join(profile_dir, f"load-w{dist.get_world_size()}-r{dist.get_rank()}.prof"))
     return load_s, loaded, sorted(Path(loaded.manifest_url.removeprefix("file://")).parent.glob("shards-r*.bin"))
 
 
@@ -210,6 +219,9 @@ def main() -> int:
     p.add_argument("--dir", default=None)
     p.add_argument("--reshard-to", type=int, default=0, metavar="M",
                    help="then load the last save at M ranks (elasticd, DCP, raw reads)")
+    p.add_argument("--profile", default=None, metavar="DIR",
+                   help="write a cProfile of each rank's elasticd load to DIR "
+                        "(load-w<world>-r<rank>.prof; read with python -m pstats)")
     p.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--reshard-child", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--workdir", default=None, help=argparse.SUPPRESS)
@@ -223,6 +235,9 @@ def main() -> int:
         return 0
     workdir = tempfile.mkdtemp(prefix="elasticd-shardbench-", dir=args.dir)
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
+    if args.profile:
+        os.makedirs(args.profile, exist_ok=True)
+        env[PROFILE_ENV] = os.path.abspath(args.profile)
     reshard: list[dict] = []
     try:
         rows = _spawn(args, workdir, env, "--child", args.ranks)

@@ -104,7 +104,7 @@ FLAGS: tuple[Flag, ...] = (
          "flag a node whose own step time stays this many times the median's (0=off)",
          metavar="X"),
     Flag("--straggler-window", "rendezvous.straggler_window_s",
-         "... for this long before it is flagged, s", metavar="S"),
+         "... on 4 in 5 looks over this window before it is flagged, s", metavar="S"),
     Flag("--straggler-probation", "rendezvous.straggler_probation_s",
          "eject a flagged straggler when the job is faster without it and keep it a spare "
          "this long (doubling if flagged again; live re-formation only; 0=flag only), s",

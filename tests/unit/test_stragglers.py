@@ -27,13 +27,25 @@ def test_a_node_slower_than_the_median_for_the_whole_window_is_flagged() -> None
     assert dict(v.flagged) == {"c": 1.5} and "c 1.50x" in v.reason
 
 
-def test_not_before_the_window_is_covered_nor_if_it_recovered_once() -> None:
-    """Slow for 20 s only, or one fast look inside the window: not persistent."""
+def test_not_before_the_window_is_covered_nor_unless_four_looks_in_five_are_slow() -> None:
+    """Slow for 20 s only: the window is not covered. One fast look inside a slow window
+    does not reset it (4 in 5 is persistent), but fast on more than a fifth of the looks,
+    or on the newest one, is not; a node slow since its start is flagged about 24 s in."""
     short = {"a": _series(0.1, 20), "b": _series(0.1, 20), "c": _series(0.15, 20)}
     assert not find_stragglers(short, now=40.0).flagged
+    healthy = {"a": _series(0.1), "b": _series(0.1)}
     blip = _series(0.15)
     blip[30] = (30.0, 0.1)
-    assert not find_stragglers({"a": _series(0.1), "b": _series(0.1), "c": blip}, now=40.0).flagged
+    assert dict(find_stragglers({**healthy, "c": blip}, now=40.0).flagged) == {"c": 1.5}
+    noisy = [(t, 0.1 if int(t) % 4 == 0 else 0.15) for t, _ in _series(0.15)]  # 1 in 4 fast
+    assert not find_stragglers({**healthy, "c": noisy}, now=40.0).flagged
+    recovered = _series(0.15)
+    recovered[-1] = (40.0, 0.1)
+    assert not find_stragglers({**healthy, "c": recovered}, now=40.0).flagged
+    onset = _series(0.1, 0, 15) + _series(0.15, 16, 40)  # slow from 16 s on
+    firsts = [now for now in range(31, 41)
+              if find_stragglers({**healthy, "c": onset}, now=float(now)).flagged]
+    assert firsts[0] == 40  # at 40 s, 25 of the 31 looks of the last 30 s are slow (>= 80 %)
 
 
 def test_slightly_slow_or_two_nodes_flag_nobody() -> None:
