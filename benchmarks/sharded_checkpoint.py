@@ -15,10 +15,14 @@ ranks (a new mesh: every box read and reassembled) beside DCP's load of its own 
 at M ranks and two raw reads of as many bytes, the slowest rank's: ``readinto`` one buffer
 allocated and touched beforehand (page-cache copy speed), and ``readinto`` a fresh buffer per
 file (what any load pays: the page faults of new memory; on the 2-core VM fresh memory
-fills at ~2 GB/s against ~10 GB/s for a touched buffer).
+fills at ~2 GB/s against ~10 GB/s for a touched buffer). The three load arms run
+``--load-trials`` times each in a rotating order (medians; the first elasticd load, which
+finds the files, is not counted), and with ``--cold`` every arm starts with the checkpoints
+evicted from the page cache (``posix_fadvise(DONTNEED)``: read from the disk, as a node
+after a restart reads them).
 
 Run: ``python benchmarks/sharded_checkpoint.py [--mib 256] [--ranks 2] [--repeats 4]
-[--dir /tmp] [--reshard-to M]``; prints one JSON line per rank and a summary line.
+[--dir /tmp] [--reshard-to M] [--load-trials 3] [--cold]``; prints one JSON line per rank and a summary line.
 """
 
 from __future__ import annotations
@@ -136,10 +140,47 @@ def child(rank: int, world: int, workdir: str, mib: int, repeats: int) -> dict:
             "raw_read_s": raw_s, "raw_read_bytes": raw}
 
 
-def reshard_child(rank: int, world: int, workdir: str, mib: int, repeats: int) -> dict:
-    """Load, at ``world`` ranks, the last save of the first phase: elasticd's resharding load, DCP's
-    (``dcp.load`` of the last DCP save, then ``set_state_dict``), and a raw read of as many
-    bytes of the shard files (a contiguous 1/world of them, into one buffer)."""
+def _evict(root: str) -> None:
+    """Drop every file under ``root`` from the page cache (flushed first: only clean pages
+    can go), so that the next read comes from the disk, as after a node's restart."""
+    for dirpath, _, names in os.walk(root):
+        for name in names:
+            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def _raw_fresh_read(files: list[Path], lo: int, hi: int) -> float:
+    """Seconds to read bytes ``lo:hi`` of the concatenated ``files`` into fresh buffers, one
+    per file (what any load must do: the page faults of new memory)."""
+    t0 = time.perf_counter()
+    fresh, pos = [], 0
+    for f in files:
+        size = f.stat().st_size
+        a, b = max(lo, pos), min(hi, pos + size)
+        if a < b:
+            part = bytearray(b - a)
+            with open(f, "rb", buffering=0) as fh:
+                fh.seek(a - pos)
+                view, at = memoryview(part), 0
+                while at < b - a and (n := fh.readinto(view[at:])):
+                    at += n
+            fresh.append(part)
+        pos += size
+    return time.perf_counter() - t0
+
+
+def reshard_child(rank: int, world: int, workdir: str, mib: int, repeats: int,
+                  trials: int = 1, cold: bool = False) -> dict:
+    """Load, at ``world`` ranks, the last save of the first phase, ``trials`` times in a
+    rotating order of three arms: elasticd's resharding load, DCP's (``dcp.load`` of the last
+    DCP save, then ``set_state_dict``), and a raw read of as many bytes of the shard files (a
+    contiguous 1/world of them) into fresh buffers; medians per arm. With ``cold``, every
+    arm starts with the checkpoints out of the page cache (read from the disk). Then once a
+    raw read into one buffer touched beforehand, from the page cache (its copy speed)."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -148,17 +189,46 @@ def reshard_child(rank: int, world: int, workdir: str, mib: int, repeats: int) -
 
     build = _group(rank, world, workdir, mib, "store-reshard")
     mgr = CheckpointManager(f"file://{workdir}/ckpt", job="bench", keep_last=2, fence=None)
-    load_s, loaded, files = _timed_load(mgr, build)
-    mgr.close()
-    other, other_optim = build(2)
-    dist.barrier()
-    t0 = time.perf_counter()
-    msd, osd = get_state_dict(other, other_optim)
-    dcp.load({"model": msd, "optim": osd}, checkpoint_id=f"{workdir}/dcp-{repeats}")
-    set_state_dict(other, other_optim, model_state_dict=msd, optim_state_dict=osd)
-    dcp_load_s = time.perf_counter() - t0
-    total = sum(f.stat().st_size for f in files)
-    lo, hi = total * rank // world, total * (rank + 1) // world
+    dcp_dir = f"{workdir}/dcp-{repeats}"
+    ours: list[float] = []
+    theirs: list[float] = []
+    fresh_s: list[float] = []
+    files: list[Path] = []
+    saved_world = 0
+    span = (0, 0)
+
+    def elasticd_arm() -> None:
+        nonlocal files, saved_world, span
+        load_s, loaded, files = _timed_load(mgr, build)
+        ours.append(load_s)
+        saved_world = loaded.world_size
+        total = sum(f.stat().st_size for f in files)
+        span = (total * rank // world, total * (rank + 1) // world)
+
+    def dcp_arm() -> None:
+        other, other_optim = build(2)
+        dist.barrier()
+        t0 = time.perf_counter()
+        msd, osd = get_state_dict(other, other_optim)
+        dcp.load({"model": msd, "optim": osd}, checkpoint_id=dcp_dir)
+        set_state_dict(other, other_optim, model_state_dict=msd, optim_state_dict=osd)
+        theirs.append(time.perf_counter() - t0)
+
+    def raw_arm() -> None:
+        dist.barrier()
+        fresh_s.append(_raw_fresh_read(files, *span))
+
+    elasticd_arm()  # the first load also finds the files and this rank's span of them
+    ours.clear()
+    arms = [elasticd_arm, dcp_arm, raw_arm]
+    for trial in range(trials):
+        for arm in arms[trial % 3:] + arms[:trial % 3]:
+            if cold:
+                if rank == 0:
+                    _evict(workdir)
+                dist.barrier()
+            arm()
+    lo, hi = span
     buf = bytearray(hi - lo)
     view, at, pos = memoryview(buf), 0, 0
     t0 = time.perf_counter()
@@ -176,31 +246,19 @@ def reshard_child(rank: int, world: int, workdir: str, mib: int, repeats: int) -
         pos += size
     raw_s = time.perf_counter() - t0
     del buf, view
-    # The same bytes into fresh memory, one buffer per file (what any load must do: the
-    # page faults of new memory, which the warm buffer above has already paid).
-    t0 = time.perf_counter()
-    fresh, pos = [], 0
-    for f in files:
-        size = f.stat().st_size
-        a, b = max(lo, pos), min(hi, pos + size)
-        if a < b:
-            part = bytearray(b - a)
-            with open(f, "rb", buffering=0) as fh:
-                fh.seek(a - pos)
-                fh.readinto(part)
-            fresh.append(part)
-        pos += size
-    raw_fresh_s = time.perf_counter() - t0
+    mgr.close()
     dist.destroy_process_group()
-    return {"rank": rank, "world": world, "reshard_load_s": load_s, "dcp_reshard_load_s": dcp_load_s,
-            "raw_read_s": raw_s, "raw_fresh_read_s": raw_fresh_s, "raw_read_bytes": hi - lo,
-            "saved_world": loaded.world_size}
+    return {"rank": rank, "world": world, "reshard_load_s": statistics.median(ours),
+            "dcp_reshard_load_s": statistics.median(theirs), "raw_read_s": raw_s,
+            "raw_fresh_read_s": statistics.median(fresh_s), "raw_read_bytes": hi - lo,
+            "saved_world": saved_world, "trials": {"elasticd": ours, "dcp": theirs, "raw_fresh": fresh_s}}
 
 
 def _spawn(args: argparse.Namespace, workdir: str, env: dict, mode: str, world: int) -> list[dict]:
     procs = [subprocess.Popen([sys.executable, __file__, mode, str(r), "--workdir", workdir,
                                "--ranks", str(world), "--mib", str(args.mib),
-                               "--repeats", str(args.repeats)],
+                               "--repeats", str(args.repeats), "--load-trials", str(args.load_trials)]
+                              + (["--cold"] if args.cold else []),
                               stdout=subprocess.PIPE, env=env) for r in range(world)]
     rows = []
     for proc in procs:
@@ -222,6 +280,11 @@ def main() -> int:
     p.add_argument("--profile", default=None, metavar="DIR",
                    help="write a cProfile of each rank's elasticd load to DIR "
                         "(load-w<world>-r<rank>.prof; read with python -m pstats)")
+    p.add_argument("--load-trials", type=int, default=3, metavar="N",
+                   help="with --reshard-to: each load arm N times, in a rotating order (medians)")
+    p.add_argument("--cold", action="store_true",
+                   help="with --reshard-to: evict the checkpoints from the page cache before "
+                        "every load arm (reads from the disk, as after a restart)")
     p.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--reshard-child", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--workdir", default=None, help=argparse.SUPPRESS)
@@ -231,7 +294,7 @@ def main() -> int:
         return 0
     if args.reshard_child is not None:
         print(json.dumps(reshard_child(args.reshard_child, args.ranks, args.workdir, args.mib,
-                                       args.repeats)), flush=True)
+                                       args.repeats, args.load_trials, args.cold)), flush=True)
         return 0
     workdir = tempfile.mkdtemp(prefix="elasticd-shardbench-", dir=args.dir)
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
@@ -259,12 +322,15 @@ def main() -> int:
                       "load_vs_raw_read": round(raw / load, 3), "load1": os.getloadavg()[0]}))
     if reshard:
         for row in reshard:
-            print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}))
+            trials = {k: [round(v, 4) for v in vs] for k, vs in row.pop("trials").items()}
+            print(json.dumps({**{k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()},
+                              "trials": trials}))
         ours = max(r["reshard_load_s"] for r in reshard)
         theirs = max(r["dcp_reshard_load_s"] for r in reshard)
         raw = max(r["raw_read_s"] for r in reshard)
         fresh = max(r["raw_fresh_read_s"] for r in reshard)
         print(json.dumps({"summary": "reshard", "saved_ranks": args.ranks, "load_ranks": args.reshard_to,
+                          "cold": args.cold, "load_trials": args.load_trials,
                           "reshard_load_s": round(ours, 3), "dcp_reshard_load_s": round(theirs, 3),
                           "raw_read_s": round(raw, 3), "reshard_vs_raw_read": round(raw / ours, 3),
                           "raw_fresh_read_s": round(fresh, 3),
