@@ -31,10 +31,11 @@ the round state), and nothing else: the straggler's agent reads that as "drain":
 workers stop at the next agreed step with everyone's, so the others re-form live without
 it from that very step (a pure FSDP2 job's survivors hold its shards in their replicas of
 it: nothing is rolled back), and it waits as a spare until the lease ends, then is
-admitted as any joiner. Only if the straggler is still a member of the round
-:func:`~elasticd.rendezvous.stragglers.drain_bound_s` later (its workers cannot stop at
-a step, or they hang) is the next round opened with cause ``member_slow`` naming it: its
-agent kills its workers, as for a hang.
+admitted as any joiner, then judged on a shorter trial window until its own step time has
+been under the factor for one whole window (``stragglers.trial_window_s``). Only if the straggler is still a
+member of the round :func:`~elasticd.rendezvous.stragglers.drain_bound_s` later (its
+workers cannot stop at a step, or they hang) is the next round opened with cause
+``member_slow`` naming it: its agent kills its workers, as for a hang.
 
 All of this runs on one daemon thread per handler; it never blocks the agent's loop.
 """
@@ -290,6 +291,9 @@ class RoundCoordinator:
             return
         own = {n: b[3] * b[4] for n, b in beats.items() if b[0] == round_ and b[3] > 0 and b[4] > 0}
         verdict = self.stragglers.observe(round_, members, own, now)
+        for node in sorted(verdict.trials_passed):
+            self._log.info("straggler_trial_passed", node=node, round=round_,
+                           window_s=self.stragglers.window_s)
         flagged = dict(verdict.flagged)
         if set(flagged) != set(self._flagged):
             if flagged:
@@ -358,6 +362,8 @@ class RoundCoordinator:
         put = Put(self.keys.probation(node), record.to_json(), lease=lease)
         if self.client.txn([ModRevision(self.keys.rdzv_state, state_rev)], [put]):
             self._slow_ejections[node] = count
+            if self.stragglers is not None:
+                self.stragglers.put_on_trial(node)  # judged on the trial window once back
             # ``round``: the first round without it, as for an ejection by a new round.
             self._log.warning("member_ejected", ejected=[node], cause="straggler", round=round_ + 1,
                               probation_s=length, how="drained at the next agreed step")

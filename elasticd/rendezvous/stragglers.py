@@ -22,6 +22,12 @@ others re-form live without it; only if it has not left the round within
 :func:`drain_bound_s` is the next round opened with cause ``member_slow`` (its workers
 killed). It waits as a spare and is admitted again when the probation ends; flagged
 again, its probation doubles (docs/failure-model.md, "Stragglers").
+
+Re-admission is a trial. A spare trains nothing, so its own step time in this job can be
+measured only by letting it train; what shortens the cost of a node that did not recover
+is judging it, once back, on a shorter window (:func:`trial_window_s`: a third of the
+window, at least two busy-share windows) until its own step time has been under the factor
+for one whole window.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ from __future__ import annotations
 import statistics
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 DEFAULT_FACTOR = 1.25
 DEFAULT_WINDOW_S = 30.0
@@ -40,6 +46,11 @@ DEFAULT_WINDOW_S = 30.0
 # in, so a 30 s window flags within 30 s of the slowdown (every look slow: 30.6-32.1 s).
 SLOW_SHARE = 0.8
 BUSY_WINDOW_S = 5.0  # an agent's working share is measured over this much wall time
+# A re-admitted straggler is judged on a third of the window, but never on less than two
+# busy-share windows: its first own step times after the admission still average the
+# seconds it spent joining.
+TRIAL_WINDOW_SHARE = 1 / 3
+TRIAL_WINDOW_MIN_S = 2 * BUSY_WINDOW_S
 _WAITING = "S"  # /proc state of a main thread blocked in a collective (or any sleep)
 
 
@@ -72,16 +83,31 @@ class BusyShare:
         return sum(1 for _, busy in self._looks if busy) / len(self._looks)
 
 
+def trial_window_s(window_s: float) -> float:
+    """The window a straggler re-admitted after its probation is judged on until its own
+    step time has been under the factor for a whole ``window_s``. Pure.
+
+    Why: the window is long so that a healthy node's noise never ejects it; a node that
+    was slow for a whole window already and comes back is on probation, and if it is still
+    slow each second of the trial costs the job the straggler's pace. A third of the
+    window flags it again ~3x sooner (30 s: 10 s), still with 4 in 5 looks slow.
+    """
+    return min(window_s, max(window_s * TRIAL_WINDOW_SHARE, TRIAL_WINDOW_MIN_S))
+
+
 @dataclass(frozen=True)
 class StragglerVerdict:
-    """The nodes flagged (node -> own step time / the members' median), and why."""
+    """The nodes flagged (node -> own step time / the members' median), and why; and the
+    re-admitted nodes whose trial ended in this look without a flag."""
 
     flagged: Mapping[str, float]
     reason: str
+    trials_passed: frozenset[str] = frozenset()
 
 
 def find_stragglers(own_step_s: Mapping[str, Iterable[tuple[float, float]]], *, now: float,
-                    factor: float = DEFAULT_FACTOR, window_s: float = DEFAULT_WINDOW_S) -> StragglerVerdict:
+                    factor: float = DEFAULT_FACTOR, window_s: float = DEFAULT_WINDOW_S,
+                    windows: Mapping[str, float] | None = None) -> StragglerVerdict:
     """Flag the members persistently slower than the median. Pure.
 
     Args:
@@ -93,6 +119,8 @@ def find_stragglers(own_step_s: Mapping[str, Iterable[tuple[float, float]]], *, 
         window_s: a node is flagged only when at least ``SLOW_SHARE`` of its samples of
             the last ``window_s`` were slow, its newest among them, *and* its samples cover
             that whole window.
+        windows: member -> its own window, where it differs (a re-admitted straggler on
+            trial: :func:`trial_window_s`).
 
     Returns:
         The flagged nodes with their ratio (their median over the window / the members'
@@ -106,8 +134,9 @@ def find_stragglers(own_step_s: Mapping[str, Iterable[tuple[float, float]]], *, 
     # before it (members report at different moments).
     flagged: dict[str, float] = {}
     for node, samples in series.items():
-        recent = [(t, s) for t, s in samples if now - t <= window_s]
-        older = [t for t, _ in samples if now - t > window_s]
+        window = (windows or {}).get(node, window_s)
+        recent = [(t, s) for t, s in samples if now - t <= window]
+        older = [t for t, _ in samples if now - t > window]
         if not recent or not older:
             continue  # the window is not covered yet
         ratios = []
@@ -124,7 +153,9 @@ def find_stragglers(own_step_s: Mapping[str, Iterable[tuple[float, float]]], *, 
     if not flagged:
         return StragglerVerdict({}, f"nobody was {factor:g}x slower than the median on {share} "
                                     f"the looks of {window_s:g}s")
-    names = ", ".join(f"{n} {r:.2f}x" for n, r in sorted(flagged.items()))
+    trials = windows or {}
+    names = ", ".join(f"{n} {r:.2f}x" + (f" (on trial: {trials[n]:g}s)" if n in trials else "")
+                      for n, r in sorted(flagged.items()))
     return StragglerVerdict(flagged, f"slower than the median on {share} the looks of "
                                      f"{window_s:g}s: {names}")
 
@@ -196,13 +227,23 @@ def pick_ejection(flagged: Mapping[str, float], own_step_s: Mapping[str, float],
 
 @dataclass
 class StragglerWatch:
-    """The coordinator's memory of the members' own step times in one round (its clock)."""
+    """The coordinator's memory of the members' own step times in one round (its clock),
+    and of the stragglers it ejected that are on trial once admitted again."""
 
     factor: float = DEFAULT_FACTOR
     window_s: float = DEFAULT_WINDOW_S
     round: int = -1
     samples: dict[str, deque[tuple[float, float]]] = field(default_factory=dict)
     flagged: frozenset[str] = frozenset()
+    # Ejected stragglers: judged on ``trial_window_s`` until their own step time has been
+    # under the factor for a whole window of one round. node -> since when it has been
+    # (None: no sample in this round yet).
+    on_trial: dict[str, float | None] = field(default_factory=dict)
+
+    def put_on_trial(self, node: str) -> None:
+        """``node`` was ejected as a straggler: once admitted again, judge it on the
+        trial window."""
+        self.on_trial[node] = None
 
     def observe(self, round_: int, members: Iterable[str], own_step_s: Mapping[str, float],
                 now: float) -> StragglerVerdict:
@@ -210,6 +251,7 @@ class StragglerWatch:
         names = list(members)
         if round_ != self.round:
             self.round, self.samples = round_, {}
+            self.on_trial = dict.fromkeys(self.on_trial)  # a trial restarts with the round
         for node in names:
             s = own_step_s.get(node, 0.0)
             if s > 0:
@@ -220,10 +262,23 @@ class StragglerWatch:
         for node in list(self.samples):
             if node not in names:
                 del self.samples[node]
-        verdict = find_stragglers({n: list(q) for n, q in self.samples.items()}, now=now,
-                                  factor=self.factor, window_s=self.window_s)
+        series = {n: list(q) for n, q in self.samples.items()}
+        trial = trial_window_s(self.window_s)
+        verdict = find_stragglers(series, now=now, factor=self.factor, window_s=self.window_s,
+                                  windows={n: trial for n in self.on_trial if n in series})
+        # A look slow (or the first) restarts a trial's clock; a whole window since passes it.
+        ref = _median_at(series, now)
+        for node, since in list(self.on_trial.items()):
+            own = own_step_s.get(node, 0.0) if node in names else 0.0
+            if own > 0 and (since is None or (ref is not None and own / ref >= self.factor)):
+                self.on_trial[node] = now
+        passed = frozenset(n for n, since in self.on_trial.items()
+                           if since is not None and now - since >= self.window_s
+                           and n not in verdict.flagged)
+        for node in passed:
+            del self.on_trial[node]
         self.flagged = frozenset(verdict.flagged)
-        return verdict
+        return replace(verdict, trials_passed=passed) if passed else verdict
 
     def latest(self) -> dict[str, float]:
         """Each member's newest own step time in this round (seconds)."""

@@ -129,3 +129,67 @@ def test_the_drain_bound_is_ten_steps_within_5_and_120_s():
     assert drain_bound_s(0.2) == 5.0
     assert drain_bound_s(1.5) == 15.0
     assert drain_bound_s(60.0) == 120.0
+
+
+def test_the_trial_window_is_a_third_of_the_window_but_never_under_two_busy_windows():
+    """30 s -> 10 s; 60 s -> 20 s; a short window is its own trial (5 s -> 5 s)."""
+    from elasticd.rendezvous.stragglers import trial_window_s
+
+    assert trial_window_s(30.0) == 10.0
+    assert trial_window_s(60.0) == 20.0
+    assert trial_window_s(12.0) == 10.0
+    assert trial_window_s(5.0) == 5.0
+
+
+def test_a_readmitted_straggler_still_slow_is_flagged_on_the_trial_window():
+    """Ejected once and back, still 2x slow: flagged after the 10 s trial window (4 in 5
+    looks), where a node never ejected needs the 30 s window; the reason says so."""
+    fresh, tried = StragglerWatch(window_s=30.0), StragglerWatch(window_s=30.0)
+    tried.put_on_trial("c")
+    members = ["a", "b", "c"]
+    own = {"a": 0.1, "b": 0.1, "c": 0.2}
+    first = {}
+    for t in range(40):
+        for name, w in (("fresh", fresh), ("tried", tried)):
+            if w.observe(5, members, own, float(t)).flagged and name not in first:
+                first[name] = t
+    assert first == {"tried": 11, "fresh": 31}, first
+    again = StragglerWatch(window_s=30.0)
+    again.put_on_trial("c")
+    verdict = None
+    for t in range(12):
+        verdict = again.observe(5, members, own, float(t))
+    assert verdict is not None and "on trial: 10s" in verdict.reason
+
+
+def test_a_trial_passes_after_a_whole_window_at_speed_and_restarts_with_a_new_round():
+    """A re-admitted node that trains at the median for a whole window leaves the trial
+    (reported once in ``trials_passed``) and is judged on the full window after; a new
+    round before that restarts its trial, and so does one slow look."""
+    w = StragglerWatch(window_s=30.0)
+    w.put_on_trial("c")
+    members = ["a", "b", "c"]
+    healthy = {"a": 0.1, "b": 0.1, "c": 0.1}
+    for t in range(20):
+        assert not w.observe(1, members, healthy, float(t)).trials_passed
+    w.observe(2, members, healthy, 20.0)  # a new round: the trial starts again
+    passed = [t for t in range(21, 60) if w.observe(2, members, healthy, float(t)).trials_passed]
+    assert passed == [50] and "c" not in w.on_trial
+    blip = StragglerWatch(window_s=30.0)
+    blip.put_on_trial("c")
+    looks = {t: healthy if t != 20 else {"a": 0.1, "b": 0.1, "c": 0.3} for t in range(60)}
+    assert [t for t in range(60) if blip.observe(1, members, looks[t], float(t)).trials_passed] == [50]
+    # Slow again after the trial: the whole window is needed once more.
+    slow = {"a": 0.1, "b": 0.1, "c": 0.2}
+    flagged = [t for t in range(60, 100) if w.observe(2, members, slow, float(t)).flagged]
+    assert flagged and flagged[0] >= 60 + 24, flagged
+
+
+def test_a_flagged_node_on_trial_does_not_pass_it():
+    """Slow through its trial: it stays on trial (flagged), never reported as passed."""
+    w = StragglerWatch(window_s=30.0)
+    w.put_on_trial("c")
+    members = ["a", "b", "c"]
+    verdicts = [w.observe(1, members, {"a": 0.1, "b": 0.1, "c": 0.3}, float(t)) for t in range(45)]
+    assert not any(v.trials_passed for v in verdicts)
+    assert "c" in w.on_trial and verdicts[-1].flagged

@@ -183,3 +183,67 @@ def test_a_straggler_is_flagged_drained_and_readmitted_after_its_probation(nodes
     back = min(r["step"] for r in rows if (r["round"] or 0) > ejected_round and r["rank"] == 2)
     print(f"slowed -> ejected (5 s window): {ejected_s:.1f} s; ejected in round {ejected_round}, "
           f"admitted again at step {back} of {STRAGGLER_STEPS}")
+
+
+def _slow_node(node, stop: threading.Event) -> None:
+    """Fault injection, not synchronisation: a node that stays slow. Every process under
+    its agent (the workers it has now, their standbys), not the agent itself, SIGSTOPped
+    and SIGCONTed 0.1 s each until ``stop``."""
+    while not stop.is_set():
+        pids = node.tree()[1:]
+        for sig in (signal.SIGSTOP, signal.SIGCONT):
+            for pid in pids:
+                try:
+                    os.kill(pid, sig)
+                except ProcessLookupError:
+                    pass
+            stop.wait(0.1)
+    for pid in node.tree()[1:]:
+        try:
+            os.kill(pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+
+
+@pytest.mark.timeout(240)
+def test_a_readmitted_straggler_still_slow_is_ejected_again_on_its_trial(nodes, tmp_path):
+    """Re-admission is a trial: a node that stays slow is ejected, admitted again after its
+    probation, flagged on the trial window (the reason says ``on trial``) and drained
+    again with its probation doubled; the others never roll back (rank 0 trains every
+    step once)."""
+    trace = tmp_path / "trace-t.jsonl"
+    extra = ["--checkpoint-url", f"file://{tmp_path}/ckpt-t", "--straggler-window", "5",
+             "--straggler-probation", "4"]
+    script = example_args(tmp_path, "t", steps=5000, dataset_size=DATASET)
+    ns = [nodes.start("trial", SCRIPT, nnodes="2:3", extra=extra, script_args=script)
+          for _ in range(3)]
+    wait_until(lambda: {r["rank"] for r in read_jsonl(trace) if r["step"] >= 10} >= {0, 1, 2}, 90,
+               "step 10 at world 3")
+
+    def ejections() -> list[dict]:
+        return sorted((e for n in ns for e in agent_events(n.log(), "member_ejected")),
+                      key=lambda e: e["round"])
+
+    stop = threading.Event()
+    injector = threading.Thread(target=_slow_node, args=(ns[2], stop), daemon=True)
+    injector.start()
+    try:
+        wait_until(lambda: ejections(), 60, "the slowed node ejected")
+        first = ejections()[0]
+        wait_until(lambda: set(ns[2].tree()) & {r["pid"] for r in read_jsonl(trace)
+                                                if (r["round"] or 0) > first["round"]},
+                   60, "n2 admitted again after its probation")
+        wait_until(lambda: len(ejections()) >= 2, 60, "the still-slow node ejected again")
+    finally:
+        stop.set()
+        injector.join(5)
+    first, second = ejections()[:2]
+    assert first["ejected"] == second["ejected"] == ["n2"], (first, second)
+    assert (first["probation_s"], second["probation_s"]) == (4, 8), (first, second)
+    flagged = [e for n in ns for e in agent_events(n.log(), "stragglers_flagged")]
+    assert any("on trial" in e["reason"] for e in flagged), flagged
+    assert all(set(e["nodes"]) == {"n2"} for e in flagged), flagged
+    assert not any(agent_events(n.log(), "straggler_trial_passed") for n in ns), \
+        "a node slow throughout passed its trial"
+    rank0 = [r["step"] for r in read_jsonl(trace) if r["rank"] == 0]
+    assert sorted(rank0) == list(range(max(rank0) + 1)), "rank 0 trained a step twice or skipped one"
