@@ -359,6 +359,7 @@ def run_size(n: int, args: argparse.Namespace, workdir: Path) -> dict:
         if args.preregistered:  # registered (lease, record, watches) before the release
             f.register_all(init=False)
         c0, e0, cc0, s0 = etcd.scrape(), etcd.cpu(), cpu_s(cpid), _self_cpu()
+        m0 = etcd.member_cpu()
         go = time.time()
         (c.ctl / "go").touch()
         if not args.preregistered:
@@ -375,6 +376,14 @@ def run_size(n: int, args: argparse.Namespace, workdir: Path) -> dict:
         r["round_watch_events"] = c1["watch_events"] - c0["watch_events"]
         r["round_requests"] = c1["requests"] - c0["requests"]
         r["round_etcd_cpu_s"] = round(e1 - e0, 2)
+        # Per member, the raft leader first: on a fleet each member has cores of its own,
+        # and the leader (every write goes through it) is the one on the critical path.
+        lead = etcd.leader()
+        per = [round(b - a, 2) for a, b in zip(m0, etcd.member_cpu(), strict=True)]
+        if lead is not None:
+            per.insert(0, per.pop(lead))
+        r["round_etcd_cpu_by_member_s"] = per
+        r["round_etcd_leader_cpu_s"] = per[0] if lead is not None else None
         r["round_coordinator_cpu_s"] = round(cpu_s(cpid) - cc0, 3)
         r["round_synthetic_cpu_ms_per_node"] = round(1000 * (_self_cpu() - s0) / max(n - 1, 1), 2)
         r["watchers"] = c1["watchers"]

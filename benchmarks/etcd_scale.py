@@ -277,6 +277,17 @@ class Etcd:
     def cpu(self) -> float:
         return sum(cpu_s(p) for p in self.pids())
 
+    def member_cpu(self) -> list[float]:
+        """Each member's CPU seconds, in ``servers`` order."""
+        return [cpu_s(p) for p in self.pids()]
+
+    def leader(self) -> int | None:
+        """The index in ``servers`` of the member that says it is the raft leader."""
+        for i, m in enumerate(self.servers):
+            if scrape_etcd(m.endpoint, {"leader": ("etcd_server_is_leader", None)})["leader"] >= 1:
+                return i
+        return None
+
     def rss(self) -> float:
         return sum(rss_mb(p) for p in self.pids())
 

@@ -13,6 +13,11 @@ Issue 24's straggler numbers, on 3 "nodes" (``elasticd run`` agents, 1 gloo work
    ``--rate-window-s`` after the slowdown is within 2 % of the control arm's rate, and
    the node's first step back at world 3 after its probation (its agent killed the
    slowed worker, which ends the injected fault: the node "recovered").
+3. With ``--still-slow``, the node did not recover: its new worker is slowed again from its
+   first step back at world 3 (instead of the re-admitted rate of item 2). Measured: its second ejection, the probation it gets (twice
+   the first), and the trial's cost (the steps the job missed against the control arm's
+   rate from the re-admission until the first step at world 2 again; and that cost over
+   the cycle it starts once the probation has doubled to its cap, 8x).
 
 Rates come from the workers' ``--trace`` lines (rank 0's steps, their own wall clock).
 
@@ -20,6 +25,7 @@ Usage::
 
     .venv/bin/python benchmarks/stragglers.py                      # default window and probation
     .venv/bin/python benchmarks/stragglers.py --window 10 --probation 20 --out /tmp/s.json
+    .venv/bin/python benchmarks/stragglers.py --still-slow --out /tmp/s.json   # a node that stays slow
     .venv/bin/python benchmarks/stragglers.py --script examples/fsdp_train.py \
         --script-args "--mesh fsdp --live --peer-replica-every 50 --global-batch 48 --micro-batch 8"
 """
@@ -116,6 +122,53 @@ def control_arm(root: Path, endpoint: str, args: argparse.Namespace) -> float:
         return rate(rank0_steps(trace), t0, t0 + args.measure_s, NODES - 1)
 
 
+def node_worker(node: NodeProc, trace: Path, after: float = 0.0) -> int:
+    """The PID of ``node``'s one worker that wrote a trace row after ``after`` (waits up
+    to 10 s for its first row)."""
+    def found() -> list[int] | None:
+        pids = {r["pid"] for r in read_jsonl(trace) if r["time"] >= after}  # every rank's worker
+        worker = [p for p in node.tree() if p in pids]
+        return worker if len(worker) == 1 else None
+
+    worker = wait_until(found, 10, 0.2)
+    if not worker:
+        raise SystemExit(f"cannot tell the node's worker after {after:.1f}")
+    return worker[0]
+
+
+def slowed_until_ejected(cluster: Cluster, pid: int, args: argparse.Namespace,
+                         after: float) -> tuple[float, tuple | None, tuple | None]:
+    """A SIGSTOP/SIGCONT duty cycle on ``pid`` (the fault injection: ``--stop-s`` stopped,
+    ``--cont-s`` running) until an agent logs ``member_ejected`` after ``after`` (bounded);
+    (the slowdown's start, the first ``stragglers_flagged``, the ``member_ejected``)."""
+    stop = threading.Event()
+
+    def duty_cycle() -> None:
+        while not stop.is_set():
+            for sig, hold in ((signal.SIGSTOP, args.stop_s), (signal.SIGCONT, args.cont_s)):
+                try:
+                    os.kill(pid, sig)
+                except ProcessLookupError:
+                    return
+                stop.wait(hold)
+
+    slowed = max(time.time(), after)
+    injector = threading.Thread(target=duty_cycle, daemon=True)
+    injector.start()
+    try:
+        limit = args.window * 3 + 60
+        flagged = wait_until(lambda: first_event(cluster.nodes, "stragglers_flagged", slowed), limit, 0.2)
+        ejected = wait_until(lambda: first_event(cluster.nodes, "member_ejected", slowed), limit, 0.2)
+    finally:
+        stop.set()
+        injector.join(5)
+        try:
+            os.kill(pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+    return slowed, flagged, ejected
+
+
 def straggler_arm(root: Path, endpoint: str, args: argparse.Namespace, control: float) -> dict:
     work = root / "straggler"
     work.mkdir(parents=True)
@@ -127,36 +180,7 @@ def straggler_arm(root: Path, endpoint: str, args: argparse.Namespace, control: 
         wait_until(lambda: time.time() >= t0 + args.measure_s, args.measure_s + args.settle_s + 5, 0.2)
         out["healthy_3_steps_per_s"] = rate(rank0_steps(trace), t0, t0 + args.measure_s, NODES)
         victim = cluster.nodes[-1]
-        pids = {r["pid"] for r in read_jsonl(trace)}  # every rank's worker
-        worker = [p for p in victim.tree() if p in pids]
-        if len(worker) != 1:
-            raise SystemExit(f"cannot tell the last node's worker: {worker}")
-        pid = worker[0]
-        stop = threading.Event()
-
-        def duty_cycle() -> None:  # fault injection: --stop-s stopped, --cont-s running
-            while not stop.is_set():
-                for sig, hold in ((signal.SIGSTOP, args.stop_s), (signal.SIGCONT, args.cont_s)):
-                    try:
-                        os.kill(pid, sig)
-                    except ProcessLookupError:
-                        return
-                    stop.wait(hold)
-
-        slowed = time.time()
-        injector = threading.Thread(target=duty_cycle, daemon=True)
-        injector.start()
-        try:
-            limit = args.window * 3 + 60
-            flagged = wait_until(lambda: first_event(cluster.nodes, "stragglers_flagged", slowed), limit, 0.2)
-            ejected = wait_until(lambda: first_event(cluster.nodes, "member_ejected", slowed), limit, 0.2)
-        finally:
-            stop.set()
-            injector.join(5)
-            try:
-                os.kill(pid, signal.SIGCONT)
-            except ProcessLookupError:
-                pass
+        slowed, flagged, ejected = slowed_until_ejected(cluster, node_worker(victim, trace), args, 0.0)
         if flagged:
             out["flagged_after_s"] = round(flagged[0] - slowed, 2)
             out["flagged_ratio"] = flagged[1].get("nodes", {})
@@ -192,11 +216,47 @@ def straggler_arm(root: Path, endpoint: str, args: argparse.Namespace, control: 
                           args.probation * 2 + 60, 0.2)
         if back:
             out["readmitted_after_ejection_s"] = round(back[0] - t_ej, 2)
-            t3 = back[0] + args.settle_s
-            wait_until(lambda: time.time() >= t3 + args.measure_s, args.measure_s + args.settle_s + 5, 0.2)
-            out["readmitted_3_steps_per_s"] = rate(rank0_steps(trace), t3, t3 + args.measure_s, NODES)
+            if args.still_slow:  # slowed again from its first step back: it did not recover
+                out["still_slow"] = still_slow(cluster, victim, trace, args, control, back[0])
+            else:
+                t3 = back[0] + args.settle_s
+                wait_until(lambda: time.time() >= t3 + args.measure_s,
+                           args.measure_s + args.settle_s + 5, 0.2)
+                out["readmitted_3_steps_per_s"] = rate(rank0_steps(trace), t3, t3 + args.measure_s, NODES)
         rows = read_jsonl(trace)
         out["retrained_steps"] = len(rows) - len({(r["step"], r["rank"]) for r in rows})
+    return out
+
+
+def still_slow(cluster: Cluster, victim: NodeProc, trace: Path, args: argparse.Namespace,
+               control: float, back: float) -> dict:
+    """The re-admitted node slowed again from ``back``, its first step at world 3 (a node
+    that did not recover): when it is ejected again, for how long (its probation doubles;
+    a re-admission is judged on the trial window), and what the trial cost: the
+    steps the job missed, against the control arm's rate, from the re-admission to the
+    first step at world 2 after the second ejection."""
+    slowed, flagged, ejected = slowed_until_ejected(cluster, node_worker(victim, trace, back), args, 0.0)
+    out: dict = {"slowed_after_readmission_s": round(slowed - back, 2)}
+    if flagged:
+        out["flagged_after_s"] = round(flagged[0] - slowed, 2)
+    if not ejected:
+        out["note"] = "never ejected again"
+        return out
+    t_ej = ejected[0]
+    out["ejected_after_s"] = round(t_ej - slowed, 2)
+    out["probation_s"] = ejected[1].get("probation_s")
+    first2 = wait_until(lambda: next((t for t, _, w in rank0_steps(trace) if t > t_ej and w == NODES - 1),
+                                     None), 60, 0.2)
+    if first2 is not None:
+        steps = [s for s in rank0_steps(trace) if back <= s[0] <= first2]
+        out["trial_s"] = round(first2 - back, 2)
+        out["trial_steps"] = len(steps)
+        out["trial_steps_missed_vs_control"] = round(control * (first2 - back) - len(steps), 1)
+        # A node that never recovers is tried once per probation, which doubles up to 8x the
+        # base: what each trial costs over the cycle it starts, at the cap.
+        cap = args.probation * 8
+        out["cost_per_cycle_at_cap_pct"] = round(
+            100 * out["trial_steps_missed_vs_control"] / (control * (cap + first2 - back)), 2)
     return out
 
 
@@ -216,6 +276,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--measure-s", type=float, default=15.0, help="each rate's window, s")
     p.add_argument("--rate-window-s", type=float, default=10.0, help="the sliding window, s")
     p.add_argument("--start-timeout", type=float, default=180.0)
+    p.add_argument("--still-slow", action="store_true",
+                   help="after the re-admission, slow the node again: its second ejection, "
+                        "its doubled probation and what the trial cost")
     p.add_argument("--out", help="write the results JSON here")
     args = p.parse_args(argv)
     from elasticd.etcd.embedded import EmbeddedEtcd
