@@ -21,14 +21,18 @@ from harness import ROOT, example_args, read_jsonl, trained_samples, wait_until,
 SCRIPT = str(ROOT / "examples" / "train.py")
 pytestmark = pytest.mark.timeout(240)
 STEPS = 160
+# The resize test's run is longer, so that the joiner (started once the survivors train at
+# world 2) is in before the end: with 160 steps the survivors finished the job 7.3 s after
+# the kill while the joiner's agent was still starting (refused: "job finished").
+RESIZE_STEPS = 320
 
 
 def _args(tmp_path, tag):
     return ["--checkpoint-url", f"file://{tmp_path}/ckpt-{tag}"]
 
 
-def _script_args(tmp_path, tag):
-    return example_args(tmp_path, tag, steps=STEPS, dataset_size=480)
+def _script_args(tmp_path, tag, steps=STEPS):
+    return example_args(tmp_path, tag, steps=steps, dataset_size=480)
 
 
 _trained = trained_samples
@@ -40,14 +44,14 @@ def test_resizes_match_a_run_without_failures(nodes, tmp_path):
     re-formation), and the joiner's state comes from a peer, not from storage."""
     # The fault-free reference runs alongside, unpaced (the step sleep only gives the
     # faults of run b time to land; it changes nothing in the math).
-    ref_args = _script_args(tmp_path, "a")
+    ref_args = _script_args(tmp_path, "a", RESIZE_STEPS)
     ref_args[ref_args.index("--step-sleep") + 1] = "0"
     ref = [nodes.start("det-a", SCRIPT, nnodes="2", extra=_args(tmp_path, "a"),
                        script_args=ref_args) for _ in range(2)]
 
     trace_b = tmp_path / "trace-b.jsonl"
     b = [nodes.start("det-b", SCRIPT, nnodes="2:3", extra=_args(tmp_path, "b"),
-                     script_args=_script_args(tmp_path, "b")) for _ in range(3)]
+                     script_args=_script_args(tmp_path, "b", RESIZE_STEPS)) for _ in range(3)]
     # All three ranks past step 17 (the first round may form with two, the third joining).
     wait_until(lambda: {r["rank"] for r in read_jsonl(trace_b) if r["step"] >= 17} >= {0, 1, 2},
                120, "step 17 at world 3")
@@ -59,7 +63,7 @@ def test_resizes_match_a_run_without_failures(nodes, tmp_path):
     wait_until(lambda: any((r["round"] or 0) > round_at_kill for r in read_jsonl(trace_b)), 120,
                "training at world 2 after the kill")
     b.append(nodes.start("det-b", SCRIPT, nnodes="2:3", extra=_args(tmp_path, "b"),
-                         script_args=_script_args(tmp_path, "b")))
+                         script_args=_script_args(tmp_path, "b", RESIZE_STEPS)))
     wait_until(lambda: any(r["rank"] == 2 and (r["round"] or 0) > round_at_kill + 1
                            for r in read_jsonl(trace_b)), 120, "world 3 again after the rejoin")
     joiner = set(b[3].tree())
