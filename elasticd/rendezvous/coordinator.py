@@ -32,10 +32,11 @@ workers stop at the next agreed step with everyone's, so the others re-form live
 it from that very step (a pure FSDP2 job's survivors hold its shards in their replicas of
 it: nothing is rolled back), and it waits as a spare until the lease ends, then is
 admitted as any joiner, then judged on a shorter trial window until its own step time has
-been under the factor for one whole window (``stragglers.trial_window_s``). Only if the straggler is still a
-member of the round :func:`~elasticd.rendezvous.stragglers.drain_bound_s` later (its
-workers cannot stop at a step, or they hang) is the next round opened with cause
-``member_slow`` naming it: its agent kills its workers, as for a hang.
+been under the factor for one whole window (``stragglers.trial_window_s``). Only if the
+straggler is still a member of the round
+:func:`~elasticd.rendezvous.stragglers.drain_bound_s` later (its workers cannot stop at a
+step, or they hang) is the next round opened with cause ``member_slow`` naming it: its
+agent kills its workers, as for a hang.
 
 All of this runs on one daemon thread per handler; it never blocks the agent's loop.
 """
