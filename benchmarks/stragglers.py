@@ -14,10 +14,11 @@ Issue 24's straggler numbers, on 3 "nodes" (``elasticd run`` agents, 1 gloo work
    the node's first step back at world 3 after its probation (its agent killed the
    slowed worker, which ends the injected fault: the node "recovered").
 3. With ``--still-slow``, the node did not recover: its new worker is slowed again from its
-   first step back at world 3 (instead of the re-admitted rate of item 2). Measured: its second ejection, the probation it gets (twice
-   the first), and the trial's cost (the steps the job missed against the control arm's
-   rate from the re-admission until the first step at world 2 again; and that cost over
-   the cycle it starts once the probation has doubled to its cap, 8x).
+   first step back at world 3 (instead of the re-admitted rate of item 2). Measured: its
+   second ejection, the probation it gets (twice the first), and the trial's cost (the
+   steps the job missed against the control arm's rate from the re-admission until the
+   first step at world 2 again; and that cost over the cycle it starts once the probation
+   has doubled to its cap, 8x).
 
 Rates come from the workers' ``--trace`` lines (rank 0's steps, their own wall clock).
 
@@ -136,11 +137,11 @@ def node_worker(node: NodeProc, trace: Path, after: float = 0.0) -> int:
     return worker[0]
 
 
-def slowed_until_ejected(cluster: Cluster, pid: int, args: argparse.Namespace,
-                         after: float) -> tuple[float, tuple | None, tuple | None]:
+def slowed_until_ejected(cluster: Cluster, pid: int,
+                         args: argparse.Namespace) -> tuple[float, tuple | None, tuple | None]:
     """A SIGSTOP/SIGCONT duty cycle on ``pid`` (the fault injection: ``--stop-s`` stopped,
-    ``--cont-s`` running) until an agent logs ``member_ejected`` after ``after`` (bounded);
-    (the slowdown's start, the first ``stragglers_flagged``, the ``member_ejected``)."""
+    ``--cont-s`` running) until an agent logs ``member_ejected`` (bounded); (the slowdown's
+    start, the first ``stragglers_flagged`` after it, the ``member_ejected`` after it)."""
     stop = threading.Event()
 
     def duty_cycle() -> None:
@@ -152,7 +153,7 @@ def slowed_until_ejected(cluster: Cluster, pid: int, args: argparse.Namespace,
                     return
                 stop.wait(hold)
 
-    slowed = max(time.time(), after)
+    slowed = time.time()
     injector = threading.Thread(target=duty_cycle, daemon=True)
     injector.start()
     try:
@@ -180,7 +181,7 @@ def straggler_arm(root: Path, endpoint: str, args: argparse.Namespace, control: 
         wait_until(lambda: time.time() >= t0 + args.measure_s, args.measure_s + args.settle_s + 5, 0.2)
         out["healthy_3_steps_per_s"] = rate(rank0_steps(trace), t0, t0 + args.measure_s, NODES)
         victim = cluster.nodes[-1]
-        slowed, flagged, ejected = slowed_until_ejected(cluster, node_worker(victim, trace), args, 0.0)
+        slowed, flagged, ejected = slowed_until_ejected(cluster, node_worker(victim, trace), args)
         if flagged:
             out["flagged_after_s"] = round(flagged[0] - slowed, 2)
             out["flagged_ratio"] = flagged[1].get("nodes", {})
@@ -235,7 +236,7 @@ def still_slow(cluster: Cluster, victim: NodeProc, trace: Path, args: argparse.N
     a re-admission is judged on the trial window), and what the trial cost: the
     steps the job missed, against the control arm's rate, from the re-admission to the
     first step at world 2 after the second ejection."""
-    slowed, flagged, ejected = slowed_until_ejected(cluster, node_worker(victim, trace, back), args, 0.0)
+    slowed, flagged, ejected = slowed_until_ejected(cluster, node_worker(victim, trace, back), args)
     out: dict = {"slowed_after_readmission_s": round(slowed - back, 2)}
     if flagged:
         out["flagged_after_s"] = round(flagged[0] - slowed, 2)
