@@ -172,6 +172,49 @@ def _world_of(final: Sequence[Mapping]) -> int:
 
 
 @dataclass(frozen=True)
+class Stretch:
+    """One stretch of a replay with nodes available (from the pool leaving zero, or the
+    start, to it reaching zero again, or the end), measured from the workers' rows."""
+
+    start: float            # s after the replay's start
+    end: float
+    available: float        # node-seconds the trace made available in it
+    useful: float           # node-seconds of final attempts in it, at the healthy step time
+    steps: int              # final attempts in it
+    first_step_s: float | None  # start -> the first step in it (None: it trained nothing)
+
+
+def stretches(rows: Sequence[Mapping], t0: float, changes: Sequence[tuple[float, int]],
+              start_nodes: int, end_s: float, step_s: Mapping[int, float]) -> list[Stretch]:
+    """Where a replay's loss is, stretch by stretch: each cold start's cost shows as the
+    first stretch's ``first_step_s``, and a stretch that ended before its first step
+    (``first_step_s`` None) lost all of its ``available``. ``step_s`` is
+    :attr:`Audit.step_s`."""
+    spans: list[tuple[float, float]] = []
+    n, begun = start_nodes, (0.0 if start_nodes > 0 else None)
+    for at, d in sorted(changes):
+        if n == 0 and d > 0:
+            begun = at
+        n += d
+        if n == 0 and begun is not None:
+            spans.append((begun, at))
+            begun = None
+    if begun is not None:
+        spans.append((begun, end_s))
+    finals = sorted((float(min(f, key=lambda r: int(r["rank"]))["time"]) - t0, _world_of(f))
+                    for f in (tries[-1] for tries in attempts(rows).values()))
+    fallback = statistics.median(step_s.values()) if step_s else 0.0
+    out = []
+    for a, b in spans:
+        inside = [(t, w) for t, w in finals if a <= t <= b]
+        avail = (available_node_s(changes, start_nodes, b)
+                 - available_node_s(changes, start_nodes, a))
+        out.append(Stretch(a, b, avail, sum(w * step_s.get(w, fallback) for _, w in inside),
+                           len(inside), inside[0][0] - a if inside else None))
+    return out
+
+
+@dataclass(frozen=True)
 class Observed:
     """Per-event costs as the replay itself saw them (seconds), for a simulator run
     calibrated on this machine: what a cold start or a join costs when many launchers

@@ -55,7 +55,7 @@ from benchmarks.common import (  # noqa: E402
     read_jsonl,
     torchrun_argv,
 )
-from benchmarks.spotbench.audit import audit, exactly_once, observed_costs  # noqa: E402
+from benchmarks.spotbench.audit import audit, exactly_once, observed_costs, stretches  # noqa: E402
 from benchmarks.spotbench.costs import load_costs  # noqa: E402
 from benchmarks.spotbench.model import (  # noqa: E402
     JobShape,
@@ -148,6 +148,41 @@ def ledger(etcd: str, job: str) -> dict | None:
         return None
 
 
+def dump_records(etcd: str, job: str, workdir: Path) -> None:
+    """Keep the job's history record and event history beside the trace (``records.json``):
+    ``--reanalyse`` computes the ledger again from them with the current code."""
+    from elasticd.etcd.client import EtcdClient
+    from elasticd.keys import JobKeys
+    from elasticd.status.goodput import read_events
+
+    client = EtcdClient(etcd, timeout_s=30.0)
+    try:
+        kv = client.get(JobKeys(job).history)
+        events = read_events(client, JobKeys(job))
+    finally:
+        client.close()
+    (workdir / "records.json").write_text(json.dumps({
+        "history": None if kv is None else json.loads(kv.value),
+        "events": [json.loads(e.to_json()) for e in events]}))
+
+
+def recomputed_ledger(workdir: Path) -> float | None:
+    """The ledger's goodput computed here from ``records.json`` (None without it)."""
+    from elasticd.history import History
+    from elasticd.records import Event
+    from elasticd.status.goodput import compute
+
+    path = workdir / "records.json"
+    if not path.exists():
+        return None
+    rec = json.loads(path.read_text())
+    if rec["history"] is None:
+        return None
+    life = compute(History.from_json(json.dumps(rec["history"])),
+                   [Event.from_json(json.dumps(e)) for e in rec["events"]])
+    return None if life.goodput is None else round(life.goodput, 4)
+
+
 def simulated(args: argparse.Namespace, counts: list[int], gap_s: float,
               shape: JobShape) -> tuple[Ledger, SystemCosts]:
     """The simulator on the replay's own schedule, charged the system's measured costs
@@ -211,6 +246,7 @@ def run(args: argparse.Namespace) -> dict:
                 cluster.refresh()
             if args.system == "elasticd-live":
                 got_ledger = ledger(etcd.endpoints, job)
+                dump_records(etcd.endpoints, job, workdir)
     finally:
         etcd.stop()
     played = {"system": args.system, "trace": trace.name, "first_tick": first_tick, "counts": counts,
@@ -247,6 +283,11 @@ def analyse(args: argparse.Namespace, workdir: Path) -> dict:
                   "step_s": {str(k): round(v, 4) for k, v in sorted(measured.step_s.items())}},
         "observed_costs": {"cold_start_s": [round(x, 2) for x in seen.cold_start_s],
                            "join_s": [round(x, 2) for x in seen.join_s]},
+        "stretches": [{"start": round(x.start, 1), "end": round(x.end, 1),
+                       "available_node_s": round(x.available, 1), "useful_node_s": round(x.useful, 1),
+                       "steps": x.steps, "first_step_s": None if x.first_step_s is None
+                       else round(x.first_step_s, 2)}
+                      for x in stretches(rows, t0, changes, counts[0], end_s, measured.step_s)],
         "exactly_once": None if once is None else {
             "ok": once.ok, "steps": once.steps, "skipped": once.skipped[:20],
             "duplicated": once.duplicated[:20], "wrong": once.wrong[:20],
@@ -256,9 +297,13 @@ def analyse(args: argparse.Namespace, workdir: Path) -> dict:
     }
     if got_ledger is not None:
         life = got_ledger.get("life", {})
-        doc["ledger"] = {"goodput": life.get("goodput"), "seconds": life.get("seconds"),
+        doc["ledger"] = {"goodput": life.get("goodput"), "by_cause": life.get("by_cause"),
                          "difference_points": None if life.get("goodput") is None else
                          round(100 * (life["goodput"] - measured.held_goodput), 2)}
+        again = recomputed_ledger(workdir)
+        if again is not None:
+            doc["ledger"]["recomputed"] = {
+                "goodput": again, "difference_points": round(100 * (again - measured.held_goodput), 2)}
     if not args.costs:
         return doc
     sim, costs = simulated(args, counts, gap_s, shape)

@@ -10,7 +10,10 @@ when). The simulator then plays the job under one launcher's :class:`SystemCosts
   stalled (detecting a fault, re-forming, restarting, draining, a cold start);
 - a launcher that restarts from a checkpoint after a fault also loses the node-seconds
   trained since the last checkpoint (charged as *retrained*);
-- a joiner is idle (but paid) from its arrival until it is ready, then the members pause;
+- a joiner is idle (but paid) from its arrival until it trains in the new world
+  (``join_s``); the members pause for the last ``join_pause_s`` of that, so that they and
+  the joiner take their first step at the new world together, as ``recovery.py`` measures
+  both (the pause ends at that first step);
 - below ``min_nodes`` the job waits; it starts cold once enough nodes are held again.
 
 Capacity goodput = useful node-seconds / available node-seconds over the whole trace: the
@@ -48,7 +51,8 @@ class SystemCosts:
             boundary) at the notice; False: the notice is ignored and the loss is a kill.
         drain_s: notice -> first step at the new world (members stalled), when used.
         join_s: a node's arrival -> it trains in the new world (the joiner is idle for it).
-        join_pause_s: how long the members stop training for a join.
+        join_pause_s: how long the members stop training for a join: the last part of
+            ``join_s`` (they resume with the joiner).
         join_rollback: a join restarts the members from the newest checkpoint.
         cold_start_s: nodes held -> first step, for a job that starts (or restarts) from zero.
         store_host_fatal: the job's rendezvous store lives in one node's launcher (torchrun's
@@ -115,7 +119,7 @@ class Ledger:
 class _Event:
     t: float
     order: int            # ties: losses before notices before gains, then input order
-    kind: str             # "loss" | "notice" | "gain" | "ready"
+    kind: str             # "loss" | "notice" | "gain" | "pause" | "ready"
     node: int = -1
 
 
@@ -278,7 +282,17 @@ def simulate(counts: list[int], gap_s: float, costs: SystemCosts, job: JobShape,
             if not costs.elastic:
                 continue
             joining.add(ev.node)
-            _insert(pending, _Event(now + costs.join_s, 3 * 10**9, "ready", ev.node))
+            pause_at = now + max(0.0, costs.join_s - costs.join_pause_s)
+            _insert(pending, _Event(pause_at, 3 * 10**9, "pause", ev.node))
+            _insert(pending, _Event(now + costs.join_s, 3 * 10**9 + 1, "ready", ev.node))
+        elif ev.kind == "pause":
+            # The members stop for the joiner (a restart, or a live re-formation's pause);
+            # a pause already in progress for another joiner delays this one's (queued).
+            if ev.node not in joining or not formed:
+                continue  # lost while it started, or nothing to pause
+            if costs.join_rollback:
+                rollback()
+            stall(now, costs.join_pause_s, "join_pause", queued=True)
         elif ev.kind == "ready":
             if ev.node not in joining:
                 continue  # lost while it started
@@ -287,9 +301,6 @@ def simulate(counts: list[int], gap_s: float, costs: SystemCosts, job: JobShape,
                 continue
             count("join")
             members.add(ev.node)
-            if costs.join_rollback:
-                rollback()
-            stall(now, costs.join_pause_s, "join_pause", queued=True)
         elif ev.kind == "notice":
             if ev.node not in held or ev.node in draining:
                 continue

@@ -80,12 +80,18 @@ def test_a_launcher_that_ignores_notices_takes_the_loss_as_a_kill():
     _adds_up(led)
 
 
-def test_a_joiner_is_idle_while_it_starts_then_the_members_pause():
-    """A join: the new node idles join_s, then the 4-node world pauses join_pause_s."""
+def test_a_joiner_is_idle_while_it_starts_and_the_members_pause_for_the_end_of_it():
+    """A join: the new node idles join_s; the 3 members pause for the last join_pause_s of
+    it (recovery.py's join is arrival -> first step at the new world, and its pause ends at
+    that same step), and the joiner is not charged the pause a second time."""
     led = simulate([3, 4, 4], GAP, LIVE, JOB, Placement.MIDDLE)
     assert led.lost["join_start"] == pytest.approx(5.0)
-    assert led.lost["join_pause"] == pytest.approx(4 * 0.4)
+    assert led.lost["join_pause"] == pytest.approx(3 * 0.4)
     _adds_up(led)
+    slow = simulate([3, 4, 4], GAP, RESTART, JOB, Placement.MIDDLE)
+    assert slow.lost["join_start"] == pytest.approx(10.0)  # not 10 + 8
+    assert slow.lost["join_pause"] == pytest.approx(3 * 8.0)
+    _adds_up(slow)
 
 
 def test_a_fixed_size_job_waits_for_the_whole_pool():

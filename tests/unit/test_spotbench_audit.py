@@ -10,6 +10,7 @@ from benchmarks.spotbench.audit import (
     available_node_s,
     batch_hash,
     exactly_once,
+    stretches,
 )
 from benchmarks.spotbench.live import busiest_window, window_counts
 from benchmarks.spotbench.traces import Trace
@@ -86,6 +87,19 @@ def test_audit_counts_only_final_attempts_at_their_healthy_step_time():
     # held: world 2 from 1.0 to 5.0 (the last final step at world 2 is step 7 at 1.7 s,
     # held until the next final step at 5.0 s), then world 1 from 5.0 to 10.0
     assert a.held == pytest.approx(2 * 4.0 + 1 * 5.0)
+
+
+def test_stretches_split_the_replay_where_the_pool_was_empty():
+    """Two nodes from the start; the pool empties at 10 s and one node returns at 20 s. The
+    first stretch trained from 1 s, the second never did: its 5 node-seconds were lost."""
+    rows = [r for i in range(9) for r in _rows(i, 1.0 + i, 2)]
+    changes = [(8.0, -1), (10.0, -1), (20.0, +1), (25.0, -1)]
+    got = stretches(rows, 0.0, changes, 2, 30.0, {2: 1.0})
+    assert [(x.start, x.end) for x in got] == [(0.0, 10.0), (20.0, 25.0)]
+    assert got[0].available == pytest.approx(2 * 8.0 + 2.0)
+    assert (got[0].steps, got[0].first_step_s) == (9, pytest.approx(1.0))
+    assert got[0].useful == pytest.approx(9 * 2 * 1.0)
+    assert (got[1].available, got[1].steps, got[1].first_step_s) == (pytest.approx(5.0), 0, None)
 
 
 def test_busiest_window_and_its_scaled_counts():
