@@ -212,11 +212,11 @@ def simulate(counts: list[int], gap_s: float, costs: SystemCosts, job: JobShape,
     def can_train(n: int) -> bool:
         return n >= job.min_nodes if costs.elastic else n >= job.max_nodes
 
-    def stall(now: float, seconds: float, cause: str, queued: bool = False) -> None:
-        """The world trains nothing until ``seconds`` after ``now`` (or after the stall in
-        progress, when ``queued``); the later end wins and names the cause from here on."""
+    def stall(now: float, seconds: float, cause: str) -> None:
+        """The world trains nothing until ``seconds`` after ``now``; with a stall already in
+        progress, the later end wins and names the cause from here on."""
         nonlocal stalled_until, stall_cause
-        until = (max(now, stalled_until) if queued else now) + seconds
+        until = now + seconds
         if until > stalled_until:
             stalled_until, stall_cause = until, cause
 
@@ -286,13 +286,17 @@ def simulate(counts: list[int], gap_s: float, costs: SystemCosts, job: JobShape,
             _insert(pending, _Event(pause_at, 3 * 10**9, "pause", ev.node))
             _insert(pending, _Event(now + costs.join_s, 3 * 10**9 + 1, "ready", ev.node))
         elif ev.kind == "pause":
-            # The members stop for the joiner (a restart, or a live re-formation's pause);
-            # a pause already in progress for another joiner delays this one's (queued).
+            # The members stop for the joiner (a restart, or a live re-formation's pause).
+            # A pause in progress for another joiner absorbs this one up to its end, and
+            # only what this one needs beyond that is added: the bound that favours a
+            # restart-based launcher, whose rendezvous admits every node registered before
+            # it closes. Queued one after another instead, torchrun's replay came out 29
+            # points below what it measured; shared, 3 points above (docs/benchmarks.md).
             if ev.node not in joining or not formed:
                 continue  # lost while it started, or nothing to pause
             if costs.join_rollback:
                 rollback()
-            stall(now, costs.join_pause_s, "join_pause", queued=True)
+            stall(now, costs.join_pause_s, "join_pause")
         elif ev.kind == "ready":
             if ev.node not in joining:
                 continue  # lost while it started

@@ -94,6 +94,16 @@ def test_a_joiner_is_idle_while_it_starts_and_the_members_pause_for_the_end_of_i
     _adds_up(slow)
 
 
+def test_joiners_arriving_together_share_one_pause_of_the_members():
+    """Two nodes arrive at once: the two members pause once (8 s), not once per joiner
+    one after the other (a restart in progress admits both); each joiner idles its 10 s."""
+    led = simulate([2, 4, 4], GAP, RESTART, JOB, Placement.EARLY)
+    assert led.events["join"] == 2
+    assert led.lost["join_start"] == pytest.approx(2 * 10.0)
+    assert led.lost["join_pause"] == pytest.approx(2 * 8.0)
+    _adds_up(led)
+
+
 def test_a_fixed_size_job_waits_for_the_whole_pool():
     """A fixed 4-node job trains only with 4: at 3 its nodes wait (below_min), then it
     starts cold again."""
