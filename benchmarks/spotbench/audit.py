@@ -222,6 +222,9 @@ class Observed:
 
     cold_start_s: list[float]   # the pool came back from zero -> the first step
     join_s: list[float]         # an isolated arrival -> the first step at the larger world
+    # A loss while the job trained, with no other change before the next step -> that
+    # step. A kill only for a launcher that ignores notices (a noticed node left already).
+    loss_s: list[float] = field(default_factory=list)
 
 
 def observed_costs(rows: Sequence[Mapping], t0: float, changes: Sequence[tuple[float, int]],
@@ -229,7 +232,8 @@ def observed_costs(rows: Sequence[Mapping], t0: float, changes: Sequence[tuple[f
     """Cold starts: each time the available count left zero (or the replay began), to the
     next step any rank completed, if the pool did not drop to zero first. Joins: an arrival
     with no other change within ``quiet_s`` either side, while the job trained, to the first
-    step at a world larger than the one before it."""
+    step at a world larger than the one before it. Losses: a loss within a second of a step,
+    with no other change until the next step, to that step."""
     steps = sorted((float(r["time"]) - t0, int(r.get("world") or 0)) for r in rows if int(r["rank"]) == 0)
     times = [s for s, _ in steps]
     seq = sorted(changes)
@@ -257,4 +261,11 @@ def observed_costs(rows: Sequence[Mapping], t0: float, changes: Sequence[tuple[f
         after = next((s for s, w in steps if s > at and w > before[-1]), None)
         if after is not None and after - at < quiet_s:
             joins.append(after - at)
-    return Observed(cold, joins)
+    losses = []
+    for i, (at, d) in enumerate(seq):
+        nxt = next((t for t in times if t > at), None)
+        if d >= 0 or nxt is None or not any(at - 1.0 < t <= at for t in times):
+            continue
+        if not any(j != i and at < c[0] < nxt for j, c in enumerate(seq)):
+            losses.append(nxt - at)
+    return Observed(cold, joins, losses)

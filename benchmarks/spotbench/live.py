@@ -282,7 +282,8 @@ def analyse(args: argparse.Namespace, workdir: Path) -> dict:
                   "held_worker_s": round(measured.held, 1), "retrained_steps": measured.retrained_steps,
                   "step_s": {str(k): round(v, 4) for k, v in sorted(measured.step_s.items())}},
         "observed_costs": {"cold_start_s": [round(x, 2) for x in seen.cold_start_s],
-                           "join_s": [round(x, 2) for x in seen.join_s]},
+                           "join_s": [round(x, 2) for x in seen.join_s],
+                           "loss_s": [round(x, 2) for x in seen.loss_s]},
         "stretches": [{"start": round(x.start, 1), "end": round(x.end, 1),
                        "available_node_s": round(x.available, 1), "useful_node_s": round(x.useful, 1),
                        "steps": x.steps, "first_step_s": None if x.first_step_s is None
@@ -307,8 +308,11 @@ def analyse(args: argparse.Namespace, workdir: Path) -> dict:
     if not args.costs:
         return doc
     sim, costs = simulated(args, counts, gap_s, shape)
+    # A noticed node has left before its loss: its loss is no kill to calibrate on.
+    kills = [] if costs.uses_notice else seen.loss_s
     calibrated = replace(costs, **{k: statistics.median(v) for k, v in
-                                   (("cold_start_s", seen.cold_start_s), ("join_s", seen.join_s)) if v})
+                                   (("cold_start_s", seen.cold_start_s), ("join_s", seen.join_s),
+                                    ("kill_s", kills)) if v})
     sim_here = simulate(counts, gap_s, calibrated, shape, Placement.UNIFORM, args.seed)
     doc["simulator"] = {"goodput": round(sim.goodput, 4), "useful_node_s": round(sim.useful, 1),
                         "available_node_s": round(sim.available, 1), "events": sim.events,
@@ -318,6 +322,7 @@ def analyse(args: argparse.Namespace, workdir: Path) -> dict:
     doc["simulator_calibrated_here"] = {
         "goodput": round(sim_here.goodput, 4),
         "cold_start_s": round(calibrated.cold_start_s, 2), "join_s": round(calibrated.join_s, 2),
+        "kill_s": round(calibrated.kill_s, 2),
         "lost_node_s": {k: round(v, 1) for k, v in sorted(sim_here.lost.items())},
         "difference_points": round(100 * (sim_here.goodput - measured.goodput), 2)}
     return doc

@@ -10,6 +10,7 @@ from benchmarks.spotbench.audit import (
     available_node_s,
     batch_hash,
     exactly_once,
+    observed_costs,
     stretches,
 )
 from benchmarks.spotbench.live import busiest_window, window_counts
@@ -100,6 +101,21 @@ def test_stretches_split_the_replay_where_the_pool_was_empty():
     assert (got[0].steps, got[0].first_step_s) == (9, pytest.approx(1.0))
     assert got[0].useful == pytest.approx(9 * 2 * 1.0)
     assert (got[1].available, got[1].steps, got[1].first_step_s) == (pytest.approx(5.0), 0, None)
+
+
+def test_observed_costs_of_a_cold_start_a_join_and_a_kill():
+    """Two nodes from 0 s (first step at 4 s); a third arrives at 20 s and trains at 26 s;
+    one is killed at 40 s and the next step is at 45 s; a loss at 60 s with an arrival
+    before the next step is not an isolated kill."""
+    rows = [r for i in range(16) for r in _rows(i, 4.0 + i, 2)]
+    rows += [r for i in range(16, 30) for r in _rows(i, 26.0 + i - 16, 3)]
+    rows += [r for i in range(30, 46) for r in _rows(i, 45.0 + i - 30, 2)]
+    rows += [r for i in range(46, 50) for r in _rows(i, 62.0 + i - 46, 2)]
+    changes = [(20.0, +1), (39.5, -1), (60.5, -1), (61.0, +1)]
+    got = observed_costs(rows, 0.0, changes, 2, quiet_s=8.0)
+    assert got.cold_start_s == [pytest.approx(4.0)]
+    assert got.join_s == [pytest.approx(6.0)]
+    assert got.loss_s == [pytest.approx(5.5)]
 
 
 def test_busiest_window_and_its_scaled_counts():
