@@ -34,7 +34,10 @@ from elasticd.status.model import EXIT_OK, derive_status
 from elasticd.status.snapshot import read_job
 
 SCRIPT = str(ROOT / "examples" / "train.py")
-STEPS = 200
+# Long enough that b, training alone after the start (~20 steps/s), has not finished the
+# job before a's agent is up to join it: with 200 a loaded fresh-clone suite saw b finish
+# 6 s after the start, while a's agent, still importing, was refused as "job finished".
+STEPS = 480
 DATASET = 480  # 20 steps of 24 samples per epoch
 pytestmark = pytest.mark.timeout(300)
 
