@@ -138,12 +138,7 @@ def audit(rows: Sequence[Mapping], t0: float, changes: Sequence[tuple[float, int
     at that size, measured on rank 0's rows). Held worker-seconds = the integral of the
     world size the job last trained at, from its first step to the end (a world that
     stalls still holds its workers)."""
-    finals: list[tuple[int, float, int]] = []  # (step, time of rank 0's row, world)
-    for step, tries in sorted(attempts(rows).items()):
-        final = tries[-1]
-        first = min(final, key=lambda r: int(r["rank"]))
-        world = _world_of(final)
-        finals.append((step, float(first["time"]) - t0, world))
+    finals = _finals(rows, t0)
     gaps: dict[int, list[float]] = {}
     for (s0, a, w0), (s1, b, w1) in zip(finals, finals[1:], strict=False):
         if s1 == s0 + 1 and w0 == w1 and b > a:
@@ -162,6 +157,34 @@ def audit(rows: Sequence[Mapping], t0: float, changes: Sequence[tuple[float, int
             held += w * (hi - lo)
     retrained = sum(1 for tries in attempts(rows).values() if len(tries) > 1)
     return Audit(available_node_s(changes, start_nodes, end_s), useful, held, retrained, step_s)
+
+
+def _finals(rows: Sequence[Mapping], t0: float) -> list[tuple[int, float, int]]:
+    """Every step's final attempt as (step, its lowest rank's row time - t0, world), by step."""
+    out = []
+    for step, tries in sorted(attempts(rows).items()):
+        final = tries[-1]
+        first = min(final, key=lambda r: int(r["rank"]))
+        out.append((step, float(first["time"]) - t0, _world_of(final)))
+    return out
+
+
+def _pool_spans(changes: Sequence[tuple[float, int]], start_nodes: int,
+                end_s: float) -> list[tuple[float, float]]:
+    """The spans with nodes available: from the pool leaving zero (or the start, with nodes)
+    to it reaching zero again (or ``end_s``)."""
+    spans: list[tuple[float, float]] = []
+    n, begun = start_nodes, (0.0 if start_nodes > 0 else None)
+    for at, d in sorted(changes):
+        if n == 0 and d > 0:
+            begun = at
+        n += d
+        if n == 0 and begun is not None:
+            spans.append((begun, at))
+            begun = None
+    if begun is not None:
+        spans.append((begun, end_s))
+    return spans
 
 
 def _world_of(final: Sequence[Mapping]) -> int:
@@ -190,22 +213,10 @@ def stretches(rows: Sequence[Mapping], t0: float, changes: Sequence[tuple[float,
     first stretch's ``first_step_s``, and a stretch that ended before its first step
     (``first_step_s`` None) lost all of its ``available``. ``step_s`` is
     :attr:`Audit.step_s`."""
-    spans: list[tuple[float, float]] = []
-    n, begun = start_nodes, (0.0 if start_nodes > 0 else None)
-    for at, d in sorted(changes):
-        if n == 0 and d > 0:
-            begun = at
-        n += d
-        if n == 0 and begun is not None:
-            spans.append((begun, at))
-            begun = None
-    if begun is not None:
-        spans.append((begun, end_s))
-    finals = sorted((float(min(f, key=lambda r: int(r["rank"]))["time"]) - t0, _world_of(f))
-                    for f in (tries[-1] for tries in attempts(rows).values()))
+    finals = sorted((t, w) for _, t, w in _finals(rows, t0))
     fallback = statistics.median(step_s.values()) if step_s else 0.0
     out = []
-    for a, b in spans:
+    for a, b in _pool_spans(changes, start_nodes, end_s):
         inside = [(t, w) for t, w in finals if a <= t <= b]
         avail = (available_node_s(changes, start_nodes, b)
                  - available_node_s(changes, start_nodes, a))
@@ -237,18 +248,9 @@ def observed_costs(rows: Sequence[Mapping], t0: float, changes: Sequence[tuple[f
     steps = sorted((float(r["time"]) - t0, int(r.get("world") or 0)) for r in rows if int(r["rank"]) == 0)
     times = [s for s, _ in steps]
     seq = sorted(changes)
-    n, cold, joins = start_nodes, [], []
-    starts = [0.0] if start_nodes > 0 else []
-    zero_at = []
-    for at, d in seq:
-        if n == 0 and d > 0:
-            starts.append(at)
-        n += d
-        if n == 0:
-            zero_at.append(at)
-    for s in starts:
+    cold, joins = [], []
+    for s, down in _pool_spans(changes, start_nodes, float("inf")):
         nxt = next((t for t in times if t > s), None)
-        down = next((z for z in zero_at if z > s), float("inf"))
         if nxt is not None and nxt < down:
             cold.append(nxt - s)
     for i, (at, d) in enumerate(seq):

@@ -105,7 +105,7 @@ def test_stretches_split_the_replay_where_the_pool_was_empty():
 
 def test_observed_costs_of_a_cold_start_a_join_and_a_kill():
     """Two nodes from 0 s (first step at 4 s); a third arrives at 20 s and trains at 26 s;
-    one is killed at 40 s and the next step is at 45 s; a loss at 60 s with an arrival
+    one is killed at 39.5 s and the next step is at 45 s; a loss at 60.5 s with an arrival
     before the next step is not an isolated kill."""
     rows = [r for i in range(16) for r in _rows(i, 4.0 + i, 2)]
     rows += [r for i in range(16, 30) for r in _rows(i, 26.0 + i - 16, 3)]
