@@ -56,8 +56,10 @@ def test_kill_and_join_give_the_batches_and_augmentations_of_an_uninterrupted_ru
                                 if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR")})
     try:
         trace = tmp_path / "trace-run.jsonl"
-        # While a node is missing the job slows down, so that the joiner arrives before the end.
-        args = [*_args(tmp_path, "run", 0.1), "--pace-world", "2"]
+        # While a node is missing the job waits at a step boundary for the joiner's drain:
+        # the join happens at a known point, never in a race with the end of the job (a
+        # joiner still importing torch at a load of 20 used to find the job finished).
+        args = [*_args(tmp_path, "run", 0.1), "--hold-below-world", "2"]
         a = nodes.start("pipe", SCRIPT, nnodes="1:2", name="a", script_args=args)
         b = nodes.start("pipe", SCRIPT, nnodes="1:2", name="b", script_args=args)
         wait_until(lambda: any(r["step"] >= 14 and r["world_size"] == 2 for r in read_jsonl(trace)),
