@@ -43,8 +43,10 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check elasticd tests benchmarks examples
 	$(VENV)/bin/mypy
 
+# The suite CI runs: every test but the soak-marked ones (`make soak`); benchmarks are
+# `make bench`. Behaviour a soak run checks is also pinned by a test here.
 test: $(STAMP) lint
-	$(PY) -m pytest -q --durations=20 tests $(PYTEST_ARGS)
+	$(PY) -m pytest -q --durations=20 -m "not soak" tests $(PYTEST_ARGS)
 
 unit: $(STAMP)
 	$(PY) -m pytest -q tests/unit $(PYTEST_ARGS)
@@ -55,6 +57,7 @@ integration: $(STAMP)
 chaos: $(STAMP)
 	$(PY) -m pytest -q tests/chaos $(PYTEST_ARGS)
 
+# Long and randomized runs: the soak-marked tests, and the chaos tests at their long sizes.
 soak: $(STAMP)
 	ELASTICD_SOAK=1 $(PY) -m pytest -q tests/chaos $(PYTEST_ARGS)
 

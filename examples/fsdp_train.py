@@ -212,6 +212,8 @@ def train_epochs(args, ctx, step, x, y, model, optim, sched, sampler, plan, trac
                     worker.fast_exit(0)
                 if done or (step + 1) % args.checkpoint_every == 0:
                     ckpt.save(step, state, blocking=done)
+                if ctx.under_agent and ctx.world_size < args.hold_below_world and not done:
+                    train.hold_until_asked()
             step += 1
             if done:
                 break

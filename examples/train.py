@@ -56,6 +56,10 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--step-sleep", type=float, default=0.0, help="extra seconds per step (demos)")
     p.add_argument("--trace", help="append the sample indices each rank trains to this file (tests)")
     p.add_argument("--final-params", help="rank 0 writes the final parameters here (tests)")
+    p.add_argument("--hold-below-world", type=int, default=0,
+                   help="(tests) under an agent, after each step while the world is smaller, "
+                        "wait until this node is asked to stop, park or re-form: a join or a "
+                        "stop happens at a known point, not in a race with the job's end")
     return p
 
 
@@ -92,6 +96,18 @@ def load_checkpoint(ckpt: CheckpointManager, state: dict) -> int:
     """Load the newest checkpoint into ``state``; its step, or -1 when there is none."""
     loaded = ckpt.load_latest(state)
     return loaded.step if loaded else -1
+
+
+def hold_until_asked(max_s: float = 180.0) -> None:
+    """(tests) Wait at a step boundary until the agent asks this node to stop, park or
+    re-form (polling; no collective: only a world smaller than the job's holds)."""
+    from elasticd.worker.context import park_requested, reform_ordered
+
+    deadline = time.monotonic() + max_s
+    while not (worker.stop_requested_locally() or park_requested() or reform_ordered()):
+        if time.monotonic() > deadline:
+            return
+        time.sleep(0.05)
 
 
 def train_epochs(args, ctx, step, x, y, ddp, optim, sampler, plan, live, trace, log, state, ckpt) -> int:
@@ -147,6 +163,8 @@ def train_epochs(args, ctx, step, x, y, ddp, optim, sampler, plan, live, trace, 
                     worker.fast_exit(0)
                 if done or (step + 1) % args.checkpoint_every == 0:
                     ckpt.save(step, state, blocking=done)
+                if ctx.under_agent and ctx.world_size < args.hold_below_world and not done:
+                    hold_until_asked()
             step += 1
             if done:
                 break

@@ -15,6 +15,7 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from elasticd.process import descendants
@@ -190,3 +191,121 @@ def example_args(tmp_path: Path, tag: str, *, steps: int, dataset_size: int) -> 
             "--micro-batch", "8", "--dtype", "float64", "--checkpoint-every", "5",
             "--step-sleep", "0.04", "--trace", str(tmp_path / f"trace-{tag}.jsonl"),
             "--final-params", str(tmp_path / f"final-{tag}.pt")]
+
+
+# Fault schedules ------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Fired:
+    """What the trace showed when a phase of a :class:`FaultSchedule` fired."""
+
+    name: str
+    rows: int  # trace rows written before the phase's action
+    round: int  # newest round in the trace then
+    step: int  # newest step in the trace then (-1: none yet)
+    at: float  # time.monotonic() of the action
+
+
+Trigger = Callable[[list[dict], Fired | None], bool]
+
+
+def at_step(step: int, *, world: int | None = None, ranks: int | None = None,
+            world_key: str = "world") -> Trigger:
+    """Fires once the trace has a row of ``step`` or later (at ``world``, from at least
+    ``ranks`` distinct ranks) written after the previous phase fired."""
+    def fired(rows: list[dict], prev: Fired | None) -> bool:
+        seen = {r["rank"] for r in rows[prev.rows if prev else 0:]
+                if r["step"] >= step and (world is None or r[world_key] == world)}
+        return len(seen) >= (ranks or 1)
+    return fired
+
+
+def in_newer_round(*, world: int | None = None, rank: int | None = None,
+                   world_key: str = "world") -> Trigger:
+    """Fires once a row of a round newer than the one at the previous phase is in the
+    trace (at ``world``, from ``rank``): the job re-formed after that phase's fault."""
+    def fired(rows: list[dict], prev: Fired | None) -> bool:
+        old = prev.round if prev else -1
+        return any((r["round"] or 0) > old and (world is None or r[world_key] == world)
+                   and (rank is None or r["rank"] == rank) for r in rows)
+    return fired
+
+
+class FaultSchedule:
+    """A multi-phase fault schedule over one job, keyed by (node, step or event), in the
+    manner of torchft's ``EventInjector``: each phase waits (polling the job's trace against
+    its own deadline) for its trigger, then acts, and remembers what the trace showed, so
+    that later triggers and the test's assertions can refer to it::
+
+        fired = (FaultSchedule(trace)
+                 .when(at_step(14, world=2), "step 14 at world 2").kill(b)
+                 .when(in_newer_round(world=1), "world 1 after the kill").start(lambda: ...)
+                 .when(in_newer_round(world=2), "world 2 after the join").mark()
+                 .run())
+
+    A phase's trigger sees the rows and the previous phase's :class:`Fired` record (None
+    for the first). Nothing sleeps in place of an event; a trigger that never fires fails
+    the test naming the phase.
+    """
+
+    def __init__(self, trace: Path, *, timeout_s: float = 120.0) -> None:
+        self.trace, self.timeout_s = trace, timeout_s
+        self._phases: list[tuple[str, Trigger, float, Callable[[], object]]] = []
+        self._pending: tuple[str, Trigger, float] | None = None
+        self.fired: dict[str, Fired] = {}
+        self.results: dict[str, object] = {}
+
+    def when(self, trigger: Trigger, name: str, *, timeout_s: float | None = None) -> FaultSchedule:
+        """The next action waits for ``trigger``; ``name`` labels the phase (unique)."""
+        if self._pending is not None:
+            raise ValueError(f"phase {self._pending[0]!r} has no action")
+        if name in {p[0] for p in self._phases}:
+            raise ValueError(f"two phases named {name!r}")
+        self._pending = (name, trigger, timeout_s or self.timeout_s)
+        return self
+
+    def do(self, action: Callable[[], object]) -> FaultSchedule:
+        """Run ``action`` when the pending trigger fires (its value is kept in ``results``)."""
+        if self._pending is None:
+            raise ValueError("an action needs a when() before it")
+        self._phases.append((*self._pending, action))
+        self._pending = None
+        return self
+
+    def kill(self, node: Node, sig: int = signal.SIGKILL) -> FaultSchedule:
+        """Signal the node's whole process tree (SIGKILL: the node dies)."""
+        return self.do(lambda: node.signal(sig))
+
+    def signal_agent(self, node: Node, sig: int = signal.SIGTERM) -> FaultSchedule:
+        """Signal the node's agent only (SIGTERM: a drain)."""
+        return self.do(lambda: node.signal_agent(sig))
+
+    def start(self, make: Callable[[], Node]) -> FaultSchedule:
+        """Start a node (a join); the Node is kept in ``results`` under the phase's name."""
+        return self.do(make)
+
+    def mark(self) -> FaultSchedule:
+        """No action: the phase only records when its trigger fired."""
+        return self.do(lambda: None)
+
+    def run(self) -> dict[str, Fired]:
+        """Run every phase in order; returns each phase's record by name.
+
+        Raises:
+            AssertionError: a phase's trigger did not fire within its timeout (named).
+        """
+        if self._pending is not None:
+            raise ValueError(f"phase {self._pending[0]!r} has no action")
+        prev: Fired | None = None
+        for name, trigger, timeout_s, action in self._phases:
+            rows = wait_until(lambda t=trigger, p=prev: _rows_if(self.trace, t, p), timeout_s,
+                              f"phase {name!r}")
+            prev = self.fired[name] = Fired(
+                name, len(rows), max((r["round"] or 0 for r in rows), default=0),
+                max((r["step"] for r in rows), default=-1), time.monotonic())
+            self.results[name] = action()
+        return self.fired
+
+
+def _rows_if(trace: Path, trigger: Trigger, prev: Fired | None) -> list[dict] | None:
+    rows = read_jsonl(trace)
+    return rows if rows and trigger(rows, prev) else None

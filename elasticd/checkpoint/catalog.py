@@ -136,10 +136,18 @@ def _inspect(store: FsspecCheckpointStore, save: ListedSave, verify: bool) -> Ch
         problem = store.unreadable_reason(save)
         if problem:
             raise CheckpointUnreadableError(problem)
+        if not save.has_manifest:
+            # Why: the listing's sizes are those of a save still being written; reading a
+            # manifest committed since then and judging it by them reported a fresh
+            # checkpoint as "truncated" (a job that commits every step races every listing).
+            raise CheckpointCorruptError("no manifest when listed (save torn or still in flight)")
         manifest = store.read_manifest(save.step, save.save_id)
     except CheckpointVanishedError:
         return None
     except (CheckpointCorruptError, CheckpointUnreadableError) as exc:
+        if save.has_manifest and not store.fs.exists(
+                f"{store.save_path(save.step, save.save_id)}/{MANIFEST_NAME}"):
+            return None  # listed with its manifest, deleted since: pruned while we read
         return CheckpointInfo(**base, committed_at=None, world_size=0, valid=False, reason=str(exc))
     base["run_id"] = manifest.run_id
     reason = listing_problem(manifest, save)

@@ -351,3 +351,48 @@ def test_a_save_pruned_while_verify_reads_it_is_not_listed(tmp_path, monkeypatch
     monkeypatch.setattr(restore, "deserialize_file", pruned_under_us)
     infos = list_checkpoints(url, "j", verify=True)
     assert [(i.step, i.valid) for i in infos] == [(2, True)]
+
+
+def _listed_before(mgr: CheckpointManager, monkeypatch, edit) -> None:
+    """Make the catalog's listing the one ``edit`` makes of the listing now (a listing
+    taken at another moment of the same running job)."""
+    from elasticd.checkpoint.store import FsspecCheckpointStore
+
+    stale = [edit(s) for s in mgr.store.list_saves()]
+    monkeypatch.setattr(FsspecCheckpointStore, "list_saves", lambda self: list(stale))
+
+
+def test_a_save_committed_after_the_listing_is_not_reported_committed_and_truncated(
+        tmp_path, monkeypatch):
+    """`--verify` of a job that commits every step: a save listed while its state file was
+    still being written (no manifest yet) and committed before its manifest is read is
+    listed as not committed, never as a committed checkpoint that is "truncated"."""
+    import dataclasses
+
+    mgr = CheckpointManager(f"file://{tmp_path}", job="j", keep_last=5)
+    for step in (1, 2):
+        mgr.save(step, {"model": _net()}, blocking=True)
+
+    def in_flight(save):
+        if save.step != 2:
+            return save
+        half = {n: size // 2 for n, size in save.files.items() if n != MANIFEST_NAME}
+        return dataclasses.replace(save, files=half)
+
+    _listed_before(mgr, monkeypatch, in_flight)
+    infos = {i.step: i for i in list_checkpoints(f"file://{tmp_path}", "j", verify=True)}
+    assert infos[1].valid and infos[1].committed_at
+    assert infos[2].committed_at is None and "in flight" in (infos[2].reason or "")
+
+
+def test_a_save_pruned_between_listing_and_manifest_read_is_not_listed(tmp_path, monkeypatch):
+    """`--verify` of a running job: a save listed with its manifest that retention deletes
+    before the manifest is read is left out (it is gone), not reported as torn."""
+    mgr = CheckpointManager(f"file://{tmp_path}", job="j", keep_last=5)
+    for step in (1, 2):
+        mgr.save(step, {"model": _net()}, blocking=True)
+    _listed_before(mgr, monkeypatch, lambda save: save)
+    gone = next(s for s in mgr.store.list_saves() if s.step == 1)
+    mgr.store.delete_save(gone.step, gone.save_id)  # retention, after the listing
+    infos = list_checkpoints(f"file://{tmp_path}", "j", verify=True)
+    assert [(i.step, i.valid) for i in infos] == [(2, True)]

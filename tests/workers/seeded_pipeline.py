@@ -36,10 +36,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--checkpoint-url", default=os.environ.get("ELASTICD_CHECKPOINT_URL"))
     p.add_argument("--checkpoint-every", type=int, default=4)
     p.add_argument("--step-sleep", type=float, default=0.0)
-    p.add_argument("--pace-world", type=int, default=0,
-                   help="under an agent, sleep --pace-sleep per step while the world is smaller "
-                        "(gives a joining node time to arrive before the job ends)")
-    p.add_argument("--pace-sleep", type=float, default=0.5)
+    p.add_argument("--hold-below-world", type=int, default=0,
+                   help="under an agent, after each step while the world is smaller, wait at "
+                        "the step boundary until this node is asked to stop (a joiner's drain), "
+                        "at most --hold-max-s: the join happens at a known point, never in a "
+                        "race with the end of the job")
+    p.add_argument("--hold-max-s", type=float, default=180.0)
     p.add_argument("--trace", required=True)
     p.add_argument("--final-params", required=True)
     return p.parse_args()
@@ -78,6 +80,14 @@ class KeyedDataset(worker.SeededDataset):
 
     def __getitem__(self, key):
         return key, super().__getitem__(key)
+
+
+def _hold_until_asked_to_stop(max_s: float) -> None:
+    """Wait (polling, no collective: the world is too small to need one) until this node's
+    agent asks for a stop; the next should_stop() then agrees on it."""
+    deadline = time.monotonic() + max_s
+    while not worker.stop_requested_locally() and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def main() -> int:
@@ -125,8 +135,6 @@ def main() -> int:
             trace.flush()
             if args.step_sleep:
                 time.sleep(args.step_sleep)
-            if ctx.under_agent and ctx.world_size < args.pace_world:
-                time.sleep(args.pace_sleep)
             worker.report_progress(step, epoch=epoch)
             progress["step"] = step
             done = step + 1 >= args.steps
@@ -137,6 +145,8 @@ def main() -> int:
                 worker.fast_exit(0)
             if done or (step + 1) % args.checkpoint_every == 0:
                 ckpt.save(step, state, blocking=done)
+            if ctx.under_agent and ctx.world_size < args.hold_below_world and not done:
+                _hold_until_asked_to_stop(args.hold_max_s)
             step += 1
             if done:
                 break

@@ -19,10 +19,11 @@ import subprocess
 
 import pytest
 import torch
-from harness import PY, ROOT, read_jsonl, wait_until
+from harness import PY, ROOT, FaultSchedule, at_step, in_newer_round, read_jsonl
 
 SCRIPT = str(ROOT / "tests" / "workers" / "seeded_pipeline.py")
 STEPS = 48  # 12 steps per epoch: the kill and the join fall inside epochs
+W = "world_size"  # the trace's world-size key
 pytestmark = pytest.mark.timeout(300)  # measured: 94 s on 2 cores at a load average of 15
 
 
@@ -56,19 +57,19 @@ def test_kill_and_join_give_the_batches_and_augmentations_of_an_uninterrupted_ru
                                 if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR")})
     try:
         trace = tmp_path / "trace-run.jsonl"
-        # While a node is missing the job slows down, so that the joiner arrives before the end.
-        args = [*_args(tmp_path, "run", 0.1), "--pace-world", "2"]
-        a = nodes.start("pipe", SCRIPT, nnodes="1:2", name="a", script_args=args)
-        b = nodes.start("pipe", SCRIPT, nnodes="1:2", name="b", script_args=args)
-        wait_until(lambda: any(r["step"] >= 14 and r["world_size"] == 2 for r in read_jsonl(trace)),
-                   90, "step 14 at world size 2")
-        b.signal(signal.SIGKILL)
-        at_kill = max(r["round"] or 0 for r in read_jsonl(trace))
-        wait_until(lambda: any((r["round"] or 0) > at_kill for r in read_jsonl(trace)), 60,
-                   "training at world size 1 after the kill")
-        c = nodes.start("pipe", SCRIPT, nnodes="1:2", name="c", script_args=args)
-        wait_until(lambda: any(r["world_size"] == 2 and (r["round"] or 0) > at_kill
-                               for r in read_jsonl(trace)), 90, "world size 2 after the join")
+        # While a node is missing the job waits at a step boundary for the joiner's drain:
+        # the join happens at a known point, never in a race with the end of the job (a
+        # joiner still importing torch at a load of 20 used to find the job finished).
+        args = [*_args(tmp_path, "run", 0.1), "--hold-below-world", "2"]
+        a, b = (nodes.start("pipe", SCRIPT, nnodes="1:2", name=n, script_args=args) for n in "ab")
+        schedule = (
+            FaultSchedule(trace, timeout_s=90)
+            .when(at_step(14, world=2, world_key=W), "step 14 at world size 2").kill(b)
+            .when(in_newer_round(world=1, world_key=W), "world size 1 after the kill")
+            .start(lambda: nodes.start("pipe", SCRIPT, nnodes="1:2", name="c", script_args=args))
+            .when(in_newer_round(world=2, world_key=W), "world size 2 after the join").mark())
+        at_kill = schedule.run()["step 14 at world size 2"].round
+        c = schedule.results["world size 1 after the kill"]
         for node in (a, c):
             assert node.wait(90) == 0, node.log()[-3000:]
         assert ref.wait(90) == 0, (tmp_path / "ref.log").read_text()[-3000:]

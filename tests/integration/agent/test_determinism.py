@@ -16,15 +16,26 @@ from collections import Counter
 
 import pytest
 import torch
-from harness import ROOT, example_args, read_jsonl, trained_samples, wait_until, worker_lines
+from harness import (
+    ROOT,
+    FaultSchedule,
+    at_step,
+    example_args,
+    in_newer_round,
+    read_jsonl,
+    trained_samples,
+    wait_until,
+    worker_lines,
+)
 
 SCRIPT = str(ROOT / "examples" / "train.py")
 pytestmark = pytest.mark.timeout(240)
 STEPS = 160
-# The resize test's run is longer, so that the joiner (started once the survivors train at
-# world 2) is in before the end: with 160 steps the survivors finished the job 7.3 s after
-# the kill while the joiner's agent was still starting (refused: "job finished").
-RESIZE_STEPS = 320
+# The resize test's survivors wait after each step at world 2 until the agents order the
+# joiner in (--hold-below-world 3), so the join never races the job's end (with a plain
+# 160 steps the survivors finished 7.3 s after the kill while the joiner's agent was still
+# starting, refused as "job finished"; 320 steps only made that less likely).
+RESIZE_STEPS = 160
 
 
 def _args(tmp_path, tag):
@@ -50,22 +61,27 @@ def test_resizes_match_a_run_without_failures(nodes, tmp_path):
                        script_args=ref_args) for _ in range(2)]
 
     trace_b = tmp_path / "trace-b.jsonl"
+    b_args = [*_script_args(tmp_path, "b", RESIZE_STEPS), "--hold-below-world", "3"]
     b = [nodes.start("det-b", SCRIPT, nnodes="2:3", extra=_args(tmp_path, "b"),
-                     script_args=_script_args(tmp_path, "b", RESIZE_STEPS)) for _ in range(3)]
+                     script_args=b_args) for _ in range(3)]
+    victim: set[int] = set()
+
+    def kill() -> None:
+        victim.update(b[2].tree())
+        b[2].signal(signal.SIGKILL)
+
     # All three ranks past step 17 (the first round may form with two, the third joining).
-    wait_until(lambda: {r["rank"] for r in read_jsonl(trace_b) if r["step"] >= 17} >= {0, 1, 2},
-               120, "step 17 at world 3")
-    victim = set(b[2].tree())
-    b[2].signal(signal.SIGKILL)
-    rows_at_kill = read_jsonl(trace_b)
-    round_at_kill = max(r["round"] or 0 for r in rows_at_kill)
-    survivor_pids = {r["pid"] for r in rows_at_kill} - victim
-    wait_until(lambda: any((r["round"] or 0) > round_at_kill for r in read_jsonl(trace_b)), 120,
-               "training at world 2 after the kill")
-    b.append(nodes.start("det-b", SCRIPT, nnodes="2:3", extra=_args(tmp_path, "b"),
-                         script_args=_script_args(tmp_path, "b", RESIZE_STEPS)))
-    wait_until(lambda: any(r["rank"] == 2 and (r["round"] or 0) > round_at_kill + 1
-                           for r in read_jsonl(trace_b)), 120, "world 3 again after the rejoin")
+    schedule = (
+        FaultSchedule(trace_b, timeout_s=120)
+        .when(at_step(17, ranks=3), "step 17 at world 3").do(kill)
+        .when(in_newer_round(world=2), "world 2 after the kill")
+        .start(lambda: nodes.start("det-b", SCRIPT, nnodes="2:3", extra=_args(tmp_path, "b"),
+                                   script_args=b_args))
+        .when(in_newer_round(rank=2), "world 3 again after the rejoin").mark())
+    fired = schedule.run()
+    b.append(schedule.results["world 2 after the kill"])
+    round_at_kill = fired["step 17 at world 3"].round
+    survivor_pids = {r["pid"] for r in read_jsonl(trace_b)[:fired["step 17 at world 3"].rows]} - victim
     joiner = set(b[3].tree())
     for n in (b[0], b[1], b[3], *ref):
         assert n.wait(180) == 0, n.log()[-3000:]

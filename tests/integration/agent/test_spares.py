@@ -111,7 +111,10 @@ def test_a_prebuilt_spare_has_its_model_built_before_its_admission(nodes, tmp_pa
     trace = tmp_path / "trace-p.jsonl"
     extra = ["--spare-prebuild", "--checkpoint-url", f"file://{tmp_path}/ckpt-p",
              "--restart-backoff", "0.1"]
+    # The member left alone by the kill holds after each step until the spare's admission
+    # re-forms it (--hold-below-world 2): the admission never races the job's end.
     args = example_args(tmp_path, "p", steps=STEPS, dataset_size=DATASET) + script_args
+    args += ["--hold-below-world", "2"]
     started = {n: nodes.start("prebuilt", script, name=n, nnodes="1:2", extra=extra, script_args=args)
                for n in ("n0", "n1", "n2")}
     wait_until(lambda: sum(1 for r in read_jsonl(trace) if r["world"] == 2) >= 10, 90, "world 2 trains")
