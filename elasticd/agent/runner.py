@@ -45,6 +45,7 @@ from elasticd.agent.standalone_runs import (
 )
 from elasticd.agent.summary import failure_line, failure_summary
 from elasticd.agent.worker_user import check_checkpoint_dir, resolve_worker_user
+from elasticd.checkpoint.identity import new_run_id
 from elasticd.config.model import EtcdConfig
 from elasticd.control import CheckpointIo, CheckpointIoKind, CommitRequest, ControlChannel
 from elasticd.control.api import ENV_LOG_FORMAT, CommitOutcome
@@ -306,26 +307,25 @@ def run_node(spec: NodeSpec, early: EarlyStart | None = None, arrival: EarlyArri
                  deadline_s=spec.etcd.connect_timeout_s)
         handler.on_registered = lambda deadline: _admit(client, handler, fingerprint, deadline)
         recorder = JobRecorder(handler.session)
-        # A standalone start (a fresh private etcd) continues its job's last run unless
-        # that run finished (elasticd.agent.standalone_runs): decided before anything starts.
-        plan = RunPlan()
+        # A standalone start (a fresh private etcd) continues its job's last run, or starts
+        # a new one after a finished run (elasticd.agent.standalone_runs): decided before
+        # anything starts.
+        plan = RunPlan(resume=spec.resume)
         if embedded is not None and spec.etcd.data_dir is None:
             runs_dir = records_dir(spec.state_dir, spec.state_home)
             plan = plan_standalone_run(read_record(runs_dir, spec.job), job=spec.job,
                                        checkpoint_url=spec.supervision.checkpoint_url,
-                                       resume=spec.resume)
-            if plan.finished:
-                error_line(plan.message, event="standalone_run_finished_before", level="info")
-                return 0
+                                       resume=spec.resume, fresh_run_id=new_run_id())
         # The run's identity (docs/checkpoints.md#run-identity): stamped on the pointer,
         # handed to workers, and checked against the stored checkpoints before any starts.
         recorder.run_id = ensure_run_id(client, handler.keys, proposed=plan.run_id)
         if plan.message:
-            error_line(plan.message, event="standalone_run_continued", level="info",
-                       run_id=recorder.run_id)
-        supervision = check_resume(spec.supervision, spec.job, recorder.run_id, spec.resume)
+            event = "standalone_run_started_anew" if plan.anew else "standalone_run_continued"
+            error_line(plan.message, event=event, level="info", run_id=recorder.run_id)
+        supervision = check_resume(spec.supervision, spec.job, recorder.run_id, plan.resume)
         if runs_dir is not None and spec.supervision.checkpoint_url:
-            run_record = RunRecord(recorder.run_id, spec.supervision.checkpoint_url, RUNNING)
+            run_record = RunRecord(recorder.run_id, spec.supervision.checkpoint_url, RUNNING,
+                                   plan.resume)
             write_record(runs_dir, spec.job, run_record)
         if current_format() == "json":  # the worker API logs JSON when its agent does
             supervision = replace(supervision, worker_env={**supervision.worker_env,
