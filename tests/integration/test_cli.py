@@ -26,12 +26,14 @@ NODE_FLAGS = ["--standalone", "--job", "--nnodes", "--checkpoint-url", "--resume
               "--drain-grace", "--resize-grace", "--plain-stop", "--done-exit", "--preemption", "--preemption-url",
               "--preemption-poll", "--drain-lead", "--log-format", "--log-level", "--log-dir", "--metrics-port",
               "--metrics-addr"]
+# torchrun's spelling of each multi-word flag (--nproc_per_node), accepted, hidden from --help.
+TORCHRUN_SPELLINGS = ["--" + f[2:].replace("-", "_") for f in NODE_FLAGS if "-" in f[2:]]
 # `status`, `stop`, `drain`, `start`: one connection path (elasticd.status.options).
 ETCD_CLIENT_FLAGS = ["--etcd", "--etcd-ca", "--etcd-cert", "--etcd-key", "--etcd-user",
                      "--etcd-password-file", "--etcd-insecure-plaintext-auth", "--timeout"]
 SURFACE = {
-    "run": ["--config", *NODE_FLAGS],
-    "agent": ["--config", "--check-config", *NODE_FLAGS],
+    "run": ["--config", *NODE_FLAGS, *TORCHRUN_SPELLINGS],
+    "agent": ["--config", "--check-config", *NODE_FLAGS, *TORCHRUN_SPELLINGS],
     "status": ["--job", "--etcd", "--etcd-ca", "--etcd-cert", "--etcd-key", "--etcd-user",
                "--etcd-password-file", "--etcd-insecure-plaintext-auth", "--timeout", "--json", "--watch", "--events", "--window",
                "--max-rows", "--goodput", "--goodput-window", "--plot"],
