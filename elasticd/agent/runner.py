@@ -72,6 +72,7 @@ from elasticd.rendezvous.etcd_handler import EtcdRendezvousHandler
 from elasticd.rendezvous.finished import FinishedJob, read_finished
 from elasticd.rendezvous.settings import RendezvousSettings
 from elasticd.retry import call_with_retry
+from elasticd.sensitive import redact_url
 from elasticd.stopmarks import restart_hint
 
 if TYPE_CHECKING:
@@ -268,6 +269,8 @@ def run_node(spec: NodeSpec, early: EarlyStart | None = None, arrival: EarlyArri
             made = check_checkpoint_dir(spec.supervision.checkpoint_url, spec.job, workers_user)
             if made:
                 log.info("checkpoint_dir_created", path=made, owner=workers_user.run_as.name)
+        if spec.supervision.checkpoint_url:  # before etcd and any worker start: exit 78 now
+            _probe_checkpoint_url(spec.supervision.checkpoint_url, spec.job)
         state_dir = _intents_dir(spec)
         if spec.etcd.embedded:
             # Private to this user: TLS with a generated client certificate (docs/security.md).
@@ -503,6 +506,24 @@ def _unreachable_why(exc: Exception, label: str) -> str:
     why = " ".join(str(exc).split())
     prefix = f"etcd at {label} unreachable: "
     return why[len(prefix):] if why.startswith(prefix) else why
+
+
+def _probe_checkpoint_url(url: str, job: str) -> None:
+    """Create and remove a file under the job's checkpoint directory before anything starts.
+
+    Raises:
+        ConfigError: the storage refused the write (exit 78, one line naming the URL).
+    """
+    from elasticd.checkpoint.store import FsspecCheckpointStore
+
+    try:
+        FsspecCheckpointStore(url, job).probe_writable()
+    except ConfigError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a storage that does not answer may come back
+        log.warning("checkpoint_url_probe_failed", url=redact_url(url), error=repr(exc))
+    else:
+        log.debug("checkpoint_url_probed", url=redact_url(url))
 
 
 def _intents_dir(spec: NodeSpec) -> str:
