@@ -269,7 +269,8 @@ def run_node(spec: NodeSpec, early: EarlyStart | None = None, arrival: EarlyArri
             made = check_checkpoint_dir(spec.supervision.checkpoint_url, spec.job, workers_user)
             if made:
                 log.info("checkpoint_dir_created", path=made, owner=workers_user.run_as.name)
-        if spec.supervision.checkpoint_url:  # before etcd and any worker start: exit 78 now
+        elif spec.supervision.checkpoint_url:  # before etcd and any worker start: exit 78 now
+            # (not as root for workers.user: it would make the job's directory root's)
             _probe_checkpoint_url(spec.supervision.checkpoint_url, spec.job)
         state_dir = _intents_dir(spec)
         if spec.etcd.embedded:
