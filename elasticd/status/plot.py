@@ -27,6 +27,7 @@ from elasticd.errors import ConfigError
 from elasticd.etcd.client import EtcdClient
 from elasticd.history import History
 from elasticd.records import Event
+from elasticd.status.goodput import IDLE_INTERVALS
 from elasticd.status.model import EXIT_OK, EXIT_UNKNOWN_JOB
 from elasticd.status.options import StatusOptions, unknown_job_message
 from elasticd.status.snapshot import read_history, read_job
@@ -40,14 +41,13 @@ MARKER_OF_KIND = {
     "lost": "lost", "lease_lost": "lost",
     "drain": "drain", "leave": "drain", "notice": "drain",
     "join": "join", "resize": "join",
+    "hung": "eject", "straggler_ejected": "eject",  # an ejection (elasticd.agent.elastic_agent)
 }
 MARKER_STYLE = {"failure": ("tab:red", "worker failure / hang"),
                 "lost": ("tab:purple", "node lost"),
                 "drain": ("tab:orange", "drain / notice"),
-                "join": ("tab:green", "join / resize")}
-# Samples further apart than this many intervals: nobody trained in between (the agents
-# write one every interval while a job trains; a stop or an outage writes none).
-IDLE_INTERVALS = 2.5
+                "join": ("tab:green", "join / resize"),
+                "eject": ("tab:olive", "node ejected (hung / straggler)")}
 SPARK = "▁▂▃▄▅▆▇█"
 
 
