@@ -42,7 +42,8 @@ from elasticd.status.snapshot import read_history
 # The ledger's causes, in the order they are shown. "trained" is the goodput.
 CAUSES = ("trained", "retrained", "startup", "recovery", "resize", "drain", "waiting", "stall")
 # "hung" and "straggler_ejected": the events of an ejection (elasticd.agent.elastic_agent).
-RECOVERY_KINDS = frozenset({"failure", "lost", "lease_lost", "restart", "hang", "hung"})
+RECOVERY_KINDS = frozenset({"failure", "lost", "lease_lost", "restart", "hang", "hung",
+                            "rollback"})
 DRAIN_KINDS = frozenset({"drain", "notice", "leave"})
 RESIZE_KINDS = frozenset({"join", "resize", "reform", "round", "straggler_ejected"})
 # Samples further apart than this many intervals: nobody trained in between (the agents
@@ -141,6 +142,12 @@ def rate_for(rates: Mapping[int, float], world: int) -> float | None:
     return 1.0 / max(step_s, min(t1, t2) / 2)
 
 
+def rolled_back_steps(event: Event) -> int:
+    """The steps a ``rollback`` event says training went back (0 for any other event)."""
+    steps = event.detail.get("steps") if event.kind == "rollback" else None
+    return steps if isinstance(steps, int) and steps > 0 else 0
+
+
 def idle_waiting_s(start: float, end: float, inner: Sequence[Event], interval_s: float) -> float:
     """Of a span with no sample (``start`` to ``end``, ``inner`` its events in time order),
     the seconds charged to ``waiting``: a quiet stretch before its first event, and each
@@ -179,12 +186,15 @@ def compute(history: History, events: Sequence[Event], *, since: float | None = 
         dt = b.t - a.t
         inside = max(0.0, min(b.t, hi) - max(a.t, lo)) / dt  # the part inside the window
         rolled_back = b.step < a.step
+        inner = [e for e in by_time if a.t < e.time <= b.t]
         base = (b.checkpoint_step or 0) if rolled_back else a.step
-        trained = max(0, b.step - base)
+        # Steps run again after rollbacks the agents reported inside the interval (the
+        # samples show only a net step; a visible step back is counted from its checkpoint).
+        again = 0 if rolled_back else sum(rolled_back_steps(e) for e in inner)
+        trained = max(0, b.step - base) + again
         new = max(0, b.step - max(best, base))
         redo = trained - new
         best = max(best, b.step)
-        inner = [e for e in by_time if a.t < e.time <= b.t]
         kinds = [e.kind for e in inner]
         if rolled_back:
             kinds.append("restart")

@@ -146,3 +146,19 @@ def test_an_ejection_is_charged_and_plotted(kind, cause):
     assert compute(history, [ev(12.0, kind)]).seconds[cause] == pytest.approx(5 * 4)
     assert [(m[1], m[2]) for m in plot_data(history, [ev(12.0, kind)]).markers] == \
         [("eject", f"{kind} n1")]
+
+
+def test_a_rollback_the_samples_never_see_is_retrained_and_each_is_plotted():
+    """Two 12-step rollbacks (peer-RAM replica) inside sampled intervals whose net step
+    still went forward: 24 steps retrained in the ledger, two rollback marks on the plot."""
+    from elasticd.status.plot import plot_data
+
+    s = [*steady(0, 0, 3, rate=4.0), Sample(15.0, 48, 4), Sample(20.0, 56, 4),
+         *steady(25.0, 76, 3, rate=4.0)]  # 20 steps an interval, 8 of them new twice
+    rollbacks = [Event(time=t, kind="rollback", node="n1", round=1, message="rollback",
+                       detail={"steps": 12, "from_step": 40}) for t in (12.0, 17.0)]
+    history = History(5.0, tuple(s))
+    led = compute(history, rollbacks)
+    assert led.seconds["retrained"] == pytest.approx(24 / 4.0 * 4)  # 24 steps at 4/s, 4 workers
+    assert compute(history, []).seconds["retrained"] == 0
+    assert plot_data(history, rollbacks).rollbacks == ((12.0, 12), (17.0, 12))
