@@ -119,7 +119,7 @@ def main() -> int:
 
             def proc(full: list[str] = full) -> None:
                 r = subprocess.run(full, capture_output=True, env=env, timeout=60)
-                assert r.returncode == 2, r.stderr.decode()
+                assert r.returncode == 1, r.stderr.decode()
 
             results.append(summary(name, timed(proc, opts.process_repeat)))
     finally:
