@@ -29,6 +29,10 @@ Scenarios, each after the job trains steadily at world 3:
   the node as hung, rendezvous.hang_eject_s; a launcher that does not waits out the
   collective timeout: bounded wait, then "did not recover");
 - ``sigterm``: SIGTERM to the launcher only, as systemd would send it;
+- ``agentkill``: SIGKILL to the launcher's process group only (``kill -9 -- -PGID`` of the
+  agent; the workers run in sessions of their own): elasticd's workers, and their
+  DataLoader workers, die with it (PR_SET_PDEATHSIG down the tree) and the survivors
+  probe its liveness port; torchrun's workers are orphaned;
 - ``join``: a 4th node starts; timed from the start of its launcher;
 - ``spare`` (elasticd only): 4 nodes under ``--nnodes 2:3``, the 4th waits as a hot spare;
   SIGKILL of a member; timed to the first step back at world 3 (the spare in it).
@@ -89,7 +93,7 @@ from benchmarks.recovery_report import agent_breakdown, live_breakdown, write_re
 CKPT_LOADED = re.compile(r"checkpoint_loaded\b.*?\bseconds[=\"': ]+([0-9.]+)")
 SYSTEMS = ("elasticd-live", "elasticd-live-cold", "elasticd-live-prebuilt", "elasticd", "elasticd-cold", "torchrun-default",
            "torchrun-tuned", "torchrun-etcd")
-SCENARIOS = ("sigkill", "sigstop", "sigterm", "join", "spare", "hang")
+SCENARIOS = ("sigkill", "sigstop", "sigterm", "join", "spare", "hang", "agentkill")
 HANDED_OVER_PID = re.compile(r"\bpid[=\"': ]+([0-9]+)")
 SPARE_NNODES = "2:3"  # the spare scenario: NODES members and one hot spare
 NODES = 3
@@ -232,6 +236,13 @@ def run_trial(system: str, scenario: str, rep: int, etcd_endpoint: str, script: 
                 signal_pid(pid, signal.SIGSTOP)
         elif scenario == "sigterm":
             t0, trial.new_world = victim.signal_launcher(signal.SIGTERM), NODES - 1
+        elif scenario == "agentkill":
+            victim.refresh()  # its workers are remembered, so cleanup finds them if orphaned
+            t0, trial.new_world = time.time(), NODES - 1
+            try:
+                os.killpg(victim.pid, signal.SIGKILL)  # the launcher's group, not its workers'
+            except ProcessLookupError:
+                pass
         else:
             trial.new_world = NODES + 1
             start_node(cluster, system, NODES, job, endpoint, src)

@@ -50,6 +50,7 @@ class JobRecorder:
         self._appended = 0
         self._last_progress_at = 0.0
         self._last_progress: Progress | None = None
+        self._step_seen: int | None = None  # the newest step progress() was given
         self.history = EtcdHistoryWriter(self.client, self.keys, session.fence)
         self._progress_failing = False  # the last publish failed (logged once per outage)
         self.run_id = ""  # this run's id (/elasticd/<job>/run_id), stamped on the pointer
@@ -88,6 +89,13 @@ class JobRecorder:
 
         Each published progress is also offered to the bounded history (``history``).
         """
+        seen, self._step_seen = self._step_seen, step
+        if seen is not None and step < seen:
+            # Every rollback, also one the rate-limited samples never see (a peer-RAM
+            # replica 12 steps back, trained past within one interval): the goodput
+            # ledger counts its steps as retrained, the plot marks it.
+            self.event("rollback", f"training went back {seen - step} steps, from step "
+                       f"{seen} to {step}", steps=seen - step, from_step=seen)
         now = time.time()
         last = self._last_progress
         if not force and (now - self._last_progress_at < PROGRESS_INTERVAL_S

@@ -45,6 +45,7 @@ from elasticd.agent.standalone_runs import (
 )
 from elasticd.agent.summary import failure_line, failure_summary
 from elasticd.agent.worker_user import check_checkpoint_dir, resolve_worker_user
+from elasticd.checkpoint.identity import new_run_id
 from elasticd.config.model import EtcdConfig
 from elasticd.control import CheckpointIo, CheckpointIoKind, CommitRequest, ControlChannel
 from elasticd.control.api import ENV_LOG_FORMAT, CommitOutcome
@@ -71,6 +72,7 @@ from elasticd.rendezvous.etcd_handler import EtcdRendezvousHandler
 from elasticd.rendezvous.finished import FinishedJob, read_finished
 from elasticd.rendezvous.settings import RendezvousSettings
 from elasticd.retry import call_with_retry
+from elasticd.sensitive import redact_url
 from elasticd.stopmarks import restart_hint
 
 if TYPE_CHECKING:
@@ -267,6 +269,9 @@ def run_node(spec: NodeSpec, early: EarlyStart | None = None, arrival: EarlyArri
             made = check_checkpoint_dir(spec.supervision.checkpoint_url, spec.job, workers_user)
             if made:
                 log.info("checkpoint_dir_created", path=made, owner=workers_user.run_as.name)
+        elif spec.supervision.checkpoint_url:  # before etcd and any worker start: exit 78 now
+            # (not as root for workers.user: it would make the job's directory root's)
+            _probe_checkpoint_url(spec.supervision.checkpoint_url, spec.job)
         state_dir = _intents_dir(spec)
         if spec.etcd.embedded:
             # Private to this user: TLS with a generated client certificate (docs/security.md).
@@ -306,26 +311,25 @@ def run_node(spec: NodeSpec, early: EarlyStart | None = None, arrival: EarlyArri
                  deadline_s=spec.etcd.connect_timeout_s)
         handler.on_registered = lambda deadline: _admit(client, handler, fingerprint, deadline)
         recorder = JobRecorder(handler.session)
-        # A standalone start (a fresh private etcd) continues its job's last run unless
-        # that run finished (elasticd.agent.standalone_runs): decided before anything starts.
-        plan = RunPlan()
+        # A standalone start (a fresh private etcd) continues its job's last run, or starts
+        # a new one after a finished run (elasticd.agent.standalone_runs): decided before
+        # anything starts.
+        plan = RunPlan(resume=spec.resume)
         if embedded is not None and spec.etcd.data_dir is None:
             runs_dir = records_dir(spec.state_dir, spec.state_home)
             plan = plan_standalone_run(read_record(runs_dir, spec.job), job=spec.job,
                                        checkpoint_url=spec.supervision.checkpoint_url,
-                                       resume=spec.resume)
-            if plan.finished:
-                error_line(plan.message, event="standalone_run_finished_before", level="info")
-                return 0
+                                       resume=spec.resume, fresh_run_id=new_run_id())
         # The run's identity (docs/checkpoints.md#run-identity): stamped on the pointer,
         # handed to workers, and checked against the stored checkpoints before any starts.
         recorder.run_id = ensure_run_id(client, handler.keys, proposed=plan.run_id)
         if plan.message:
-            error_line(plan.message, event="standalone_run_continued", level="info",
-                       run_id=recorder.run_id)
-        supervision = check_resume(spec.supervision, spec.job, recorder.run_id, spec.resume)
+            event = "standalone_run_started_anew" if plan.anew else "standalone_run_continued"
+            error_line(plan.message, event=event, level="info", run_id=recorder.run_id)
+        supervision = check_resume(spec.supervision, spec.job, recorder.run_id, plan.resume)
         if runs_dir is not None and spec.supervision.checkpoint_url:
-            run_record = RunRecord(recorder.run_id, spec.supervision.checkpoint_url, RUNNING)
+            run_record = RunRecord(recorder.run_id, spec.supervision.checkpoint_url, RUNNING,
+                                   plan.resume)
             write_record(runs_dir, spec.job, run_record)
         if current_format() == "json":  # the worker API logs JSON when its agent does
             supervision = replace(supervision, worker_env={**supervision.worker_env,
@@ -503,6 +507,24 @@ def _unreachable_why(exc: Exception, label: str) -> str:
     why = " ".join(str(exc).split())
     prefix = f"etcd at {label} unreachable: "
     return why[len(prefix):] if why.startswith(prefix) else why
+
+
+def _probe_checkpoint_url(url: str, job: str) -> None:
+    """Create and remove a file under the job's checkpoint directory before anything starts.
+
+    Raises:
+        ConfigError: the storage refused the write (exit 78, one line naming the URL).
+    """
+    from elasticd.checkpoint.store import FsspecCheckpointStore
+
+    try:
+        FsspecCheckpointStore(url, job).probe_writable()
+    except ConfigError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a storage that does not answer may come back
+        log.warning("checkpoint_url_probe_failed", url=redact_url(url), error=repr(exc))
+    else:
+        log.debug("checkpoint_url_probed", url=redact_url(url))
 
 
 def _intents_dir(spec: NodeSpec) -> str:

@@ -290,7 +290,7 @@ class CheckpointManager:
             url = self.store.save_url(work.inflight.step, work.inflight.save_id)
             work.inflight.error = CheckpointSaveError(
                 f"writing rank {self.rank}'s shards of checkpoint step {work.inflight.step} to "
-                f"{url} failed: {exc!r}; the previous checkpoint is intact")
+                f"{url} failed: {exc!r}; any earlier checkpoint is left intact")
             work.inflight.error.__cause__ = exc
             self._log.error("checkpoint_save_failed", step=work.inflight.step, url=url,
                             error=repr(exc))
@@ -354,8 +354,8 @@ class CheckpointManager:
                        else CommitOutcome.of(self.fence.commit(step, url, self.world_size)))
         except Exception as exc:  # noqa: BLE001 - surfaced on the next call
             inflight.error = CheckpointSaveError(
-                f"saving checkpoint step {step} to {url} failed: {exc!r}; the previous "
-                "checkpoint is intact, check the storage and its credentials")
+                f"saving checkpoint step {step} to {url} failed: {exc!r}; any earlier "
+                "checkpoint is left intact, check the storage and its credentials")
             inflight.error.__cause__ = exc
             self._log.error("checkpoint_save_failed", step=step, url=url, error=repr(exc))
             return

@@ -17,6 +17,7 @@ Checksums (CRC-32) are computed while writing and checked while reading, in one 
 
 from __future__ import annotations
 
+import errno
 import os
 import threading
 from collections.abc import Callable, Mapping
@@ -48,6 +49,10 @@ READ_CHUNK = 16 << 20
 # are the job's most valuable bytes (docs/security.md, shared filesystems).
 PRIVATE_DIR_MODE = 0o700
 PRIVATE_FILE_MODE = 0o600
+# A write the storage refused for good (a config error), not one it failed to answer.
+REFUSED_WRITES = (PermissionError, FileNotFoundError, NotADirectoryError, IsADirectoryError,
+                  FileExistsError)
+REFUSED_ERRNOS = frozenset({errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOSPC, errno.EDQUOT})
 # Errors that name a problem with one path, not with the storage as a whole: retrying does
 # not help, so readers skip that save (path named) instead of failing the whole load.
 _PATH_ERRORS = (PermissionError, IsADirectoryError, NotADirectoryError)
@@ -229,6 +234,39 @@ class FsspecCheckpointStore:
                 os.mkdir(level, PRIVATE_DIR_MODE)
             except FileExistsError:
                 pass  # another rank made it at the same moment
+
+    def probe_writable(self) -> None:
+        """Create and remove one small file in the job's directory: can this job save here?
+
+        Why: an unwritable checkpoint URL used to be found at the first save, after the
+        workers had trained (every attempt wasted); the agent probes it before any starts.
+
+        Raises:
+            ConfigError: the storage refused the write (permissions, a read-only file
+                system, a path through a file, a missing bucket): one line naming the URL.
+            Exception: anything else (a storage that does not answer) is the caller's to
+                judge: it may be transient.
+        """
+        path = f"{self.job_path}/.elasticd-probe-{os.getpid()}-{os.urandom(4).hex()}"
+        try:
+            if self.is_local:
+                self._make_private_dirs(self.job_path)
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC,
+                             PRIVATE_FILE_MODE)
+                os.close(fd)
+                os.unlink(path)
+            else:
+                with self.fs.open(path, "wb") as f:
+                    f.write(b"elasticd write probe\n")
+                self.fs.rm(path)
+        except OSError as exc:
+            if not (isinstance(exc, REFUSED_WRITES) or exc.errno in REFUSED_ERRNOS):
+                raise
+            raise ConfigError(
+                f"checkpoint URL {redact_url(self.job_url)} is not writable: creating "
+                f"{redact_url(path)} failed ({type(exc).__name__}: {exc.strerror or exc}); make "
+                "it writable for the workers' user or pass --checkpoint-url to a place that "
+                "is") from exc
 
     def publish_file(self, step: int, save_id: str, name: str, data: bytes) -> FileEntry:
         """Write a small file so that a reader sees it whole or not at all (a shard index,

@@ -93,7 +93,8 @@ def suggestion(parser: argparse.ArgumentParser, argv: Sequence[str], message: st
     if not unknown:
         return ""
     target = next((subs[a] for a in argv if a in subs), parser)
-    options = [o for a in target._actions for o in a.option_strings if o.startswith("--")]
+    options = [o for a in target._actions for o in a.option_strings
+               if o.startswith("--") and a.help != argparse.SUPPRESS]  # not torchrun's aliases
     pairs = []
     for word in unknown.group(1).split():
         flag = word.split("=", 1)[0]

@@ -194,13 +194,32 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
         if section not in groups:
             groups[section] = parser.add_argument_group(SECTION_TITLES.get(section, section))
         group = groups[section]
+        alias = underscore_alias(f.option)
         if f.const is not None:
             group.add_argument(f.option, dest=f.dotted, action="store_const", const=f.const,
                                default=None, help=f.help.replace("%", "%%"))
+            if alias:
+                group.add_argument(alias, dest=f.dotted, action="store_const", const=f.const,
+                                   default=None, help=argparse.SUPPRESS)
         else:
             metavar = f.metavar or (None if f.choices else f.option[2:].upper().replace("-", "_"))
             group.add_argument(f.option, dest=f.dotted, default=None, help=flag_help(f),
                                metavar=metavar, choices=f.choices)
+            if alias:
+                group.add_argument(alias, dest=f.dotted, default=None, help=argparse.SUPPRESS,
+                                   metavar=metavar, choices=f.choices)
+
+
+def underscore_alias(option: str) -> str | None:
+    """torchrun's underscore spelling of a flag (``--nproc_per_node`` for
+    ``--nproc-per-node``), or None for a one-word flag. Pure.
+
+    Why: torchrun accepts both spellings of each of its flags, and scripts and job files
+    written for it use the underscore one; refusing it (exit 78, the top-level usage) was
+    the first thing a torchrun user met. The alias is hidden from ``--help``.
+    """
+    alias = "--" + option[2:].replace("-", "_")
+    return alias if alias != option else None
 
 
 def overrides_from_args(args: argparse.Namespace) -> dict[str, Any]:

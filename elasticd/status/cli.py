@@ -15,6 +15,7 @@ an etcd watch until Ctrl-C.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import threading
 import time
@@ -171,10 +172,28 @@ def run(args: argparse.Namespace, *, out: IO[str] | None = None, err: IO[str] | 
         return _run(args, io, now, stop)
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        return _reader_gone(io.out)
     except Exception as exc:  # the last line of defence: one line, never a traceback
         log.debug("status_failed", exc_info=True)
         return io.fail(EXIT_INTERNAL, f"internal error ({type(exc).__name__}: {exc}); "
                        "please report it with the output of `elasticd status --json`")
+
+
+def _reader_gone(out: IO[str]) -> int:
+    """The reader of our output went away (``elasticd status --json | head``): a normal
+    end, exit 0, no message. The stream's descriptor is pointed at /dev/null, so the
+    interpreter's last flush of what is still buffered does not raise again at exit."""
+    try:
+        fd = out.fileno()
+    except (AttributeError, OSError, ValueError):  # not a file (a test's StringIO)
+        return EXIT_OK
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, fd)
+    finally:
+        os.close(devnull)
+    return EXIT_OK
 
 
 def _run(args: argparse.Namespace, io: _Io, now: Callable[[], float],

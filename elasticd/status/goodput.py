@@ -13,9 +13,12 @@ that size in which nothing happened), and the rest of the interval is lost, char
 the cause of the events inside it, in this order: a failure, a lost node, a restart or a
 hang is ``recovery``; a drain, a notice or a leave is ``drain``; a join, a resize or a
 re-formation is ``resize``; before the first step is ``startup``; with no event at all it
-is ``stall`` (checkpoint stalls and slow steps). A gap longer than ``MAX_GAP_FACTOR``
-sample intervals with no sample (no node published progress: the job was below its
-minimum or down) is ``waiting``, weighted by the smaller world size on either side.
+is ``stall`` (checkpoint stalls and slow steps). A gap longer than :data:`IDLE_INTERVALS`
+sample intervals with no sample (no node published progress: the job was stopped, below
+its minimum or down; the span ``elasticd status --plot`` shades "not training") is
+``waiting``, weighted by the smaller world size on either side, but for the time from its
+start to one sample interval past its last event, charged to that event's cause (a stop's
+drain takes seconds, not the hours the job then stays stopped).
 
 What this is not: an audit. Its resolution is the history's (5 s at first, coarser as the
 job ages), the healthy rate is an estimate, and time while no node published anything is
@@ -38,10 +41,15 @@ from elasticd.status.snapshot import read_history
 
 # The ledger's causes, in the order they are shown. "trained" is the goodput.
 CAUSES = ("trained", "retrained", "startup", "recovery", "resize", "drain", "waiting", "stall")
-RECOVERY_KINDS = frozenset({"failure", "lost", "lease_lost", "restart", "hang"})
+# "hung" and "straggler_ejected": the events of an ejection (elasticd.agent.elastic_agent).
+RECOVERY_KINDS = frozenset({"failure", "lost", "lease_lost", "restart", "hang", "hung",
+                            "rollback"})
 DRAIN_KINDS = frozenset({"drain", "notice", "leave"})
-RESIZE_KINDS = frozenset({"join", "resize", "reform", "round"})
-MAX_GAP_FACTOR = 3.0  # a gap of more than 3 sample intervals: nobody published progress
+RESIZE_KINDS = frozenset({"join", "resize", "reform", "round", "straggler_ejected"})
+# Samples further apart than this many intervals: nobody trained in between (the agents
+# write one every interval while a job trains; a stop or an outage writes none). One
+# threshold for the ledger's "waiting" and the plot's "not training" span.
+IDLE_INTERVALS = 2.5
 DEFAULT_WINDOW_S = 3600.0
 
 
@@ -134,6 +142,28 @@ def rate_for(rates: Mapping[int, float], world: int) -> float | None:
     return 1.0 / max(step_s, min(t1, t2) / 2)
 
 
+def rolled_back_steps(event: Event) -> int:
+    """The steps a ``rollback`` event says training went back (0 for any other event)."""
+    steps = event.detail.get("steps") if event.kind == "rollback" else None
+    return steps if isinstance(steps, int) and steps > 0 else 0
+
+
+def idle_waiting_s(start: float, end: float, inner: Sequence[Event], interval_s: float) -> float:
+    """Of a span with no sample (``start`` to ``end``, ``inner`` its events in time order),
+    the seconds charged to ``waiting``: a quiet stretch before its first event, and each
+    stretch after a drain, a notice or a leave (a stopped job, a node gone on purpose)
+    but its first sample interval, which stays the event's. A stretch after a failure or
+    a join stays the event's (a recovery or a resize that took long). Pure."""
+    points = [(start, None), *((e.time, e.kind) for e in inner)]
+    waited = 0.0
+    for (t, kind), nxt in zip(points, [*(e.time for e in inner), end], strict=True):
+        if kind is None:
+            waited += nxt - t
+        elif kind in DRAIN_KINDS:
+            waited += max(0.0, nxt - t - interval_s)
+    return waited
+
+
 def compute(history: History, events: Sequence[Event], *, since: float | None = None,
             until: float | None = None) -> Ledger:
     """The ledger of the job between ``since`` and ``until`` (default: its whole history).
@@ -149,25 +179,29 @@ def compute(history: History, events: Sequence[Event], *, since: float | None = 
     rates = healthy_rates(samples, events)
     by_time = sorted(events, key=lambda e: e.time)
     seconds = dict.fromkeys(CAUSES, 0.0)
-    gap_s = MAX_GAP_FACTOR * max(history.interval_s, 1.0)
+    gap_s = IDLE_INTERVALS * history.interval_s
     best = samples[0].step
     started = samples[0].step > 0
     for a, b in itertools.pairwise(samples):
         dt = b.t - a.t
         inside = max(0.0, min(b.t, hi) - max(a.t, lo)) / dt  # the part inside the window
         rolled_back = b.step < a.step
+        inner = [e for e in by_time if a.t < e.time <= b.t]
         base = (b.checkpoint_step or 0) if rolled_back else a.step
-        trained = max(0, b.step - base)
+        # Steps run again after rollbacks the agents reported inside the interval (the
+        # samples show only a net step; a visible step back is counted from its checkpoint).
+        again = 0 if rolled_back else sum(rolled_back_steps(e) for e in inner)
+        trained = max(0, b.step - base) + again
         new = max(0, b.step - max(best, base))
         redo = trained - new
         best = max(best, b.step)
-        kinds = [e.kind for e in by_time if a.t < e.time <= b.t]
+        kinds = [e.kind for e in inner]
         if rolled_back:
             kinds.append("restart")
-        if dt > gap_s and not kinds and trained == 0:
-            weight = min(a.world_size, b.world_size) * dt * inside
-            seconds["waiting"] += weight
-            continue
+        if dt > gap_s:  # nobody published: the quiet part is waiting, the rest as below
+            waited = idle_waiting_s(a.t, b.t, inner, history.interval_s)
+            seconds["waiting"] += min(a.world_size, b.world_size) * waited * inside
+            dt -= waited
         world = a.world_size if a.world_size > 0 else b.world_size
         rate = rate_for(rates, world)
         busy_new = new / rate if rate else 0.0

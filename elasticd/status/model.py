@@ -19,6 +19,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 
 from elasticd.records import CheckpointPointer, NodeRecord, Progress
+from elasticd.rendezvous.protocol import LEFT_DRAINED
 from elasticd.status.snapshot import JobSnapshot, SeqEvent
 
 # Exit codes of `elasticd status` (docs/status.md). Usable as a health check.
@@ -165,11 +166,19 @@ def _node_rows(snap: JobSnapshot, members: Sequence[str], lost_at: dict[str, flo
             step=beat.step if in_round and beat and beat.step >= 0 else None,
             spare_reason=(rec.spare_reason or None) if rec.state == "spare" else None,
         ))
+    # `elasticd stop` / `drain`: a member gone without a `lost` event since it was asked to
+    # leave left on purpose, even when its leave record went with a round opened as the
+    # nodes left one by one (the coordinator re-forming around the first to go).
+    asked = snap.stop_mark.requested_at if snap.stop_mark is not None else None
     for node in members:
         if node in live:
             continue
+        sent_off = (asked is not None or node in snap.drain_marks) and not (
+            node in lost_at and (asked is None or lost_at[node] >= asked))
         if node in left:
             rows.append(NodeStatus(node=node, state="left", member=True, left=left[node]))
+        elif sent_off:
+            rows.append(NodeStatus(node=node, state="left", member=True, left=LEFT_DRAINED))
         else:
             rows.append(NodeStatus(node=node, state="lost", member=True, lost_at=lost_at.get(node)))
     order = {n: i for i, n in enumerate(members)}

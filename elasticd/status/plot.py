@@ -27,6 +27,7 @@ from elasticd.errors import ConfigError
 from elasticd.etcd.client import EtcdClient
 from elasticd.history import History
 from elasticd.records import Event
+from elasticd.status.goodput import IDLE_INTERVALS, rolled_back_steps
 from elasticd.status.model import EXIT_OK, EXIT_UNKNOWN_JOB
 from elasticd.status.options import StatusOptions, unknown_job_message
 from elasticd.status.snapshot import read_history, read_job
@@ -40,14 +41,13 @@ MARKER_OF_KIND = {
     "lost": "lost", "lease_lost": "lost",
     "drain": "drain", "leave": "drain", "notice": "drain",
     "join": "join", "resize": "join",
+    "hung": "eject", "straggler_ejected": "eject",  # an ejection (elasticd.agent.elastic_agent)
 }
 MARKER_STYLE = {"failure": ("tab:red", "worker failure / hang"),
                 "lost": ("tab:purple", "node lost"),
                 "drain": ("tab:orange", "drain / notice"),
-                "join": ("tab:green", "join / resize")}
-# Samples further apart than this many intervals: nobody trained in between (the agents
-# write one every interval while a job trains; a stop or an outage writes none).
-IDLE_INTERVALS = 2.5
+                "join": ("tab:green", "join / resize"),
+                "eject": ("tab:olive", "node ejected (hung / straggler)")}
 SPARK = "▁▂▃▄▅▆▇█"
 
 
@@ -84,12 +84,15 @@ def plot_data(history: History, events: Sequence[Event] = ()) -> PlotData:
     idle: list[tuple[float, float]] = []
     rollbacks: list[tuple[float, int]] = []
     gap_s = IDLE_INTERVALS * history.interval_s
+    reported = [e for e in events if rolled_back_steps(e)]  # the agents' rollback events
     for a, b in zip(samples, samples[1:], strict=False):
         gap = b.t - a.t > gap_s
         if gap:
             idle.append((a.t - start, b.t - start))
-        if b.step < a.step:
-            rollbacks.append((b.t - start, a.step - b.step))
+        inner = [e for e in reported if a.t < e.time <= b.t]
+        if b.step < a.step or inner:  # each reported one, else the step back the samples show
+            rollbacks += ([(e.time - start, rolled_back_steps(e)) for e in inner]
+                          or [(b.t - start, a.step - b.step)])
         rates.append((b.step - a.step) / (b.t - a.t)
                      if b.step >= a.step and b.t > a.t and not gap else None)
     ckpts: list[tuple[float, int]] = []

@@ -79,12 +79,22 @@ _GAP = 3  # SIMPLE_HEAD, pad_edge=False: one pad, one divider, one pad between c
 UNBOUNDED_WIDTH = 1000
 
 
+class _StatusConsole(Console):
+    """rich's console, but a closed pipe raises BrokenPipeError (rich's own default exits 1,
+    which a health check reads as "degraded"): ``elasticd status`` ends it as exit 0."""
+
+    def on_broken_pipe(self) -> None:
+        self.quiet = True
+        raise BrokenPipeError("the reader of the status output went away")
+
+
 def make_console(file: IO[str] | None = None, *, width: int | None = None) -> Console:
     """A console for status output (rich decides colour from TTY-ness and NO_COLOR).
 
     A terminal is fitted to its width; other output (``COLUMNS`` unset) is not cut.
     """
-    console = Console(file=file, width=width, highlight=False, soft_wrap=False, emoji=False)
+    console = _StatusConsole(file=file, width=width, highlight=False, soft_wrap=False,
+                             emoji=False)
     if width is None and not console.is_terminal and not os.environ.get("COLUMNS"):
         console.width = UNBOUNDED_WIDTH
     return console

@@ -26,12 +26,14 @@ NODE_FLAGS = ["--standalone", "--job", "--nnodes", "--checkpoint-url", "--resume
               "--drain-grace", "--resize-grace", "--plain-stop", "--done-exit", "--preemption", "--preemption-url",
               "--preemption-poll", "--drain-lead", "--log-format", "--log-level", "--log-dir", "--metrics-port",
               "--metrics-addr"]
+# torchrun's spelling of each multi-word flag (--nproc_per_node), accepted, hidden from --help.
+TORCHRUN_SPELLINGS = ["--" + f[2:].replace("-", "_") for f in NODE_FLAGS if "-" in f[2:]]
 # `status`, `stop`, `drain`, `start`: one connection path (elasticd.status.options).
 ETCD_CLIENT_FLAGS = ["--etcd", "--etcd-ca", "--etcd-cert", "--etcd-key", "--etcd-user",
                      "--etcd-password-file", "--etcd-insecure-plaintext-auth", "--timeout"]
 SURFACE = {
-    "run": ["--config", *NODE_FLAGS],
-    "agent": ["--config", "--check-config", *NODE_FLAGS],
+    "run": ["--config", *NODE_FLAGS, *TORCHRUN_SPELLINGS],
+    "agent": ["--config", "--check-config", *NODE_FLAGS, *TORCHRUN_SPELLINGS],
     "status": ["--job", "--etcd", "--etcd-ca", "--etcd-cert", "--etcd-key", "--etcd-user",
                "--etcd-password-file", "--etcd-insecure-plaintext-auth", "--timeout", "--json", "--watch", "--events", "--window",
                "--max-rows", "--goodput", "--goodput-window", "--plot"],
@@ -164,3 +166,27 @@ def test_unreachable_etcd_says_what_it_waits_for_and_ends_with_the_status_hint(t
     assert last[0].endswith("; check --etcd, the TLS/auth flags and that etcd is up")
     # No worker started: no empty private log dir is left behind.
     assert not list(tmp.glob("elasticd-logs-*")), list(tmp.iterdir())
+
+
+@pytest.mark.timeout(120)
+def test_an_unwritable_checkpoint_url_exits_78_before_anything_starts(tmp_path):
+    """A --checkpoint-url the storage refuses (a path through a file): exit 78 with one error
+    line naming the URL, before etcd or a worker starts, claiming no intact checkpoint."""
+    import json
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    url = f"file://{blocker}/checkpoints"
+    script = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "train.py")
+    proc = subprocess.run(
+        [sys.executable, "-m", "elasticd.cli", "run", "--standalone", "--no-warm-start",
+         "--log-format", "json", "--nproc-per-node", "1", "--checkpoint-url", url, script,
+         "--steps", "3"], capture_output=True, text=True, timeout=100,
+        env={**os.environ, "STATE_DIRECTORY": str(tmp_path / "state")})
+    rows = [json.loads(line) for line in proc.stderr.splitlines() if line.startswith("{")]
+    errors = [r for r in rows if r.get("level") == "error"]
+    assert proc.returncode == 78, proc.stderr[-3000:]
+    assert len(errors) == 1 and url in errors[0]["message"], proc.stderr[-3000:]
+    assert "not writable" in errors[0]["message"] and "intact" not in proc.stderr
+    started = {r.get("event") for r in rows} & {"embedded_etcd_started", "agent_started"}
+    assert not started, started

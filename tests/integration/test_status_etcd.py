@@ -275,6 +275,24 @@ def test_command_line_process_prints_80_column_table_and_exit_code(etcd_server, 
 
 
 @pytest.mark.timeout(60)
+def test_a_closed_pipe_is_a_normal_exit(etcd_server, etcd_client):
+    """`elasticd status --json | head` whose reader has gone: exit 0, nothing on stderr
+    (no "internal error", no traceback)."""
+    write_synthetic_job(etcd_client, SyntheticJob("piped", nodes=3, max_nodes=5, events=12),
+                        now=time.time())
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader is gone before status writes a byte
+    try:
+        for argv in (["--json"], ["--json", "--job", "piped"], ["--job", "piped"]):
+            proc = subprocess.run([sys.executable, "-m", "elasticd.cli", "status", "--etcd",
+                                   etcd_server.endpoint, *argv], stdout=write_end,
+                                  stderr=subprocess.PIPE, text=True, timeout=30)
+            assert (proc.returncode, proc.stderr) == (0, ""), (argv, proc.stderr)
+    finally:
+        os.close(write_end)
+
+
+@pytest.mark.timeout(60)
 def test_job_over_grpc_default_limit_is_read_in_one_request(etcd_server, etcd_client):
     """A job whose keys exceed gRPC's default 4 MB response limit is read in one request
     (the client raises the limit; the store-less fallback is for jobs past that)."""

@@ -340,3 +340,26 @@ def test_torchrun_and_the_agent_build_the_same_rendezvous_settings():
                       check_files=False, hostname="h")
     assert node_spec(cfg, {}).rendezvous == RendezvousSettings.from_config(cfg)
     assert RendezvousSettings.from_config(cfg).election_timeout_s == 2.0
+
+
+def test_torchruns_underscore_spellings_are_accepted():
+    """Every flag torchrun also has is accepted in torchrun's underscore spelling
+    (``--nproc_per_node 2``), setting the same key; --help lists only the hyphen form."""
+    import argparse
+
+    from torch.distributed.run import get_args_parser
+
+    from elasticd.cli import build_parser
+
+    parser = build_parser()
+    run = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices["run"]
+    ours = {o for a in run._actions for o in a.option_strings}
+    torchrun = {o for a in get_args_parser()._actions for o in a.option_strings}
+    shared = {o for o in torchrun if "_" in o and o.replace("_", "-") in ours}
+    assert "--nproc_per_node" in shared and shared <= ours, shared - ours
+    args = parser.parse_args(["run", "--nproc_per_node", "2", "--max_restarts", "5",
+                              "--monitor_interval", "0.5", "train.py"])
+    dest = vars(args)
+    assert (dest["workers.nproc_per_node"], dest["restart.max_restarts"],
+            dest["workers.monitor_interval_s"]) == ("2", "5", "0.5")
+    assert "--nproc_per_node" not in run.format_help()

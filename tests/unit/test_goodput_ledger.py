@@ -112,3 +112,53 @@ def test_the_window_counts_only_its_part_of_the_history():
     assert window.total_s == pytest.approx(30 * 4) and window.goodput == pytest.approx(1.0)
     text = render(GoodputReport("j", life, window, 5.0, 30.0))
     assert "goodput" in text and "startup" in text
+
+
+def test_a_stopped_job_waits_after_its_drain_instead_of_draining_for_the_whole_stop():
+    """Drained and left at t=12, stopped for an hour, started again (join) and training by
+    t=3630: one sample interval is the drain's, the stopped hour is waiting."""
+    s = [*steady(0, 0, 3), *steady(3630.0, 30, 3)]  # step 20 at t=10, 30 at t=3630
+    events = [ev(11.0, "drain"), ev(12.0, "leave"), ev(3622.0, "join"), ev(3624.0, "round")]
+    led = compute(History(5.0, tuple(s)), events)
+    assert led.seconds["waiting"] == pytest.approx((1 + 3610 - 5) * 4)
+    assert led.seconds["drain"] < 20 * 4
+    assert led.total_s == pytest.approx(3640 * 4)
+
+
+def test_an_idle_span_of_the_plot_is_waiting_in_the_ledger():
+    """One threshold: a 13 s gap at a 5 s interval is "not training" in the plot and
+    waiting in the ledger, never a stall."""
+    from elasticd.status.plot import plot_data
+
+    history = History(5.0, (*steady(0, 0, 3), *steady(23.0, 20, 3)))
+    assert plot_data(history).idle == ((10.0, 23.0),)
+    assert compute(history, []).seconds["waiting"] == pytest.approx(13 * 4)
+
+
+@pytest.mark.parametrize(("kind", "cause"), [("hung", "recovery"), ("straggler_ejected", "resize")])
+def test_an_ejection_is_charged_and_plotted(kind, cause):
+    """A node ejected (hung, or a straggler on probation) is an event of the ledger's and a
+    marker of the plot."""
+    from elasticd.status.plot import plot_data
+
+    s = [*steady(0, 0, 3), Sample(15.0, 20, 4), *steady(20.0, 30, 3)]
+    history = History(5.0, tuple(s))
+    assert compute(history, [ev(12.0, kind)]).seconds[cause] == pytest.approx(5 * 4)
+    assert [(m[1], m[2]) for m in plot_data(history, [ev(12.0, kind)]).markers] == \
+        [("eject", f"{kind} n1")]
+
+
+def test_a_rollback_the_samples_never_see_is_retrained_and_each_is_plotted():
+    """Two 12-step rollbacks (peer-RAM replica) inside sampled intervals whose net step
+    still went forward: 24 steps retrained in the ledger, two rollback marks on the plot."""
+    from elasticd.status.plot import plot_data
+
+    s = [*steady(0, 0, 3, rate=4.0), Sample(15.0, 48, 4), Sample(20.0, 56, 4),
+         *steady(25.0, 76, 3, rate=4.0)]  # 20 steps an interval, 8 of them new twice
+    rollbacks = [Event(time=t, kind="rollback", node="n1", round=1, message="rollback",
+                       detail={"steps": 12, "from_step": 40}) for t in (12.0, 17.0)]
+    history = History(5.0, tuple(s))
+    led = compute(history, rollbacks)
+    assert led.seconds["retrained"] == pytest.approx(24 / 4.0 * 4)  # 24 steps at 4/s, 4 workers
+    assert compute(history, []).seconds["retrained"] == 0
+    assert plot_data(history, rollbacks).rollbacks == ((12.0, 12), (17.0, 12))

@@ -47,3 +47,25 @@ def test_an_outage_costs_one_warning_and_one_call_per_interval(monkeypatch):
     events = [e["event"] for e in logs]
     assert events.count("progress_not_published") == 1
     assert "progress_published_again" in events
+
+
+def test_every_rollback_is_an_event_with_its_steps(monkeypatch):
+    """Progress that goes back (a peer-RAM replica 12 steps behind) is recorded as one
+    `rollback` event with the steps, even between two published samples."""
+    from elasticd.records import Event
+
+    client = DownClient()
+    client.down = False
+    puts: list = []
+    client.txn = lambda compares, success, failure=(): puts.extend(success) or True  # type: ignore[method-assign]
+    session = SimpleNamespace(client=client, keys=JobKeys("j"), fence=lambda: [], round=1,
+                              node_id="n0")
+    rec = JobRecorder(session)  # type: ignore[arg-type]
+    clock = [1000.0]
+    monkeypatch.setattr("elasticd.agent.recorder.time.time", lambda: clock[0])
+    for step in [*range(1, 101), *range(88, 120)]:
+        clock[0] += 0.01  # all inside one progress interval but the first
+        rec.progress(step, 0, step * 8, 2)
+    events = [Event.from_json(p.value) for p in puts if "/events/" in p.key]
+    assert [e.kind for e in events] == ["rollback"]
+    assert events[0].detail == {"steps": 12, "from_step": 100}

@@ -370,6 +370,21 @@ def test_operator_stop_and_drain_marks_are_named():
     assert small.degraded_reasons == ("2 of max 3 nodes", "kept out by `elasticd drain`: c")
 
 
+def test_members_sent_off_by_stop_or_drain_are_left_not_lost():
+    """After `elasticd stop` (or `drain --node`), a gone member whose leave record went with
+    a superseded round reads "left", not "lost"; one lost after the stop still reads lost."""
+    stop = StopMark(requested_at=NOW - 60, by="ops")
+    rows = {n.node: (n.state, n.left) for n in derive_status(
+        replace(snap(live=[]), stop_mark=stop), NOW).nodes}
+    assert rows == {"a": ("left", "drained"), "b": ("left", "drained")}
+    lost_after = snap(live=[], events=[ev(1, "lost", "b", age_s=30)])
+    rows = {n.node: n.state for n in derive_status(replace(lost_after, stop_mark=stop), NOW).nodes}
+    assert rows == {"a": "left", "b": "lost"}
+    drained = derive_status(replace(snap(live=[node("a")]), drain_marks=("b",)), NOW)
+    assert {n.node: n.state for n in drained.nodes}["b"] == "left"
+    assert {n.node: n.state for n in derive_status(snap(live=[node("a")]), NOW).nodes}["b"] == "lost"
+
+
 def test_the_cause_of_the_round_is_shown():
     """A round opened by the coordinator for a lost member says so, with the node."""
     s = snap()

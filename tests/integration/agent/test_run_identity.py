@@ -132,9 +132,10 @@ def _events(node: Node, event: str) -> list[dict]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_rerunning_the_readme_command_continues_after_ctrl_c_and_stops_once_finished(tmp_path):
+def test_rerunning_the_readme_command_continues_after_ctrl_c_and_starts_anew_once_finished(
+        tmp_path):
     """Same command, same directory: after Ctrl-C it continues the run (said in one line);
-    once finished it says so and exits 0 without starting a worker or touching a checkpoint."""
+    once finished it trains again as a new run, leaving the finished run's saves untouched."""
     url = f"file://{tmp_path}/checkpoints"
     started: list[Node] = []
     try:
@@ -178,13 +179,47 @@ def test_rerunning_the_readme_command_continues_after_ctrl_c_and_stops_once_fini
 
         third = _readme_run(tmp_path, "third")
         started.append(third)
-        assert _exit_code(third, 120) == 0, third.log()[-3000:]
-        said = _events(third, "standalone_run_finished_before")
-        assert len(said) == 1 and "already finished" in said[0]["message"]
-        assert "--job NEW-NAME" in said[0]["message"]
-        assert _resumed_from(third) == [], "a worker started for a finished job"
-        assert [(i.step, i.save_id) for i in list_checkpoints(url)] == \
-            [(i.step, i.save_id) for i in saves]
+        assert _exit_code(third, 180) == 0, third.log()[-3000:]
+        said = _events(third, "standalone_run_started_anew")
+        assert len(said) == 1 and "finished before" in said[0]["message"], third.log()[-3000:]
+        assert _resumed_from(third) == [None], "a new run after a finished one starts afresh"
+        after = list_checkpoints(url)
+        assert len({i.run_id for i in after}) == 2, "the new run saved under its own run id"
+        old = [(i.step, i.save_id) for i in after if i.run_id in run1]
+        assert old == [(i.step, i.save_id) for i in saves], "the finished run's saves changed"
+    finally:
+        for node in started:
+            node.cleanup()
+
+
+TUTORIAL = str(ROOT / "examples" / "ddp_tutorial_elastic.py")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_the_seed_tutorial_run_twice_in_one_directory_trains_twice(tmp_path):
+    """The DDP tutorial's command (2 workers, standalone) run again after it finished trains
+    every epoch again as a new run id, and the first run's checkpoints stay as they were."""
+    url = f"file://{tmp_path}/checkpoints"
+    argv = [PY, "-m", "elasticd.cli", "run", "--standalone", "--nproc-per-node", "2",
+            "--log-format", "json", "--no-warm-start", "--workdir", str(tmp_path), TUTORIAL,
+            "2", "1", "--batch_size", "8", "--dataset_size", "64"]
+    started: list[Node] = []
+    try:
+        runs = []
+        for tag in ("first", "second"):
+            node = Node(argv, {"STATE_DIRECTORY": str(tmp_path / "state")}, tmp_path / f"{tag}.log")
+            started.append(node)
+            assert _exit_code(node, 240) == 0, node.log()[-3000:]
+            epochs = [line for line in node.log().splitlines() if "| Batchsize: 8" in line]
+            assert len(epochs) == 2 * 2, f"{tag}: 2 epochs x 2 ranks:\n{node.log()[-3000:]}"
+            runs.append([(i.run_id, i.step, i.save_id) for i in list_checkpoints(url)])
+        assert runs[0] and len({r for r, _, _ in runs[0]}) == 1, runs
+        new = [s for s in runs[1] if s not in runs[0]]
+        assert new and {r for r, _, _ in new}.isdisjoint({r for r, _, _ in runs[0]}), runs
+        assert set(runs[0]) <= set(runs[1]), "the finished run's checkpoints were touched"
+        said = _events(started[1], "standalone_run_started_anew")
+        assert len(said) == 1 and "starting new run" in said[0]["message"], said
     finally:
         for node in started:
             node.cleanup()

@@ -142,3 +142,20 @@ def test_stop_is_authorised_like_any_etcd_client(auth_etcd, tmp_path, capsys):
         assert root.get(keys.stop_mark) is not None
     finally:
         root.close()
+
+
+def test_nodes_stopped_by_elasticd_stop_are_not_listed_as_lost(nodes, tmp_path, capsys):
+    """A 2-node job stopped with `elasticd stop`: both agents exit 0, and `status --json`
+    lists neither node as lost and shows no `lost` event (they left cleanly)."""
+    env, out, ep, job = _env(tmp_path), tmp_path / "steps.jsonl", nodes.etcd.endpoint, "sd7"
+    a = nodes.start(job, SCRIPT, env=env, nnodes="1:2", name="n0")
+    b = nodes.start(job, SCRIPT, env=env, nnodes="1:2", name="n1")
+    wait_until(lambda: len(_world_rows(out, 2)) >= 4, 120, "world 2 steps")
+    assert main(["stop", "--job", job, "--etcd", ep, "--wait", "60"]) == 0
+    assert a.wait(30) == 0 and b.wait(30) == 0, a.log()[-2000:] + b.log()[-2000:]
+    capsys.readouterr()
+    main(["status", "--job", job, "--etcd", ep, "--json", "--events", "50"])
+    doc = json.loads(capsys.readouterr().out)
+    states = {n["node"]: n["state"] for n in doc["nodes"]}
+    assert "lost" not in states.values(), states
+    assert not [e for e in doc["events"] if e["kind"] == "lost"], doc["events"]
