@@ -120,6 +120,12 @@ def fingerprint(tensors: Sequence[torch.Tensor]) -> int:
     return h
 
 
+def non_finite(tensors: Sequence[torch.Tensor]) -> list[int]:
+    """Indexes of the floating-point tensors holding a NaN or an infinity."""
+    return [i for i, t in enumerate(tensors)
+            if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+
+
 class ReplicaFingerprints:
     """Checks that the ranks of the default group hold equal state, every ``every`` steps.
 
@@ -188,6 +194,11 @@ class ReplicaFingerprints:
         if len(set(again)) > 1:
             raise ReplicaDivergedError(f"rank(s) {list(verdict.diverged)} still differ after a "
                                        f"restore from rank {verdict.source} (step {steps_done - 1})")
+        bad = non_finite(tensors)
+        if bad:  # the majority's own state is unusable: fall back to the checkpoint, once
+            raise ReplicaDivergedError(f"the state restored from rank {verdict.source} at step "
+                                       f"{steps_done - 1} holds non-finite values (tensors {bad[:5]}): "
+                                       "restarting from the newest checkpoint")
         log.info("replica_restored", step=steps_done - 1, ranks=list(verdict.diverged),
                  source=verdict.source)
         return verdict

@@ -12,10 +12,11 @@ from elasticd.worker.fingerprint import (
     cadence_steps,
     fingerprint,
     judge_replicas,
+    non_finite,
     state_tensors,
 )
 
-pytestmark = pytest.mark.timeout(10)
+pytestmark = pytest.mark.timeout(60)  # generous: the machine is shared
 
 
 def test_agreeing_replicas_name_nobody():
@@ -82,3 +83,10 @@ def test_a_negative_cadence_is_a_config_error():
     """fingerprint_every < 1 (other than 0: off) is refused with the fix."""
     with pytest.raises(ConfigError, match="fingerprint_every"):
         ReplicaFingerprints({}, {}, every=-1)
+
+
+def test_non_finite_tensors_are_found():
+    """A NaN or an infinity in a floating tensor is reported by index; integers are skipped."""
+    ok, nan, inf = torch.ones(3), torch.tensor([1.0, float("nan")]), torch.tensor([float("inf")])
+    assert non_finite([ok, nan, torch.arange(3), inf]) == [1, 3]
+    assert non_finite([ok]) == []
