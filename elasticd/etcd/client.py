@@ -48,7 +48,7 @@ from elasticd.etcd.endpoints import TLSFiles, endpoints_scheme, parse_endpoints,
 from elasticd.etcd.kv import KV, WatchEvent, kv_map
 from elasticd.etcd.lease import LeaseKeeper
 from elasticd.etcd.txn import Compare, DeletePrefix, ModRevision, Op, Put, raw_compare, raw_op
-from elasticd.etcd.watch import PrefixWatch, WatchHandle, cancel_on
+from elasticd.etcd.watch import WATCH_HEALTH_INTERVAL_S, PrefixWatch, WatchHandle, cancel_on
 
 if TYPE_CHECKING:
     from elasticd.config.model import EtcdConfig
@@ -523,13 +523,16 @@ class EtcdClient:
 
     def watch_prefix(self, prefix: str, on_events: Callable[[list[WatchEvent]], None],
                      on_resync: Callable[[list[KV], int], None], *, name: str = "",
-                     range_end: str | None = None) -> PrefixWatch:
+                     range_end: str | None = None,
+                     health_interval_s: float = WATCH_HEALTH_INTERVAL_S) -> PrefixWatch:
         """Keep a prefix (or the key range [prefix, range_end)) in sync:
-        ``on_resync(snapshot, revision)`` then ``on_events(...)``.
+        ``on_resync(snapshot, revision)`` then ``on_events(...)``; the watch is checked
+        against a read of its range every ``health_interval_s`` and re-created if silent.
 
         See ``PrefixWatch``.
         """
-        watch = PrefixWatch(self, prefix, on_events, on_resync, name=name, range_end=range_end)
+        watch = PrefixWatch(self, prefix, on_events, on_resync, name=name, range_end=range_end,
+                            health_interval_s=health_interval_s)
         with self._lock:
             self._watches.add(watch)
         watch.start()

@@ -3,11 +3,15 @@
 python3-etcd3's watch dies silently with its stream (and its ``watch.py`` uses ``six``
 without importing it: patched in below, before any watch exists). This module
 re-creates the watch from the last seen revision + 1 whenever the stream dies, and takes
-a fresh snapshot when that revision was compacted.
+a fresh snapshot when that revision was compacted. A watch can also go silent with no error
+at all (etcd restarted, or cancelled it behind the client's back): a health check compares it
+with a keys-only read of its range every ``health_interval_s`` and re-creates it when a
+change etcd holds stays undelivered for a whole interval (``elasticd.etcd.watch_health``).
 """
 
 from __future__ import annotations
 
+import functools
 import queue
 import threading
 import types
@@ -21,11 +25,16 @@ import structlog
 from etcd3 import events as etcd_events
 
 from elasticd.etcd.kv import KV, WatchEvent
+from elasticd.etcd.watch_health import WatchLag, judge_watch
 
 if TYPE_CHECKING:
     from elasticd.etcd.client import EtcdClient
 
 log = structlog.get_logger(__name__)
+
+# How often a watch is checked against a read of its range: a silent watch is re-created
+# within two of these. One keys-only range read per watch and interval.
+WATCH_HEALTH_INTERVAL_S = 5.0
 
 # Work-around: etcd3/watch.py calls six.itervalues without importing six.
 if not hasattr(etcd3.watch, "six"):
@@ -145,33 +154,45 @@ def cancel_on(handle: WatchHandle) -> None:
 
 
 class PrefixWatch:
-    """A watch on a prefix that survives etcd restarts and dropped streams.
+    """A watch on a prefix that survives etcd restarts, dropped streams and silence.
 
     Contract: ``on_resync(kvs, revision)`` is called first with a full snapshot, and again
-    after every reconnect (the consumer replaces its view); ``on_events(events)`` is called
-    for each change after the snapshot, in revision order, from one thread. A reconnect
-    resumes from the last seen revision + 1, so no change is missed; if that revision was
-    compacted, a fresh snapshot is taken instead.
+    after a reconnect that needed one (the consumer replaces its view); ``on_events(events)``
+    is called for each change after the snapshot, in revision order, from one stream at a
+    time, each change once. A reconnect resumes from the last delivered revision + 1, so no
+    change is missed; if that revision was compacted, a fresh snapshot is taken instead.
+    Every ``health_interval_s`` the watch is compared with a keys-only read of its range;
+    one that left a change undelivered for a whole interval is re-created the same way.
     """
 
     def __init__(self, client: EtcdClient, prefix: str,
                  on_events: Callable[[list[WatchEvent]], None],
                  on_resync: Callable[[list[KV], int], None], *, name: str = "",
-                 range_end: str | None = None) -> None:
+                 range_end: str | None = None,
+                 health_interval_s: float = WATCH_HEALTH_INTERVAL_S) -> None:
         self._client = client
         self._prefix = prefix
         self._range_end = range_end  # None: every key under prefix; else [prefix, range_end)
         self._on_events = on_events
         self._on_resync = on_resync
         self._name = name or prefix
+        self._health_interval_s = health_interval_s
         self._stop = threading.Event()
         self._broken = threading.Event()
         self._lock = threading.Lock()
         self._watch_id: WatchHandle | None = None
-        self._revision = 0  # last revision delivered to the consumer
+        # Delivery state, under _delivery: the stream generation whose callbacks may deliver
+        # (an abandoned stream's late events are dropped), the last revision delivered, and
+        # key -> mod_revision of what was delivered (for the health check; keys only).
+        self._delivery = threading.Lock()
+        self._generation = 0
+        self._revision = 0
+        self._view: dict[str, int] = {}
+        self._pending: WatchLag | None = None
         self._need_snapshot = True
         self._thread = threading.Thread(target=self._run, name=f"watch:{self._name}", daemon=True)
         self.connected = threading.Event()
+        self.recreated = 0  # times the health check found the watch silent
 
     def start(self) -> None:
         self._thread.start()
@@ -201,14 +222,19 @@ class PrefixWatch:
         self.connected.clear()
         self._broken.set()
 
-    def _callback(self, response: Any) -> None:
+    def _callback(self, response: Any, generation: int | None = None) -> None:
         if self._stop.is_set():
             return
+        with self._delivery:
+            if generation is not None and generation != self._generation:
+                return  # a stream this watch has left: its events come again on the new one
+            self._deliver(response)
+
+    def _deliver(self, response: Any) -> None:
         if isinstance(response, Exception) or not hasattr(response, "events"):
             if isinstance(response, etcd3.exceptions.RevisionCompactedError):
                 self._need_snapshot = True
-            self.connected.clear()
-            self._broken.set()
+            self._abandon()
             return
         out: list[WatchEvent] = []
         for ev in response.events:
@@ -221,17 +247,28 @@ class PrefixWatch:
                 # never asked for, or miss its own.
                 log.warning("etcd_watch_crossed", watch=self._name, key=key)
                 self._need_snapshot = True
-                self.connected.clear()
-                self._broken.set()
+                self._abandon()
                 return
             value = None if isinstance(ev, etcd_events.DeleteEvent) else ev.value
             out.append(WatchEvent(key, value, ev.mod_revision))
-        if out:
-            self._revision = max(e.mod_revision for e in out)
-            try:
-                self._on_events(out)
-            except Exception:
-                log.exception("watch_consumer_failed", watch=self._name)
+        if not out:
+            return
+        self._revision = max(e.mod_revision for e in out)
+        for e in out:
+            if e.value is None:
+                self._view.pop(e.key, None)
+            else:
+                self._view[e.key] = e.mod_revision
+        try:
+            self._on_events(out)
+        except Exception:
+            log.exception("watch_consumer_failed", watch=self._name)
+
+    def _abandon(self) -> None:
+        """Leave the current stream (under _delivery): nothing more from it is delivered."""
+        self._generation += 1
+        self.connected.clear()
+        self._broken.set()
 
     def _covers(self, key: str) -> bool:
         if self._range_end is None:
@@ -243,16 +280,41 @@ class PrefixWatch:
         # lands while we connect must still wake the park in _run (else it parks forever
         # and the watch leaks).
         self._broken.clear()
+        with self._delivery:
+            self._generation += 1
+            generation = self._generation
+            self._pending = None
         if self._need_snapshot:
             kvs, rev = self._client.get_prefix(self._prefix, range_end=self._range_end)
-            self._revision = rev
-            self._on_resync(kvs, rev)
+            with self._delivery:
+                self._revision = rev
+                self._view = {kv.key: kv.mod_revision for kv in kvs}
+                self._on_resync(kvs, rev)
             self._need_snapshot = False
-        wid = self._client.add_watch(self._prefix, self._callback, self._revision + 1,
-                                     range_end=self._range_end)
+        wid = self._client.add_watch(self._prefix, functools.partial(self._callback, generation=generation),
+                                     self._revision + 1, range_end=self._range_end)
         with self._lock:
             self._watch_id = wid
         self.connected.set()
+
+    def _check_health(self) -> None:
+        """Probe the range and judge the watch; abandon its stream if it went silent."""
+        try:
+            kvs, probe_revision = self._client.get_prefix(self._prefix, keys_only=True,
+                                                          range_end=self._range_end)
+        except Exception:  # etcd unreachable: nothing to judge (a broken stream says so)
+            return
+        probe = {kv.key: kv.mod_revision for kv in kvs}
+        with self._delivery:
+            verdict = judge_watch(self._pending, self._view, self._revision, probe,
+                                  probe_revision)
+            self._pending = verdict.pending
+            if verdict.silent:
+                self.recreated += 1
+                self._abandon()
+        if verdict.silent:
+            log.warning("etcd_watch_went_silent", watch=self._name, reason=verdict.reason,
+                        revision=self._revision)
 
     def _run(self) -> None:
         backoff = 0.05
@@ -263,10 +325,10 @@ class PrefixWatch:
                 if failing:
                     log.info("etcd_watch_resumed", watch=self._name, revision=self._revision)
                 failing, backoff = False, 0.05
-                # Park until the stream breaks (callback sets _broken) or we are stopped
-                # (stop() sets _stop before _broken, so one of the two is seen here).
-                if not self._stop.is_set():
-                    self._broken.wait()
+                # Park until the stream breaks (callback or health check sets _broken) or we
+                # are stopped (stop() sets _stop before _broken, so one of the two is seen).
+                while not self._stop.is_set() and not self._broken.wait(self._health_interval_s):
+                    self._check_health()
             except Exception as exc:
                 if self._stop.is_set():
                     break
@@ -279,5 +341,3 @@ class PrefixWatch:
                 wid, self._watch_id = self._watch_id, None
             if wid is not None:  # whoever takes the id cancels it (stop() may have missed it)
                 self._client.cancel_watch(wid)
-
-

@@ -20,6 +20,11 @@ Protocol on one connection (all integers big-endian)::
     source   -> receiver the tensors' bytes, in the order both sides know from the metadata
     receiver -> source  ACK     "EDX1", bytes received (u64)
 
+The ticket also carries the CRC-32 of every byte, computed on the source before it is
+published: a receiver checks the bytes it got against it before it acknowledges them, and a
+transfer that delivered a wrong byte raises (the state is never used; the caller falls back
+to the next tier, the checkpoint).
+
 The source closes a connection whose HELLO does not carry the receive token (or names a
 rank that is not expected, or one already served) without sending a byte; a receiver
 whose peer does not prove the send token raises before it reads any state. Every wait is
@@ -37,6 +42,7 @@ import socket
 import struct
 import threading
 import time
+import zlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -74,6 +80,8 @@ class TransferTicket:
         send_token: the source sends it back; a receiver accepts state from nobody else.
         total_bytes: bytes of all tensors (both sides check they agree).
         count: number of tensors.
+        crc32: CRC-32 of all tensors' bytes in order (the receiver checks it before use);
+            None where the payload carries checks of its own (peer-RAM replica chunks).
     """
 
     host: str
@@ -82,13 +90,34 @@ class TransferTicket:
     send_token: bytes
     total_bytes: int
     count: int
+    crc32: int | None = None
 
 
 def new_ticket(host: str, port: int, views: Sequence[memoryview]) -> TransferTicket:
     """A ticket with two fresh random tokens, for one transfer of ``views``."""
     return TransferTicket(host=host, port=port, recv_token=secrets.token_bytes(TOKEN_BYTES),
                           send_token=secrets.token_bytes(TOKEN_BYTES),
-                          total_bytes=sum(v.nbytes for v in views), count=len(views))
+                          total_bytes=sum(v.nbytes for v in views), count=len(views),
+                          crc32=views_crc(views))
+
+
+def views_crc(views: Iterable[memoryview]) -> int:
+    """CRC-32 of the views' bytes, in order."""
+    crc = 0
+    for v in views:
+        crc = zlib.crc32(v, crc)
+    return crc
+
+
+def check_crc(views: Sequence[memoryview], ticket: TransferTicket) -> None:
+    """Raises TransferError if the received bytes do not match the source's CRC-32."""
+    if ticket.crc32 is None:
+        return
+    got = views_crc(views)
+    if got != ticket.crc32:
+        raise TransferError(f"the state from {ticket.host}:{ticket.port} arrived corrupt "
+                            f"(CRC-32 {got:#010x}, the source's {ticket.crc32:#010x}): refusing "
+                            "it; falling back to the next tier")
 
 
 # -- framing (pure) ---------------------------------------------------------------------------
@@ -375,6 +404,7 @@ def receive(ticket: TransferTicket, rank: int, views: Sequence[memoryview], dead
         if got != ticket.total_bytes:
             raise TransferError(f"the source closed the connection after {got} of "
                                 f"{ticket.total_bytes} bytes (it died or gave up)")
+        check_crc(views, ticket)
         conn.settimeout(_remaining(deadline, "acknowledging the state"))
         conn.sendall(encode_ack(got))
     except OSError as exc:

@@ -1,0 +1,86 @@
+"""Replica fingerprints in a live 3-rank gloo DDP job (real worker processes): a weight
+nudged once on one rank is found within one fingerprint interval, the event names the rank,
+and the ranks end equal (to a fault-free run when found at the step it happened)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from elasticd.etcd.embedded import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "tests" / "workers" / "fingerprinted.py"
+EVERY = 5
+
+
+def _start(out: Path, extra: dict[str, str]) -> list[subprocess.Popen]:
+    out.mkdir()
+    port = free_port()
+    procs = []
+    for rank in range(3):
+        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "3", "LOCAL_RANK": "0",
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OUT": str(out),
+               "CKPT": f"file://{out}/ckpt", "FP_EVERY": str(EVERY), "PYTHONPATH": str(ROOT),
+               "ELASTICD_CONTROL_DIR": str(out / f"cd{rank}"), **extra}
+        (out / f"cd{rank}").mkdir()
+        for key in ("ELASTICD_CONTROL_SOCKET", "ELASTICD_ROUND", "ELASTICD_LIVE"):
+            env.pop(key, None)
+        with open(out / f"log{rank}", "w") as log_file:  # the child keeps its own copy
+            procs.append(subprocess.Popen([sys.executable, str(SCRIPT)], env=env,
+                                          stdout=log_file, stderr=subprocess.STDOUT))
+    return procs
+
+
+def _finish(procs: list[subprocess.Popen], out: Path,
+            deadline: float) -> tuple[list[dict], list[dict]]:
+    try:
+        for p in procs:
+            p.wait(timeout=max(1.0, deadline - time.monotonic()))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    logs = "\n".join((out / f"log{r}").read_text() for r in range(3))
+    assert [p.returncode for p in procs] == [0, 0, 0], logs
+    return ([json.loads((out / f"rank{r}.json").read_text()) for r in range(3)],
+            [torch.load(out / f"rank{r}.pt") for r in range(3)])
+
+
+def _equal(a: dict, b: dict) -> bool:
+    return all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.timeout(480)
+def test_a_nudged_replica_is_found_within_one_interval_and_restored(tmp_path):
+    """Rank 1's weight nudged by 1e-3 once: every rank's fingerprints name rank 1 within one
+    interval, and all ranks end bit-equal; found at the step it happened, they equal a
+    fault-free run's parameters."""
+    runs = {"clean": {}, "aligned": {"NUDGE_RANK": "1", "NUDGE_STEP": str(2 * EVERY)},
+            "late": {"NUDGE_RANK": "1", "NUDGE_STEP": str(2 * EVERY + 2)}}
+    procs = {name: _start(tmp_path / name, extra) for name, extra in runs.items()}
+    deadline = time.monotonic() + 420  # imports of 9 torch processes on a loaded machine
+    results = {name: _finish(p, tmp_path / name, deadline) for name, p in procs.items()}
+
+    reports, clean = results["clean"]
+    assert all(r["diverged"] == [] for r in reports), reports
+    assert all(_equal(s, clean[0]) for s in clean)
+
+    for name, nudge in (("aligned", 2 * EVERY), ("late", 2 * EVERY + 2)):
+        reports, states = results[name]
+        for r in reports:
+            assert r["diverged"] == [[1]], (name, reports)
+            assert nudge <= r["found_at"] < nudge + EVERY, (name, reports)
+        assert all(_equal(s, states[0]) for s in states), f"{name}: ranks ended different"
+        log1 = (tmp_path / name / "log0").read_text()
+        assert "replica_diverged" in log1 and "ranks=[1]" in log1, log1[-2000:]
+    assert _equal(results["aligned"][1][0], clean[0]), "restored state differs from fault-free"
+    assert not _equal(results["late"][1][0], clean[0])  # two steps of rank 1's gradients

@@ -1,0 +1,92 @@
+"""Replica fingerprint policy: who differs from the majority, who may be a source, how often
+to check, and that any changed bit changes the fingerprint."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from elasticd.errors import ConfigError
+from elasticd.worker.fingerprint import (
+    ReplicaFingerprints,
+    cadence_steps,
+    fingerprint,
+    judge_replicas,
+    non_finite,
+    state_tensors,
+)
+
+pytestmark = pytest.mark.timeout(60)  # generous: the machine is shared
+
+
+def test_agreeing_replicas_name_nobody():
+    """Equal fingerprints: nobody diverged, nothing to restore."""
+    v = judge_replicas([7, 7, 7])
+    assert v.diverged == () and v.source is None
+
+
+def test_the_odd_rank_is_named_and_a_majority_rank_is_the_source():
+    """One rank of three differs: it is named, and the source is a rank of the majority."""
+    v = judge_replicas([7, 9, 7])
+    assert v.diverged == (1,) and v.source == 0
+    v = judge_replicas([9, 7, 7, 7])
+    assert v.diverged == (0,) and v.source == 1 and "[0]" in v.reason
+
+
+def test_a_pair_that_disagrees_has_no_source():
+    """Two ranks that differ: both named, neither trusted as a source."""
+    v = judge_replicas([7, 9])
+    assert v.diverged == (0, 1) and v.source is None and "no majority" in v.reason
+
+
+def test_a_tie_has_no_source():
+    """Two against two: no majority, nobody is a source."""
+    assert judge_replicas([1, 1, 2, 2]).source is None
+
+
+def test_the_cadence_keeps_checks_within_the_budget():
+    """A check costing 1 ms on 100 ms steps at 0.5 % runs every 2 steps; bounded both ways."""
+    assert cadence_steps(0.001, 0.1, 0.005) == 2
+    assert cadence_steps(0.0001, 1.0, 0.005) == 1
+    assert cadence_steps(1.0, 0.001, 0.005, max_every=1000) == 1000
+    assert cadence_steps(0.001, 0.0) == 1000  # no step time measured yet: the longest
+
+
+def test_any_changed_bit_changes_the_fingerprint():
+    """A nudge of 1e-3 or a flipped low mantissa bit changes the fingerprint; a copy does not."""
+    model = torch.nn.Linear(8, 4)
+    before = fingerprint(state_tensors({"model": model}))
+    assert fingerprint(state_tensors({"model": torch.nn.Linear(8, 4)})) != before
+    copy = torch.nn.Linear(8, 4)
+    copy.load_state_dict(model.state_dict())
+    assert fingerprint(state_tensors({"model": copy})) == before
+    with torch.no_grad():
+        model.weight[0, 0] += 1e-3
+    nudged = fingerprint(state_tensors({"model": model}))
+    assert nudged != before
+    model.weight.data.view(torch.int32)[1, 1] ^= 1
+    assert fingerprint(state_tensors({"model": model})) != nudged
+
+
+def test_optimizer_state_is_part_of_the_fingerprint():
+    """Adam's moments count: the same weights with different moments fingerprint apart."""
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.ones(2, 4)).sum().backward()
+    opt.step()
+    before = fingerprint(state_tensors({"model": model, "optimizer": opt}))
+    opt.state[model.weight]["exp_avg"][0, 0] += 1.0
+    assert fingerprint(state_tensors({"model": model, "optimizer": opt})) != before
+
+
+def test_a_negative_cadence_is_a_config_error():
+    """fingerprint_every < 1 (other than 0: off) is refused with the fix."""
+    with pytest.raises(ConfigError, match="fingerprint_every"):
+        ReplicaFingerprints({}, {}, every=-1)
+
+
+def test_non_finite_tensors_are_found():
+    """A NaN or an infinity in a floating tensor is reported by index; integers are skipped."""
+    ok, nan, inf = torch.ones(3), torch.tensor([1.0, float("nan")]), torch.tensor([float("inf")])
+    assert non_finite([ok, nan, torch.arange(3), inf]) == [1, 3]
+    assert non_finite([ok]) == []
