@@ -91,12 +91,18 @@ def cadence_steps(check_cost_s: float, step_time_s: float, budget: float = DEFAU
 
 
 def state_tensors(state: Mapping[str, Any]) -> list[torch.Tensor]:
-    """Every tensor replicas must hold equal: the modules' parameters and buffers, and the
-    optimizers' state, in a fixed order (the same on every rank)."""
+    """Every tensor replicas must hold equal: the modules' parameters and the optimizers'
+    state, in a fixed order (the same on every rank).
+
+    Buffers are left out on purpose: under DDP they are rank-local between broadcasts
+    (BatchNorm's running statistics are broadcast from rank 0 at the start of a forward and
+    then updated from each rank's own batch), so a fingerprint over them would name every
+    BatchNorm model's ranks as diverged and restart the job in a loop.
+    """
     out: list[torch.Tensor] = []
     for _, value in sorted(state.items()):
         if isinstance(value, torch.nn.Module):
-            out += [t for _, t in sorted(value.state_dict(keep_vars=True).items())]
+            out += [t for _, t in sorted(value.named_parameters())]
         elif isinstance(value, torch.optim.Optimizer):
             for _, slot in sorted(value.state_dict()["state"].items()):
                 out += [t for _, t in sorted(slot.items()) if isinstance(t, torch.Tensor)]

@@ -68,6 +68,16 @@ def test_any_changed_bit_changes_the_fingerprint():
     assert fingerprint(state_tensors({"model": model})) != nudged
 
 
+def test_buffers_are_not_part_of_the_fingerprint():
+    """BatchNorm's running statistics (rank-local under DDP) never make replicas differ."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
+    other = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
+    other.load_state_dict(model.state_dict())
+    other(torch.randn(8, 4))  # a forward in train mode updates only the running stats
+    assert not torch.equal(model[1].running_mean, other[1].running_mean)
+    assert fingerprint(state_tensors({"model": other})) == fingerprint(state_tensors({"model": model}))
+
+
 def test_optimizer_state_is_part_of_the_fingerprint():
     """Adam's moments count: the same weights with different moments fingerprint apart."""
     model = torch.nn.Linear(4, 1)
