@@ -55,7 +55,6 @@ from elasticd.control.messages import (
     StepReport,
     StoppedReport,
     parse_request,
-    request_id,
     serialise,
 )
 from elasticd.control.reform import OrderBoard, WorkerReports, read_stopped, write_atomic
@@ -257,7 +256,7 @@ class ControlChannel:
             self._reject(str(exc))
             if b'"progress"' in raw[:256] or b'"checkpoint_io"' in raw[:256]:
                 return None  # fire-and-forget: the client reads no reply to it
-            return ErrorReply(str(exc), request_id(raw))
+            return ErrorReply(str(exc), exc.request_id)
         if isinstance(msg, StepReport):
             if not self.progress.report(msg.local_rank, msg.step, msg.epoch, msg.samples, msg.rank,
                                         msg.loss):
