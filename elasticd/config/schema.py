@@ -251,8 +251,9 @@ def straggler_factor(value: Any, text: bool) -> float:
     """0 (off) or a factor above 1: a node this many times slower than the median."""
     factor = number(0, hi=100)(value, text)
     if 0 < factor <= 1:
-        raise ValueError(f"{factor:g} would flag healthy nodes: give a factor above 1 "
-                         "(e.g. 1.25), or 0 to turn straggler detection off")
+        raise Invalid(f"{factor:g} would flag healthy nodes",
+                      "give a factor above 1 (straggler_factor = 1.25), or 0 to turn "
+                      "straggler detection off")
     return factor
 
 
