@@ -189,6 +189,8 @@ def nnodes(value: Any, text: bool) -> tuple[int, int]:
     elif isinstance(value, str):
         head, sep, tail = value.strip().partition(":")
         try:
+            if not value.isascii():  # int() reads other scripts' digits ("١:٢" was 1:2)
+                raise ValueError(value)
             lo = int(head, 10)
             hi = int(tail, 10) if sep else lo
         except ValueError:

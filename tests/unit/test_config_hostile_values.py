@@ -53,3 +53,12 @@ def test_loader_variables_in_workers_env_warn_under_workers_user(tmp_path):
     text = BASE.replace("[job]", 'user = "nobody"\n[job]') + env
     as_user = config(tmp_path, text)
     assert any("workers.env.LD_PRELOAD" in w and "root" in w for w in security_warnings(as_user))
+
+
+@pytest.mark.timeout(30)
+def test_nnodes_in_other_scripts_digits_is_a_config_error(tmp_path):
+    """nnodes = "١:٢" (Arabic-Indic digits, which int() reads as 1:2) is refused, naming the key."""
+    shared = '[etcd]\nendpoints = ["http://127.0.0.1:2379"]\n'
+    assert config(tmp_path, BASE + 'nnodes = "1:2"\n' + shared).job.max_nodes == 2
+    with pytest.raises(ConfigError, match="job.nnodes .* not a node count"):
+        config(tmp_path, BASE + 'nnodes = "\u0661:\u0662"\n' + shared)
