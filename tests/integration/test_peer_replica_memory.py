@@ -128,18 +128,22 @@ def test_a_ticket_planted_in_the_open_store_is_refused_and_the_real_state_rebuil
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                           timeout=timedelta(seconds=30))
-    attacker_store = dist.TCPStore("127.0.0.1", store.port, is_master=False,
-                                   timeout=timedelta(seconds=30))
+
+    def client() -> dist.TCPStore:  # one connection each, as separate processes have
+        return dist.TCPStore("127.0.0.1", store.port, is_master=False,
+                             timeout=timedelta(seconds=30))
+
+    attacker_store = client()
     forged_source = None
     try:
         full = torch.arange(24, dtype=torch.float64).view(6, 4)
-        replicas = [PeerReplica(r, [1, 0], store, "127.0.0.1", key=KEY, every_steps=5,
+        replicas = [PeerReplica(r, [1, 0], client(), "127.0.0.1", key=KEY, every_steps=5,
                                 timeout_s=30) for r in (0, 1)]
         rank0 = threading.Thread(target=replicas[0]._exchange, args=(_half(full, 0), 1))
         rank0.start()
         # Rank 0 has published its own ticket and waits for rank 1's: plant a forged one.
         deadline = time.monotonic() + 20
-        while not store.check(["peer-replica/1/0"]):
+        while not attacker_store.check(["peer-replica/1/0"]):
             assert time.monotonic() < deadline, "rank 0 published no ticket"
             time.sleep(0.02)
         forged = _half(torch.full((6, 4), 666.0, dtype=torch.float64), 1)
