@@ -13,6 +13,16 @@ from __future__ import annotations
 EX_CONFIG = 78
 # The last words of every command that gave up on etcd (agent and CLI alike).
 ETCD_UNREACHABLE_HINT = "check --etcd, the TLS/auth flags and that etcd is up"
+SHOWN_CHARS = 80  # of a bad value quoted in an error (a 120k-character job name was echoed whole)
+
+
+def shown(value: object, limit: int = SHOWN_CHARS) -> str:
+    """``repr(value)`` for an error message, cut to about ``limit`` characters with its length."""
+    text = repr(value)
+    if len(text) <= limit:
+        return text
+    size = f" ({len(value)} characters)" if isinstance(value, str) else ""
+    return f"{text[:limit]}...{size}"
 
 
 class ElasticdError(Exception):

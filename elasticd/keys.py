@@ -29,7 +29,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from elasticd.errors import ConfigError
+from elasticd.errors import ConfigError, shown
 
 ROOT = "/elasticd/"
 # Matched with fullmatch: ``$`` also matches before a trailing newline, so "r1\n" passed.
@@ -48,7 +48,7 @@ def validate_job_name(job: str) -> str:
     """
     if not isinstance(job, str) or not JOB_NAME_RE.fullmatch(job) or job in (".", ".."):
         raise ConfigError(
-            f"invalid job name {job!r}: use 1-64 letters, digits, '-', '_' or '.' "
+            f"invalid job name {shown(job)}: use 1-64 letters, digits, '-', '_' or '.' "
             "(no '/', not '.' or '..'), e.g. --job my-run-1"
         )
     return job
@@ -58,7 +58,7 @@ def validate_node_id(node: str) -> str:
     """Return ``node`` if it is a valid node id, else raise ConfigError."""
     if not isinstance(node, str) or not NODE_ID_RE.fullmatch(node) or node in (".", ".."):
         raise ConfigError(
-            f"invalid node id {node!r}: use 1-128 letters, digits, '-', '_', '.' or ':'"
+            f"invalid node id {shown(node)}: use 1-128 letters, digits, '-', '_', '.' or ':'"
         )
     return node
 

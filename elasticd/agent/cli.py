@@ -33,6 +33,10 @@ def run(args: argparse.Namespace) -> int:
     cfg = load_config(path, os.environ, overrides_from_args(args),
                       override_names=flag_names())
     if args.check_config:
+        if cfg.workers.user is not None:  # what the start refuses, refused here too (78)
+            from elasticd.agent.worker_user import resolve_worker_user
+
+            resolve_worker_user(cfg.workers.user, euid=os.geteuid())
         sys.stdout.write(render_effective(cfg))
         # stderr: stdout stays a loadable TOML file; each warning names the setting and the fix.
         for warning in security_warnings(cfg):

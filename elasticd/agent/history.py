@@ -3,7 +3,8 @@
 The policy (when a sample is due, how the record stays bounded) is the pure
 ``elasticd.history.append_sample``; this is the thin etcd part: read the record, append,
 write it back with a compare on its mod_revision (two agents never interleave a lost
-update) and on this node's incarnation (a zombie writes nothing). Best effort like every
+update) and on this node's incarnation (a zombie writes nothing). An unreadable record is
+deleted by whoever reads it, fenced or not (a compare on its own revision only). Best effort like every
 record of ``JobRecorder``: a failed or refused write drops the sample, never a step.
 """
 
@@ -15,7 +16,7 @@ import structlog
 
 from elasticd.errors import TransientError
 from elasticd.etcd.client import EtcdClient
-from elasticd.etcd.txn import Compare, ModRevision, Put
+from elasticd.etcd.txn import Compare, Delete, ModRevision, Put
 from elasticd.history import History, Sample, append_sample
 from elasticd.keys import JobKeys
 from elasticd.records import CheckpointPointer
@@ -54,8 +55,14 @@ class EtcdHistoryWriter:
             if kv is not None:
                 try:
                     history = History.from_json(kv.value)
-                except ValueError as exc:  # replace a malformed record rather than crash
-                    log.warning("history_record_replaced", error=str(exc))
+                except ValueError as exc:
+                    # Delete it whether or not this write is due or fenced: only a compare on
+                    # the record itself (a valid one written meanwhile stays). A fenced
+                    # "replace" left a hostile record in place for every reader after it.
+                    self.client.txn([ModRevision(self.keys.history, kv.mod_revision)],
+                                    [Delete(self.keys.history)])
+                    log.warning("history_record_deleted", error=str(exc)[:200])
+                    kv = None
             ptr = self.client.get(self.keys.checkpoint_latest)
             ckpt = None
             if ptr is not None:

@@ -22,6 +22,8 @@ tensor's, so every element is stored exactly once.
 
 from __future__ import annotations
 
+import bisect
+import heapq
 import json
 import re
 from collections import OrderedDict
@@ -44,6 +46,13 @@ INDEX_FORMAT = "elasticd-shards"
 # In a state file, a DTensor's place is held by {SHARD_MARK: <its path>}.
 SHARD_MARK = "__elasticd_shard__"
 MAX_INDEX_BYTES = 64 << 20
+# A rank's index lists one chunk per tensor it holds (model and optimizer state): 131,072
+# is far above any model's tensor count, and keeps a hostile index (the 64 MiB cap allows
+# ~500,000 chunks) from costing more than a second to check.
+MAX_CHUNKS_PER_INDEX = 1 << 17
+# Coverage of boxes that are not the cells of one grid (no DTensor layout makes such) is
+# checked pair by pair within a sweep; beyond this many pairs it is refused, not computed.
+MAX_SWEEP_PAIRS = 1 << 18
 # A saved box over one block gets a CRC per block (``Chunk.blocks``). 64 KiB: a partial read
 # reads at most 128 KiB it does not need; the index grows by 11 bytes per block (176 per MiB).
 BLOCK_BYTES = 64 << 10
@@ -197,6 +206,11 @@ def parse_index(data: bytes, name: str) -> tuple[list[Chunk], int, int]:
     chunks = raw.get("chunks")
     if not isinstance(chunks, list):
         raise CheckpointCorruptError(f"shard index {name} has no chunk list")
+    if len(chunks) > MAX_CHUNKS_PER_INDEX:
+        raise CheckpointCorruptError(
+            f"shard index {name} lists {len(chunks)} chunks, over the cap of "
+            f"{MAX_CHUNKS_PER_INDEX} (MAX_CHUNKS_PER_INDEX, one per tensor a rank holds): "
+            "not an index elasticd wrote; the checkpoint is skipped")
     try:
         (size,) = _ints([raw["data_size"]], "data_size")
         crc = raw["data_crc32"]
@@ -278,11 +292,7 @@ def check_coverage(chunks: list[Chunk], sizes: Mapping[str, int]) -> dict[str, l
         first = group[0]
         if any(c.shape != first.shape or c.dtype != first.dtype for c in group):
             raise CheckpointCorruptError(f"ranks disagree on the shape or dtype of {key}")
-        for i, a in enumerate(group):
-            for b in group[i + 1:]:
-                if a.numel and b.numel and overlap(a.offsets, a.sizes, b.offsets, b.sizes):
-                    raise CheckpointCorruptError(
-                        f"{key}: boxes in {a.file} and {b.file} overlap (stored twice)")
+        _check_disjoint(key, [c for c in group if c.numel])
         total = 1
         for d in first.shape:
             total *= d
@@ -291,6 +301,58 @@ def check_coverage(chunks: list[Chunk], sizes: Mapping[str, int]) -> dict[str, l
             raise CheckpointCorruptError(
                 f"{key}: shards cover {covered} of {total} elements (a shard is missing)")
     return by_key
+
+
+def _check_disjoint(key: str, boxes: list[Chunk]) -> None:
+    """Refuse two boxes of one tensor that overlap, in O(n log n) for the grids DTensor makes.
+
+    Every DTensor layout cuts each dimension into intervals and gives each rank one cell of
+    that grid: then each box spans two consecutive cut points in every dimension, and two
+    boxes overlap exactly when they are the same cell. Anything else is swept along its
+    most divided dimension (sorted by start, boxes that ended dropped from a heap), each box
+    compared with those still open, at most ``MAX_SWEEP_PAIRS`` pairs. (The old all-pairs
+    check took 64 s for 8,000 chunks.)
+
+    Raises:
+        CheckpointCorruptError: two boxes overlap, or a non-grid layout too large to check.
+    """
+    if len(boxes) < 2:
+        return
+    ndim = len(boxes[0].shape)
+    cuts = [sorted({c.offsets[d] for c in boxes} | {c.offsets[d] + c.sizes[d] for c in boxes})
+            for d in range(ndim)]
+    cells: dict[tuple[int, ...], Chunk] = {}
+    for c in boxes:
+        cell = tuple(bisect.bisect_left(cuts[d], c.offsets[d]) for d in range(ndim))
+        if any(cuts[d][i + 1] != c.offsets[d] + c.sizes[d] for d, i in enumerate(cell)):
+            break  # not one grid cell: sweep instead
+        if cell in cells:
+            raise CheckpointCorruptError(
+                f"{key}: boxes in {cells[cell].file} and {c.file} overlap (stored twice)")
+        cells[cell] = c
+    else:
+        return
+    _sweep_disjoint(key, boxes, max(range(ndim), key=lambda d: len(cuts[d])))
+
+
+def _sweep_disjoint(key: str, boxes: list[Chunk], dim: int) -> None:
+    pairs = 0
+    open_: list[tuple[int, int]] = []  # (end along dim, index), a heap
+    ordered = sorted(boxes, key=lambda c: c.offsets[dim])
+    for i, b in enumerate(ordered):
+        while open_ and open_[0][0] <= b.offsets[dim]:
+            heapq.heappop(open_)
+        pairs += len(open_)
+        if pairs > MAX_SWEEP_PAIRS:
+            raise CheckpointCorruptError(
+                f"{key}: {len(boxes)} boxes that are not the cells of one grid, too many to "
+                f"check (over {MAX_SWEEP_PAIRS} pairs): not a layout elasticd wrote")
+        for _, j in open_:
+            a = ordered[j]
+            if overlap(a.offsets, a.sizes, b.offsets, b.sizes):
+                raise CheckpointCorruptError(
+                    f"{key}: boxes in {a.file} and {b.file} overlap (stored twice)")
+        heapq.heappush(open_, (b.offsets[dim] + b.sizes[dim], i))
 
 
 def overlap(ao: tuple[int, ...], asz: tuple[int, ...], bo: tuple[int, ...],

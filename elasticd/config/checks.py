@@ -12,7 +12,7 @@ import os
 from typing import Any
 
 from elasticd.config.model import MASK, AgentConfig
-from elasticd.errors import ConfigError
+from elasticd.errors import ConfigError, shown
 from elasticd.keys import validate_job_name, validate_node_id
 from elasticd.rendezvous.sizes import resolve_valid_sizes
 from elasticd.sensitive import loose_secret_file, mask_value, scrub_text
@@ -43,6 +43,12 @@ def availability_warnings(config: AgentConfig) -> list[str]:
                    "election plus one slow keep-alive could drop a healthy node; prefer "
                    f"node.ttl_s >= {math.ceil(SAFE_TTL_PER_ELECTION * election)}")
     return out
+
+
+# Variables that make the dynamic loader or Python load code: under workers.user the
+# launcher and the warm standbys start as root with [workers.env] (docs/security.md).
+ROOT_LOADER_ENV = frozenset({"LD_PRELOAD", "LD_AUDIT", "LD_LIBRARY_PATH", "PYTHONPATH",
+                             "PYTHONHOME", "PYTHONSTARTUP", "PYTHONUSERBASE"})
 
 
 def security_warnings(config: AgentConfig) -> list[str]:
@@ -88,6 +94,11 @@ def security_warnings(config: AgentConfig) -> list[str]:
         except ConfigError as exc:
             out.append(f"logging.worker_log_dir: {exc}")
     for name, value in config.workers.env.items():
+        if config.workers.user is not None and name in ROOT_LOADER_ENV:
+            out.append(f"workers.env.{name} with workers.user: the workers' launcher and warm "
+                       "standbys load it as root before they switch to the user, so whoever "
+                       f"can write what it names runs code as root; drop {name} from "
+                       "[workers.env] or point it only at root-owned, unwritable files")
         if mask_value(name, value) != value:
             out.append(f"workers.env.{name} looks like a secret: every worker (training code) "
                        "sees it; prefer the storage's own credential chain (e.g. instance roles)")
@@ -111,8 +122,8 @@ def validate_config(config: AgentConfig, *, check_files: bool) -> None:
     origins = config.origins
 
     def bad(dotted: str, value: Any, problem_and_fix: str) -> ConfigError:
-        shown = scrub_text(repr(mask_value(dotted, value)))
-        return ConfigError(f"{dotted} = {shown} ({origins.get(dotted, 'default')}): {problem_and_fix}")
+        text = scrub_text(shown(mask_value(dotted, value)))
+        return ConfigError(f"{dotted} = {text} ({origins.get(dotted, 'default')}): {problem_and_fix}")
 
     job, etcd, node, workers = config.job, config.etcd, config.node, config.workers
     try:

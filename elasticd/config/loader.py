@@ -41,7 +41,7 @@ from elasticd.config.schema import (
     node_id_from_hostname,
     standalone_job_name,
 )
-from elasticd.errors import ConfigError
+from elasticd.errors import ConfigError, shown
 from elasticd.sensitive import mask_value, scrub_text
 
 if sys.version_info >= (3, 11):
@@ -365,8 +365,8 @@ def _parse(key: Key, value: Any, origin: str, text: bool) -> Any:
             fix = f"write the number without quotes, e.g. `{key.example}`"
         else:
             fix = exc.fix or f"write e.g. `{key.example}`"
-        shown = scrub_text(repr(mask_value(key.dotted, value)))
-        raise ConfigError(f"{key.dotted} = {shown} ({origin}): {exc.problem}; {fix}") from None
+        quoted = scrub_text(shown(mask_value(key.dotted, value)))
+        raise ConfigError(f"{key.dotted} = {quoted} ({origin}): {exc.problem}; {fix}") from None
 
 
 def _parse_worker_env(

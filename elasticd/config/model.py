@@ -267,11 +267,13 @@ class AgentConfig:
     path: str | None = field(default=None, compare=False)
 
     def masked(self) -> AgentConfig:
-        """Return a copy safe to print: passwords, URL credentials and secret-looking
-        ``workers.env`` values replaced by ``***``."""
+        """Return a copy safe to print: passwords, URL credentials (checkpoint URL, metadata
+        base URL) and secret-looking ``workers.env`` values replaced by ``***``."""
         etcd = replace(self.etcd, password=MASK if self.etcd.password else None)
         url = self.job.checkpoint_url
         job = replace(self.job, checkpoint_url=redact_url(url) if url else url)
         env = {k: mask_value(k, v) for k, v in self.workers.env.items()}
         workers = replace(self.workers, env=MappingProxyType(env))
-        return replace(self, etcd=etcd, job=job, workers=workers)
+        base = self.preemption.base_url  # a metadata proxy's URL may carry a password
+        preemption = replace(self.preemption, base_url=redact_url(base) if base else base)
+        return replace(self, etcd=etcd, job=job, workers=workers, preemption=preemption)

@@ -189,6 +189,8 @@ def nnodes(value: Any, text: bool) -> tuple[int, int]:
     elif isinstance(value, str):
         head, sep, tail = value.strip().partition(":")
         try:
+            if not value.isascii():  # int() reads other scripts' digits ("١:٢" was 1:2)
+                raise ValueError(value)
             lo = int(head, 10)
             hi = int(tail, 10) if sep else lo
         except ValueError:
@@ -251,8 +253,9 @@ def straggler_factor(value: Any, text: bool) -> float:
     """0 (off) or a factor above 1: a node this many times slower than the median."""
     factor = number(0, hi=100)(value, text)
     if 0 < factor <= 1:
-        raise ValueError(f"{factor:g} would flag healthy nodes: give a factor above 1 "
-                         "(e.g. 1.25), or 0 to turn straggler detection off")
+        raise Invalid(f"{factor:g} would flag healthy nodes",
+                      "give a factor above 1 (straggler_factor = 1.25), or 0 to turn "
+                      "straggler detection off")
     return factor
 
 

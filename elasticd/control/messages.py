@@ -40,7 +40,15 @@ class CheckpointIoKind(enum.Enum):
 
 
 class MessageError(ElasticdError):
-    """A line that is not a valid control message; the text names the field and the bound."""
+    """A line that is not a valid control message; the text names the field and the bound.
+
+    ``request_id`` is the line's valid ``id`` when the line was a JSON object (so the error
+    reply can be addressed without parsing the line a second time), else None.
+    """
+
+    def __init__(self, message: str, request_id: int | None = None) -> None:
+        super().__init__(message)
+        self.request_id = request_id
 
 
 @dataclass(frozen=True)
@@ -281,22 +289,30 @@ def _object(line: bytes) -> dict[str, object]:
         raise MessageError(str(exc)) from None
 
 
-def request_id(line: bytes) -> int | None:
-    """The ``id`` of a request line if it has a valid one (to address an error reply)."""
+def _request_id(obj: dict[str, object]) -> int | None:
     try:
-        return _int(_object(line), "id", 0, MAX_COUNT)
+        return _int(obj, "id", 0, MAX_COUNT)
     except MessageError:
         return None
 
 
 def parse_request(line: bytes) -> Request:
-    """Parse and validate one request line (worker to agent).
+    """Parse and validate one request line (worker to agent); the line is decoded once.
 
     Raises:
         MessageError: not JSON, not an object, too long, an unknown op, or a field of the
-            wrong type or out of bounds; the message names which.
+            wrong type or out of bounds; the message names which, and its ``request_id``
+            is the line's valid ``id`` if it has one (to address the error reply).
     """
     obj = _object(line)
+    try:
+        return _request(obj)
+    except MessageError as exc:
+        exc.request_id = _request_id(obj)
+        raise
+
+
+def _request(obj: dict[str, object]) -> Request:
     op = obj.get("op")
     if op == "progress":
         return StepReport(local_rank=_int(obj, "local_rank", 0, MAX_RANK),

@@ -55,7 +55,6 @@ from elasticd.control.messages import (
     StepReport,
     StoppedReport,
     parse_request,
-    request_id,
     serialise,
 )
 from elasticd.control.reform import OrderBoard, WorkerReports, read_stopped, write_atomic
@@ -67,6 +66,9 @@ MAX_CONNECTIONS = 256  # a node has a few workers; each holds one connection
 # Per connecting process (SO_PEERCRED pid): a worker holds one, its data-loader children
 # their own; 256 idle connections from one process used to lock every worker out.
 MAX_CONNECTIONS_PER_PROCESS = 8
+# Per session (getsid of that pid): each worker starts in a session of its own and its
+# forked children stay in it; 300 forked children of one worker used to take all 256 slots.
+MAX_CONNECTIONS_PER_SESSION = 64
 
 
 @dataclass
@@ -140,6 +142,14 @@ def _peer_pid(sock: socket.socket) -> int:
     return int(struct.unpack("3i", creds)[0])
 
 
+def _session_of(pid: int) -> int:
+    """The session id of ``pid`` (0 when it is unknown or the process is gone)."""
+    try:
+        return os.getsid(pid) if pid > 0 else 0
+    except OSError:
+        return 0
+
+
 class ControlChannel:
     """Owns the runtime directory and the control socket server of one agent.
 
@@ -170,7 +180,7 @@ class ControlChannel:
         self._server: socketserver.ThreadingUnixStreamServer | None = None
         self._thread: threading.Thread | None = None
         self._connections = threading.BoundedSemaphore(MAX_CONNECTIONS)
-        self._per_pid: dict[int, int] = {}
+        self._per_pid: dict[int | tuple[str, int], int] = {}  # pid, ("session", sid) -> held
         self._per_pid_lock = threading.Lock()
         self.rejected = 0  # invalid messages so far (tests, logs)
         # Called (server thread; must not block) on every ping and every live report: a
@@ -193,13 +203,19 @@ class ControlChannel:
         class Handler(socketserver.StreamRequestHandler):
             def handle(self) -> None:
                 pid = _peer_pid(self.request)
+                sid = ("session", _session_of(pid))
                 with channel._per_pid_lock:
-                    held = channel._per_pid.get(pid, 0)
+                    held, in_session = channel._per_pid.get(pid, 0), channel._per_pid.get(sid, 0)
                     if held >= MAX_CONNECTIONS_PER_PROCESS:
                         log.warning("control_connection_refused", pid=pid,
                                     reason=f"process holds {held} connections already")
                         return
+                    if in_session >= MAX_CONNECTIONS_PER_SESSION:
+                        log.warning("control_connection_refused", pid=pid, session=sid[1],
+                                    reason=f"its session holds {in_session} connections already")
+                        return
                     channel._per_pid[pid] = held + 1
+                    channel._per_pid[sid] = in_session + 1
                 try:
                     if not channel._connections.acquire(blocking=False):
                         log.warning("control_connection_refused",
@@ -211,11 +227,12 @@ class ControlChannel:
                         channel._connections.release()
                 finally:
                     with channel._per_pid_lock:
-                        left = channel._per_pid[pid] - 1
-                        if left:
-                            channel._per_pid[pid] = left
-                        else:
-                            del channel._per_pid[pid]
+                        for holder in (pid, sid):
+                            left = channel._per_pid[holder] - 1
+                            if left:
+                                channel._per_pid[holder] = left
+                            else:
+                                del channel._per_pid[holder]
 
         class Server(socketserver.ThreadingUnixStreamServer):
             daemon_threads = True
@@ -257,7 +274,7 @@ class ControlChannel:
             self._reject(str(exc))
             if b'"progress"' in raw[:256] or b'"checkpoint_io"' in raw[:256]:
                 return None  # fire-and-forget: the client reads no reply to it
-            return ErrorReply(str(exc), request_id(raw))
+            return ErrorReply(str(exc), exc.request_id)
         if isinstance(msg, StepReport):
             if not self.progress.report(msg.local_rank, msg.step, msg.epoch, msg.samples, msg.rank,
                                         msg.loss):

@@ -33,7 +33,9 @@ on another node (:mod:`elasticd.worker.peer_replica`, refreshed every ``k`` step
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
+import secrets
 import threading
 import time
 import zlib
@@ -61,6 +63,7 @@ from elasticd.errors import ConfigError
 from elasticd.worker import peer_reshard as pmem
 from elasticd.worker.peer_replica import (
     DEFAULT_EVERY_STEPS,
+    KEY_BYTES,
     NO_HOLDER,
     PeerReplica,
     Snapshot,
@@ -349,18 +352,23 @@ class LiveState:
         if not self.peer_replica_every or sm.mesh_kind != "fsdp" or not self.enabled:
             return
         device = ctx.device if ctx.backend == "nccl" else torch.device("cpu")
-        mine = torch.tensor([zlib.crc32(str(ctx.node).encode())], dtype=torch.int64, device=device)
-        nodes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(ctx.world_size)]
+        # Each rank's node and 32 random bytes: the round key that seals the replica's
+        # tickets is agreed here, through the group, never through its (open) store.
+        nonce = torch.frombuffer(bytearray(secrets.token_bytes(KEY_BYTES)), dtype=torch.int64)
+        mine = torch.cat([torch.tensor([zlib.crc32(str(ctx.node).encode())], dtype=torch.int64),
+                          nonce]).to(device)
+        nodes = [torch.zeros_like(mine) for _ in range(ctx.world_size)]
         dist.all_gather(nodes, mine)
-        holders = ring_holders([str(int(t.item())) for t in nodes])
+        holders = ring_holders([str(int(t[0].item())) for t in nodes])
+        key = hashlib.sha256(b"".join(t[1:].cpu().numpy().tobytes() for t in nodes)).digest()
         if all(h == NO_HOLDER for h in holders):
             return  # one node: a replica on it dies with it
-        hosts, _ = group_endpoints(wctx._S.group_sockets)
+        hosts, peers = group_endpoints(wctx._S.group_sockets)
         if not hosts:
             self._log.warning("peer_replica_off", reason="this rank's address in the group is unknown")
             return
         self.replica = PeerReplica(ctx.rank, holders, dist.distributed_c10d._get_default_store(), hosts[0],
-                                   every_steps=self.peer_replica_every, timeout_s=self.timeout_s,
+                                   key=key, allowed_peers=peers, every_steps=self.peer_replica_every, timeout_s=self.timeout_s,
                                    prefix=f"elasticd/peer/{ctx.round}")
         if self._has_state and self.step >= 0:
             # The new world is covered at once, not only from its first multiple of k.

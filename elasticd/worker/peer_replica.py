@@ -23,6 +23,8 @@ the rank's shard bytes, once; steps lost on a node loss <= k.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import threading
 import time
@@ -30,15 +32,33 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import structlog
 import torch
 
+from elasticd import boundedjson
 from elasticd.checkpoint import shards
 from elasticd.checkpoint.api import CheckpointCorruptError
 from elasticd.checkpoint.manifest import checksum
-from elasticd.worker.transfer import TransferSource, TransferTicket, byte_view, receive
+from elasticd.worker.transfer import (
+    TOKEN_BYTES,
+    TransferSource,
+    TransferTicket,
+    byte_view,
+    receive,
+)
+
+log = structlog.get_logger(__name__)
 
 DEFAULT_EVERY_STEPS = 25  # 2.0 % blocking at 128 MiB/rank, 200 ms steps (docs/benchmarks.md)
 NO_HOLDER = -1
+KEY_BYTES = 32
+MAX_TICKET_BYTES = shards.MAX_INDEX_BYTES + 4096
+TICKET_POLL_S = 0.05  # how often a holder looks for a valid ticket after refusing one
+
+
+class ReplicaTicketError(ValueError):
+    """A ticket in the store this group did not write (no valid MAC under the round key),
+    or one naming another rank or step, or sizes out of bounds: refused, never used."""
 
 
 def ring_holders(node_of_rank: Sequence[str]) -> list[int]:
@@ -70,6 +90,100 @@ def ring_holders(node_of_rank: Sequence[str]) -> list[int]:
 def held_by(holders: Sequence[int], rank: int) -> list[int]:
     """The ranks whose replica ``rank`` holds."""
     return [r for r, h in enumerate(holders) if h == rank]
+
+
+# -- tickets (pure) -----------------------------------------------------------------------------
+# The c10d store that carries tickets is open to every local user (docs/security.md §12). A
+# ticket there therefore holds no secret: the transfer tokens are derived from a round key
+# that only the group's ranks hold (agreed by a collective when the group formed), and the
+# ticket (address, sizes, the index with its CRCs, rank, step) is authenticated by a MAC
+# under that key. A planted or altered ticket is refused before anything is allocated.
+def _mac(key: bytes, label: bytes, prefix: str, rank: int, body: bytes = b"") -> bytes:
+    msg = b"\0".join((label, prefix.encode(), str(rank).encode(), body))
+    return hmac.new(key, msg, hashlib.sha256).digest()
+
+
+def ticket_tokens(key: bytes, prefix: str, rank: int) -> tuple[bytes, bytes]:
+    """The (receive, send) tokens of ``rank``'s transfer in refresh ``prefix``."""
+    return (_mac(key, b"recv", prefix, rank)[:TOKEN_BYTES],
+            _mac(key, b"send", prefix, rank)[:TOKEN_BYTES])
+
+
+def seal_ticket(key: bytes, prefix: str, rank: int, step: int, ticket: TransferTicket,
+                index: bytes) -> bytes:
+    """The store value announcing ``rank``'s replica: a MAC, then the JSON ticket (no token)."""
+    body = json.dumps({"rank": rank, "step": step, "host": ticket.host, "port": ticket.port,
+                       "total": ticket.total_bytes, "count": ticket.count,
+                       "index": index.decode()}, sort_keys=True).encode()
+    return _mac(key, b"ticket", prefix, rank, body).hex().encode() + b"\n" + body
+
+
+def open_ticket(key: bytes, prefix: str, value: bytes, *, rank: int, step: int,
+                max_bytes: int) -> tuple[TransferTicket, Snapshot]:
+    """Check a store value against the round key; the ticket and an empty snapshot to fill.
+
+    Args:
+        key: the round key.
+        prefix: the refresh's store prefix (a ticket of another refresh does not verify).
+        value: the bytes read from the store.
+        rank: the peer whose replica this rank holds.
+        step: the step of this refresh (every rank refreshes at the same step).
+        max_bytes: the most bytes a peer's shards can hold (the whole state's size).
+
+    Returns:
+        The transfer ticket (tokens derived from the key) and the snapshot its bytes fill
+        (``data`` allocated after every check).
+
+    Raises:
+        ReplicaTicketError: not sealed with the key, another rank or step, or sizes that
+            disagree with the index or exceed ``max_bytes``.
+    """
+    mac_hex, sep, body = bytes(value).partition(b"\n")
+    if not sep or len(value) > MAX_TICKET_BYTES:
+        raise ReplicaTicketError(f"the ticket of rank {rank} is not a sealed ticket")
+    try:
+        mac = bytes.fromhex(mac_hex.decode("ascii"))
+    except ValueError:
+        raise ReplicaTicketError(f"the ticket of rank {rank} is not a sealed ticket") from None
+    if not hmac.compare_digest(mac, _mac(key, b"ticket", prefix, rank, body)):
+        raise ReplicaTicketError(f"the ticket of rank {rank} is not sealed with the round key "
+                                 "(written by someone outside the group): refused")
+    try:
+        raw = boundedjson.loads_object(body, what="replica ticket", max_bytes=MAX_TICKET_BYTES)
+        host, port, total, count = raw["host"], raw["port"], raw["total"], raw["count"]
+        if not (isinstance(host, str) and all(isinstance(v, int) for v in (port, total, count))
+                and isinstance(raw["index"], str)):
+            raise ValueError("a field of the wrong type")
+        snap = parse_snapshot(raw["index"].encode(), torch.empty(0, dtype=torch.uint8),
+                              size=total)
+    except (ValueError, KeyError, CheckpointCorruptError) as exc:
+        raise ReplicaTicketError(f"the ticket of rank {rank} is malformed: {exc}") from None
+    if raw.get("rank") != rank or snap.rank != rank or raw.get("step") != step \
+            or snap.step != step:
+        raise ReplicaTicketError(f"a ticket for rank {raw.get('rank')} at step "
+                                 f"{raw.get('step')}, expected rank {rank} at step {step}")
+    if not 0 <= total <= max_bytes or count != 1:
+        raise ReplicaTicketError(f"the replica of rank {rank} claims {total} bytes in {count} "
+                                 f"buffers; at most {max_bytes} bytes in 1 buffer")
+    recv_token, send_token = ticket_tokens(key, prefix, rank)
+    ticket = TransferTicket(host=host, port=port, recv_token=recv_token, send_token=send_token,
+                            total_bytes=total, count=count)
+    snap.data = torch.empty(total, dtype=torch.uint8)
+    return ticket, snap
+
+
+def state_bytes(chunks: Sequence[shards.Chunk]) -> int:
+    """The bytes of the whole (unsharded) tensors ``chunks`` are boxes of: no peer's shards
+    of the same state can be larger."""
+    full = {c.key: (c.dtype, c.shape) for c in chunks}
+    return sum(getattr(torch, dtype).itemsize * _numel(shape) for dtype, shape in full.values())
+
+
+def _numel(shape: Sequence[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
 
 
 @dataclass(frozen=True)
@@ -194,21 +308,27 @@ def seal(snap: Snapshot) -> Snapshot:
     return snap
 
 
-def parse_snapshot(index: bytes, data: torch.Tensor) -> Snapshot:
+def parse_snapshot(index: bytes, data: torch.Tensor, *, size: int | None = None) -> Snapshot:
     """A received replica: the index validated as a checkpoint's, its size checked (each
     chunk's bytes are checked against its CRC when a recovery reads them).
+
+    ``size``: the buffer size to check against (default: ``data``'s), for an index checked
+    before its bytes are allocated.
 
     Raises:
         CheckpointCorruptError: a malformed index, or bytes of another size.
     """
-    body = json.loads(index)
-    if not isinstance(body, dict):
-        raise CheckpointCorruptError("a peer replica's index is not an object")
+    try:
+        body = boundedjson.loads_object(index, what="peer replica index",
+                                        max_bytes=shards.MAX_INDEX_BYTES)
+    except boundedjson.BoundedJSONError as exc:
+        raise CheckpointCorruptError(str(exc)) from None
     rank, step, extra = body.get("rank"), body.pop("step", None), body.pop("extra", None)
     if not isinstance(rank, int) or not isinstance(step, int) or not isinstance(extra, dict):
         raise CheckpointCorruptError("a peer replica's index lacks rank, step or extra")
-    chunks, size, _ = shards.parse_index(json.dumps(body).encode(), shards.index_name(rank))
-    if size != data.numel() or any(c.start + c.length > size for c in chunks):
+    chunks, index_size, _ = shards.parse_index(json.dumps(body).encode(), shards.index_name(rank))
+    expected = int(data.numel()) if size is None else size
+    if index_size != expected or any(c.start + c.length > index_size for c in chunks):
         raise CheckpointCorruptError(f"the replica of rank {rank} does not match its index")
     return Snapshot(rank, step, chunks, data, extra)
 
@@ -271,26 +391,37 @@ class PeerReplica:
 
     A refresh (every ``every_steps`` steps, at the same step on every rank) takes the own
     snapshot (the only blocking part), then a background thread serves it over the
-    authenticated TCP transport to its holder and receives the held peer's through the
-    c10d store's tickets. Tickets and indexes are JSON; nothing is pickled.
+    authenticated TCP transport to its holder and receives the held peer's. Tickets travel
+    through the c10d store, sealed with the round key (:func:`seal_ticket`): the store
+    (open to local users) sees addresses, sizes and indexes, never a token; a ticket not
+    sealed with the key is refused and the holder waits for the real one. Tickets and
+    indexes are JSON, read with the bounded reader; nothing is pickled.
 
     Args:
         rank: this rank.
         holders: :func:`ring_holders` of the world.
-        store: the process group's store (tickets are published there).
+        store: the process group's store (sealed tickets are published there).
         host: the address this rank listens on.
+        key: the round key (:data:`KEY_BYTES` bytes), the same on every rank of the group
+            and known to nobody else (agreed through the group's own collective).
+        allowed_peers: addresses the holder may connect from (the group's peers).
         every_steps: k.
         timeout_s: bound on one refresh's transfer.
         prefix: of the store keys (one per group: a round's replicas never meet another's).
     """
 
     def __init__(self, rank: int, holders: Sequence[int], store: Any, host: str, *,
+                 key: bytes, allowed_peers: frozenset[str] | None = None,
                  every_steps: int = DEFAULT_EVERY_STEPS, timeout_s: float = 60.0,
                  prefix: str = "peer-replica") -> None:
         if every_steps < 1:
             raise ValueError(f"every_steps must be >= 1, not {every_steps}")
+        if len(key) < KEY_BYTES:
+            raise ValueError(f"the round key must be at least {KEY_BYTES} bytes, not {len(key)}")
         self.rank, self.holders, self.every_steps = rank, list(holders), every_steps
         self._store, self._host, self._timeout_s = store, host, timeout_s
+        self._key, self._allowed = bytes(key), allowed_peers
+        self.refused_tickets = 0  # tickets in the store not sealed by the group (for tests, logs)
         self._prefix = prefix
         self._seq = 0  # refreshes so far: every rank refreshes in the same order
         self.own: Snapshot | None = None
@@ -325,17 +456,17 @@ class PeerReplica:
             holder = self.holders[self.rank]
             source = None
             if holder != NO_HOLDER:
-                source = TransferSource(self._host, [byte_view(snap.data)])
-                t = source.ticket
-                self._store.set(f"{prefix}/{self.rank}", json.dumps({
-                    "host": t.host, "port": t.port, "recv": t.recv_token.hex(),
-                    "send": t.send_token.hex(), "total": t.total_bytes, "count": t.count,
-                    "index": snap.index().decode()}))
+                source = TransferSource(self._host, [byte_view(snap.data)],
+                                        allowed_peers=self._allowed,
+                                        tokens=ticket_tokens(self._key, prefix, self.rank))
+                self._store.set(f"{prefix}/{self.rank}", seal_ticket(
+                    self._key, prefix, self.rank, snap.step, source.ticket, snap.index()))
             serving = threading.Thread(target=source.serve, args=([holder], deadline),
                                        daemon=True) if source else None
             if serving:
                 serving.start()
-            held = {peer: self._receive(f"{prefix}/{peer}", deadline)
+            bound = state_bytes(snap.chunks)
+            held = {peer: self._receive(prefix, peer, snap.step, bound, deadline)
                     for peer in held_by(self.holders, self.rank)}
             if serving:
                 serving.join()
@@ -347,12 +478,30 @@ class PeerReplica:
         except BaseException as exc:  # kept for the loop: a refresh failure is not fatal
             self.error = exc
 
-    def _receive(self, key: str, deadline: float) -> Snapshot:
-        raw = json.loads(self._store.get(key))
-        ticket = TransferTicket(host=raw["host"], port=int(raw["port"]),
-                                recv_token=bytes.fromhex(raw["recv"]),
-                                send_token=bytes.fromhex(raw["send"]),
-                                total_bytes=int(raw["total"]), count=int(raw["count"]))
-        data = torch.empty(ticket.total_bytes, dtype=torch.uint8)
-        receive(ticket, self.rank, [byte_view(data)], deadline)
-        return parse_snapshot(raw["index"].encode(), data)
+    def _receive(self, prefix: str, peer: int, step: int, bound: int,
+                 deadline: float) -> Snapshot:
+        """``peer``'s replica: its sealed ticket from the store, then its bytes over TCP.
+
+        A value that does not verify (planted by someone outside the group) is refused and
+        the store is polled until the peer's own ticket replaces it, up to ``deadline``.
+        """
+        key = f"{prefix}/{peer}"
+        value = bytes(self._store.get(key))
+        while True:
+            try:
+                ticket, snap = open_ticket(self._key, prefix, value, rank=peer, step=step,
+                                           max_bytes=bound)
+                break
+            except ReplicaTicketError as exc:
+                self.refused_tickets += 1
+                log.warning("peer_replica_ticket_refused", peer=peer, step=step,
+                            error=str(exc)[:200])
+            refused = value
+            while value == refused:
+                if time.monotonic() >= deadline:
+                    raise TimeoutError(f"no valid replica ticket of rank {peer} by the deadline "
+                                       f"(refused {self.refused_tickets})")
+                time.sleep(TICKET_POLL_S)
+                value = bytes(self._store.get(key))
+        receive(ticket, self.rank, [byte_view(snap.data)], deadline)
+        return snap

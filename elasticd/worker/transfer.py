@@ -93,10 +93,14 @@ class TransferTicket:
     crc32: int | None = None
 
 
-def new_ticket(host: str, port: int, views: Sequence[memoryview]) -> TransferTicket:
-    """A ticket with two fresh random tokens, for one transfer of ``views``."""
-    return TransferTicket(host=host, port=port, recv_token=secrets.token_bytes(TOKEN_BYTES),
-                          send_token=secrets.token_bytes(TOKEN_BYTES),
+def new_ticket(host: str, port: int, views: Sequence[memoryview],
+               tokens: tuple[bytes, bytes] | None = None) -> TransferTicket:
+    """A ticket for one transfer of ``views``: two fresh random tokens, or the caller's
+    ``(recv_token, send_token)`` (derived from a key only the group holds), and the CRC-32
+    of the bytes the receiver checks before use."""
+    recv_token, send_token = tokens or (secrets.token_bytes(TOKEN_BYTES),
+                                        secrets.token_bytes(TOKEN_BYTES))
+    return TransferTicket(host=host, port=port, recv_token=recv_token, send_token=send_token,
                           total_bytes=sum(v.nbytes for v in views), count=len(views),
                           crc32=views_crc(views))
 
@@ -255,10 +259,12 @@ class TransferSource:
         views: the tensors' bytes (:func:`byte_view`), in the metadata's order.
         allowed_peers: addresses a receiver may connect from (the group's peers); None
             admits any (the tokens still decide).
+        tokens: ``(recv_token, send_token)`` to use instead of fresh random ones.
     """
 
     def __init__(self, host: str, views: Sequence[memoryview], *,
-                 allowed_peers: frozenset[str] | None = None) -> None:
+                 allowed_peers: frozenset[str] | None = None,
+                 tokens: tuple[bytes, bytes] | None = None) -> None:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._listener = socket.socket(family, socket.SOCK_STREAM)
         try:
@@ -269,7 +275,7 @@ class TransferSource:
             raise TransferError(f"cannot listen on {host}: {exc}") from exc
         self._views = list(views)
         self._allowed = allowed_peers
-        self.ticket = new_ticket(host, int(self._listener.getsockname()[1]), self._views)
+        self.ticket = new_ticket(host, int(self._listener.getsockname()[1]), self._views, tokens)
         self.refused = 0  # connections refused (strangers), for logs and tests
         self.refused_crowded = 0  # silent connections dropped for a newer one (over the cap)
         self.refused_silent = 0  # connections closed without a hello (timed out or dropped)

@@ -54,3 +54,36 @@ def test_port_in_use_is_a_config_error():
             AgentMetrics().serve(first.port, addr="127.0.0.1")
     finally:
         first.stop()
+
+
+@pytest.mark.timeout(60)
+def test_idle_connections_hold_a_bounded_number_of_threads_for_a_bounded_time():
+    """100 connections that send nothing: at most 16 serving threads at once (was one each,
+    forever), each idle one closed by the server within its timeout, and a scrape then works."""
+    import socket
+    import threading
+    import time
+
+    from elasticd.status.metrics import METRICS_IDLE_TIMEOUT_S, METRICS_MAX_CONNECTIONS
+
+    server = AgentMetrics().serve(0, addr="127.0.0.1")
+    conns: list[socket.socket] = []
+    try:
+        before = threading.active_count()
+        for _ in range(100):
+            conns.append(socket.create_connection(("127.0.0.1", server.port), timeout=5))
+        deadline = time.monotonic() + 10
+        while threading.active_count() < before + METRICS_MAX_CONNECTIONS \
+                and time.monotonic() < deadline:
+            time.sleep(0.02)  # the accept loop catches up
+        assert threading.active_count() <= before + METRICS_MAX_CONNECTIONS
+        # Every connection ends: refused at once over the cap, or closed when idle too long.
+        deadline = time.monotonic() + METRICS_IDLE_TIMEOUT_S + 20
+        for c in conns:
+            c.settimeout(max(deadline - time.monotonic(), 0.1))
+            assert c.recv(1) == b""
+        scrape(server.url)
+    finally:
+        for c in conns:
+            c.close()
+        server.stop()

@@ -96,6 +96,25 @@ def test_history_writer_and_plot_survive_a_deeply_nested_record(etcd_server, etc
     assert [s.step for s in h.samples] == [5]
 
 
+@pytest.mark.timeout(30)
+def test_history_writer_deletes_an_escaped_quote_record_even_when_fenced(etcd_client):
+    """A 64 KB run of escaped quotes at /elasticd/<job>/history is read in milliseconds and
+    deleted by any writer, a fenced one included; a valid record written meanwhile stays."""
+    keys = JobKeys("esc")
+    etcd_client.put(keys.history, b'"' + b'\\"' * 32_000)
+    etcd_client.put("/fence-esc", "x")
+    rev = etcd_client.get("/fence-esc").create_revision
+    zombie = EtcdHistoryWriter(etcd_client, keys, lambda: [CreateRevision("/fence-esc", rev + 1)])
+    start = time.process_time()
+    assert not zombie.append(time.time(), 5, 1, 10.0, 0)  # fenced: writes no sample
+    assert time.process_time() - start < 0.5
+    assert etcd_client.get(keys.history) is None
+    live = EtcdHistoryWriter(etcd_client, keys, lambda: [CreateRevision("/fence-esc", rev)])
+    assert live.append(time.time(), 6, 1, 10.0, 0)
+    assert not zombie.append(time.time() + 60, 7, 1, 10.0, 0)
+    assert [s.step for s in History.from_json(etcd_client.get(keys.history).value).samples] == [6]
+
+
 @pytest.mark.timeout(60)
 def test_watch_shows_the_trend_line(etcd_server, etcd_client):
     """--watch draws steps/s and loss as a one-line sparkline from the history record."""

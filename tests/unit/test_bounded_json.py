@@ -113,14 +113,16 @@ def test_manifest_refuses_a_deep_value_as_corrupt():
 
 def test_control_socket_line_refuses_a_deep_value_as_message_error():
     """A 60 KB nested line on the control socket is a MessageError (answered, not a traceback)."""
-    from elasticd.control.messages import MessageError, parse_reply, parse_request, request_id
+    from elasticd.control.messages import MessageError, parse_reply, parse_request
 
     line = b"[" * 30_000 + b"]" * 30_000
     with pytest.raises(MessageError, match="deep"):
         parse_request(line)
     with pytest.raises(MessageError):
         parse_reply(line)
-    assert request_id(line) is None
+    with pytest.raises(MessageError) as caught:
+        parse_request(line)
+    assert caught.value.request_id is None
 
 
 def test_reform_order_refuses_deep_files(tmp_path):
