@@ -36,6 +36,11 @@ Scenarios, each after the job trains steadily at world 3:
 - ``join``: a 4th node starts; timed from the start of its launcher;
 - ``spare`` (elasticd only): 4 nodes under ``--nnodes 2:3``, the 4th waits as a hot spare;
   SIGKILL of a member; timed to the first step back at world 3 (the spare in it).
+- ``rejoin``: SIGKILL to the whole node; once the survivors trained a step at world 2 (and,
+  on etcd, the node's record expired), the same node is started again; timed from its
+  launcher's start to the first step back at the old size (world 3). With a plain script
+  (``--script benchmarks/bench_worker.py``: no worker API) it is the plain-script rejoin of
+  issue 52, where elasticd's live default used to wait out ``live_reform_timeout_s``.
 
 Figures: seconds from the fault to the first step that every rank of the new world
 completed, and steps lost = (last step completed at the old world size) - (first step at
@@ -93,7 +98,7 @@ from benchmarks.recovery_report import agent_breakdown, live_breakdown, write_re
 CKPT_LOADED = re.compile(r"checkpoint_loaded\b.*?\bseconds[=\"': ]+([0-9.]+)")
 SYSTEMS = ("elasticd-live", "elasticd-live-cold", "elasticd-live-prebuilt", "elasticd", "elasticd-cold", "torchrun-default",
            "torchrun-tuned", "torchrun-etcd")
-SCENARIOS = ("sigkill", "sigstop", "sigterm", "join", "spare", "hang", "agentkill")
+SCENARIOS = ("sigkill", "sigstop", "sigterm", "join", "spare", "hang", "agentkill", "rejoin")
 HANDED_OVER_PID = re.compile(r"\bpid[=\"': ]+([0-9]+)")
 SPARE_NNODES = "2:3"  # the spare scenario: NODES members and one hot spare
 NODES = 3
@@ -221,7 +226,11 @@ def run_trial(system: str, scenario: str, rep: int, etcd_endpoint: str, script: 
                 trial.note = "no node waited as a spare"
                 return trial
             victim = [n for n in cluster.nodes if n is not spare_node()][-1]
-        if scenario in ("sigkill", "spare"):
+        if scenario == "rejoin":
+            t0 = rejoin(cluster, victim, system, job, endpoint, src, trial, args)
+            if t0 is None:
+                return trial
+        elif scenario in ("sigkill", "spare"):
             # With a spare, the job is back at its full size once the spare is in.
             t0, trial.new_world = victim.signal_node(signal.SIGKILL), NODES if spare else NODES - 1
         elif scenario == "sigstop":
@@ -275,7 +284,9 @@ def run_trial(system: str, scenario: str, rep: int, etcd_endpoint: str, script: 
         trial.ckpt_load_s = checkpoint_load_s([n.lines for n in cluster.nodes], t0)
         if not trial.recovered:
             trial.note = f"did not recover within {timeout:.0f}s"
-        if system.startswith("elasticd-live") and trial.recovered:
+        if scenario == "rejoin":
+            pass  # the breakdowns follow a fault, not a node's start
+        elif system.startswith("elasticd-live") and trial.recovered:
             survivors = [n for n in cluster.nodes if n is not victim or scenario == "join"]
             trial.phases = live_breakdown([n.lines for n in survivors], t0, trial.new_world, counted)
         elif system.startswith("elasticd") and trial.recovered:
@@ -284,6 +295,33 @@ def run_trial(system: str, scenario: str, rep: int, etcd_endpoint: str, script: 
                                            records, src.is_bench)
         (workdir / "trial.json").write_text(json.dumps(asdict(trial), indent=1))
     return trial
+
+
+def rejoin(cluster: Cluster, victim: NodeProc, system: str, job: str, endpoint: str,
+           src: StepSource, trial: Trial, args: argparse.Namespace) -> float | None:
+    """The ``rejoin`` scenario's fault: SIGKILL ``victim``, wait for the survivors' first
+    step at world NODES - 1 (and on etcd for the node's record to expire, so that the same
+    node id may register again), start the node again. Returns the restart's time, or None
+    (with ``trial.note``) when the survivors never trained on."""
+    killed_at = victim.signal_node(signal.SIGKILL)
+    trial.old_world, trial.new_world = NODES - 1, NODES
+    ranks = src.ranks_per_step(NODES - 1)
+    if not wait_until(lambda: first_step_at(src.records(), NODES - 1, killed_at, ranks), args.timeout):
+        trial.note = f"the survivors did not train on at world {NODES - 1} within {args.timeout:.0f}s"
+        return None
+    if system.startswith("elasticd"):
+        from elasticd.etcd.client import EtcdClient
+        from elasticd.keys import JobKeys
+
+        client = EtcdClient(endpoint, timeout_s=2.0)
+        try:
+            if not wait_until(lambda: client.get(JobKeys(job).node(victim.name)) is None, 30):
+                trial.note = "the killed node's record never expired"
+                return None
+        finally:
+            client.close()
+    start_node(cluster, system, NODES - 1, job, endpoint, src)
+    return cluster.nodes[-1].started_at
 
 
 def worker_pids(node: NodeProc) -> list[int]:

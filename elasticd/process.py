@@ -13,6 +13,7 @@ import ctypes
 import ctypes.util
 import os
 import signal
+import sys
 import time
 
 PR_SET_PDEATHSIG = 1
@@ -58,10 +59,41 @@ def set_dumpable(dumpable: bool) -> bool:
 
 
 def die_with_parent(expected_ppid: int | None = None) -> None:
-    """``preexec_fn`` body: SIGKILL on parent death; exit now if the parent is already gone."""
+    """SIGKILL on parent death; exit now if the parent is already gone.
+
+    Called by a child itself (the worker launcher), never as a ``preexec_fn`` of a process
+    that uses gRPC: see :func:`dying_with_parent`."""
     set_pdeathsig(signal.SIGKILL)
     if expected_ppid is not None and os.getppid() != expected_ppid:
         os._exit(1)
+
+
+# Run as ``python -I -S -c _DIE_WITH_PARENT_EXEC PPID PROGRAM ARGS...``: PR_SET_PDEATHSIG,
+# then exec PROGRAM in the same process (the setting survives exec).
+_DIE_WITH_PARENT_EXEC = (
+    "import ctypes, os, sys\n"
+    "ctypes.CDLL(None, use_errno=True).prctl(1, 9, 0, 0, 0)\n"
+    "os.getppid() == int(sys.argv[1]) or os._exit(1)\n"
+    "os.execvp(sys.argv[2], sys.argv[2:])\n"
+)
+
+
+def dying_with_parent(argv: list[str], parent: int) -> list[str]:
+    """``argv`` wrapped so that the child SIGKILLs itself when ``parent`` dies.
+
+    Why not a ``preexec_fn``: with one, ``subprocess`` forks while holding the GIL and
+    runs every ``pthread_atfork`` handler, and gRPC's (on by default in grpcio, which
+    elasticd leaves as it is so that forked children can use etcd) wait for gRPC's threads,
+    which may need the GIL: beside busy etcd traffic the fork hangs for good. Without one,
+    CPython starts the child with ``vfork()``, which runs no fork handlers; this short
+    interpreter sets ``PR_SET_PDEATHSIG`` in the child instead and ``exec``s ``argv`` in
+    the same process (same pid; the setting survives ``exec``).
+
+    Args:
+        argv: the program and its arguments (looked up on PATH as ``execvp`` does).
+        parent: the pid the child must outlive no longer (normally ``os.getpid()``).
+    """
+    return [sys.executable, "-I", "-S", "-c", _DIE_WITH_PARENT_EXEC, str(parent), *argv]
 
 
 def pid_alive(pid: int) -> bool:

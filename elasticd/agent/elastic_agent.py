@@ -354,6 +354,9 @@ class ElasticdAgent(LocalElasticAgent):
             live=self.live.facts(now),
             live_starting=self.live.starting(now=now, group_started_at=self._group_started_at,
                                              any_step=board.max_step() >= 0),
+            group_age_s=now - self._group_started_at,
+            registered_after_s=self.live.registered_after(now=now,
+                                                          group_started_at=self._group_started_at),
         )
 
     @staticmethod

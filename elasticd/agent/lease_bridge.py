@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 import structlog
 
 from elasticd.etcd.embedded import find_tool
-from elasticd.process import die_with_parent
+from elasticd.process import dying_with_parent
 
 if TYPE_CHECKING:
     from elasticd.config.model import EtcdConfig
@@ -77,9 +77,9 @@ class LeaseBridge:
         env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "ETCDCTL_API": "3"}
         parent = os.getpid()
         try:
-            proc = subprocess.Popen(bridge_argv(etcdctl, e, lease_id), stdin=subprocess.DEVNULL,
-                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
-                                    close_fds=True, preexec_fn=lambda: die_with_parent(parent))
+            proc = subprocess.Popen(dying_with_parent(bridge_argv(etcdctl, e, lease_id), parent),
+                                    stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                    stderr=subprocess.DEVNULL, env=env, close_fds=True)
         except OSError as exc:
             log.info("lease_bridge_not_started", error=str(exc))
             return None

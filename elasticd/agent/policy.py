@@ -61,6 +61,10 @@ EX_CONFIG = 78  # a worker's ConfigError (sysexits.h EX_CONFIG): deterministic, 
 # An attempt that ran this long got past start-up even without reporting a step (a plain
 # script reports none): its failure may be a transient one, worth the restart budget.
 STARTUP_S = 60.0
+# A join waits for our starting workers to register at most this many times as long as the
+# slowest registration seen on this node, plus the slack (start-up varies with the load).
+REGISTRATION_FACTOR = 2.0
+REGISTRATION_SLACK_S = 10.0
 
 
 class Verdict(enum.Enum):
@@ -187,6 +191,10 @@ class Facts:
     # still importing; a script without LiveState never registers, and stops counting as
     # starting at its first step).
     live_starting: bool = False
+    # Seconds since this worker group started, and the longest a worker group of this node
+    # took until every local worker registered for live re-formation (None: none ever did).
+    group_age_s: float = 0.0
+    registered_after_s: float | None = None
 
 
 def repeats_at_startup(f: Facts) -> bool:
@@ -221,8 +229,8 @@ def decide(f: Facts) -> Decision:
     if f.ejecting and not f.lease_lost and not f.drain_signals:
         return _decide_ejecting(f)
     restart = _decide_restart(f)
-    if f.live is None and f.live_starting and not f.draining and restart.verdict in \
-            _MEMBERSHIP_VERDICTS and f.membership is MembershipChange.JOIN:
+    if f.live is None and f.live_starting and may_still_register(f) and not f.draining and \
+            restart.verdict in _MEMBERSHIP_VERDICTS and f.membership is MembershipChange.JOIN:
         # Why: a node admitted in the round being re-formed (its workers still starting)
         # used to restart for the next joiner and open a round itself; the members,
         # re-forming for this round, saw it as a newer round and fell back to the
@@ -234,6 +242,23 @@ def decide(f: Facts) -> Decision:
     if f.live is None or f.draining:
         return restart
     return _decide_live(f, f.live, restart)
+
+
+def may_still_register(f: Facts) -> bool:
+    """Whether our starting workers (``f.live_starting``) may still register for live
+    re-formation, by what this node has seen of its own workers. Pure.
+
+    - Some worker group of this node registered: for ``REGISTRATION_FACTOR`` times its
+      slowest registration plus ``REGISTRATION_SLACK_S`` after the start.
+    - None ever did: only in the node's first worker group (a node just admitted, whose
+      workers are still importing: the spot replay's case). A later group follows one that
+      ran and ended without registering: the script does not use the worker API (a plain
+      script never registers, and a join must not wait ``live_reform_timeout_s`` for it:
+      issue 52, a restarted node of a plain script waited 30 s after every recovery).
+    """
+    if f.registered_after_s is not None:
+        return f.group_age_s < REGISTRATION_FACTOR * f.registered_after_s + REGISTRATION_SLACK_S
+    return f.first_start
 
 
 def _decide_ejecting(f: Facts) -> Decision:

@@ -147,6 +147,8 @@ class LiveReformation:
         self.recorder = recorder
         self.group = group
         self._log = log.bind(job=handler.keys.job, node=handler.node_id)
+        self._measured_group: float | None = None  # the start time of the group measured last
+        self._registered_after_s: float | None = None
 
     @property
     def enabled(self) -> bool:
@@ -157,6 +159,17 @@ class LiveReformation:
         if not self.reformer.enabled:
             return None
         return self.reformer.facts(local_world_size=self.group.local_world_size, now=now)
+
+    def registered_after(self, *, now: float, group_started_at: float) -> float | None:
+        """``Facts.registered_after_s``: the longest a worker group of this agent took until
+        every local worker registered (measured on the first tick that sees it), or None
+        while none ever did."""
+        if (self.reformer.enabled and self._measured_group != group_started_at
+                and self.reformer.workers_live(self.group.local_world_size)):
+            self._measured_group = group_started_at
+            took = now - group_started_at
+            self._registered_after_s = max(took, self._registered_after_s or 0.0)
+        return self._registered_after_s
 
     def starting(self, *, now: float, group_started_at: float, any_step: bool) -> bool:
         """``Facts.live_starting``: live re-formation is on, but the workers of a group started

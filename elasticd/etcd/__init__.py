@@ -11,31 +11,20 @@
 - ``embedded.py``, ``cluster.py``, ``pki.py``: the embedded etcd server(s) and their TLS.
 """
 
-import os
-import sys
+# gRPC's fork support is left as grpcio ships it (on) or as the operator set it
+# (``GRPC_ENABLE_FORK_SUPPORT``): with it, a process forked from one that used etcd (torch's
+# ``elastic_launch`` in a ``multiprocessing`` child, a test harness) gets fresh gRPC state
+# and rendezvouses; with it off such a child blocks for good in its first etcd call. Its
+# cost is that a fork made while holding the GIL (``os.fork``, ``preexec_fn``) beside busy
+# gRPC traffic can hang in gRPC's fork handlers, so elasticd itself never forks that way:
+# it starts processes with ``subprocess`` and no ``preexec_fn`` (CPython uses ``vfork()``,
+# which runs no fork handlers), see ``elasticd.process.dying_with_parent``.
 
-# grpcio ships with gRPC core's fork handlers on: at every fork() they stop gRPC's threads
-# and wait for them, inside the forking thread, which holds the GIL when Python forks
-# (``subprocess`` with a ``preexec_fn``, ``os.fork``). A gRPC thread that needs the GIL to
-# finish then never does, and the process hangs for good: seen in a loaded test run, where
-# starting etcd beside live watches froze the runner. elasticd forks with its channels live
-# (etcd, the lease bridge, workers) and never uses gRPC in a forked child, so the handlers
-# are off for its own import of gRPC, which is when gRPC core reads the setting. The
-# variable is restored at once, so the workers and what else the agent starts inherit the
-# operator's environment unchanged; an operator who sets it keeps their value.
-FORK_SUPPORT_ENV = "GRPC_ENABLE_FORK_SUPPORT"
-if FORK_SUPPORT_ENV not in os.environ and "grpc" not in sys.modules:
-    os.environ[FORK_SUPPORT_ENV] = "false"
-    try:
-        import grpc  # noqa: F401 - imported here so that it reads the setting above
-    finally:
-        del os.environ[FORK_SUPPORT_ENV]
-
-from elasticd.etcd.client import EtcdClient  # noqa: E402 - after gRPC's settings
-from elasticd.etcd.endpoints import TLSFiles  # noqa: E402
-from elasticd.etcd.kv import KV, WatchEvent  # noqa: E402
-from elasticd.etcd.lease import LeaseKeeper  # noqa: E402
-from elasticd.etcd.txn import (  # noqa: E402
+from elasticd.etcd.client import EtcdClient
+from elasticd.etcd.endpoints import TLSFiles
+from elasticd.etcd.kv import KV, WatchEvent
+from elasticd.etcd.lease import LeaseKeeper
+from elasticd.etcd.txn import (
     Compare,
     CreateRevision,
     Delete,
@@ -45,7 +34,7 @@ from elasticd.etcd.txn import (  # noqa: E402
     Op,
     Put,
 )
-from elasticd.etcd.watch import PrefixWatch  # noqa: E402
+from elasticd.etcd.watch import PrefixWatch
 
 __all__ = [
     "KV", "Compare", "CreateRevision", "Delete", "DeletePrefix", "EtcdClient", "Get", "LeaseKeeper",

@@ -36,7 +36,7 @@ import structlog
 from elasticd.errors import ConfigError, EtcdUnavailableError
 from elasticd.etcd.client import TLSFiles
 from elasticd.etcd.pki import PeerTLS, PrivatePki, generate_private_pki
-from elasticd.process import die_with_parent
+from elasticd.process import dying_with_parent
 
 log = structlog.get_logger(__name__)
 
@@ -245,8 +245,8 @@ class EmbeddedEtcd:
         logf = open(self._log_path, "ab")  # noqa: SIM115 - handed to the child
         try:
             self.proc = subprocess.Popen(
-                self._command(), stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                start_new_session=True, preexec_fn=lambda: die_with_parent(ppid),
+                dying_with_parent(self._command(), ppid), stdout=logf, stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL, start_new_session=True,
             )
         finally:
             logf.close()

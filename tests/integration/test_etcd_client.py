@@ -217,13 +217,16 @@ def test_txn_read_returns_what_its_gets_saw_in_the_same_request(etcd_client):
 
 
 # A child that imports elasticd's etcd client, keeps gRPC busy from three threads and a
-# watch, and forks through ``subprocess`` with a ``preexec_fn`` (the GIL held across fork(),
-# as when the agent starts its lease bridge or an embedded etcd) until it has forked
-# ``forks`` times (or for ``limit`` seconds).
+# watch, and forks until it has forked ``forks`` times (or for ``limit`` seconds): ``how`` is
+# "elasticd" for the way elasticd and torch's agent start processes (``subprocess`` without a
+# ``preexec_fn``: torch's workers, and every 30th through ``dying_with_parent`` as the
+# embedded etcd and the lease bridge), "preexec" for a ``preexec_fn`` (the GIL held across
+# fork(), as the agent started its lease bridge and embedded etcd before issue 52).
 _FORKING_CHILD = r"""
 import os, subprocess, sys, threading, time
-endpoint, forks, limit = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+endpoint, forks, limit, how = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), sys.argv[4]
 from elasticd.etcd import EtcdClient
+from elasticd.process import dying_with_parent
 print("env-after-import", os.environ.get("GRPC_ENABLE_FORK_SUPPORT"), flush=True)
 client = EtcdClient(endpoint, timeout_s=2.0)
 watch = client.watch_prefix("/fork/", lambda events: None, lambda kvs, rev: None)
@@ -236,7 +239,12 @@ threads = [threading.Thread(target=busy, args=(i,)) for i in range(3)]
 for t in threads: t.start()
 n, deadline = 0, time.monotonic() + limit
 while n < forks and time.monotonic() < deadline:
-    subprocess.Popen(["/bin/true"], preexec_fn=lambda: None).wait()
+    if how == "preexec":
+        subprocess.Popen(["/bin/true"], preexec_fn=lambda: None).wait()
+    elif n % 30 == 0:
+        subprocess.Popen(dying_with_parent(["true"], os.getpid()), start_new_session=True).wait()
+    else:
+        subprocess.Popen(["/bin/true"], start_new_session=True).wait()
     n += 1
 stop.set()
 for t in threads: t.join(10)
@@ -247,7 +255,7 @@ print("forked", n, flush=True)
 _FORK_HANDLER_LOG = "fork() handlers"  # gRPC core: "... skipping fork() handlers"
 
 
-def _fork_beside_grpc(endpoint: str, tmp_path, *, env_value: str | None) -> tuple[bool, str, str]:
+def _fork_beside_grpc(endpoint: str, tmp_path, *, how: str) -> tuple[bool, str, str]:
     """Run :data:`_FORKING_CHILD` (300 forks) in its own process group; (hung, out, err).
 
     A child still running after 20 s is taken as hung: the forks take ~3 s on 2 busy
@@ -256,9 +264,7 @@ def _fork_beside_grpc(endpoint: str, tmp_path, *, env_value: str | None) -> tupl
     script.write_text(_FORKING_CHILD)
     env = {k: v for k, v in os.environ.items() if k != "GRPC_ENABLE_FORK_SUPPORT"}
     env["GRPC_VERBOSITY"] = "INFO"
-    if env_value is not None:
-        env["GRPC_ENABLE_FORK_SUPPORT"] = env_value
-    with subprocess.Popen([sys.executable, str(script), endpoint, "300", "15"], env=env,
+    with subprocess.Popen([sys.executable, str(script), endpoint, "300", "15", how], env=env,
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                           start_new_session=True) as proc:
         try:
@@ -273,20 +279,20 @@ def _fork_beside_grpc(endpoint: str, tmp_path, *, env_value: str | None) -> tupl
 
 @pytest.mark.timeout(120)
 def test_forking_beside_live_grpc_runs_no_grpc_fork_handlers(etcd_server, tmp_path):
-    """gRPC core's fork handlers run inside every fork(), which holds the GIL: with gRPC
-    busy they hang the fork (it froze a loaded test run for good). elasticd's import of
-    the etcd client turns them off, and leaves the environment its workers inherit as it
-    found it. The control run, with the handlers on, shows the probe sees them: they log
-    that they ran, or the forks hang."""
-    hung, out, err = _fork_beside_grpc(etcd_server.endpoint, tmp_path, env_value=None)
+    """gRPC's fork handlers (on, as grpcio ships them: forked children need them) run inside
+    every fork() and, with gRPC busy, hang one made while holding the GIL (it froze a loaded
+    test run for good). elasticd starts its processes without one (vfork, no handlers), so
+    300 starts beside busy gRPC neither hang nor run them; the control run, with a
+    ``preexec_fn``, shows the probe sees the handlers: they log that they ran, or the forks
+    hang."""
+    hung, out, err = _fork_beside_grpc(etcd_server.endpoint, tmp_path, how="elasticd")
     assert not hung, f"forking beside live gRPC hung; the child's stderr ends:\n{err[-2000:]}"
-    assert "env-after-import None" in out
+    assert "env-after-import None" in out, "elasticd must leave the workers' environment alone"
     assert "forked 300" in out, out
     assert _FORK_HANDLER_LOG not in err, err[-2000:]
 
-    hung, out, err = _fork_beside_grpc(etcd_server.endpoint, tmp_path, env_value="true")
-    assert "env-after-import true" in out, "an operator's own setting must be kept"
-    assert hung or _FORK_HANDLER_LOG in err, "the probe did not see gRPC's fork handlers when on"
+    hung, out, err = _fork_beside_grpc(etcd_server.endpoint, tmp_path, how="preexec")
+    assert hung or _FORK_HANDLER_LOG in err, "the probe did not see gRPC's fork handlers"
 
 
 def _silence_on_the_server(handle) -> None:
@@ -348,3 +354,41 @@ def test_watch_health_check_recreates_a_silent_watch_without_loss_or_repeats(etc
     finally:
         watch.stop()
         client.close()
+
+
+_STARTS_ETCD = r"""
+import sys
+from elasticd.etcd.embedded import EmbeddedEtcd
+server = EmbeddedEtcd(sys.argv[1]).start()
+print("etcd", server.proc.pid, flush=True)
+sys.stdin.read()  # until the test kills us
+"""
+
+
+@pytest.mark.timeout(60)
+def test_an_embedded_etcd_dies_with_the_process_that_started_it(tmp_path):
+    """The embedded etcd, started without a ``preexec_fn`` since issue 52, still gets
+    SIGKILL from the kernel when its starter is SIGKILLed: no etcd outlives its agent."""
+    from harness import wait_until
+
+    from elasticd.process import pid_alive
+
+    script = tmp_path / "starts_etcd.py"
+    script.write_text(_STARTS_ETCD)
+    with subprocess.Popen([sys.executable, str(script), str(tmp_path / "etcd")], text=True,
+                          stdin=subprocess.PIPE, stdout=subprocess.PIPE) as proc:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()  # a log line may come first; the pid line ends them
+        while line and not line.startswith("etcd "):
+            line = proc.stdout.readline()
+        assert line, "the starter exited without starting etcd"
+        etcd_pid = int(line.split()[1])
+        try:
+            with open(f"/proc/{etcd_pid}/cmdline", "rb") as fh:
+                assert b"etcd" in fh.read().split(b"\0")[0], "the trampoline did not exec etcd"
+            proc.kill()
+            proc.wait(10)
+            wait_until(lambda: not pid_alive(etcd_pid), 10, "etcd outlived its starter")
+        finally:
+            if pid_alive(etcd_pid):
+                os.kill(etcd_pid, signal.SIGKILL)

@@ -83,3 +83,29 @@ def test_node_that_finishes_first_is_a_leave_not_a_lost_member(etcd_server, tmp_
         for n in nodes:
             n.cleanup()
     assert no_leftovers(nodes) == []
+
+
+@pytest.mark.timeout(150)
+def test_nodes_forked_after_a_rendezvous_finish_at_different_times(etcd_server, tmp_path):
+    """Regression (issue 52): two nodes forked from a process that completed a rendezvous,
+    each run by torch's elastic_launch on etcd-v3, rendezvous (gRPC works in a forked
+    child), and finish though one's workers end seconds after the other's: both exit 0,
+    every rank finishes once. With gRPC's fork support off they blocked in their first
+    etcd call for good."""
+    out = tmp_path / "done.jsonl"
+    argv = [PY, str(ROOT / "tests" / "workers" / "forked_launches.py"), etcd_server.endpoint,
+            str(ROOT / "tests" / "workers" / "drift.py")]
+    launcher = Node(argv, {"OUT": str(out), "DRIFT_S": "3"}, tmp_path / "launcher.log")
+    try:
+        try:
+            code = launcher.wait(100)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"forked nodes did not finish in 100 s:\n{launcher.log()[-4000:]}")
+        log = launcher.log()
+        assert code == 0, log[-4000:]
+        assert "node 0 finished" in log and "node 1 finished" in log, log[-4000:]
+        rows = read_jsonl(out)
+        assert sorted(r["rank"] for r in rows) == [0, 1], f"{rows}\n{log[-4000:]}"
+    finally:
+        launcher.cleanup()
+    assert no_leftovers([launcher]) == []

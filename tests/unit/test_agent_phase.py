@@ -119,7 +119,7 @@ def _agent() -> tuple[ElasticdAgent, _Recording]:
     agent._startup_failures, agent._past_startup = (), False
     agent._log = SimpleNamespace(warning=lambda *a, **k: None)  # type: ignore[assignment]
     agent.live = SimpleNamespace(facts=lambda now: None,  # type: ignore[assignment]  # live off
-                                 starting=lambda **_: False)
+                                 starting=lambda **_: False, registered_after=lambda **_: None)
     spec = SimpleNamespace(local_world_size=1, max_restarts=3)
     agent._worker_group = SimpleNamespace(spec=spec, group_rank=0, group_world_size=2,  # type: ignore[assignment]
                                           state=WorkerState.FAILED)

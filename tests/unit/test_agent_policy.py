@@ -10,7 +10,15 @@ from dataclasses import replace
 
 import pytest
 
-from elasticd.agent.policy import Facts, GroupState, Verdict, decide
+from elasticd.agent.policy import (
+    REGISTRATION_FACTOR,
+    REGISTRATION_SLACK_S,
+    Facts,
+    GroupState,
+    Verdict,
+    decide,
+    may_still_register,
+)
 from elasticd.rendezvous.protocol import Attribution, MembershipChange
 
 HEALTHY = Facts(group_state=GroupState.HEALTHY, remaining_restarts=3, any_progress=True)
@@ -299,3 +307,30 @@ def test_a_join_waits_while_our_workers_start_for_live_reformation():
     assert decide(replace(starting, live_starting=False)).verdict is Verdict.RESTART_MEMBERSHIP
     # A drain still leaves at once.
     assert decide(replace(starting, drain_signals=1)).verdict in (Verdict.START_DRAIN, Verdict.STOP_NOW)
+
+
+def test_a_join_into_a_plain_script_is_admitted_at_once_after_the_first_group():
+    """Issue 52: a script that never uses the worker API never registers; a join must not
+    wait live_reform_timeout_s for it. A later worker group of a node that never saw its
+    workers register restarts for the join at once; only the node's first group (its
+    workers maybe still importing, the spot replay's case) waits."""
+    starting = replace(JOIN, any_progress=False, workers_drainable=False, live=None,
+                       live_starting=True, group_age_s=1.0)
+    assert decide(replace(starting, first_start=True)).verdict is Verdict.CONTINUE
+    later = replace(starting, first_start=False)
+    assert decide(later).verdict is Verdict.RESTART_MEMBERSHIP
+    assert not may_still_register(later)
+
+
+def test_a_join_waits_for_registration_only_within_a_window_measured_from_real_ones():
+    """A node whose workers registered before (3 s after their start) waits on a join for a
+    later group's workers only while they may still register: twice the slowest
+    registration seen plus the slack, not live_reform_timeout_s."""
+    starting = replace(JOIN, any_progress=False, workers_drainable=False, live=None,
+                       live_starting=True, first_start=False, registered_after_s=3.0)
+    window = REGISTRATION_FACTOR * 3.0 + REGISTRATION_SLACK_S
+    assert decide(replace(starting, group_age_s=window - 0.1)).verdict is Verdict.CONTINUE
+    assert decide(replace(starting, group_age_s=window)).verdict is Verdict.RESTART_MEMBERSHIP
+    # Measured registrations also bound the node's first group.
+    first = replace(starting, first_start=True, group_age_s=window + 1)
+    assert decide(first).verdict is Verdict.RESTART_MEMBERSHIP
