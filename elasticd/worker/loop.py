@@ -39,8 +39,11 @@ import structlog
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import BatchSampler
 
 from elasticd.checkpoint.manager import CheckpointManager
+from elasticd.data.batch_sampler import ElasticBatchSampler
+from elasticd.data.positions import PositionedBatchSampler
 from elasticd.data.sampler import ElasticSampler
 from elasticd.data.stream import ElasticStream
 from elasticd.errors import ConfigError
@@ -91,6 +94,79 @@ def batch_len(batch: object) -> int:
                 f"cannot tell how many samples a batch of type {type(batch).__name__} holds; "
                 "iterate the loader yourself and call loop.step_done(samples_per_rank) after "
                 "each optimizer step")
+
+
+def loader_batch_sampler(loader: object) -> object | None:
+    """The batch sampler a loader cuts its batches with, through elasticd's wrappers
+    (``ElasticStatefulLoader``, ``PositionedBatchSampler``); None if it has none."""
+    inner = getattr(loader, "loader", loader)  # ElasticStatefulLoader wraps the loader
+    found = getattr(inner, "batch_sampler", None)
+    return found.batch_sampler if isinstance(found, PositionedBatchSampler) else found
+
+
+ONE_STEP_PLAN = ("plan_global_batch(global_batch, world_size, max_micro_batch=global_batch, "
+                 "allow_uneven=True) in DataLoader(dataset, batch_sampler=ElasticBatchSampler("
+                 "sampler, plan)), reading the loss scale from loader.batch_sampler.plan")
+
+
+def check_global_batch_pipeline(sampler: ElasticSampler, loader: object, *, live: bool) -> None:
+    """Refuse a loader that ``ElasticLoop.batches`` cannot count right over ``sampler``.
+
+    ``batches`` counts one loader batch as one optimizer step (one global batch), so each
+    loader batch must be this rank's whole share of a global batch, at every world size
+    the job re-forms to (live) or starts at (restart path).
+
+    Raises:
+        ConfigError: An ``ElasticBatchSampler`` of another sampler, or whose plan needs
+            gradient accumulation (now, or under ``live`` at some smaller world, or an
+            even plan that a world size may not split); under ``live`` a plain
+            ``DataLoader(batch_size=...)``, whose per-rank batch is fixed at the world
+            size it was built for. Each message names the supported form.
+    """
+    found = loader_batch_sampler(loader)
+    if isinstance(found, ElasticBatchSampler):
+        if found.sampler is not sampler:
+            raise ConfigError("ElasticLoop: the loader's ElasticBatchSampler wraps another "
+                              "sampler than the loop's; pass the same ElasticSampler to both")
+        plan = found.plan
+        if plan.accumulation_steps != 1:
+            raise ConfigError(
+                f"ElasticLoop.batches counts one loader batch as one optimizer step, but the "
+                f"batch plan runs {plan.accumulation_steps} micro-steps per step ({plan.reason}); "
+                f"use {ONE_STEP_PLAN}, or run your own accumulation loop and call "
+                "loop.step_done() after each optimizer step")
+        bound = plan.max_micro_batch or plan.micro_batch_size
+        if live and (bound < plan.global_batch_size or not plan.allow_uneven):
+            raise ConfigError(
+                f"ElasticLoop(live=True): the batch plan ({plan.reason}, max_micro_batch "
+                f"{bound}, allow_uneven={plan.allow_uneven}) cannot be re-planned as one "
+                "micro-batch per step at every world size a re-formation may leave (down to "
+                f"one rank taking all {plan.global_batch_size} samples); use {ONE_STEP_PLAN}")
+    elif live and isinstance(found, BatchSampler):
+        raise ConfigError(
+            "ElasticLoop(live=True) over an ElasticSampler: DataLoader(batch_size=...) keeps the "
+            "per-rank batch of the world size it was built for, and after a re-formation each "
+            "loader batch would be part of a share while the sampler counts the whole global "
+            f"batch; use {ONE_STEP_PLAN}")
+
+
+def check_share(sampler: ElasticSampler, batch: object) -> None:
+    """Refuse to count a loader batch that is not this rank's whole share of a global batch.
+
+    Raises:
+        ConfigError: the batch holds another number of samples than ``sampler.share_size``
+            (a batch size or plan made for another world size).
+    """
+    try:
+        size = batch_len(batch)
+    except ConfigError:
+        return  # not measurable: the loader is trusted (step_done documents the contract)
+    if size != sampler.share_size:
+        raise ConfigError(
+            f"ElasticLoop.batches got a batch of {size} samples, but rank {sampler.rank}'s share "
+            f"of a global batch of {sampler.global_batch_size} at world size "
+            f"{sampler.num_replicas} is {sampler.share_size}: counting it as a trained global "
+            f"batch would skip samples; use {ONE_STEP_PLAN}")
 
 
 class ElasticLoop:
@@ -276,11 +352,16 @@ class ElasticLoop:
             raise ConfigError("ElasticLoop(live=True): build the DDP wrapper with "
                               "model = loop.ddp(model, ...) instead of DDP(model, ...), so it "
                               "can be rebuilt on the re-formed group; or pass live=False")
+        global_batches = isinstance(self.sampler, ElasticSampler)
+        if global_batches:
+            check_global_batch_pipeline(self.sampler, loader, live=self._keeper is not None)
         while True:
             it = iter(loader)
             self._live = it
             try:
                 for batch in it:
+                    if global_batches:
+                        check_share(self.sampler, batch)
                     yield batch
                     if not self._reformed:
                         # step_done's stop agreement is a collective too: a peer that died

@@ -11,7 +11,12 @@ from torch.utils.data import DataLoader, TensorDataset
 from elasticd import worker
 from elasticd.checkpoint import CheckpointManager
 from elasticd.errors import ConfigError
-from elasticd.worker.loop import ElasticLoop, batch_len
+from elasticd.worker.loop import (
+    ElasticLoop,
+    batch_len,
+    check_global_batch_pipeline,
+    check_share,
+)
 
 _LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
                  "ELASTICD_CONTROL_DIR", "ELASTICD_CONTROL_SOCKET", "ELASTICD_CHECKPOINT_URL",
@@ -183,3 +188,43 @@ def test_sharded_must_name_a_module_the_state_holds(standalone):
                        sharded=SimpleNamespace(module=model))  # type: ignore[arg-type]
     assert loop.model is model
     loop.close()
+
+
+def _global(world=2, rank=0, n=64, g=16):
+    return worker.ElasticSampler(n, global_batch_size=g, num_replicas=world, rank=rank, seed=1)
+
+
+def test_live_global_batch_pipelines_are_the_one_step_plan_or_refused():
+    """Under live=True an ElasticSampler is counted right only through an ElasticBatchSampler
+    whose plan is one micro-batch per step at every world size: a plain batch_size, a
+    memory-bound or even plan, or another sampler's batch sampler is a ConfigError naming
+    that form; the restart path accepts a batch size (checked per batch)."""
+    ds = TensorDataset(torch.arange(64))
+    sampler = _global()
+    good = worker.plan_global_batch(16, 2, 16, allow_uneven=True)
+    check_global_batch_pipeline(sampler, DataLoader(ds, batch_sampler=worker.ElasticBatchSampler(
+        sampler, good)), live=True)
+    plain = DataLoader(ds, batch_size=8, sampler=sampler)
+    check_global_batch_pipeline(sampler, plain, live=False)
+    with pytest.raises(ConfigError, match="batch_sampler=ElasticBatchSampler"):
+        check_global_batch_pipeline(sampler, plain, live=True)
+    for plan, says in ((worker.plan_global_batch(16, 2, 8, allow_uneven=True), "every world size"),
+                       (worker.plan_global_batch(16, 2, 16), "allow_uneven=False"),
+                       (worker.plan_global_batch(16, 2, 4), "2 micro-steps")):
+        loader = DataLoader(ds, batch_sampler=worker.ElasticBatchSampler(sampler, plan))
+        with pytest.raises(ConfigError, match=says):
+            check_global_batch_pipeline(sampler, loader, live=True)
+    other = DataLoader(ds, batch_sampler=worker.ElasticBatchSampler(_global(), good))
+    with pytest.raises(ConfigError, match="another sampler"):
+        check_global_batch_pipeline(sampler, other, live=False)
+
+
+def test_a_batch_that_is_not_the_whole_share_is_never_counted():
+    """A loader batch of another size than the rank's share (a batch size or plan made for
+    another world) is a ConfigError before it could be counted as a global batch."""
+    sampler = _global()
+    check_share(sampler, (torch.zeros(8, 3),))
+    sampler.regroup(1, 0)
+    with pytest.raises(ConfigError, match="share of a global batch of 16 at world size 1 is 16"):
+        check_share(sampler, (torch.zeros(8, 3),))
+    check_share(sampler, object())  # unmeasurable: trusted
