@@ -43,6 +43,7 @@ from torch.utils.data import BatchSampler
 
 from elasticd.checkpoint.manager import CheckpointManager
 from elasticd.data.batch_sampler import ElasticBatchSampler
+from elasticd.data.distributed import ElasticDistributedSampler
 from elasticd.data.positions import PositionedBatchSampler
 from elasticd.data.sampler import ElasticSampler
 from elasticd.data.stream import ElasticStream
@@ -167,6 +168,20 @@ def check_share(sampler: ElasticSampler, batch: object) -> None:
             f"of a global batch of {sampler.global_batch_size} at world size "
             f"{sampler.num_replicas} is {sampler.share_size}: counting it as a trained global "
             f"batch would skip samples; use {ONE_STEP_PLAN}")
+
+
+def dropped_tail(sampler: object, loader: object) -> list[Any]:
+    """The samples (indices or keys) of this rank that a loader which ran out dropped.
+
+    Only an :class:`ElasticDistributedSampler` in a ``DataLoader(drop_last=True)`` leaves
+    any: its epoch is not done although the loader ended (fewer than ``batch_size``
+    samples per rank remain; the count is the same on every rank, so every rank trains
+    one more, smaller, batch). Empty otherwise.
+    """
+    if (not isinstance(sampler, ElasticDistributedSampler)
+            or not getattr(loader, "drop_last", False) or sampler.epoch_done):
+        return []
+    return list(sampler)
 
 
 class ElasticLoop:
@@ -359,7 +374,7 @@ class ElasticLoop:
             it = iter(loader)
             self._live = it
             try:
-                for batch in it:
+                for batch in self._with_tail(it, loader):
                     if global_batches:
                         check_share(self.sampler, batch)
                     yield batch
@@ -377,8 +392,8 @@ class ElasticLoop:
             finally:
                 self._live = None
             self._after_reform(it)
-        # The loader ran out: the epoch is over for this loop, even if the sampler kept a
-        # tail that DataLoader(drop_last=True) dropped. Saved as "next epoch, position 0",
+        # The loader (and its tail, above) ran out: the epoch is over for this loop. Saved as
+        # "next epoch, position 0",
         # a resume starts the next epoch, and code that peeks at the loader before
         # set_epoch() still finds batches.
         self.sampler.set_epoch(int(self.sampler.epoch) + 1)
@@ -386,6 +401,18 @@ class ElasticLoop:
             self._keeper.refresh_replica()  # a rollback to the replica stays in this epoch
         if self.steps_done > self._saved_at:
             self.save(blocking=True)
+
+    def _with_tail(self, it: Iterator[B], loader: Iterable[B]) -> Iterator[B]:
+        """``it``'s batches, then the partial last batch a ``DataLoader(drop_last=True)``
+        dropped: after a resize mid-epoch the remaining samples are dealt over the new
+        ranks and a rank's share rarely fills its last batch; dropping it would leave
+        those samples untrained this epoch (a fault-free run trains them)."""
+        yield from it
+        tail = dropped_tail(self.sampler, loader)
+        if tail:
+            log.info("loop_tail_trained", samples_per_rank=len(tail), epoch=int(self.sampler.epoch))
+            dataset, collate = loader.dataset, loader.collate_fn  # type: ignore[attr-defined]
+            yield collate([dataset[i] for i in tail])
 
     def _after_reform(self, old: Iterator[object]) -> None:
         """Continue on the re-formed group: the newest state is in place; reshard."""

@@ -16,6 +16,7 @@ from elasticd.worker.loop import (
     batch_len,
     check_global_batch_pipeline,
     check_share,
+    dropped_tail,
 )
 
 _LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
@@ -228,3 +229,22 @@ def test_a_batch_that_is_not_the_whole_share_is_never_counted():
     with pytest.raises(ConfigError, match="share of a global batch of 16 at world size 1 is 16"):
         check_share(sampler, (torch.zeros(8, 3),))
     check_share(sampler, object())  # unmeasurable: trusted
+
+
+def test_drop_last_loader_tail_is_trained_not_dropped(standalone, tmp_path):
+    """A DataLoader(drop_last=True) over an ElasticDistributedSampler: the partial last batch
+    the loader drops is trained as one smaller batch, so the epoch trains every sample once
+    (after a resize mid-epoch a rank's share rarely fills its last batch)."""
+    ds = TensorDataset(torch.arange(10))
+    sampler = worker.ElasticDistributedSampler(ds, 1, 0, seed=1)
+    mgr = CheckpointManager(f"file://{tmp_path}", job="t", rank=0, world_size=1)
+    loop = ElasticLoop({"model": torch.nn.Linear(1, 1)}, sampler, save_every=1000, manager=mgr)
+    loader = DataLoader(ds, batch_size=4, sampler=sampler, drop_last=True)
+    sizes, seen = [], []
+    for (idx,) in loop.batches(loader):
+        sizes.append(len(idx))
+        seen += idx.tolist()
+    loop.close()
+    assert sizes == [4, 4, 2] and sorted(seen) == list(range(10))
+    assert loop.steps_done == 3 and sampler.epoch == 1
+    assert dropped_tail(sampler, DataLoader(ds, batch_size=4, sampler=sampler)) == []
