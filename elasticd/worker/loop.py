@@ -488,7 +488,15 @@ class ElasticLoop:
         self._saved_at = self.steps_done
 
     def close(self) -> None:
-        """Wait for the last checkpoint and release the manager."""
+        """Save the last finished step if it is not saved yet, wait for the checkpoint to
+        commit and release the manager; a collective (call it on every rank).
+
+        A job that ends at a step limit (a ``break`` out of :meth:`batches`) or anywhere
+        between ``save_every`` steps would otherwise leave its last steps unsaved: a re-run
+        would retrain them, or, if the agent records the job as finished, never train them.
+        """
+        if self.steps_done > self._saved_at:
+            self.save(blocking=True)
         self.manager.close()
 
 

@@ -248,3 +248,17 @@ def test_drop_last_loader_tail_is_trained_not_dropped(standalone, tmp_path):
     assert sizes == [4, 4, 2] and sorted(seen) == list(range(10))
     assert loop.steps_done == 3 and sampler.epoch == 1
     assert dropped_tail(sampler, DataLoader(ds, batch_size=4, sampler=sampler)) == []
+
+
+def test_close_saves_the_last_step_of_a_job_that_stops_at_a_step_limit(standalone):
+    """A loop left with ``break`` at a step limit between saves: close() commits the last
+    trained step, and a resume continues after it."""
+    url = f"memory://loop-{uuid.uuid4().hex}"
+    loop, sampler, loader = _loop(url)
+    for _ in loop.batches(loader):
+        if loop.steps_done == 3:
+            break  # the step limit: this batch is not trained, the 3 before it are
+    loop.close()
+    loop, sampler, _ = _loop(url)
+    assert loop.resume() == 0 and loop.steps_done == 3 and sampler.samples_trained == 12
+    loop.close()
