@@ -184,6 +184,41 @@ def dropped_tail(sampler: object, loader: object) -> list[Any]:
     return list(sampler)
 
 
+def _scheduled(optimizer: torch.optim.Optimizer) -> bool:
+    """Has an LR scheduler been attached to ``optimizer``? torch's LRScheduler wraps the
+    optimizer's ``step`` and marks the wrapper (tests/unit/test_elastic_loop.py pins it)."""
+    return bool(getattr(optimizer.step, "_wrapped_by_lr_sched", False))
+
+
+def check_state(state: Mapping[str, Any]) -> str | None:
+    """What the loop's state leaves out that a resume would silently reset.
+
+    Returns:
+        A warning when the state holds no optimizer (its moments and step counts restart
+        from zero on every resume, unless it keeps none, as plain SGD); else None.
+
+    Raises:
+        ConfigError: An LR scheduler is attached to an optimizer of the state but is not
+            in the state itself: every resume would restart the schedule (warm-up and
+            all); the message names the fix.
+    """
+    from torch.optim.lr_scheduler import LRScheduler
+
+    optimizers = [v for v in state.values() if isinstance(v, torch.optim.Optimizer)]
+    saved = {id(v.optimizer) for v in state.values() if isinstance(v, LRScheduler)}
+    for name, opt in state.items():
+        if isinstance(opt, torch.optim.Optimizer) and _scheduled(opt) and id(opt) not in saved:
+            raise ConfigError(
+                f"an LR scheduler is attached to the optimizer {name!r} but is not in the "
+                "ElasticLoop state: every resume would restart its schedule; add it, e.g. "
+                f'ElasticLoop({{..., "{name}": optimizer, "scheduler": scheduler}}, sampler)')
+    if not optimizers:
+        return ("the ElasticLoop state holds no torch.optim.Optimizer: a resume restarts the "
+                "optimizer's state (momentum, Adam moments, step counts) from zero; add it, e.g. "
+                '{"model": model, "optimizer": optimizer}')
+    return None
+
+
 class ElasticLoop:
     """Checkpointed, drainable, exactly-once training over an elastic sampler.
 
@@ -279,6 +314,7 @@ class ElasticLoop:
             keeper = LiveState(self._state, checkpoint=self.manager, sharded=sharded,
                                peer_replica_every=peer_replica_every)
             self._keeper = keeper if keeper.enabled else None
+        self._state_checked = False
         self._ddp_made = False
         self._reformed = False  # guard() swallowed a failed step: batches() restarts on the new group
         self.reforms = 0
@@ -295,7 +331,11 @@ class ElasticLoop:
         Returns:
             The epoch to start from: the interrupted one (the sampler continues at its
             first untrained sample), the next one if it had finished, 0 on a fresh start.
+
+        Raises:
+            ConfigError: an LR scheduler of a state optimizer is missing from the state.
         """
+        self._check_state()
         if self._keeper is not None:
             # From a peer that holds the state (a node joining a running job), else from
             # the checkpoint on every rank.
@@ -311,6 +351,15 @@ class ElasticLoop:
             # so code that peeks at the loader before set_epoch() still finds batches.
             self.sampler.set_epoch(int(self.sampler.epoch) + 1)
         return int(self.sampler.epoch)
+
+    def _check_state(self) -> None:
+        """Once, at resume or the first batches(): what a resume would silently reset."""
+        if self._state_checked:
+            return
+        self._state_checked = True
+        warning = check_state(self._state)
+        if warning is not None:
+            log.warning("loop_state_incomplete", reason=warning)
 
     def _load(self) -> int:
         """Load the newest checkpoint into the state; the last completed step, -1 if none."""
@@ -367,6 +416,7 @@ class ElasticLoop:
             raise ConfigError("ElasticLoop(live=True): build the DDP wrapper with "
                               "model = loop.ddp(model, ...) instead of DDP(model, ...), so it "
                               "can be rebuilt on the re-formed group; or pass live=False")
+        self._check_state()
         global_batches = isinstance(self.sampler, ElasticSampler)
         if global_batches:
             check_global_batch_pipeline(self.sampler, loader, live=self._keeper is not None)

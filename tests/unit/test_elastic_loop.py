@@ -16,6 +16,7 @@ from elasticd.worker.loop import (
     batch_len,
     check_global_batch_pipeline,
     check_share,
+    check_state,
     dropped_tail,
 )
 
@@ -262,3 +263,17 @@ def test_close_saves_the_last_step_of_a_job_that_stops_at_a_step_limit(standalon
     loop, sampler, _ = _loop(url)
     assert loop.resume() == 0 and loop.steps_done == 3 and sampler.samples_trained == 12
     loop.close()
+
+
+def test_a_scheduler_left_out_of_the_state_is_refused_and_no_optimizer_is_warned():
+    """An LR scheduler attached to a state optimizer but not in the state is a ConfigError
+    naming the fix (torch marks the optimizer it wraps); a state without any optimizer gets
+    a warning; a state with both is accepted."""
+    model = torch.nn.Linear(1, 1)
+    opt = torch.optim.AdamW(model.parameters())
+    assert check_state({"model": model, "optimizer": opt}) is None
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 16))
+    with pytest.raises(ConfigError, match='"scheduler": scheduler'):
+        check_state({"model": model, "optimizer": opt})
+    assert check_state({"model": model, "optimizer": opt, "sched": sched}) is None
+    assert "no torch.optim.Optimizer" in (check_state({"model": model}) or "")
