@@ -184,6 +184,15 @@ def dropped_tail(sampler: object, loader: object) -> list[Any]:
     return list(sampler)
 
 
+def stale_group_error(exc: BaseException) -> bool:
+    """Did torch refuse a process group that no longer exists (destroyed by a re-formation)?
+
+    torch raises a plain ``ValueError`` naming the group; the text is matched here only
+    (tests/unit/test_elastic_loop.py pins torch's wording).
+    """
+    return isinstance(exc, ValueError) and "not initialized in the world group map" in str(exc)
+
+
 def _scheduled(optimizer: torch.optim.Optimizer) -> bool:
     """Has an LR scheduler been attached to ``optimizer``? torch's LRScheduler wraps the
     optimizer's ``step`` and marks the wrapper (tests/unit/test_elastic_loop.py pins it)."""
@@ -398,6 +407,13 @@ class ElasticLoop:
         try:
             with self._keeper.guard():
                 yield
+        except (ValueError, RuntimeError) as exc:
+            if self.reforms and stale_group_error(exc):
+                raise ConfigError(
+                    f"the step used a module or group from before the live re-formation ({exc}); "
+                    "after a re-formation use loop.model (sharded=) or the module loop.ddp() "
+                    "returned, never a DDP/FSDP handle or process group kept from before") from exc
+            raise
         except Reformed:
             if self._live is None:
                 raise  # not inside batches(): the caller restarts its own iteration

@@ -18,6 +18,7 @@ from elasticd.worker.loop import (
     check_share,
     check_state,
     dropped_tail,
+    stale_group_error,
 )
 
 _LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
@@ -277,3 +278,24 @@ def test_a_scheduler_left_out_of_the_state_is_refused_and_no_optimizer_is_warned
         check_state({"model": model, "optimizer": opt})
     assert check_state({"model": model, "optimizer": opt, "sched": sched}) is None
     assert "no torch.optim.Optimizer" in (check_state({"model": model}) or "")
+
+
+def test_torch_refusing_a_destroyed_group_is_recognised(monkeypatch, tmp_path):
+    """A process group destroyed (as a re-formation destroys the old one) and then used gives
+    torch's 'not initialized in the world group map' error, which the loop names as a stale
+    handle; other errors are not."""
+    import torch.distributed as dist
+
+    for key in _LAUNCHER_ENV:
+        monkeypatch.delenv(key, raising=False)
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    group = dist.new_group([0])
+    dist.destroy_process_group(group)
+    try:
+        with pytest.raises(ValueError) as info:
+            dist.get_backend(group)
+    finally:
+        dist.destroy_process_group()
+    assert stale_group_error(info.value)
+    assert not stale_group_error(RuntimeError("Connection closed by peer"))
