@@ -1,12 +1,13 @@
 """End to end: every documented pipeline trains every sample of every epoch exactly once.
 
-One multi-phase job per pipeline on real agents, live re-formation on, with the faults
-combined in one schedule: two nodes train, one is SIGKILLed mid-epoch (the survivor
-re-forms in place at world size 1), a new node joins mid-epoch (world size 2 again), and
-the job runs to its end. The pace is the test's: the worker trains only the steps a hold
-file allows (tests/workers/exactly_once.py), so every fault lands at a chosen step of a
-chosen epoch, and the job ends when the test releases it, not after a step count chosen
-to outlast a race.
+One multi-phase job per pipeline and path (live re-formation or the restart path) on real
+agents, with the faults combined in one schedule: two nodes train, one is SIGKILLed
+mid-epoch (world size 1), a new node joins mid-epoch (world size 2 again), then that node
+is drained mid-epoch (SIGTERM to its agent), and the survivor runs the job to its end.
+The pace is the test's: the worker trains only the steps a hold file allows
+(tests/workers/exactly_once.py), so every fault lands at a chosen step of a chosen epoch,
+and the job ends when the test releases it, not after a step count chosen to outlast a
+race.
 
 Each rank appends a ledger row per optimizer step (the sample indices it trained, the
 round it trained in); a step retrained after a fault is superseded by its final attempt
@@ -25,23 +26,32 @@ from pathlib import Path
 
 import pytest
 import torch
-from harness import PY, ROOT, agent_events, read_jsonl, wait_until
+from harness import PY, ROOT, read_jsonl, wait_until
 
 SCRIPT = str(ROOT / "tests" / "workers" / "exactly_once.py")
 DATASET = 96
 EPOCHS = 3
-pytestmark = pytest.mark.timeout(300)
+pytestmark = pytest.mark.timeout(420)
 
-# pipeline -> (worker args, kill before step, join before step, final parameters comparable).
-# batch-sampler: 6 steps per epoch at any world size; kill in epoch 0, join in epoch 1.
-# distributed-drop-last: 12 steps per epoch at world size 2, 24 at 1: the kill before step
-# 6 leaves epoch 0 to end at step 17, the join after step 24 deals what remains of epoch 1
-# (68 samples) over 2 ranks, 34 each: a partial last batch of 2 per rank.
+SOAK = os.environ.get("ELASTICD_SOAK") == "1"
+
+# pipeline -> (worker args, kill before step, join before step, drain before step, final
+# parameters comparable). batch-sampler: 6 steps per epoch at any world size; the kill
+# falls in epoch 0, the join in epoch 1, the drain in epoch 2. distributed*: 12 steps per
+# epoch at world size 2, 24 at 1: the kill before step 6 leaves epoch 0 to end at step 17;
+# the join after step 24 deals what remains of epoch 1 (68 samples) over 2 ranks, 34 each
+# (a partial last batch of 2 per rank), so epoch 1 ends at step 33; the drain falls 4
+# steps into epoch 2.
 PIPELINES = {
-    "batch-sampler": (["--pipeline", "batch-sampler", "--global-batch", "16"], 3, 8, True),
+    "batch-sampler": (["--pipeline", "batch-sampler", "--global-batch", "16"], 3, 8, 14, True),
+    "distributed": (["--pipeline", "distributed", "--batch-size", "4"], 6, 24, 38, False),
     "distributed-drop-last": (["--pipeline", "distributed-drop-last", "--batch-size", "4"], 6, 24,
-                              False),
+                              38, False),
 }
+# In the suite: the two pipelines whose counting a re-formation used to break (issue 45),
+# live. Under ELASTICD_SOAK=1 (make soak): every pipeline on both paths.
+CASES = ([(p, path) for p in sorted(PIPELINES) for path in ("live", "restart")] if SOAK
+         else [("batch-sampler", "live"), ("distributed-drop-last", "live")])
 
 
 def _ledger(trace: Path) -> Counter:
@@ -60,9 +70,39 @@ def _hold(path: Path, step: int) -> None:
     os.replace(tmp, path)
 
 
-def _waiting(trace: Path, step: int, world: int, ranks: int) -> bool:
-    rows = read_jsonl(Path(str(trace) + ".wait"))
-    return len({r["rank"] for r in rows if r["waiting"] == step and r["world_size"] == world}) == ranks
+def _waits(trace: Path, step: int, after_round: int) -> dict[int, set[int]]:
+    """world size -> ranks waiting before ``step`` in a round after ``after_round``."""
+    out: dict[int, set[int]] = {}
+    for r in read_jsonl(Path(str(trace) + ".wait")):
+        if r["waiting"] == step and (r["round"] or 0) > after_round:
+            out.setdefault(r["world_size"], set()).add(r["rank"])
+    return out
+
+
+def _round(trace: Path) -> int:
+    return max([(r["round"] or 0) for r in read_jsonl(Path(str(trace) + ".wait"))], default=0)
+
+
+def _hold_at(hold: Path, trace: Path, step: int, world: int, after_round: int = -1,
+             timeout_s: float = 120) -> None:
+    """Let the job train up to ``step`` and wait until all ``world`` ranks wait there."""
+    _hold(hold, step)
+    wait_until(lambda: len(_waits(trace, step, after_round).get(world, ())) == world, timeout_s,
+               lambda: f"{world} ranks waiting before step {step}: {_waits(trace, step, after_round)}")
+
+
+def _step_until_world(hold: Path, trace: Path, step: int, world: int, since_round: int) -> int:
+    """Release one step at a time (each time a rank waits again, in round ``since_round`` or
+    later) until ``world`` ranks wait together: a join or a drain acts at a step boundary,
+    which a held job must reach. Returns the step they wait before."""
+    for _ in range(12):
+        waits = wait_until(lambda s=step: _waits(trace, s, since_round - 1), 120,
+                           lambda s=step: f"a rank waiting before step {s}")
+        if len(waits.get(world, ())) == world:
+            return step
+        step += 1
+        _hold(hold, step)
+    raise AssertionError(f"world size {world} never reached: {_waits(trace, step, since_round - 1)}")
 
 
 def _reference(tmp_path: Path, args: list[str]) -> tuple[Counter, dict]:
@@ -77,30 +117,36 @@ def _reference(tmp_path: Path, args: list[str]) -> tuple[Counter, dict]:
     return _ledger(trace), torch.load(tmp_path / "final-ref.pt", weights_only=True)
 
 
-@pytest.mark.parametrize("pipeline", sorted(PIPELINES))
-def test_kill_then_join_trains_every_sample_once_live(nodes, tmp_path, pipeline):
-    """A live 2-node job loses a node mid-epoch (SIGKILL), gains one mid-epoch (join) and
-    still trains every sample of every epoch exactly once: the ledger equals a fault-free
-    run's, and with a constant global batch so do the final parameters."""
-    pipe_args, kill_at, join_at, same_params = PIPELINES[pipeline]
+@pytest.mark.parametrize(("pipeline", "path"), CASES)
+def test_kill_join_drain_train_every_sample_once(nodes, tmp_path, pipeline, path):
+    """A 2-node job loses a node mid-epoch (SIGKILL), gains one mid-epoch (join) and drains
+    one mid-epoch (SIGTERM to its agent), and still trains every sample of every epoch
+    exactly once: the ledger equals a fault-free run's, and with a constant global batch
+    so do the final parameters."""
+    pipe_args, kill_at, join_at, drain_at, same_params = PIPELINES[pipeline]
     hold, trace = tmp_path / "hold", tmp_path / "trace-run.jsonl"
-    args = [*pipe_args, "--dataset-size", str(DATASET), "--epochs", str(EPOCHS), "--live",
+    args = [*pipe_args, "--dataset-size", str(DATASET), "--epochs", str(EPOCHS),
             "--hold", str(hold), "--trace", str(trace),
             "--checkpoint-url", f"file://{tmp_path}/ckpt-run",
-            "--final-params", str(tmp_path / "final-run.pt")]
+            "--final-params", str(tmp_path / "final-run.pt")] + (["--live"] if path == "live" else [])
     _hold(hold, 0)
     a = nodes.start("once", SCRIPT, nnodes="1:2", name="a", script_args=args)
     b = nodes.start("once", SCRIPT, nnodes="1:2", name="b", script_args=args)
-    wait_until(lambda: _waiting(trace, 0, 2, 2), 120, "both ranks at step 0 at world size 2")
-    _hold(hold, kill_at)
-    wait_until(lambda: _waiting(trace, kill_at, 2, 2), 60, f"both ranks at step {kill_at}")
+    _hold_at(hold, trace, 0, 2)
+    _hold_at(hold, trace, kill_at, 2)
+    before = _round(trace)
     b.signal(signal.SIGKILL)
-    _hold(hold, join_at)
-    wait_until(lambda: _waiting(trace, join_at, 1, 1), 90, f"the survivor alone at step {join_at}")
+    _hold_at(hold, trace, join_at, 1, after_round=before)  # the survivor alone, mid epoch 1
+    before = _round(trace)
     c = nodes.start("once", SCRIPT, nnodes="1:2", name="c", script_args=args)
-    wait_until(lambda: agent_events(a.log(), "live_park_requested"), 90, "the join announced")
-    _hold(hold, join_at + 1)  # the survivor parks at the end of the next step
-    wait_until(lambda: _waiting(trace, join_at + 1, 2, 2), 90, "world size 2 after the join")
+    wait_until(lambda: "rendezvous_completed" in c.log() or "live_park_requested" in a.log(), 120,
+               "the joiner registered")
+    _step_until_world(hold, trace, join_at, 2, before)
+    _hold_at(hold, trace, drain_at, 2)
+    before = _round(trace)
+    c.signal_agent(signal.SIGTERM)
+    wait_until(lambda: "drain_started" in c.log(), 60, "the drain started")
+    _step_until_world(hold, trace, drain_at, 1, before)
     hold.unlink()
     for node in (a, c):
         assert node.wait(120) == 0, node.log()[-4000:]
