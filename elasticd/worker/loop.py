@@ -15,7 +15,12 @@ lines (docs/worker-api.md opens with the diff of the PyTorch DDP tutorial)::
             ...                                   # forward, backward, optimizer.step()
 
 ``loop.batches`` yields the loader's batches; when the loop body has finished with one (the
-generator is resumed), that batch counts as trained. Prefetched batches never count.
+generator is resumed), that batch counts as trained. Prefetched batches never count. Over
+an ``ElasticSampler`` a loader batch counts as one global batch, so it must be the rank's
+whole share (checked per batch, and the forms that cannot stay so across a re-formation
+are refused up front); over an ``ElasticDistributedSampler`` the partial last batch a
+``DataLoader(drop_last=True)`` drops is trained, not lost. ``loop.close()`` saves the last
+step (docs/worker-api.md, "Input pipelines", has the table of pipelines and the rules).
 
 Live re-formation (``ElasticLoop(..., live=True)``, under an agent with
 ``workers.live_reform``, the default): wrap the model with ``loop.ddp(model)`` instead of
