@@ -7,17 +7,27 @@ world size not dividing the global batch) a micro-batch would straddle two globa
 and the trained counter would be wrong. This batch sampler cuts each step's share into
 exactly ``plan.micro_batch_sizes(rank)``, so the DataLoader yields
 ``plan.accumulation_steps`` batches per optimizer step on every rank.
+
+A plan is made for one world size. After a live re-formation the sampler is resharded
+(``regroup``) and this batch sampler re-plans the same global batch for the new world at
+its next iteration (:meth:`~elasticd.data.batching.BatchPlan.for_world`): cutting the new,
+larger share with the old plan would train only part of it while the sampler counts all
+of it. Read the plan in the loop body as ``batch_sampler.plan`` (its ``loss_scale`` and
+``accumulation_steps`` change with the world), not from a variable set at start.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 
+import structlog
 from torch.utils.data import Sampler
 
 from elasticd.data.batching import BatchPlan
 from elasticd.data.sampler import ElasticSampler
 from elasticd.errors import ConfigError
+
+log = structlog.get_logger(__name__)
 
 
 class ElasticBatchSampler(Sampler[list[int]]):
@@ -54,6 +64,7 @@ class ElasticBatchSampler(Sampler[list[int]]):
             )
         self._sampler = sampler
         self._plan = plan
+        self._rank = sampler.rank
         self._sizes = plan.micro_batch_sizes(sampler.rank)
 
     @property
@@ -63,11 +74,27 @@ class ElasticBatchSampler(Sampler[list[int]]):
 
     @property
     def plan(self) -> BatchPlan:
-        """The batch plan the micro-batches follow."""
+        """The batch plan for the sampler's current world (re-planned after a resize).
+
+        Raises:
+            ConfigError: the global batch cannot be planned for the new world size (see
+                :meth:`~elasticd.data.batching.BatchPlan.for_world`).
+        """
+        return self._follow_sampler()
+
+    def _follow_sampler(self) -> BatchPlan:
+        world, rank = self._sampler.num_replicas, self._sampler.rank
+        if (world, rank) != (self._plan.world_size, self._rank):
+            old = self._plan
+            self._plan, self._rank = old.for_world(world), rank
+            self._sizes = self._plan.micro_batch_sizes(rank)
+            log.info("batch_plan_replanned", world_size=world, rank=rank,
+                     old_world_size=old.world_size, reason=self._plan.reason)
         return self._plan
 
     def __iter__(self) -> Iterator[list[int]]:
         """Micro-batches for the rest of the epoch; every step's share is cut the same way."""
+        self._follow_sampler()
         sizes = self._sizes
         for share in self._sampler.iter_steps():
             start = 0
@@ -77,4 +104,4 @@ class ElasticBatchSampler(Sampler[list[int]]):
 
     def __len__(self) -> int:
         """Micro-batches an iteration started now yields."""
-        return self._sampler.steps_remaining * len(self._sizes)
+        return self._sampler.steps_remaining * self.plan.accumulation_steps

@@ -38,6 +38,9 @@ class BatchPlan:
         accumulation_steps: Forward/backward passes per optimizer step, the same on every
             rank (DDP needs every rank in every gradient all-reduce).
         reason: Why this split, in words (for logs and error reports).
+        max_micro_batch: The memory bound it was planned under (0: unknown, then
+            ``micro_batch_size`` stands for it in :meth:`for_world`).
+        allow_uneven: Whether shares may differ by one sample (``plan_global_batch``'s flag).
     """
 
     global_batch_size: int
@@ -45,6 +48,24 @@ class BatchPlan:
     micro_batch_size: int
     accumulation_steps: int
     reason: str
+    max_micro_batch: int = 0
+    allow_uneven: bool = False
+
+    def for_world(self, world_size: int) -> BatchPlan:
+        """The same global batch, memory bound and tail rule planned for ``world_size`` ranks.
+
+        A plan is bound to the world size it was made for; after a live re-formation the
+        loop's batch sampler re-plans with this (itself if ``world_size`` is unchanged).
+
+        Raises:
+            ConfigError: as :func:`plan_global_batch` (e.g. an even plan whose global batch
+                does not split over ``world_size``: the message names ``allow_uneven=True``).
+        """
+        if world_size == self.world_size:
+            return self
+        return plan_global_batch(self.global_batch_size, world_size,
+                                 self.max_micro_batch or self.micro_batch_size,
+                                 allow_uneven=self.allow_uneven)
 
     @property
     def even(self) -> bool:
@@ -157,7 +178,7 @@ def plan_global_batch(
                 f"{max_micro_batch}, so {accum} micro-steps instead of {fewest} "
                 f"(allow_uneven=True would run {fewest} micro-steps of unequal size)"
             )
-        return BatchPlan(global_batch_size, world_size, micro, accum, reason)
+        return BatchPlan(global_batch_size, world_size, micro, accum, reason, max_micro_batch)
     if fewest > share:
         raise ConfigError(
             f"global batch {global_batch_size} over world size {world_size} with "
@@ -174,7 +195,8 @@ def plan_global_batch(
     reason = (
         f"{global_batch_size} = {shares} samples, {_count(fewest, 'micro-step')} of at most {micro}"
     )
-    plan = BatchPlan(global_batch_size, world_size, micro, fewest, reason)
+    plan = BatchPlan(global_batch_size, world_size, micro, fewest, reason, max_micro_batch,
+                     allow_uneven=True)
     if not plan.even:
         plan = dataclasses.replace(
             plan, reason=reason + "; unequal micro-batches, loss scaled per micro-batch"

@@ -15,7 +15,12 @@ lines (docs/worker-api.md opens with the diff of the PyTorch DDP tutorial)::
             ...                                   # forward, backward, optimizer.step()
 
 ``loop.batches`` yields the loader's batches; when the loop body has finished with one (the
-generator is resumed), that batch counts as trained. Prefetched batches never count.
+generator is resumed), that batch counts as trained. Prefetched batches never count. Over
+an ``ElasticSampler`` a loader batch counts as one global batch, so it must be the rank's
+whole share (checked per batch, and the forms that cannot stay so across a re-formation
+are refused up front); over an ``ElasticDistributedSampler`` the partial last batch a
+``DataLoader(drop_last=True)`` drops is trained, not lost. ``loop.close()`` saves the last
+step (docs/worker-api.md, "Input pipelines", has the table of pipelines and the rules).
 
 Live re-formation (``ElasticLoop(..., live=True)``, under an agent with
 ``workers.live_reform``, the default): wrap the model with ``loop.ddp(model)`` instead of
@@ -39,8 +44,12 @@ import structlog
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import BatchSampler
 
 from elasticd.checkpoint.manager import CheckpointManager
+from elasticd.data.batch_sampler import ElasticBatchSampler
+from elasticd.data.distributed import ElasticDistributedSampler
+from elasticd.data.positions import PositionedBatchSampler
 from elasticd.data.sampler import ElasticSampler
 from elasticd.data.stream import ElasticStream
 from elasticd.errors import ConfigError
@@ -92,6 +101,137 @@ def batch_len(batch: object) -> int:
                 f"cannot tell how many samples a batch of type {type(batch).__name__} holds; "
                 "iterate the loader yourself and call loop.step_done(samples_per_rank) after "
                 "each optimizer step")
+
+
+def loader_batch_sampler(loader: object) -> object | None:
+    """The batch sampler a loader cuts its batches with, through elasticd's wrappers
+    (``ElasticStatefulLoader``, ``PositionedBatchSampler``); None if it has none."""
+    inner = getattr(loader, "loader", loader)  # ElasticStatefulLoader wraps the loader
+    found = getattr(inner, "batch_sampler", None)
+    return found.batch_sampler if isinstance(found, PositionedBatchSampler) else found
+
+
+ONE_STEP_PLAN = ("plan_global_batch(global_batch, world_size, max_micro_batch=global_batch, "
+                 "allow_uneven=True) in DataLoader(dataset, batch_sampler=ElasticBatchSampler("
+                 "sampler, plan)), reading the loss scale from loader.batch_sampler.plan")
+
+
+def check_global_batch_pipeline(sampler: ElasticSampler, loader: object, *, live: bool) -> None:
+    """Refuse a loader that ``ElasticLoop.batches`` cannot count right over ``sampler``.
+
+    ``batches`` counts one loader batch as one optimizer step (one global batch), so each
+    loader batch must be this rank's whole share of a global batch, at every world size
+    the job re-forms to (live) or starts at (restart path).
+
+    Raises:
+        ConfigError: An ``ElasticBatchSampler`` of another sampler, or whose plan needs
+            gradient accumulation (now, or under ``live`` at some smaller world, or an
+            even plan that a world size may not split); under ``live`` a plain
+            ``DataLoader(batch_size=...)``, whose per-rank batch is fixed at the world
+            size it was built for. Each message names the supported form.
+    """
+    found = loader_batch_sampler(loader)
+    if isinstance(found, ElasticBatchSampler):
+        if found.sampler is not sampler:
+            raise ConfigError("ElasticLoop: the loader's ElasticBatchSampler wraps another "
+                              "sampler than the loop's; pass the same ElasticSampler to both")
+        plan = found.plan
+        if plan.accumulation_steps != 1:
+            raise ConfigError(
+                f"ElasticLoop.batches counts one loader batch as one optimizer step, but the "
+                f"batch plan runs {plan.accumulation_steps} micro-steps per step ({plan.reason}); "
+                f"use {ONE_STEP_PLAN}, or run your own accumulation loop and call "
+                "loop.step_done() after each optimizer step")
+        bound = plan.max_micro_batch or plan.micro_batch_size
+        if live and (bound < plan.global_batch_size or not plan.allow_uneven):
+            raise ConfigError(
+                f"ElasticLoop(live=True): the batch plan ({plan.reason}, max_micro_batch "
+                f"{bound}, allow_uneven={plan.allow_uneven}) cannot be re-planned as one "
+                "micro-batch per step at every world size a re-formation may leave (down to "
+                f"one rank taking all {plan.global_batch_size} samples); use {ONE_STEP_PLAN}")
+    elif live and isinstance(found, BatchSampler):
+        raise ConfigError(
+            "ElasticLoop(live=True) over an ElasticSampler: DataLoader(batch_size=...) keeps the "
+            "per-rank batch of the world size it was built for, and after a re-formation each "
+            "loader batch would be part of a share while the sampler counts the whole global "
+            f"batch; use {ONE_STEP_PLAN}")
+
+
+def check_share(sampler: ElasticSampler, batch: object) -> None:
+    """Refuse to count a loader batch that is not this rank's whole share of a global batch.
+
+    Raises:
+        ConfigError: the batch holds another number of samples than ``sampler.share_size``
+            (a batch size or plan made for another world size).
+    """
+    try:
+        size = batch_len(batch)
+    except ConfigError:
+        return  # not measurable: the loader is trusted (step_done documents the contract)
+    if size != sampler.share_size:
+        raise ConfigError(
+            f"ElasticLoop.batches got a batch of {size} samples, but rank {sampler.rank}'s share "
+            f"of a global batch of {sampler.global_batch_size} at world size "
+            f"{sampler.num_replicas} is {sampler.share_size}: counting it as a trained global "
+            f"batch would skip samples; use {ONE_STEP_PLAN}")
+
+
+def dropped_tail(sampler: object, loader: object) -> list[Any]:
+    """The samples (indices or keys) of this rank that a loader which ran out dropped.
+
+    Only an :class:`ElasticDistributedSampler` in a ``DataLoader(drop_last=True)`` leaves
+    any: its epoch is not done although the loader ended (fewer than ``batch_size``
+    samples per rank remain; the count is the same on every rank, so every rank trains
+    one more, smaller, batch). Empty otherwise.
+    """
+    if (not isinstance(sampler, ElasticDistributedSampler)
+            or not getattr(loader, "drop_last", False) or sampler.epoch_done):
+        return []
+    return list(sampler)
+
+
+def stale_group_error(exc: BaseException) -> bool:
+    """Did torch refuse a process group that no longer exists (destroyed by a re-formation)?
+
+    torch raises a plain ``ValueError`` naming the group; the text is matched here only
+    (tests/unit/test_elastic_loop.py pins torch's wording).
+    """
+    return isinstance(exc, ValueError) and "not initialized in the world group map" in str(exc)
+
+
+def _scheduled(optimizer: torch.optim.Optimizer) -> bool:
+    """Has an LR scheduler been attached to ``optimizer``? torch's LRScheduler wraps the
+    optimizer's ``step`` and marks the wrapper (tests/unit/test_elastic_loop.py pins it)."""
+    return bool(getattr(optimizer.step, "_wrapped_by_lr_sched", False))
+
+
+def check_state(state: Mapping[str, Any]) -> str | None:
+    """What the loop's state leaves out that a resume would silently reset.
+
+    Returns:
+        A warning when the state holds no optimizer (its moments and step counts restart
+        from zero on every resume, unless it keeps none, as plain SGD); else None.
+
+    Raises:
+        ConfigError: An LR scheduler is attached to an optimizer of the state but is not
+            in the state itself: every resume would restart the schedule (warm-up and
+            all); the message names the fix.
+    """
+    from torch.optim.lr_scheduler import LRScheduler
+
+    optimizers = [v for v in state.values() if isinstance(v, torch.optim.Optimizer)]
+    saved = {id(v.optimizer) for v in state.values() if isinstance(v, LRScheduler)}
+    for name, opt in state.items():
+        if isinstance(opt, torch.optim.Optimizer) and _scheduled(opt) and id(opt) not in saved:
+            raise ConfigError(
+                f"an LR scheduler is attached to the optimizer {name!r} but is not in the "
+                "ElasticLoop state: every resume would restart its schedule; add it, e.g. "
+                f'ElasticLoop({{..., "{name}": optimizer, "scheduler": scheduler}}, sampler)')
+    if not optimizers:
+        return ("the ElasticLoop state holds no torch.optim.Optimizer: a resume restarts the "
+                "optimizer's state (momentum, Adam moments, step counts) from zero; add it, e.g. "
+                '{"model": model, "optimizer": optimizer}')
+    return None
 
 
 class ElasticLoop:
@@ -197,6 +337,7 @@ class ElasticLoop:
         self.fingerprints = (ReplicaFingerprints(self._state, self._progress, every=fingerprint_every)
                              if sharded is None and not _sharded(state) and fingerprint_every != 0
                              else None)
+        self._state_checked = False
         self._ddp_made = False
         self._reformed = False  # guard() swallowed a failed step: batches() restarts on the new group
         self.reforms = 0
@@ -213,7 +354,11 @@ class ElasticLoop:
         Returns:
             The epoch to start from: the interrupted one (the sampler continues at its
             first untrained sample), the next one if it had finished, 0 on a fresh start.
+
+        Raises:
+            ConfigError: an LR scheduler of a state optimizer is missing from the state.
         """
+        self._check_state()
         if self._keeper is not None:
             # From a peer that holds the state (a node joining a running job), else from
             # the checkpoint on every rank.
@@ -229,6 +374,15 @@ class ElasticLoop:
             # so code that peeks at the loader before set_epoch() still finds batches.
             self.sampler.set_epoch(int(self.sampler.epoch) + 1)
         return int(self.sampler.epoch)
+
+    def _check_state(self) -> None:
+        """Once, at resume or the first batches(): what a resume would silently reset."""
+        if self._state_checked:
+            return
+        self._state_checked = True
+        warning = check_state(self._state)
+        if warning is not None:
+            log.warning("loop_state_incomplete", reason=warning)
 
     def _load(self) -> int:
         """Load the newest checkpoint into the state; the last completed step, -1 if none."""
@@ -267,6 +421,13 @@ class ElasticLoop:
         try:
             with self._keeper.guard():
                 yield
+        except (ValueError, RuntimeError) as exc:
+            if self.reforms and stale_group_error(exc):
+                raise ConfigError(
+                    f"the step used a module or group from before the live re-formation ({exc}); "
+                    "after a re-formation use loop.model (sharded=) or the module loop.ddp() "
+                    "returned, never a DDP/FSDP handle or process group kept from before") from exc
+            raise
         except Reformed:
             if self._live is None:
                 raise  # not inside batches(): the caller restarts its own iteration
@@ -285,11 +446,17 @@ class ElasticLoop:
             raise ConfigError("ElasticLoop(live=True): build the DDP wrapper with "
                               "model = loop.ddp(model, ...) instead of DDP(model, ...), so it "
                               "can be rebuilt on the re-formed group; or pass live=False")
+        self._check_state()
+        global_batches = isinstance(self.sampler, ElasticSampler)
+        if global_batches:
+            check_global_batch_pipeline(self.sampler, loader, live=self._keeper is not None)
         while True:
             it = iter(loader)
             self._live = it
             try:
-                for batch in it:
+                for batch in self._with_tail(it, loader):
+                    if global_batches:
+                        check_share(self.sampler, batch)
                     yield batch
                     if not self._reformed:
                         # step_done's stop agreement is a collective too: a peer that died
@@ -305,8 +472,8 @@ class ElasticLoop:
             finally:
                 self._live = None
             self._after_reform(it)
-        # The loader ran out: the epoch is over for this loop, even if the sampler kept a
-        # tail that DataLoader(drop_last=True) dropped. Saved as "next epoch, position 0",
+        # The loader (and its tail, above) ran out: the epoch is over for this loop. Saved as
+        # "next epoch, position 0",
         # a resume starts the next epoch, and code that peeks at the loader before
         # set_epoch() still finds batches.
         self.sampler.set_epoch(int(self.sampler.epoch) + 1)
@@ -314,6 +481,18 @@ class ElasticLoop:
             self._keeper.refresh_replica()  # a rollback to the replica stays in this epoch
         if self.steps_done > self._saved_at:
             self.save(blocking=True)
+
+    def _with_tail(self, it: Iterator[B], loader: Iterable[B]) -> Iterator[B]:
+        """``it``'s batches, then the partial last batch a ``DataLoader(drop_last=True)``
+        dropped: after a resize mid-epoch the remaining samples are dealt over the new
+        ranks and a rank's share rarely fills its last batch; dropping it would leave
+        those samples untrained this epoch (a fault-free run trains them)."""
+        yield from it
+        tail = dropped_tail(self.sampler, loader)
+        if tail:
+            log.info("loop_tail_trained", samples_per_rank=len(tail), epoch=int(self.sampler.epoch))
+            dataset, collate = loader.dataset, loader.collate_fn  # type: ignore[attr-defined]
+            yield collate([dataset[i] for i in tail])
 
     def _after_reform(self, old: Iterator[object]) -> None:
         """Continue on the re-formed group: the newest state is in place; reshard."""
@@ -391,7 +570,15 @@ class ElasticLoop:
         self._saved_at = self.steps_done
 
     def close(self) -> None:
-        """Wait for the last checkpoint and release the manager."""
+        """Save the last finished step if it is not saved yet, wait for the checkpoint to
+        commit and release the manager; a collective (call it on every rank).
+
+        A job that ends at a step limit (a ``break`` out of :meth:`batches`) or anywhere
+        between ``save_every`` steps would otherwise leave its last steps unsaved: a re-run
+        would retrain them, or, if the agent records the job as finished, never train them.
+        """
+        if self.steps_done > self._saved_at:
+            self.save(blocking=True)
         self.manager.close()
 
 

@@ -248,3 +248,30 @@ def test_batch_smaller_than_world_names_the_world_sizes_that_work():
     """The error for a global batch below the world size says which world sizes work."""
     with pytest.raises(ConfigError, match=r"World sizes that work with this global batch: 1\.\.3"):
         plan_global_batch(3, 4, 8)
+
+
+def test_a_plan_is_re_planned_for_another_world_with_its_bound_and_tail_rule():
+    """for_world keeps the global batch, memory bound and allow_uneven; an even plan that a
+    new world size does not split says so."""
+    plan = plan_global_batch(16, 2, 16, allow_uneven=True)
+    one, three = plan.for_world(1), plan.for_world(3)
+    assert (one.world_size, one.micro_batch_sizes(0), one.accumulation_steps) == (1, (16,), 1)
+    assert three.micro_batch_sizes(0) == (6,) and three.micro_batch_sizes(2) == (5,)
+    assert plan.for_world(2) is plan
+    assert plan_global_batch(16, 2, 4).for_world(1).micro_batch_sizes(0) == (4, 4, 4, 4)
+    with pytest.raises(ConfigError, match="allow_uneven=True"):
+        plan_global_batch(16, 2, 16).for_world(3)
+
+
+def test_batch_sampler_follows_a_regrouped_sampler():
+    """After a live shrink (regroup to world 1) the batch sampler cuts the whole new share,
+    not the old plan's part of it, and its plan (loss scale) is the new world's."""
+    sampler = ElasticSampler(64, global_batch_size=16, num_replicas=2, rank=1, seed=3)
+    batches = ElasticBatchSampler(sampler, plan_global_batch(16, 2, 16, allow_uneven=True))
+    assert [len(b) for b in batches][:1] == [8]
+    sampler.step()
+    sampler.regroup(1, 0)
+    got = list(batches)
+    assert [len(b) for b in got] == [16, 16, 16] and len(batches) == 3
+    assert sorted(i for b in got for i in b) == sorted(list(sampler)), "every remaining sample"
+    assert (batches.plan.world_size, batches.plan.loss_scale(16)) == (1, 1.0)

@@ -11,7 +11,15 @@ from torch.utils.data import DataLoader, TensorDataset
 from elasticd import worker
 from elasticd.checkpoint import CheckpointManager
 from elasticd.errors import ConfigError
-from elasticd.worker.loop import ElasticLoop, batch_len
+from elasticd.worker.loop import (
+    ElasticLoop,
+    batch_len,
+    check_global_batch_pipeline,
+    check_share,
+    check_state,
+    dropped_tail,
+    stale_group_error,
+)
 
 _LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
                  "ELASTICD_CONTROL_DIR", "ELASTICD_CONTROL_SOCKET", "ELASTICD_CHECKPOINT_URL",
@@ -183,3 +191,111 @@ def test_sharded_must_name_a_module_the_state_holds(standalone):
                        sharded=SimpleNamespace(module=model))  # type: ignore[arg-type]
     assert loop.model is model
     loop.close()
+
+
+def _global(world=2, rank=0, n=64, g=16):
+    return worker.ElasticSampler(n, global_batch_size=g, num_replicas=world, rank=rank, seed=1)
+
+
+def test_live_global_batch_pipelines_are_the_one_step_plan_or_refused():
+    """Under live=True an ElasticSampler is counted right only through an ElasticBatchSampler
+    whose plan is one micro-batch per step at every world size: a plain batch_size, a
+    memory-bound or even plan, or another sampler's batch sampler is a ConfigError naming
+    that form; the restart path accepts a batch size (checked per batch)."""
+    ds = TensorDataset(torch.arange(64))
+    sampler = _global()
+    good = worker.plan_global_batch(16, 2, 16, allow_uneven=True)
+    check_global_batch_pipeline(sampler, DataLoader(ds, batch_sampler=worker.ElasticBatchSampler(
+        sampler, good)), live=True)
+    plain = DataLoader(ds, batch_size=8, sampler=sampler)
+    check_global_batch_pipeline(sampler, plain, live=False)
+    with pytest.raises(ConfigError, match="batch_sampler=ElasticBatchSampler"):
+        check_global_batch_pipeline(sampler, plain, live=True)
+    for plan, says in ((worker.plan_global_batch(16, 2, 8, allow_uneven=True), "every world size"),
+                       (worker.plan_global_batch(16, 2, 16), "allow_uneven=False"),
+                       (worker.plan_global_batch(16, 2, 4), "2 micro-steps")):
+        loader = DataLoader(ds, batch_sampler=worker.ElasticBatchSampler(sampler, plan))
+        with pytest.raises(ConfigError, match=says):
+            check_global_batch_pipeline(sampler, loader, live=True)
+    other = DataLoader(ds, batch_sampler=worker.ElasticBatchSampler(_global(), good))
+    with pytest.raises(ConfigError, match="another sampler"):
+        check_global_batch_pipeline(sampler, other, live=False)
+
+
+def test_a_batch_that_is_not_the_whole_share_is_never_counted():
+    """A loader batch of another size than the rank's share (a batch size or plan made for
+    another world) is a ConfigError before it could be counted as a global batch."""
+    sampler = _global()
+    check_share(sampler, (torch.zeros(8, 3),))
+    sampler.regroup(1, 0)
+    with pytest.raises(ConfigError, match="share of a global batch of 16 at world size 1 is 16"):
+        check_share(sampler, (torch.zeros(8, 3),))
+    check_share(sampler, object())  # unmeasurable: trusted
+
+
+def test_drop_last_loader_tail_is_trained_not_dropped(standalone, tmp_path):
+    """A DataLoader(drop_last=True) over an ElasticDistributedSampler: the partial last batch
+    the loader drops is trained as one smaller batch, so the epoch trains every sample once
+    (after a resize mid-epoch a rank's share rarely fills its last batch)."""
+    ds = TensorDataset(torch.arange(10))
+    sampler = worker.ElasticDistributedSampler(ds, 1, 0, seed=1)
+    mgr = CheckpointManager(f"file://{tmp_path}", job="t", rank=0, world_size=1)
+    loop = ElasticLoop({"model": torch.nn.Linear(1, 1)}, sampler, save_every=1000, manager=mgr)
+    loader = DataLoader(ds, batch_size=4, sampler=sampler, drop_last=True)
+    sizes, seen = [], []
+    for (idx,) in loop.batches(loader):
+        sizes.append(len(idx))
+        seen += idx.tolist()
+    loop.close()
+    assert sizes == [4, 4, 2] and sorted(seen) == list(range(10))
+    assert loop.steps_done == 3 and sampler.epoch == 1
+    assert dropped_tail(sampler, DataLoader(ds, batch_size=4, sampler=sampler)) == []
+
+
+def test_close_saves_the_last_step_of_a_job_that_stops_at_a_step_limit(standalone):
+    """A loop left with ``break`` at a step limit between saves: close() commits the last
+    trained step, and a resume continues after it."""
+    url = f"memory://loop-{uuid.uuid4().hex}"
+    loop, sampler, loader = _loop(url)
+    for _ in loop.batches(loader):
+        if loop.steps_done == 3:
+            break  # the step limit: this batch is not trained, the 3 before it are
+    loop.close()
+    loop, sampler, _ = _loop(url)
+    assert loop.resume() == 0 and loop.steps_done == 3 and sampler.samples_trained == 12
+    loop.close()
+
+
+def test_a_scheduler_left_out_of_the_state_is_refused_and_no_optimizer_is_warned():
+    """An LR scheduler attached to a state optimizer but not in the state is a ConfigError
+    naming the fix (torch marks the optimizer it wraps); a state without any optimizer gets
+    a warning; a state with both is accepted."""
+    model = torch.nn.Linear(1, 1)
+    opt = torch.optim.AdamW(model.parameters())
+    assert check_state({"model": model, "optimizer": opt}) is None
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 16))
+    with pytest.raises(ConfigError, match='"scheduler": scheduler'):
+        check_state({"model": model, "optimizer": opt})
+    assert check_state({"model": model, "optimizer": opt, "sched": sched}) is None
+    assert "no torch.optim.Optimizer" in (check_state({"model": model}) or "")
+
+
+def test_torch_refusing_a_destroyed_group_is_recognised(monkeypatch, tmp_path):
+    """A process group destroyed (as a re-formation destroys the old one) and then used gives
+    torch's 'not initialized in the world group map' error, which the loop names as a stale
+    handle; other errors are not."""
+    import torch.distributed as dist
+
+    for key in _LAUNCHER_ENV:
+        monkeypatch.delenv(key, raising=False)
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    group = dist.new_group([0])
+    dist.destroy_process_group(group)
+    try:
+        with pytest.raises(ValueError) as info:
+            dist.get_backend(group)
+    finally:
+        dist.destroy_process_group()
+    assert stale_group_error(info.value)
+    assert not stale_group_error(RuntimeError("Connection closed by peer"))
