@@ -437,8 +437,8 @@ class UnfilledShard:
     path: str
 
 
-def _old_placeholder(obj: Any) -> bool:
-    return type(obj) is dict and len(obj) == 1 and _OLD_PLACEHOLDER_KEY in obj
+def _old_placeholder(keys: list[Any]) -> bool:
+    return keys == [_OLD_PLACEHOLDER_KEY]
 
 
 def place_shards(state: Any, saved: Collection[str], filled: Mapping[str, Any]) -> Any:
@@ -447,7 +447,7 @@ def place_shards(state: Any, saved: Collection[str], filled: Mapping[str, Any]) 
     def place(path: str, leaf: Any) -> Any:
         return filled.get(path, UnfilledShard(path)) if path in saved else leaf
 
-    return skeleton.map_leaves(state, place, plain=True, stop=_old_placeholder)
+    return skeleton.map_leaves(state, place, plain=True, stop_keys=_old_placeholder)
 
 
 def unfilled(state: Any) -> list[str]:

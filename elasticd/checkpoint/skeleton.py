@@ -32,6 +32,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import torch
 from torch.utils import _pytree as pytree
 
 ROOT = "state"
@@ -40,50 +41,91 @@ PLAIN_CONTAINERS: tuple[type, ...] = (dict, OrderedDict, list, tuple)
 Leaf = tuple[str, Any]
 
 
-def _stop(plain: bool, stop: Callable[[Any], bool] | None) -> Callable[[Any], bool] | None:
-    if not plain:
-        return stop
-    if stop is None:
-        return lambda x: type(x) not in PLAIN_CONTAINERS
-    return lambda x: type(x) not in PLAIN_CONTAINERS or stop(x)
+StopKeys = Callable[[list[Any]], bool]
+
+
+def _other_mapping(leaf: Any) -> bool:
+    """A mapping other than dict / OrderedDict (tensors first: the ABC check is slow)."""
+    return (not isinstance(leaf, torch.Tensor) and type(leaf) not in PLAIN_CONTAINERS
+            and isinstance(leaf, Mapping))
+
+
+def _flatten(state: Any, plain: bool, stop_keys: StopKeys | None,
+             root: str) -> tuple[list[Leaf], pytree.TreeSpec]:
+    """(path, leaf) pairs and the spec.
+
+    Fast path: one plain ``tree_flatten`` and the paths read off its spec, when the spec
+    holds only dicts, ordered dicts, lists and tuples and no dict ``stop_keys`` stops at.
+    ``tree_flatten_with_path`` and an ``is_leaf`` each cost several times ``tree_flatten``
+    (83 and 42 against 7 ms for a state of 14,000 leaves, measured on a shared 2-core VM):
+    most of the stager's walk, which the training loop waits for.
+    """
+    leaves, spec = pytree.tree_flatten(state)
+    paths: list[str] = []
+    if _spec_paths(spec, root, paths, stop_keys):
+        return list(zip(paths, leaves, strict=True)), spec
+
+    def is_leaf(x: Any) -> bool:
+        if type(x) in (dict, OrderedDict):
+            return stop_keys is not None and stop_keys(list(x))
+        return plain and type(x) not in (list, tuple)
+
+    pairs, spec = pytree.tree_flatten_with_path(state, is_leaf=is_leaf)
+    return [(root + pytree.keystr(keys), leaf) for keys, leaf in pairs], spec
+
+
+def _spec_paths(spec: pytree.TreeSpec, prefix: str, out: list[str],
+                stop_keys: StopKeys | None) -> bool:
+    """Append each leaf's path under ``spec``, as ``keystr`` writes it; False at a node
+    other than dict, OrderedDict, list or tuple, or at a dict ``stop_keys`` stops at."""
+    if spec.is_leaf():
+        out.append(prefix)
+        return True
+    if spec.type in (dict, OrderedDict):
+        if stop_keys is not None and stop_keys(list(spec.context)):
+            return False
+        labels = [f"[{key!r}]" for key in spec.context]
+    elif spec.type in (list, tuple):
+        labels = [f"[{i!r}]" for i in range(spec.num_children)]
+    else:
+        return False
+    return all(_spec_paths(child, prefix + label, out, stop_keys)
+               for label, child in zip(labels, spec.children(), strict=True))
 
 
 def leaves_with_paths(state: Any, *, plain: bool = False, root: str = ROOT,
-                      stop: Callable[[Any], bool] | None = None) -> list[Leaf]:
+                      stop_keys: StopKeys | None = None) -> list[Leaf]:
     """Every leaf of ``state`` with its path, in pytree order.
 
     Args:
         state: the tree.
         plain: walk only the containers safe loading reads back (see the module docstring).
         root: the path of ``state`` itself.
-        stop: containers to treat as leaves (a reader's legacy placeholders, say).
+        stop_keys: dicts to treat as leaves, by their keys (a reader's legacy
+            placeholders, a stager's unloadable keys).
     """
-    pairs, _ = pytree.tree_flatten_with_path(state, is_leaf=_stop(plain, stop))
+    pairs, _ = _flatten(state, plain, stop_keys, root)
     out: list[Leaf] = []
-    for keys, leaf in pairs:
-        path = root + pytree.keystr(keys)
-        if plain and isinstance(leaf, Mapping) and type(leaf) not in PLAIN_CONTAINERS and not (
-                stop is not None and stop(leaf)):
-            out.extend(leaves_with_paths(dict(leaf), plain=True, root=path, stop=stop))
+    for path, leaf in pairs:
+        if plain and _other_mapping(leaf):
+            out.extend(leaves_with_paths(dict(leaf), plain=True, root=path, stop_keys=stop_keys))
         else:
             out.append((path, leaf))
     return out
 
 
 def map_leaves(state: Any, fn: Callable[[str, Any], Any], *, plain: bool = False,
-               root: str = ROOT, stop: Callable[[Any], bool] | None = None) -> Any:
+               root: str = ROOT, stop_keys: StopKeys | None = None) -> Any:
     """``state`` rebuilt with each leaf replaced by ``fn(path, leaf)``.
 
     Containers come back of their own type (plain: a mapping of another type comes back
     as a ``dict``), with ``_metadata`` carried over. Arguments as :func:`leaves_with_paths`.
     """
-    pairs, spec = pytree.tree_flatten_with_path(state, is_leaf=_stop(plain, stop))
+    pairs, spec = _flatten(state, plain, stop_keys, root)
     out: list[Any] = []
-    for keys, leaf in pairs:
-        path = root + pytree.keystr(keys)
-        if plain and isinstance(leaf, Mapping) and type(leaf) not in PLAIN_CONTAINERS and not (
-                stop is not None and stop(leaf)):
-            out.append(map_leaves(dict(leaf), fn, plain=True, root=path, stop=stop))
+    for path, leaf in pairs:
+        if plain and _other_mapping(leaf):
+            out.append(map_leaves(dict(leaf), fn, plain=True, root=path, stop_keys=stop_keys))
         else:
             out.append(fn(path, leaf))
     rebuilt = pytree.tree_unflatten(out, spec)

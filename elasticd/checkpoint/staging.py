@@ -239,8 +239,9 @@ def _walk(state: Any, tensor: Any) -> Any:
             "safe (weights_only) loading reads back; convert it, e.g. to a dict"
         )
 
-    return skeleton.map_leaves(state, leaf, plain=True, stop=_bad_keys)
+    return skeleton.map_leaves(state, leaf, plain=True, stop_keys=_bad_keys)
 
 
-def _bad_keys(obj: Any) -> bool:
-    return isinstance(obj, Mapping) and any(not isinstance(k, _KEY_TYPES) for k in obj)
+def _bad_keys(keys: list[Any]) -> bool:
+    """A dict with a key safe loading refuses."""
+    return any(not isinstance(k, _KEY_TYPES) for k in keys)

@@ -161,7 +161,9 @@ PRIVATE_MODULE_NAMES: dict[str, str] = {
     "torch.distributed.tensor.debug:_clear_fast_path_sharding_prop_cache": "callable",
     # checkpoint/skeleton.py: the one walk of nested state
     "torch.utils:_pytree": "module",
+    "torch.utils._pytree:tree_flatten": "callable",
     "torch.utils._pytree:tree_flatten_with_path": "callable",
+    "torch.utils._pytree:TreeSpec": "attr:children",  # and is_leaf, type, context, num_children
     "torch.utils._pytree:tree_unflatten": "callable",
     "torch.utils._pytree:keystr": "callable",
     # agent/warm.py, teardown.py: imported ahead of the script (DDP's first use imports it)
