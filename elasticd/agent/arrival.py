@@ -8,9 +8,13 @@ a short script ran twice (alone, then again at world 2), or finished before the 
 node arrived. Registered here, 0.1-0.3 s after the agent started, a node started together
 with the others holds the first round's last call until it joins.
 
-It also answers "has this job finished?" before torch is imported, so an agent that
-systemd restarts after the finish exits 0 in a fraction of a second
-(elasticd.rendezvous.finished).
+The boot checks run here as one sequence on one etcd client, before torch is imported:
+is the job stopped or this node drained (``elasticd stop``/``drain``, elasticd.stopmarks),
+has the job finished (elasticd.rendezvous.finished), is this node's program the job's
+(admission), then register, admit, and join round 0. An agent that systemd restarts on a
+stopped or finished job exits 0 in a fraction of a second. (The runner looks at the stop
+marks and admission again after the import, with retries: a stop or a foreign agent that
+arrived during those seconds.)
 
 This module must not import torch: ``elasticd.rendezvous.session`` and
 ``elasticd.rendezvous.finished`` do not. Everything here is best effort: a failure
@@ -42,6 +46,7 @@ from elasticd.rendezvous.protocol import early_join_round
 from elasticd.rendezvous.session import NodeSession
 from elasticd.rendezvous.settings import RendezvousSettings, default_node_id
 from elasticd.rendezvous.view import WatchedView
+from elasticd.stopmarks import StopRequest, read_request, restart_hint
 
 if TYPE_CHECKING:
     from elasticd.config.model import AgentConfig
@@ -53,7 +58,7 @@ _DEADLINE_S = 5.0  # best effort: never hold the agent's start longer than this
 
 @dataclass
 class EarlyArrival:
-    """A node registered before torch was imported, or a job found finished.
+    """A node registered before torch was imported, or a job found stopped or finished.
 
     ``run_node`` takes ``client`` and ``session`` over (the handler adopts the session);
     ``close`` releases whatever was not taken over (idempotent).
@@ -62,6 +67,7 @@ class EarlyArrival:
     client: EtcdClient
     session: NodeSession | None
     finished: FinishedJob | None = None
+    refused: StopRequest | None = None  # the job is stopped or this node drained
     taken: bool = False  # run_node owns the client and session now
     # Keeps the lease alive while torch is imported (elasticd.agent.lease_bridge), or None.
     bridge: LeaseBridge | None = None
@@ -112,18 +118,28 @@ def log_finished(finished: FinishedJob, **extra: str) -> None:
     log.warning("agent_not_joining", job=finished.job, reason=reason, fix=fix, **extra)
 
 
+def log_refused(cfg: AgentConfig, req: StopRequest) -> None:
+    """The one line of an agent that arrives at a stopped job or as a drained node (it
+    then exits 0)."""
+    log.warning("agent_not_joining", job=req.job, node=cfg.node.id, reason=req.reason,
+                fix=restart_hint(req))
+
+
 def arrive_early(cfg: AgentConfig) -> EarlyArrival | None:
-    """Check for a finished job, else register this node (lease + node record), before
-    torch is imported. None when there is nothing to gain (the embedded etcd is not
-    running yet: a standalone job has one node) or anything failed.
+    """The boot checks and the registration, in one sequence before torch is imported:
+    stopped or drained (``refused``), finished (``finished``), else admission, this
+    node's lease and record, and its join of round 0. None when there is nothing to gain
+    (the embedded etcd is not running yet: a standalone job has one node) or anything
+    failed: the runner then checks and registers the usual way, with retries.
 
     Args:
         cfg: the validated ``AgentConfig``.
+
+    Raises:
+        AdmissionRefusedError: a live agent of the job runs another program (exit 78).
     """
     e = cfg.etcd
-    if e.embedded or (cfg.rendezvous.global_batch_size
-                      and not isinstance(cfg.workers.nproc_per_node, int)):
-        # Sizes derived from the global batch need the resolved worker count (torch).
+    if e.embedded:
         return None
     keys = JobKeys(cfg.job.name)
     try:
@@ -131,9 +147,17 @@ def arrive_early(cfg: AgentConfig) -> EarlyArrival | None:
     except Exception:  # noqa: BLE001 - the runner reports configuration problems properly
         return None
     try:
+        # A node without a configured id gets host-pid: only the job's stop can apply.
+        refused = read_request(client, keys, cfg.node.id or "-")
+        if refused is not None:
+            return EarlyArrival(client, None, refused=refused)
         finished = read_finished(client, keys)
         if finished is not None:
             return EarlyArrival(client, None, finished)
+        if cfg.rendezvous.global_batch_size and not isinstance(cfg.workers.nproc_per_node, int):
+            # Sizes derived from the global batch need the resolved worker count (torch).
+            client.close()
+            return None
         node_id = cfg.node.id or default_node_id()
         # Admission before the first round is touched (elasticd.agent.admission): a
         # foreign program is refused here, before it registers, in the common case.

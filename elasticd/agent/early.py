@@ -97,20 +97,18 @@ def run_node_with_early_standbys(cfg: AgentConfig) -> int:
     early = start_early(cfg)
     arrival = None
     try:
-        from elasticd.agent.remote_control import refuse_early
-
-        if refuse_early(cfg):  # `elasticd stop`/`drain`: exit 0 at once (the standby dies)
-            return 0
-        from elasticd.agent.arrival import arrive_early
+        from elasticd.agent.arrival import arrive_early, log_finished, log_refused
         from elasticd.logs import configure_logging
 
         configure_logging(cfg.logging.format, level=cfg.logging.level)
-        # Registered before torch is imported: a node started with the others holds the
-        # first round open until it joins (issue 25). A finished job: exit 0 now.
+        # One sequence before torch is imported (elasticd.agent.arrival): `elasticd stop`/
+        # `drain` or a finished job: exit 0 at once (the standby dies); else registered, so
+        # a node started with the others holds the first round open until it joins.
         arrival = arrive_early(cfg)
+        if arrival is not None and arrival.refused is not None:
+            log_refused(cfg, arrival.refused)
+            return 0
         if arrival is not None and arrival.finished is not None:
-            from elasticd.agent.arrival import log_finished
-
             log_finished(arrival.finished)
             return 0
         # torch is imported only now, while the standbys import it too.

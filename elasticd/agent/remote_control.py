@@ -1,9 +1,8 @@
 """The agent's side of ``elasticd stop`` / ``elasticd drain`` (see elasticd.stopmarks).
 
-Three hooks, nothing in the supervision loop itself:
+Two hooks, nothing in the supervision loop itself (the check before torch is imported is
+part of the boot sequence in :mod:`elasticd.agent.arrival`):
 
-- :func:`refuse_early`: called by ``elasticd run``/``agent`` before torch is imported, so
-  an agent that systemd restarts on a stopped job exits in a fraction of a second;
 - :func:`refusal_at_start`: the runner's check before joining, a stopped job or a drained node is a clean
   exit 0 (systemd restarting the agent, or a reboot, must not bring it back), with a line
   that says how to start again;
@@ -17,17 +16,13 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import structlog
 
 from elasticd.etcd.client import KV, EtcdClient, PrefixWatch, WatchEvent
 from elasticd.keys import JobKeys
 from elasticd.retry import call_with_retry
-from elasticd.stopmarks import StopRequest, pending_request, read_request, restart_hint
-
-if TYPE_CHECKING:
-    from elasticd.config.model import AgentConfig
+from elasticd.stopmarks import StopRequest, pending_request, read_request
 
 log = structlog.get_logger(__name__)
 
@@ -41,41 +36,6 @@ def refusal_at_start(client: EtcdClient, keys: JobKeys, node_id: str, *,
     """
     return call_with_retry(lambda: read_request(client, keys, node_id), what="read stop marks",
                            deadline=time.monotonic() + deadline_s)
-
-
-def refuse_early(cfg: AgentConfig) -> bool:
-    """True (after logging why and how to restart) when the job is stopped or this node
-    drained, checked with one etcd read before the agent imports torch.
-
-    Best effort: an embedded etcd (not running yet) or an etcd that does not answer at once
-    skips the check; the runner checks again, with retries, before joining.
-
-    Args:
-        cfg: the validated ``AgentConfig``.
-    """
-    from elasticd.logs import configure_logging
-
-    e = cfg.etcd
-    if e.embedded:
-        return False
-    keys = JobKeys(cfg.job.name)
-    try:
-        client = EtcdClient.from_config(e)
-    except Exception:  # noqa: BLE001 - the runner reports connection problems properly
-        return False
-    try:
-        # A node without a configured id gets host-pid: only the job's stop can apply.
-        req = read_request(client, keys, cfg.node.id or "-")
-    except Exception:  # noqa: BLE001 - unreachable now: the runner retries and reports
-        return False
-    finally:
-        client.close()
-    if req is None:
-        return False
-    configure_logging(cfg.logging.format, level=cfg.logging.level)
-    log.warning("agent_not_joining", job=keys.job, node=cfg.node.id, reason=req.reason,
-                fix=restart_hint(req))
-    return True
 
 
 class RemoteStopWatch:

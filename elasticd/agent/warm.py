@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-import json
 import os
 import signal
 import subprocess
@@ -446,8 +445,10 @@ def main() -> None:
             os.close(os.open(Path(control_dir, f"{READY_PREFIX}{os.getpid()}"),
                              os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644))
     arrived.wait()
-    msg = json.loads(lines[0])
-    ahead = bool(msg.get("spare"))
+    msg = handover.parse(lines[0])
+    if msg.argv is None:
+        raise SystemExit("standby: the first hand-over line carries no argv")
+    ahead = msg.spare
     # A spare's script runs ahead of its round: stdin stays open for the second line
     # (the worker API reads it, elasticd.control.handover), and its output goes to the
     # standby's log until then.
@@ -456,7 +457,7 @@ def main() -> None:
         os.dup2(2, 1)
     from elasticd.agent import worker_exec
 
-    worker_exec.main(msg["argv"])
+    worker_exec.main(msg.argv)
 
 
 def _set_niceness_of_all_threads(niceness: int) -> None:

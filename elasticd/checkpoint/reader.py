@@ -223,7 +223,7 @@ class ShardReads:
 
 def _fill_shards(store: FsspecCheckpointStore, manifest: Manifest, state: Any,
                  targets: shards.ShardTargets | None) -> Any:
-    """Replace the state's shard placeholders by DTensors of the template's sharding."""
+    """Put the saved DTensors back in the state, in the template's sharding."""
     by_key = read_shard_index(store, manifest)
     where = f"checkpoint step {manifest.step}"
     reads = ShardReads(store, manifest.step, manifest.save_id)
@@ -232,7 +232,7 @@ def _fill_shards(store: FsspecCheckpointStore, manifest: Manifest, state: Any,
         target = None if targets is None else targets.get(key, chunks[0].shape, shards.DTYPES[chunks[0].dtype])
         if target is not None:
             filled[key] = reads.fill(target, chunks, where)
-    return shards.replace_marks(state, "state", filled)
+    return shards.place_shards(state, by_key.keys(), filled)
 
 
 def read_state(store: FsspecCheckpointStore, manifest: Manifest,

@@ -26,14 +26,14 @@ import bisect
 import heapq
 import json
 import re
-from collections import OrderedDict
-from collections.abc import Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from elasticd import boundedjson
+from elasticd.checkpoint import skeleton
 from elasticd.checkpoint.api import CheckpointCorruptError, CheckpointMismatchError
 from elasticd.checkpoint.manifest import block_checksums, checksum, combine_blocks
 
@@ -43,8 +43,9 @@ except ImportError:  # pragma: no cover - torch without distributed
     DTensor = None  # type: ignore[assignment,misc]
 
 INDEX_FORMAT = "elasticd-shards"
-# In a state file, a DTensor's place is held by {SHARD_MARK: <its path>}.
-SHARD_MARK = "__elasticd_shard__"
+# A state file holds None where a DTensor was; its boxes' index entries name the place
+# (``Chunk.key``, a skeleton path). Files written before carry this one-key dict there.
+_OLD_PLACEHOLDER_KEY = "__elasticd_shard__"
 MAX_INDEX_BYTES = 64 << 20
 # A rank's index lists one chunk per tensor it holds (model and optimizer state): 131,072
 # is far above any model's tensor count, and keeps a hostile index (the 64 MiB cap allows
@@ -116,16 +117,10 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
 
 
-def iter_dtensors(obj: Any, path: str = "state") -> Iterator[tuple[str, Any]]:
+def iter_dtensors(obj: Any, path: str = skeleton.ROOT) -> Iterator[tuple[str, Any]]:
     """(path, DTensor) of every DTensor in a state tree, with the paths the stager uses."""
-    if is_dtensor(obj):
-        yield path, obj
-    elif isinstance(obj, Mapping):
-        for key, value in obj.items():
-            yield from iter_dtensors(value, f"{path}[{key!r}]")
-    elif type(obj) in (list, tuple):
-        for i, value in enumerate(obj):
-            yield from iter_dtensors(value, f"{path}[{i}]")
+    return ((p, leaf) for p, leaf in skeleton.leaves_with_paths(obj, plain=True, root=path)
+            if is_dtensor(leaf))
 
 
 @dataclass(frozen=True)
@@ -497,32 +492,30 @@ def chunk_crc(chunk: Chunk, data: bytes | bytearray | memoryview) -> None:
             "(changed after commit)")
 
 
-def unfilled(state: Any, path: str = "state") -> list[str]:
-    """Paths of the shard placeholders still in a loaded state (no template DTensor)."""
-    if isinstance(state, Mapping):
-        if set(state) == {SHARD_MARK}:
-            return [path]
-        return [p for k, v in state.items() for p in unfilled(v, f"{path}[{k!r}]")]
-    if type(state) in (list, tuple):
-        return [p for i, v in enumerate(state) for p in unfilled(v, f"{path}[{i}]")]
-    return []
+@dataclass(frozen=True)
+class UnfilledShard:
+    """In a loaded state, the place of a saved DTensor the template had none for."""
+
+    path: str
 
 
-def replace_marks(state: Any, path: str, filled: Mapping[str, Any]) -> Any:
-    """``state`` with each placeholder whose saved path is in ``filled`` replaced by it."""
-    if isinstance(state, Mapping):
-        if set(state) == {SHARD_MARK}:
-            return filled.get(state[SHARD_MARK], state)
-        out: dict[Any, Any] = OrderedDict() if isinstance(state, OrderedDict) else {}
-        for k, v in state.items():
-            out[k] = replace_marks(v, f"{path}[{k!r}]", filled)
-        meta = getattr(state, "_metadata", None)
-        if meta is not None:
-            out._metadata = meta  # type: ignore[attr-defined]
-        return out
-    if type(state) in (list, tuple):
-        return type(state)(replace_marks(v, f"{path}[{i}]", filled) for i, v in enumerate(state))
-    return state
+def _old_placeholder(keys: list[Any]) -> bool:
+    return keys == [_OLD_PLACEHOLDER_KEY]
+
+
+def place_shards(state: Any, saved: Collection[str], filled: Mapping[str, Any]) -> Any:
+    """``state`` (as loaded) with the leaf at each saved DTensor's path replaced by its
+    filled DTensor from ``filled``, or by an :class:`UnfilledShard` when there is none."""
+    def place(path: str, leaf: Any) -> Any:
+        return filled.get(path, UnfilledShard(path)) if path in saved else leaf
+
+    return skeleton.map_leaves(state, place, plain=True, stop_keys=_old_placeholder)
+
+
+def unfilled(state: Any) -> list[str]:
+    """Paths of the saved DTensors still missing from a loaded state (no template DTensor)."""
+    return [path for path, leaf in skeleton.leaves_with_paths(state, plain=True)
+            if isinstance(leaf, UnfilledShard)]
 
 
 class ShardTargets:

@@ -16,15 +16,14 @@ path of the offending value instead of being discovered at resume time.
 from __future__ import annotations
 
 import os
-from collections import OrderedDict
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
 
+from elasticd.checkpoint import skeleton
 from elasticd.checkpoint.shards import (
-    SHARD_MARK,
     StagedShard,
     box_of,
     is_dtensor,
@@ -117,9 +116,9 @@ class StateStager:
 
         def tensor(path: str, t: torch.Tensor) -> Any:
             if is_dtensor(t):
-                # Sharded: every rank writes its own box (stage_shards); the state file
-                # holds only where it went.
-                return {SHARD_MARK: path}
+                # Sharded: every rank writes its own box (stage_shards), whose index names
+                # this path; the state file holds nothing in its place.
+                return None
             _check_tensor(path, t)
             t = t.detach()
             if not copy:
@@ -142,7 +141,7 @@ class StateStager:
             return buf
 
         host: list[tuple[torch.Tensor, torch.Tensor]] = []
-        staged = _walk(state, "state", tensor)
+        staged = _walk(state, tensor)
         self._copy_host(host)
         if copy:
             self._buffers = used  # drop buffers of entries that went away
@@ -222,29 +221,27 @@ class StateStager:
             self._pool = None
 
 
-def _walk(obj: Any, path: str, tensor: Any) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return tensor(path, obj)
-    if isinstance(obj, Mapping):
-        if type(obj) not in (dict, OrderedDict):
-            obj = dict(obj)
-        out = type(obj)()
-        for key, value in obj.items():
-            if not isinstance(key, _KEY_TYPES):
-                raise ConfigError(f"cannot checkpoint {path}: key {key!r} is a "
-                                  f"{type(key).__name__}; use str or int keys")
-            out[key] = _walk(value, f"{path}[{key!r}]", tensor)
-        # nn.Module.state_dict() keeps per-module versions here; load_state_dict uses them.
-        meta = getattr(obj, "_metadata", None)
-        if meta is not None:
-            out._metadata = _walk(meta, f"{path}._metadata", tensor)  # type: ignore[attr-defined]
-        return out
-    if type(obj) in (list, tuple):
-        return type(obj)(_walk(v, f"{path}[{i}]", tensor) for i, v in enumerate(obj))
-    if type(obj) in _SCALARS:  # exact: an IntEnum would pickle as its class
-        return obj
-    raise ConfigError(
-        f"cannot checkpoint {path}: a {type(obj).__module__}.{type(obj).__qualname__} is not "
-        "a tensor, number, string, bytes, None, list, tuple or dict, which is all that "
-        "safe (weights_only) loading reads back; convert it, e.g. to a dict"
-    )
+def _walk(state: Any, tensor: Any) -> Any:
+    """``state`` with each tensor replaced by ``tensor(path, t)``, every other leaf checked."""
+
+    def leaf(path: str, obj: Any) -> Any:
+        if isinstance(obj, torch.Tensor):
+            return tensor(path, obj)
+        if isinstance(obj, Mapping):  # stopped at: it has a key safe loading refuses
+            key = next(k for k in obj if not isinstance(k, _KEY_TYPES))
+            raise ConfigError(f"cannot checkpoint {path}: key {key!r} is a "
+                              f"{type(key).__name__}; use str or int keys")
+        if type(obj) in _SCALARS:  # exact: an IntEnum would pickle as its class
+            return obj
+        raise ConfigError(
+            f"cannot checkpoint {path}: a {type(obj).__module__}.{type(obj).__qualname__} is not "
+            "a tensor, number, string, bytes, None, list, tuple or dict, which is all that "
+            "safe (weights_only) loading reads back; convert it, e.g. to a dict"
+        )
+
+    return skeleton.map_leaves(state, leaf, plain=True, stop_keys=_bad_keys)
+
+
+def _bad_keys(keys: list[Any]) -> bool:
+    """A dict with a key safe loading refuses."""
+    return any(not isinstance(k, _KEY_TYPES) for k in keys)

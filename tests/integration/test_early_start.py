@@ -52,3 +52,38 @@ def test_a_node_registers_before_the_agent_imports_torch(etcd_server, tmp_path):
     assert json.loads(out.stdout.strip().splitlines()[-1]) == {
         "registered": True, "lease": True, "joined": True, "torch": [], "after_close": True,
         "finished": False}
+
+
+def test_a_stopped_job_is_refused_by_the_boot_sequence_before_anything_registers(etcd_server, tmp_path):
+    """The boot checks are one sequence (elasticd.agent.arrival): on a stopped job
+    `arrive_early` answers the stop (reason and restart hint) first, with no torch
+    imported, and registers nothing: no node record, no round, no join."""
+    script = tmp_path / "x.py"
+    script.write_text("pass\n")
+    code = (
+        "import sys, json\n"
+        "from elasticd.config import load_config\n"
+        "from elasticd.agent.arrival import arrive_early\n"
+        "from elasticd.etcd.client import EtcdClient\n"
+        "from elasticd.keys import JobKeys\n"
+        "from elasticd.stopmarks import restart_hint, write_stop\n"
+        f"cfg = load_config(None, {{}}, {{'etcd.endpoints': {etcd_server.endpoint!r}, "
+        f"'job.name': 'stopped', 'job.nnodes': '1:2', 'node.id': 'n8', 'workers.command': {str(script)!r}}})\n"
+        "keys = JobKeys('stopped')\n"
+        "c = EtcdClient(cfg.etcd.endpoints[0])\n"
+        "c.put(keys.run_id, b'run-1')\n"
+        "write_stop(c, keys, reason='maintenance', by='test')\n"
+        "a = arrive_early(cfg)\n"
+        "torch = sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.'))\n"
+        "refused = a is not None and a.refused is not None\n"
+        "hint = restart_hint(a.refused) if refused else ''\n"
+        "a.close()\n"
+        "print(json.dumps({'refused': refused, 'session': a.session is not None,\n"
+        "                  'node': c.get(keys.node('n8')) is not None,\n"
+        "                  'round': c.get(keys.rdzv_state) is not None,\n"
+        "                  'hint': 'elasticd start' in hint, 'torch': torch}))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=50)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == {
+        "refused": True, "session": False, "node": False, "round": False, "hint": True, "torch": []}

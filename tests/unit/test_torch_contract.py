@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import ast
 import importlib
+import importlib.util
 import inspect
+import re
 from pathlib import Path
 
 import pytest
@@ -141,6 +143,141 @@ def test_listed_private_names_exist_with_the_expected_signature(entry):
 def test_module_hooks_exist(module, attr):
     """Module-level functions elasticd swaps (warm standbys) are still there."""
     assert callable(getattr(importlib.import_module(module), attr, None)), f"{module}.{attr}"
+
+
+# --- private names of torch modules (the worker half, checkpoints, teardown, warm imports) ---
+
+# "<torch module>:<name>" -> what elasticd needs of it: "callable", "module", or "attr:<a>"
+# (an object with attribute <a>). Found by test_every_private_torch_module_name_is_listed:
+# imports of private modules or names, names reached through an import alias (``dist.`` ...)
+# or a getattr with a private string, and private module names in strings ("torch._dynamo").
+PRIVATE_MODULE_NAMES: dict[str, str] = {
+    # worker/live.py: the round's store, for the FSDP2 peer replica's tickets and index exchange
+    "torch.distributed.distributed_c10d:_get_default_store": "callable",
+    # teardown.py: the groups a script's destroy_process_group would tear down under us
+    "torch.distributed.distributed_c10d:_world": "attr:pg_map",
+    # worker/sharded.py: a new round's mesh must not reuse a cached spec of the old one
+    "torch.distributed.tensor.debug:_clear_python_sharding_prop_cache": "callable",
+    "torch.distributed.tensor.debug:_clear_fast_path_sharding_prop_cache": "callable",
+    # checkpoint/skeleton.py: the one walk of nested state
+    "torch.utils:_pytree": "module",
+    "torch.utils._pytree:tree_flatten": "callable",
+    "torch.utils._pytree:tree_flatten_with_path": "callable",
+    "torch.utils._pytree:TreeSpec": "attr:children",  # and is_leaf, type, context, num_children
+    "torch.utils._pytree:tree_unflatten": "callable",
+    "torch.utils._pytree:keystr": "callable",
+    # agent/warm.py, teardown.py: imported ahead of the script (DDP's first use imports it)
+    "torch:_dynamo": "module",
+}
+# Module aliases that are variables, not imports (teardown.py looks the module up lazily).
+_VARIABLE_ALIASES = {"c10d": "torch.distributed.distributed_c10d"}
+_PRIVATE_MODULE_RE = re.compile(r"^torch(\.[A-Za-z0-9_]+)*\._[A-Za-z0-9_]+$")
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def _aliases(tree: ast.Module) -> dict[str, str]:
+    """Names bound to torch modules or objects by imports -> their dotted path."""
+    out = dict(_VARIABLE_ALIASES)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] == "torch":
+                    out[alias.asname or alias.name.split(".")[0]] = (
+                        alias.name if alias.asname else "torch")
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "torch":
+            for alias in node.names:
+                out[alias.asname or alias.name] = f"{node.module}.{alias.name}"
+    return out
+
+
+def _dotted(node: ast.expr, aliases: dict[str, str]) -> str | None:
+    if isinstance(node, ast.Name):
+        return aliases.get(node.id)
+    if isinstance(node, ast.Attribute):
+        base = _dotted(node.value, aliases)
+        return None if base is None else f"{base}.{node.attr}"
+    return None
+
+
+def _entry(dotted: str) -> str | None:
+    """``a.b._c.d`` -> ``a.b._c:d``; ``a._b`` -> ``a:_b``; None without a private part."""
+    parts = dotted.split(".")
+    for i, part in enumerate(parts):
+        if _private(part):
+            if i + 1 < len(parts) and importlib.util.find_spec(".".join(parts[:i + 1])) is not None:
+                return f"{'.'.join(parts[:i + 1])}:{parts[i + 1]}"
+            return f"{'.'.join(parts[:i])}:{part}"
+    return None
+
+
+def _private_module_names() -> set[str]:
+    found = set()
+    for path in ROOT.rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        aliases = _aliases(tree)
+        for node in ast.walk(tree):
+            dotted = None
+            if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "torch":
+                for alias in node.names:
+                    entry = _entry(f"{node.module}.{alias.name}")
+                    if entry:
+                        found.add(entry)
+            elif isinstance(node, ast.Attribute):
+                dotted = _dotted(node, aliases)
+            elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                  and node.func.id in ("getattr", "hasattr", "setattr") and len(node.args) >= 2
+                  and isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str)):
+                base = _dotted(node.args[0], aliases)
+                dotted = None if base is None else f"{base}.{node.args[1].value}"
+            elif (isinstance(node, ast.Constant) and isinstance(node.value, str)
+                  and _PRIVATE_MODULE_RE.match(node.value)):
+                dotted = node.value
+            entry = _entry(dotted) if dotted else None
+            if entry:
+                found.add(entry)
+    return found
+
+
+def test_every_private_torch_module_name_is_listed():
+    """A private torch module or module-level name used anywhere in elasticd/ (an import,
+    an alias's attribute, a getattr string, a module named in a string) must be in
+    PRIVATE_MODULE_NAMES, and the list holds nothing elasticd no longer uses."""
+    found = _private_module_names()
+    missing, stale = found - set(PRIVATE_MODULE_NAMES), set(PRIVATE_MODULE_NAMES) - found
+    assert not missing, f"add to PRIVATE_MODULE_NAMES (check on every torch upgrade): {sorted(missing)}"
+    assert not stale, f"no longer used, remove from PRIVATE_MODULE_NAMES: {sorted(stale)}"
+
+
+@pytest.mark.parametrize("entry", sorted(PRIVATE_MODULE_NAMES))
+def test_private_module_names_exist_on_this_torch(entry):
+    """Each private torch module name elasticd uses exists on the installed torch, as
+    what elasticd needs it to be (a callable, a module, an object with an attribute)."""
+    module, _, name = entry.partition(":")
+    need = PRIVATE_MODULE_NAMES[entry]
+    if need == "module":
+        assert importlib.util.find_spec(f"{module}.{name}") is not None, f"{entry}: gone"
+        return
+    value = getattr(importlib.import_module(module), name, None)
+    if need == "callable":
+        assert callable(value), f"{entry}: gone or not callable"
+    else:
+        attr = need.removeprefix("attr:")
+        assert value is not None and hasattr(value, attr), f"{entry}: gone or has no {attr}"
+
+
+def test_state_dicts_carry_their_module_versions_in_metadata():
+    """``nn.Module.state_dict()`` keeps per-module versions in ``_metadata`` (the stager,
+    the skeleton and restore carry it; ``load_state_dict`` reads it) and a DTensor names
+    its box through ``__create_chunk_list__`` (the shard files)."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    sd = torch.nn.Sequential(torch.nn.BatchNorm1d(2)).state_dict()
+    assert sd._metadata["0"]["version"] >= 1  # type: ignore[attr-defined]
+    assert callable(getattr(DTensor, "__create_chunk_list__", None))
 
 
 # --- behaviour relied on, beyond names ----------------------------------------------------

@@ -1,8 +1,7 @@
-"""The state's skeleton: a nested state dict split into its structure and its tensors.
+"""The state's skeleton for the transports: a nested state split into its structure and tensors.
 
-Walked with torch's pytree utilities (``tree_flatten`` / ``tree_unflatten`` with a
-``TreeSpec``; dicts, lists, tuples, named tuples and ordered dicts), not hand-rolled tags.
-The skeleton that travels is the state itself with every tensor replaced by its
+Walked by :mod:`elasticd.checkpoint.skeleton` (torch's pytree: dicts, lists, tuples, named
+tuples and ordered dicts), the walk checkpoints use too. The skeleton that travels is the state itself with every tensor replaced by its
 :class:`~elasticd.worker.transport.api.TensorMeta`: plain containers and values that
 pickle as they are (a pickled ``TreeSpec`` warns on load in torch 2.13), re-flattened on
 each side into the same leaf order.
@@ -16,8 +15,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from torch.utils import _pytree as pytree
 
+from elasticd.checkpoint import skeleton as tree_walk
 from elasticd.worker.transport.api import TensorMeta, TransferError
 
 
@@ -33,7 +32,8 @@ class StateSkeleton:
 
     def metas(self) -> list[TensorMeta]:
         """Each tensor's metadata, in the order the transports move the tensors."""
-        return [leaf for leaf in pytree.tree_leaves(self.tree) if isinstance(leaf, TensorMeta)]
+        return [leaf for _, leaf in tree_walk.leaves_with_paths(self.tree)
+                if isinstance(leaf, TensorMeta)]
 
 
 def meta_of(t: torch.Tensor) -> TensorMeta:
@@ -43,11 +43,15 @@ def meta_of(t: torch.Tensor) -> TensorMeta:
 
 def flatten_state(state: object) -> tuple[StateSkeleton, list[torch.Tensor]]:
     """Split ``state`` into its skeleton and its tensors (detached, in the skeleton's order)."""
-    leaves, spec = pytree.tree_flatten(state)
-    tensors = [leaf.detach() for leaf in leaves if isinstance(leaf, torch.Tensor)]
-    tree = pytree.tree_unflatten([meta_of(leaf) if isinstance(leaf, torch.Tensor) else leaf
-                                  for leaf in leaves], spec)
-    return StateSkeleton(tree), tensors
+    tensors: list[torch.Tensor] = []
+
+    def take(_path: str, leaf: object) -> object:
+        if not isinstance(leaf, torch.Tensor):
+            return leaf
+        tensors.append(leaf.detach())
+        return meta_of(leaf)
+
+    return StateSkeleton(tree_walk.map_leaves(state, take)), tensors
 
 
 def unflatten_state(skeleton: StateSkeleton, tensors: Sequence[torch.Tensor]) -> object:
@@ -56,21 +60,21 @@ def unflatten_state(skeleton: StateSkeleton, tensors: Sequence[torch.Tensor]) ->
     Raises:
         TransferError: ``tensors`` does not match the skeleton's metadata (count, shape, dtype).
     """
-    leaves, spec = pytree.tree_flatten(skeleton.tree)
     supply = iter(tensors)
-    out: list[object] = []
-    for leaf in leaves:
+
+    def put(_path: str, leaf: object) -> object:
         if not isinstance(leaf, TensorMeta):
-            out.append(leaf)
-            continue
+            return leaf
         t = next(supply, None)
         if t is None or tuple(t.shape) != leaf.shape or t.dtype != leaf.dtype:
             raise TransferError(f"received {_describe(t)} where the skeleton has "
                                 f"{leaf.dtype} {list(leaf.shape)}")
-        out.append(t)
+        return t
+
+    state = tree_walk.map_leaves(skeleton.tree, put)
     if next(supply, None) is not None:
         raise TransferError("received more tensors than the skeleton has")
-    return pytree.tree_unflatten(out, spec)
+    return state
 
 
 def home_device(meta: TensorMeta, device: torch.device) -> torch.device:
@@ -84,20 +88,20 @@ def destinations(skeleton: StateSkeleton, local: object,
     """Per tensor of ``skeleton``, the receiver's own tensor to receive it into, or None.
 
     A tensor of ``local`` (the receiver's state, of the same structure) takes the state in
-    place when it sits at the same place (pytree key path), has the same shape and dtype,
+    place when it sits at the same place (skeleton path), has the same shape and dtype,
     lives on the tensor's :func:`home_device`, and is strided and contiguous; each one
     once (tied weights share memory). Receiving into it costs no allocation (a fresh page
     costs more than its bytes on the wire) and leaves nothing for ``load_state_dict`` to copy.
     """
-    own: dict[tuple[object, ...], torch.Tensor] = {
-        tuple(path): leaf for path, leaf in pytree.tree_flatten_with_path(local)[0]
+    own: dict[str, torch.Tensor] = {
+        path: leaf for path, leaf in tree_walk.leaves_with_paths(local)
         if isinstance(leaf, torch.Tensor)}
     used: set[int] = set()
     out: list[torch.Tensor | None] = []
-    for path, leaf in pytree.tree_flatten_with_path(skeleton.tree)[0]:
+    for path, leaf in tree_walk.leaves_with_paths(skeleton.tree):
         if not isinstance(leaf, TensorMeta):
             continue
-        mine = own.get(tuple(path))
+        mine = own.get(path)
         if (mine is not None and mine.layout == torch.strided and mine.is_contiguous()
                 and tuple(mine.shape) == leaf.shape and mine.dtype == leaf.dtype
                 and mine.device == home_device(leaf, device)
