@@ -195,29 +195,97 @@ class RebuildLifecycle:
         dist.init_process_group(**_init_kwargs(spec, spec.backend, spec.timeout_s, spec.device))
 
 
+INIT_RANK_SPACE = 1 << 16  # gloo's reconfigure names peers by their init rank: unique per member
+
+
+def assign_init_ranks(held: list[int]) -> list[int]:
+    """The init rank of every member of a round (pure): a member keeps the one it holds
+    (>= 0); members without one (-1: fresh workers), in rank order, take the smallest free.
+
+    gloo's reconfigure handle carries the rank a process was initialised with, and the
+    handles of one reconfigure must be unique; a process keeps its init rank for life.
+
+    Raises:
+        ValueError: two members hold the same init rank, or the space is full.
+    """
+    taken = [r for r in held if r >= 0]
+    if len(set(taken)) != len(taken):
+        raise ValueError(f"init ranks held twice: {sorted(taken)}")
+    free = (r for r in range(INIT_RANK_SPACE) if r not in set(taken))
+    try:
+        return [r if r >= 0 else next(free) for r in held]
+    except StopIteration:
+        raise ValueError(f"more than {INIT_RANK_SPACE} members") from None
+
+
+class _ForwardingStore(dist.Store):
+    """The store a reconfigurable group was created with: it forwards to the current
+    round's store, so each reconfigure exchanges its peers' addresses there (gloo keeps
+    the store it was given at init for life; the first round's host may be long gone)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.target: Any = None
+
+    def set(self, key: str, value: Any) -> None:
+        self.target.set(key, value)
+
+    def get(self, key: str) -> bytes:
+        return bytes(self.target.get(key))
+
+    def add(self, key: str, value: int) -> int:
+        return int(self.target.add(key, value))
+
+    def compare_set(self, key: str, expected: Any, desired: Any) -> bytes:
+        return bytes(self.target.compare_set(key, expected, desired))
+
+    def wait(self, keys: Any, timeout: Any = None) -> None:
+        if timeout is None:
+            self.target.wait(keys)
+        else:
+            self.target.wait(keys, timeout)
+
+    def check(self, keys: Any) -> bool:
+        return bool(self.target.check(keys))
+
+    def delete_key(self, key: str) -> bool:
+        return bool(self.target.delete_key(key))
+
+    def num_keys(self) -> int:
+        return int(self.target.num_keys())
+
+    def set_timeout(self, timeout: Any) -> None:
+        self.target.set_timeout(timeout)
+
+
 class ReconfigureLifecycle:
     """Re-point the same group at the new round's peers with torch's ``_reconfigure``.
 
-    The group is created once with ``enable_reconfigure=True``; each formation (the first
-    included) exchanges reconfigure handles through the round's TCPStore, in rank order,
-    under a key of the round, and reconfigures with the round as the communicator's uuid.
+    The group is created once, with ``enable_reconfigure=True``, a unique init rank and
+    a store that forwards to the current round's TCPStore (the one a worker started in
+    that round bootstraps from); each formation (the first included) exchanges init ranks
+    and reconfigure handles there, in rank order, under a key of the round, and
+    reconfigures with the round as the communicator's uuid. Nothing is destroyed.
     """
 
     kind = LifecycleKind.RECONFIGURE
 
     def __init__(self, backend: str, timeout_s: float, device: torch.device | None = None) -> None:
         self.backend, self.timeout_s, self.device = backend, timeout_s, device
-        self._stores: list[Any] = []  # the current round's store (and nothing older)
+        self._forward = _ForwardingStore()
+        self._init_rank = -1
+        self._store: Any = None  # the current round's store (and nothing older)
 
     def form(self, spec: GroupSpec | None) -> None:
         if spec is None:
             raise ValueError("ReconfigureLifecycle.form needs the round's GroupSpec")
         store = self._round_store(spec)
+        self._exchange_init_ranks(store, spec)
         kwargs: dict[str, Any] = {
-            "backend": self.backend, "store": dist.PrefixStore("elasticd/init", store),
-            "rank": spec.rank, "world_size": spec.world_size,
-            "timeout": timedelta(seconds=self.timeout_s),
-            # torch 2.14+: the communicator forms at the first reconfigure, not here.
+            "backend": self.backend, "store": self._forward, "rank": self._init_rank,
+            "world_size": INIT_RANK_SPACE, "timeout": timedelta(seconds=self.timeout_s),
+            # torch 2.14+: nothing connects here; the communicator forms at the first
+            # reconfigure, which makes it the round's group.
             "enable_reconfigure": True}
         if self.backend == "nccl":
             kwargs["device_id"] = self.device
@@ -231,7 +299,9 @@ class ReconfigureLifecycle:
         settle()
 
     def join(self, spec: GroupSpec) -> None:
-        self._reconfigure(self._round_store(spec), spec)
+        store = self._round_store(spec)
+        self._exchange_init_ranks(store, spec)
+        self._reconfigure(store, spec)
 
     def _round_store(self, spec: GroupSpec) -> Any:
         """The round's TCPStore (rank 0 hosts it, as ``init_process_group`` would)."""
@@ -240,11 +310,18 @@ class ReconfigureLifecycle:
         return dist.TCPStore(spec.master_addr, spec.master_port, spec.world_size, spec.rank == 0,
                              timeout=timedelta(seconds=spec.timeout_s), wait_for_workers=False)
 
+    def _exchange_init_ranks(self, store: Any, spec: GroupSpec) -> None:
+        prefix = f"{HANDLE_PREFIX}/{spec.round}/init"
+        store.set(f"{prefix}/{spec.rank}", str(self._init_rank))
+        held = [int(store.get(f"{prefix}/{r}")) for r in range(spec.world_size)]
+        self._init_rank = assign_init_ranks(held)[spec.rank]
+
     def _reconfigure(self, store: Any, spec: GroupSpec) -> None:
         c10d = dist.distributed_c10d
         prefix = f"{HANDLE_PREFIX}/{spec.round}"
-        store.set(f"{prefix}/{spec.rank}", c10d._get_reconfigure_handle())  # type: ignore[attr-defined]
-        handles = [store.get(f"{prefix}/{r}").decode() for r in range(spec.world_size)]
+        self._forward.target = dist.PrefixStore(f"{prefix}/pg", store)
+        store.set(f"{prefix}/handle/{spec.rank}", c10d._get_reconfigure_handle())  # type: ignore[attr-defined]
+        handles = [store.get(f"{prefix}/handle/{r}").decode() for r in range(spec.world_size)]
         work = c10d._reconfigure(uuid=spec.round + 1, handles=handles,  # type: ignore[attr-defined]
                                  timeout=timedelta(seconds=spec.timeout_s))
         work.wait()
@@ -252,12 +329,12 @@ class ReconfigureLifecycle:
             raise RuntimeError(f"reconfigured group is rank {dist.get_rank()} of {dist.get_world_size()}, "
                                f"not {spec.rank} of {spec.world_size}")
         # Subgroups (the NCCL job's stop group, FSDP meshes) and the in-memory reshard
-        # rendezvous on the default store: make it this round's, not the first round's
-        # (whose host may be gone). The previous round's store, and its server if ours, goes.
+        # rendezvous on the default store: make it this round's. The previous round's
+        # store, and its server if ours, goes.
         world = c10d._world
         pg = c10d._get_default_group()
         world.pg_map[pg] = (world.pg_map[pg][0], dist.PrefixStore(f"elasticd/{spec.round}", store))
-        self._stores[:] = [store]
+        self._store = store
 
 
 def has_reconfigure() -> bool:

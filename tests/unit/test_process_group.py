@@ -8,6 +8,7 @@ import torch.distributed as dist
 
 from elasticd.worker.process_group import (
     LifecycleKind,
+    assign_init_ranks,
     choose_lifecycle,
     is_peer_failure,
     peer_failure_text,
@@ -80,3 +81,11 @@ def test_a_script_bug_is_not_a_peer_failure():
     """A shape error, or a RuntimeError subclass that happens to mention a socket, re-raises."""
     assert not is_peer_failure(RuntimeError("mat1 and mat2 shapes cannot be multiplied (2x3 and 4x5)"))
     assert not is_peer_failure(NotImplementedError("socket"))
+
+
+def test_init_ranks_are_kept_and_fresh_members_take_the_smallest_free():
+    """Survivors keep their init rank for life; joiners, in rank order, fill the gaps."""
+    assert assign_init_ranks([-1, -1]) == [0, 1]
+    assert assign_init_ranks([1, -1, 3, -1]) == [1, 0, 3, 2]
+    with pytest.raises(ValueError, match="held twice"):
+        assign_init_ranks([2, 2])
