@@ -219,8 +219,9 @@ def _summary(rows: list[dict], edge: int) -> dict:
     out: dict = {"reformations": len(rows)}
     for key in ("threads", "fds", "rss_kib"):
         out[f"{key}_start"], out[f"{key}_end"] = round(avg(start, key)), round(avg(end, key))
+    half = len(rows) // 2  # latency medians over each half: every kind occurs in both
     for kind in ("kill", "drain", "join"):
-        for label, part in (("start", rows[:edge * 4]), ("end", rows[-edge * 4:])):
+        for label, part in (("start", rows[:half]), ("end", rows[half:])):
             rs = [r for r in part if r["kind"] == kind]
             if rs:
                 out[f"{kind}_ms_{label}"] = round(1000 * sorted(r["latency_s"] for r in rs)[len(rs) // 2], 1)

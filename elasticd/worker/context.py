@@ -74,7 +74,8 @@ PENDING_SETTLE_S = 5.0
 # 5 s added to one re-formation in three after a SIGKILL (measured), for nothing.
 ABORTED_SETTLE_S = 0.1
 # ELASTICD_GROUP_LIFECYCLE=rebuild: re-form by destroying and re-creating the group even
-# where torch's reconfigure is available (elasticd.worker.process_group).
+# where torch's reconfigure is available; =nccl-reconfigure: reconfigure NCCL groups too
+# (experimental, unproven on a GPU) (elasticd.worker.process_group).
 ENV_GROUP_LIFECYCLE = "ELASTICD_GROUP_LIFECYCLE"
 
 
@@ -216,6 +217,7 @@ def _choose_lifecycle(backend: str, *, live: bool) -> pgl.LifecycleChoice:
         return pgl.LifecycleChoice(pgl.LifecycleKind.REBUILD, "live re-formation is off")
     return pgl.choose_lifecycle(pgl.torch_version(torch.__version__), backend,
                                 has_reconfigure=pgl.has_reconfigure(),
+                                nccl_reconfigure=os.environ.get(ENV_GROUP_LIFECYCLE) == "nccl-reconfigure",
                                 rebuild_only=os.environ.get(ENV_GROUP_LIFECYCLE) == "rebuild")
 
 
