@@ -35,12 +35,14 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from datetime import timedelta
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS_PER_ROUND = 3
+WAKE_GRACE_S = 0.5
 LIFECYCLES = ("rebuild", "rebuild-keep", "reconfigure")
 
 
@@ -64,6 +66,7 @@ def worker(ctl_port: int, ident: int, lifecycle: str, timeout_s: float) -> None:
 
     from elasticd import teardown
     from elasticd.worker import process_group as pgl
+    from elasticd.worker.sockets import socket_links
 
     store = dist.TCPStore("127.0.0.1", ctl_port, is_master=False, timeout=timedelta(seconds=timeout_s))
     teardown.keep_groups_on_destroy()
@@ -75,6 +78,9 @@ def worker(ctl_port: int, ident: int, lifecycle: str, timeout_s: float) -> None:
     model = torch.nn.Linear(256, 256)
     optim = torch.optim.SGD(model.parameters(), lr=0.01)
     store.set(f"alive/{ident}", "1")
+    current = {"round": -1, "sockets": frozenset()}
+    watch = dist.TCPStore("127.0.0.1", ctl_port, is_master=False, timeout=timedelta(seconds=timeout_s))
+    threading.Thread(target=_wake_on_next_round, args=(watch, current), daemon=True).start()
     joins, formed = 0, False
     rnd = int(store.get(f"wait/{ident}/{joins}"))
     seen = time.monotonic()
@@ -83,11 +89,13 @@ def worker(ctl_port: int, ident: int, lifecycle: str, timeout_s: float) -> None:
         members = spec_doc["members"]
         spec = pgl.GroupSpec("gloo", members.index(ident), len(members), rnd, "127.0.0.1",
                              spec_doc["port"], timeout_s)
+        before = socket_links()
         if formed:
             lc.join(spec)
         else:
             lc.form(spec)
             formed = True
+        current.update(round=rnd, sockets=frozenset(socket_links() - before))
         ddp = DDP(model)
         flag = torch.zeros(1)
         steps = 0
@@ -120,6 +128,29 @@ def worker(ctl_port: int, ident: int, lifecycle: str, timeout_s: float) -> None:
             continue
         joins += 1  # drained: wait to be let back in
         rnd = int(store.get(f"wait/{ident}/{joins}"))
+
+
+def _wake_on_next_round(store: object, current: dict) -> None:
+    """What LiveState's watcher does on the agent's order: a survivor blocked on a live
+    peer that already left (world >= 3: only the dead rank's neighbours fail at once) is
+    woken by aborting the group and shutting its connections down."""
+    import torch.distributed as dist
+
+    from elasticd.worker.sockets import shutdown_group_connections
+
+    while True:
+        rnd = current["round"]
+        if rnd >= 0 and store.check([f"round/{rnd + 1}"]):  # type: ignore[attr-defined]
+            time.sleep(WAKE_GRACE_S)  # an agreed stop leaves within a step
+            if current["round"] == rnd:
+                try:
+                    dist.group.WORLD.abort()
+                except (RuntimeError, AttributeError, ValueError):
+                    pass
+                shutdown_group_connections(current["sockets"])
+                while current["round"] == rnd:
+                    time.sleep(0.01)
+        time.sleep(0.02)
 
 
 # -- the driver ---------------------------------------------------------------------------
