@@ -73,9 +73,9 @@ PENDING_SETTLE_S = 5.0
 # nothing wakes a wait on an aborted gloo group in its own process, so the full bound was
 # 5 s added to one re-formation in three after a SIGKILL (measured), for nothing.
 ABORTED_SETTLE_S = 0.1
-# ELASTICD_GROUP_LIFECYCLE=rebuild: re-form by destroying and re-creating the group even
-# where torch's reconfigure is available; =nccl-reconfigure: reconfigure NCCL groups too
-# (experimental, unproven on a GPU) (elasticd.worker.process_group).
+# ELASTICD_GROUP_LIFECYCLE=reconfigure: re-form with torch's c10d reconfigure where the
+# torch in use has it (gloo, 2.14+); =nccl-reconfigure: NCCL groups too (experimental,
+# unproven on a GPU). Default: rebuild (elasticd.worker.process_group).
 ENV_GROUP_LIFECYCLE = "ELASTICD_GROUP_LIFECYCLE"
 
 
@@ -212,13 +212,13 @@ def init(backend: str | None = None, *, timeout_s: float = DEFAULT_COLLECTIVE_TI
 
 def _choose_lifecycle(backend: str, *, live: bool) -> pgl.LifecycleChoice:
     """The group lifecycle for this worker: reconfigure only for live re-formation (a
-    worker that never re-forms gains nothing), and never when the job asks for rebuild."""
+    worker that never re-forms gains nothing), and only when the job asks for it."""
     if not live:
         return pgl.LifecycleChoice(pgl.LifecycleKind.REBUILD, "live re-formation is off")
     return pgl.choose_lifecycle(pgl.torch_version(torch.__version__), backend,
                                 has_reconfigure=pgl.has_reconfigure(),
-                                nccl_reconfigure=os.environ.get(ENV_GROUP_LIFECYCLE) == "nccl-reconfigure",
-                                rebuild_only=os.environ.get(ENV_GROUP_LIFECYCLE) == "rebuild")
+                                requested=os.environ.get(ENV_GROUP_LIFECYCLE) == "reconfigure",
+                                nccl_reconfigure=os.environ.get(ENV_GROUP_LIFECYCLE) == "nccl-reconfigure")
 
 
 def group_generation() -> int:

@@ -36,23 +36,23 @@ def test_torch_versions_parse_with_local_tags():
     assert torch_version("2.15.0a0+git1234") == (2, 15)
 
 
-def test_gloo_reconfigures_in_place_from_torch_2_14():
-    """gloo on 2.14+ with the API reconfigures; older torch, or no API, rebuilds."""
-    assert choose_lifecycle((2, 14), "gloo", has_reconfigure=True).kind is LifecycleKind.RECONFIGURE
-    assert choose_lifecycle((2, 15), "gloo", has_reconfigure=True).kind is LifecycleKind.RECONFIGURE
-    old = choose_lifecycle((2, 13), "gloo", has_reconfigure=False)
+def test_gloo_reconfigures_in_place_from_torch_2_14_when_asked():
+    """Asked for, gloo on 2.14+ with the API reconfigures; older torch, no API, or not
+    asked for (the default) rebuilds."""
+    assert choose_lifecycle((2, 14), "gloo", has_reconfigure=True, requested=True).kind is LifecycleKind.RECONFIGURE
+    assert choose_lifecycle((2, 15), "gloo", has_reconfigure=True, requested=True).kind is LifecycleKind.RECONFIGURE
+    old = choose_lifecycle((2, 13), "gloo", has_reconfigure=False, requested=True)
     assert old.kind is LifecycleKind.REBUILD and "2.13" in old.reason
-    assert choose_lifecycle((2, 14), "gloo", has_reconfigure=False).kind is LifecycleKind.REBUILD
+    assert choose_lifecycle((2, 14), "gloo", has_reconfigure=False, requested=True).kind is LifecycleKind.REBUILD
+    assert choose_lifecycle((2, 14), "gloo", has_reconfigure=True).kind is LifecycleKind.REBUILD
 
 
-def test_nccl_reconfigures_only_behind_its_flag_and_rebuild_can_be_forced():
-    """NCCL rebuilds unless nccl_reconfigure is on; rebuild_only wins over everything."""
-    off = choose_lifecycle((2, 14), "nccl", has_reconfigure=True)
+def test_nccl_reconfigures_only_behind_its_flag():
+    """NCCL rebuilds even when reconfigure is asked for, unless nccl_reconfigure is on."""
+    off = choose_lifecycle((2, 14), "nccl", has_reconfigure=True, requested=True)
     assert off.kind is LifecycleKind.REBUILD and "nccl" in off.reason
     on = choose_lifecycle((2, 14), "nccl", has_reconfigure=True, nccl_reconfigure=True)
     assert on.kind is LifecycleKind.RECONFIGURE
-    forced = choose_lifecycle((2, 14), "gloo", has_reconfigure=True, rebuild_only=True)
-    assert forced.kind is LifecycleKind.REBUILD
 
 
 def test_peer_failures_are_recognised_by_type_first():
