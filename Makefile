@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: venv test lint unit integration chaos soak demo bench clean compat wheel
+.PHONY: venv test lint unit integration chaos soak demo bench clean compat compat-reconfigure wheel
 
 venv: $(STAMP)
 
@@ -71,8 +71,9 @@ bench: $(STAMP)
 	$(PY) benchmarks/scale.py
 	$(PY) benchmarks/checkpoint.py
 
-# The newest torch we support (pyproject's upper bound), in a venv of its own: unit tests
-# and the agent integration tests. Not part of `make test` (a multi-GB torch install).
+# A newer torch than make test's, in a venv of its own: unit tests and the agent
+# integration tests. Not part of `make test` (a multi-GB torch install). 2.14.1 is the
+# newest this machine's pip serves; pyproject admits 2.15 (COMPAT_TORCH=2.15.0 elsewhere).
 COMPAT_VENV  ?= .venv-compat
 COMPAT_TORCH ?= 2.14.1
 COMPAT_STAMP := $(COMPAT_VENV)/.installed-$(COMPAT_TORCH)
@@ -87,6 +88,13 @@ $(COMPAT_STAMP): pyproject.toml
 compat: $(COMPAT_STAMP)
 	$(COMPAT_VENV)/bin/python -c 'import torch; print("compat: torch", torch.__version__)'
 	$(COMPAT_VENV)/bin/python -m pytest -q tests/unit tests/integration/agent $(PYTEST_ARGS)
+
+# The reconfigure lifecycle (torch 2.14+: c10d _reconfigure) on every CI run (.ci/run):
+# the lifecycle's unit tests and the 16-re-formation leak test, a few minutes.
+compat-reconfigure: $(COMPAT_STAMP)
+	$(COMPAT_VENV)/bin/python -c 'import torch; print("compat: torch", torch.__version__)'
+	$(COMPAT_VENV)/bin/python -m pytest -q tests/unit/test_process_group.py \
+		tests/integration/agent/test_group_lifecycle.py $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) $(COMPAT_VENV) build dist *.egg-info .pytest_cache .mypy_cache .ruff_cache

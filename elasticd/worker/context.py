@@ -59,6 +59,7 @@ from elasticd.control.fence import set_round_source
 from elasticd.control.messages import StoppedReport
 from elasticd.control.reform import write_stopped
 from elasticd.errors import EX_CONFIG, ConfigError
+from elasticd.worker import process_group as pgl
 from elasticd.worker.sockets import socket_links
 
 log = structlog.get_logger(__name__)
@@ -72,6 +73,10 @@ PENDING_SETTLE_S = 5.0
 # nothing wakes a wait on an aborted gloo group in its own process, so the full bound was
 # 5 s added to one re-formation in three after a SIGKILL (measured), for nothing.
 ABORTED_SETTLE_S = 0.1
+# ELASTICD_GROUP_LIFECYCLE=reconfigure: re-form with torch's c10d reconfigure where the
+# torch in use has it (gloo, 2.14+); =nccl-reconfigure: NCCL groups too (experimental,
+# unproven on a GPU). Default: rebuild (elasticd.worker.process_group).
+ENV_GROUP_LIFECYCLE = "ELASTICD_GROUP_LIFECYCLE"
 
 
 @dataclass(frozen=True)
@@ -126,6 +131,10 @@ class _State:
     # and the context it returned (no group); None once admitted, or when not a spare.
     ahead: tuple[str | None, float, WorkerContext, int] | None = None  # ..., and our pid
     ran_ahead: bool = False  # this worker ran ahead as a spare's, then joined its round
+    # Who forms, leaves and re-forms this worker's process group (one owner: no other
+    # code creates or destroys it); None until init() formed one.
+    lifecycle: pgl.GroupLifecycle | None = None
+    generation: int = 0  # groups formed so far: a wrapper built on an older one is stale
 
 
 _S = _State()
@@ -161,12 +170,18 @@ def init(backend: str | None = None, *, timeout_s: float = DEFAULT_COLLECTIVE_TI
     local_rank = _env_int("LOCAL_RANK", 0)
     device, backend = _device(backend, local_rank)
     if (world > 1 or "MASTER_ADDR" in os.environ) and not dist.is_initialized():
-        kwargs: dict[str, Any] = {"backend": backend, "timeout": timedelta(seconds=timeout_s)}
-        if backend == "nccl":
-            kwargs["device_id"] = device
+        choice = _choose_lifecycle(backend, live=agent is not None and agent.live)
+        _S.lifecycle = pgl.make_lifecycle(choice, backend, timeout_s, device)
+        spec = None
+        if choice.kind is pgl.LifecycleKind.RECONFIGURE:
+            spec = pgl.GroupSpec(backend, rank, world, agent.round if agent else 0,
+                                 os.environ.get("MASTER_ADDR", "127.0.0.1"),
+                                 _env_int("MASTER_PORT", 29500), timeout_s, device)
         before = socket_links()
-        dist.init_process_group(**kwargs)
+        _S.lifecycle.form(spec)
+        _S.generation += 1
         _S.group_sockets = frozenset(socket_links() - before)
+        log.info("process_group_lifecycle_chosen", lifecycle=choice.kind.value, reason=choice.reason)
     control_dir = agent.control_dir if agent else os.environ.get(ENV_CONTROL_DIR)
     socket_path = agent.socket_path if agent else None
     _S.ctx = WorkerContext(
@@ -193,6 +208,28 @@ def init(backend: str | None = None, *, timeout_s: float = DEFAULT_COLLECTIVE_TI
         _S.stop_group = dist.new_group(backend="gloo") if backend != "gloo" else dist.group.WORLD
         _S.group_sockets |= socket_links() - before
     return _S.ctx
+
+
+def _choose_lifecycle(backend: str, *, live: bool) -> pgl.LifecycleChoice:
+    """The group lifecycle for this worker: reconfigure only for live re-formation (a
+    worker that never re-forms gains nothing), and only when the job asks for it."""
+    if not live:
+        return pgl.LifecycleChoice(pgl.LifecycleKind.REBUILD, "live re-formation is off")
+    return pgl.choose_lifecycle(pgl.torch_version(torch.__version__), backend,
+                                has_reconfigure=pgl.has_reconfigure(),
+                                requested=os.environ.get(ENV_GROUP_LIFECYCLE) == "reconfigure",
+                                nccl_reconfigure=os.environ.get(ENV_GROUP_LIFECYCLE) == "nccl-reconfigure")
+
+
+def group_generation() -> int:
+    """How many process groups this worker formed (init and each re-formation): a DDP
+    wrapper built at an older generation is bound to a group that is gone or re-pointed."""
+    return _S.generation
+
+
+def lifecycle() -> pgl.GroupLifecycle | None:
+    """The owner of this worker's process group (None before ``init()`` formed one)."""
+    return _S.lifecycle
 
 
 def _device(backend: str | None, local_rank: int) -> tuple[torch.device, str]:
@@ -305,19 +342,13 @@ def leave_group() -> None:
     The group is aborted first: its connections close, so every peer blocked in a
     collective with this rank fails at once instead of waiting for the collective timeout
     (the failure spreads through the whole old group within milliseconds). Then the
-    pending stop-flag all-reduce is settled and the group destroyed; the destroyed gloo
-    group objects stay referenced (``elasticd.teardown``), so no destructor runs in the
-    main thread.
+    pending stop-flag all-reduce is settled; the group is destroyed (rebuild) or kept to
+    be reconfigured (:mod:`elasticd.worker.process_group`), and nothing an earlier
+    re-formation left is held any more.
     """
-    if dist.is_initialized():
-        for group in {id(g): g for g in (_S.stop_group, dist.group.WORLD) if g is not None}.values():
-            try:
-                group.abort()
-            except (RuntimeError, AttributeError):  # already aborted, or a backend without it
-                pass
-    _settle_pending(ABORTED_SETTLE_S)
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    groups = (_S.stop_group, dist.group.WORLD) if dist.is_initialized() else ()
+    owner = _S.lifecycle or pgl.RebuildLifecycle("gloo", DEFAULT_COLLECTIVE_TIMEOUT_S)
+    owner.leave(groups, lambda: _settle_pending(ABORTED_SETTLE_S))
     _S.stop_group = None
     _S.stopped = False
 
@@ -351,16 +382,19 @@ def rejoin(rank: int, world_size: int, round_: int, master_addr: str, master_por
         # The TCPStore client backs off exponentially (seconds) when it connects before the
         # new rank 0 listens; wait for the port here, in 10 ms polls, instead.
         _wait_for_port(master_addr, master_port, time.monotonic() + timeout_s)
-    kwargs: dict[str, Any] = {"backend": ctx.backend, "timeout": timedelta(seconds=timeout_s),
-                              "init_method": f"tcp://{master_addr}:{master_port}",
-                              "rank": rank, "world_size": world_size}
-    if ctx.backend == "nccl":
-        kwargs["device_id"] = ctx.device
+    spec = pgl.GroupSpec(ctx.backend, rank, world_size, round_, master_addr, master_port, timeout_s,
+                         ctx.device if ctx.backend == "nccl" else None)
+    if _S.lifecycle is None:
+        _S.lifecycle = pgl.RebuildLifecycle(ctx.backend, timeout_s, spec.device)
     before = socket_links()
-    dist.init_process_group(**kwargs)
+    _S.lifecycle.join(spec)
+    _S.generation += 1
     _S.ctx = dataclasses.replace(ctx, rank=rank, world_size=world_size, round=round_)
     _S.stop_group = dist.new_group(backend="gloo") if ctx.backend != "gloo" else dist.group.WORLD
-    _S.group_sockets = frozenset(socket_links() - before)
+    now = socket_links()
+    # Reconfigured in place, the group keeps the sockets it still has open (its store's).
+    kept = _S.group_sockets & now if _S.lifecycle.kind is pgl.LifecycleKind.RECONFIGURE else frozenset()
+    _S.group_sockets = frozenset(kept | (now - before))
     _S.pending, _S.stopped = None, False
     return _S.ctx
 
@@ -375,15 +409,7 @@ def some_rank_draining() -> bool:
     return _S.any_drain
 
 
-def _wait_for_port(host: str, port: int, deadline: float) -> None:
-    import socket
-
-    while time.monotonic() < deadline:
-        try:
-            with socket.create_connection((host, port), timeout=0.2):
-                return
-        except OSError:
-            time.sleep(0.01)
+_wait_for_port = pgl.wait_for_port
 
 
 def park_requested() -> bool:
@@ -545,7 +571,7 @@ def shutdown() -> None:
     if _S.old_sigterm is not None:
         signal.signal(signal.SIGTERM, _S.old_sigterm)
     _S.ctx, _S.client, _S.control_dir, _S.flag, _S.progress = None, None, None, None, None
-    _S.stop_group, _S.pending, _S.old_sigterm = None, None, None
+    _S.stop_group, _S.pending, _S.old_sigterm, _S.lifecycle = None, None, None, None
     _S.stopped = _S.sigterm = _S.drainable_noted = _S.all_drain = _S.any_drain = False
     _S.ordered_round = -1
 

@@ -71,6 +71,7 @@ from elasticd.worker.peer_replica import (
     ring_holders,
     take_snapshot,
 )
+from elasticd.worker.process_group import is_peer_failure
 from elasticd.worker.sharded import (
     NOT_HELD,
     RankShards,
@@ -114,16 +115,6 @@ LiveEntry = Stateful | MutableMapping[str, object]
 
 class Reformed(Exception):  # noqa: N818 - a signal to the loop, not an error
     """The process group was re-formed: rebuild DDP/batch plan, continue at ``live.step + 1``."""
-
-
-def _is_collective_failure(exc: BaseException) -> bool:
-    """A failure caused by a peer (connection closed/reset, timeout), not by the script."""
-    if isinstance(exc, (dist.DistError, ConnectionError)):
-        return True
-    text = str(exc).lower()
-    return isinstance(exc, RuntimeError) and any(w in text for w in (
-        "gloo", "connection closed", "connection reset", "broken pipe", "timed out", "nccl",
-        "socket", "abort"))
 
 
 class LiveState:
@@ -310,7 +301,7 @@ class LiveState:
         except Reformed:
             raise
         except Exception as exc:
-            if not self.enabled or not _is_collective_failure(exc):
+            if not self.enabled or not is_peer_failure(exc):
                 raise
             tries = self._failures_at.get(self.step, 0) + 1
             self._failures_at[self.step] = tries

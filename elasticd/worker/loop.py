@@ -56,6 +56,7 @@ from elasticd.errors import ConfigError
 from elasticd.worker.context import (
     current_context,
     fast_exit,
+    group_generation,
     ran_ahead,
     report_progress,
     should_stop,
@@ -596,8 +597,8 @@ class RegroupingDDP:
     def _current(self) -> torch.nn.Module:
         if not dist.is_initialized():
             return self.module
-        group = dist.group.WORLD
-        if self._ddp is None or group is not self._group:
+        group = (dist.group.WORLD, group_generation())  # a reconfigured group is the same object
+        if self._ddp is None or group != self._group:
             self._ddp = DDP(self.module, **{"init_sync": self._init_sync(), **self._kwargs})
             self._group = group
         return self._ddp

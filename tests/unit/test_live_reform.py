@@ -20,7 +20,6 @@ from elasticd.agent.policy import (
 )
 from elasticd.control.reform import ReformOrder
 from elasticd.rendezvous.protocol import MembershipChange
-from elasticd.worker.live import _is_collective_failure
 from elasticd.worker.transport.tree import flatten_state, unflatten_state
 
 HEALTHY = Facts(group_state=GroupState.HEALTHY, first_start=False, any_progress=True,
@@ -186,13 +185,6 @@ def test_an_order_for_a_newer_round_stops_a_lone_worker_at_its_next_step(monkeyp
     monkeypatch.setattr(wctx._S, "ctx", dataclasses.replace(ctx, round=4))  # re-formed
     monkeypatch.setattr(wctx._S, "stopped", False)
     assert not wctx.reform_ordered() and not wctx.should_stop(12)
-
-
-def test_only_peer_failures_trigger_a_reformation():
-    """A script bug (shape error) is re-raised; gloo's connection errors re-form."""
-    assert _is_collective_failure(RuntimeError("[pair.cc:537] Read error: Connection reset by peer"))
-    assert not _is_collective_failure(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
-    assert not _is_collective_failure(ValueError("bad"))
 
 
 def test_only_the_groups_own_connections_are_shut_down():

@@ -168,6 +168,12 @@ PRIVATE_MODULE_NAMES: dict[str, str] = {
     "torch.utils._pytree:keystr": "callable",
     # agent/warm.py, teardown.py: imported ahead of the script (DDP's first use imports it)
     "torch:_dynamo": "module",
+    # worker/process_group.py: the default group a reconfigure re-forms in place
+    "torch.distributed.distributed_c10d:_get_default_group": "callable",
+    # worker/process_group.py: torch 2.14's c10d reconfigure (ReconfigureLifecycle; older
+    # torch takes the rebuild path, which choose_lifecycle says)
+    "torch.distributed.distributed_c10d:_get_reconfigure_handle": "callable-since:2.14",
+    "torch.distributed.distributed_c10d:_reconfigure": "callable-since:2.14",
 }
 # Module aliases that are variables, not imports (teardown.py looks the module up lazily).
 _VARIABLE_ALIASES = {"c10d": "torch.distributed.distributed_c10d"}
@@ -261,6 +267,16 @@ def test_private_module_names_exist_on_this_torch(entry):
         assert importlib.util.find_spec(f"{module}.{name}") is not None, f"{entry}: gone"
         return
     value = getattr(importlib.import_module(module), name, None)
+    if need.startswith("callable-since:"):
+        import torch
+
+        since = tuple(int(x) for x in need.removeprefix("callable-since:").split("."))
+        have = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
+        # Older torch: absent is expected (the lifecycle falls back to a rebuild); present
+        # but not callable would mislead that check.
+        assert callable(value) if have >= since else value is None or callable(value), \
+            f"{entry}: gone or not callable on torch {torch.__version__}"
+        return
     if need == "callable":
         assert callable(value), f"{entry}: gone or not callable"
     else:
