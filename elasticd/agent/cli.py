@@ -12,7 +12,7 @@ import argparse
 import os
 import sys
 
-from elasticd.config import load_config, render_effective, security_warnings
+from elasticd.config import AgentConfig, load_config, render_effective, security_warnings
 from elasticd.config.checks import availability_warnings
 from elasticd.config.flags import add_config_flags, flag_names, overrides_from_args
 
@@ -33,10 +33,7 @@ def run(args: argparse.Namespace) -> int:
     cfg = load_config(path, os.environ, overrides_from_args(args),
                       override_names=flag_names())
     if args.check_config:
-        if cfg.workers.user is not None:  # what the start refuses, refused here too (78)
-            from elasticd.agent.worker_user import resolve_worker_user
-
-            resolve_worker_user(cfg.workers.user, euid=os.geteuid())
+        _refuse_what_the_start_refuses(cfg)
         sys.stdout.write(render_effective(cfg))
         # stderr: stdout stays a loadable TOML file; each warning names the setting and the fix.
         for warning in security_warnings(cfg):
@@ -49,3 +46,26 @@ def run(args: argparse.Namespace) -> int:
     from elasticd.agent.early import run_node_with_early_standbys
 
     return run_node_with_early_standbys(cfg)
+
+
+def _refuse_what_the_start_refuses(cfg: AgentConfig) -> None:
+    """The start's own checks of what the config names on this machine, so that
+    ``--check-config`` passes only what the start accepts.
+
+    Raises:
+        ConfigError: a root or missing ``workers.user``; an etcd TLS file that is not a
+            readable PEM file; an existing ``etcd.data_dir`` owned by another user.
+    """
+    if cfg.workers.user is not None:
+        from elasticd.agent.worker_user import resolve_worker_user
+
+        resolve_worker_user(cfg.workers.user, euid=os.geteuid())
+    from elasticd.etcd.embedded import check_private_dir
+    from elasticd.etcd.endpoints import read_tls_file
+
+    for path, what in ((cfg.etcd.ca_file, "CA file"), (cfg.etcd.cert_file, "client certificate"),
+                       (cfg.etcd.key_file, "client key")):
+        if path is not None:
+            read_tls_file(path, what)
+    if cfg.etcd.data_dir is not None and os.path.exists(cfg.etcd.data_dir):
+        check_private_dir(cfg.etcd.data_dir)

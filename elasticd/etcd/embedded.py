@@ -86,8 +86,8 @@ def _proc_state(pid: int) -> str | None:
     return "T" if states <= {"T", "t"} else sorted(states - {"T", "t"})[0]
 
 
-def make_private_dir(path: str) -> None:
-    """Refuse a data dir another user controls; make ours 0700.
+def check_private_dir(path: str) -> None:
+    """Refuse a data dir another user controls (``--check-config`` and the start alike).
 
     Raises:
         ConfigError: ``path`` is owned by another user (its contents, the certificates
@@ -99,6 +99,15 @@ def make_private_dir(path: str) -> None:
             f"etcd data dir {path!r} is owned by uid {st.st_uid}, not by this user "
             f"(uid {os.geteuid()}); point etcd.data_dir at a directory of your own"
         )
+
+
+def make_private_dir(path: str) -> None:
+    """Refuse a data dir another user controls; make ours 0700.
+
+    Raises:
+        ConfigError: as :func:`check_private_dir`.
+    """
+    check_private_dir(path)
     os.chmod(path, 0o700)
 
 
