@@ -151,7 +151,8 @@ class EmbeddedEtcd:
             keeps etcd's default.
         start_timeout_s: how long ``start`` waits for etcd to answer.
         peer_tls: the peer certificate and CA (a cluster's members share one); None
-            generates one in the data dir (``tls/`` when ``private``, else ``peer-tls/``).
+            generates one with a CA of its own in the data dir (``peer-tls/``), never the
+            client CA of ``private``.
     """
 
     def __init__(self, data_dir: str | None = None, *, binary: str | None = None,
@@ -172,8 +173,9 @@ class EmbeddedEtcd:
             tls = ServerTLS(self.pki.server_cert, self.pki.server_key, self.pki.ca_file)
         self.tls = tls
         if peer_tls is None:
-            peer_pki = self.pki or generate_private_pki(os.path.join(self.data_dir, "peer-tls"))
-            peer_tls = peer_pki.peer
+            # A CA of its own: a peer certificate signed by the client CA would also open
+            # the client port (every member of a cluster holds the peer certificate).
+            peer_tls = generate_private_pki(os.path.join(self.data_dir, "peer-tls")).peer
         self.peer_tls = peer_tls
         self.quota_backend_bytes = quota_backend_bytes
         self.start_timeout_s = start_timeout_s

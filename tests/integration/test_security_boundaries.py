@@ -555,3 +555,24 @@ def test_a_non_dumpable_process_hides_its_environment_from_its_own_uid(non_dumpa
         if target.stdin is not None:
             target.stdin.close()
         target.wait(timeout=10)
+
+
+@pytest.mark.timeout(90)
+def test_the_private_etcds_peer_certificate_does_not_open_its_client_port(tmp_path):
+    """A private (standalone) etcd signs its peer certificate with a CA of its own: the peer
+    certificate, which every member of a cluster holds, is no etcd client certificate."""
+    server = EmbeddedEtcd(str(tmp_path / "etcd"), private=True).start()
+    try:
+        pki, peer = server.pki, server.peer_tls
+        assert pki is not None
+        url = f"https://{server.endpoint}"
+        ca = f"--cacert={pki.ca_file}"
+        ok = _etcdctl(url, "put", "/k", "v", tls=[ca, f"--cert={pki.client_cert}",
+                                                  f"--key={pki.client_key}"])
+        assert ok.returncode == 0, ok.stderr
+        peer_as_client = _etcdctl(url, "get", "/k", tls=[ca, f"--cert={peer.cert_file}",
+                                                         f"--key={peer.key_file}"])
+        assert peer_as_client.returncode != 0, "the peer certificate read the client port"
+        assert "/k" not in peer_as_client.stdout
+    finally:
+        server.stop(remove_data=True)
