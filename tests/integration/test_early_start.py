@@ -21,6 +21,14 @@ def test_the_cli_parser_and_the_rendezvous_protocol_do_not_import_torch():
     assert out.stdout.strip() == "[]", out.stdout[:500]
 
 
+def _probe(code: str) -> dict:
+    """Run ``code`` in a fresh interpreter (so torch's absence is its own) and return the
+    JSON object it printed last."""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=50)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 def test_a_node_registers_before_the_agent_imports_torch(etcd_server, tmp_path):
     """Issue 25 item 2: `arrive_early` puts the node's record on a lease kept alive, and
     its join of the job's first round (opened by it: no round yet), with no torch imported,
@@ -47,9 +55,7 @@ def test_a_node_registers_before_the_agent_imports_torch(etcd_server, tmp_path):
         "                  'torch': torch, 'after_close': c.get(JobKeys('early').node('n7')) is None,\n"
         "                  'finished': a.finished is not None}))\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=50)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert json.loads(out.stdout.strip().splitlines()[-1]) == {
+    assert _probe(code) == {
         "registered": True, "lease": True, "joined": True, "torch": [], "after_close": True,
         "finished": False}
 
@@ -83,7 +89,5 @@ def test_a_stopped_job_is_refused_by_the_boot_sequence_before_anything_registers
         "                  'round': c.get(keys.rdzv_state) is not None,\n"
         "                  'hint': 'elasticd start' in hint, 'torch': torch}))\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=50)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert json.loads(out.stdout.strip().splitlines()[-1]) == {
+    assert _probe(code) == {
         "refused": True, "session": False, "node": False, "round": False, "hint": True, "torch": []}
