@@ -257,7 +257,8 @@ class ElasticLoop:
             the end of every epoch always save. ``"auto"``: the interval that minimises
             expected lost work from the measured save cost and the job's loss rate, <= 1 %
             overhead (:mod:`elasticd.worker.save_cadence`; 50 steps until a save is
-            measured). The agent's ``[checkpoint] every`` overrides it.
+            measured). The agent's ``[checkpoint] every`` overrides it (with ``"auto"``
+            this number is the steps until a save is measured).
         keep_last: Checkpoints kept.
         manager: Use this :class:`CheckpointManager` instead of building one.
         live: Re-form in place on a membership change when the agent allows it (see the
@@ -313,10 +314,12 @@ class ElasticLoop:
             sampler.regroup()  # built before the round, for a world of one
         # These count global batches (one step() per optimizer step), not samples per rank.
         self._per_global_batch = isinstance(sampler, (ElasticSampler, ElasticStream))
+        # Until a save has measured its cost, "auto" saves every the script's own steps.
+        first_every = save_every if isinstance(save_every, int) else DEFAULT_FIRST_SAVE_EVERY
         agent = agent_environment()
         if agent is not None and agent.checkpoint_every is not None:
             save_every = agent.checkpoint_every  # the agent's [checkpoint] every wins
-        self.save_every = DEFAULT_FIRST_SAVE_EVERY if save_every == AUTO else int(save_every)
+        self.save_every = first_every if save_every == AUTO else int(save_every)
         self.steps_done = 0
         self._saved_at = 0
         # The loss of the step in progress, if the loop sets it (``loop.loss = loss.item()``):
