@@ -231,6 +231,11 @@ class Progress(_Record):
     samples_per_s: float = 0.0
     world_size: int = 0
     updated_at: float = 0.0
+    # [checkpoint] every = "auto": the workers' agreed steps between saves, the interval in
+    # seconds and why (checkpoint.cadence); 0/"": the script's fixed save_every.
+    save_every: int = 0
+    save_interval_s: float = 0.0
+    cadence: str = ""
 
 
 @dataclass(frozen=True)

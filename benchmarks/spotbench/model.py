@@ -27,6 +27,8 @@ import enum
 import random
 from dataclasses import dataclass, field
 
+from elasticd.checkpoint.cadence import choose_save_every
+
 
 class Placement(enum.Enum):
     """Where inside a tick's interval its node events fall (the trace cannot say)."""
@@ -88,6 +90,14 @@ class JobShape:
     checkpoint_every_s: float = 600.0
     notice_s: float = 0.0        # AWS gives 120 s, GCP 30 s; 0 = no notice
     step_s: float = 1.0          # one training step's wall time (to count steps retrained)
+    # Seconds each save blocks the loop (charged to every member as "checkpoint_block") and
+    # takes to be written; 0: saves are free (the replays before issue 49).
+    save_block_s: float = 0.0
+    save_write_s: float = 0.0
+    # [checkpoint] every = "auto": after every save and every rollback the interval is
+    # re-chosen as elasticd's workers do (checkpoint.cadence.choose_save_every), from the
+    # rollbacks seen so far over the time so far; checkpoint_every_s is the first interval.
+    checkpoint_auto: bool = False
 
 
 @dataclass
@@ -192,22 +202,40 @@ def simulate(counts: list[int], gap_s: float, costs: SystemCosts, job: JobShape,
     formed = False
     since_ckpt = 0.0          # useful node-seconds since the last checkpoint
     since_ckpt_wall = 0.0     # wall seconds of training since the last checkpoint
+    every_s = job.checkpoint_every_s
+    rollbacks = 0
     t = 0.0
 
     def count(kind: str) -> None:
         led.events[kind] = led.events.get(kind, 0) + 1
 
+    def rechoose(now: float) -> None:
+        nonlocal every_s
+        if job.checkpoint_auto:
+            every_s = choose_save_every(blocking_s=job.save_block_s, write_s=job.save_write_s,
+                                        step_time_s=job.step_s, losses=rollbacks, observed_s=now,
+                                        first_every=1).interval_s
+            led.events["auto_interval_s"] = round(every_s)  # the last one chosen
+
     def rollback() -> None:
-        nonlocal since_ckpt, since_ckpt_wall
+        nonlocal since_ckpt, since_ckpt_wall, rollbacks
+        if since_ckpt_wall > 0:
+            rollbacks += 1
+            rechoose(t)
         led.useful -= since_ckpt
         led.retrained += since_ckpt
         led.charge("retrained", since_ckpt)
         led.steps_retrained += since_ckpt_wall / job.step_s
         since_ckpt = since_ckpt_wall = 0.0
 
-    def checkpointed() -> None:
+    def checkpointed(now: float | None = None) -> None:
+        """A save; ``now``: a periodic one, whose copy blocks the members (a drain's save
+        is inside the measured drain cost)."""
         nonlocal since_ckpt, since_ckpt_wall
         since_ckpt = since_ckpt_wall = 0.0
+        if now is not None and job.save_block_s > 0:
+            stall(now, job.save_block_s, "checkpoint_block")
+        rechoose(t if now is None else now)
 
     def can_train(n: int) -> bool:
         return n >= job.min_nodes if costs.elastic else n >= job.max_nodes
@@ -253,14 +281,18 @@ def simulate(counts: list[int], gap_s: float, costs: SystemCosts, job: JobShape,
             start = max(t, stalled_until)
             while start < to:
                 # Train until the next checkpoint or the end of the span.
-                to_ckpt = job.checkpoint_every_s - since_ckpt_wall
+                to_ckpt = every_s - since_ckpt_wall
                 step = min(to - start, to_ckpt)
                 led.useful += len(members) * step
                 since_ckpt += len(members) * step
                 since_ckpt_wall += step
                 start += step
-                if since_ckpt_wall >= job.checkpoint_every_s - 1e-9:
-                    checkpointed()
+                if since_ckpt_wall >= every_s - 1e-9:
+                    checkpointed(start)
+                    if stalled_until > start:  # the save's blocking copy
+                        blocked = min(to, stalled_until) - start
+                        led.charge(stall_cause, len(members) * blocked)
+                        start += blocked
         t = to
 
     if can_train(len(held)):

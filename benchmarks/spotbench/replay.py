@@ -118,7 +118,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--drain-lead-s", type=float, default=None,
                    help="elasticd's preemption.drain_lead_s (unset, its default: 20 s with live "
                         "re-formation, 60 s on the restart path)")
-    p.add_argument("--checkpoint-every-s", type=float, default=600.0)
+    p.add_argument("--checkpoint-every-s", type=float, default=600.0,
+                   help="seconds between saves (with --checkpoint-auto: the first interval)")
+    p.add_argument("--checkpoint-auto", action="store_true",
+                   help='[checkpoint] every = "auto": Young-Daly re-chosen after every save and '
+                        "rollback from the rollbacks seen so far (elasticd.checkpoint.cadence)")
+    p.add_argument("--save-block-s", type=float, default=0.0,
+                   help="seconds each save blocks the loop (charged as checkpoint_block)")
+    p.add_argument("--save-write-s", type=float, default=0.0,
+                   help="seconds each save takes to be written (the cadence's floor)")
     p.add_argument("--min-nodes", type=int, default=1)
     p.add_argument("--step-s", type=float, default=1.0, help="one step's wall time, for steps retrained")
     p.add_argument("--seeds", type=int, default=5, help="seeds of the uniform placement")
@@ -152,7 +160,8 @@ def main(argv: list[str] | None = None) -> int:
     systems = {**costs, **lead_60, **at_notice,
                "torchrun-tuned (fixed)": fixed_size(costs["torchrun-tuned"])}
     job = JobShape(min_nodes=args.min_nodes, max_nodes=16, checkpoint_every_s=args.checkpoint_every_s,
-                   notice_s=args.notice_s, step_s=args.step_s)
+                   notice_s=args.notice_s, step_s=args.step_s, save_block_s=args.save_block_s,
+                   save_write_s=args.save_write_s, checkpoint_auto=args.checkpoint_auto)
     traces = load_traces(args.traces)
     rows = replay_all(traces, systems, job, list(Placement), list(range(args.seeds)))
     if args.out:

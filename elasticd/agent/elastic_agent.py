@@ -149,9 +149,10 @@ class ElasticdAgent(LocalElasticAgent):
     # -- hooks into LocalElasticAgent ----------------------------------------------------
     def _static_worker_env(self) -> dict[str, str]:
         """What every worker of this agent gets on top of torch's per-worker variables."""
+        losses = self.recorder.observed_losses() if self.settings.checkpoint_every == "auto" else None
         return supervised_worker_env(self.settings, job=self.handler.keys.job,
                                      node=self.handler.node_id, agent_pid=os.getpid(),
-                                     control_env=self.control.env())
+                                     control_env=self.control.env(), losses=losses)
 
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
         self.control.clear_round()

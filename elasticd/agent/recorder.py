@@ -23,6 +23,8 @@ from elasticd.keys import JobKeys
 from elasticd.records import Beat, CheckpointPointer, Event, Progress, RoundState
 from elasticd.rendezvous.session import NodeSession
 from elasticd.retry import call_with_retry
+from elasticd.status.goodput import read_events, rollback_losses
+from elasticd.status.snapshot import read_history
 
 log = structlog.get_logger(__name__)
 
@@ -84,7 +86,7 @@ class JobRecorder:
             log.warning("event_prune_failed", error=str(exc))
 
     def progress(self, step: int, epoch: int, samples: int, world_size: int, *, force: bool = False,
-                 loss: float | None = None) -> None:
+                 loss: float | None = None, cadence: tuple[int, float, str] | None = None) -> None:
         """Publish job progress (rate-limited to one write per ``PROGRESS_INTERVAL_S``).
 
         Each published progress is also offered to the bounded history (``history``).
@@ -105,8 +107,10 @@ class JobRecorder:
         if last is not None and now > last.updated_at and samples >= last.samples_trained:
             rate = (samples - last.samples_trained) / (now - last.updated_at)
         rnd = self.session.round if self.session.round is not None else -1
+        every, interval_s, why = cadence if cadence is not None else (0, 0.0, "")
         prog = Progress(round=rnd, step=step, epoch=epoch, samples_trained=samples,
-                        samples_per_s=round(rate, 3), world_size=world_size, updated_at=now)
+                        samples_per_s=round(rate, 3), world_size=world_size, updated_at=now,
+                        save_every=every, save_interval_s=round(interval_s, 3), cadence=why)
         try:
             ok = self.client.txn(self.session.fence(), [Put(self.keys.progress, prog.to_json())])
         except TransientError as exc:
@@ -141,6 +145,16 @@ class JobRecorder:
             self.client.put(self.keys.beat(self.session.node_id), beat.to_json(), lease=lease)
         except Exception as exc:  # noqa: BLE001 - unreachable, or the lease just expired
             log.debug("beat_not_written", error=str(exc))
+
+    def observed_losses(self) -> tuple[int, float] | None:
+        """The job's rollbacks and the span its history covers (the goodput ledger's facts,
+        for the workers' automatic checkpoint cadence); None when etcd does not answer."""
+        try:
+            history, _ = read_history(self.client, self.keys.job)
+            return rollback_losses(history, read_events(self.client, self.keys))
+        except TransientError as exc:  # the workers start anyway, on their own observation
+            log.info("losses_not_read", error=str(exc))
+            return None
 
     # -- checkpoint pointer (the fenced commit) ------------------------------------------
     def latest_checkpoint(self) -> CheckpointPointer | None:

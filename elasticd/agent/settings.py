@@ -45,6 +45,7 @@ def node_spec(cfg: AgentConfig, environ: Mapping[str, str]) -> NodeSpec:
             done_exit_s=cfg.drain.done_exit_s,
             hang_timeout_s=w.hang_timeout_s, attribution_window_s=cfg.node.ttl_s + 1.0,
             monitor_interval_s=w.monitor_interval_s, checkpoint_url=cfg.job.checkpoint_url,
+            checkpoint_every=str(cfg.checkpoint.every or ""),
             worker_env=dict(w.env), warm_start=w.warm_start, spare_prebuild=w.spare_prebuild,
             live_reform=w.live_reform, live_reform_timeout_s=w.live_reform_timeout_s,
             workers_user=w.user),

@@ -32,6 +32,7 @@ class SupervisionSettings:
     monitor_interval_s: float = 0.1
     beat_interval_s: float = 2.0  # how often the node's beat (liveness, step) is written
     checkpoint_url: str | None = None
+    checkpoint_every: str = ""  # [checkpoint] every: "auto", steps, or "" (the script's own)
     worker_env: dict[str, str] = field(default_factory=dict)
     warm_start: bool = True  # keep a standby per local rank (see elasticd.agent.warm)
     spare_prebuild: bool = False  # a hot spare's standbys run the script ahead (StandbyPool.run_ahead)

@@ -138,7 +138,8 @@ class TickWriter:
             losses = [p.loss for p in snap.values() if p.loss is not None and p.step == top.step]
             self.recorder.progress(top.step, top.epoch, top.samples_trained,
                                    (wg.group_world_size or 0) * wg.spec.local_world_size,
-                                   loss=sum(losses) / len(losses) if losses else None)
+                                   loss=sum(losses) / len(losses) if losses else None,
+                                   cadence=top.cadence)
             if self.metrics is not None:
                 self.metrics.set_step(top.step, samples=top.samples_trained)
         fault_at = self.phase.fault_at

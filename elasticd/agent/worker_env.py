@@ -23,9 +23,11 @@ from collections.abc import Iterator, Mapping, MutableMapping
 from elasticd.agent.supervision import SupervisionSettings
 from elasticd.control.api import (
     ENV_AGENT_PID,
+    ENV_CHECKPOINT_EVERY,
     ENV_CHECKPOINT_URL,
     ENV_JOB,
     ENV_NODE,
+    ENV_OBSERVED_LOSSES,
     live_worker_env,
 )
 
@@ -76,17 +78,25 @@ def agent_worker_env(*, job: str, node: str, agent_pid: int, control_env: Mappin
 
 
 def supervised_worker_env(settings: SupervisionSettings, *, job: str, node: str, agent_pid: int,
-                          control_env: Mapping[str, str]) -> dict[str, str]:
+                          control_env: Mapping[str, str],
+                          losses: tuple[int, float] | None = None) -> dict[str, str]:
     """What every worker of an agent with ``settings`` gets: :func:`agent_worker_env` with
-    the worker-side settings (live re-formation and its bound; the run identity is in
-    ``settings.worker_env`` once ``check_resume`` ran). Pure.
+    the worker-side settings (live re-formation and its bound, the checkpoint cadence; the
+    run identity is in ``settings.worker_env`` once ``check_resume`` ran). Pure.
 
     Every worker-side setting travels this way (parsed by ``elasticd.control.environment``).
+
+    Args:
+        losses: the job's rollbacks and observed seconds (``JobRecorder.observed_losses``),
+            for ``[checkpoint] every = "auto"``; None: not known.
     """
     live = live_worker_env(settings.live_reform, settings.live_reform_timeout_s)
+    cadence = {ENV_CHECKPOINT_EVERY: settings.checkpoint_every} if settings.checkpoint_every else {}
+    if settings.checkpoint_every and losses is not None:
+        cadence[ENV_OBSERVED_LOSSES] = f"{losses[0]}/{losses[1]:.0f}"
     return agent_worker_env(job=job, node=node, agent_pid=agent_pid,
-                            control_env={**control_env, **live}, user_env=settings.worker_env,
-                            checkpoint_url=settings.checkpoint_url)
+                            control_env={**control_env, **live, **cadence},
+                            user_env=settings.worker_env, checkpoint_url=settings.checkpoint_url)
 
 
 @contextlib.contextmanager

@@ -412,6 +412,13 @@ class CheckpointManager:
         self._finish_inflight()
         return self._last_result
 
+    @property
+    def last_saved(self) -> SaveResult | None:
+        """The newest save known finished on this rank (its costs: ``blocked_s``,
+        ``write_s``), without waiting for the one in flight; None before any, or on a rank
+        that does not write."""
+        return self._last_result
+
     def _finish_inflight(self) -> None:
         inflight, self._inflight = self._inflight, None
         if inflight is None:

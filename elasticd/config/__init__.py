@@ -13,6 +13,7 @@ Precedence (later wins): built-in defaults < TOML file < ``ELASTICD_*`` environm
 TOML layout (every key is documented with its default in docs/configuration.md)::
 
     [job]        name, nnodes, checkpoint_url, standalone, resume
+    [checkpoint] every
     [etcd]       endpoints, ca_file, cert_file, key_file, user, password,
                  password_file, timeout_s, connect_timeout_s, election_timeout_s,
                  data_dir, insecure_allow_plaintext_auth
@@ -42,6 +43,7 @@ environment anyway, so export the variable itself).
 Override keys (the ``overrides`` mapping, one per CLI flag) are the dotted names::
 
     job.name  job.nnodes  job.checkpoint_url  job.standalone  job.resume
+    checkpoint.every
     etcd.endpoints  etcd.ca_file  etcd.cert_file  etcd.key_file  etcd.user
     etcd.password  etcd.password_file  etcd.timeout_s  etcd.connect_timeout_s
     etcd.election_timeout_s  etcd.data_dir  etcd.insecure_allow_plaintext_auth
@@ -71,6 +73,7 @@ from elasticd.config.loader import ENV_PREFIX, RESERVED_WORKER_ENV, load_config,
 from elasticd.config.model import (
     MASK,
     AgentConfig,
+    CheckpointConfig,
     DrainConfig,
     EtcdConfig,
     JobConfig,
@@ -88,6 +91,7 @@ __all__ = [
     "MASK",
     "RESERVED_WORKER_ENV",
     "AgentConfig",
+    "CheckpointConfig",
     "DrainConfig",
     "EtcdConfig",
     "JobConfig",

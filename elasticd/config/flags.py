@@ -53,6 +53,10 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--checkpoint-url", "job.checkpoint_url",
          "fsspec URL handed to workers as ELASTICD_CHECKPOINT_URL (default with --standalone: "
          "file://$PWD/checkpoints)", metavar="URL"),
+    Flag("--checkpoint-every", "checkpoint.every",
+         'steps between ElasticLoop saves, or "auto": Young-Daly over the measured save '
+         "cost and the job's loss rate, <= 1 %% overhead (default: the script's save_every)",
+         metavar="auto|STEPS"),
     Flag("--resume", "job.resume", "another run's checkpoints under the same URL and job: "
          "auto refuses to start (exit 78), require resumes the newest, never ignores them",
          choices=RESUME_MODES),

@@ -19,6 +19,7 @@ from elasticd.config.checks import validate_config
 from elasticd.config.model import (
     MASK,
     AgentConfig,
+    CheckpointConfig,
     DrainConfig,
     EtcdConfig,
     JobConfig,
@@ -50,6 +51,9 @@ else:  # pragma: no cover - exercised on 3.10 only
     import tomli as tomllib
 
 ENV_PREFIX = "ELASTICD_"
+# Variables the agent sets for its workers whose names fall in a config section's prefix:
+# a worker that starts an agent (a test, a nested job) inherits them; they are not config.
+WORKER_SIDE_ENV = frozenset({"ELASTICD_CHECKPOINT_URL"})
 # A config file is a few kilobytes; the bound makes `--config /dev/zero` (or a log file
 # given by mistake) fail at once instead of reading forever.
 MAX_CONFIG_BYTES = 1024 * 1024
@@ -277,7 +281,7 @@ def _merge_env(env: Mapping[str, str], raw: dict[str, tuple[Any, str, bool]]) ->
         if not var.startswith(ENV_PREFIX):
             continue
         section, _, name = var[len(ENV_PREFIX):].lower().partition("_")
-        if section not in SECTIONS or not name:
+        if section not in SECTIONS or not name or var in WORKER_SIDE_ENV:
             continue  # not ours (ELASTICD_SOAK, ELASTICD_CONFIG, worker-side variables)
         value = env[var]
         if value == "":
@@ -407,6 +411,7 @@ def _build(values: Mapping[str, Any], origins: Mapping[str, str], path: str | No
     min_nodes, max_nodes = job.pop("nnodes")
     return AgentConfig(
         job=JobConfig(min_nodes=min_nodes, max_nodes=max_nodes, **job),
+        checkpoint=CheckpointConfig(**section("checkpoint")),
         etcd=EtcdConfig(**section("etcd")),
         node=NodeConfig(**section("node")),
         workers=WorkersConfig(**section("workers")),

@@ -35,6 +35,16 @@ class JobConfig:
 
 
 @dataclass(frozen=True)
+class CheckpointConfig:
+    """``[checkpoint]``: how often workers on ``ElasticLoop`` save (docs/checkpoints.md)."""
+
+    # "auto": Young–Daly over the measured save cost and the job's loss rate, <= 1 %
+    # overhead (elasticd.checkpoint.cadence); a number: every that many steps; None: the
+    # script's own ElasticLoop(save_every=...).
+    every: int | str | None = None
+
+
+@dataclass(frozen=True)
 class EtcdConfig:
     """``[etcd]``: the control plane. No endpoints means an embedded private etcd."""
 
@@ -254,6 +264,7 @@ class AgentConfig:
     node: NodeConfig
     workers: WorkersConfig
     rendezvous: RendezvousConfig = RendezvousConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
     restart: RestartConfig = RestartConfig()
     drain: DrainConfig = DrainConfig()
     preemption: PreemptionConfig = PreemptionConfig()

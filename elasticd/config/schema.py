@@ -26,7 +26,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 SECTIONS = (
-    "job", "etcd", "node", "rendezvous", "workers", "restart", "drain", "preemption", "logging",
+    "job", "checkpoint", "etcd", "node", "rendezvous", "workers", "restart", "drain", "preemption", "logging",
     "metrics",
 )
 RESUME_MODES = ("auto", "require", "never")
@@ -166,6 +166,28 @@ def checkpoint_url(value: Any, text: bool) -> str | None:
                       "storage's own configuration instead (AWS_* variables, ~/.aws, an "
                       "instance role, or storage_options)")
     return url
+
+
+def checkpoint_every(value: Any, text: bool) -> int | str | None:
+    """``"auto"`` (the Young–Daly cadence, ``checkpoint.cadence``), a whole number of steps
+    >= 1, or empty/unset (the script's own ``save_every``)."""
+    fix = 'write every = "auto" or a number of steps, e.g. every = 200'
+    if value is None or (isinstance(value, str) and not value.strip()):
+        return None
+    if isinstance(value, str) and value.strip().lower() == "auto":
+        return "auto"
+    if isinstance(value, bool):
+        raise Invalid('must be "auto" or a whole number of steps', fix)
+    if isinstance(value, str) and text:
+        try:
+            value = int(value.strip())
+        except ValueError:
+            raise Invalid('must be "auto" or a whole number of steps', fix) from None
+    if not isinstance(value, int):
+        raise Invalid('must be "auto" or a whole number of steps', fix)
+    if value < 1:
+        raise Invalid("must be at least 1 step", fix)
+    return value
 
 
 def choice(*options: str) -> Parser:
@@ -382,6 +404,7 @@ KEYS: dict[str, Key] = {
             'checkpoint_url = "s3://bucket/my-run"'),
         Key("job", "standalone", boolean, False, "standalone = true"),
         Key("job", "resume", choice(*RESUME_MODES), "auto", 'resume = "require"'),
+        Key("checkpoint", "every", checkpoint_every, None, 'every = "auto"'),
         Key("etcd", "endpoints", endpoints, (), 'endpoints = ["etcd-1:2379", "etcd-2:2379"]'),
         Key("etcd", "ca_file", optional_string, None, 'ca_file = "/etc/elasticd/tls/ca.pem"'),
         Key("etcd", "cert_file", optional_string, None,

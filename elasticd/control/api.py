@@ -24,6 +24,10 @@ ENV_CHECKPOINT_URL = "ELASTICD_CHECKPOINT_URL"
 ENV_LOG_FORMAT = "ELASTICD_LOG_FORMAT"  # "json" when the agent logs JSON (else unset)
 ENV_RUN_ID = "ELASTICD_RUN_ID"  # this run's identity (docs/checkpoints.md)
 ENV_RESUME = "ELASTICD_RESUME"  # what to do with another run's checkpoints: auto/require/never
+# ``[checkpoint] every`` ("auto" or steps; the same name as the agent's own variable for it)
+# and the losses the goodput ledger counted, "<losses>/<observed seconds>" (checkpoint.cadence).
+ENV_CHECKPOINT_EVERY = "ELASTICD_CHECKPOINT_EVERY"
+ENV_OBSERVED_LOSSES = "ELASTICD_OBSERVED_LOSSES"
 # "1": this worker runs ahead of its round as a hot spare's (elasticd.control.handover):
 # its script builds the model, then the worker API waits for the round on stdin.
 ENV_SPARE = "ELASTICD_SPARE"

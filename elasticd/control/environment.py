@@ -15,11 +15,14 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from elasticd.checkpoint.cadence import parse_every, parse_losses
 from elasticd.control.api import (
+    ENV_CHECKPOINT_EVERY,
     ENV_CONTROL_DIR,
     ENV_CONTROL_SOCKET,
     ENV_LIVE,
     ENV_LIVE_TIMEOUT,
+    ENV_OBSERVED_LOSSES,
     ENV_RESUME,
     ENV_ROUND,
     ENV_RUN_AS,
@@ -42,6 +45,10 @@ class AgentEnvironment:
     live: bool = False  # ELASTICD_LIVE=1: the agent re-forms live workers in place
     # ELASTICD_LIVE_TIMEOUT_S: workers.live_reform_timeout_s, the bound on one re-formation
     live_timeout_s: float = LIVE_TIMEOUT_DEFAULT_S
+    # ELASTICD_CHECKPOINT_EVERY: [checkpoint] every ("auto", steps, or None: the script's)
+    checkpoint_every: int | str | None = None
+    # ELASTICD_OBSERVED_LOSSES: (losses, observed seconds) from the job's goodput ledger
+    observed_losses: tuple[int, float] | None = None
 
 
 def agent_environment(environ: Mapping[str, str] | None = None) -> AgentEnvironment | None:
@@ -77,7 +84,17 @@ def agent_environment(environ: Mapping[str, str] | None = None) -> AgentEnvironm
     resume = env.get(ENV_RESUME) or "auto"  # checked by the checkpoint's RunIdentity
     return AgentEnvironment(control_dir=env.get(ENV_CONTROL_DIR, ""), socket_path=socket_path,
                             round=int(raw), run_id=env.get(ENV_RUN_ID) or None, resume=resume,
-                            live=env.get(ENV_LIVE) == "1", live_timeout_s=_live_timeout(env))
+                            live=env.get(ENV_LIVE) == "1", live_timeout_s=_live_timeout(env),
+                            checkpoint_every=_checkpoint_every(env),
+                            observed_losses=parse_losses(env.get(ENV_OBSERVED_LOSSES)))
+
+
+def _checkpoint_every(env: Mapping[str, str]) -> int | str | None:
+    try:
+        return parse_every(env.get(ENV_CHECKPOINT_EVERY))
+    except ValueError as exc:
+        raise ConfigError(f"{ENV_CHECKPOINT_EVERY}: {exc}; set [checkpoint] every in the "
+                          "agent's config (the agent sets this variable)") from exc
 
 
 def _live_timeout(env: Mapping[str, str]) -> float:

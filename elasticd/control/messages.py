@@ -61,6 +61,11 @@ class StepReport:
     epoch: int = 0
     samples: int = 0
     loss: float | None = None  # the step's training loss, for the job history (optional)
+    # [checkpoint] every = "auto": the agreed steps between saves, the interval in seconds
+    # and why (checkpoint.cadence.SaveCadence), for `elasticd status`; 0/"": not automatic.
+    save_every: int = 0
+    save_interval_s: float = 0.0
+    cadence: str = ""
     op = "progress"
 
 
@@ -318,7 +323,10 @@ def _request(obj: dict[str, object]) -> Request:
         return StepReport(local_rank=_int(obj, "local_rank", 0, MAX_RANK),
                         rank=_int(obj, "rank", 0, MAX_RANK), step=_int(obj, "step", -1, MAX_COUNT),
                         epoch=_int(obj, "epoch", 0, MAX_COUNT, 0),
-                        samples=_int(obj, "samples", 0, MAX_COUNT, 0), loss=_loss(obj))
+                        samples=_int(obj, "samples", 0, MAX_COUNT, 0), loss=_loss(obj),
+                        save_every=_int(obj, "save_every", 0, MAX_COUNT, 0),
+                        save_interval_s=_seconds(obj, "save_interval_s") if "save_interval_s" in obj else 0.0,
+                        cadence=_str(obj, "cadence", ""))
     if op == "checkpoint_io":
         return CheckpointIo(kind=_io_kind(obj), step=_int(obj, "step", 0, MAX_COUNT),
                             seconds=_seconds(obj), nbytes=_int(obj, "nbytes", 0, MAX_COUNT))

@@ -81,6 +81,7 @@ class RankProgress:
     updated_at: float = 0.0  # monotonic, agent clock
     rank: int = -1  # global rank
     loss: float | None = None  # the newest loss the worker reported (None: never)
+    cadence: tuple[int, float, str] | None = None  # the automatic save cadence, if reported
 
 
 @dataclass
@@ -98,7 +99,7 @@ class ProgressBoard:
     first_advance: float = 0.0  # ... and first did, in this worker group
 
     def report(self, local_rank: int, step: int, epoch: int, samples: int, rank: int = -1,
-               loss: float | None = None) -> bool:
+               loss: float | None = None, cadence: tuple[int, float, str] | None = None) -> bool:
         """Record one report. Returns False (and records nothing) for an out-of-range rank."""
         if not 0 <= local_rank < self.max_local_ranks:
             return False
@@ -111,6 +112,8 @@ class ProgressBoard:
             p.step, p.epoch, p.samples_trained, p.updated_at, p.rank = step, epoch, samples, now, rank
             if loss is not None:
                 p.loss = loss
+            if cadence is not None:
+                p.cadence = cadence
         return True
 
     def reset(self) -> None:
@@ -124,7 +127,8 @@ class ProgressBoard:
 
     def snapshot(self) -> dict[int, RankProgress]:
         with self.lock:
-            return {r: RankProgress(p.step, p.epoch, p.samples_trained, p.updated_at, p.rank, p.loss)
+            return {r: RankProgress(p.step, p.epoch, p.samples_trained, p.updated_at, p.rank, p.loss,
+                                    p.cadence)
                     for r, p in self.ranks.items()}
 
 
@@ -276,8 +280,10 @@ class ControlChannel:
                 return None  # fire-and-forget: the client reads no reply to it
             return ErrorReply(str(exc), exc.request_id)
         if isinstance(msg, StepReport):
+            cadence = ((msg.save_every, msg.save_interval_s, msg.cadence)
+                       if msg.save_every else None)
             if not self.progress.report(msg.local_rank, msg.step, msg.epoch, msg.samples, msg.rank,
-                                        msg.loss):
+                                        msg.loss, cadence):
                 self._reject(f"local rank {msg.local_rank} is outside "
                              f"[0, {self.progress.max_local_ranks})")
             return None

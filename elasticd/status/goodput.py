@@ -148,6 +148,20 @@ def rolled_back_steps(event: Event) -> int:
     return steps if isinstance(steps, int) and steps > 0 else 0
 
 
+def rollback_losses(history: History, events: Sequence[Event]) -> tuple[int, float]:
+    """The losses that sent the job back to older state, and the span they were seen over
+    (seconds from the first history sample to the last): the checkpoint cadence's
+    ``losses`` and ``observed_s`` (``checkpoint.cadence``). A loss is a ``rollback`` event,
+    or a step back between two samples with no such event between them. Pure."""
+    samples = monotonic(history.samples)
+    if not samples:
+        return 0, 0.0
+    backs = [e.time for e in events if e.kind == "rollback"]
+    unseen = sum(1 for a, b in itertools.pairwise(samples)
+                 if b.step < a.step and not any(a.t < t <= b.t for t in backs))
+    return len(backs) + unseen, samples[-1].t - samples[0].t
+
+
 def idle_waiting_s(start: float, end: float, inner: Sequence[Event], interval_s: float) -> float:
     """Of a span with no sample (``start`` to ``end``, ``inner`` its events in time order),
     the seconds charged to ``waiting``: a quiet stretch before its first event, and each

@@ -135,6 +135,8 @@ def _progress(s: JobStatus) -> dict[str, Any] | None:
         "round": p.round,
         "updated_at": rfc3339(updated),
         "age_s": _age(s.now, updated),
+        "checkpoint_cadence": ({"every_steps": p.save_every, "interval_s": p.save_interval_s,
+                                "reason": p.cadence} if p.save_every else None),
     }
 
 

@@ -290,6 +290,9 @@ def render_header(s: JobStatus) -> Table:
             f"step {c.step:,} · {format_age(s.now - c.committed_at)} ago · round {c.round}"))
     else:
         grid.add_row("checkpoint", Text("none committed yet", style="dim"))
+    if p is not None and p.save_every:  # [checkpoint] every = "auto"
+        grid.add_row("cadence", Text(f"auto: every {p.save_every:,} steps "
+                                     f"(~{p.save_interval_s:.1f} s) · {p.cadence}"))
     if s.unreadable:
         grid.add_row("warning", Text(unreadable_summary(s.unreadable), style="yellow"))
     return grid

@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from elasticd import teardown
+from elasticd.checkpoint.cadence import SaveCadence
 from elasticd.control import (
     DRAIN_FILE,
     DRAINABLE_PREFIX,
@@ -66,6 +67,7 @@ log = structlog.get_logger(__name__)
 
 DEFAULT_COLLECTIVE_TIMEOUT_S = 300.0
 PROGRESS_MIN_INTERVAL_S = 0.2
+MAX_CADENCE_CHARS = 400  # the cadence's reason in a step report (the channel bounds strings)
 # A pending should_stop all-reduce gets this long to complete at shutdown; then it is
 # abandoned (a peer is gone). It started a step ago, so it is normally complete.
 PENDING_SETTLE_S = 5.0
@@ -531,13 +533,14 @@ def _mark_stopped(ctx: WorkerContext, step: int | None) -> None:
 
 
 def report_progress(step: int, *, epoch: int = 0, samples: int = 0, loss: float | None = None,
-                    force: bool = False) -> None:
+                    force: bool = False, cadence: SaveCadence | None = None) -> None:
     """Tell the agent the last completed step (hang detection, ``elasticd status``).
 
     ``loss`` (optional, a float) goes into the job's history: ``elasticd status --plot``
     draws it and ``--watch`` shows its trend. Non-blocking and rate-limited (at most every
     0.2 s unless ``force``); a report that comes sooner is sent once the interval has
     passed, so the agent always learns the newest step. A no-op without an agent.
+    ``cadence`` (``[checkpoint] every = "auto"``) is shown by ``elasticd status``.
     """
     _await_round()
     if _S.progress is None:
@@ -545,7 +548,15 @@ def report_progress(step: int, *, epoch: int = 0, samples: int = 0, loss: float 
     ctx = current_context()
     _S.progress.offer(StepReport(local_rank=ctx.local_rank, rank=ctx.rank, step=max(step, -1),
                                  epoch=max(epoch, 0), samples=max(samples, 0),
-                                 loss=None if loss is None else float(loss)), force=force)
+                                 loss=None if loss is None else float(loss),
+                                 **_cadence_fields(cadence)), force=force)
+
+
+def _cadence_fields(cadence: SaveCadence | None) -> dict[str, Any]:
+    if cadence is None:
+        return {}
+    return {"save_every": cadence.every_steps, "save_interval_s": max(0.0, cadence.interval_s),
+            "cadence": cadence.reason[:MAX_CADENCE_CHARS]}
 
 
 def control_client() -> ControlClient | None:

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, TypeVar
 
@@ -46,7 +47,9 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import BatchSampler
 
+from elasticd.checkpoint.cadence import AUTO
 from elasticd.checkpoint.manager import CheckpointManager
+from elasticd.control.environment import agent_environment
 from elasticd.data.batch_sampler import ElasticBatchSampler
 from elasticd.data.distributed import ElasticDistributedSampler
 from elasticd.data.positions import PositionedBatchSampler
@@ -65,11 +68,14 @@ from elasticd.worker.fence import agent_fence
 from elasticd.worker.fingerprint import ReplicaFingerprints
 from elasticd.worker.live import LiveState, Reformed
 from elasticd.worker.peer_replica import DEFAULT_EVERY_STEPS as DEFAULT_PEER_REPLICA_EVERY
+from elasticd.worker.save_cadence import AutoSaveCadence
 from elasticd.worker.sharded import ShardedModel
 
 log = structlog.get_logger(__name__)
 
 _RESERVED = ("sampler", "elastic_loop")
+# save_every="auto": steps between saves until a save has measured its cost.
+DEFAULT_FIRST_SAVE_EVERY = 50
 B = TypeVar("B")  # a loader's batch
 
 
@@ -248,7 +254,11 @@ class ElasticLoop:
         checkpoint_url: fsspec URL; default ``$ELASTICD_CHECKPOINT_URL`` (set by the agent),
             else ``file://./checkpoints``.
         save_every: Save a checkpoint (asynchronously) every this many steps; a drain and
-            the end of every epoch always save.
+            the end of every epoch always save. ``"auto"``: the interval that minimises
+            expected lost work from the measured save cost and the job's loss rate, <= 1 %
+            overhead (:mod:`elasticd.worker.save_cadence`; 50 steps until a save is
+            measured). The agent's ``[checkpoint] every`` overrides it (with ``"auto"``
+            this number is the steps until a save is measured).
         keep_last: Checkpoints kept.
         manager: Use this :class:`CheckpointManager` instead of building one.
         live: Re-form in place on a membership change when the agent allows it (see the
@@ -278,12 +288,12 @@ class ElasticLoop:
             0: off. Not yet for a sharded model.
 
     Raises:
-        ConfigError: ``state`` uses a reserved key, ``save_every < 1``, or ``sharded``'s
-            module is not in ``state``.
+        ConfigError: ``state`` uses a reserved key, ``save_every`` neither ``"auto"`` nor
+            >= 1, or ``sharded``'s module is not in ``state``.
     """
 
     def __init__(self, state: Mapping[str, Any], sampler: Any, *, checkpoint_url: str | None = None,
-                 save_every: int = 50, keep_last: int = 3,
+                 save_every: int | str = 50, keep_last: int = 3,
                  manager: CheckpointManager | None = None, live: bool = False,
                  sharded: ShardedModel | None = None,
                  peer_replica_every: int = DEFAULT_PEER_REPLICA_EVERY,
@@ -291,8 +301,8 @@ class ElasticLoop:
         clash = [k for k in _RESERVED if k in state]
         if clash:
             raise ConfigError(f"ElasticLoop state uses reserved key(s) {clash}; rename them")
-        if save_every < 1:
-            raise ConfigError(f"save_every must be >= 1, got {save_every}")
+        if save_every != AUTO and (not isinstance(save_every, int) or save_every < 1):
+            raise ConfigError(f'save_every must be "auto" or a number of steps >= 1, got {save_every!r}')
         if sharded is not None and not any(v is sharded.module for v in state.values()):
             raise ConfigError("ElasticLoop(sharded=...): the state must hold sharded.module "
                               '(e.g. {"model": sharded.module, "optimizer": optimizer})')
@@ -304,7 +314,12 @@ class ElasticLoop:
             sampler.regroup()  # built before the round, for a world of one
         # These count global batches (one step() per optimizer step), not samples per rank.
         self._per_global_batch = isinstance(sampler, (ElasticSampler, ElasticStream))
-        self.save_every = save_every
+        # Until a save has measured its cost, "auto" saves every the script's own steps.
+        first_every = save_every if isinstance(save_every, int) else DEFAULT_FIRST_SAVE_EVERY
+        agent = agent_environment()
+        if agent is not None and agent.checkpoint_every is not None:
+            save_every = agent.checkpoint_every  # the agent's [checkpoint] every wins
+        self.save_every = first_every if save_every == AUTO else int(save_every)
         self.steps_done = 0
         self._saved_at = 0
         # The loss of the step in progress, if the loop sets it (``loop.loss = loss.item()``):
@@ -315,6 +330,9 @@ class ElasticLoop:
         # which steps save (a collective), joiners included.
         self._progress: dict[str, int] = {"steps_done": 0, "saved_at": 0, "samples_done": 0}
         self._state = {**state, "sampler": sampler, "elastic_loop": self._progress}
+        self.cadence = (AutoSaveCadence(self._progress, self.save_every,
+                                        agent.observed_losses if agent is not None else None)
+                        if save_every == AUTO else None)
         url = checkpoint_url or ctx.checkpoint_url or "file://" + os.path.abspath("checkpoints")
         self.manager = manager or CheckpointManager(url, job=ctx.job or "local",
                                                     keep_last=keep_last, fence=agent_fence())
@@ -536,9 +554,12 @@ class ElasticLoop:
                                           + max(0, int(self.sampler.samples_trained) - before))
         if self.fingerprints is not None:  # before any save: a diverged state is never kept
             self.fingerprints.step_done(self.steps_done)
+        if self.cadence is not None:
+            self.cadence.step_done()
         report_progress(self.steps_done - 1, epoch=int(self.sampler.epoch),
                         samples=self._progress["samples_done"],
-                        loss=self.loss if loss is None else loss)
+                        loss=self.loss if loss is None else loss,
+                        cadence=self.cadence.chosen if self.cadence is not None else None)
         # With live re-formation a drain or join elsewhere re-forms the group here and
         # raises Reformed (batches() continues on the new group); a drain of every node
         # stops as below.
@@ -554,8 +575,14 @@ class ElasticLoop:
             if shutdown_workers is not None:
                 shutdown_workers()
             fast_exit(0)
-        if self.steps_done % self.save_every == 0:
+        if self._save_due():
             self.save()
+
+    def _save_due(self) -> bool:
+        """Is this step a save step? The same answer on every rank (a save is a collective)."""
+        if self.cadence is not None:  # the agreed steps since the last save (both travel)
+            return self.steps_done - self._saved_at >= self.cadence.every()
+        return self.steps_done % self.save_every == 0
 
     def save(self, *, blocking: bool = False) -> None:
         """Checkpoint the state as of the last finished step (a collective).
@@ -567,8 +594,11 @@ class ElasticLoop:
         if self.steps_done == self._saved_at:
             return  # this step is saved already; a second save would be refused as not newer
         self._progress["saved_at"] = self.steps_done
+        t0 = time.perf_counter()
         self.manager.save(self.steps_done - 1, self._state, blocking=blocking)
         self._saved_at = self.steps_done
+        if self.cadence is not None and not blocking:  # a blocking save's time includes the write
+            self.cadence.saved(time.perf_counter() - t0, self.manager.last_saved)
 
     def close(self) -> None:
         """Save the last finished step if it is not saved yet, wait for the checkpoint to

@@ -7,7 +7,14 @@ import math
 
 import pytest
 
-from elasticd.checkpoint.cadence import interval_steps, young_daly_interval
+from elasticd.checkpoint.cadence import (
+    MIN_LOSSLESS_SPAN_S,
+    choose_save_every,
+    interval_steps,
+    parse_every,
+    parse_losses,
+    young_daly_interval,
+)
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -52,3 +59,69 @@ def test_steps_round_the_interval_and_are_at_least_one():
     assert interval_steps(12.0, 0.5) == 24
     assert interval_steps(0.1, 1.0) == 1
     assert interval_steps(5.0, 0.0) == 1
+
+
+def test_auto_saves_every_first_steps_until_a_save_was_measured():
+    """Before a save has measured its cost (or a step its time) the cadence is the script's
+    save_every, and says so."""
+    c = choose_save_every(blocking_s=None, write_s=0.0, step_time_s=0.5, losses=0,
+                          observed_s=0.0, first_every=50)
+    assert c.every_steps == 50 and "until a save has measured" in c.reason
+    c = choose_save_every(blocking_s=0.02, write_s=1.0, step_time_s=0.0, losses=3,
+                          observed_s=3600, first_every=50)
+    assert c.every_steps == 50
+
+
+def test_auto_is_young_daly_in_whole_steps_rounded_up():
+    """20 ms blocking, one loss an hour, 0.5 s steps: Young–Daly's 12 s is 24 steps; a
+    fraction of a step rounds up so the overhead cap still holds."""
+    c = choose_save_every(blocking_s=0.02, write_s=1.0, step_time_s=0.5, losses=4,
+                          observed_s=4 * 3600, first_every=50)
+    assert c.every_steps == 24 and c.interval_s == pytest.approx(12.0)
+    assert "Young" in c.reason and "MTBF 3600 s" in c.reason
+    c = choose_save_every(blocking_s=0.02, write_s=1.0, step_time_s=0.7, losses=4,
+                          observed_s=4 * 3600, first_every=50)
+    assert c.every_steps == math.ceil(12.0 / 0.7)
+
+
+def test_auto_bounds_the_overhead_to_one_percent_and_never_overlaps_writes():
+    """Frequent losses would ask for saves more often than the loop can afford: the
+    interval is at least blocking / 1 % and at least the write time."""
+    c = choose_save_every(blocking_s=0.05, write_s=0.1, step_time_s=0.1, losses=1000,
+                          observed_s=1000, first_every=50)
+    assert c.interval_s >= 0.05 / 0.01 and "overhead cap" in c.reason
+    c = choose_save_every(blocking_s=0.001, write_s=30.0, step_time_s=1.0, losses=1000,
+                          observed_s=1000, first_every=50)
+    assert c.every_steps == 30 and "write time" in c.reason
+
+
+def test_a_young_job_without_losses_assumes_one_over_ten_minutes_not_its_age():
+    """A job 5 s old with no loss does not save every few steps: the lossless span counts
+    as at least MIN_LOSSLESS_SPAN_S; a loss already seen is taken at its real rate."""
+    c = choose_save_every(blocking_s=0.02, write_s=0.1, step_time_s=0.1, losses=0,
+                          observed_s=5.0, first_every=50)
+    assert c.interval_s == pytest.approx(math.sqrt(2 * 0.02 * MIN_LOSSLESS_SPAN_S), rel=0.02)
+    quick = choose_save_every(blocking_s=0.02, write_s=0.1, step_time_s=0.1, losses=1,
+                              observed_s=100.0, first_every=50)
+    assert quick.every_steps < c.every_steps
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    (None, None), ("", None), (" auto ", "auto"), ("AUTO", "auto"), ("200", 200), ("1", 1)])
+def test_every_parses_auto_steps_or_unset(text, expected):
+    """ELASTICD_CHECKPOINT_EVERY as a worker reads it: "auto", steps >= 1, or unset."""
+    assert parse_every(text) == expected
+
+
+@pytest.mark.parametrize("text", ["0", "-3", "often", "1.5"])
+def test_every_refuses_anything_else_naming_the_forms(text):
+    """A bad value names the accepted forms."""
+    with pytest.raises(ValueError, match='"auto" or a whole number'):
+        parse_every(text)
+
+
+def test_observed_losses_parse_or_are_ignored():
+    """"<losses>/<seconds>" from the agent; a malformed value is no information, not an error."""
+    assert parse_losses("3/7200") == (3, 7200.0)
+    assert parse_losses(None) is None and parse_losses("x/1") is None
+    assert parse_losses("3") is None and parse_losses("-1/5") is None and parse_losses("1/nan") is None

@@ -491,3 +491,24 @@ def test_config_package_does_not_read_os_environ():
     reads_env = re.compile(r"os\.environ(\.|\[)|getenv\(")
     for path in (REPO / "elasticd" / "config").glob("*.py"):
         assert not reads_env.search(path.read_text()), path
+
+
+@pytest.mark.parametrize(("value", "expected"), [('"auto"', "auto"), ("200", 200), ('""', None)])
+def test_checkpoint_every_is_auto_or_steps(tmp_path, value, expected):
+    """[checkpoint] every takes "auto" or a whole number of steps (empty: the script's)."""
+    assert load(tmp_path, MINIMAL + f"[checkpoint]\nevery = {value}\n").checkpoint.every == expected
+    assert load(tmp_path, env={"ELASTICD_CHECKPOINT_EVERY": value.strip('"')}).checkpoint.every == expected
+
+
+@pytest.mark.parametrize("value", ['"often"', "0", "1.5", "true"])
+def test_a_bad_checkpoint_every_names_the_key_and_the_fix(tmp_path, value):
+    """Anything else is a ConfigError naming checkpoint.every and the accepted forms."""
+    with pytest.raises(ConfigError, match=r'checkpoint\.every.*every = "auto"'):
+        load(tmp_path, MINIMAL + f"[checkpoint]\nevery = {value}\n")
+
+
+def test_the_workers_checkpoint_url_variable_is_not_read_as_a_config_key(tmp_path):
+    """ELASTICD_CHECKPOINT_URL (what the agent hands its workers) falls under the
+    [checkpoint] prefix but is not a key: an agent started from a worker's environment
+    still loads."""
+    assert load(tmp_path, env={"ELASTICD_CHECKPOINT_URL": "file:///c"}).checkpoint.every is None

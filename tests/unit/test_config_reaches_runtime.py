@@ -51,6 +51,8 @@ def _rows(tmp_path) -> dict[str, tuple[dict[str, Any], Check, Any]]:
         "job.standalone": ({"job.standalone": "true", "etcd.endpoints": ""},
                            lambda s: (s.etcd.embedded, s.rendezvous.local_addr), (True, "127.0.0.1")),
         "job.resume": ({"job.resume": "require"}, lambda s: s.resume, "require"),
+        "checkpoint.every": ({"checkpoint.every": "auto"}, lambda s: s.supervision.checkpoint_every,
+                             "auto"),
         "etcd.endpoints": ({"etcd.endpoints": "h1:1,h2:2"}, lambda s: _client(s).endpoints, [("h1", 1), ("h2", 2)]),
         "etcd.ca_file": ({"etcd.ca_file": str(ca)}, lambda s: _client(s).tls.ca_file, str(ca)),
         "etcd.cert_file": (tls, lambda s: _client(s).tls.cert_file, str(cert)),
@@ -180,7 +182,7 @@ def _defaults(cls: type) -> dict[str, Any]:
 @pytest.mark.parametrize("section", sorted({k.section for k in KEYS.values()}))
 def test_model_defaults_equal_the_schema(section):
     """The typed sections' dataclass defaults are the schema's (defined once, checked here)."""
-    cls = {"job": model.JobConfig, "etcd": model.EtcdConfig, "node": model.NodeConfig,
+    cls = {"job": model.JobConfig, "checkpoint": model.CheckpointConfig, "etcd": model.EtcdConfig, "node": model.NodeConfig,
            "rendezvous": model.RendezvousConfig, "workers": model.WorkersConfig,
            "restart": model.RestartConfig, "drain": model.DrainConfig,
            "preemption": model.PreemptionConfig, "logging": model.LoggingConfig,

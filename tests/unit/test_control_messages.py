@@ -35,6 +35,8 @@ def _line(**obj: object) -> bytes:
 @pytest.mark.parametrize("msg", [
     StepReport(local_rank=1, rank=5, step=10, epoch=2, samples=640),
     StepReport(local_rank=0, rank=0, step=3, loss=0.25),
+    StepReport(local_rank=0, rank=0, step=3, save_every=24, save_interval_s=12.0,
+               cadence="12.0 s: Young–Daly"),
     CommitRequest(step=10, manifest_url="file:///c/j/step-10/x/manifest.json", world_size=4, round=3, id=7),
     LatestRequest(id=2),
     Ping(id=9),

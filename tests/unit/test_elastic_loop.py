@@ -132,7 +132,7 @@ def test_progress_reports_cumulative_samples_across_epochs_and_resumes(standalon
 
     reports: list[tuple[int, int]] = []
     monkeypatch.setattr(loop_module, "report_progress",
-                        lambda step, *, epoch=0, samples=0, loss=None, force=False:
+                        lambda step, *, epoch=0, samples=0, loss=None, force=False, cadence=None:
                         reports.append((step, samples)))
     url = f"memory://loop-{uuid.uuid4().hex}"
     loop, sampler, loader = _loop(url)  # 20 samples, batches of 4: 5 steps an epoch
@@ -299,3 +299,34 @@ def test_torch_refusing_a_destroyed_group_is_recognised(monkeypatch, tmp_path):
         dist.destroy_process_group()
     assert stale_group_error(info.value)
     assert not stale_group_error(RuntimeError("Connection closed by peer"))
+
+
+def test_auto_cadence_saves_at_first_every_then_at_the_measured_interval(standalone, monkeypatch):
+    """save_every="auto": the first save comes at 50 steps and measures its cost; the loop
+    then keeps the interval chosen from it (in the progress that travels with the state)
+    and reports it with each step; a bad value is a ConfigError naming the forms."""
+    import elasticd.worker.loop as loop_module
+
+    cadences = []
+    monkeypatch.setattr(loop_module, "report_progress",
+                        lambda step, *, cadence=None, **kw: cadences.append(cadence))
+    ds = TensorDataset(torch.arange(240, dtype=torch.float64)[:, None])
+    sampler = worker.ElasticDistributedSampler(ds, 1, 0, seed=1)
+    model = torch.nn.Linear(1, 1).double()
+    mgr = CheckpointManager(f"memory://loop-{uuid.uuid4().hex}", job="t", rank=0, world_size=1)
+    with pytest.raises(ConfigError, match='"auto" or a number of steps'):
+        ElasticLoop({"model": model}, sampler, save_every="sometimes", manager=mgr)
+    loop = ElasticLoop({"model": model}, sampler, save_every="auto", manager=mgr)
+    saved: list[int] = []
+    real_save = mgr.save
+    monkeypatch.setattr(mgr, "save", lambda step, state, **kw: (saved.append(step),
+                                                                real_save(step, state, **kw)))
+    for i, _ in enumerate(loop.batches(DataLoader(ds, batch_size=4, sampler=sampler))):
+        if i == 49:
+            assert loop.cadence is not None and loop.cadence.every() == 50
+    assert saved == [49, 59]  # step 49 at 50 steps, then the epoch's end (60 steps)
+    chosen = loop.cadence.chosen
+    assert loop._progress["save_every"] == chosen.every_steps != 50
+    assert "MTBF" in chosen.reason and chosen.interval_s > 0
+    assert cadences[0].every_steps == 50 and cadences[-1] == chosen
+    loop.close()

@@ -13,6 +13,7 @@ from elasticd.status.goodput import (
     life_and_window,
     rate_for,
     render,
+    rollback_losses,
 )
 
 
@@ -162,3 +163,16 @@ def test_a_rollback_the_samples_never_see_is_retrained_and_each_is_plotted():
     assert led.seconds["retrained"] == pytest.approx(24 / 4.0 * 4)  # 24 steps at 4/s, 4 workers
     assert compute(history, []).seconds["retrained"] == 0
     assert plot_data(history, rollbacks).rollbacks == ((12.0, 12), (17.0, 12))
+
+
+def test_losses_count_rollback_events_and_unreported_step_backs_once():
+    """The cadence's loss rate: each rollback event is one loss, a step back between two
+    samples with no rollback event between them is one more, and one with such an event is
+    not counted twice; the span is the history's."""
+    s = [*steady(0, 0, 3), Sample(15.0, 4, 4, checkpoint_step=4), *steady(20.0, 8, 3),
+         Sample(35.0, 10, 4, checkpoint_step=10)]
+    assert rollback_losses(History(5.0, tuple(s)), []) == (2, 35.0)
+    reported = [Event(time=33.0, kind="rollback", node="n1", round=1, message="rollback",
+                      detail={"steps": 8}), ev(12.0, "failure")]
+    assert rollback_losses(History(5.0, tuple(s)), reported) == (2, 35.0)
+    assert rollback_losses(History(5.0, ()), []) == (0, 0.0)

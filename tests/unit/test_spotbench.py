@@ -253,3 +253,28 @@ def test_the_projection_keeps_the_control_plane_and_adds_each_paths_gpu_parts():
     assert torch.kill_s == pytest.approx(0.0 + 11.0 + g.ckpt_read_s + 15.0 + 2.0)
     assert torch.join_s == pytest.approx((10.0 - 3.0) + 11.0 + 60.0 + g.ckpt_read_s + 2.0)
     assert torch.drain_s == 0.0  # torchrun ignores the notice
+
+
+def test_each_save_blocks_the_members_for_its_measured_copy():
+    """save_block_s charges every member at each save (checkpoint_block): a steady hour of
+    4 nodes saving every 100 s of training with a 1 s copy pays 35 copies, and adds up."""
+    job = JobShape(min_nodes=1, max_nodes=4, checkpoint_every_s=100.0, save_block_s=1.0)
+    led = simulate([4] * 13, GAP, LIVE, job, Placement.EARLY)
+    assert led.lost["checkpoint_block"] == pytest.approx(4 * 35 * 1.0)
+    _adds_up(led)
+
+
+def test_the_auto_interval_follows_the_losses_seen_and_retrains_less():
+    """checkpoint_auto re-chooses Young–Daly after each save and rollback: a restart
+    launcher losing a node every 10 minutes ends on an interval far below 600 s, and
+    retrains less than with the fixed 600 s, the saves' copies included."""
+    counts = [4, 4, 3, 4, 3, 4, 3, 4, 3, 4, 3, 4, 3]
+    fixed = JobShape(min_nodes=1, max_nodes=4, checkpoint_every_s=600.0, save_block_s=0.5,
+                     save_write_s=2.0)
+    auto = JobShape(**{**fixed.__dict__, "checkpoint_auto": True})
+    a = simulate(counts, GAP, RESTART, auto, Placement.MIDDLE)
+    f = simulate(counts, GAP, RESTART, fixed, Placement.MIDDLE)
+    assert a.events["auto_interval_s"] < 300
+    assert a.lost["retrained"] + a.lost["checkpoint_block"] < f.lost["retrained"] + f.lost.get(
+        "checkpoint_block", 0.0)
+    _adds_up(a)

@@ -137,3 +137,29 @@ def test_a_spare_says_why_in_json_and_in_the_table(schema):
     buf = io.StringIO()
     make_console(buf, width=120).print(render_job(status))
     assert f"c is a spare: {why}" in " ".join(buf.getvalue().split())
+
+
+def test_the_auto_checkpoint_cadence_is_shown_in_json_and_in_the_table(schema):
+    """A progress record carrying [checkpoint] every = "auto"'s choice shows it: JSON
+    progress.checkpoint_cadence (steps, seconds, why) and a `cadence` row; without one
+    the JSON field is null and there is no row."""
+    from dataclasses import replace
+
+    snap = full_snapshot()
+    why = "12.0 s: Young–Daly sqrt(2 * blocking * MTBF) (blocking 0.02 s, write 1 s, MTBF 3600 s)"
+    auto = replace(snap, progress=replace(snap.progress, save_every=24, save_interval_s=12.0,
+                                          cadence=why))
+    status = derive_status(auto, NOW)
+    doc = jsondoc.job_document(status, endpoints=["127.0.0.1:2379"])
+    validate(doc, schema)
+    assert doc["progress"]["checkpoint_cadence"] == {"every_steps": 24, "interval_s": 12.0,
+                                                     "reason": why}
+    buf = io.StringIO()
+    make_console(buf, width=200).print(render_job(status))
+    text = " ".join(buf.getvalue().split())
+    assert "cadence auto: every 24 steps (~12.0 s)" in text and "Young–Daly" in text
+    plain = derive_status(snap, NOW)
+    assert jsondoc.job_document(plain, endpoints=[])["progress"]["checkpoint_cadence"] is None
+    buf = io.StringIO()
+    make_console(buf, width=200).print(render_job(plain))
+    assert "cadence" not in buf.getvalue()

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from elasticd.agent.worker_env import is_secret, scrub, spawn_environment
+from elasticd.agent.supervision import SupervisionSettings
+from elasticd.agent.worker_env import is_secret, scrub, spawn_environment, supervised_worker_env
+from elasticd.control.environment import agent_environment
+from elasticd.errors import ConfigError
 
 
 @pytest.mark.parametrize("name", [
@@ -37,3 +40,25 @@ def test_spawn_environment_sets_scrubs_and_restores():
         assert env == {"PATH": "/bin", "ELASTICD_ROUND": "4", "X": "y"}
     assert env == before
     assert scrub({"ELASTICD_ETCD_ENDPOINTS": "h:1", "A": "b"}) == {"A": "b"}
+
+
+def test_the_checkpoint_cadence_and_the_ledgers_losses_reach_the_worker():
+    """[checkpoint] every and the agent's loss count travel in the worker's environment and
+    parse back on the worker's side; unset, neither variable is set."""
+    env = supervised_worker_env(SupervisionSettings(checkpoint_every="auto"), job="j", node="n",
+                                agent_pid=1, control_env={"ELASTICD_CONTROL_SOCKET": "/s"},
+                                losses=(3, 7200.4))
+    assert env["ELASTICD_CHECKPOINT_EVERY"] == "auto"
+    assert env["ELASTICD_OBSERVED_LOSSES"] == "3/7200"
+    seen = agent_environment({**env, "ELASTICD_ROUND": "2"})
+    assert seen is not None and seen.checkpoint_every == "auto"
+    assert seen.observed_losses == (3, 7200.0)
+    fixed = supervised_worker_env(SupervisionSettings(checkpoint_every="200"), job="j", node="n",
+                                  agent_pid=1, control_env={})
+    assert fixed["ELASTICD_CHECKPOINT_EVERY"] == "200" and "ELASTICD_OBSERVED_LOSSES" not in fixed
+    unset = supervised_worker_env(SupervisionSettings(), job="j", node="n", agent_pid=1,
+                                  control_env={}, losses=(1, 5.0))
+    assert not {"ELASTICD_CHECKPOINT_EVERY", "ELASTICD_OBSERVED_LOSSES"} & set(unset)
+    with pytest.raises(ConfigError, match=r"\[checkpoint\] every"):
+        agent_environment({"ELASTICD_CONTROL_SOCKET": "/s", "ELASTICD_ROUND": "2",
+                           "ELASTICD_CHECKPOINT_EVERY": "often"})
