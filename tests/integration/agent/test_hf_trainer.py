@@ -37,7 +37,7 @@ KILL_AT, JOIN_AT, DRAIN_AT = 3, 8, 13  # epoch 0, epoch 1, epoch 2 (a stop lands
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}  # a tiny model: torch's thread pool only contends
 
 
-@pytest.mark.timeout(420)
+@pytest.mark.timeout(600)  # ~6 worker starts, each importing transformers: 465 s at load 25 on 2 cores
 def test_trainer_kill_join_drain_trains_every_sample_once(nodes, tmp_path):
     """A 2-node ElasticTrainer job loses a node (SIGKILL), gains one and drains one, each
     mid-epoch, and still trains every sample of every epoch exactly once, ending with the
