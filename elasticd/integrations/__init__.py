@@ -1,0 +1,1 @@
+"""Integrations of elasticd with the training frameworks users already run (issue 50)."""

@@ -1,0 +1,107 @@
+"""End to end: a Hugging Face Trainer under elasticd trains every sample of every epoch once.
+
+``ElasticTrainer`` (elasticd.integrations.transformers) on real agents, one multi-phase job
+with the exactly-once matrix's fault schedule and ledger audit (the helpers are imported
+from test_exactly_once_matrix): two nodes train, one is SIGKILLed mid-epoch (world size 1),
+a new node joins mid-epoch (world size 2), that node is drained mid-epoch (SIGTERM to its
+agent), and the survivor finishes. The Trainer takes the restart path (no live
+re-formation), so every change restarts the workers from elasticd's newest checkpoint.
+The global batch is constant (8: one micro-batch of 4 per rank at world size 2, two
+micro-steps of 4 at world size 1), so the final parameters equal a fault-free run's.
+Also: examples/hf_trainer_elastic.py under ``elasticd run --standalone --nproc-per-node 2``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+from collections import Counter
+
+import pytest
+import torch
+from harness import PY, ROOT, read_jsonl, wait_until
+from integration.agent.test_exactly_once_matrix import (
+    _hold,
+    _hold_at,
+    _ledger,
+    _round,
+    _step_until_world,
+)
+
+pytest.importorskip("transformers", reason="the hf extra: pip install 'elasticd[hf]'")
+
+SCRIPT = str(ROOT / "tests" / "workers" / "hf_trainer_once.py")
+DATASET, EPOCHS = 48, 3  # global batch 8: 6 steps per epoch at any world size
+KILL_AT, JOIN_AT, DRAIN_AT = 3, 8, 13  # epoch 0, epoch 1, epoch 2 (a stop lands a step or two on)
+ONE_THREAD = {"OMP_NUM_THREADS": "1"}  # a tiny model: torch's thread pool only contends
+
+
+@pytest.mark.timeout(600)  # ~6 worker starts, each importing transformers: 465 s at load 25 on 2 cores
+def test_trainer_kill_join_drain_trains_every_sample_once(nodes, tmp_path):
+    """A 2-node ElasticTrainer job loses a node (SIGKILL), gains one and drains one, each
+    mid-epoch, and still trains every sample of every epoch exactly once, ending with the
+    parameters of a fault-free run at world size 1 (constant global batch)."""
+    hold, trace = tmp_path / "hold", tmp_path / "trace-run.jsonl"
+    args = ["--dataset-size", str(DATASET), "--epochs", str(EPOCHS), "--hold", str(hold),
+            "--trace", str(trace), "--checkpoint-url", f"file://{tmp_path}/ckpt-run",
+            "--output-dir", str(tmp_path / "out-run"), "--final-params", str(tmp_path / "final-run.pt")]
+    _hold(hold, 0)
+    a = nodes.start("hf", SCRIPT, nnodes="1:2", name="a", script_args=args, env=ONE_THREAD)
+    b = nodes.start("hf", SCRIPT, nnodes="1:2", name="b", script_args=args, env=ONE_THREAD)
+    _hold_at(hold, trace, 0, 2)
+    _hold_at(hold, trace, KILL_AT, 2)
+    before = _round(trace)
+    b.signal(signal.SIGKILL)
+    _hold_at(hold, trace, JOIN_AT, 1, after_round=before)  # the survivor alone, mid epoch 1
+    before = _round(trace)
+    c = nodes.start("hf", SCRIPT, nnodes="1:2", name="c", script_args=args, env=ONE_THREAD)
+    wait_until(lambda: "rendezvous_completed" in c.log(), 120, "the joiner registered")
+    _step_until_world(hold, trace, JOIN_AT, 2, before)
+    _hold_at(hold, trace, DRAIN_AT, 2)
+    before = _round(trace)
+    c.signal_agent(signal.SIGTERM)
+    wait_until(lambda: "drain_started" in c.log(), 60, "the drain started")
+    _step_until_world(hold, trace, DRAIN_AT, 1, before)
+    hold.unlink()
+    for node in (a, c):
+        assert node.wait(180) == 0, node.log()[-4000:]
+
+    got = _ledger(trace)
+    ref_trace = tmp_path / "trace-ref.jsonl"
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR")}
+    ref = subprocess.run([PY, SCRIPT, "--dataset-size", str(DATASET), "--epochs", str(EPOCHS),
+                          "--trace", str(ref_trace), "--checkpoint-url", f"file://{tmp_path}/ckpt-ref",
+                          "--output-dir", str(tmp_path / "out-ref"),
+                          "--final-params", str(tmp_path / "final-ref.pt")],
+                         cwd=str(ROOT), env={**env, **ONE_THREAD}, capture_output=True, text=True,
+                         timeout=180, check=False)
+    assert ref.returncode == 0, ref.stdout[-2000:] + ref.stderr[-3000:]
+    every = Counter((e, i) for e in range(EPOCHS) for i in range(DATASET))
+    assert _ledger(ref_trace) == every
+    missing, twice = every - got, got - every
+    assert not missing and not twice, (f"{sum(missing.values())} samples never trained, e.g. "
+                                       f"{sorted(missing)[:6]}; {sum(twice.values())} extra, e.g. "
+                                       f"{sorted(twice)[:6]}")
+    assert {r["world_size"] for r in read_jsonl(trace)} == {1, 2}
+    want = torch.load(tmp_path / "final-ref.pt", weights_only=True)
+    got_params = torch.load(tmp_path / "final-run.pt", weights_only=True)
+    for name, value in want.items():
+        assert torch.allclose(value, got_params[name], rtol=1e-4, atol=1e-6), name
+
+
+@pytest.mark.timeout(300)
+def test_example_runs_under_elasticd_run_standalone(tmp_path):
+    """examples/hf_trainer_elastic.py under ``elasticd run --standalone --nproc-per-node 2``
+    trains to the end (exit 0) and commits elasticd's checkpoint of its last step."""
+    ckpt = tmp_path / "ckpt"
+    run = subprocess.run(
+        [PY, "-m", "elasticd.cli", "run", "--standalone", "--no-warm-start", "--log-format", "json",
+         "--nproc-per-node", "2", "--checkpoint-url", f"file://{ckpt}",
+         str(ROOT / "examples" / "hf_trainer_elastic.py"), "--epochs", "1", "--dataset-size", "32",
+         "--output-dir", str(tmp_path / "out")],
+        cwd=str(tmp_path), capture_output=True, text=True, timeout=280, check=False,
+        env={**os.environ, **ONE_THREAD, "STATE_DIRECTORY": str(tmp_path / "state")})
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    manifests = sorted(p.parent.parent.name for p in ckpt.rglob("manifest.json"))
+    assert manifests and manifests[-1] == "step-000000000001", manifests  # 32 / 16 = 2 steps
