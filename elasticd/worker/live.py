@@ -228,17 +228,12 @@ class LiveState:
             wctx.note_reform_order(order.round)
             if wctx.current_context().world_size == 1:
                 continue  # no peer to wait on: nothing to abort, the step boundary is near
-            for group in (dist.group.WORLD, getattr(wctx._S, "stop_group", None)):
-                try:
-                    if group is not None and not self._in_reform:
-                        group.abort()
-                except (RuntimeError, AttributeError, ValueError):
-                    pass
+            wctx.abort_groups(lambda: not self._in_reform)
             # gloo's abort closes our connections (peers waiting on us fail) but does not
             # wake our own wait on a frozen peer: shutting the connections down does.
             time.sleep(0.2)
             if not self._in_reform and (wctx.current_round() or 0) < order.round:
-                closed = shutdown_group_connections(wctx._S.group_sockets)
+                closed = shutdown_group_connections(wctx.group_sockets())
                 self._log.info("live_connections_shut_down", count=closed, round=order.round)
             time.sleep(1.0)  # the loop notices (a failed collective) and re-forms
 
@@ -354,7 +349,7 @@ class LiveState:
         key = hashlib.sha256(b"".join(t[1:].cpu().numpy().tobytes() for t in nodes)).digest()
         if all(h == NO_HOLDER for h in holders):
             return  # one node: a replica on it dies with it
-        hosts, peers = group_endpoints(wctx._S.group_sockets)
+        hosts, peers = group_endpoints(wctx.group_sockets())
         if not hosts:
             self._log.warning("peer_replica_off", reason="this rank's address in the group is unknown")
             return
