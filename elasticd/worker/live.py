@@ -61,6 +61,7 @@ from elasticd.control.messages import (
 from elasticd.control.reform import clear_stopped, read_order, write_stopped
 from elasticd.errors import ConfigError
 from elasticd.worker import peer_reshard as pmem
+from elasticd.worker.failures import is_peer_failure
 from elasticd.worker.peer_replica import (
     DEFAULT_EVERY_STEPS,
     KEY_BYTES,
@@ -71,7 +72,6 @@ from elasticd.worker.peer_replica import (
     ring_holders,
     take_snapshot,
 )
-from elasticd.worker.process_group import is_peer_failure
 from elasticd.worker.sharded import (
     NOT_HELD,
     RankShards,
