@@ -65,6 +65,7 @@ from elasticd.worker.peer_replica import (
     ring_holders,
     take_snapshot,
 )
+from elasticd.worker.recovery_plan import NO_STATE, Load, plan_replication
 from elasticd.worker.sharded import (
     NOT_HELD,
     RankShards,
@@ -344,20 +345,18 @@ class LiveState:
         # On the group's own device: an NCCL group has no CPU backend (the GPU check found
         # "No backend type associated with device type cpu").
         device = ctx.device if ctx.backend == "nccl" else torch.device("cpu")
-        mine = torch.tensor([self.step if self._has_state else -2], dtype=torch.int64, device=device)
+        mine = torch.tensor([self.step if self._has_state else NO_STATE], dtype=torch.int64, device=device)
         steps = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(dist.get_world_size())]
         dist.all_gather(steps, mine)
-        values = [int(t.item()) for t in steps]
-        newest = max(values)
-        if newest == -2:  # nobody holds a state: a fresh start or a full restart
+        plan = plan_replication([int(t.item()) for t in steps])
+        if isinstance(plan, Load):  # nobody holds a state: a fresh start or a full restart
             self._load_fresh(load)
             return
         self.agreed_in_memory = True
-        src = values.index(newest)
-        if all(v == newest for v in values):
+        if not plan.behind:
             return
         t0 = time.monotonic()
-        behind = [r for r, v in enumerate(values) if v != newest]
+        newest, src, behind = plan.step, plan.source, list(plan.behind)
         sd = self._collect() if ctx.rank == src or ctx.rank in behind else None
         # Bounded by what is left of the re-formation (a source that died mid-transfer
         # raises TransferError, and _reform_inner falls back to the restart path). A rank
