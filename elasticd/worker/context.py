@@ -17,13 +17,14 @@ still agree; a drain takes effect one step later.
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import logging
 import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
 from types import FrameType, TracebackType
 from typing import Any, NoReturn
@@ -62,6 +63,7 @@ from elasticd.control.reform import write_stopped
 from elasticd.errors import EX_CONFIG, ConfigError
 from elasticd.worker import process_group as pgl
 from elasticd.worker.sockets import socket_links
+from elasticd.worker.stop_agreement import StopAgreement
 
 log = structlog.get_logger(__name__)
 
@@ -107,39 +109,312 @@ class WorkerContext:
         return self.rank == 0
 
 
-class _State:
-    ctx: WorkerContext | None = None
-    client: ControlClient | None = None
-    control_dir: Path | None = None
-    sigterm: bool = False
-    stopped: bool = False
-    drainable_noted: bool = False  # drainable-<rank> written for the agent
-    progress: LatestReport | None = None  # the step reports (throttled, never the newest lost)
-    flag: torch.Tensor | None = None  # [any rank asked to stop, -(every rank drains), some rank drains]
-    all_drain: bool = False  # at the last agreed stop, every rank's own node was draining
-    any_drain: bool = False  # at the last agreed stop, some rank's own node was draining
-    stop_group: Any = None  # CPU (gloo) group for the stop flag
-    pending: Any = None  # async all-reduce work of the previous should_stop()
-    old_sigterm: Any = None
-    guards_installed: bool = False  # teardown guards (once per process)
-    # The sockets our process groups opened ("socket:[inode]" links in /proc/self/fd): the
-    # only ones live re-formation may shut down to wake a wait on a frozen peer.
-    group_sockets: frozenset[str] = frozenset()
-    # The newest round the agent ordered this node's live workers into (``reform.json``, as
-    # LiveState's watcher saw it; -1: none). A worker still in an older round leaves its
-    # group at the next agreed step (``should_stop``), as for a park.
-    ordered_round: int = -1
-    # A hot spare's worker before its round (ELASTICD_SPARE=1): what init() was asked for
-    # and the context it returned (no group); None once admitted, or when not a spare.
-    ahead: tuple[str | None, float, WorkerContext, int] | None = None  # ..., and our pid
-    ran_ahead: bool = False  # this worker ran ahead as a spare's, then joined its round
-    # Who forms, leaves and re-forms this worker's process group (one owner: no other
-    # code creates or destroys it); None until init() formed one.
-    lifecycle: pgl.GroupLifecycle | None = None
-    generation: int = 0  # groups formed so far: a wrapper built on an older one is stale
+class WorkerRuntime:
+    """What this worker process holds: its context, its process group's owner and sockets,
+    the agent's channel, and the stop agreement's flag and pending all-reduce.
+
+    One per process (the module's functions delegate to it); no other code touches its
+    fields: what the re-formation and the transports need from it are its methods.
+    """
+
+    def __init__(self, ctx: WorkerContext | None = None) -> None:
+        """A runtime with nothing formed yet, or (``ctx``) one that adopts a known context
+        with no group and no agent (a unit test, a single process)."""
+        self._ctx = ctx
+        self._client: ControlClient | None = None
+        self._control_dir: Path | None = None
+        self._sigterm = False
+        self._stopped = False
+        self._drainable_noted = False  # drainable-<rank> written for the agent
+        self._progress: LatestReport | None = None  # step reports (throttled, never the newest lost)
+        self._stop = StopAgreement()
+        self._old_sigterm: Any = None
+        self._guards_installed = False  # teardown guards (once per process)
+        # The sockets our process groups opened ("socket:[inode]" links in /proc/self/fd): the
+        # only ones live re-formation may shut down to wake a wait on a frozen peer.
+        self._group_sockets: frozenset[str] = frozenset()
+        # The newest round the agent ordered this node's live workers into (``reform.json``, as
+        # LiveState's watcher saw it; -1: none). A worker still in an older round leaves its
+        # group at the next agreed step (``should_stop``), as for a park.
+        self._ordered_round = -1
+        # A hot spare's worker before its round (ELASTICD_SPARE=1): what init() was asked for
+        # and the context it returned (no group); None once admitted, or when not a spare.
+        self._ahead: tuple[str | None, float, WorkerContext, int] | None = None  # ..., and our pid
+        self._ran_ahead = False  # this worker ran ahead as a spare's, then joined its round
+        # Who forms, leaves and re-forms this worker's process group (one owner: no other
+        # code creates or destroys it); None until init() formed one.
+        self._lifecycle: pgl.GroupLifecycle | None = None
+        self._generation = 0  # groups formed so far: a wrapper built on an older one is stale
+
+    # -- forming and re-forming ---------------------------------------------------------
+    def init(self, backend: str | None, timeout_s: float) -> WorkerContext:
+        """See :func:`init`."""
+        if self._ctx is not None:
+            return self._ctx
+        if os.environ.get(ENV_SPARE) == "1":
+            return self._run_ahead(backend, timeout_s)
+        agent = agent_environment()  # fail before any collective: a config error, not a hang
+        world = _env_int("WORLD_SIZE", 1)
+        rank = _env_int("RANK", 0)
+        local_rank = _env_int("LOCAL_RANK", 0)
+        device, backend = _device(backend, local_rank)
+        if (world > 1 or "MASTER_ADDR" in os.environ) and not dist.is_initialized():
+            choice = _choose_lifecycle(backend, live=agent is not None and agent.live)
+            self._lifecycle = pgl.make_lifecycle(choice, backend, timeout_s, device)
+            spec = None
+            if choice.kind is pgl.LifecycleKind.RECONFIGURE:
+                spec = pgl.GroupSpec(backend, rank, world, agent.round if agent else 0,
+                                     os.environ.get("MASTER_ADDR", "127.0.0.1"),
+                                     _env_int("MASTER_PORT", 29500), timeout_s, device)
+            before = socket_links()
+            self._lifecycle.form(spec)
+            self._generation += 1
+            self._group_sockets = frozenset(socket_links() - before)
+            log.info("process_group_lifecycle_chosen", lifecycle=choice.kind.value, reason=choice.reason)
+        control_dir = agent.control_dir if agent else os.environ.get(ENV_CONTROL_DIR)
+        socket_path = agent.socket_path if agent else None
+        self._ctx = WorkerContext(
+            rank=rank, world_size=world, local_rank=local_rank,
+            local_world_size=_env_int("LOCAL_WORLD_SIZE", 1), device=device, backend=backend,
+            restart_count=_env_int("TORCHELASTIC_RESTART_COUNT", 0),
+            round=agent.round if agent else None,
+            job=os.environ.get(ENV_JOB), node=os.environ.get(ENV_NODE),
+            checkpoint_url=os.environ.get(ENV_CHECKPOINT_URL),
+            under_agent=bool(control_dir),
+            run_id=agent.run_id if agent else None,
+            resume=agent.resume if agent else "auto",
+        )
+        self._control_dir = Path(control_dir) if control_dir else None
+        self._client = ControlClient(socket_path) if socket_path else None
+        self._progress = LatestReport(self._client.send, PROGRESS_MIN_INTERVAL_S) if self._client else None
+        if not control_dir:
+            # Under plain torchrun (or by hand) a SIGTERM asks for a graceful stop.
+            self._old_sigterm = signal.signal(signal.SIGTERM, self._on_sigterm)
+        self._install_teardown_guards()
+        if dist.is_initialized():
+            before = socket_links()
+            self._stop.use(dist.new_group(backend="gloo") if backend != "gloo" else dist.group.WORLD)
+            self._group_sockets |= socket_links() - before
+        return self._ctx
+
+    def _run_ahead(self, backend: str | None, timeout_s: float) -> WorkerContext:
+        """``init()`` in a hot spare's worker before its round: a context without a group
+        (rank -1, world size 0) whose device the script builds its model on. The first call
+        that needs the round (:func:`current_context`, the control channel, ``LiveState``,
+        ``ElasticLoop``, ``ShardedModel``, ...) waits for it (:meth:`await_round`)."""
+        if self._ahead is None:
+            self._ahead = (backend, timeout_s, _ahead_context(backend), os.getpid())
+        return self._ahead[2]
+
+    def await_round(self) -> None:
+        """A hot spare's worker: wait until the agent admits the spare, then become the
+        round's worker (its environment and log files: ``elasticd.control.handover``) and
+        ``init()`` for real. At once when this worker does not run ahead."""
+        ahead = self._ahead
+        if ahead is None or ahead[3] != os.getpid():
+            return  # not a spare's worker, or a process it forked (never reads the worker's stdin)
+        started = time.monotonic()
+        log.info("spare_worker_waiting", pid=os.getpid())
+        msg = handover.read(sys.stdin.buffer)
+        if msg is None:  # the agent discarded this spare's worker (it stops, or started cold)
+            os._exit(0)
+        handover.become(msg)
+        self._ahead = None
+        self._ran_ahead = True
+        if _env_int("RANK", 0) != 0 and os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT"):
+            # Admitted the moment the round closed, this worker may connect before the round's
+            # rank 0 listens, and the TCPStore client then backs off for seconds: wait for the
+            # port in 10 ms polls instead (as rejoin() does). A cold worker's start-up hid it.
+            _wait_for_port(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                           time.monotonic() + ahead[1])
+        ctx = self.init(ahead[0], ahead[1])
+        log.info("spare_worker_admitted", rank=ctx.rank, world_size=ctx.world_size, round=ctx.round,
+                 waited_s=round(time.monotonic() - started, 3))
+
+    def leave_group(self) -> None:
+        """See :func:`leave_group`."""
+        groups = (self._stop.group, dist.group.WORLD) if dist.is_initialized() else ()
+        owner = self._lifecycle or pgl.RebuildLifecycle("gloo", DEFAULT_COLLECTIVE_TIMEOUT_S)
+        owner.leave(groups, lambda: self.settle_pending(ABORTED_SETTLE_S))
+        self._stop.use(None)
+        self._stopped = False
+
+    def rejoin(self, spec: pgl.GroupSpec) -> WorkerContext:
+        """See :func:`rejoin` (``spec``: the new round's group)."""
+        ctx = self.current_context()
+        if self._lifecycle is None:
+            self._lifecycle = pgl.RebuildLifecycle(ctx.backend, spec.timeout_s, spec.device)
+        before = socket_links()
+        self._lifecycle.join(spec)
+        self._generation += 1
+        self._ctx = dataclasses.replace(ctx, rank=spec.rank, world_size=spec.world_size, round=spec.round)
+        self._stop.use(dist.new_group(backend="gloo") if ctx.backend != "gloo" else dist.group.WORLD)
+        now = socket_links()
+        # Reconfigured in place, the group keeps the sockets it still has open (its store's).
+        kept = self._group_sockets & now if self._lifecycle.kind is pgl.LifecycleKind.RECONFIGURE else frozenset()
+        self._group_sockets = frozenset(kept | (now - before))
+        self._stopped = False
+        return self._ctx
+
+    def abort_groups(self, proceed: Callable[[], bool]) -> None:
+        """Abort the world group and the stop flag's group (another thread's wake-up of a
+        loop blocked on a peer), each only while ``proceed()`` holds; errors of a group
+        already gone are ignored."""
+        for group in (dist.group.WORLD, self._stop.group):
+            try:
+                if group is not None and proceed():
+                    group.abort()
+            except (RuntimeError, AttributeError, ValueError):
+                pass
+
+    def group_sockets(self) -> frozenset[str]:
+        """The "socket:[inode]" links our process groups opened (see the field)."""
+        return self._group_sockets
+
+    def group_generation(self) -> int:
+        return self._generation
+
+    def lifecycle(self) -> pgl.GroupLifecycle | None:
+        return self._lifecycle
+
+    def ran_ahead(self) -> bool:
+        return self._ran_ahead
+
+    # -- teardown -----------------------------------------------------------------------
+    def _on_sigterm(self, signum: int, frame: FrameType | None) -> None:
+        self._sigterm = True
+
+    def _install_teardown_guards(self) -> None:
+        # torch's gloo destructor race (see elasticd.teardown): destroyed groups stay
+        # referenced, our own pending all-reduce is settled before any group goes and at
+        # exit, and a ConfigError ends the process with 78 (also under plain torchrun).
+        if self._guards_installed:
+            return
+        self._guards_installed = True
+        teardown.keep_groups_on_destroy()
+        teardown.before_destroy(self.settle_pending)
+        atexit.register(self.settle_pending)
+        previous = sys.excepthook
+
+        def config_error_exits_78(tp: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
+            previous(tp, exc, tb)
+            if isinstance(exc, ConfigError):
+                teardown.end_process(EX_CONFIG)  # deterministic: the agent must not retry it
+
+        sys.excepthook = config_error_exits_78
+
+    def settle_pending(self, timeout_s: float = PENDING_SETTLE_S) -> None:
+        """Wait (bounded) for our pending should_stop all-reduce, or abandon it."""
+        self._stop.settle(timeout_s)
+
+    def shutdown(self) -> None:
+        """See :func:`shutdown`."""
+        self.settle_pending()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        if self._progress is not None:
+            self._progress.close()
+        if self._client is not None:
+            self._client.close()
+        if self._old_sigterm is not None:
+            signal.signal(signal.SIGTERM, self._old_sigterm)
+        self._ctx, self._client, self._control_dir, self._progress = None, None, None, None
+        self._old_sigterm, self._lifecycle = None, None
+        self._stop.reset()
+        self._stopped = self._sigterm = self._drainable_noted = False
+        self._ordered_round = -1
+
+    # -- what the loop asks -------------------------------------------------------------
+    def current_round(self) -> int | None:
+        return self._ctx.round if self._ctx is not None else None
+
+    def current_context(self) -> WorkerContext:
+        self.await_round()
+        return self._ctx or self.init(None, DEFAULT_COLLECTIVE_TIMEOUT_S)
+
+    def control_dir(self) -> Path | None:
+        self.await_round()
+        return self._control_dir
+
+    def control_client(self) -> ControlClient | None:
+        self.await_round()
+        return self._client
+
+    def every_rank_draining(self) -> bool:
+        return self._stop.every_rank_draining()
+
+    def some_rank_draining(self) -> bool:
+        return self._stop.some_rank_draining()
+
+    def park_requested(self) -> bool:
+        return self._control_dir is not None and (self._control_dir / PARK_FILE).exists()
+
+    def note_reform_order(self, round_: int) -> None:
+        self._ordered_round = max(self._ordered_round, round_)
+
+    def reform_ordered(self) -> bool:
+        ctx = self._ctx
+        return ctx is not None and ctx.round is not None and self._ordered_round > ctx.round
+
+    def stop_requested_locally(self) -> bool:
+        self.await_round()
+        if self._sigterm:
+            return True
+        return self._control_dir is not None and (self._control_dir / DRAIN_FILE).exists()
+
+    def should_stop(self, step: int | None, every: int) -> bool:
+        """See :func:`should_stop`."""
+        self.await_round()
+        if not self._drainable_noted:
+            self._note_drainable()
+        if every > 1:
+            if step is None:
+                raise ValueError("should_stop(every=N) needs the step, so all ranks skip the same calls")
+            if step % every:
+                return False
+        ctx = self.current_context()
+        draining = self.stop_requested_locally()
+        local = draining or self.park_requested() or self.reform_ordered()
+        if dist.is_initialized() and ctx.world_size > 1:
+            stop = self._stop.agree(local, draining)
+        else:
+            stop = self._stop.alone(local, draining)
+        if stop and not self._stopped:
+            self._stopped = True
+            self._mark_stopped(ctx, step)
+        return stop
+
+    def _note_drainable(self) -> None:
+        # Tell the agent once that this script stops at a step boundary when asked, so a
+        # joining node is admitted by a drain (no step lost) instead of a worker restart.
+        self._drainable_noted = True
+        if self._control_dir is None:
+            return
+        try:
+            (self._control_dir / f"{DRAINABLE_PREFIX}{self.current_context().rank}").touch()
+        except OSError:  # the agent is restarting us: it falls back to a plain restart
+            pass
+
+    def _mark_stopped(self, ctx: WorkerContext, step: int | None) -> None:
+        if self._control_dir is None:
+            return
+        write_stopped(self._control_dir, StoppedReport(rank=ctx.rank, step=-1 if step is None else max(step, -1),
+                                                       round=ctx.round if ctx.round is not None else -1))
+
+    def report_progress(self, report: Callable[[WorkerContext], StepReport], force: bool) -> None:
+        """See :func:`report_progress` (``report``: the step report for this context)."""
+        self.await_round()
+        if self._progress is None:
+            return
+        self._progress.offer(report(self.current_context()), force=force)
 
 
-_S = _State()
+_RUNTIME = WorkerRuntime()
+
+
+def runtime() -> WorkerRuntime:
+    """This process's worker runtime (what the module's functions delegate to)."""
+    return _RUNTIME
 
 
 def _env_int(name: str, default: int) -> int:
@@ -162,54 +437,7 @@ def init(backend: str | None = None, *, timeout_s: float = DEFAULT_COLLECTIVE_TI
         ConfigError: started by an agent without ``ELASTICD_ROUND`` (see
             :func:`agent_environment`).
     """
-    if _S.ctx is not None:
-        return _S.ctx
-    if os.environ.get(ENV_SPARE) == "1":
-        return _run_ahead(backend, timeout_s)
-    agent = agent_environment()  # fail before any collective: a config error, not a hang
-    world = _env_int("WORLD_SIZE", 1)
-    rank = _env_int("RANK", 0)
-    local_rank = _env_int("LOCAL_RANK", 0)
-    device, backend = _device(backend, local_rank)
-    if (world > 1 or "MASTER_ADDR" in os.environ) and not dist.is_initialized():
-        choice = _choose_lifecycle(backend, live=agent is not None and agent.live)
-        _S.lifecycle = pgl.make_lifecycle(choice, backend, timeout_s, device)
-        spec = None
-        if choice.kind is pgl.LifecycleKind.RECONFIGURE:
-            spec = pgl.GroupSpec(backend, rank, world, agent.round if agent else 0,
-                                 os.environ.get("MASTER_ADDR", "127.0.0.1"),
-                                 _env_int("MASTER_PORT", 29500), timeout_s, device)
-        before = socket_links()
-        _S.lifecycle.form(spec)
-        _S.generation += 1
-        _S.group_sockets = frozenset(socket_links() - before)
-        log.info("process_group_lifecycle_chosen", lifecycle=choice.kind.value, reason=choice.reason)
-    control_dir = agent.control_dir if agent else os.environ.get(ENV_CONTROL_DIR)
-    socket_path = agent.socket_path if agent else None
-    _S.ctx = WorkerContext(
-        rank=rank, world_size=world, local_rank=local_rank,
-        local_world_size=_env_int("LOCAL_WORLD_SIZE", 1), device=device, backend=backend,
-        restart_count=_env_int("TORCHELASTIC_RESTART_COUNT", 0),
-        round=agent.round if agent else None,
-        job=os.environ.get(ENV_JOB), node=os.environ.get(ENV_NODE),
-        checkpoint_url=os.environ.get(ENV_CHECKPOINT_URL),
-        under_agent=bool(control_dir),
-        run_id=agent.run_id if agent else None,
-        resume=agent.resume if agent else "auto",
-    )
-    _S.control_dir = Path(control_dir) if control_dir else None
-    _S.client = ControlClient(socket_path) if socket_path else None
-    _S.progress = LatestReport(_S.client.send, PROGRESS_MIN_INTERVAL_S) if _S.client else None
-    if not control_dir:
-        # Under plain torchrun (or by hand) a SIGTERM asks for a graceful stop.
-        _S.old_sigterm = signal.signal(signal.SIGTERM, _on_sigterm)
-    _S.flag = torch.zeros(3, dtype=torch.int32)
-    _install_teardown_guards()
-    if dist.is_initialized():
-        before = socket_links()
-        _S.stop_group = dist.new_group(backend="gloo") if backend != "gloo" else dist.group.WORLD
-        _S.group_sockets |= socket_links() - before
-    return _S.ctx
+    return _RUNTIME.init(backend, timeout_s)
 
 
 def _choose_lifecycle(backend: str, *, live: bool) -> pgl.LifecycleChoice:
@@ -226,12 +454,37 @@ def _choose_lifecycle(backend: str, *, live: bool) -> pgl.LifecycleChoice:
 def group_generation() -> int:
     """How many process groups this worker formed (init and each re-formation): a DDP
     wrapper built at an older generation is bound to a group that is gone or re-pointed."""
-    return _S.generation
+    return _RUNTIME.group_generation()
 
 
 def lifecycle() -> pgl.GroupLifecycle | None:
     """The owner of this worker's process group (None before ``init()`` formed one)."""
-    return _S.lifecycle
+    return _RUNTIME.lifecycle()
+
+
+def group_sockets() -> frozenset[str]:
+    """The sockets this worker's process groups opened ("socket:[inode]" links): the
+    transports' own addresses, and the only ones a re-formation may shut down."""
+    return _RUNTIME.group_sockets()
+
+
+def abort_groups(proceed: Callable[[], bool]) -> None:
+    """Abort this worker's process groups while ``proceed()`` holds (a watcher thread's
+    wake-up of a loop blocked on a frozen peer)."""
+    _RUNTIME.abort_groups(proceed)
+
+
+def _ahead_context(backend: str | None) -> WorkerContext:
+    """A hot spare's worker's context before its round: no group (rank -1, world size 0)."""
+    local_rank = _env_int("LOCAL_RANK", 0)
+    device, chosen = _device(backend, local_rank)
+    return WorkerContext(rank=-1, world_size=0, local_rank=local_rank,
+                         local_world_size=_env_int("LOCAL_WORLD_SIZE", 1), device=device,
+                         backend=chosen, restart_count=0, round=None,
+                         job=os.environ.get(ENV_JOB), node=os.environ.get(ENV_NODE),
+                         checkpoint_url=os.environ.get(ENV_CHECKPOINT_URL), under_agent=True,
+                         run_id=os.environ.get(ENV_RUN_ID) or None,
+                         resume=os.environ.get(ENV_RESUME) or "auto")
 
 
 def _device(backend: str | None, local_rank: int) -> tuple[torch.device, str]:
@@ -244,95 +497,15 @@ def _device(backend: str | None, local_rank: int) -> tuple[torch.device, str]:
     return device, backend or "nccl"
 
 
-def _run_ahead(backend: str | None, timeout_s: float) -> WorkerContext:
-    """``init()`` in a hot spare's worker before its round: a context without a group
-    (rank -1, world size 0) whose device the script builds its model on. The first call
-    that needs the round (:func:`current_context`, the control channel, ``LiveState``,
-    ``ElasticLoop``, ``ShardedModel``, ...) waits for it (:func:`_await_round`)."""
-    if _S.ahead is None:
-        local_rank = _env_int("LOCAL_RANK", 0)
-        device, chosen = _device(backend, local_rank)
-        ctx = WorkerContext(rank=-1, world_size=0, local_rank=local_rank,
-                            local_world_size=_env_int("LOCAL_WORLD_SIZE", 1), device=device,
-                            backend=chosen, restart_count=0, round=None,
-                            job=os.environ.get(ENV_JOB), node=os.environ.get(ENV_NODE),
-                            checkpoint_url=os.environ.get(ENV_CHECKPOINT_URL), under_agent=True,
-                            run_id=os.environ.get(ENV_RUN_ID) or None,
-                            resume=os.environ.get(ENV_RESUME) or "auto")
-        _S.ahead = (backend, timeout_s, ctx, os.getpid())
-    return _S.ahead[2]
-
-
-def _await_round() -> None:
-    """A hot spare's worker: wait until the agent admits the spare, then become the
-    round's worker (its environment and log files: ``elasticd.control.handover``) and
-    ``init()`` for real. At once when this worker does not run ahead."""
-    ahead = _S.ahead
-    if ahead is None or ahead[3] != os.getpid():
-        return  # not a spare's worker, or a process it forked (never reads the worker's stdin)
-    started = time.monotonic()
-    log.info("spare_worker_waiting", pid=os.getpid())
-    msg = handover.read(sys.stdin.buffer)
-    if msg is None:  # the agent discarded this spare's worker (it stops, or started cold)
-        os._exit(0)
-    handover.become(msg)
-    _S.ahead = None
-    _S.ran_ahead = True
-    if _env_int("RANK", 0) != 0 and os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT"):
-        # Admitted the moment the round closed, this worker may connect before the round's
-        # rank 0 listens, and the TCPStore client then backs off for seconds: wait for the
-        # port in 10 ms polls instead (as rejoin() does). A cold worker's start-up hid it.
-        _wait_for_port(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                       time.monotonic() + ahead[1])
-    ctx = init(ahead[0], timeout_s=ahead[1])
-    log.info("spare_worker_admitted", rank=ctx.rank, world_size=ctx.world_size, round=ctx.round,
-                waited_s=round(time.monotonic() - started, 3))
-
-
 def ran_ahead() -> bool:
     """This worker ran ahead as a hot spare's (its script built the model before the
     round) and has since joined its round: what it built for world size 0 is rebuilt."""
-    return _S.ran_ahead
-
-
-def _on_sigterm(signum: int, frame: FrameType | None) -> None:
-    _S.sigterm = True
-
-
-def _install_teardown_guards() -> None:
-    # torch's gloo destructor race (see elasticd.teardown): destroyed groups stay
-    # referenced, our own pending all-reduce is settled before any group goes and at
-    # exit, and a ConfigError ends the process with 78 (also under plain torchrun).
-    if _S.guards_installed:
-        return
-    _S.guards_installed = True
-    teardown.keep_groups_on_destroy()
-    teardown.before_destroy(_settle_pending)
-    atexit.register(_settle_pending)
-    previous = sys.excepthook
-
-    def config_error_exits_78(tp: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
-        previous(tp, exc, tb)
-        if isinstance(exc, ConfigError):
-            teardown.end_process(EX_CONFIG)  # deterministic: the agent must not retry it
-
-    sys.excepthook = config_error_exits_78
-
-
-def _settle_pending(timeout_s: float = PENDING_SETTLE_S) -> None:
-    """Wait (bounded) for our pending should_stop all-reduce, or abandon it."""
-    work, _S.pending = _S.pending, None
-    if work is None:
-        return
-    try:
-        work.wait(timeout=timedelta(seconds=timeout_s))
-    except RuntimeError:  # a peer is gone, or it timed out: nothing to agree on any more
-        pass
+    return _RUNTIME.ran_ahead()
 
 
 def current_round() -> int | None:
     """The round this worker trains in now (it changes on a live re-formation)."""
-    return _S.ctx.round if _S.ctx is not None else None
+    return _RUNTIME.current_round()
 
 
 set_round_source(current_round)  # fences commit with the round this worker trains in now
@@ -348,11 +521,7 @@ def leave_group() -> None:
     be reconfigured (:mod:`elasticd.worker.process_group`), and nothing an earlier
     re-formation left is held any more.
     """
-    groups = (_S.stop_group, dist.group.WORLD) if dist.is_initialized() else ()
-    owner = _S.lifecycle or pgl.RebuildLifecycle("gloo", DEFAULT_COLLECTIVE_TIMEOUT_S)
-    owner.leave(groups, lambda: _settle_pending(ABORTED_SETTLE_S))
-    _S.stop_group = None
-    _S.stopped = False
+    _RUNTIME.leave_group()
 
 
 def rejoin(rank: int, world_size: int, round_: int, master_addr: str, master_port: int, *,
@@ -377,38 +546,23 @@ def rejoin(rank: int, world_size: int, round_: int, master_addr: str, master_por
     Raises:
         RuntimeError: the group could not be formed within ``timeout_s``.
     """
-    import dataclasses
-
     ctx = current_context()
     if rank != 0:
         # The TCPStore client backs off exponentially (seconds) when it connects before the
         # new rank 0 listens; wait for the port here, in 10 ms polls, instead.
         _wait_for_port(master_addr, master_port, time.monotonic() + timeout_s)
-    spec = pgl.GroupSpec(ctx.backend, rank, world_size, round_, master_addr, master_port, timeout_s,
-                         ctx.device if ctx.backend == "nccl" else None)
-    if _S.lifecycle is None:
-        _S.lifecycle = pgl.RebuildLifecycle(ctx.backend, timeout_s, spec.device)
-    before = socket_links()
-    _S.lifecycle.join(spec)
-    _S.generation += 1
-    _S.ctx = dataclasses.replace(ctx, rank=rank, world_size=world_size, round=round_)
-    _S.stop_group = dist.new_group(backend="gloo") if ctx.backend != "gloo" else dist.group.WORLD
-    now = socket_links()
-    # Reconfigured in place, the group keeps the sockets it still has open (its store's).
-    kept = _S.group_sockets & now if _S.lifecycle.kind is pgl.LifecycleKind.RECONFIGURE else frozenset()
-    _S.group_sockets = frozenset(kept | (now - before))
-    _S.pending, _S.stopped = None, False
-    return _S.ctx
+    return _RUNTIME.rejoin(pgl.GroupSpec(ctx.backend, rank, world_size, round_, master_addr, master_port,
+                                         timeout_s, ctx.device if ctx.backend == "nccl" else None))
 
 
 def every_rank_draining() -> bool:
     """At the last agreed stop, was every rank's own node draining (nobody stays)?"""
-    return _S.all_drain
+    return _RUNTIME.every_rank_draining()
 
 
 def some_rank_draining() -> bool:
     """At the last agreed stop, was some rank's own node draining (its state must be handed on)?"""
-    return _S.any_drain
+    return _RUNTIME.some_rank_draining()
 
 
 _wait_for_port = pgl.wait_for_port
@@ -416,7 +570,7 @@ _wait_for_port = pgl.wait_for_port
 
 def park_requested() -> bool:
     """True if this node's agent asked live workers to leave the group at the next agreed step."""
-    return _S.control_dir is not None and (_S.control_dir / PARK_FILE).exists()
+    return _RUNTIME.park_requested()
 
 
 def note_reform_order(round_: int) -> None:
@@ -424,7 +578,7 @@ def note_reform_order(round_: int) -> None:
 
     Called by ``LiveState``'s watcher thread (one assignment: safe beside the loop).
     """
-    _S.ordered_round = max(_S.ordered_round, round_)
+    _RUNTIME.note_reform_order(round_)
 
 
 def reform_ordered() -> bool:
@@ -434,29 +588,23 @@ def reform_ordered() -> bool:
     boundary. Nothing else would move one whose collectives all succeed (alone at world
     size 1), which used to train on alone until its commit was refused (issue 26).
     """
-    ctx = _S.ctx
-    return ctx is not None and ctx.round is not None and _S.ordered_round > ctx.round
+    return _RUNTIME.reform_ordered()
 
 
 def control_dir() -> Path | None:
     """The agent's runtime directory (None without an agent)."""
-    _await_round()
-    return _S.control_dir
+    return _RUNTIME.control_dir()
 
 
 def current_context() -> WorkerContext:
     """The context of ``init()`` (calls it with defaults if needed). In a hot spare's
     worker running ahead, waits for its round first."""
-    _await_round()
-    return _S.ctx or init()
+    return _RUNTIME.current_context()
 
 
 def stop_requested_locally() -> bool:
     """True if this node's agent asked for a drain (or this process got SIGTERM). No collective."""
-    _await_round()
-    if _S.sigterm:
-        return True
-    return _S.control_dir is not None and (_S.control_dir / DRAIN_FILE).exists()
+    return _RUNTIME.stop_requested_locally()
 
 
 def should_stop(step: int | None = None, *, every: int = 1) -> bool:
@@ -477,59 +625,7 @@ def should_stop(step: int | None = None, *, every: int = 1) -> bool:
             all-reduce per step is measurable (very short steps, CPU-bound gloo jobs); a
             drain then takes up to ``every`` more steps, which the drain grace must cover.
     """
-    _await_round()
-    if not _S.drainable_noted:
-        _note_drainable()
-    if every > 1:
-        if step is None:
-            raise ValueError("should_stop(every=N) needs the step, so all ranks skip the same calls")
-        if step % every:
-            return False
-    ctx = current_context()
-    draining = stop_requested_locally()
-    local = 1 if draining or park_requested() or reform_ordered() else 0
-    if dist.is_initialized() and ctx.world_size > 1:
-        assert _S.flag is not None
-        stop = False
-        if _S.pending is not None:
-            _S.pending.wait()  # started a whole step ago: normally already complete
-            _S.pending = None
-            stop = int(_S.flag[0].item()) > 0
-            # MAX of -drain is -1 only when every rank's node drains (a whole-job stop).
-            _S.all_drain = stop and int(_S.flag[1].item()) < 0
-            _S.any_drain = stop and int(_S.flag[2].item()) > 0
-        if not stop:
-            _S.flag[0] = local
-            _S.flag[1] = -1 if draining else 0
-            _S.flag[2] = 1 if draining else 0
-            _S.pending = dist.all_reduce(_S.flag, op=dist.ReduceOp.MAX, group=_S.stop_group,
-                                         async_op=True)
-    else:
-        stop = bool(local)
-        _S.all_drain = _S.any_drain = draining
-    if stop and not _S.stopped:
-        _S.stopped = True
-        _mark_stopped(ctx, step)
-    return stop
-
-
-def _note_drainable() -> None:
-    # Tell the agent once that this script stops at a step boundary when asked, so a
-    # joining node is admitted by a drain (no step lost) instead of a worker restart.
-    _S.drainable_noted = True
-    if _S.control_dir is None:
-        return
-    try:
-        (_S.control_dir / f"{DRAINABLE_PREFIX}{current_context().rank}").touch()
-    except OSError:  # the agent is restarting us: it falls back to a plain restart
-        pass
-
-
-def _mark_stopped(ctx: WorkerContext, step: int | None) -> None:
-    if _S.control_dir is None:
-        return
-    write_stopped(_S.control_dir, StoppedReport(rank=ctx.rank, step=-1 if step is None else max(step, -1),
-                                                round=ctx.round if ctx.round is not None else -1))
+    return _RUNTIME.should_stop(step, every)
 
 
 def report_progress(step: int, *, epoch: int = 0, samples: int = 0, loss: float | None = None,
@@ -542,14 +638,11 @@ def report_progress(step: int, *, epoch: int = 0, samples: int = 0, loss: float 
     passed, so the agent always learns the newest step. A no-op without an agent.
     ``cadence`` (``[checkpoint] every = "auto"``) is shown by ``elasticd status``.
     """
-    _await_round()
-    if _S.progress is None:
-        return
-    ctx = current_context()
-    _S.progress.offer(StepReport(local_rank=ctx.local_rank, rank=ctx.rank, step=max(step, -1),
-                                 epoch=max(epoch, 0), samples=max(samples, 0),
-                                 loss=None if loss is None else float(loss),
-                                 **_cadence_fields(cadence)), force=force)
+    _RUNTIME.report_progress(
+        lambda ctx: StepReport(local_rank=ctx.local_rank, rank=ctx.rank, step=max(step, -1),
+                               epoch=max(epoch, 0), samples=max(samples, 0),
+                               loss=None if loss is None else float(loss),
+                               **_cadence_fields(cadence)), force)
 
 
 def _cadence_fields(cadence: SaveCadence | None) -> dict[str, Any]:
@@ -561,8 +654,7 @@ def _cadence_fields(cadence: SaveCadence | None) -> dict[str, Any]:
 
 def control_client() -> ControlClient | None:
     """The agent's control channel client (None without an agent)."""
-    _await_round()
-    return _S.client
+    return _RUNTIME.control_client()
 
 
 def shutdown() -> None:
@@ -572,19 +664,7 @@ def shutdown() -> None:
     for, at most ``PENDING_SETTLE_S``), and the destroyed groups stay referenced until the
     process ends (``elasticd.teardown``: torch's gloo destructor race).
     """
-    _settle_pending()
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    if _S.progress is not None:
-        _S.progress.close()
-    if _S.client is not None:
-        _S.client.close()
-    if _S.old_sigterm is not None:
-        signal.signal(signal.SIGTERM, _S.old_sigterm)
-    _S.ctx, _S.client, _S.control_dir, _S.flag, _S.progress = None, None, None, None, None
-    _S.stop_group, _S.pending, _S.old_sigterm, _S.lifecycle = None, None, None, None
-    _S.stopped = _S.sigterm = _S.drainable_noted = _S.all_drain = _S.any_drain = False
-    _S.ordered_round = -1
+    _RUNTIME.shutdown()
 
 
 def fast_exit(code: int = 0) -> NoReturn:

@@ -34,14 +34,12 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import os
 import secrets
-import threading
 import time
 import zlib
 from collections.abc import Callable, Iterator, Mapping, MutableMapping, Sequence
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import NoReturn, Protocol, runtime_checkable
 
 import structlog
 import torch
@@ -50,17 +48,13 @@ import torch.distributed as dist
 import elasticd.worker.context as wctx
 from elasticd.checkpoint import rng, shards
 from elasticd.control.api import LIVE_TIMEOUT_DEFAULT_S
-from elasticd.control.client import ControlClient
 from elasticd.control.messages import (
     LeaveReason,
-    LiveRegistration,
-    ParkedReport,
-    ReformedReport,
-    StoppedReport,
 )
-from elasticd.control.reform import clear_stopped, read_order, write_stopped
 from elasticd.errors import ConfigError
 from elasticd.worker import peer_reshard as pmem
+from elasticd.worker.failures import is_peer_failure
+from elasticd.worker.live_link import AgentLink
 from elasticd.worker.peer_replica import (
     DEFAULT_EVERY_STEPS,
     KEY_BYTES,
@@ -71,7 +65,7 @@ from elasticd.worker.peer_replica import (
     ring_holders,
     take_snapshot,
 )
-from elasticd.worker.process_group import is_peer_failure
+from elasticd.worker.recovery_plan import NO_STATE, Load, plan_replication
 from elasticd.worker.sharded import (
     NOT_HELD,
     RankShards,
@@ -81,16 +75,11 @@ from elasticd.worker.sharded import (
     plan_shard_transfer,
     shard_coordinates,
 )
-from elasticd.worker.sockets import group_endpoints, shutdown_group_connections
+from elasticd.worker.sockets import group_endpoints
 from elasticd.worker.state_broadcast import broadcast_state
 
 log = structlog.get_logger(__name__)
 
-# One wait for the agent's order on the control socket (AwaitOrder): it answers as soon
-# as the order is out, so this bounds only how often a watcher with nothing to do asks
-# again, and how often it retries an abort that did not wake the loop yet.
-WAIT_S = 1.0
-AGENT_AWAY_S = 0.5  # the agent did not answer a wait: ask again after this (bounded by the deadline)
 MAX_REFORMS_PER_STEP = 3  # the same step failing again and again is a bug, not a peer
 
 
@@ -174,73 +163,14 @@ class LiveState:
         self.agreed_in_memory = False
         self._failures_at: dict[int, int] = {}
         ctx = wctx.current_context()
-        client = wctx.control_client()
-        self.enabled = bool(env is not None and env.live and dist.is_initialized()
-                            and wctx.control_dir() is not None and client is not None)
-        if self.enabled:
-            assert client is not None and env is not None
-            # Registered only once the agent acknowledged it: unregistered, it restarts us
-            # on a change (the plain path), never counts on us to re-form.
-            self.enabled = client.report(LiveRegistration(local_rank=ctx.local_rank, pid=os.getpid()))
         self._log = log.bind(rank=ctx.rank, local_rank=ctx.local_rank)
-        self._in_reform = False
         self._deadline: float | None = None  # of the re-formation under way
-        # Waits on the agent's order, one connection per thread (a wait holds its client).
-        socket_path = env.socket_path if env is not None else ""
-        self._waiter = ControlClient(socket_path, timeout_s=WAIT_S + 10.0)
-        self._watch_waiter = ControlClient(socket_path, timeout_s=WAIT_S + 10.0)
-        self._not_reforming = threading.Event()
-        self._not_reforming.set()
+        self._link = AgentLink(env, self._log)
+        self.enabled = bool(env is not None and env.live and dist.is_initialized()
+                            and wctx.control_dir() is not None and wctx.control_client() is not None
+                            and self._link.register(ctx.local_rank))
         if self.enabled:
-            threading.Thread(target=self._watch, name="elasticd-live-watch", daemon=True).start()
-
-    def _watch(self) -> None:
-        """Take an order for a newer round: at the next step boundary, and by aborting the
-        old group (world size > 1) so that a collective blocked on a frozen peer fails.
-
-        A frozen peer (SIGSTOP, a hung host) keeps its sockets open, so the survivors'
-        collective with it never fails; the main thread is blocked in C++ where no Python
-        signal handler runs. The agent orders the next round once the frozen node's lease
-        expires; aborting the old group from this thread makes the blocked collective fail
-        at once, and the loop re-forms as after a kill.
-        """
-        cdir = wctx.control_dir()
-        assert cdir is not None
-        acted = -1  # the round of the last order acted on: waited past, then acted on again
-        while True:
-            self._not_reforming.wait()
-            current = wctx.current_round()
-            try:
-                self._watch_waiter.await_order(max(acted, current if current is not None else -1), WAIT_S)
-            except OSError:  # the agent is away (restarting us, or gone): nothing to take
-                time.sleep(AGENT_AWAY_S)
-                continue
-            if self._in_reform:
-                continue
-            order = read_order(cdir)
-            current = wctx.current_round()
-            if order is None or current is None or order.round <= current or self._in_reform:
-                continue
-            acted = order.round
-            # The loop takes the order at its next step boundary (should_stop), even when
-            # none of its collectives fail: a worker alone at world size 1 has no peer to
-            # fail on, and without this trained on alone in the superseded round.
-            wctx.note_reform_order(order.round)
-            if wctx.current_context().world_size == 1:
-                continue  # no peer to wait on: nothing to abort, the step boundary is near
-            for group in (dist.group.WORLD, getattr(wctx._S, "stop_group", None)):
-                try:
-                    if group is not None and not self._in_reform:
-                        group.abort()
-                except (RuntimeError, AttributeError, ValueError):
-                    pass
-            # gloo's abort closes our connections (peers waiting on us fail) but does not
-            # wake our own wait on a frozen peer: shutting the connections down does.
-            time.sleep(0.2)
-            if not self._in_reform and (wctx.current_round() or 0) < order.round:
-                closed = shutdown_group_connections(wctx._S.group_sockets)
-                self._log.info("live_connections_shut_down", count=closed, round=order.round)
-            time.sleep(1.0)  # the loop notices (a failed collective) and re-forms
+            self._link.start_watch()
 
     # -- the loop's three calls ---------------------------------------------------------
     def resume(self, load: Callable[[], int]) -> int:
@@ -354,7 +284,7 @@ class LiveState:
         key = hashlib.sha256(b"".join(t[1:].cpu().numpy().tobytes() for t in nodes)).digest()
         if all(h == NO_HOLDER for h in holders):
             return  # one node: a replica on it dies with it
-        hosts, peers = group_endpoints(wctx._S.group_sockets)
+        hosts, peers = group_endpoints(wctx.group_sockets())
         if not hosts:
             self._log.warning("peer_replica_off", reason="this rank's address in the group is unknown")
             return
@@ -377,39 +307,19 @@ class LiveState:
         assert cdir is not None
         old_round = ctx.round if ctx.round is not None else -1
         t0 = time.monotonic()
-        self._in_reform = True
-        self._not_reforming.clear()
         try:
-            self._reform_inner(reason, ctx, cdir, old_round, t0)
+            with self._link.reforming():
+                self._reform_inner(reason, ctx, cdir, old_round, t0)
         finally:
-            self._in_reform = False
             self._deadline = None
-            self._not_reforming.set()
 
     def _reform_inner(self, reason: LeaveReason, ctx: wctx.WorkerContext, cdir: Path,
                       old_round: int, t0: float) -> None:
         wctx.leave_group()
-        clear_stopped(cdir, ctx.rank)  # not a drain: we stay
-        client = wctx.control_client()
-        # The report wakes the agent's tick: it opens the next round now. Not taken (the
-        # agent busy or restarting): its own view of the change may still order us, within
-        # the bound; past it we fall back as for any order that did not come.
-        parked = ParkedReport(local_rank=ctx.local_rank, round=old_round, step=self.step, reason=reason)
-        if client is not None and not client.report(parked):
-            self._log.warning("live_parked_report_not_taken", round=old_round)
+        self._link.park(cdir, ctx, old_round, self.step, reason)
         deadline = t0 + self.timeout_s
         self._deadline = deadline
-        order = read_order(cdir)
-        while order is None or order.round <= old_round or ctx.local_rank not in order.ranks:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                self._fall_back(f"no new round within {self.timeout_s:.0f}s")
-            seen = max(old_round, order.round if order is not None else -1)
-            try:  # answered as soon as the agent publishes a newer order
-                self._waiter.await_order(seen, min(WAIT_S, left))
-            except OSError:
-                time.sleep(min(AGENT_AWAY_S, max(left, 0.0)))
-            order = read_order(cdir)
+        order = self._link.await_order(cdir, ctx.local_rank, old_round, deadline, self.timeout_s, self.step)
         try:
             wctx.rejoin(order.ranks[ctx.local_rank], order.world_size, order.round,
                         order.master_addr, order.master_port,
@@ -421,8 +331,7 @@ class LiveState:
         except Exception as exc:  # noqa: BLE001 - any failure here ends in the restart path
             self._fall_back(f"re-forming round {order.round} failed: {exc!r}"[:300])
         self.reforms += 1
-        if client is not None:  # withdraws our parked report (control.reform.WorkerReports)
-            client.report(ReformedReport(local_rank=ctx.local_rank, round=order.round, step=self.step))
+        self._link.confirm(ctx.local_rank, order.round, self.step)
         self._log.info("live_reformed", round=order.round, world_size=order.world_size,
                        rank=order.ranks[ctx.local_rank], step=self.step, reason=reason.value,
                        group_s=round(formed - t0, 3), total_s=round(time.monotonic() - t0, 3))
@@ -436,20 +345,18 @@ class LiveState:
         # On the group's own device: an NCCL group has no CPU backend (the GPU check found
         # "No backend type associated with device type cpu").
         device = ctx.device if ctx.backend == "nccl" else torch.device("cpu")
-        mine = torch.tensor([self.step if self._has_state else -2], dtype=torch.int64, device=device)
+        mine = torch.tensor([self.step if self._has_state else NO_STATE], dtype=torch.int64, device=device)
         steps = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(dist.get_world_size())]
         dist.all_gather(steps, mine)
-        values = [int(t.item()) for t in steps]
-        newest = max(values)
-        if newest == -2:  # nobody holds a state: a fresh start or a full restart
+        plan = plan_replication([int(t.item()) for t in steps])
+        if isinstance(plan, Load):  # nobody holds a state: a fresh start or a full restart
             self._load_fresh(load)
             return
         self.agreed_in_memory = True
-        src = values.index(newest)
-        if all(v == newest for v in values):
+        if not plan.behind:
             return
         t0 = time.monotonic()
-        behind = [r for r, v in enumerate(values) if v != newest]
+        newest, src, behind = plan.step, plan.source, list(plan.behind)
         sd = self._collect() if ctx.rank == src or ctx.rank in behind else None
         # Bounded by what is left of the re-formation (a source that died mid-transfer
         # raises TransferError, and _reform_inner falls back to the restart path). A rank
@@ -704,16 +611,6 @@ class LiveState:
             raise TypeError("received RNG state is not a mapping")
         rng.restore([rng_state], 0)
 
-    def _fall_back(self, why: str) -> None:
+    def _fall_back(self, why: str) -> NoReturn:
         """In-place re-formation failed: exit 0 as stopped, so the agent restarts the group."""
-        ctx = wctx.current_context()
-        cdir = wctx.control_dir()
-        self._log.warning("live_reform_fell_back", reason=why, step=self.step)
-        if cdir is not None:
-            # A file: read once we have exited. A parked report of ours left with the
-            # agent is moot then: the group is no longer running.
-            write_stopped(cdir, StoppedReport(rank=ctx.rank, step=max(self.step, -1),
-                                              round=ctx.round if ctx.round is not None else -1,
-                                              live_fallback=why[:1000]))
-        wctx.fast_exit(0)
-
+        self._link.fall_back(why, self.step)

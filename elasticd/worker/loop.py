@@ -64,6 +64,7 @@ from elasticd.worker.context import (
     report_progress,
     should_stop,
 )
+from elasticd.worker.failures import stale_group_error
 from elasticd.worker.fence import agent_fence
 from elasticd.worker.fingerprint import ReplicaFingerprints
 from elasticd.worker.live import LiveState, Reformed
@@ -195,15 +196,6 @@ def dropped_tail(sampler: object, loader: object) -> list[Any]:
             or not getattr(loader, "drop_last", False) or sampler.epoch_done):
         return []
     return list(sampler)
-
-
-def stale_group_error(exc: BaseException) -> bool:
-    """Did torch refuse a process group that no longer exists (destroyed by a re-formation)?
-
-    torch raises a plain ``ValueError`` naming the group; the text is matched here only
-    (tests/unit/test_elastic_loop.py pins torch's wording).
-    """
-    return isinstance(exc, ValueError) and "not initialized in the world group map" in str(exc)
 
 
 def _scheduled(optimizer: torch.optim.Optimizer) -> bool:

@@ -21,8 +21,7 @@ the new round's. This module is the one owner of how: a small protocol,
 Which one a worker uses is a pure decision (:func:`choose_lifecycle`) over the torch in
 use, the backend and the job's ``ELASTICD_GROUP_LIFECYCLE`` (every rank of a job runs the
 same torch with the same environment, so every rank decides the same). Rebuild is the
-default until reconfigure passes the sharded (FSDP2/HSDP) live tests on 2.14. A peer's death is recognised by exception type first (:func:`is_peer_failure`),
-with one text fallback for backends that raise a bare ``RuntimeError``.
+default until reconfigure passes the sharded (FSDP2/HSDP) live tests on 2.14. A peer's death is recognised in :mod:`elasticd.worker.failures` (re-exported here).
 """
 
 from __future__ import annotations
@@ -85,38 +84,6 @@ def choose_lifecycle(version: tuple[int, int], backend: str, *, has_reconfigure:
     if backend == "nccl" and nccl_reconfigure:
         return LifecycleChoice(LifecycleKind.RECONFIGURE, "nccl reconfigure asked for")
     return LifecycleChoice(LifecycleKind.REBUILD, f"no reconfigure for {backend} (gloo only unless asked)")
-
-
-# -- failures ---------------------------------------------------------------------------
-# What gloo and NCCL raise as a bare RuntimeError when a peer is gone (torch 2.10-2.14).
-# Lower case; each one pinned by a unit test with a message the backend printed.
-# NCCL first: its abort message says "aborted", which gloo's needles would claim.
-_PEER_GONE_TEXT = {
-    "nccl": ("nccl",),
-    "gloo": ("connection closed", "connection reset", "broken pipe", "timed out", "socket",
-             "abort", "gloo"),
-}
-
-
-def peer_failure_text(text: str) -> str | None:
-    """The backend whose known peer-gone message ``text`` holds, else None (the one text
-    fallback: for backends that raise a bare ``RuntimeError``)."""
-    lowered = text.lower()
-    for backend, needles in _PEER_GONE_TEXT.items():
-        if any(n in lowered for n in needles):
-            return backend
-    return None
-
-
-def is_peer_failure(exc: BaseException) -> bool:
-    """A failure caused by a peer (gone, reset, timed out), not by the script.
-
-    By type first: torch's ``DistError`` family (``DistNetworkError``, ``DistBackendError``,
-    ...) and ``ConnectionError``; a bare ``RuntimeError`` only by its text.
-    """
-    if isinstance(exc, (dist.DistError, ConnectionError)):
-        return True
-    return type(exc) is RuntimeError and peer_failure_text(str(exc)) is not None
 
 
 # -- the lifecycles ---------------------------------------------------------------------

@@ -58,7 +58,7 @@ class StateHeader:
 def make_transport(kind: TransportKind, device: torch.device) -> StateTransport:
     """This rank's side of a transfer by ``kind``."""
     if kind is TransportKind.TCP:
-        hosts, peers = group_endpoints(wctx._S.group_sockets)
+        hosts, peers = group_endpoints(wctx.group_sockets())
         # A group not created through elasticd.worker: its sockets are unknown (no offer).
         return TcpStateTransport(dist.get_rank(), hosts[0] if hosts else None, peers)
     return CollectiveStateTransport(device)

@@ -311,7 +311,7 @@ def test_live_state_waits_as_long_as_its_agent(monkeypatch):
     ctx = wctx.WorkerContext(rank=0, world_size=1, local_rank=0, local_world_size=1,
                              device=torch.device("cpu"), backend="gloo", restart_count=0,
                              round=3, job="walk", node="n0", checkpoint_url=None, under_agent=True)
-    monkeypatch.setattr(wctx._S, "ctx", ctx)
+    monkeypatch.setattr(wctx, "_RUNTIME", wctx.WorkerRuntime(ctx))
     monkeypatch.setattr(wctx, "agent_environment", lambda: env)
     assert LiveState({}).timeout_s == 7.0
     monkeypatch.setattr(wctx, "agent_environment", lambda: None)

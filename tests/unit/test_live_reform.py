@@ -174,16 +174,14 @@ def test_an_order_for_a_newer_round_stops_a_lone_worker_at_its_next_step(monkeyp
     ctx = wctx.WorkerContext(rank=0, world_size=1, local_rank=0, local_world_size=1,
                              device=torch.device("cpu"), backend="gloo", restart_count=0,
                              round=3, job="j", node="b", checkpoint_url=None, under_agent=True)
-    for name, value in (("ctx", ctx), ("control_dir", None), ("sigterm", False),
-                        ("stopped", False), ("drainable_noted", True), ("ordered_round", -1)):
-        monkeypatch.setattr(wctx._S, name, value)
+    monkeypatch.setattr(wctx, "_RUNTIME", wctx.WorkerRuntime(ctx))
     wctx.note_reform_order(3)
     assert not wctx.reform_ordered() and not wctx.should_stop(10)
     wctx.note_reform_order(4)
     wctx.note_reform_order(2)  # an older order read late does not undo the newer one
     assert wctx.reform_ordered() and wctx.should_stop(11)
-    monkeypatch.setattr(wctx._S, "ctx", dataclasses.replace(ctx, round=4))  # re-formed
-    monkeypatch.setattr(wctx._S, "stopped", False)
+    monkeypatch.setattr(wctx, "_RUNTIME", wctx.WorkerRuntime(dataclasses.replace(ctx, round=4)))  # re-formed
+    wctx.note_reform_order(4)
     assert not wctx.reform_ordered() and not wctx.should_stop(12)
 
 

@@ -1,33 +1,18 @@
-"""The process-group lifecycle's decisions: which lifecycle a worker uses, and which
-failures are a peer's death (by type first; one text fallback, pinned per backend)."""
+"""The process-group lifecycle's decisions: which lifecycle a worker uses (failures:
+tests/unit/test_worker_failures.py)."""
 
 from __future__ import annotations
 
 import pytest
-import torch.distributed as dist
 
 from elasticd.worker.process_group import (
     LifecycleKind,
     assign_init_ranks,
     choose_lifecycle,
-    is_peer_failure,
-    peer_failure_text,
     torch_version,
 )
 
 pytestmark = pytest.mark.timeout(10)
-
-# gloo: what torch 2.14.1 raised on this machine when a peer was SIGKILLed mid all-reduce
-# (GLOO_RESET, verbatim) and gloo's other pair/buffer errors; NCCL: the wording of
-# ProcessGroupNCCL's abort and remote-error messages (not observed here: no GPU run).
-GLOO_RESET = ("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:545] Read error "
-              "[127.0.0.1]:41528: Connection reset by peer")
-GLOO_CLOSED = "[../third_party/gloo/gloo/transport/tcp/pair.cc:598] Connection closed by peer [127.0.0.1]:5"
-GLOO_TIMEOUT = "[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 30000ms"
-NCCL_ABORTED = "NCCL communicator was aborted on rank 1."
-NCCL_REMOTE = ("NCCL error in: ProcessGroupNCCL.cpp:2057, remote process exited or there was a network "
-               "error, NCCL version 2.27.5 ncclRemoteError")
-
 
 def test_torch_versions_parse_with_local_tags():
     """Release, local and pre-release versions give (major, minor)."""
@@ -55,32 +40,6 @@ def test_nccl_reconfigures_only_behind_its_flag():
     assert on.kind is LifecycleKind.RECONFIGURE
 
 
-def test_peer_failures_are_recognised_by_type_first():
-    """torch's DistError family and ConnectionError are a peer's death whatever they say."""
-    assert is_peer_failure(dist.DistNetworkError("anything"))
-    assert is_peer_failure(dist.DistBackendError("anything"))
-    assert is_peer_failure(ConnectionResetError("anything"))
-    assert not is_peer_failure(ValueError("Connection reset by peer"))  # not a backend's type
-
-
-@pytest.mark.parametrize("text", [GLOO_RESET, GLOO_CLOSED, GLOO_TIMEOUT])
-def test_gloo_peer_gone_text_is_recognised(text):
-    """gloo raises a bare RuntimeError when a peer dies: its messages are matched."""
-    assert peer_failure_text(text) == "gloo"
-    assert is_peer_failure(RuntimeError(text))
-
-
-@pytest.mark.parametrize("text", [NCCL_ABORTED, NCCL_REMOTE])
-def test_nccl_peer_gone_text_is_recognised(text):
-    """NCCL's abort and remote-error messages are matched when raised as a RuntimeError."""
-    assert peer_failure_text(text) == "nccl"
-    assert is_peer_failure(RuntimeError(text))
-
-
-def test_a_script_bug_is_not_a_peer_failure():
-    """A shape error, or a RuntimeError subclass that happens to mention a socket, re-raises."""
-    assert not is_peer_failure(RuntimeError("mat1 and mat2 shapes cannot be multiplied (2x3 and 4x5)"))
-    assert not is_peer_failure(NotImplementedError("socket"))
 
 
 def test_init_ranks_are_kept_and_fresh_members_take_the_smallest_free():
