@@ -68,7 +68,7 @@ SCENARIOS = {
 
 # Run in the child: load the suite, point the harness at the backend, run one scenario.
 CHILD = r"""
-import faulthandler, importlib.util, signal, sys, unittest
+import faulthandler, importlib.util, os, signal, sys, unittest
 # SIGUSR1 dumps every thread's stack to the log: this process and its forked agents (a
 # registration survives fork) say where they hung before the runner kills them.
 faulthandler.register(signal.SIGUSR1, all_threads=True)
@@ -92,7 +92,10 @@ class Scenario(mod.LocalElasticAgentTest):
 for name in ("setUpClass", "tearDownClass"):  # torch's starts an etcd v2 server
     setattr(Scenario, name, classmethod(lambda cls: None))
 result = unittest.TextTestRunner(verbosity=0).run(Scenario("test_scenario"))
-sys.exit(0 if result.wasSuccessful() else 1)
+sys.stdout.flush()
+sys.stderr.flush()
+# The verdict is in: at a high load the interpreter's own teardown can outlast the bound.
+os._exit(0 if result.wasSuccessful() else 1)
 """
 
 
@@ -106,6 +109,15 @@ def dump_stacks(pgid: int, grace_s: float = 3.0) -> None:
     deadline = time.monotonic() + grace_s
     while time.monotonic() < deadline:  # a dump is a few ms of writes; nothing to poll for
         time.sleep(0.1)
+
+
+def settled(outcome: str, log: Path) -> str:
+    """A scenario killed at the bound after unittest reported it OK passed: only its exit
+    was slow (``pass, slow exit``)."""
+    if outcome != "timeout":
+        return outcome
+    lines = log.read_text(errors="replace").splitlines()
+    return "pass, slow exit" if any(line.strip() == "OK" for line in lines) else outcome
 
 
 def run_one(suite: Path, backend: str, endpoint: str, scenario: str, timeout_s: float,
@@ -132,6 +144,7 @@ def run_one(suite: Path, backend: str, endpoint: str, scenario: str, timeout_s: 
             except ProcessLookupError:
                 pass
             proc.wait()
+    outcome = settled(outcome, log)
     return {"backend": backend, "scenario": scenario, "outcome": outcome, "rc": rc,
             "seconds": round(time.monotonic() - started, 1), "log": str(log)}
 
