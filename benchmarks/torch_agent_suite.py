@@ -159,7 +159,7 @@ def table(rows: list[dict], backends: list[str]) -> str:
             r = by.get((scenario, b))
             cells.append("—" if r is None else f"{r['outcome']} ({r['seconds']:.0f} s)")
         out.append(f"| {scenario} | " + " | ".join(cells) + " |")
-    totals = [sum(1 for r in rows if r["backend"] == b and r["outcome"] == "pass") for b in backends]
+    totals = [sum(1 for r in rows if r["backend"] == b and r["outcome"].startswith("pass")) for b in backends]
     counts = [sum(1 for r in rows if r["backend"] == b) for b in backends]
     out.append("| **passed** | " + " | ".join(f"**{p}/{n}**" for p, n in zip(totals, counts, strict=True)) + " |")
     return "\n".join(out)
