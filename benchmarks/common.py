@@ -393,6 +393,7 @@ def replace_generated_block(heading: str, tag: str, body: str, generator: str = 
 
 # -- what runs on the nodes ----------------------------------------------------------------
 BENCH_WORKER = "benchmarks/bench_worker.py"
+TORCHFT_WORKER = "benchmarks/torchft_worker.py"  # torchft's loop; writes bench_worker's lines
 TRAIN_SCRIPT = "examples/train.py"
 
 
@@ -423,7 +424,7 @@ class StepSource:
 
     @property
     def is_bench(self) -> bool:
-        return Path(self.script).name == Path(BENCH_WORKER).name
+        return Path(self.script).name in (Path(BENCH_WORKER).name, Path(TORCHFT_WORKER).name)
 
     def args(self) -> list[str]:
         """The script and its arguments."""

@@ -16,6 +16,13 @@ its own, 1 gloo worker each, all on 127.0.0.1), launched by
   keep_alive_max_attempt=2``;
 - ``torchrun-etcd``: torchrun with ``--rdzv-backend etcd-v3`` (elasticd's rendezvous through
   torchrun's entry point, on the same embedded etcd): torchrun's agent with no store host.
+- ``torchft``: torchft 0.2.0 (``pip install torchft==0.2.0``, not a dependency of
+  elasticd): one lighthouse per run (``torchft_lighthouse --min_replicas 2
+  --heartbeat_timeout_ms 2000``: the heartbeat timeout matches elasticd's ``--node-ttl 2``)
+  and one replica group per node, each a ``torchrun --nnodes 1 --nproc-per-node 1`` of
+  ``benchmarks/torchft_worker.py`` (torchft's ``train_ddp.py`` loop on the same small
+  model). Survivors keep their process and state; a joiner heals from a live peer. Only
+  the ``sigkill``, ``join`` and ``rejoin`` scenarios (no drain protocol, no spares).
 
 Both torchrun variants run with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (with the shared
 store a scale-up hung in earlier measurements). The c10d store lives in the first node's
@@ -75,6 +82,7 @@ from benchmarks.common import (  # noqa: E402
     BENCH_WORKER,
     PY,
     ROOT,
+    TORCHFT_WORKER,
     TORCHRUN_ENV,
     TORCHRUN_TUNED_CONF,
     TRAIN_SCRIPT,
@@ -97,7 +105,9 @@ from benchmarks.recovery_report import agent_breakdown, live_breakdown, write_re
 
 CKPT_LOADED = re.compile(r"checkpoint_loaded\b.*?\bseconds[=\"': ]+([0-9.]+)")
 SYSTEMS = ("elasticd-live", "elasticd-live-cold", "elasticd-live-prebuilt", "elasticd", "elasticd-cold", "torchrun-default",
-           "torchrun-tuned", "torchrun-etcd")
+           "torchrun-tuned", "torchrun-etcd", "torchft")
+TORCHFT_SCENARIOS = ("sigkill", "join", "rejoin")
+TORCHFT_HEARTBEAT_MS = 2000  # the lighthouse's heartbeat timeout: elasticd's --node-ttl 2
 SCENARIOS = ("sigkill", "sigstop", "sigterm", "join", "spare", "hang", "agentkill", "rejoin")
 HANDED_OVER_PID = re.compile(r"\bpid[=\"': ]+([0-9]+)")
 SPARE_NNODES = "2:3"  # the spare scenario: NODES members and one hot spare
@@ -152,7 +162,19 @@ def start_node(cluster: Cluster, system: str, idx: int, job: str, endpoint: str,
     name = f"n{idx}"
     logs = cluster.workdir / "logs" / name
     logs.mkdir(parents=True, exist_ok=True)
-    if system.startswith("elasticd"):
+    if system == "torchft":
+        # One replica group per node, as torchft's README launches one: torchrun hosts the
+        # group's store; `endpoint` is the lighthouse's address. --max-restarts 10 is
+        # torchft's own launcher's (torchft/torchx.py): a replica whose step raised (torchft
+        # 0.2.0's DDP comm hook can assert on a peer's reset) restarts and heals from a peer.
+        argv = [PY, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "1",
+                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
+                "--max-restarts", "10", "--local-addr", "127.0.0.1", "--log-dir", str(logs),
+                TORCHFT_WORKER, "--out", str(src.out), "--replica", str(idx), "--step-s", str(src.step_s)]
+        # torchrun shares its store with the worker (its default): the Manager joins it as a
+        # client, so TORCHRUN_ENV (which turns the sharing off) is not set here.
+        env = {"TORCHFT_LIGHTHOUSE": f"http://{endpoint}", "GLOO_SOCKET_IFNAME": "lo"}
+    elif system.startswith("elasticd"):
         # elasticd-live: the workers re-form in place (examples/train.py uses LiveState);
         # elasticd: the restart path (warm standbys); elasticd-cold: standbys off too;
         # elasticd-live-cold: live, standbys off (a cold spare imports torch on admission).
@@ -178,7 +200,11 @@ def run_trial(system: str, scenario: str, rep: int, etcd_endpoint: str, script: 
     workdir = root / f"{scenario}-{system}-{rep}"
     workdir.mkdir(parents=True)
     trial = Trial(system, scenario, rep, workdir=str(workdir))
-    src = StepSource(script, workdir, step_s=args.step_s, extra=shlex.split(args.script_args))
+    if system == "torchft" and scenario not in TORCHFT_SCENARIOS:
+        trial.note = f"torchft runs only {', '.join(TORCHFT_SCENARIOS)} here"
+        return trial
+    src = StepSource(TORCHFT_WORKER if system == "torchft" else script, workdir, step_s=args.step_s,
+                     extra=shlex.split(args.script_args))
     job = f"rec-{scenario}-{rep}-{int(time.time() * 1000) % 10**8}"
     on_etcd = system.startswith("elasticd") or system == "torchrun-etcd"
     endpoint = etcd_endpoint if on_etcd else f"127.0.0.1:{free_port()}"
@@ -187,9 +213,12 @@ def run_trial(system: str, scenario: str, rep: int, etcd_endpoint: str, script: 
         trial.note = "hot spares are elasticd's"
         return trial
     nnodes = SPARE_NNODES if spare else NNODES
-    with Cluster(workdir) as cluster:
+    with Cluster(workdir / "lighthouse") as lighthouse, Cluster(workdir) as cluster:
+        if system == "torchft" and not start_lighthouse(lighthouse, endpoint):
+            trial.note = "the torchft lighthouse never opened its port"
+            return trial
         start_node(cluster, system, 0, job, endpoint, src, nnodes)
-        if not on_etcd:
+        if not on_etcd and system != "torchft":
             # Node 0 must host the c10d store (the first launcher to bind the port does).
             port = int(endpoint.rsplit(":", 1)[1])
             if not wait_until(lambda: port_listening(port), 60):
@@ -295,6 +324,15 @@ def run_trial(system: str, scenario: str, rep: int, etcd_endpoint: str, script: 
                                            records, src.is_bench)
         (workdir / "trial.json").write_text(json.dumps(asdict(trial), indent=1))
     return trial
+
+
+def start_lighthouse(cluster: Cluster, endpoint: str) -> bool:
+    """Start torchft's lighthouse on ``endpoint`` (127.0.0.1:port); True once it listens."""
+    cluster.workdir.mkdir(parents=True, exist_ok=True)
+    exe = Path(PY).parent / "torchft_lighthouse"
+    cluster.start("lighthouse", [str(exe), "--bind", endpoint, "--min_replicas", "2",
+                                 "--heartbeat_timeout_ms", str(TORCHFT_HEARTBEAT_MS)])
+    return wait_until(lambda: port_listening(int(endpoint.rsplit(":", 1)[1])), 30)
 
 
 def rejoin(cluster: Cluster, victim: NodeProc, system: str, job: str, endpoint: str,
@@ -480,6 +518,9 @@ def main(argv: list[str] | None = None) -> int:
     bad = [x for x in scenarios if x not in SCENARIOS] + [x for x in systems if x not in SYSTEMS]
     if bad:
         p.error(f"unknown scenario/system {bad}; choose from {SCENARIOS} and {SYSTEMS}")
+    if "torchft" in systems and not (Path(PY).parent / "torchft_lighthouse").exists():
+        p.error(f"--systems torchft: torchft is not installed beside {PY} "
+                "(pip install torchft==0.2.0 into this virtualenv)")
     TUNED_CONF[0] = args.torchrun_conf
     TORCHRUN_SCRIPT_ARGS[:] = shlex.split(args.torchrun_script_args)
     script = args.script or (TRAIN_SCRIPT if script_available(TRAIN_SCRIPT) else BENCH_WORKER)

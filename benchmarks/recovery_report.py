@@ -32,7 +32,8 @@ SCENARIO_TITLES = {
 SYSTEM_TITLES = {"elasticd-live": "elasticd, live re-formation",
                  "elasticd-live-cold": "elasticd, live, `--no-warm-start`",
                  "elasticd-live-prebuilt": "elasticd, live, `--spare-prebuild`", "elasticd": "elasticd, restart", "elasticd-cold": "elasticd, `--no-warm-start`",
-                 "torchrun-default": "torchrun, defaults", "torchrun-tuned": "torchrun, tuned"}
+                 "torchrun-default": "torchrun, defaults", "torchrun-tuned": "torchrun, tuned",
+                 "torchft": "torchft 0.2.0"}
 # (elasticd goal in s, torchrun default, torchrun tuned) measured earlier on this machine.
 REFERENCE = {
     "sigkill": (5.0, "49 s", "9.8 s"),
