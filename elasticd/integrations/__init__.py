@@ -1,0 +1,1 @@
+"""Integrations: elasticd's guarantees for training frameworks that own the training loop."""
