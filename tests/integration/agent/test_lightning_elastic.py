@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from harness import PY, ROOT, read_jsonl, wait_until
+from harness import PY, ROOT, Node, read_jsonl, wait_until
 from integration.agent.test_exactly_once_matrix import (
     _hold,
     _hold_at,
@@ -29,9 +29,12 @@ from integration.agent.test_exactly_once_matrix import (
     _step_until_world,
 )
 
+from elasticd.checkpoint.catalog import list_checkpoints
+
 pytest.importorskip("lightning", reason="the Lightning integration's tests need elasticd[lightning]")
 
 SCRIPT = str(ROOT / "tests" / "workers" / "lightning_once.py")
+EXAMPLE = str(ROOT / "examples" / "lightning_elastic.py")
 DATASET, EPOCHS = 96, 3  # 6 steps of 16 samples per epoch at any world size
 KILL_AT, JOIN_AT, DRAIN_AT = 3, 8, 14  # epoch 0, 1 and 2
 pytestmark = pytest.mark.timeout(300)
@@ -90,3 +93,21 @@ def test_lightning_kill_join_drain_trains_every_sample_once(nodes, tmp_path):
     got_params = torch.load(tmp_path / "final-run.pt", weights_only=True)
     for name, value in want_params.items():
         assert torch.allclose(value, got_params[name], rtol=1e-9, atol=1e-12), name
+
+
+def test_the_example_trains_under_elasticd_run_standalone(tmp_path):
+    """examples/lightning_elastic.py under ``elasticd run --standalone --nproc-per-node 2``
+    trains every epoch at world size 2 and commits its last step through the agent's fence."""
+    url = f"file://{tmp_path}/checkpoints"
+    # 256 samples, a global batch of 2 x 32: 4 steps per epoch, 2 epochs.
+    argv = [PY, "-m", "elasticd.cli", "run", "--standalone", "--nproc-per-node", "2",
+            "--log-format", "json", "--no-warm-start", "--workdir", str(tmp_path),
+            "--checkpoint-url", url, EXAMPLE, "--epochs", "2", "--dataset-size", "256"]
+    node = Node(argv, {"STATE_DIRECTORY": str(tmp_path / "state")}, tmp_path / "example.log")
+    try:
+        assert node.wait(240) == 0, node.log()[-3000:]
+        saved = [c for c in list_checkpoints(url) if c.valid]
+        assert saved and max(c.step for c in saved) == 2 * 4 - 1, saved
+        assert {c.world_size for c in saved} == {2}, saved
+    finally:
+        node.cleanup()
