@@ -109,6 +109,22 @@ def check_accumulation(accumulate_grad_batches: object) -> None:
                           "leave Trainer(accumulate_grad_batches=...) unset")
 
 
+def check_accumulation_supported(accumulation_steps: int, automatic_optimization: bool) -> None:
+    """Refuse a plan that needs gradient accumulation for a module that steps by hand.
+
+    Lightning accumulates only under automatic optimization; a manual ``optimizer.step()``
+    per micro-batch would train a smaller global batch than the job's.
+
+    Raises:
+        ConfigError: ``accumulation_steps > 1`` with manual optimization, naming the fix.
+    """
+    if accumulation_steps > 1 and not automatic_optimization:
+        raise ConfigError(f"ElasticCallback: at this world size one global batch takes "
+                          f"{accumulation_steps} micro-batches per rank, and a module with "
+                          "automatic_optimization=False steps by hand; raise max_micro_batch to the "
+                          "global batch size, or use automatic optimization")
+
+
 class ElasticEnvironment(TorchElasticEnvironment):
     """torchelastic's cluster environment for a world whose node count changes.
 
@@ -208,6 +224,7 @@ class ElasticCallback(pl.Callback):
         check_accumulation(trainer.accumulate_grad_batches)
         self.sampler.regroup(ctx.world_size, ctx.rank)
         plan = self._batch_sampler.plan  # re-planned for the new world
+        check_accumulation_supported(plan.accumulation_steps, pl_module.automatic_optimization)
         trainer.accumulate_grad_batches = plan.accumulation_steps
         log.info("lightning_batch_planned", world_size=ctx.world_size, rank=ctx.rank,
                  accumulation_steps=plan.accumulation_steps, reason=plan.reason)
