@@ -1,1 +1,1 @@
-"""Integrations of elasticd with the training frameworks users already run (issue 50)."""
+"""Integrations: elasticd's guarantees for training frameworks that own the training loop."""
