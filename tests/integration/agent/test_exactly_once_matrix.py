@@ -28,6 +28,8 @@ import pytest
 import torch
 from harness import PY, ROOT, read_jsonl, wait_until
 
+from elasticd.cli import main
+
 SCRIPT = str(ROOT / "tests" / "workers" / "exactly_once.py")
 DATASET = 96
 EPOCHS = 3
@@ -35,23 +37,34 @@ pytestmark = pytest.mark.timeout(420)
 
 SOAK = os.environ.get("ELASTICD_SOAK") == "1"
 
-# pipeline -> (worker args, kill before step, join before step, drain before step, final
-# parameters comparable). batch-sampler: 6 steps per epoch at any world size; the kill
-# falls in epoch 0, the join in epoch 1, the drain in epoch 2. distributed*: 12 steps per
-# epoch at world size 2, 24 at 1: the kill before step 6 leaves epoch 0 to end at step 17;
-# the join after step 24 deals what remains of epoch 1 (68 samples) over 2 ranks, 34 each
-# (a partial last batch of 2 per rank), so epoch 1 ends at step 33; the drain falls 4
-# steps into epoch 2.
+# pipeline -> (worker args, first fault before step, second, third, final parameters
+# comparable). batch-sampler, stateful-loader and stream: 6 steps per epoch at any world
+# size; the first fault falls in epoch 0, the second in epoch 1, the third in epoch 2.
+# distributed*: 12 steps per epoch at world size 2, 24 at 1: a node lost before step 6
+# leaves epoch 0 to end at step 17; a node back after step 24 deals what remains of epoch 1
+# (68 samples) over 2 ranks, 34 each (a partial last batch of 2 per rank), so epoch 1 ends
+# at step 33; the third fault falls 4 steps into epoch 2.
 PIPELINES = {
     "batch-sampler": (["--pipeline", "batch-sampler", "--global-batch", "16"], 3, 8, 14, True),
     "distributed": (["--pipeline", "distributed", "--batch-size", "4"], 6, 24, 38, False),
     "distributed-drop-last": (["--pipeline", "distributed-drop-last", "--batch-size", "4"], 6, 24,
                               38, False),
+    "stateful-loader": (["--pipeline", "stateful-loader", "--global-batch", "16"], 3, 8, 14, True),
+    "stream": (["--pipeline", "stream", "--global-batch", "16"], 3, 8, 14, True),
 }
+# (pipeline, path, model): ElasticStream cannot reshard in place (live=True is refused at
+# start), so it takes the restart path only; FSDP2 (sharded=) on the constant-batch pipeline.
+ALL = ([(p, path, "ddp") for p in sorted(PIPELINES) for path in ("live", "restart")
+        if (p, path) != ("stream", "live")]
+       + [("batch-sampler", path, "fsdp") for path in ("live", "restart")])
 # In the suite: the two pipelines whose counting a re-formation used to break (issue 45),
-# live. Under ELASTICD_SOAK=1 (make soak): every pipeline on both paths.
-CASES = ([(p, path) for p in sorted(PIPELINES) for path in ("live", "restart")] if SOAK
-         else [("batch-sampler", "live"), ("distributed-drop-last", "live")])
+# live, and one job of the other faults. Under ELASTICD_SOAK=1 (make soak): all of ALL.
+CASES = ALL if SOAK else [("batch-sampler", "live", "ddp"), ("distributed-drop-last", "live", "ddp")]
+FREEZE_CASES = ALL if SOAK else [("stateful-loader", "live", "ddp")]
+
+
+def _ids(cases: list[tuple[str, str, str]]) -> list[str]:
+    return ["-".join(c if c[2] == "fsdp" else c[:2]) for c in cases]
 
 
 def _ledger(trace: Path) -> Counter:
@@ -108,7 +121,9 @@ def _step_until_world(hold: Path, trace: Path, step: int, world: int, since_roun
 def _reference(tmp_path: Path, args: list[str]) -> tuple[Counter, dict]:
     trace = tmp_path / "trace-ref.jsonl"
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR")}
-    run = subprocess.run([PY, SCRIPT, *args, "--trace", str(trace), "--live",
+    live = [] if "stream" in args else ["--live"]
+    run = subprocess.run([PY, SCRIPT, *args, "--trace", str(trace), *live,
+                          "--shard-dir", str(tmp_path / "shards-ref"),
                           "--checkpoint-url", f"file://{tmp_path}/ckpt-ref",
                           "--final-params", str(tmp_path / "final-ref.pt")],
                          cwd=str(ROOT), env=env, capture_output=True, text=True, timeout=120,
@@ -117,18 +132,46 @@ def _reference(tmp_path: Path, args: list[str]) -> tuple[Counter, dict]:
     return _ledger(trace), torch.load(tmp_path / "final-ref.pt", weights_only=True)
 
 
-@pytest.mark.parametrize(("pipeline", "path"), CASES)
-def test_kill_join_drain_train_every_sample_once(nodes, tmp_path, pipeline, path):
+def _job_args(tmp_path: Path, pipeline: str, path: str, model: str) -> list[str]:
+    return [*PIPELINES[pipeline][0], "--dataset-size", str(DATASET), "--epochs", str(EPOCHS),
+            "--hold", str(tmp_path / "hold"), "--trace", str(tmp_path / "trace-run.jsonl"),
+            "--checkpoint-url", f"file://{tmp_path}/ckpt-run",
+            "--shard-dir", str(tmp_path / "shards-run"),
+            "--final-params", str(tmp_path / "final-run.pt")] + (
+        ["--live"] if path == "live" else []) + (["--fsdp"] if model == "fsdp" else [])
+
+
+def _audit(tmp_path: Path, pipeline: str, model: str) -> int:
+    """The run's ledger against a fault-free run's (and its final parameters where the
+    global batch is constant); returns the samples audited."""
+    got = _ledger(tmp_path / "trace-run.jsonl")
+    want, want_params = _reference(tmp_path, [*PIPELINES[pipeline][0], "--dataset-size",
+                                              str(DATASET), "--epochs", str(EPOCHS)]
+                                   + (["--model", "mlp"] if model == "fsdp" else []))
+    every = Counter((e, i) for e in range(EPOCHS) for i in range(DATASET))
+    assert want == every, f"fault-free run: {sorted((want - every) + (every - want))[:10]}"
+    missing, twice = every - got, got - every
+    assert not missing and not twice, (f"{sum(missing.values())} samples never trained, e.g. "
+                                       f"{sorted(missing)[:6]}; {sum(twice.values())} extra, e.g. "
+                                       f"{sorted(twice)[:6]}")
+    worlds = {r["world_size"] for r in read_jsonl(tmp_path / "trace-run.jsonl")}
+    assert worlds == {1, 2}, worlds
+    if PIPELINES[pipeline][4]:
+        got_params = torch.load(tmp_path / "final-run.pt", weights_only=True)
+        for name, value in want_params.items():
+            assert torch.allclose(value, got_params[name], rtol=1e-9, atol=1e-12), name
+    return sum(got.values())
+
+
+@pytest.mark.parametrize(("pipeline", "path", "model"), CASES, ids=_ids(CASES))
+def test_kill_join_drain_train_every_sample_once(nodes, tmp_path, pipeline, path, model):
     """A 2-node job loses a node mid-epoch (SIGKILL), gains one mid-epoch (join) and drains
     one mid-epoch (SIGTERM to its agent), and still trains every sample of every epoch
     exactly once: the ledger equals a fault-free run's, and with a constant global batch
     so do the final parameters."""
-    pipe_args, kill_at, join_at, drain_at, same_params = PIPELINES[pipeline]
+    _, kill_at, join_at, drain_at, _ = PIPELINES[pipeline]
     hold, trace = tmp_path / "hold", tmp_path / "trace-run.jsonl"
-    args = [*pipe_args, "--dataset-size", str(DATASET), "--epochs", str(EPOCHS),
-            "--hold", str(hold), "--trace", str(trace),
-            "--checkpoint-url", f"file://{tmp_path}/ckpt-run",
-            "--final-params", str(tmp_path / "final-run.pt")] + (["--live"] if path == "live" else [])
+    args = _job_args(tmp_path, pipeline, path, model)
     _hold(hold, 0)
     a = nodes.start("once", SCRIPT, nnodes="1:2", name="a", script_args=args)
     b = nodes.start("once", SCRIPT, nnodes="1:2", name="b", script_args=args)
@@ -150,19 +193,52 @@ def test_kill_join_drain_train_every_sample_once(nodes, tmp_path, pipeline, path
     hold.unlink()
     for node in (a, c):
         assert node.wait(120) == 0, node.log()[-4000:]
+    audited = _audit(tmp_path, pipeline, model)
+    print(f"audited {audited} sample-epochs")
 
-    got = _ledger(trace)
-    want, want_params = _reference(tmp_path, [*pipe_args, "--dataset-size", str(DATASET),
-                                              "--epochs", str(EPOCHS)])
-    every = Counter((e, i) for e in range(EPOCHS) for i in range(DATASET))
-    assert want == every, f"fault-free run: {sorted((want - every) + (every - want))[:10]}"
-    missing, twice = every - got, got - every
-    assert not missing and not twice, (f"{sum(missing.values())} samples never trained, e.g. "
-                                       f"{sorted(missing)[:6]}; {sum(twice.values())} extra, e.g. "
-                                       f"{sorted(twice)[:6]}")
-    worlds = {r["world_size"] for r in read_jsonl(trace)}
-    assert worlds == {1, 2}, worlds
-    if same_params:
-        got_params = torch.load(tmp_path / "final-run.pt", weights_only=True)
-        for name, value in want_params.items():
-            assert torch.allclose(value, got_params[name], rtol=1e-9, atol=1e-12), name
+
+@pytest.mark.parametrize(("pipeline", "path", "model"), FREEZE_CASES, ids=_ids(FREEZE_CASES))
+def test_freeze_thaw_stop_start_train_every_sample_once(nodes, tmp_path, pipeline, path, model):
+    """A 2-node job whose node b is frozen mid-epoch (SIGSTOP of its whole process tree)
+    trains on alone, takes b back when it is thawed (SIGCONT), is stopped mid-epoch
+    (`elasticd stop`) and started again (`elasticd start`, both agents restarted), and
+    still trains every sample of every epoch exactly once, with the parameters of a
+    fault-free run where the global batch is constant."""
+    _, freeze_at, thaw_at, stop_at, _ = PIPELINES[pipeline]
+    job, ep = "freeze", nodes.etcd.endpoint
+    hold, trace = tmp_path / "hold", tmp_path / "trace-run.jsonl"
+    args = _job_args(tmp_path, pipeline, path, model)
+    _hold(hold, 0)
+    a = nodes.start(job, SCRIPT, nnodes="1:2", name="a", script_args=args)
+    b = nodes.start(job, SCRIPT, nnodes="1:2", name="b", script_args=args)
+    _hold_at(hold, trace, 0, 2)
+    _hold_at(hold, trace, freeze_at, 2)
+    before = _round(trace)
+    b.signal(signal.SIGSTOP)
+    try:  # a alone: its collective with b hangs until b's lease expires
+        _hold_at(hold, trace, thaw_at, 1, after_round=before)
+    finally:
+        b.signal(signal.SIGCONT)
+    before = _round(trace)
+    _step_until_world(hold, trace, thaw_at, 2, before)  # b back in a new round
+    _hold_at(hold, trace, stop_at, 2)
+    assert main(["stop", "--job", job, "--etcd", ep, "--wait", "0"]) == 0
+    step = stop_at
+    while a.alive() or b.alive():  # the stop acts at a step boundary: release one at a time
+        step += 1
+        _hold(hold, step)
+        wait_until(lambda s=step: not (a.alive() or b.alive()) or _waits(trace, s, -1), 120,
+                   lambda s=step: f"the stopped agents leaving, or a rank waiting before step {s}")
+    for node in (a, b):
+        assert node.wait(60) == 0, node.log()[-4000:]
+    stopped = max(r["step"] for r in read_jsonl(trace))
+    before = _round(trace)
+    assert main(["start", "--job", job, "--etcd", ep]) == 0
+    a = nodes.start(job, SCRIPT, nnodes="1:2", name="a2", script_args=args)
+    b = nodes.start(job, SCRIPT, nnodes="1:2", name="b2", script_args=args)
+    _step_until_world(hold, trace, stopped + 1, 2, before + 1)
+    hold.unlink()
+    for node in (a, b):
+        assert node.wait(120) == 0, node.log()[-4000:]
+    audited = _audit(tmp_path, pipeline, model)
+    print(f"audited {audited} sample-epochs")
