@@ -17,6 +17,8 @@ pipeline is chosen with ``--pipeline``:
 
 ``--fsdp`` trains a small MLP as FSDP2 (``ShardedModel(..., "fsdp")``, ``sharded=``) instead
 of the DDP linear model; ``--model mlp`` is the same MLP unsharded (the reference run).
+``--stale-model`` (with ``--fsdp``) makes the user error of training the module from the
+start instead of ``loop.model`` after a live re-formation.
 
 The test controls the pace with a file, never with a step count: while ``--hold`` exists
 and holds a number ``S``, the worker trains steps before ``S`` and then waits (appending a
@@ -69,6 +71,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--model", choices=["linear", "mlp"], default="linear")
     p.add_argument("--fsdp", action="store_true", help="the mlp as FSDP2 (sharded=)")
     p.add_argument("--shard-dir", default="", help="stream: where the shards are (or go)")
+    p.add_argument("--stale-model", action="store_true",
+                   help="--fsdp: train the module from the start, never loop.model (a user error)")
     p.add_argument("--dataset-size", type=int, default=96)
     p.add_argument("--global-batch", type=int, default=16)
     p.add_argument("--batch-size", type=int, default=4, help="per rank (distributed pipelines)")
@@ -191,7 +195,8 @@ def main() -> int:
                 wait_for_release(args.hold, args.trace + ".wait", loop.steps_done, epoch)
                 with loop.guard():
                     optimizer.zero_grad()
-                    loss = F.mse_loss((loop.model if ddp is None else ddp)(x), y)
+                    net = ddp if ddp is not None else model if args.stale_model else loop.model
+                    loss = F.mse_loss(net(x), y)
                     if batches is not None:
                         loss = loss * batches.plan.loss_scale(len(x))
                     loss.backward()

@@ -58,13 +58,20 @@ ALL = ([(p, path, "ddp") for p in sorted(PIPELINES) for path in ("live", "restar
         if (p, path) != ("stream", "live")]
        + [("batch-sampler", path, "fsdp") for path in ("live", "restart")])
 # In the suite: the two pipelines whose counting a re-formation used to break (issue 45),
-# live, and one job of the other faults. Under ELASTICD_SOAK=1 (make soak): all of ALL.
-CASES = ALL if SOAK else [("batch-sampler", "live", "ddp"), ("distributed-drop-last", "live", "ddp")]
-FREEZE_CASES = ALL if SOAK else [("stateful-loader", "live", "ddp")]
+# live, and one job of the other faults. The rest of ALL is soak-marked and exists only
+# under ELASTICD_SOAK=1 (make soak runs them).
+SUITE = [("batch-sampler", "live", "ddp"), ("distributed-drop-last", "live", "ddp")]
+SUITE_FREEZE = [("stateful-loader", "live", "ddp")]
 
 
-def _ids(cases: list[tuple[str, str, str]]) -> list[str]:
-    return ["-".join(c if c[2] == "fsdp" else c[:2]) for c in cases]
+def _cases(suite: list[tuple[str, str, str]]) -> list:
+    soak = [c for c in ALL if c not in suite] if SOAK else []
+    return ([pytest.param(*c, id=_id(c)) for c in suite]
+            + [pytest.param(*c, id=_id(c), marks=pytest.mark.soak) for c in soak])
+
+
+def _id(case: tuple[str, str, str]) -> str:
+    return "-".join(case if case[2] == "fsdp" else case[:2])
 
 
 def _ledger(trace: Path) -> Counter:
@@ -163,7 +170,7 @@ def _audit(tmp_path: Path, pipeline: str, model: str) -> int:
     return sum(got.values())
 
 
-@pytest.mark.parametrize(("pipeline", "path", "model"), CASES, ids=_ids(CASES))
+@pytest.mark.parametrize(("pipeline", "path", "model"), _cases(SUITE))
 def test_kill_join_drain_train_every_sample_once(nodes, tmp_path, pipeline, path, model):
     """A 2-node job loses a node mid-epoch (SIGKILL), gains one mid-epoch (join) and drains
     one mid-epoch (SIGTERM to its agent), and still trains every sample of every epoch
@@ -197,7 +204,7 @@ def test_kill_join_drain_train_every_sample_once(nodes, tmp_path, pipeline, path
     print(f"audited {audited} sample-epochs")
 
 
-@pytest.mark.parametrize(("pipeline", "path", "model"), FREEZE_CASES, ids=_ids(FREEZE_CASES))
+@pytest.mark.parametrize(("pipeline", "path", "model"), _cases(SUITE_FREEZE))
 def test_freeze_thaw_stop_start_train_every_sample_once(nodes, tmp_path, pipeline, path, model):
     """A 2-node job whose node b is frozen mid-epoch (SIGSTOP of its whole process tree)
     trains on alone, takes b back when it is thawed (SIGCONT), is stopped mid-epoch
@@ -242,3 +249,25 @@ def test_freeze_thaw_stop_start_train_every_sample_once(nodes, tmp_path, pipelin
         assert node.wait(120) == 0, node.log()[-4000:]
     audited = _audit(tmp_path, pipeline, model)
     print(f"audited {audited} sample-epochs")
+
+
+def test_stale_sharded_module_after_live_reform_exits_78_naming_loop_model(nodes, tmp_path):
+    """A live FSDP2 job whose script trains the start's module, not ``loop.model``, loses a
+    node: the survivor re-forms, and its next step exits 78 with one message naming
+    ``loop.model``, not c10d's 'not initialized in the world group map' crash (issue 45)."""
+    hold, trace = tmp_path / "hold", tmp_path / "trace.jsonl"
+    args = ["--pipeline", "batch-sampler", "--global-batch", "16", "--dataset-size", "96",
+            "--fsdp", "--stale-model", "--live", "--hold", str(hold), "--trace", str(trace),
+            "--checkpoint-url", f"file://{tmp_path}/ckpt"]
+    _hold(hold, 0)
+    a = nodes.start("stale", SCRIPT, nnodes="1:2", name="a", script_args=args)
+    b = nodes.start("stale", SCRIPT, nnodes="1:2", name="b", script_args=args)
+    _hold_at(hold, trace, 2, 2)
+    b.signal(signal.SIGKILL)
+    _hold(hold, 10)
+    wait_until(lambda: not a.alive(), 120, "the survivor's agent to exit")
+    log = a.log()
+    assert a.wait(5) == 78, log[-4000:]
+    assert "live_reformed" in log, log[-4000:]
+    assert "after a re-formation use loop.model (sharded=) or the module loop.ddp()" in log, log[-4000:]
+
