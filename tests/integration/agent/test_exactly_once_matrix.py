@@ -148,7 +148,7 @@ def _job_args(tmp_path: Path, pipeline: str, path: str, model: str) -> list[str]
         ["--live"] if path == "live" else []) + (["--fsdp"] if model == "fsdp" else [])
 
 
-def _audit(tmp_path: Path, pipeline: str, model: str) -> int:
+def _audit(tmp_path: Path, pipeline: str, model: str, worlds: frozenset = frozenset({1, 2})) -> int:
     """The run's ledger against a fault-free run's (and its final parameters where the
     global batch is constant); returns the samples audited."""
     got = _ledger(tmp_path / "trace-run.jsonl")
@@ -161,8 +161,8 @@ def _audit(tmp_path: Path, pipeline: str, model: str) -> int:
     assert not missing and not twice, (f"{sum(missing.values())} samples never trained, e.g. "
                                        f"{sorted(missing)[:6]}; {sum(twice.values())} extra, e.g. "
                                        f"{sorted(twice)[:6]}")
-    worlds = {r["world_size"] for r in read_jsonl(tmp_path / "trace-run.jsonl")}
-    assert worlds == {1, 2}, worlds
+    seen = {r["world_size"] for r in read_jsonl(tmp_path / "trace-run.jsonl")}
+    assert seen == worlds, seen
     if PIPELINES[pipeline][4]:
         got_params = torch.load(tmp_path / "final-run.pt", weights_only=True)
         for name, value in want_params.items():
@@ -271,3 +271,34 @@ def test_stale_sharded_module_after_live_reform_exits_78_naming_loop_model(nodes
     assert "live_reformed" in log, log[-4000:]
     assert "after a re-formation use loop.model (sharded=) or the module loop.ddp()" in log, log[-4000:]
 
+
+def test_worker_crash_before_any_checkpoint_keeps_the_survivors_steps(nodes, tmp_path):
+    """A live 2-node job with no checkpoint yet loses one worker (SIGKILL of the worker
+    process, its agent alive): the job goes on from the survivors' in-memory state, never
+    from step 0, and still trains every sample of every epoch exactly once."""
+    pipeline, crash_at = "batch-sampler", 3
+    hold, trace = tmp_path / "hold", tmp_path / "trace-run.jsonl"
+    args = _job_args(tmp_path, pipeline, "live", "ddp")
+    _hold(hold, 0)
+    # The crashed worker's replacement is a cold process (its warm standby was handed over
+    # at the start): on a loaded machine its torch import alone can outlast the default
+    # 30 s bound on a re-formation, which then falls back to the restart path.
+    extra = ["--live-reform-timeout", "180"]
+    a = nodes.start("crash", SCRIPT, nnodes="1:2", name="a", script_args=args, extra=extra)
+    b = nodes.start("crash", SCRIPT, nnodes="1:2", name="b", script_args=args, extra=extra)
+    _hold_at(hold, trace, 0, 2)
+    _hold_at(hold, trace, crash_at, 2)
+    assert not list((tmp_path / "ckpt-run").rglob("manifest.json")), "a checkpoint already"
+    before = _round(trace)
+    pids = {r["pid"] for r in read_jsonl(trace)} & set(b.tree())
+    assert len(pids) == 1, pids
+    os.kill(pids.pop(), signal.SIGKILL)
+    _hold(hold, crash_at + 1)  # a's step crash_at fails on the dead peer
+    _step_until_world(hold, trace, crash_at + 1, 2, before + 1)
+    after = [r for r in read_jsonl(trace) if (r["round"] or 0) > before]
+    assert min(r["step"] for r in after) >= crash_at, (
+        f"the job went back to step {min(r['step'] for r in after)} after one worker's crash")
+    hold.unlink()
+    for node in (a, b):
+        assert node.wait(120) == 0, node.log()[-4000:]
+    _audit(tmp_path, pipeline, "ddp", worlds=frozenset({2}))  # b's node never left
