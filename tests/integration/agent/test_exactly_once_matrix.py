@@ -1,9 +1,15 @@
 """End to end: every documented pipeline trains every sample of every epoch exactly once.
 
-One multi-phase job per pipeline and path (live re-formation or the restart path) on real
-agents, with the faults combined in one schedule: two nodes train, one is SIGKILLed
-mid-epoch (world size 1), a new node joins mid-epoch (world size 2 again), then that node
-is drained mid-epoch (SIGTERM to its agent), and the survivor runs the job to its end.
+Multi-phase jobs per pipeline, path (live re-formation or the restart path) and model
+(DDP, FSDP2) on real agents, with the faults combined in two schedules. Kill/join/drain:
+two nodes train, one is SIGKILLed mid-epoch (world size 1), a new node joins mid-epoch
+(world size 2 again), then that node is drained mid-epoch (SIGTERM to its agent), and the
+survivor runs the job to its end. Freeze/stop/start: one node's whole process tree is
+SIGSTOPped mid-epoch (the other trains alone once its lease expires), SIGCONTed (it
+rejoins), the job is stopped mid-epoch (``elasticd stop``) and started again
+(``elasticd start``, both agents restarted). Two more jobs pin issue 45's guards: a
+worker crash before any checkpoint keeps the survivors' steps, and a module kept from
+before a live re-formation is refused with exit 78 naming ``loop.model``.
 The pace is the test's: the worker trains only the steps a hold file allows
 (tests/workers/exactly_once.py), so every fault lands at a chosen step of a chosen epoch,
 and the job ends when the test releases it, not after a step count chosen to outlast a
