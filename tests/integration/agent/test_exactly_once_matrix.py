@@ -154,6 +154,17 @@ def _job_args(tmp_path: Path, pipeline: str, path: str, model: str) -> list[str]
         ["--live"] if path == "live" else []) + (["--fsdp"] if model == "fsdp" else [])
 
 
+def _ledger_rows(tmp_path: Path, wrong: Counter) -> str:
+    """The run's ledger rows (step round epoch world rank pid, first indices) that hold a
+    sample of ``wrong``'s, and every epoch each such sample was trained in: what a CI log
+    needs to tell a mislabelled step from a skipped or retrained one."""
+    ids = {i for _, i in wrong}
+    rows = [r for r in read_jsonl(tmp_path / "trace-run.jsonl") if ids & set(r["idx"])]
+    return "ledger rows with those samples:\n" + "\n".join(
+        f"  step={r['step']} round={r['round']} epoch={r['epoch']} world={r['world_size']} "
+        f"rank={r['rank']} pid={r['pid']} idx={r['idx'][:4]}" for r in rows[:40])
+
+
 def _audit(tmp_path: Path, pipeline: str, model: str, worlds: frozenset = frozenset({1, 2})) -> int:
     """The run's ledger against a fault-free run's (and its final parameters where the
     global batch is constant); returns the samples audited."""
@@ -166,7 +177,7 @@ def _audit(tmp_path: Path, pipeline: str, model: str, worlds: frozenset = frozen
     missing, twice = every - got, got - every
     assert not missing and not twice, (f"{sum(missing.values())} samples never trained, e.g. "
                                        f"{sorted(missing)[:6]}; {sum(twice.values())} extra, e.g. "
-                                       f"{sorted(twice)[:6]}")
+                                       f"{sorted(twice)[:6]}; {_ledger_rows(tmp_path, missing + twice)}")
     seen = {r["world_size"] for r in read_jsonl(tmp_path / "trace-run.jsonl")}
     assert seen == worlds, seen
     if PIPELINES[pipeline][4]:
