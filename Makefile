@@ -60,6 +60,7 @@ chaos: $(STAMP)
 # Long and randomized runs: the soak-marked tests, and the chaos tests at their long sizes.
 soak: $(STAMP)
 	ELASTICD_SOAK=1 $(PY) -m pytest -q tests/chaos $(PYTEST_ARGS)
+	ELASTICD_SOAK=1 $(PY) -m pytest -q -m soak tests/integration $(PYTEST_ARGS)
 
 demo: $(STAMP)
 	@echo "== running the demo (~2-3 min): etcd, two nodes, a kill, a rejoin, a picture"

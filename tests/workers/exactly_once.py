@@ -10,6 +10,15 @@ pipeline is chosen with ``--pipeline``:
   one optimizer step, the global batch is constant.
 - ``distributed``: ``ElasticDistributedSampler`` in a ``DataLoader(batch_size=b)``.
 - ``distributed-drop-last``: the same with ``DataLoader(drop_last=True)``.
+- ``stateful-loader``: the ``batch-sampler`` pipeline in torchdata's ``StatefulDataLoader``
+  under ``ElasticStatefulLoader`` (checkpointed as ``"loader"``).
+- ``stream``: ``ElasticStream`` over JSON-lines shards of sample indices (written by rank 0
+  of the first run, in ``--shard-dir``), one stream item per step, constant global batch.
+
+``--fsdp`` trains a small MLP as FSDP2 (``ShardedModel(..., "fsdp")``, ``sharded=``) instead
+of the DDP linear model; ``--model mlp`` is the same MLP unsharded (the reference run).
+``--stale-model`` (with ``--fsdp``) makes the user error of training the module from the
+start instead of ``loop.model`` after a live re-formation.
 
 The test controls the pace with a file, never with a step count: while ``--hold`` exists
 and holds a number ``S``, the worker trains steps before ``S`` and then waits (appending a
@@ -29,9 +38,12 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch import nn
+from torch.distributed.fsdp import fully_shard
 from torch.utils.data import DataLoader, Dataset
 
 from elasticd import worker
+from elasticd.data import ElasticStatefulLoader, ElasticStream, Shard
 from elasticd.worker.context import current_round
 
 
@@ -50,10 +62,17 @@ class Indexed(Dataset):
         return i, self.x[i], self.y[i]
 
 
+PIPELINES = ["batch-sampler", "distributed", "distributed-drop-last", "stateful-loader", "stream"]
+
+
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser()
-    p.add_argument("--pipeline", required=True,
-                   choices=["batch-sampler", "distributed", "distributed-drop-last"])
+    p.add_argument("--pipeline", required=True, choices=PIPELINES)
+    p.add_argument("--model", choices=["linear", "mlp"], default="linear")
+    p.add_argument("--fsdp", action="store_true", help="the mlp as FSDP2 (sharded=)")
+    p.add_argument("--shard-dir", default="", help="stream: where the shards are (or go)")
+    p.add_argument("--stale-model", action="store_true",
+                   help="--fsdp: train the module from the start, never loop.model (a user error)")
     p.add_argument("--dataset-size", type=int, default=96)
     p.add_argument("--global-batch", type=int, default=16)
     p.add_argument("--batch-size", type=int, default=4, help="per rank (distributed pipelines)")
@@ -95,28 +114,80 @@ def wait_for_release(hold: str, status: str, step: int, epoch: int) -> None:
         time.sleep(0.02)  # polling the test's file: the test decides when the job goes on
 
 
+def parallelize(model: nn.Module, mesh: object) -> nn.Module:
+    fully_shard(model[0], mesh=mesh)
+    fully_shard(model[2], mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def _stream_shards(dataset: Indexed, shard_dir: str) -> list[Shard]:
+    """Three JSON-lines shards of sample indices (uneven sizes), written once (rank 0 of the
+    first run; the others wait for the last one's rename)."""
+    n = len(dataset)
+    cuts = [0, n // 3 + 1, 2 * n // 3, n]
+    paths = [os.path.join(shard_dir, f"shard-{k}.jsonl") for k in range(3)]
+    if _rank() == 0 and not os.path.exists(paths[-1]):
+        os.makedirs(shard_dir, exist_ok=True)
+        for k, path in enumerate(paths):
+            with open(path + ".tmp", "w") as f:
+                f.writelines(json.dumps({"id": i}) + "\n" for i in range(cuts[k], cuts[k + 1]))
+            os.replace(path + ".tmp", path)
+    while not os.path.exists(paths[-1]):
+        time.sleep(0.02)  # rank 0 writes them at once: polling for the file it renames last
+    return [Shard(f"file://{path}", cuts[k + 1] - cuts[k]) for k, path in enumerate(paths)]
+
+
+class Lookup:
+    """Stream collate: the step's share of ``{"id": i}`` records -> (index, x, y) batches."""
+
+    def __init__(self, dataset: Indexed) -> None:
+        self.dataset = dataset
+
+    def __call__(self, records: list[dict]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        idx = torch.tensor([r["id"] for r in records], dtype=torch.long)
+        return idx, self.dataset.x[idx], self.dataset.y[idx]
+
+
 def main() -> int:
     args = parse_args()
     ctx = worker.init()  # ctx.rank and ctx.world_size are the start's
     torch.manual_seed(0)
     dataset = Indexed(args.dataset_size)
-    model = torch.nn.Linear(8, 1).to(torch.float64)
+    if args.fsdp or args.model == "mlp":
+        model: nn.Module = nn.Sequential(nn.Linear(8, 4), nn.Tanh(), nn.Linear(4, 1)).double()
+    else:
+        model = torch.nn.Linear(8, 1).to(torch.float64)
+    sharded = worker.ShardedModel(model, parallelize, "fsdp") if args.fsdp else None
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
-    if args.pipeline == "batch-sampler":
+    state: dict = {"model": model, "optimizer": optimizer}
+    batches = None
+    if args.pipeline in ("batch-sampler", "stateful-loader"):
         sampler = worker.ElasticSampler(dataset, global_batch_size=args.global_batch, seed=1)
         plan = worker.plan_global_batch(args.global_batch, ctx.world_size, args.global_batch,
                                         allow_uneven=True)
         batches = worker.ElasticBatchSampler(sampler, plan)
-        loader = DataLoader(dataset, batch_sampler=batches)
+        if args.pipeline == "stateful-loader":
+            from torchdata.stateful_dataloader import StatefulDataLoader
+
+            loader = ElasticStatefulLoader(
+                StatefulDataLoader(dataset, batch_sampler=batches), sampler)
+            state["loader"] = loader
+        else:
+            loader = DataLoader(dataset, batch_sampler=batches)
+    elif args.pipeline == "stream":
+        sampler = ElasticStream(_stream_shards(dataset, args.shard_dir),
+                                       global_batch_size=args.global_batch,
+                                       collate=Lookup(dataset))
+        loader = DataLoader(sampler, batch_size=None)
     else:
         sampler = worker.ElasticDistributedSampler(dataset, seed=1)
         loader = DataLoader(dataset, batch_size=args.batch_size, sampler=sampler,
                             drop_last=args.pipeline == "distributed-drop-last")
-    loop = worker.ElasticLoop({"model": model, "optimizer": optimizer}, sampler,
-                              checkpoint_url=args.checkpoint_url, save_every=args.save_every,
-                              live=args.live)
+    loop = worker.ElasticLoop(state, sampler, checkpoint_url=args.checkpoint_url,
+                              save_every=args.save_every, live=args.live, sharded=sharded)
     first_epoch = loop.resume()
-    ddp = loop.ddp(model)
+    ddp = None if sharded is not None else loop.ddp(model)
     with open(args.trace, "a") as trace:
         for epoch in range(first_epoch, args.epochs):
             sampler.set_epoch(epoch)
@@ -124,8 +195,9 @@ def main() -> int:
                 wait_for_release(args.hold, args.trace + ".wait", loop.steps_done, epoch)
                 with loop.guard():
                     optimizer.zero_grad()
-                    loss = F.mse_loss(ddp(x), y)
-                    if args.pipeline == "batch-sampler":
+                    net = ddp if ddp is not None else model if args.stale_model else loop.model
+                    loss = F.mse_loss(net(x), y)
+                    if batches is not None:
                         loss = loss * batches.plan.loss_scale(len(x))
                     loss.backward()
                     optimizer.step()
@@ -136,8 +208,10 @@ def main() -> int:
                     trace.write(json.dumps(row) + "\n")
                     trace.flush()
     loop.close()
+    params = {k: v.full_tensor() if hasattr(v, "full_tensor") else v  # a collective under FSDP
+              for k, v in (loop.model if sharded is not None else model).state_dict().items()}
     if args.final_params and _rank() == 0:
-        torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, args.final_params)
+        torch.save({k: v.detach().clone() for k, v in params.items()}, args.final_params)
     worker.shutdown()
     return 0
 
