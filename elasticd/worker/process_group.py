@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from elasticd import teardown
+from elasticd.errors import ConfigError
 
 RECONFIGURE_MIN_TORCH = (2, 14)
 HANDLE_PREFIX = "elasticd/reconfigure"
@@ -62,29 +63,56 @@ def torch_version(version: str) -> tuple[int, int]:
     return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
 
 
+class LifecycleRequest(enum.Enum):
+    """What a job's ``ELASTICD_GROUP_LIFECYCLE`` asks for."""
+
+    DEFAULT = ""  # unset: reconfigure where torch has it for the backend (gloo), else rebuild
+    REBUILD = "rebuild"
+    RECONFIGURE = "reconfigure"
+    NCCL_RECONFIGURE = "nccl-reconfigure"  # NCCL groups too (experimental, no GPU run yet)
+
+
+def parse_lifecycle_request(value: str | None) -> LifecycleRequest:
+    """The request an ``ELASTICD_GROUP_LIFECYCLE`` value makes (unset or empty: the default).
+
+    Raises:
+        ConfigError: a value that is none of them (exit 78: every rank would fail the same).
+    """
+    try:
+        return LifecycleRequest((value or "").strip())
+    except ValueError:
+        allowed = ", ".join(r.value for r in LifecycleRequest if r.value)
+        raise ConfigError(f"ELASTICD_GROUP_LIFECYCLE={value!r} is not one of {allowed}; "
+                          "unset it for the default (reconfigure on torch 2.14+ with gloo, "
+                          "else rebuild)") from None
+
+
 def choose_lifecycle(version: tuple[int, int], backend: str, *, has_reconfigure: bool,
-                     requested: bool = False, nccl_reconfigure: bool = False) -> LifecycleChoice:
+                     request: LifecycleRequest = LifecycleRequest.DEFAULT) -> LifecycleChoice:
     """Pick the group lifecycle for a worker (pure).
 
-    Reconfigure is opt-in for now: with it, sharded (FSDP2/HSDP) live re-formations failed
-    on torch 2.14.1 (a missing shard after the re-mesh), so it is used only where asked.
+    Reconfigure in place is the default wherever the torch in use has it for the backend:
+    gloo on torch 2.14+ (DDP, FSDP2 and HSDP live re-formations pass on 2.14.1 with it).
+    NCCL reconfigures only when asked (``nccl-reconfigure``) until a GPU run proves it;
+    ``rebuild`` opts out everywhere.
 
     Args:
         version: torch's (major, minor).
         backend: the training backend (``"gloo"``, ``"nccl"``).
         has_reconfigure: ``distributed_c10d`` has ``_reconfigure`` (the torch build has it).
-        requested: the job asked for it (``ELASTICD_GROUP_LIFECYCLE=reconfigure``).
-        nccl_reconfigure: reconfigure NCCL groups too (off until a GPU run proves it).
+        request: what the job's ``ELASTICD_GROUP_LIFECYCLE`` asks for.
     """
-    if not requested and not nccl_reconfigure:
-        return LifecycleChoice(LifecycleKind.REBUILD, "the default (reconfigure is opt-in)")
+    if request is LifecycleRequest.REBUILD:
+        return LifecycleChoice(LifecycleKind.REBUILD, "asked for (ELASTICD_GROUP_LIFECYCLE=rebuild)")
     if version < RECONFIGURE_MIN_TORCH or not has_reconfigure:
         return LifecycleChoice(LifecycleKind.REBUILD, f"torch {version[0]}.{version[1]} has no c10d reconfigure")
     if backend == "gloo":
-        return LifecycleChoice(LifecycleKind.RECONFIGURE, "gloo on torch 2.14+, asked for")
-    if backend == "nccl" and nccl_reconfigure:
-        return LifecycleChoice(LifecycleKind.RECONFIGURE, "nccl reconfigure asked for")
-    return LifecycleChoice(LifecycleKind.REBUILD, f"no reconfigure for {backend} (gloo only unless asked)")
+        how = "the default" if request is LifecycleRequest.DEFAULT else "asked for"
+        return LifecycleChoice(LifecycleKind.RECONFIGURE, f"gloo on torch 2.14+ ({how})")
+    if backend == "nccl" and request is LifecycleRequest.NCCL_RECONFIGURE:
+        return LifecycleChoice(LifecycleKind.RECONFIGURE, "nccl reconfigure asked for (experimental)")
+    return LifecycleChoice(LifecycleKind.REBUILD, f"no reconfigure for {backend} unless asked "
+                           "(ELASTICD_GROUP_LIFECYCLE=nccl-reconfigure, experimental)")
 
 
 # -- failures ---------------------------------------------------------------------------
