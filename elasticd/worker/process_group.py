@@ -307,6 +307,7 @@ class ReconfigureLifecycle:
         self._forward = _ForwardingStore()
         self._init_rank = -1
         self._store: Any = None  # the current round's store (and nothing older)
+        self._group_count = 0  # c10d's group counter right after form (a fresh worker's)
 
     def form(self, spec: GroupSpec | None) -> None:
         if spec is None:
@@ -322,6 +323,7 @@ class ReconfigureLifecycle:
         if self.backend == "nccl":
             kwargs["device_id"] = self.device
         dist.init_process_group(**kwargs)
+        self._group_count = dist.distributed_c10d._world.group_count
         self._reconfigure(store, spec)
 
     def leave(self, groups: Iterable[Any], settle: Callable[[], None]) -> None:
@@ -331,9 +333,33 @@ class ReconfigureLifecycle:
         settle()
 
     def join(self, spec: GroupSpec) -> None:
+        self._drop_subgroups()
         store = self._round_store(spec)
         self._exchange_init_ranks(store, spec)
         self._reconfigure(store, spec)
+
+    def _drop_subgroups(self) -> None:
+        """Destroy the groups made over the old round's group (an HSDP mesh's dimensions,
+        the NCCL job's stop group) and count new ones from where a fresh worker does.
+
+        ``new_group`` names a group (and its store keys) by a per-process counter,
+        ``_world.group_count``: a survivor that made subgroups in earlier rounds had counted
+        further than a joiner, so their next mesh's subgroups met under different names and
+        the re-formation hung (the HSDP join on 2.14.1). A rebuild resets the counter by
+        destroying every group; here the default group stays. The destroyed subgroups are
+        kept referenced until the next re-formation (:mod:`elasticd.teardown`), as a
+        rebuild's are.
+        """
+        c10d = dist.distributed_c10d
+        if not dist.is_initialized():
+            return
+        default = c10d._get_default_group()
+        subgroups = [g for g in list(c10d._world.pg_map) if g is not default]
+        teardown.release_destroyed()  # those destroyed at the re-formation before
+        _abort(subgroups)
+        for group in subgroups:
+            dist.destroy_process_group(group)
+        c10d._world.group_count = self._group_count
 
     def _round_store(self, spec: GroupSpec) -> Any:
         """The round's TCPStore (rank 0 hosts it, as ``init_process_group`` would)."""
