@@ -323,7 +323,8 @@ class ReconfigureLifecycle:
         if self.backend == "nccl":
             kwargs["device_id"] = self.device
         dist.init_process_group(**kwargs)
-        self._group_count = dist.distributed_c10d._world.group_count
+        world = dist.distributed_c10d._world
+        self._group_count = world.group_count
         self._reconfigure(store, spec)
 
     def leave(self, groups: Iterable[Any], settle: Callable[[], None]) -> None:
@@ -353,13 +354,13 @@ class ReconfigureLifecycle:
         c10d = dist.distributed_c10d
         if not dist.is_initialized():
             return
-        default = c10d._get_default_group()
-        subgroups = [g for g in list(c10d._world.pg_map) if g is not default]
+        world, default = c10d._world, c10d._get_default_group()
+        subgroups = [g for g in list(world.pg_map) if g is not default]
         teardown.release_destroyed()  # those destroyed at the re-formation before
         _abort(subgroups)
         for group in subgroups:
             dist.destroy_process_group(group)
-        c10d._world.group_count = self._group_count
+        world.group_count = self._group_count
 
     def _round_store(self, spec: GroupSpec) -> Any:
         """The round's TCPStore (rank 0 hosts it, as ``init_process_group`` would)."""
