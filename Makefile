@@ -90,12 +90,15 @@ compat: $(COMPAT_STAMP)
 	$(COMPAT_VENV)/bin/python -c 'import torch; print("compat: torch", torch.__version__)'
 	$(COMPAT_VENV)/bin/python -m pytest -q tests/unit tests/integration/agent $(PYTEST_ARGS)
 
-# The reconfigure lifecycle (torch 2.14+: c10d _reconfigure) on every CI run (.ci/run):
-# the lifecycle's unit tests and the 16-re-formation leak test, a few minutes.
+# The reconfigure lifecycle (torch 2.14+: c10d _reconfigure, the default there) on every CI
+# run (.ci/run): the lifecycle's unit tests, the 16-re-formation leak test and the HSDP
+# live kill-and-join (a mesh's subgroups re-made over the reconfigured group), minutes.
 compat-reconfigure: $(COMPAT_STAMP)
 	$(COMPAT_VENV)/bin/python -c 'import torch; print("compat: torch", torch.__version__)'
 	$(COMPAT_VENV)/bin/python -m pytest -q tests/unit/test_process_group.py \
-		tests/integration/agent/test_group_lifecycle.py $(PYTEST_ARGS)
+		tests/integration/agent/test_group_lifecycle.py \
+		"tests/integration/agent/test_fsdp_elastic.py::test_hsdp_live_kill_and_join_keeps_the_survivors_and_their_shards" \
+		$(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) $(COMPAT_VENV) build dist *.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -284,7 +284,10 @@ def main(argv: list[str] | None = None) -> int:
             rows: list[dict] = []
             try:
                 for c in range(args.cycles):
-                    rows.extend(driver.cycle(kill=bool(args.kill_every) and c % args.kill_every == args.kill_every - 1))
+                    pair = driver.cycle(kill=bool(args.kill_every) and c % args.kill_every == args.kill_every - 1)
+                    rows.extend(pair)
+                    for row in pair:  # as they come: a run that fails late keeps its samples
+                        print(f"row {lifecycle} world {world}: {json.dumps(row)}", flush=True)
             finally:
                 driver.close()
             s = _summary(rows, edge=max(2, min(5, len(rows) // 8)))

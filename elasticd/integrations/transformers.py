@@ -84,7 +84,7 @@ class EpochLoader(DataLoader):
         return super().__iter__()
 
 
-class ElasticCallback(TrainerCallback):
+class ElasticTrainerCallback(TrainerCallback):
     """Resume, per-step bookkeeping, drain and checkpoints for an :class:`ElasticTrainer`.
 
     Args:
@@ -177,7 +177,7 @@ class ElasticTrainer(Trainer):
         self.global_batch_size = global_batch_size
         self._elastic_options = {"checkpoint_url": checkpoint_url, "save_every": save_every,
                                  "keep_last": keep_last}
-        self.elastic: ElasticCallback | None = None
+        self.elastic: ElasticTrainerCallback | None = None
 
     def get_train_dataloader(self) -> DataLoader:
         """The training loader over elasticd's sampler, not prepared by Accelerate (which
@@ -198,7 +198,7 @@ class ElasticTrainer(Trainer):
         self.args.gradient_accumulation_steps = plan.accumulation_steps
         if self.elastic is not None:
             self.remove_callback(self.elastic)
-        self.elastic = ElasticCallback(sampler, **self._elastic_options)  # type: ignore[arg-type]
+        self.elastic = ElasticTrainerCallback(sampler, **self._elastic_options)  # type: ignore[arg-type]
         self.add_callback(self.elastic)
         log.info("trainer_batch_planned", global_batch_size=self.global_batch_size,
                  world_size=ctx.world_size, reason=plan.reason)

@@ -77,9 +77,9 @@ PENDING_SETTLE_S = 5.0
 # nothing wakes a wait on an aborted gloo group in its own process, so the full bound was
 # 5 s added to one re-formation in three after a SIGKILL (measured), for nothing.
 ABORTED_SETTLE_S = 0.1
-# ELASTICD_GROUP_LIFECYCLE=reconfigure: re-form with torch's c10d reconfigure where the
-# torch in use has it (gloo, 2.14+); =nccl-reconfigure: NCCL groups too (experimental,
-# unproven on a GPU). Default: rebuild (elasticd.worker.process_group).
+# ELASTICD_GROUP_LIFECYCLE: unset, re-form with torch's c10d reconfigure where the torch in
+# use has it (gloo, 2.14+), else rebuild; =rebuild: rebuild everywhere; =nccl-reconfigure:
+# NCCL groups too (experimental, unproven on a GPU) (elasticd.worker.process_group).
 ENV_GROUP_LIFECYCLE = "ELASTICD_GROUP_LIFECYCLE"
 
 
@@ -442,13 +442,16 @@ def init(backend: str | None = None, *, timeout_s: float = DEFAULT_COLLECTIVE_TI
 
 def _choose_lifecycle(backend: str, *, live: bool) -> pgl.LifecycleChoice:
     """The group lifecycle for this worker: reconfigure only for live re-formation (a
-    worker that never re-forms gains nothing), and only when the job asks for it."""
+    worker that never re-forms gains nothing), where torch has it (see ``choose_lifecycle``).
+
+    Raises:
+        ConfigError: ``ELASTICD_GROUP_LIFECYCLE`` names no lifecycle (exit 78).
+    """
+    request = pgl.parse_lifecycle_request(os.environ.get(ENV_GROUP_LIFECYCLE))
     if not live:
         return pgl.LifecycleChoice(pgl.LifecycleKind.REBUILD, "live re-formation is off")
     return pgl.choose_lifecycle(pgl.torch_version(torch.__version__), backend,
-                                has_reconfigure=pgl.has_reconfigure(),
-                                requested=os.environ.get(ENV_GROUP_LIFECYCLE) == "reconfigure",
-                                nccl_reconfigure=os.environ.get(ENV_GROUP_LIFECYCLE) == "nccl-reconfigure")
+                                has_reconfigure=pgl.has_reconfigure(), request=request)
 
 
 def group_generation() -> int:

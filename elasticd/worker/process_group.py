@@ -20,8 +20,9 @@ the new round's. This module is the one owner of how: a small protocol,
 
 Which one a worker uses is a pure decision (:func:`choose_lifecycle`) over the torch in
 use, the backend and the job's ``ELASTICD_GROUP_LIFECYCLE`` (every rank of a job runs the
-same torch with the same environment, so every rank decides the same). Rebuild is the
-default until reconfigure passes the sharded (FSDP2/HSDP) live tests on 2.14. A peer's death is recognised in :mod:`elasticd.worker.failures` (re-exported here).
+same torch with the same environment, so every rank decides the same): reconfigure for
+gloo on torch 2.14+ (DDP, FSDP2 and HSDP alike), rebuild elsewhere and when the job asks
+for it. A peer's death is recognised in :mod:`elasticd.worker.failures`.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from elasticd import teardown
+from elasticd.errors import ConfigError
 
 RECONFIGURE_MIN_TORCH = (2, 14)
 HANDLE_PREFIX = "elasticd/reconfigure"
@@ -61,29 +63,56 @@ def torch_version(version: str) -> tuple[int, int]:
     return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
 
 
+class LifecycleRequest(enum.Enum):
+    """What a job's ``ELASTICD_GROUP_LIFECYCLE`` asks for."""
+
+    DEFAULT = ""  # unset: reconfigure where torch has it for the backend (gloo), else rebuild
+    REBUILD = "rebuild"
+    RECONFIGURE = "reconfigure"
+    NCCL_RECONFIGURE = "nccl-reconfigure"  # NCCL groups too (experimental, no GPU run yet)
+
+
+def parse_lifecycle_request(value: str | None) -> LifecycleRequest:
+    """The request an ``ELASTICD_GROUP_LIFECYCLE`` value makes (unset or empty: the default).
+
+    Raises:
+        ConfigError: a value that is none of them (exit 78: every rank would fail the same).
+    """
+    try:
+        return LifecycleRequest((value or "").strip())
+    except ValueError:
+        allowed = ", ".join(r.value for r in LifecycleRequest if r.value)
+        raise ConfigError(f"ELASTICD_GROUP_LIFECYCLE={value!r} is not one of {allowed}; "
+                          "unset it for the default (reconfigure on torch 2.14+ with gloo, "
+                          "else rebuild)") from None
+
+
 def choose_lifecycle(version: tuple[int, int], backend: str, *, has_reconfigure: bool,
-                     requested: bool = False, nccl_reconfigure: bool = False) -> LifecycleChoice:
+                     request: LifecycleRequest = LifecycleRequest.DEFAULT) -> LifecycleChoice:
     """Pick the group lifecycle for a worker (pure).
 
-    Reconfigure is opt-in for now: with it, sharded (FSDP2/HSDP) live re-formations failed
-    on torch 2.14.1 (a missing shard after the re-mesh), so it is used only where asked.
+    Reconfigure in place is the default wherever the torch in use has it for the backend:
+    gloo on torch 2.14+ (DDP, FSDP2 and HSDP live re-formations pass on 2.14.1 with it).
+    NCCL reconfigures only when asked (``nccl-reconfigure``) until a GPU run proves it;
+    ``rebuild`` opts out everywhere.
 
     Args:
         version: torch's (major, minor).
         backend: the training backend (``"gloo"``, ``"nccl"``).
         has_reconfigure: ``distributed_c10d`` has ``_reconfigure`` (the torch build has it).
-        requested: the job asked for it (``ELASTICD_GROUP_LIFECYCLE=reconfigure``).
-        nccl_reconfigure: reconfigure NCCL groups too (off until a GPU run proves it).
+        request: what the job's ``ELASTICD_GROUP_LIFECYCLE`` asks for.
     """
-    if not requested and not nccl_reconfigure:
-        return LifecycleChoice(LifecycleKind.REBUILD, "the default (reconfigure is opt-in)")
+    if request is LifecycleRequest.REBUILD:
+        return LifecycleChoice(LifecycleKind.REBUILD, "asked for (ELASTICD_GROUP_LIFECYCLE=rebuild)")
     if version < RECONFIGURE_MIN_TORCH or not has_reconfigure:
         return LifecycleChoice(LifecycleKind.REBUILD, f"torch {version[0]}.{version[1]} has no c10d reconfigure")
     if backend == "gloo":
-        return LifecycleChoice(LifecycleKind.RECONFIGURE, "gloo on torch 2.14+, asked for")
-    if backend == "nccl" and nccl_reconfigure:
-        return LifecycleChoice(LifecycleKind.RECONFIGURE, "nccl reconfigure asked for")
-    return LifecycleChoice(LifecycleKind.REBUILD, f"no reconfigure for {backend} (gloo only unless asked)")
+        how = "the default" if request is LifecycleRequest.DEFAULT else "asked for"
+        return LifecycleChoice(LifecycleKind.RECONFIGURE, f"gloo on torch 2.14+ ({how})")
+    if backend == "nccl" and request is LifecycleRequest.NCCL_RECONFIGURE:
+        return LifecycleChoice(LifecycleKind.RECONFIGURE, "nccl reconfigure asked for (experimental)")
+    return LifecycleChoice(LifecycleKind.REBUILD, f"no reconfigure for {backend} unless asked "
+                           "(ELASTICD_GROUP_LIFECYCLE=nccl-reconfigure, experimental)")
 
 
 # -- the lifecycles ---------------------------------------------------------------------
@@ -246,6 +275,7 @@ class ReconfigureLifecycle:
         self._forward = _ForwardingStore()
         self._init_rank = -1
         self._store: Any = None  # the current round's store (and nothing older)
+        self._group_count = 0  # c10d's group counter right after form (a fresh worker's)
 
     def form(self, spec: GroupSpec | None) -> None:
         if spec is None:
@@ -261,6 +291,8 @@ class ReconfigureLifecycle:
         if self.backend == "nccl":
             kwargs["device_id"] = self.device
         dist.init_process_group(**kwargs)
+        world = dist.distributed_c10d._world
+        self._group_count = world.group_count
         self._reconfigure(store, spec)
 
     def leave(self, groups: Iterable[Any], settle: Callable[[], None]) -> None:
@@ -270,9 +302,33 @@ class ReconfigureLifecycle:
         settle()
 
     def join(self, spec: GroupSpec) -> None:
+        self._drop_subgroups()
         store = self._round_store(spec)
         self._exchange_init_ranks(store, spec)
         self._reconfigure(store, spec)
+
+    def _drop_subgroups(self) -> None:
+        """Destroy the groups made over the old round's group (an HSDP mesh's dimensions,
+        the NCCL job's stop group) and count new ones from where a fresh worker does.
+
+        ``new_group`` names a group (and its store keys) by a per-process counter,
+        ``_world.group_count``: a survivor that made subgroups in earlier rounds had counted
+        further than a joiner, so their next mesh's subgroups met under different names and
+        the re-formation hung (the HSDP join on 2.14.1). A rebuild resets the counter by
+        destroying every group; here the default group stays. The destroyed subgroups are
+        kept referenced until the next re-formation (:mod:`elasticd.teardown`), as a
+        rebuild's are.
+        """
+        c10d = dist.distributed_c10d
+        if not dist.is_initialized():
+            return
+        world, default = c10d._world, c10d._get_default_group()
+        subgroups = [g for g in list(world.pg_map) if g is not default]
+        teardown.release_destroyed()  # those destroyed at the re-formation before
+        _abort(subgroups)
+        for group in subgroups:
+            dist.destroy_process_group(group)
+        world.group_count = self._group_count
 
     def _round_store(self, spec: GroupSpec) -> Any:
         """The round's TCPStore (rank 0 hosts it, as ``init_process_group`` would)."""

@@ -39,6 +39,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from elasticd.worker.context import group_generation
+
 NOT_HELD = -2  # a rank's step when it holds no state (a joiner, a fresh start)
 
 
@@ -176,6 +178,14 @@ def forget_old_meshes() -> None:
     debug._clear_fast_path_sharding_prop_cache()
 
 
+def _current_group() -> tuple[object, int]:
+    """The process group a mesh is built on, by identity and generation: a group
+    reconfigured in place (torch's ``_reconfigure``) is the same object with new peers, so
+    identity alone kept a survivor on the old world's mesh (its shards covered half the
+    parameters after a shrink)."""
+    return dist.group.WORLD, group_generation()
+
+
 @dataclass
 class ShardedModel:
     """An FSDP2 / HSDP model that live re-formation re-meshes in place.
@@ -201,14 +211,14 @@ class ShardedModel:
     mesh: object = field(init=False)
     names: list[str] = field(init=False)
     params: list[torch.Tensor] = field(init=False)
-    _world: object = field(init=False, default=None)
+    _world: tuple[object, int] | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         from elasticd.worker.mesh import elastic_mesh
 
         self._skeleton = meta_skeleton(self.module)
         self.mesh = elastic_mesh(self.mesh_kind)
-        self._world = dist.group.WORLD
+        self._world = _current_group()
         self.module = self.parallelize(self.module, self.mesh)
         self._index()
 
@@ -232,7 +242,7 @@ class ShardedModel:
         changed since the last one (a survivor after a re-formation), else the current one."""
         from elasticd.worker.mesh import elastic_mesh
 
-        if self._world is dist.group.WORLD:
+        if self._world == _current_group():
             return self.mesh
         forget_old_meshes()
         return elastic_mesh(self.mesh_kind)
@@ -268,7 +278,7 @@ class ShardedModel:
         device = old_params[0].device if old_params else torch.device("cpu")
         new = self.parallelize(copy.deepcopy(self._skeleton), mesh)
         new.to_empty(device=device)
-        self.module, self.mesh, self._world = new, mesh, dist.group.WORLD
+        self.module, self.mesh, self._world = new, mesh, _current_group()
         self._index()
         if len(self.names) != len(old_params):
             raise RuntimeError("parallelize built a module with other parameters than before")

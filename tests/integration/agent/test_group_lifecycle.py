@@ -2,10 +2,10 @@
 
 Real agents, etcd and gloo workers: node b joins and is SIGKILLed again and again while
 node a's worker re-forms in place each time. Its threads and file descriptors must stay
-where the second cycle left them. The job asks for reconfigure: under torch 2.13 (``make
-test``) the worker takes the rebuild lifecycle anyway; under torch 2.14+ (``make compat``,
-the CI's compat step) torch's reconfigure — the log line of the lifecycle chosen is
-checked against the torch in use.
+where the second cycle left them. The job takes the default lifecycle: under torch 2.13
+(``make test``) rebuild; under torch 2.14+ (``make compat-reconfigure``, the CI's compat
+step) torch's reconfigure — the log line of the lifecycle chosen is checked against the
+torch in use.
 """
 
 from __future__ import annotations
@@ -43,15 +43,14 @@ def test_sixteen_live_reformations_leave_threads_and_fds_flat(nodes, tmp_path):
     args = example_args(tmp_path, "churn", steps=1_000_000, dataset_size=480)
     args[args.index("--checkpoint-every") + 1] = "1000000"  # no saver thread coming and going
     ckpt = ["--checkpoint-url", f"file://{tmp_path}/ckpt-churn"]
-    # Reconfigure where torch has it (the compat venv), rebuild otherwise (make test).
-    env = {"ELASTICD_GROUP_LIFECYCLE": "reconfigure"}
-    a = nodes.start("churn", SCRIPT, nnodes="1:2", name="a", env=env, extra=ckpt, script_args=args)
+    # The default: reconfigure where torch has it (the compat venv), rebuild otherwise.
+    a = nodes.start("churn", SCRIPT, nnodes="1:2", name="a", extra=ckpt, script_args=args)
     wait_until(lambda: read_jsonl(trace), 120, "a training")
     pid = read_jsonl(trace)[0]["pid"]
     assert pid in a.tree()
     last_round, samples = -1, []
     for i in range(CYCLES):
-        b = nodes.start("churn", SCRIPT, nnodes="1:2", name=f"b{i}", env=env, extra=ckpt, script_args=args)
+        b = nodes.start("churn", SCRIPT, nnodes="1:2", name=f"b{i}", extra=ckpt, script_args=args)
         joined = wait_until(lambda after=last_round: _rows(trace, pid, 2, after), 120,
                             f"cycle {i}: a at world 2")
         last_round = joined[0]["round"]
