@@ -196,8 +196,10 @@ def example_args(tmp_path: Path, tag: str, *, steps: int, dataset_size: int) -> 
 def end_job(end_file: Path, trace: Path | int, *, margin: int = 10, epoch_steps: int = 1) -> int:
     """End a job of examples/train.py started with ``--end-file end_file`` on the test's
     word, after the phase it is about: every rank trains ``margin`` steps past the newest
-    step in ``trace`` (or past that step, given as a number), rounded up to whole epochs of ``epoch_steps`` steps (so that "every
-    sample exactly once" stays checkable), and finishes as ``--steps`` would have it.
+    step in ``trace`` (or past that step, given as a number), rounded up to whole epochs
+    of ``epoch_steps`` steps (so that "every sample exactly once" stays checkable), and
+    finishes as ``--steps`` would have it. ``margin`` covers the steps the job trains
+    between the test's reading of the trace and its write.
 
     Returns:
         The job's step count now (its last step is one less).
