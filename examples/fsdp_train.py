@@ -163,6 +163,7 @@ def train_epochs(args, ctx, step, x, y, model, optim, sched, sampler, plan, trac
         whole = make_sampler(args, sampler, world=1) if trace is not None else None
         wholes = whole.iter_steps() if whole is not None else None
         for share in sampler.iter_steps():
+            args.steps = train.end_step(args)  # --end-file (tests): the job ends on the test's word
             batch = next(wholes) if wholes is not None else None
             with live.guard() if live is not None else contextlib.nullcontext():
                 t0 = time.perf_counter()

@@ -60,6 +60,9 @@ def make_parser() -> argparse.ArgumentParser:
                    help="(tests) under an agent, after each step while the world is smaller, "
                         "wait until this node is asked to stop, park or re-form: a join or a "
                         "stop happens at a known point, not in a race with the job's end")
+    p.add_argument("--end-file", help="(tests) once this file holds a step count N, train N steps "
+                   "in total (if fewer than --steps): the test ends the job after the phase it "
+                   "is about, not with a step count chosen to outlast it")
     return p
 
 
@@ -110,6 +113,19 @@ def hold_until_asked(max_s: float = 180.0) -> None:
         time.sleep(0.05)
 
 
+def end_step(args: argparse.Namespace) -> int:
+    """The steps to train in total: ``--steps``, or the count the test wrote to
+    ``--end-file`` (written whole by a rename; every rank reads it at each step, so every
+    rank ends at the same step)."""
+    if args.end_file:
+        try:
+            with open(args.end_file) as f:
+                return min(args.steps, int(f.read()))
+        except (FileNotFoundError, ValueError):
+            pass
+    return args.steps
+
+
 def train_epochs(args, ctx, step, x, y, ddp, optim, sampler, plan, live, trace, log, state, ckpt) -> int:
     """Train until ``args.steps``; returns the next step. Raises ``worker.Reformed``."""
     progress = state["extra"]
@@ -121,6 +137,7 @@ def train_epochs(args, ctx, step, x, y, ddp, optim, sampler, plan, live, trace, 
         whole = make_sampler(args, sampler, world=1) if trace is not None else None
         wholes = whole.iter_steps() if whole is not None else None
         for share in sampler.iter_steps():
+            args.steps = end_step(args)  # main's loop and this one read the same count
             batch = next(wholes) if wholes is not None else None
             t0 = time.perf_counter()
             with live.guard():  # a failed collective (a peer died) re-forms the group

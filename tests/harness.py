@@ -193,6 +193,26 @@ def example_args(tmp_path: Path, tag: str, *, steps: int, dataset_size: int) -> 
             "--final-params", str(tmp_path / f"final-{tag}.pt")]
 
 
+def end_job(end_file: Path, trace: Path | int, *, margin: int = 10, epoch_steps: int = 1) -> int:
+    """End a job of examples/train.py started with ``--end-file end_file`` on the test's
+    word, after the phase it is about: every rank trains ``margin`` steps past the newest
+    step in ``trace`` (or past that step, given as a number), rounded up to whole epochs
+    of ``epoch_steps`` steps (so that "every sample exactly once" stays checkable), and
+    finishes as ``--steps`` would have it. ``margin`` covers the steps the job trains
+    between the test's reading of the trace and its write.
+
+    Returns:
+        The job's step count now (its last step is one less).
+    """
+    newest = trace if isinstance(trace, int) else max((r["step"] for r in read_jsonl(trace)),
+                                                       default=-1)
+    total = -(-(newest + 1 + margin) // epoch_steps) * epoch_steps
+    staged = end_file.with_name(end_file.name + ".staged")
+    staged.write_text(str(total))
+    os.replace(staged, end_file)  # whole or absent: a rank never reads half a number
+    return total
+
+
 # Fault schedules ------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Fired:

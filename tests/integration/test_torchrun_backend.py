@@ -6,10 +6,9 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from harness import PY, ROOT, Node, no_leftovers, read_jsonl
+from harness import PY, ROOT, Node, end_job, no_leftovers, read_jsonl, wait_until
 
 SCRIPT = str(ROOT / "tests" / "workers" / "allreduce.py")
-STEPS = 20
 
 
 def _torchrun() -> list[str]:
@@ -45,17 +44,22 @@ def test_two_plain_torchruns_train_at_world_two(etcd_server, tmp_path):
             "--rdzv-id", "plain", "--nnodes", "1:2", "--nproc-per-node", "1",
             "--local-addr", "127.0.0.1", "--monitor-interval", "0.5",
             "--rdzv-conf", "node_ttl=2,join_timeout=60", SCRIPT]
-    # If one node forms round 0 alone, its workers start up (seconds) and train STEPS * STEP_S
-    # at world 1: time enough for the second node to be admitted; the test needs world 2 rows.
-    env = {"OUT": str(out), "STEPS": str(STEPS), "STEP_S": "0.05"}
+    # One node may form round 0 alone and train at world 1: the job ends on the test's word
+    # (END_FILE) once both train at world 2, not after a step count meant to outlast the
+    # second node's admission.
+    end = tmp_path / "end"
+    env = {"OUT": str(out), "STEPS": "100000", "STEP_S": "0.05", "END_FILE": str(end)}
     nodes = [Node(argv, env, tmp_path / f"torchrun{i}.log") for i in range(2)]
     try:
+        wait_until(lambda: {r["rank"] for r in read_jsonl(out) if r["world"] == 2} == {0, 1}, 90,
+                   lambda: "both ranks at world 2:\n" + "\n".join(n.log()[-2000:] for n in nodes))
+        steps = end_job(end, out)
         codes = [n.wait(100) for n in nodes]
         logs = "\n".join(n.log()[-3000:] for n in nodes)
         assert codes == [0, 0], logs
         rows = [r for r in read_jsonl(out) if r["world"] == 2]
         last = {rank: max(r["step"] for r in rows if r["rank"] == rank) for rank in (0, 1)}
-        assert last == {0: STEPS - 1, 1: STEPS - 1}, f"{last}\n{logs}"
+        assert last == {0: steps - 1, 1: steps - 1}, f"{last}\n{logs}"
     finally:
         for n in nodes:
             n.cleanup()

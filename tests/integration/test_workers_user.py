@@ -135,7 +135,7 @@ def test_workers_run_as_their_own_uid_and_a_drain_loses_no_step(restart):
                 "--workers-user", pwd.getpwuid(NOBODY).pw_name, "--checkpoint-url",
                 f"file://{ckpt}", "--log-format", "json", "--max-restarts", "2",
                 *(["--no-warm-start"] if restart == "none" else []),
-                str(probe), str(out), str(ROOT / "examples" / "train.py"), "--steps", "400",
+                str(probe), str(out), str(ROOT / "examples" / "train.py"), "--steps", "100000",  # ends on SIGTERM
                 "--dataset-size", "96", "--global-batch", "8", "--micro-batch", "8",
                 "--checkpoint-every", "5", "--step-sleep", "0.03", "--trace", str(trace)]
         node = Node(argv, {"PYENV_MNT": str(shared / "pyenv")}, shared / "agent.log")

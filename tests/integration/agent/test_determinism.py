@@ -20,6 +20,7 @@ from harness import (
     ROOT,
     FaultSchedule,
     at_step,
+    end_job,
     example_args,
     in_newer_round,
     read_jsonl,
@@ -30,12 +31,15 @@ from harness import (
 
 SCRIPT = str(ROOT / "examples" / "train.py")
 pytestmark = pytest.mark.timeout(240)
-STEPS = 160
+STEPS = 100_000  # the drain test's job ends on the test's word (--end-file)
 # The resize test's survivors wait after each step at world 2 until the agents order the
 # joiner in (--hold-below-world 3), so the join never races the job's end (with a plain
 # 160 steps the survivors finished 7.3 s after the kill while the joiner's agent was still
-# starting, refused as "job finished"; 320 steps only made that less likely).
-RESIZE_STEPS = 160
+# starting, refused as "job finished"; 320 steps only made that less likely). Held, the
+# job needs no more steps than the kill (step 17) and a few at world 3 after the rejoin;
+# the fault-free reference run beside it must train the same count, so it is fixed: three
+# epochs, the last two crossed after the kill.
+RESIZE_STEPS = 60
 
 
 def _args(tmp_path, tag):
@@ -113,9 +117,8 @@ def test_resizes_match_a_run_without_failures(nodes, tmp_path):
 def test_drain_resumes_at_the_next_step_and_trains_no_sample_twice(nodes, tmp_path):
     """SIGTERM to one of two agents mid-epoch: the survivor resumes at exactly the next
     step, and no (epoch, sample) is trained twice over the whole run."""
-    trace = tmp_path / "trace-d.jsonl"
-    args = _script_args(tmp_path, "d")
-    args[args.index("--steps") + 1] = "40"
+    trace, end = tmp_path / "trace-d.jsonl", tmp_path / "end-d"
+    args = [*_script_args(tmp_path, "d"), "--end-file", str(end)]
     a = nodes.start("drain-ex", SCRIPT, nnodes="1:2", extra=_args(tmp_path, "d"), script_args=args)
     b = nodes.start("drain-ex", SCRIPT, nnodes="1:2", extra=_args(tmp_path, "d"), script_args=args)
     # Both ranks past step 12: the nodes train together (a node alone at the start trains
@@ -124,9 +127,12 @@ def test_drain_resumes_at_the_next_step_and_trains_no_sample_twice(nodes, tmp_pa
                "step 12 at world 2")
     b.signal_agent(signal.SIGTERM)
     assert b.wait(60) == 0, b.log()[-3000:]
+    wait_until(lambda: any(r["world"] == 1 for r in read_jsonl(trace) if r["step"] > 12), 60,
+               "a training on alone after the drain")
+    steps = end_job(end, trace)
     assert a.wait(120) == 0, a.log()[-3000:]
     rows = read_jsonl(trace)
-    assert sorted({r["step"] for r in rows}) == list(range(40)), "a step is missing"
+    assert sorted({r["step"] for r in rows}) == list(range(steps)), "a step is missing"
     # Over the whole run: a node that formed the first round alone (its peer still
     # starting) re-forms in place when the peer joins, even while its first checkpoint's
     # commit is in flight (that commit used to be refused and the restart retrained).

@@ -18,17 +18,32 @@ import subprocess
 import threading
 import time
 from collections import Counter
+from datetime import datetime
 
 import pytest
-from harness import PY, ROOT, agent_events, example_args, read_jsonl, trained_samples, wait_until
+from harness import (
+    PY,
+    ROOT,
+    agent_events,
+    end_job,
+    example_args,
+    read_jsonl,
+    trained_samples,
+    wait_until,
+)
 
 from elasticd.process import pid_alive
 
 SCRIPT = str(ROOT / "examples" / "train.py")
 FSDP_SCRIPT = str(ROOT / "examples" / "fsdp_train.py")
 pytestmark = pytest.mark.timeout(150)
-STEPS = 100
-DATASET = 480  # 20 steps an epoch at a global batch of 24
+STEPS = 100_000  # each job ends on the test's word (--end-file) after its last phase
+DATASET = 480
+EPOCH = 20  # steps an epoch at a global batch of 24
+
+
+def _at(event: dict) -> float:
+    return datetime.fromisoformat(event["timestamp"].replace("Z", "+00:00")).timestamp()
 
 
 def _rounds_after(rows: list[dict], round_: int, ranks: set[int]) -> set[int]:
@@ -39,10 +54,10 @@ def test_a_stopped_worker_is_ejected_and_the_others_train_on_in_seconds(nodes, t
     """SIGSTOP of one node's worker (agent alive): the others train again within seconds
     at world 2 without restarting their workers, the node is named ``hung`` and rejoins,
     0 steps lost, every sample exactly once."""
-    trace = tmp_path / "trace-h.jsonl"
+    trace, end = tmp_path / "trace-h.jsonl", tmp_path / "end-h"
     extra = ["--checkpoint-url", f"file://{tmp_path}/ckpt-h"]  # the default hang_eject_s
-    ns = [nodes.start("hang", SCRIPT, nnodes="2:3", extra=extra,
-                      script_args=example_args(tmp_path, "h", steps=STEPS, dataset_size=DATASET))
+    script = example_args(tmp_path, "h", steps=STEPS, dataset_size=DATASET) + ["--end-file", str(end)]
+    ns = [nodes.start("hang", SCRIPT, nnodes="2:3", extra=extra, script_args=script)
           for _ in range(3)]
     wait_until(lambda: {r["rank"] for r in read_jsonl(trace) if r["step"] >= 10
                         } >= {0, 1, 2}, 90, "step 10 at world 3")
@@ -64,6 +79,9 @@ def test_a_stopped_worker_is_ejected_and_the_others_train_on_in_seconds(nodes, t
     # The stopped worker was killed by its own agent (the whole process group).
     wait_until(lambda: not any(pid_alive(p) for p in worker), 20, "the stopped worker killed")
     assert victim.alive(), "the ejected node's agent exited instead of rejoining"
+    wait_until(lambda: set(victim.tree()) & {r["pid"] for r in read_jsonl(trace)} - worker, 90,
+               "the ejected node training again after its rejoin")
+    steps = end_job(end, trace, epoch_steps=EPOCH)
     for n in ns:
         assert n.wait(120) == 0, n.log()[-3000:]
 
@@ -76,8 +94,8 @@ def test_a_stopped_worker_is_ejected_and_the_others_train_on_in_seconds(nodes, t
     after = {r["pid"] for r in rows if (r["round"] or 0) > round_at_stop and r["pid"] not in worker}
     new_pids = after - survivor_pids
     assert new_pids, "the ejected node never rejoined"
-    assert sorted({r["step"] for r in rows}) == list(range(STEPS))
-    want = Counter((e, i) for e in range(STEPS * 24 // DATASET) for i in range(DATASET))
+    assert sorted({r["step"] for r in rows}) == list(range(steps))
+    want = Counter((e, i) for e in range(steps // EPOCH) for i in range(DATASET))
     assert trained_samples(trace) == want
     # status names the node and the cause (the job's bounded event history).
     out = subprocess.run([PY, "-m", "elasticd.cli", "status", "--etcd", nodes.etcd.endpoint,
@@ -87,9 +105,6 @@ def test_a_stopped_worker_is_ejected_and_the_others_train_on_in_seconds(nodes, t
     hung = [e for e in doc["events"] if e.get("kind") == "hung"]
     assert hung and "n2" in hung[0]["message"], doc["events"][-10:]
     print(f"SIGSTOP -> others train again: {back_s:.2f} s")
-
-
-STRAGGLER_STEPS = 400
 
 
 @pytest.mark.timeout(300)
@@ -103,11 +118,11 @@ def test_a_straggler_is_flagged_drained_and_readmitted_after_its_probation(nodes
     survivors would restart from the newer checkpoint). It waits as a spare and is admitted
     again after the probation. Every step trained once, every sample exactly once; status
     shows the ``straggler`` and ``straggler_ejected`` events naming it."""
-    trace = tmp_path / "trace-s.jsonl"
+    trace, end = tmp_path / "trace-s.jsonl", tmp_path / "end-s"
     extra = ["--checkpoint-url", f"file://{tmp_path}/ckpt-s", "--straggler-window", "5",
              "--straggler-probation", "6"]
-    script = example_args(tmp_path, "s", steps=STRAGGLER_STEPS, dataset_size=DATASET)
-    script += ["--mesh", "fsdp", "--live", "--peer-replica-every", "50"]
+    script = example_args(tmp_path, "s", steps=STEPS, dataset_size=DATASET)
+    script += ["--mesh", "fsdp", "--live", "--peer-replica-every", "50", "--end-file", str(end)]
     ns = [nodes.start("strag", FSDP_SCRIPT, nnodes="2:3", extra=extra, script_args=script)
           for _ in range(3)]
     wait_until(lambda: {r["rank"] for r in read_jsonl(trace) if r["step"] >= 10} >= {0, 1, 2}, 90,
@@ -157,22 +172,27 @@ def test_a_straggler_is_flagged_drained_and_readmitted_after_its_probation(nodes
     # one of them a new worker of n2.
     wait_until(lambda: any((r["round"] or 0) > ejected_round and r["rank"] == 2
                            for r in read_jsonl(trace)), 90, "n2 admitted again after its probation")
+    steps = end_job(end, trace, epoch_steps=EPOCH)
     for n in ns:
         assert n.wait(180) == 0, n.log()[-3000:]
     logs = [n.log() for n in ns]
     spare = [e for e in agent_events(logs[2], "spare_waiting") if "probation" in e["reason"]]
-    assert spare, "the ejected node never waited as a spare on probation"
+    # Its probation held: it waited as a spare on probation, or (its agent's standby slow to
+    # import under load: 26 s at a load of 30) it asked to join only once that had ended.
+    back = [_at(e) for e in agent_events(logs[2], "rendezvous_completed") if _at(e) > _at(ejection)]
+    assert spare or (back and back[0] >= _at(ejection) + 6), \
+        "the ejected node was admitted again while on probation"
     assert not any("live_reform_fell_back" in text for text in logs[:2]), "a survivor restarted"
     rows = read_jsonl(trace)
     at_two = {r["step"] for r in rows if (r["round"] or 0) == ejected_round}
     assert at_two, "nobody trained in the round without the straggler"
     assert {r["pid"] for r in rows if (r["round"] or 0) == ejected_round} <= survivor_pids, \
         "the survivors restarted their workers for the shrink"
-    assert sorted({r["step"] for r in rows}) == list(range(STRAGGLER_STEPS))
+    assert sorted({r["step"] for r in rows}) == list(range(steps))
     # Nothing rolled back: rank 0 (a survivor throughout) trained every step once.
     twice = sorted(s for s, c in Counter(r["step"] for r in rows if r["rank"] == 0).items() if c > 1)
     assert not twice, f"steps trained twice: {twice}"
-    want = Counter((e, i) for e in range(STRAGGLER_STEPS * 24 // DATASET) for i in range(DATASET))
+    want = Counter((e, i) for e in range(steps // EPOCH) for i in range(DATASET))
     assert trained_samples(trace) == want
     out = subprocess.run([PY, "-m", "elasticd.cli", "status", "--etcd", nodes.etcd.endpoint,
                           "--job", "strag", "--json", "--events", "256"], capture_output=True, text=True, timeout=30,
@@ -182,7 +202,7 @@ def test_a_straggler_is_flagged_drained_and_readmitted_after_its_probation(nodes
     assert {"straggler", "straggler_ejected"} <= kinds, events[-10:]
     back = min(r["step"] for r in rows if (r["round"] or 0) > ejected_round and r["rank"] == 2)
     print(f"slowed -> ejected (5 s window): {ejected_s:.1f} s; ejected in round {ejected_round}, "
-          f"admitted again at step {back} of {STRAGGLER_STEPS}")
+          f"admitted again at step {back} of {steps}")
 
 
 def _slow_node(node, stop: threading.Event) -> None:
@@ -214,7 +234,7 @@ def test_a_readmitted_straggler_still_slow_is_ejected_again_on_its_trial(nodes, 
     trace = tmp_path / "trace-t.jsonl"
     extra = ["--checkpoint-url", f"file://{tmp_path}/ckpt-t", "--straggler-window", "5",
              "--straggler-probation", "4"]
-    script = example_args(tmp_path, "t", steps=5000, dataset_size=DATASET)
+    script = example_args(tmp_path, "t", steps=STEPS, dataset_size=DATASET)
     ns = [nodes.start("trial", SCRIPT, nnodes="2:3", extra=extra, script_args=script)
           for _ in range(3)]
     wait_until(lambda: {r["rank"] for r in read_jsonl(trace) if r["step"] >= 10} >= {0, 1, 2}, 90,

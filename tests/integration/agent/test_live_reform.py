@@ -14,7 +14,7 @@ import signal
 from datetime import datetime
 
 import pytest
-from harness import ROOT, agent_events, example_args, read_jsonl, wait_until
+from harness import ROOT, agent_events, end_job, example_args, read_jsonl, wait_until
 
 SCRIPT = str(ROOT / "examples" / "train.py")
 pytestmark = pytest.mark.timeout(240)
@@ -38,19 +38,23 @@ def test_a_failed_reformation_falls_back_to_the_restart_path_and_says_why(nodes,
     newest checkpoint (one log line says why) within ``plain_stop_s`` of giving up (not
     torch's 30 s for a SIGTERM the frozen worker cannot act on), and the job still trains
     every step."""
-    trace = tmp_path / "trace-f.jsonl"
-    steps = 40
+    trace, end = tmp_path / "trace-f.jsonl", tmp_path / "end-f"
+    script = [*example_args(tmp_path, "f", steps=100_000, dataset_size=480), "--end-file", str(end)]
     b = [nodes.start("live-f", SCRIPT, nnodes="1:2", extra=_args(tmp_path, "f", "--live-reform-timeout", "3"),
-                     script_args=example_args(tmp_path, "f", steps=steps, dataset_size=480)) for _ in range(2)]
+                     script_args=script) for _ in range(2)]
     # Both ranks past step 8: the two nodes train together (a node alone at the start
     # trains at world size 1 until the other joins).
     wait_until(lambda: {r["rank"] for r in read_jsonl(trace) if r["step"] >= 8} >= {0, 1}, 120,
                "step 8 at world 2")
-    frozen = set(b[0].tree()) & {r["pid"] for r in read_jsonl(trace)}
+    pids_before = {r["pid"] for r in read_jsonl(trace)}
+    frozen = set(b[0].tree()) & pids_before
     assert len(frozen) == 1, frozen
     for pid in frozen:
         os.kill(pid, signal.SIGSTOP)
     b[1].signal(signal.SIGKILL)
+    wait_until(lambda: {r["pid"] for r in read_jsonl(trace)} - pids_before, 120,
+               "a new worker training after the fallback")
+    steps = end_job(end, trace)  # the job ends on the test's word once that is seen
     assert b[0].wait(150) == 0, b[0].log()[-3000:]
     log = b[0].log()
     assert "live_reform_fell_back" in log and "did not re-form within the bound" in log

@@ -19,28 +19,32 @@ def _env(out, steps=100000):
     return {"OUT": str(out), "STEPS": str(steps), "STEP_S": "0.05"}
 
 
-@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP])
-def test_survivors_reach_world_two_after_node_fault(nodes, tmp_path, sig):
-    """A node killed or frozen mid-training: the other two train on at world size 2,
+def test_a_frozen_node_leaves_and_the_others_train_on_at_world_two(nodes, tmp_path):
+    """A node frozen (SIGSTOP) mid-training: the other two train on at world size 2,
     without spending their restart budget."""
     out = tmp_path / "steps.jsonl"
     ns = [nodes.start("j1", SCRIPT, env=_env(out), extra=["--max-restarts", "0"]) for _ in range(3)]
     wait_until(lambda: len(_steps_at(out, 3)) >= 6, 60, "steps at world size 3")
-    ns[2].signal(sig)
+    ns[2].signal(signal.SIGSTOP)
     wait_until(lambda: len(_steps_at(out, 2)) >= 6, 60, "steps at world size 2 after the fault")
     assert ns[0].alive() and ns[1].alive(), "a survivor exited: the fault spent its restart budget"
-    if sig == signal.SIGSTOP:
-        ns[2].signal(signal.SIGCONT)
+    ns[2].signal(signal.SIGCONT)
 
 
-def test_joining_node_is_admitted(nodes, tmp_path):
-    """A node started while a 2-node job trains is admitted at the next round."""
+def test_a_joining_node_is_admitted_and_once_killed_the_others_train_on(nodes, tmp_path):
+    """One job, two phases: a node started while a 2-node job trains is admitted at the
+    next round (world size 3); then a member SIGKILLed, the other two train on at world
+    size 2 without spending their restart budget."""
     out = tmp_path / "steps.jsonl"
-    for _ in range(2):
-        nodes.start("j2", SCRIPT, env=_env(out), extra=["--max-restarts", "0"])
+    ns = [nodes.start("j2", SCRIPT, env=_env(out), extra=["--max-restarts", "0"]) for _ in range(2)]
     wait_until(lambda: len(_steps_at(out, 2)) >= 6, 60, "steps at world size 2")
-    nodes.start("j2", SCRIPT, env=_env(out), extra=["--max-restarts", "0"])
+    ns.append(nodes.start("j2", SCRIPT, env=_env(out), extra=["--max-restarts", "0"]))
     wait_until(lambda: len(_steps_at(out, 3)) >= 6, 60, "steps at world size 3 after the join")
+    at_three = len(read_jsonl(out))
+    ns[1].signal(signal.SIGKILL)
+    wait_until(lambda: sum(1 for r in read_jsonl(out)[at_three:] if r["world"] == 2) >= 6, 60,
+               "steps at world size 2 after the kill")
+    assert ns[0].alive() and ns[2].alive(), "a survivor exited: the kill spent its restart budget"
 
 
 def test_second_agent_with_the_same_node_id_is_refused(nodes, tmp_path):

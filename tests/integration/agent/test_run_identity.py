@@ -14,13 +14,13 @@ import signal
 import subprocess
 
 import pytest
-from harness import PY, ROOT, Node, wait_until
+from harness import PY, ROOT, Node, end_job, wait_until
 
 from elasticd.checkpoint.catalog import list_checkpoints
 from elasticd.errors import EX_CONFIG
 
 SCRIPT = str(ROOT / "examples" / "train.py")
-README_STEPS = 300
+OPEN_ENDED = 100_000  # --steps of a run that ends on the test's word (--end-file) or Ctrl-C
 ARGS = ["--dataset-size", "64", "--global-batch", "8", "--micro-batch", "8",
         "--checkpoint-every", "3"]
 
@@ -95,12 +95,14 @@ def test_run_known_in_etcd_resumes_its_own_checkpoints(nodes, tmp_path):
     """Same etcd, same job: an agent killed and restarted keeps the run id and resumes."""
     url = f"file://{tmp_path}/ckpt"
     extra = ["--checkpoint-url", url, "--no-warm-start"]
-    args = ["--steps", "20", "--step-sleep", "0.1", *ARGS]
+    end = tmp_path / "end"  # the kill lands while the job trains: it ends on the test's word
+    args = ["--steps", str(OPEN_ENDED), "--step-sleep", "0.1", "--end-file", str(end), *ARGS]
     first = nodes.start("known", SCRIPT, nnodes="1", extra=extra, script_args=args)
     wait_until(lambda: any(i.valid for i in list_checkpoints(url, "known")), 180,
                "a first checkpoint")
     first.signal(signal.SIGKILL)
     first.wait(60)
+    end_job(end, max(i.step for i in list_checkpoints(url, "known")))
     again = nodes.start("known", SCRIPT, nnodes="1", extra=extra, script_args=args)
     assert _exit_code(again, 210) == 0, again.log()[-3000:]
     resumed = _resumed_from(again)
@@ -109,12 +111,15 @@ def test_run_known_in_etcd_resumes_its_own_checkpoints(nodes, tmp_path):
 
 
 def _readme_run(tmp_path, tag: str) -> Node:
-    """The README's own command (no --job, no --checkpoint-url) in directory tmp_path."""
-    # README_STEPS x 0.05 s: the first run must still train while `elasticd status` starts
-    # and answers (with 30 steps a loaded machine saw the job finish first: "not training").
+    """The README's own command (no --job, no --checkpoint-url) in directory tmp_path; it
+    trains until Ctrl-C or until the test writes the step count to ``tmp_path/end``."""
+    # The first run must still train while `elasticd status` starts and answers (with 30
+    # steps a loaded machine saw the job finish first: "not training"): no step count is
+    # long enough for every load, so the test says when the job ends.
     argv = [PY, "-m", "elasticd.cli", "run", "--standalone", "--nproc-per-node", "1",
             "--log-format", "json", "--no-warm-start", "--workdir", str(tmp_path), SCRIPT,
-            "--steps", str(README_STEPS), "--step-sleep", "0.05", *ARGS]
+            "--steps", str(OPEN_ENDED), "--step-sleep", "0.05",
+            "--end-file", str(tmp_path / "end"), *ARGS]
     return Node(argv, {"STATE_DIRECTORY": str(tmp_path / "state")}, tmp_path / f"{tag}.log")
 
 
@@ -156,6 +161,8 @@ def test_rerunning_the_readme_command_continues_after_ctrl_c_and_starts_anew_onc
         assert _exit_code(first, 120) == 0, first.log()[-3000:]
         run1 = {i.run_id for i in list_checkpoints(url)}
         assert len(run1) == 1
+        # The rerun continues from the Ctrl-C's save and finishes a few steps later.
+        steps = end_job(tmp_path / "end", max(i.step for i in list_checkpoints(url)))
 
         second = _readme_run(tmp_path, "second")
         started.append(second)
@@ -165,7 +172,7 @@ def test_rerunning_the_readme_command_continues_after_ctrl_c_and_starts_anew_onc
         resumed = _resumed_from(second)
         assert resumed and resumed[0] is not None and resumed[0] >= 2, resumed
         saves = list_checkpoints(url)
-        assert saves[0].step == README_STEPS - 1 and {i.run_id for i in saves} == run1
+        assert saves[0].step == steps - 1 and {i.run_id for i in saves} == run1
         # The first day's log: round chatter at debug, nodes named nnodes, a closing line.
         assert not _events(second, "rendezvous_step")
         assert [e["action"] for e in _events(second, "coordinator_step")] == ["finalize"]

@@ -14,7 +14,15 @@ from datetime import datetime
 from pathlib import Path
 
 import pytest
-from harness import ROOT, agent_events, example_args, read_jsonl, trained_samples, wait_until
+from harness import (
+    ROOT,
+    agent_events,
+    end_job,
+    example_args,
+    read_jsonl,
+    trained_samples,
+    wait_until,
+)
 
 from elasticd.keys import JobKeys
 from elasticd.records import NodeRecord, RoundState
@@ -93,8 +101,9 @@ def test_spare_waits_past_join_timeout_and_replaces_a_killed_member(nodes, etcd_
 
 TRAIN = str(ROOT / "examples" / "train.py")
 FSDP_TRAIN = str(ROOT / "examples" / "fsdp_train.py")
-STEPS = 120
-DATASET = 480  # 20 steps an epoch at a global batch of 24
+STEPS = 100_000  # the job ends on the test's word (--end-file) after the admission
+DATASET = 480
+EPOCH = 20  # steps at a global batch of 24
 
 
 @pytest.mark.parametrize("script,script_args", [
@@ -108,13 +117,13 @@ def test_a_prebuilt_spare_has_its_model_built_before_its_admission(nodes, tmp_pa
     script while it waits (model built, waiting in the worker API), a member SIGKILLed ->
     that same process joins the next round at world 2 and gets its state from a peer;
     every step and every sample exactly once."""
-    trace = tmp_path / "trace-p.jsonl"
+    trace, end = tmp_path / "trace-p.jsonl", tmp_path / "end-p"
     extra = ["--spare-prebuild", "--checkpoint-url", f"file://{tmp_path}/ckpt-p",
              "--restart-backoff", "0.1"]
     # The member left alone by the kill holds after each step until the spare's admission
     # re-forms it (--hold-below-world 2): the admission never races the job's end.
     args = example_args(tmp_path, "p", steps=STEPS, dataset_size=DATASET) + script_args
-    args += ["--hold-below-world", "2"]
+    args += ["--hold-below-world", "2", "--end-file", str(end)]
     started = {n: nodes.start("prebuilt", script, name=n, nnodes="1:2", extra=extra, script_args=args)
                for n in ("n0", "n1", "n2")}
     wait_until(lambda: sum(1 for r in read_jsonl(trace) if r["world"] == 2) >= 10, 90, "world 2 trains")
@@ -146,6 +155,7 @@ def test_a_prebuilt_spare_has_its_model_built_before_its_admission(nodes, tmp_pa
     started[victim].wait(10)
     wait_until(lambda: any(r["pid"] == pid for r in read_jsonl(trace)), 60,
                "the prebuilt spare's worker training")
+    steps = end_job(end, trace, epoch_steps=EPOCH)
     rows = read_jsonl(trace)
     mine = [r for r in rows if r["pid"] == pid]
     assert all((r["round"] or 0) > round_before and r["world"] == 2 for r in mine), mine[:3]
@@ -158,6 +168,6 @@ def test_a_prebuilt_spare_has_its_model_built_before_its_admission(nodes, tmp_pa
     assert "spare_worker_admitted" in log, "the admitted worker's log line"
     assert not agent_events(log, "spare_script_failed")
     rows = read_jsonl(trace)
-    assert sorted({r["step"] for r in rows}) == list(range(STEPS))
-    want = Counter((e, i) for e in range(STEPS * 24 // DATASET) for i in range(DATASET))
+    assert sorted({r["step"] for r in rows}) == list(range(steps))
+    want = Counter((e, i) for e in range(steps // EPOCH) for i in range(DATASET))
     assert trained_samples(trace) == want

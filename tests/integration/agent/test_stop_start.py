@@ -19,6 +19,7 @@ import pytest
 from harness import (
     ROOT,
     agent_events,
+    end_job,
     example_args,
     read_jsonl,
     trained_samples,
@@ -38,9 +39,11 @@ SCRIPT = str(ROOT / "examples" / "train.py")
 # or re-form (--hold-below-world 2): b alone after the start cannot finish the job before
 # a's agent is up to join it, whatever the load (with a plain 200 steps a loaded suite saw
 # b finish 6 s after the start while a's agent, still importing, was refused as "job
-# finished"; 480 steps only made that less likely).
-STEPS = 200
-DATASET = 480  # 20 steps of 24 samples per epoch
+# finished"; 480 steps only made that less likely). The job ends on the test's word
+# (--end-file) once the phase a test is about is over.
+STEPS = 100_000
+DATASET = 480
+EPOCH = 20  # steps of 24 samples
 pytestmark = pytest.mark.timeout(300)
 
 
@@ -88,9 +91,10 @@ def test_stop_start_retires_the_round_and_retrains_nothing(nodes, tmp_path):
     agent starts its worker once, every sample of every epoch is trained exactly once,
     and status never reports health while a worker still trains in an older round."""
     job, ep = "stopstart", nodes.etcd.endpoint
-    trace = tmp_path / "trace-s.jsonl"
+    trace, end = tmp_path / "trace-s.jsonl", tmp_path / "end-s"
     extra = ["--checkpoint-url", f"file://{tmp_path}/ckpt"]
-    args = [*example_args(tmp_path, "s", steps=STEPS, dataset_size=DATASET), "--hold-below-world", "2"]
+    args = [*example_args(tmp_path, "s", steps=STEPS, dataset_size=DATASET), "--hold-below-world", "2",
+            "--end-file", str(end)]
 
     def start(name: str):
         return nodes.start(job, SCRIPT, nnodes="1:2", name=name, extra=extra, script_args=args)
@@ -117,6 +121,9 @@ def test_stop_start_retires_the_round_and_retrains_nothing(nodes, tmp_path):
         wait_until(lambda: len(read_jsonl(trace)) > len(rows_before), 120,
                    "b training again after the start (then holding for a)")
         a2 = start("a")
+        wait_until(lambda: any(r["rank"] == 1 for r in read_jsonl(trace)[len(rows_before):]), 120,
+                   "a training again after the start")
+        steps = end_job(end, trace, epoch_steps=EPOCH)
         assert b2.wait(240) == 0, b2.log()[-4000:]
         assert a2.wait(60) == 0, a2.log()[-4000:]
     logs = {"b2": b2.log()[offsets["b"]:], "a2": a2.log()[offsets["a"]:]}
@@ -138,9 +145,8 @@ def test_stop_start_retires_the_round_and_retrains_nothing(nodes, tmp_path):
         assert "live_reform_fell_back" not in text, f"{name}: in place fell back\n{text[-3000:]}"
         started = [line for line in worker_lines(text) if '"event": "started"' in line]
         assert len(started) <= 1, f"{name}: its worker was started {len(started)} times"
-    assert sorted(by_step) == list(range(STEPS))
-    assert any(r["rank"] == 1 for r in rows[len(rows_before):]), "a never joined after the start"
-    epochs = STEPS * 24 // DATASET
+    assert sorted(by_step) == list(range(steps))
+    epochs = steps // EPOCH
     assert trained_samples(trace) == Counter({(e, i): 1 for e in range(epochs) for i in range(DATASET)})
 
     # (c) Health is the truth: after any sample that said "training at full size" in
@@ -157,10 +163,11 @@ def test_a_lone_worker_takes_an_order_for_a_newer_round_at_its_next_step(nodes, 
     injected here as that peer's etcd write) re-forms at its next step: the same worker
     process trains on in the new round within seconds, never again in the old one, and
     nothing is retrained, refused or restarted."""
-    job, trace = "lone", tmp_path / "trace-l.jsonl"
+    job, trace, end = "lone", tmp_path / "trace-l.jsonl", tmp_path / "end-l"
     b = nodes.start(job, SCRIPT, nnodes="1:2", name="b",
                     extra=["--checkpoint-url", f"file://{tmp_path}/ckpt", "--live-reform-timeout", "20"],
-                    script_args=example_args(tmp_path, "l", steps=80, dataset_size=DATASET))
+                    script_args=[*example_args(tmp_path, "l", steps=STEPS, dataset_size=DATASET),
+                                 "--end-file", str(end)])
     wait_until(lambda: len(read_jsonl(trace)) >= 8, 120, "b training alone")
     keys = JobKeys(job)
     client = EtcdClient(nodes.etcd.endpoint, timeout_s=2.0)
@@ -176,13 +183,14 @@ def test_a_lone_worker_takes_an_order_for_a_newer_round_at_its_next_step(nodes, 
     pids = {r["pid"] for r in read_jsonl(trace)}
     wait_until(lambda: any((r["round"] or 0) > old.round for r in read_jsonl(trace)), 15,
                f"a step in a round after {old.round}")
+    steps = end_job(end, trace)
     assert b.wait(120) == 0, b.log()[-3000:]
     rows = read_jsonl(trace)
     first_new = next(i for i, r in enumerate(rows) if (r["round"] or 0) > old.round)
     assert all((r["round"] or 0) > old.round for r in rows[first_new:]), \
         "the worker trained on in the superseded round after its first step in the new one"
     assert {r["pid"] for r in rows} == pids, "the worker was restarted instead of re-formed"
-    assert Counter(r["step"] for r in rows) == Counter(range(80)), "a step is missing or retrained"
+    assert Counter(r["step"] for r in rows) == Counter(range(steps)), "a step is missing or retrained"
     text = b.log()
     assert "live_reformed" in text
     for bad in ("FencedError", "checkpoint_commit_refused", "live_reform_fell_back", "restart_backoff"):

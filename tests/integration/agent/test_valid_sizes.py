@@ -8,13 +8,14 @@ import time
 from collections import Counter
 
 import pytest
-from harness import ROOT, agent_events, read_jsonl, trained_samples, wait_until
+from harness import ROOT, agent_events, end_job, read_jsonl, trained_samples, wait_until
 
 from elasticd.keys import JobKeys
 from elasticd.records import NodeRecord, RoundState
 
 SCRIPT = str(ROOT / "examples" / "train.py")
-DATASET, BATCH, STEPS = 40, 2, 60  # 20 steps an epoch, 3 epochs
+DATASET, BATCH, EPOCH = 40, 2, 20  # 20 steps an epoch
+STEPS = 100_000  # the job ends on the test's word (--end-file) after the admission
 pytestmark = pytest.mark.timeout(180)
 
 
@@ -36,10 +37,10 @@ def test_a_batch_of_two_trains_at_two_with_a_spare_admitted_on_a_kill(nodes, etc
     (imports done); the job completes with every
     sample of every epoch trained exactly once, and no agent exited 78."""
     job, keys = "sizes", JobKeys("sizes")
-    trace = tmp_path / "trace.jsonl"
+    trace, end = tmp_path / "trace.jsonl", tmp_path / "end"
     args = ["--steps", str(STEPS), "--dataset-size", str(DATASET), "--global-batch", str(BATCH),
             "--micro-batch", "1", "--dtype", "float64", "--step-sleep", "0.05",
-            "--trace", str(trace)]
+            "--trace", str(trace), "--end-file", str(end)]
     extra = ["--global-batch", str(BATCH), "--checkpoint-url", f"file://{tmp_path}/ckpt"]
     started = {n: nodes.start(job, SCRIPT, name=n, nnodes="1:3", extra=extra, script_args=args)
                for n in ("n0", "n1", "n2")}
@@ -72,6 +73,7 @@ def test_a_batch_of_two_trains_at_two_with_a_spare_admitted_on_a_kill(nodes, etc
     new_round = _round(etcd_client, keys).round  # type: ignore[union-attr]
     wait_until(lambda: any((r["round"] or 0) >= new_round for r in read_jsonl(trace)), 60,
                "a step in the round with the spare")
+    steps = end_job(end, trace, epoch_steps=EPOCH)
     assert '"standby_handed_over"' in after_admission(), after_admission()[-3000:]
     # "At once": the round closes when the survivor and the spare joined (the largest
     # valid size), not after a last call or a lease TTL; bounded loosely for a loaded box.
@@ -82,6 +84,6 @@ def test_a_batch_of_two_trains_at_two_with_a_spare_admitted_on_a_kill(nodes, etc
     for n in survivors:
         worlds = {e["nnodes"] for e in agent_events(started[n].log(), "rendezvous_completed")}
         assert worlds <= {1, 2}, (n, worlds)  # never an invalid round of three
-    epochs = STEPS * BATCH // DATASET
+    epochs = steps // EPOCH
     assert trained_samples(trace) == Counter(
         {(e, i): 1 for e in range(epochs) for i in range(DATASET)})
