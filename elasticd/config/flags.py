@@ -169,7 +169,8 @@ FLAGS: tuple[Flag, ...] = (
 
 # The argument groups of ``--help``, one per config section, in the schema's order.
 SECTION_TITLES = {
-    "job": "job ([job])", "etcd": "etcd connection ([etcd])", "node": "this node ([node])",
+    "job": "job ([job])", "checkpoint": "checkpoints ([checkpoint])",
+    "etcd": "etcd connection ([etcd])", "node": "this node ([node])",
     "rendezvous": "rendezvous ([rendezvous])", "workers": "workers ([workers])",
     "restart": "restarts ([restart])", "drain": "stopping and resizing ([drain])",
     "preemption": "preemption notices ([preemption])", "logging": "logging ([logging])",

@@ -9,12 +9,13 @@ import sys
 import pytest
 
 from elasticd.cli import build_parser
+from elasticd.config.flags import FLAGS, SECTION_TITLES
 
 pytestmark = pytest.mark.timeout(60)
 
 # Changing the CLI is a user-visible change: update this list, the docs and the CHANGELOG.
 # `run` and `agent` share one flag per config key (elasticd.config.flags).
-NODE_FLAGS = ["--standalone", "--job", "--nnodes", "--checkpoint-url", "--resume", "--etcd", "--etcd-ca",
+NODE_FLAGS = ["--standalone", "--job", "--nnodes", "--checkpoint-url", "--checkpoint-every", "--resume", "--etcd", "--etcd-ca",
               "--etcd-cert", "--etcd-key", "--etcd-user", "--etcd-password-file",
               "--etcd-insecure-plaintext-auth", "--etcd-timeout", "--etcd-connect-timeout", "--etcd-election-timeout", "--etcd-data-dir", "--node-id",
               "--local-addr", "--node-ttl", "--join-timeout", "--last-call-timeout", "--start-settle",
@@ -59,7 +60,7 @@ def test_cli_surface_is_frozen():
 
 
 # `run --help` and `agent --help`: one group per config section, in this order.
-FLAG_GROUPS = ["job ([job])", "etcd connection ([etcd])", "this node ([node])",
+FLAG_GROUPS = ["job ([job])", "checkpoints ([checkpoint])", "etcd connection ([etcd])", "this node ([node])",
                "rendezvous ([rendezvous])", "workers ([workers])", "restarts ([restart])",
                "stopping and resizing ([drain])", "preemption notices ([preemption])",
                "logging ([logging])", "metrics ([metrics])"]
@@ -78,6 +79,7 @@ def test_every_parser_refuses_abbreviations_and_groups_node_flags_by_section():
     for name in ("run", "agent"):
         titles = [g.title for g in subs[name]._action_groups if g._group_actions]
         assert titles[-len(FLAG_GROUPS):] == FLAG_GROUPS, titles
+    assert set(SECTION_TITLES) == {f.dotted.split(".")[0] for f in FLAGS}, "a section without a --help title"
     assert "(default: 5)" in subs["run"].format_help()  # --node-ttl's schema default
 
 
