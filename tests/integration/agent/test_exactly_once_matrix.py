@@ -28,6 +28,7 @@ import os
 import signal
 import subprocess
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -167,6 +168,46 @@ def _ledger_rows(tmp_path: Path, wrong: Counter) -> str:
         f"rank={r['rank']} pid={r['pid']} idx={r['idx'][:4]}" for r in rows[:40])
 
 
+def kill_join_drain(nodes, job: str, script: str, args: list[str], hold: Path, trace: Path,
+                    at: tuple[int, int, int], *, env: dict[str, str] | None = None,
+                    wait_s: float = 120) -> None:
+    """The schedule every exactly-once job shares: nodes a and b train; b is SIGKILLed at
+    step ``at[0]`` (the survivor trains alone), c joins at ``at[1]`` (world 2 again), c's
+    agent is SIGTERMed at ``at[2]`` (a drain: world 1); then a and c must exit 0."""
+    kill_at, join_at, drain_at = at
+    _hold(hold, 0)
+    a = nodes.start(job, script, nnodes="1:2", name="a", script_args=args, env=env)
+    b = nodes.start(job, script, nnodes="1:2", name="b", script_args=args, env=env)
+    _hold_at(hold, trace, 0, 2)
+    _hold_at(hold, trace, kill_at, 2)
+    before = _round(trace)
+    b.signal(signal.SIGKILL)
+    _hold_at(hold, trace, join_at, 1, after_round=before)  # the survivor alone
+    before = _round(trace)
+    c = nodes.start(job, script, nnodes="1:2", name="c", script_args=args, env=env)
+    wait_until(lambda: "rendezvous_completed" in c.log() or "live_park_requested" in a.log(), 120,
+               "the joiner registered")
+    _step_until_world(hold, trace, join_at, 2, before)
+    _hold_at(hold, trace, drain_at, 2)
+    before = _round(trace)
+    c.signal_agent(signal.SIGTERM)
+    wait_until(lambda: "drain_started" in c.log(), 60, "the drain started")
+    _step_until_world(hold, trace, drain_at, 1, before)
+    hold.unlink()
+    for node in (a, c):
+        assert node.wait(wait_s) == 0, node.log()[-4000:]
+
+
+def assert_once(got: Counter, every: Counter,
+                detail: Callable[[Counter], str] = lambda wrong: "") -> None:
+    """Every (epoch, sample) of ``every`` trained exactly once in ``got``; on a failure the
+    message ends with ``detail(the wrong samples)``."""
+    missing, twice = every - got, got - every
+    assert not missing and not twice, (f"{sum(missing.values())} samples never trained, e.g. "
+                                       f"{sorted(missing)[:6]}; {sum(twice.values())} extra, e.g. "
+                                       f"{sorted(twice)[:6]}; {detail(missing + twice)}")
+
+
 def _audit(tmp_path: Path, pipeline: str, model: str, worlds: frozenset = frozenset({1, 2})) -> int:
     """The run's ledger against a fault-free run's (and its final parameters where the
     global batch is constant); returns the samples audited."""
@@ -176,10 +217,7 @@ def _audit(tmp_path: Path, pipeline: str, model: str, worlds: frozenset = frozen
                                    + (["--model", "mlp"] if model == "fsdp" else []))
     every = Counter((e, i) for e in range(EPOCHS) for i in range(DATASET))
     assert want == every, f"fault-free run: {sorted((want - every) + (every - want))[:10]}"
-    missing, twice = every - got, got - every
-    assert not missing and not twice, (f"{sum(missing.values())} samples never trained, e.g. "
-                                       f"{sorted(missing)[:6]}; {sum(twice.values())} extra, e.g. "
-                                       f"{sorted(twice)[:6]}; {_ledger_rows(tmp_path, missing + twice)}")
+    assert_once(got, every, lambda wrong: _ledger_rows(tmp_path, wrong))
     seen = {r["world_size"] for r in read_jsonl(tmp_path / "trace-run.jsonl")}
     assert seen == worlds, seen
     if PIPELINES[pipeline][4]:
@@ -196,29 +234,8 @@ def test_kill_join_drain_train_every_sample_once(nodes, tmp_path, pipeline, path
     exactly once: the ledger equals a fault-free run's, and with a constant global batch
     so do the final parameters."""
     _, kill_at, join_at, drain_at, _ = PIPELINES[pipeline]
-    hold, trace = tmp_path / "hold", tmp_path / "trace-run.jsonl"
-    args = _job_args(tmp_path, pipeline, path, model)
-    _hold(hold, 0)
-    a = nodes.start("once", SCRIPT, nnodes="1:2", name="a", script_args=args)
-    b = nodes.start("once", SCRIPT, nnodes="1:2", name="b", script_args=args)
-    _hold_at(hold, trace, 0, 2)
-    _hold_at(hold, trace, kill_at, 2)
-    before = _round(trace)
-    b.signal(signal.SIGKILL)
-    _hold_at(hold, trace, join_at, 1, after_round=before)  # the survivor alone, mid epoch 1
-    before = _round(trace)
-    c = nodes.start("once", SCRIPT, nnodes="1:2", name="c", script_args=args)
-    wait_until(lambda: "rendezvous_completed" in c.log() or "live_park_requested" in a.log(), 120,
-               "the joiner registered")
-    _step_until_world(hold, trace, join_at, 2, before)
-    _hold_at(hold, trace, drain_at, 2)
-    before = _round(trace)
-    c.signal_agent(signal.SIGTERM)
-    wait_until(lambda: "drain_started" in c.log(), 60, "the drain started")
-    _step_until_world(hold, trace, drain_at, 1, before)
-    hold.unlink()
-    for node in (a, c):
-        assert node.wait(120) == 0, node.log()[-4000:]
+    kill_join_drain(nodes, "once", SCRIPT, _job_args(tmp_path, pipeline, path, model),
+                    tmp_path / "hold", tmp_path / "trace-run.jsonl", (kill_at, join_at, drain_at))
     audited = _audit(tmp_path, pipeline, model)
     print(f"audited {audited} sample-epochs")
 

@@ -14,20 +14,13 @@ Also: examples/hf_trainer_elastic.py under ``elasticd run --standalone --nproc-p
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 from collections import Counter
 
 import pytest
 import torch
-from harness import PY, ROOT, read_jsonl, wait_until
-from integration.agent.test_exactly_once_matrix import (
-    _hold,
-    _hold_at,
-    _ledger,
-    _round,
-    _step_until_world,
-)
+from harness import PY, ROOT, read_jsonl
+from integration.agent.test_exactly_once_matrix import _ledger, assert_once, kill_join_drain
 
 pytest.importorskip("transformers", reason="the hf extra: pip install 'elasticd[hf]'")
 
@@ -46,26 +39,7 @@ def test_trainer_kill_join_drain_trains_every_sample_once(nodes, tmp_path):
     args = ["--dataset-size", str(DATASET), "--epochs", str(EPOCHS), "--hold", str(hold),
             "--trace", str(trace), "--checkpoint-url", f"file://{tmp_path}/ckpt-run",
             "--output-dir", str(tmp_path / "out-run"), "--final-params", str(tmp_path / "final-run.pt")]
-    _hold(hold, 0)
-    a = nodes.start("hf", SCRIPT, nnodes="1:2", name="a", script_args=args, env=ONE_THREAD)
-    b = nodes.start("hf", SCRIPT, nnodes="1:2", name="b", script_args=args, env=ONE_THREAD)
-    _hold_at(hold, trace, 0, 2)
-    _hold_at(hold, trace, KILL_AT, 2)
-    before = _round(trace)
-    b.signal(signal.SIGKILL)
-    _hold_at(hold, trace, JOIN_AT, 1, after_round=before)  # the survivor alone, mid epoch 1
-    before = _round(trace)
-    c = nodes.start("hf", SCRIPT, nnodes="1:2", name="c", script_args=args, env=ONE_THREAD)
-    wait_until(lambda: "rendezvous_completed" in c.log(), 120, "the joiner registered")
-    _step_until_world(hold, trace, JOIN_AT, 2, before)
-    _hold_at(hold, trace, DRAIN_AT, 2)
-    before = _round(trace)
-    c.signal_agent(signal.SIGTERM)
-    wait_until(lambda: "drain_started" in c.log(), 60, "the drain started")
-    _step_until_world(hold, trace, DRAIN_AT, 1, before)
-    hold.unlink()
-    for node in (a, c):
-        assert node.wait(180) == 0, node.log()[-4000:]
+    kill_join_drain(nodes, "hf", SCRIPT, args, hold, trace, (KILL_AT, JOIN_AT, DRAIN_AT), env=ONE_THREAD, wait_s=180)
 
     got = _ledger(trace)
     ref_trace = tmp_path / "trace-ref.jsonl"
@@ -79,10 +53,7 @@ def test_trainer_kill_join_drain_trains_every_sample_once(nodes, tmp_path):
     assert ref.returncode == 0, ref.stdout[-2000:] + ref.stderr[-3000:]
     every = Counter((e, i) for e in range(EPOCHS) for i in range(DATASET))
     assert _ledger(ref_trace) == every
-    missing, twice = every - got, got - every
-    assert not missing and not twice, (f"{sum(missing.values())} samples never trained, e.g. "
-                                       f"{sorted(missing)[:6]}; {sum(twice.values())} extra, e.g. "
-                                       f"{sorted(twice)[:6]}")
+    assert_once(got, every)
     assert {r["world_size"] for r in read_jsonl(trace)} == {1, 2}
     want = torch.load(tmp_path / "final-ref.pt", weights_only=True)
     got_params = torch.load(tmp_path / "final-run.pt", weights_only=True)

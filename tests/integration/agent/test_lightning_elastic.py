@@ -13,21 +13,14 @@ is the second test.
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 from collections import Counter
 from pathlib import Path
 
 import pytest
 import torch
-from harness import PY, ROOT, Node, read_jsonl, wait_until
-from integration.agent.test_exactly_once_matrix import (
-    _hold,
-    _hold_at,
-    _ledger,
-    _round,
-    _step_until_world,
-)
+from harness import PY, ROOT, Node, read_jsonl
+from integration.agent.test_exactly_once_matrix import _ledger, assert_once, kill_join_drain
 
 from elasticd.checkpoint.catalog import list_checkpoints
 
@@ -60,35 +53,13 @@ def test_lightning_kill_join_drain_trains_every_sample_once(nodes, tmp_path):
     args = ["--dataset-size", str(DATASET), "--epochs", str(EPOCHS), "--hold", str(hold),
             "--trace", str(trace), "--checkpoint-url", f"file://{tmp_path}/ckpt-run",
             "--final-params", str(tmp_path / "final-run.pt")]
-    _hold(hold, 0)
-    a = nodes.start("lit", SCRIPT, nnodes="1:2", name="a", script_args=args)
-    b = nodes.start("lit", SCRIPT, nnodes="1:2", name="b", script_args=args)
-    _hold_at(hold, trace, 0, 2)
-    _hold_at(hold, trace, KILL_AT, 2)
-    before = _round(trace)
-    b.signal(signal.SIGKILL)
-    _hold_at(hold, trace, JOIN_AT, 1, after_round=before)  # the survivor alone, in epoch 1
-    before = _round(trace)
-    c = nodes.start("lit", SCRIPT, nnodes="1:2", name="c", script_args=args)
-    wait_until(lambda: "rendezvous_completed" in c.log(), 120, "the joiner registered")
-    _step_until_world(hold, trace, JOIN_AT, 2, before)
-    _hold_at(hold, trace, DRAIN_AT, 2)
-    before = _round(trace)
-    c.signal_agent(signal.SIGTERM)
-    wait_until(lambda: "drain_started" in c.log(), 60, "the drain started")
-    _step_until_world(hold, trace, DRAIN_AT, 1, before)
-    hold.unlink()
-    for node in (a, c):
-        assert node.wait(120) == 0, node.log()[-4000:]
+    kill_join_drain(nodes, "lit", SCRIPT, args, hold, trace, (KILL_AT, JOIN_AT, DRAIN_AT))
 
     got = _ledger(trace)
     want, want_params = _reference(tmp_path)
     every = Counter((e, i) for e in range(EPOCHS) for i in range(DATASET))
     assert want == every, f"fault-free run: {sorted((want - every) + (every - want))[:10]}"
-    missing, twice = every - got, got - every
-    assert not missing and not twice, (f"{sum(missing.values())} samples never trained, e.g. "
-                                       f"{sorted(missing)[:6]}; {sum(twice.values())} extra, e.g. "
-                                       f"{sorted(twice)[:6]}")
+    assert_once(got, every)
     assert {r["world_size"] for r in read_jsonl(trace)} == {1, 2}
     got_params = torch.load(tmp_path / "final-run.pt", weights_only=True)
     for name, value in want_params.items():
