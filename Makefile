@@ -3,6 +3,9 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
+# The test, lint and benchmark tools (the `test` extra: pytest, moto, the HF and Lightning
+# integrations' libraries) on top: `make demo` does not wait for them.
+TEST_STAMP := $(VENV)/.installed-test
 PYTEST_ARGS ?=
 
 .PHONY: venv test lint unit integration chaos soak demo bench clean compat compat-reconfigure wheel
@@ -18,13 +21,18 @@ $(STAMP): pyproject.toml
 	@echo "== installing torch 2.13.0, CPU build (~200 MB, once)"
 	# A CPU build of torch from the local wheel cache; users bring their own CUDA torch.
 	$(PY) -m pip install -q torch==2.13.0
-	@echo "== installing elasticd (editable) with its test and plot tools"
-	# torch==2.13.0 is repeated here on purpose: with an extra (`.[test]`), pip 26's resolver
+	@echo "== installing elasticd (editable) with its plot tools"
+	# torch==2.13.0 is repeated here on purpose: with an extra (`.[plot]`), pip 26's resolver
 	# otherwise backtracks to the newest torch the range allows (2.14.1, a CUDA build of
 	# several GB) even though 2.13.0 is installed and satisfies it.
-	$(PY) -m pip install -q -e '.[test]' torch==2.13.0
+	$(PY) -m pip install -q -e '.[plot]' torch==2.13.0
 	touch $(STAMP)
 	@echo "== $(VENV) ready"
+
+$(TEST_STAMP): $(STAMP) pyproject.toml
+	@echo "== installing the test tools (pytest, moto, ruff, mypy, transformers, lightning)"
+	$(PY) -m pip install -q -e '.[test]' torch==2.13.0
+	touch $(TEST_STAMP)
 
 # elasticd is not on PyPI: this builds the wheel to install elsewhere
 # (pip install dist/elasticd-*.whl, plus '[s3]'/'[plot]' extras). Any Python 3.10+ with
@@ -39,26 +47,26 @@ wheel:
 	rm -rf build elasticd.egg-info
 	@ls $(DIST)/elasticd-*.whl
 
-lint: $(STAMP)
+lint: $(TEST_STAMP)
 	$(VENV)/bin/ruff check elasticd tests benchmarks examples
 	$(VENV)/bin/mypy
 
 # The suite CI runs: every test but the soak-marked ones (`make soak`); benchmarks are
 # `make bench`. Behaviour a soak run checks is also pinned by a test here.
-test: $(STAMP) lint
+test: $(TEST_STAMP) lint
 	$(PY) -m pytest -q --durations=20 -m "not soak" tests $(PYTEST_ARGS)
 
-unit: $(STAMP)
+unit: $(TEST_STAMP)
 	$(PY) -m pytest -q tests/unit $(PYTEST_ARGS)
 
-integration: $(STAMP)
+integration: $(TEST_STAMP)
 	$(PY) -m pytest -q tests/integration $(PYTEST_ARGS)
 
-chaos: $(STAMP)
+chaos: $(TEST_STAMP)
 	$(PY) -m pytest -q tests/chaos $(PYTEST_ARGS)
 
 # Long and randomized runs: the soak-marked tests, and the chaos tests at their long sizes.
-soak: $(STAMP)
+soak: $(TEST_STAMP)
 	ELASTICD_SOAK=1 $(PY) -m pytest -q tests/chaos $(PYTEST_ARGS)
 	ELASTICD_SOAK=1 $(PY) -m pytest -q -m soak tests/integration $(PYTEST_ARGS)
 
@@ -66,7 +74,7 @@ demo: $(STAMP)
 	@echo "== running the demo (~2-3 min): etcd, two nodes, a kill, a rejoin, a picture"
 	$(PY) examples/demo.py
 
-bench: $(STAMP)
+bench: $(TEST_STAMP)
 	$(PY) benchmarks/recovery.py
 	$(PY) benchmarks/overhead.py
 	$(PY) benchmarks/scale.py
@@ -91,12 +99,13 @@ compat: $(COMPAT_STAMP)
 	$(COMPAT_VENV)/bin/python -m pytest -q tests/unit tests/integration/agent $(PYTEST_ARGS)
 
 # The reconfigure lifecycle (torch 2.14+: c10d _reconfigure, the default there) on every CI
-# run (.ci/run): the lifecycle's unit tests, the 16-re-formation leak test and the HSDP
-# live kill-and-join (a mesh's subgroups re-made over the reconfigured group), minutes.
+# run (.ci/run): the lifecycle's unit tests, the 16-re-formation leak test (its soak size;
+# `make test` runs 8) and the HSDP live kill-and-join (a mesh's subgroups re-made over the
+# reconfigured group), minutes.
 compat-reconfigure: $(COMPAT_STAMP)
 	$(COMPAT_VENV)/bin/python -c 'import torch; print("compat: torch", torch.__version__)'
 	$(COMPAT_VENV)/bin/python -m pytest -q tests/unit/test_process_group.py \
-		tests/integration/agent/test_group_lifecycle.py \
+		"tests/integration/agent/test_group_lifecycle.py::test_live_reformations_leave_threads_and_fds_flat[8]" \
 		"tests/integration/agent/test_fsdp_elastic.py::test_hsdp_live_kill_and_join_keeps_the_survivors_and_their_shards" \
 		$(PYTEST_ARGS)
 

@@ -21,9 +21,9 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
 
-from elasticd import boundedjson
+from elasticd import codec
 
 MAX_SAMPLES = 512
 # A full record is ~30 KB; anything much larger is not one this module wrote.
@@ -71,51 +71,57 @@ class History:
 
     @classmethod
     def from_json(cls, data: bytes | str) -> History:
-        """Parse and validate a history record.
+        """Parse and validate a history record (elasticd.codec reads the columns' types).
 
         Raises:
-            ValueError: not JSON (or over the size or depth bound: ``BoundedJSONError``), an
-                unknown version, or a row of the wrong shape or type.
+            ValueError: not JSON (or over the size or depth bound), an unknown version, or a
+                row of the wrong shape or type (``codec.RecordDecodeError``, naming it).
         """
-        raw = boundedjson.loads_object(data, what="history record", max_bytes=MAX_RECORD_BYTES)
-        if raw.get("v") != FORMAT_VERSION:
-            raise ValueError("history record: not a version-1 object")
-        interval: Any = raw.get("interval_s")
-        fields = raw.get("fields")
-        rows = raw.get("rows")
-        if not _is_num(interval) or interval <= 0 or not isinstance(rows, list) \
-                or not isinstance(fields, list) or len(rows) > 4 * MAX_SAMPLES:
-            raise ValueError("history record: bad interval_s, fields or rows")
-        col = {name: i for i, name in enumerate(fields) if isinstance(name, str)}
+        raw = codec.decode(_HistoryRecord, data, what="history record", max_bytes=MAX_RECORD_BYTES)
+        col = {name: i for i, name in enumerate(raw.fields)}
         if not {"t", "step", "world_size"} <= col.keys():
-            raise ValueError("history record: missing t, step or world_size")
-        return cls(float(interval), tuple(_sample(row, col) for row in rows))
+            raise codec.RecordDecodeError("history record.fields: missing t, step or world_size")
+        return cls(raw.interval_s, tuple(_sample(row, col, i) for i, row in enumerate(raw.rows)))
 
 
-def _is_num(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+Number = Annotated[float, codec.Finite()]
 
 
-def _sample(row: Any, col: dict[str, int]) -> Sample:
-    if not isinstance(row, list):
-        raise ValueError("history record: a row is not a list")
+@dataclass(frozen=True)
+class _HistoryRecord:
+    """The wire form: columns named once in ``fields``, one row (a list) per sample."""
 
-    def get(name: str, *, optional: bool = True) -> Any:
-        i = col.get(name)
-        v = row[i] if i is not None and i < len(row) else None
-        if v is None and optional:
-            return None
-        if not _is_num(v):
-            raise ValueError(f"history record: {name}={v!r} is not a number")
-        return v
+    v: Annotated[int, codec.Range(FORMAT_VERSION, FORMAT_VERSION + 1)]
+    interval_s: Annotated[float, codec.Range(0, math.inf), codec.Finite()]
+    fields: list[str]
+    rows: list[list[Any]]
 
-    ckpt, rnd, loss, rate = get("checkpoint_step"), get("round"), get("loss"), get("samples_per_s")
-    return Sample(t=float(get("t", optional=False)), step=int(get("step", optional=False)),
-                  world_size=int(get("world_size", optional=False)),
-                  samples_per_s=0.0 if rate is None else float(rate),
-                  round=-1 if rnd is None else int(rnd),
-                  loss=None if loss is None else float(loss),
-                  checkpoint_step=None if ckpt is None else int(ckpt))
+    def __post_init__(self) -> None:
+        if self.interval_s <= 0 or len(self.rows) > 4 * MAX_SAMPLES:
+            raise ValueError(f"interval_s {self.interval_s} is not positive or {len(self.rows)} "
+                             f"rows are more than {4 * MAX_SAMPLES}")
+
+
+@dataclass(frozen=True)
+class _Row:
+    """One row's known columns (a column this elasticd does not know is ignored)."""
+
+    t: Number
+    step: Number
+    world_size: Number
+    samples_per_s: Number | None = None
+    round: Number | None = None
+    loss: Number | None = None
+    checkpoint_step: Number | None = None
+
+
+def _sample(row: list[Any], col: dict[str, int], n: int) -> Sample:
+    known = {name: row[i] for name, i in col.items() if name in FIELDS and i < len(row)}
+    r = codec.from_dict(_Row, known, what=f"history record.rows[{n}]")
+    return Sample(t=r.t, step=int(r.step), world_size=int(r.world_size),
+                  samples_per_s=0.0 if r.samples_per_s is None else r.samples_per_s,
+                  round=-1 if r.round is None else int(r.round), loss=r.loss,
+                  checkpoint_step=None if r.checkpoint_step is None else int(r.checkpoint_step))
 
 
 def append_sample(history: History, sample: Sample, *,

@@ -85,6 +85,8 @@ EVENT_KINDS = (
     "hung",  # the coordinator ejected the node: its workers hung the job
     "straggler",  # the coordinator flagged the node a straggler (ratio in detail)
     "straggler_ejected",  # ... and ejected it: it waits as a spare until its probation ends
+    "diverged",  # a rank's replica fingerprint differed from the majority's (rank, source in detail)
+    "quarantined",  # ... twice within a window on one node: it waits out a probation as a spare
 )
 
 
@@ -208,6 +210,9 @@ class ProbationRecord(_Record):
     ejections: int = 1  # how often the deciding coordinator ejected it (doubles probation)
     round: int = -1  # the round it was ejected from
     since: float = 0.0  # wall clock at the ejection (shown, never compared)
+    # Why: "straggler" (the coordinator's ejection) or "diverged" (the node's own agent
+    # quarantined it: its ranks diverged from their replicas twice, agent/integrity.py).
+    cause: str = "straggler"
 
 
 @dataclass(frozen=True)

@@ -44,9 +44,14 @@ class Node:
                "--checkpoint-url", f"file://{workdir}/checkpoints",
                str(ROOT / "examples" / "train.py"), "--steps", str(STEPS), "--step-sleep", "0.1",
                "--checkpoint-every", "20"]
+        # The agent's runtime dir and its workers' logs go under the demo's dir too (a killed
+        # agent cannot remove its own), so the one path printed at the end holds everything.
+        tmp = workdir / "tmp"
+        tmp.mkdir(mode=0o700, exist_ok=True)
         with open(self.log_path, "ab") as log:  # the child keeps its own copy of the fd
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                         start_new_session=True, cwd=str(ROOT))
+                                         start_new_session=True, cwd=str(ROOT),
+                                         env={**os.environ, "TMPDIR": str(tmp)})
 
     def kill(self) -> None:
         for pid in [self.proc.pid, *descendants(self.proc.pid)]:

@@ -1,4 +1,6 @@
-"""Shared fixtures: a real etcd server per test on free ports, process-leak checks."""
+"""Shared fixtures: a real etcd server per test on free ports, process-leak checks, temp
+dirs kept under pytest's own (never left in the real /tmp), per-test CPU seconds
+(``--cpu-durations=N``)."""
 
 from __future__ import annotations
 
@@ -6,6 +8,8 @@ import json
 import logging
 import os
 import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 import structlog
@@ -13,10 +17,88 @@ import structlog
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 
+from cpu_accounting import CpuMeter, cpu_table  # noqa: E402
 from harness import Node, elasticd_argv  # noqa: E402
 
 from elasticd.etcd.client import EtcdClient  # noqa: E402
 from elasticd.etcd.embedded import EmbeddedEtcd  # noqa: E402
+
+_CPU_METER = pytest.StashKey[CpuMeter]()
+# (the real temp dir, the elasticd-* entries in it when the session started)
+_REAL_TMP = pytest.StashKey[tuple[Path, frozenset[str]]]()
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--cpu-durations", type=int, default=None, metavar="N",
+        help="measure each test's CPU seconds (user+sys of pytest and every process the test "
+             "ran) beside its wall time; print the N most CPU-hungry (N=0: all) at the end")
+
+
+def pytest_configure(config):
+    if config.getoption("--cpu-durations") is not None:
+        config.stash[_CPU_METER] = CpuMeter()
+    config.addinivalue_line(
+        "markers", "real_tmp: the test's processes keep the real temp dir (not one under "
+                   "tmp_path): it checks what another uid can reach, and pytest's temp root "
+                   "is private to its owner")
+
+
+def _elasticd_entries(tmp: Path) -> frozenset[str]:
+    return frozenset(p.name for p in tmp.glob("elasticd-*"))
+
+
+def pytest_sessionstart(session):
+    real = Path(tempfile.gettempdir())
+    session.config.stash[_REAL_TMP] = (real, _elasticd_entries(real))
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Fail the run if it left ``elasticd-*`` entries in the real temp dir: agents,
+    embedded etcds and logs of tests keep them under the test's tmp_path (``_test_tmpdir``),
+    so one there is a leak (a SIGKILLed agent's runtime dir, a test that set no tmp)."""
+    real, before = session.config.stash[_REAL_TMP]
+    if os.environ.get("ELASTICD_TMP_LEAK_CHECK") == "0":
+        return
+    left = sorted(_elasticd_entries(real) - before)
+    if not left:
+        return
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        reporter.write_sep("=", f"{len(left)} elasticd-* entries left in {real}", red=True)
+        for name in left[:20]:
+            reporter.write_line(f"  {real / name}")
+        reporter.write_line(
+            "A test's processes must keep their temp files under its tmp_path (the "
+            "_test_tmpdir fixture points TMPDIR there) and remove what they make. Another "
+            "test run on this machine at the same time makes such entries too: there, "
+            "ELASTICD_TMP_LEAK_CHECK=0 turns this check off.")
+    if session.exitstatus == pytest.ExitCode.OK:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """With ``--cpu-durations``: measure the test's setup, call and teardown together."""
+    meter = item.config.stash.get(_CPU_METER, None)
+    if meter is None:
+        return (yield)
+    meter.begin(item.nodeid)
+    try:
+        return (yield)
+    finally:
+        meter.end()
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    meter = config.stash.get(_CPU_METER, None)
+    if meter is None or not meter.costs:
+        return
+    top = config.getoption("--cpu-durations")
+    terminalreporter.write_sep("=", f"{'all' if top == 0 else top} tests by CPU seconds "
+                                    "(their process trees' user+sys)")
+    for line in cpu_table(meter.costs, top):
+        terminalreporter.write_line(line)
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -32,6 +114,20 @@ def _private_state_home(tmp_path_factory):
         os.environ.pop("XDG_STATE_HOME", None)
     else:
         os.environ["XDG_STATE_HOME"] = old
+
+
+@pytest.fixture(autouse=True)
+def _test_tmpdir(request, monkeypatch):
+    """A test that has a tmp_path keeps every temp file of its own and of the processes it
+    starts (agents' runtime dirs, embedded etcds, log dirs) under ``tmp_path / "t"``:
+    TMPDIR for children, ``tempfile.tempdir`` here. A SIGKILLed agent cannot remove its
+    runtime dir; /tmp once held 2,835 of them. Tests marked ``real_tmp`` are left alone."""
+    if "tmp_path" not in request.fixturenames or request.node.get_closest_marker("real_tmp"):
+        return
+    tmp = request.getfixturevalue("tmp_path") / "t"  # short: a Unix socket path has 107 bytes
+    tmp.mkdir(exist_ok=True)
+    monkeypatch.setenv("TMPDIR", str(tmp))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp))
 
 
 @pytest.fixture(autouse=True)
@@ -56,6 +152,19 @@ def _fresh_logging():
 def etcd_server(tmp_path):
     """A private etcd on 127.0.0.1 (free ports, temp data dir), stopped after the test."""
     server = EmbeddedEtcd(str(tmp_path / "etcd"))
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop(remove_data=True)
+
+
+@pytest.fixture(scope="module")
+def module_etcd(tmp_path_factory):
+    """One etcd for a whole module, for tests that neither stop, freeze nor empty it, each
+    with job names (and any other keys) of its own: a module overrides ``etcd_server`` with
+    it to save an etcd start per test. Tests that fault etcd keep ``etcd_server``'s own."""
+    server = EmbeddedEtcd(str(tmp_path_factory.mktemp("etcd")))
     server.start()
     try:
         yield server

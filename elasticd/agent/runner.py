@@ -30,6 +30,7 @@ from elasticd.agent.admission import admit, make_fingerprint, precheck, sizes_fi
 from elasticd.agent.arrival import EarlyArrival, log_finished
 from elasticd.agent.commits import CommitRetrier, PendingCommit, read_intents, write_intent
 from elasticd.agent.elastic_agent import ElasticdAgent, SupervisionSettings
+from elasticd.agent.integrity import DivergenceObserver
 from elasticd.agent.recorder import JobRecorder
 from elasticd.agent.remote_control import RemoteStopWatch, refusal_at_start
 from elasticd.agent.run_identity import check_resume, ensure_run_id
@@ -169,6 +170,16 @@ def _checkpoint_io_observer(metrics: AgentMetrics | None) -> Callable[[Checkpoin
             metrics.observe_checkpoint_load(m.seconds, m.nbytes)
 
     return observe
+
+
+def _divergence_observer(recorder: JobRecorder, metrics: AgentMetrics | None,
+                         handler: EtcdRendezvousHandler) -> DivergenceObserver:
+    """The control channel's handler of divergence reports: the event, the metric, and a
+    quarantine (the straggler probation, ``straggler_probation_s``: live re-formation only)
+    of a node whose ranks diverge twice, while the job can spare it."""
+    s = handler.settings
+    return DivergenceObserver(recorder, metrics, probation_base_s=s.straggler_probation_s,
+                              can_leave=lambda: len(handler.members) - 1 >= s.min_nodes)
 
 
 def _goodput_publisher(recorder: JobRecorder, metrics: AgentMetrics) -> Callable[[History], None]:
@@ -365,7 +376,8 @@ def run_node(spec: NodeSpec, early: EarlyStart | None = None, arrival: EarlyArri
         control = ControlChannel(on_commit=on_commit, on_latest=recorder.latest_checkpoint,
                                  max_local_ranks=spec.nproc_per_node,
                                  directory=early.control_dir if early is not None else None,
-                                 on_checkpoint_io=_checkpoint_io_observer(metrics)).start()
+                                 on_checkpoint_io=_checkpoint_io_observer(metrics),
+                                 on_divergence=_divergence_observer(recorder, metrics, handler)).start()
         if workers_user is not None:
             control.share_with(workers_user.run_as.gid)
         worker_spec = WorkerSpec(

@@ -17,9 +17,9 @@ import secrets
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
 
-from elasticd import boundedjson
+from elasticd import boundedjson, codec
 from elasticd.checkpoint.api import CheckpointCorruptError
 
 FORMAT = "elasticd-checkpoint"
@@ -242,30 +242,19 @@ class Manifest:
         if stored_crc != f"{checksum(_canonical(raw)):08x}":
             raise CheckpointCorruptError("manifest self-checksum does not match its content")
         try:
-            files = tuple(_file_entry(f) for f in _typed(raw, "files", list))
-            parts = _typed(raw, "parts", list)
-            if not all(isinstance(p, str) for p in parts):
-                raise TypeError("'parts' holds a non-string")
-            shards = _optional(raw, "shards", list, []) if version == SHARDED_FORMAT_VERSION else []
-            if not shards and version == SHARDED_FORMAT_VERSION:
-                raise ValueError("a sharded manifest lists no shard index")
-            manifest = cls(
-                job=_typed(raw, "job", str),
-                step=_ranged(raw, "step", 0, MAX_STEP),
-                save_id=_typed(raw, "save_id", str),
-                world_size=_ranged(raw, "world_size", 0, 1 << 24),
-                created_at=_time(raw, "created_at"),
-                committed_at=_time(raw, "committed_at"),
-                files=files,
-                parts=tuple(parts),
-                sampler=_optional(raw, "sampler", dict, None),
-                torch_version=_optional(raw, "torch_version", str, ""),
-                elasticd_version=_optional(raw, "elasticd_version", str, ""),
-                run_id=_optional(raw, "run_id", str, ""),
-                shards=tuple(shards),
-            )
-        except (KeyError, TypeError, ValueError) as exc:
+            rec = codec.from_dict(_ManifestRecord, raw, what="manifest")
+        except codec.RecordDecodeError as exc:
             raise CheckpointCorruptError(f"manifest field invalid: {exc}") from None
+        shards = (rec.shards or ()) if version == SHARDED_FORMAT_VERSION else ()
+        if not shards and version == SHARDED_FORMAT_VERSION:
+            raise CheckpointCorruptError("manifest field invalid: a sharded manifest lists no shard index")
+        files = tuple(FileEntry(name=f.name, size=f.size, crc32=int(f.crc32, 16)) for f in rec.files)
+        manifest = cls(job=rec.job, step=rec.step, save_id=rec.save_id, world_size=rec.world_size,
+                       created_at=rec.created_at, committed_at=rec.committed_at, files=files,
+                       parts=rec.parts, sampler=rec.sampler,
+                       torch_version=rec.torch_version or "",
+                       elasticd_version=rec.elasticd_version or "", run_id=rec.run_id or "",
+                       shards=shards)
         if manifest.run_id and not RUN_ID_RE.fullmatch(manifest.run_id):
             raise CheckpointCorruptError(f"manifest run_id {manifest.run_id!r} is malformed")
         if not SAVE_ID_RE.fullmatch(manifest.save_id):
@@ -282,47 +271,41 @@ def _canonical(body: dict[str, Any]) -> bytes:
     return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
 
 
-def _typed(raw: dict[str, Any], key: str, kind: Any) -> Any:
-    value = raw[key]
-    # bool is an int in Python; a manifest saying "step": true is corrupt, not step 1.
-    if isinstance(value, bool) or not isinstance(value, kind):
-        raise TypeError(f"{key!r} has type {type(value).__name__}")
-    return value
+UnixTime = Annotated[float, codec.Range(0, math.inf), codec.Finite()]
 
 
-def _ranged(raw: dict[str, Any], key: str, low: int, high: int) -> int:
-    value: int = _typed(raw, key, int)
-    if not low <= value <= high:
-        raise ValueError(f"{key!r} is {value}, outside [{low}, {high}]")
-    return value
+@dataclass(frozen=True)
+class _FileRecord:
+    """A ``files`` entry as written: the CRC-32 as 8 lowercase hex digits."""
+
+    name: str
+    size: Annotated[int, codec.Range(0, 1 << 62)]
+    crc32: str
+
+    def __post_init__(self) -> None:
+        if not FILE_NAME_RE.fullmatch(self.name):
+            # Names come from storage: anything but a plain file name could escape the
+            # checkpoint directory (``../../other-job/...``) and is refused outright.
+            raise ValueError(f"file name {self.name!r} is not a plain file name")
+        if not re.fullmatch(r"[0-9a-f]{8}", self.crc32):
+            raise ValueError(f"file {self.name!r} has a malformed crc32 {self.crc32!r}")
 
 
-def _time(raw: dict[str, Any], key: str) -> float:
-    value = float(_typed(raw, key, (int, float)))
-    if not math.isfinite(value) or value < 0:
-        raise ValueError(f"{key!r} is {value}, not a Unix time")
-    return value
+@dataclass(frozen=True)
+class _ManifestRecord:
+    """``manifest.json`` as written (``format``, ``format_version`` and ``manifest_crc32``
+    are checked before it is decoded). Optional strings may be null (read as "")."""
 
-
-def _optional(raw: dict[str, Any], key: str, kind: type, default: Any) -> Any:
-    """An optional field: absent or null gives ``default``; present, it must be ``kind``."""
-    if raw.get(key) is None:
-        return default
-    return _typed(raw, key, kind)
-
-
-def _file_entry(raw: Any) -> FileEntry:
-    if not isinstance(raw, dict):
-        raise TypeError("a files entry is not an object")
-    name = _typed(raw, "name", str)
-    if not FILE_NAME_RE.fullmatch(name):
-        # Names come from storage: anything but a plain file name could escape the
-        # checkpoint directory (``../../other-job/...``) and is refused outright.
-        raise ValueError(f"file name {name!r} is not a plain file name")
-    size = _typed(raw, "size", int)
-    if size < 0:
-        raise ValueError(f"file {name!r} has negative size")
-    crc = _typed(raw, "crc32", str)
-    if not re.fullmatch(r"[0-9a-f]{8}", crc):
-        raise ValueError(f"file {name!r} has a malformed crc32 {crc!r}")
-    return FileEntry(name=name, size=size, crc32=int(crc, 16))
+    job: str
+    step: Annotated[int, codec.Range(0, MAX_STEP, closed=True)]
+    save_id: str
+    world_size: Annotated[int, codec.Range(0, 1 << 24, closed=True)]
+    created_at: UnixTime
+    committed_at: UnixTime
+    files: tuple[_FileRecord, ...]
+    parts: tuple[str, ...]
+    sampler: dict[str, Any] | None = None
+    torch_version: str | None = None
+    elasticd_version: str | None = None
+    run_id: str | None = None
+    shards: tuple[str, ...] | None = None

@@ -28,11 +28,11 @@ import json
 import re
 from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
 
 import torch
 
-from elasticd import boundedjson
+from elasticd import boundedjson, codec
 from elasticd.checkpoint import skeleton
 from elasticd.checkpoint.api import CheckpointCorruptError, CheckpointMismatchError
 from elasticd.checkpoint.manifest import block_checksums, checksum, combine_blocks
@@ -192,9 +192,13 @@ def parse_index(data: bytes, name: str) -> tuple[list[Chunk], int, int]:
         raw = boundedjson.loads(data, what="shard index", max_bytes=MAX_INDEX_BYTES)
     except boundedjson.BoundedJSONError as exc:
         raise CheckpointCorruptError(f"shard index {name} is not valid JSON: {exc}") from None
+    return _index_of(raw, name, int(m.group(1)))
+
+
+def _index_of(raw: object, name: str, rank: int) -> tuple[list[Chunk], int, int]:
+    """:func:`parse_index` of the decoded JSON ``raw`` of rank ``rank``'s index ``name``."""
     if not isinstance(raw, dict) or raw.get("format") != INDEX_FORMAT:
         raise CheckpointCorruptError(f"shard index {name} is not an {INDEX_FORMAT} index")
-    rank = int(m.group(1))
     if raw.get("rank") != rank or raw.get("data") != data_name(rank):
         raise CheckpointCorruptError(f"shard index {name} names rank {raw.get('rank')!r}, "
                                      f"file {raw.get('data')!r}: copied or tampered with")
@@ -207,61 +211,102 @@ def parse_index(data: bytes, name: str) -> tuple[list[Chunk], int, int]:
             f"{MAX_CHUNKS_PER_INDEX} (MAX_CHUNKS_PER_INDEX, one per tensor a rank holds): "
             "not an index elasticd wrote; the checkpoint is skipped")
     try:
-        (size,) = _ints([raw["data_size"]], "data_size")
-        crc = raw["data_crc32"]
-        if not isinstance(crc, str) or not re.fullmatch(r"[0-9a-f]{8}", crc):
-            raise ValueError(f"data_crc32 {crc!r} is malformed")
-        return [_chunk(c, data_name(rank)) for c in chunks], size, int(crc, 16)
-    except (KeyError, TypeError, ValueError) as exc:
-        raise CheckpointCorruptError(f"shard index {name}: a chunk is invalid: {exc}") from None
+        rec = codec.from_dict(_IndexRecord, raw, what=f"shard index {name}")
+    except codec.RecordDecodeError as exc:
+        raise CheckpointCorruptError(f"a chunk is invalid: {exc}") from None
+    return [_chunk(c, data_name(rank)) for c in rec.chunks], rec.data_size, int(rec.data_crc32, 16)
 
 
-def _ints(raw: Any, what: str) -> tuple[int, ...]:
-    if not isinstance(raw, list) or len(raw) > 16 or not all(
-            isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 1 << 48 for x in raw):
-        raise ValueError(f"{what} is not a list of non-negative ints")
-    return tuple(raw)
+def parse_peer_index(data: bytes, what: str) -> tuple[int, int, list[Chunk], int, dict[str, Any]]:
+    """A peer's in-memory shard index: a rank's index plus the ``step`` it holds and the
+    ``extra`` (non-tensor) state (untrusted JSON from a peer).
+
+    Returns:
+        (old rank, step, chunks, data size, extra).
+
+    Raises:
+        CheckpointCorruptError: malformed (the field named).
+    """
+    try:
+        body = boundedjson.loads_object(data, what=what, max_bytes=MAX_INDEX_BYTES)
+        head = codec.from_dict(_PeerIndexHead, body, what=what)
+    except boundedjson.BoundedJSONError as exc:
+        raise CheckpointCorruptError(str(exc)) from None
+    chunks, size, _ = _index_of(body, index_name(head.rank), head.rank)
+    return head.rank, head.step, chunks, size, head.extra
 
 
-def _chunk(raw: Any, file: str) -> Chunk:
-    if not isinstance(raw, dict):
-        raise TypeError("a chunk is not an object")
-    key, dtype, crc = raw["key"], raw["dtype"], raw["crc32"]
-    if not isinstance(key, str) or len(key) > 4096:
-        raise ValueError("key is not a string")
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype {dtype!r} is not one elasticd reads")
-    if not isinstance(crc, str) or not re.fullmatch(r"[0-9a-f]{8}", crc):
-        raise ValueError(f"crc32 {crc!r} is malformed")
-    shape, offsets, sizes = (_ints(raw["shape"], "shape"), _ints(raw["offsets"], "offsets"),
-                             _ints(raw["sizes"], "sizes"))
-    start, length = _ints([raw["start"], raw["length"]], "start/length")
-    if not len(shape) == len(offsets) == len(sizes):
-        raise ValueError(f"{key}: shape, offsets and sizes differ in rank")
-    if any(o + s > d for o, s, d in zip(offsets, sizes, shape, strict=True)):
-        raise ValueError(f"{key}: box {offsets}+{sizes} lies outside shape {shape}")
-    block_bytes, blocks = _blocks(raw, key, length)
-    chunk = Chunk(key, dtype, shape, offsets, sizes, start, length, int(crc, 16), file,
-                  block_bytes, blocks)
-    if length != chunk.numel * DTYPES[dtype].itemsize:
-        raise ValueError(f"{key}: {length} bytes for {chunk.numel} elements of {dtype}")
+Dim = Annotated[int, codec.Range(0, 1 << 48)]  # a size, offset or byte position
+Crc = Annotated[str, codec.Length(8, least=8)]  # 8 lowercase hex digits (checked in __post_init__)
+_HEX8 = re.compile(r"[0-9a-f]{8}")
+
+
+@dataclass(frozen=True)
+class _ChunkRecord:
+    """A ``chunks`` entry as written (CRCs as hex)."""
+
+    key: Annotated[str, codec.Length(4096)]
+    dtype: str
+    shape: tuple[Dim, ...]
+    offsets: tuple[Dim, ...]
+    sizes: tuple[Dim, ...]
+    start: Dim
+    length: Dim
+    crc32: Crc
+    block_bytes: Annotated[int, codec.Range(MIN_BLOCK_BYTES, MAX_BLOCK_BYTES, closed=True)] | None = None
+    block_crc32: tuple[Crc, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype {self.dtype!r} is not one elasticd reads")
+        if len(self.shape) > 16 or not len(self.shape) == len(self.offsets) == len(self.sizes):
+            raise ValueError(f"{self.key}: shape, offsets and sizes differ in rank (or exceed 16)")
+        for crc in (self.crc32, *(self.block_crc32 or ())):
+            if not _HEX8.fullmatch(crc):
+                raise ValueError(f"{self.key}: crc32 {crc!r} is malformed")
+
+
+@dataclass(frozen=True)
+class _IndexRecord:
+    """A rank's index file as written (``format``, ``rank`` and ``data`` are checked first)."""
+
+    data_size: Dim
+    data_crc32: Crc
+    chunks: tuple[_ChunkRecord, ...]
+
+    def __post_init__(self) -> None:
+        if not _HEX8.fullmatch(self.data_crc32):
+            raise ValueError(f"data_crc32 {self.data_crc32!r} is malformed")
+
+
+@dataclass(frozen=True)
+class _PeerIndexHead:
+    """What a peer's in-memory index adds to a rank's index."""
+
+    rank: Annotated[int, codec.Range(0, 1 << 20)]
+    step: int
+    extra: dict[str, Any]
+
+
+def _chunk(rec: _ChunkRecord, file: str) -> Chunk:
+    key, length = rec.key, rec.length
+    if any(o + s > d for o, s, d in zip(rec.offsets, rec.sizes, rec.shape, strict=True)):
+        raise CheckpointCorruptError(f"a chunk is invalid: {key}: box {rec.offsets}+{rec.sizes} "
+                                     f"lies outside shape {rec.shape}")
+    block_bytes = 0
+    blocks: tuple[int, ...] = ()
+    if rec.block_crc32 is not None:  # per-block CRCs (indexes before them have none)
+        need = -(-length // rec.block_bytes) if rec.block_bytes else -1
+        if len(rec.block_crc32) != need:
+            raise CheckpointCorruptError(f"a chunk is invalid: {key}: block_crc32 is not {need} "
+                                         f"CRCs of block_bytes {rec.block_bytes!r}")
+        block_bytes, blocks = rec.block_bytes or 0, tuple(int(c, 16) for c in rec.block_crc32)
+    chunk = Chunk(key, rec.dtype, rec.shape, rec.offsets, rec.sizes, rec.start, length,
+                  int(rec.crc32, 16), file, block_bytes, blocks)
+    if length != chunk.numel * DTYPES[rec.dtype].itemsize:
+        raise CheckpointCorruptError(f"a chunk is invalid: {key}: {length} bytes for "
+                                     f"{chunk.numel} elements of {rec.dtype}")
     return chunk
-
-
-def _blocks(raw: dict[str, Any], key: str, length: int) -> tuple[int, tuple[int, ...]]:
-    """A chunk's optional per-block CRCs: as many as its length needs. (Whether they add up
-    to the box's CRC is ``blocks_agree``'s to check: ``elasticd checkpoints --verify``.)"""
-    if "block_crc32" not in raw:
-        return 0, ()
-    block_bytes, crcs = raw.get("block_bytes"), raw["block_crc32"]
-    if not isinstance(block_bytes, int) or isinstance(block_bytes, bool) or not (
-            MIN_BLOCK_BYTES <= block_bytes <= MAX_BLOCK_BYTES):
-        raise ValueError(f"{key}: block_bytes {block_bytes!r} is not in "
-                         f"[{MIN_BLOCK_BYTES}, {MAX_BLOCK_BYTES}]")
-    if not isinstance(crcs, list) or len(crcs) != -(-length // block_bytes) or not all(
-            isinstance(c, str) and re.fullmatch(r"[0-9a-f]{8}", c) for c in crcs):
-        raise ValueError(f"{key}: block_crc32 is not {-(-length // block_bytes)} CRCs")
-    return block_bytes, tuple(int(c, 16) for c in crcs)
 
 
 def check_coverage(chunks: list[Chunk], sizes: Mapping[str, int]) -> dict[str, list[Chunk]]:

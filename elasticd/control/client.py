@@ -20,6 +20,7 @@ from elasticd.control.messages import (
     CheckpointIo,
     CommitReply,
     CommitRequest,
+    DivergenceReport,
     ErrorReply,
     LatestReply,
     LatestRequest,
@@ -61,7 +62,7 @@ class ControlClient:
         sock.connect(self.path)
         self._sock, self._file = sock, sock.makefile("rb")
 
-    def send(self, msg: StepReport | CheckpointIo) -> None:
+    def send(self, msg: StepReport | CheckpointIo | DivergenceReport) -> None:
         """Fire and forget (progress, checkpoint reports): never blocks training.
 
         If the agent is not reading (frozen, busy), the message is dropped rather than

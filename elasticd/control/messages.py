@@ -7,6 +7,10 @@ is answered with an error naming it. Why so strict on a private socket: a worker
 arbitrary user code, and a bug there (or a hostile script) must not grow the agent's
 memory or crash the thread that commits checkpoints for the whole node.
 
+Every message is a frozen dataclass whose field types (bounds included, as
+``Annotated[int, Range(...)]``) are its schema, read by the one validating codec
+(:mod:`elasticd.codec`); this module only picks the record type by ``op``.
+
 Requests carry an ``id`` (except ``progress``, which is fire-and-forget and never
 answered); replies echo it, so a client skips any reply that is not for its request
 (an error answering a torn line, say) and never reads a stale answer.
@@ -14,13 +18,14 @@ answered); replies echo it, so a client skips any reply that is not for its requ
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import json
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
 
-from elasticd import boundedjson
+from elasticd import boundedjson, codec
 from elasticd.control.api import CommitOutcome
 from elasticd.errors import ElasticdError
 from elasticd.records import CheckpointPointer
@@ -30,6 +35,15 @@ MAX_STR = 4096  # a manifest URL, a reason
 MAX_COUNT = 2**62  # steps, epochs, samples, rounds, world sizes, request ids
 MAX_RANK = 2**20  # the parser's bound; the server bounds local ranks by its own size
 MAX_SECONDS = 7 * 86400.0  # a checkpoint save or load that took longer is a bogus report
+MAX_AWAIT_S = 60.0  # one AwaitOrder's bound: a client asks again
+
+# The field types below are the wire schema (elasticd.codec checks every bound on read).
+Count = Annotated[int, codec.Range(0, MAX_COUNT)]  # steps, epochs, samples, bytes, request ids
+Rank = Annotated[int, codec.Range(0, MAX_RANK)]
+RankOrNone = Annotated[int, codec.Range(-1, MAX_RANK)]  # -1: no rank (e.g. no majority source)
+StepOrNone = Annotated[int, codec.Range(-1, MAX_COUNT)]  # -1: none completed / no round
+Text = Annotated[str, codec.Length(MAX_STR)]
+Seconds = Annotated[float, codec.Range(0, MAX_SECONDS, closed=True)]
 
 
 class CheckpointIoKind(enum.Enum):
@@ -55,17 +69,17 @@ class MessageError(ElasticdError):
 class StepReport:
     """A worker's last completed step (fire-and-forget: no reply)."""
 
-    local_rank: int
-    rank: int
-    step: int
-    epoch: int = 0
-    samples: int = 0
+    local_rank: Rank
+    rank: Rank
+    step: StepOrNone
+    epoch: Count = 0
+    samples: Count = 0
     loss: float | None = None  # the step's training loss, for the job history (optional)
     # [checkpoint] every = "auto": the agreed steps between saves, the interval in seconds
     # and why (checkpoint.cadence.SaveCadence), for `elasticd status`; 0/"": not automatic.
-    save_every: int = 0
-    save_interval_s: float = 0.0
-    cadence: str = ""
+    save_every: Count = 0
+    save_interval_s: Seconds = 0.0
+    cadence: Text = ""
     op = "progress"
 
 
@@ -79,21 +93,38 @@ class CheckpointIo:
     """
 
     kind: CheckpointIoKind
-    step: int
-    seconds: float
-    nbytes: int
+    step: Count
+    seconds: Seconds
+    nbytes: Count
     op = "checkpoint_io"
+
+
+@dataclass(frozen=True)
+class DivergenceReport:
+    """This rank's replica fingerprint differed from the majority's (fire-and-forget).
+
+    Sent by each rank that :func:`elasticd.worker.fingerprint.judge_replicas` named, so the
+    agent of the node holding it records the event (``status``, metrics, goodput ledger).
+    ``source`` is the majority rank it was restored from; -1: no majority (the job restarts
+    from the newest checkpoint). ``step`` is the step whose state differed.
+    """
+
+    rank: Rank
+    step: StepOrNone
+    source: RankOrNone
+    reason: Text
+    op = "diverged"
 
 
 @dataclass(frozen=True)
 class CommitRequest:
     """Ask the agent to point ``checkpoint/latest`` at a written manifest (fenced)."""
 
-    step: int
-    manifest_url: str
-    world_size: int
-    round: int
-    id: int = 0
+    step: Count
+    manifest_url: Text
+    world_size: Annotated[int, codec.Range(1, MAX_COUNT)]
+    round: Count
+    id: Count = 0
     op = "commit"
 
 
@@ -102,8 +133,8 @@ class CommitReply:
     """The commit's outcome (three values: see :class:`CommitOutcome`) and why."""
 
     outcome: CommitOutcome
-    reason: str
-    id: int = 0
+    reason: Text = ""
+    id: Count = 0
     op = "commit_reply"
 
 
@@ -111,7 +142,7 @@ class CommitReply:
 class LatestRequest:
     """Ask the agent for the committed pointer."""
 
-    id: int = 0
+    id: Count = 0
     op = "latest"
 
 
@@ -121,8 +152,8 @@ class LatestReply:
 
     ok: bool
     pointer: CheckpointPointer | None = None
-    reason: str = ""
-    id: int = 0
+    reason: Text = ""
+    id: Count = 0
     op = "latest_reply"
 
 
@@ -130,7 +161,7 @@ class LatestReply:
 class Ping:
     """Is the agent there?"""
 
-    id: int = 0
+    id: Count = 0
     op = "ping"
 
 
@@ -138,7 +169,7 @@ class Ping:
 class Pong:
     """The agent is there."""
 
-    id: int = 0
+    id: Count = 0
     op = "pong"
 
 
@@ -146,8 +177,8 @@ class Pong:
 class ErrorReply:
     """The request was invalid (``id`` is None when the line could not be parsed at all)."""
 
-    reason: str
-    id: int | None = None
+    reason: Text = ""
+    id: Count | None = None
     op = "error"
 
 
@@ -166,9 +197,9 @@ class LeaveReason(enum.Enum):
 class LiveRegistration:
     """This worker re-forms in place when told: the agent does not kill it on a change."""
 
-    local_rank: int
-    pid: int
-    id: int = 0
+    local_rank: Rank
+    pid: Annotated[int, codec.Range(1, 2**32)]
+    id: Count = 0
     op = "live"
 
 
@@ -176,11 +207,11 @@ class LiveRegistration:
 class ParkedReport:
     """This worker left its group after ``step`` of ``round`` and waits for an order."""
 
-    local_rank: int
-    round: int  # -1: it had no round (never under an agent: not expected)
-    step: int  # -1: no step completed yet
+    local_rank: Rank
+    round: StepOrNone  # -1: it had no round (never under an agent: not expected)
+    step: StepOrNone  # -1: no step completed yet
     reason: LeaveReason
-    id: int = 0
+    id: Count = 0
     op = "parked"
 
 
@@ -188,10 +219,10 @@ class ParkedReport:
 class ReformedReport:
     """This worker trains in ``round`` now (re-formed in place, state agreed at ``step``)."""
 
-    local_rank: int
-    round: int
-    step: int
-    id: int = 0
+    local_rank: Rank
+    round: Count
+    step: StepOrNone
+    id: Count = 0
     op = "reformed"
 
 
@@ -205,10 +236,10 @@ class StoppedReport:
     read once the worker has exited, and it must outlive a busy or restarting socket.
     """
 
-    rank: int
-    step: int  # -1: none completed
-    round: int  # -1: no round
-    live_fallback: str = ""
+    rank: Rank
+    step: StepOrNone  # -1: none completed
+    round: StepOrNone  # -1: no round
+    live_fallback: Text = ""
     op = "stopped"
 
 
@@ -218,9 +249,9 @@ class AwaitOrder:
     round after ``after_round``; answered by an :class:`OrderNotice` either way. The order
     itself stays in ``reform.json``: this only says when to read it."""
 
-    after_round: int
-    timeout_s: float
-    id: int = 0
+    after_round: StepOrNone
+    timeout_s: Annotated[float, codec.Range(0, MAX_AWAIT_S, closed=True)]
+    id: Count = 0
     op = "await_order"
 
 
@@ -228,61 +259,23 @@ class AwaitOrder:
 class OrderNotice:
     """The newest order's round (-1: none published for this worker group)."""
 
-    round: int
-    id: int = 0
+    round: StepOrNone
+    id: Count = 0
     op = "order_notice"
 
 
 LiveReport = LiveRegistration | ParkedReport | ReformedReport
-Request = StepReport | CheckpointIo | CommitRequest | LatestRequest | Ping | LiveReport | AwaitOrder
+Request = (StepReport | CheckpointIo | DivergenceReport | CommitRequest | LatestRequest | Ping
+           | LiveReport | AwaitOrder)
 Reply = CommitReply | LatestReply | Pong | ErrorReply | OrderNotice
-MAX_AWAIT_S = 60.0  # one AwaitOrder's bound: a client asks again
 
 
 # -- validation -------------------------------------------------------------------------
-def _int(obj: dict[str, object], name: str, lo: int, hi: int, default: int | None = None) -> int:
-    value = obj.get(name, default)
-    if type(value) is not int:  # bool is an int subclass and floats are not counts
-        raise MessageError(f"field {name!r} must be an integer, got {type(value).__name__}")
-    if not lo <= value < hi:
-        raise MessageError(f"field {name!r} = {value} is outside [{lo}, {hi})")
-    return value
-
-
-def _loss(obj: dict[str, object]) -> float | None:
-    value = obj.get("loss")
-    if value is None:
-        return None
-    # A finite number; NaN/inf (a diverged step) are dropped, not plotted as a spike.
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise MessageError(f"field 'loss' must be a number, got {type(value).__name__}")
-    return float(value) if math.isfinite(value) else None
-
-
-def _seconds(obj: dict[str, object], name: str = "seconds", hi: float = MAX_SECONDS) -> float:
-    value = obj.get(name)
-    if not isinstance(value, int | float) or isinstance(value, bool) \
-            or not 0 <= value <= hi:  # NaN fails the comparison too
-        raise MessageError(f"field {name!r} must be a number in [0, {hi:.0f}], got {value!r}")
-    return float(value)
-
-
-def _io_kind(obj: dict[str, object]) -> CheckpointIoKind:
-    raw = _str(obj, "kind")
-    try:
-        return CheckpointIoKind(raw)
-    except ValueError:
-        raise MessageError(f"field 'kind' = {raw!r} is not one of "
-                           f"{[k.value for k in CheckpointIoKind]}") from None
-
-
-def _str(obj: dict[str, object], name: str, default: str | None = None) -> str:
-    value = obj.get(name, default)
-    if not isinstance(value, str):
-        raise MessageError(f"field {name!r} must be a string, got {type(value).__name__}")
-    if len(value) > MAX_STR:
-        raise MessageError(f"field {name!r} is {len(value)} characters long (at most {MAX_STR})")
-    return value
+_REQUESTS: dict[str, type[Request]] = {c.op: c for c in (
+    StepReport, CheckpointIo, DivergenceReport, CommitRequest, LatestRequest, Ping, LiveRegistration, ParkedReport,
+    ReformedReport, AwaitOrder)}
+_REPLIES: dict[str, type[Reply]] = {c.op: c for c in (
+    CommitReply, LatestReply, Pong, ErrorReply, OrderNotice)}
 
 
 def _object(line: bytes) -> dict[str, object]:
@@ -294,11 +287,24 @@ def _object(line: bytes) -> dict[str, object]:
         raise MessageError(str(exc)) from None
 
 
-def _request_id(obj: dict[str, object]) -> int | None:
+def _record(types_by_op: dict[str, type[Any]], obj: dict[str, object], side: str) -> Any:
+    op = obj.get("op")
+    cls = types_by_op.get(op) if isinstance(op, str) else None
+    if cls is None:
+        known = ", ".join(types_by_op)
+        if op is None:
+            raise MessageError(f"no 'op' field (known {side} ops: {known})")
+        shown = op if isinstance(op, str) and len(op) <= 64 else type(op).__name__
+        raise MessageError(f"unknown op {shown!r} (known {side} ops: {known})")
     try:
-        return _int(obj, "id", 0, MAX_COUNT)
-    except MessageError:
-        return None
+        return codec.from_dict(cls, obj, what=f"{op} message")
+    except codec.RecordDecodeError as exc:
+        raise MessageError(str(exc)) from None
+
+
+def _request_id(obj: dict[str, object]) -> int | None:
+    rid = obj.get("id")
+    return rid if type(rid) is int and 0 <= rid < MAX_COUNT else None
 
 
 def parse_request(line: bytes) -> Request:
@@ -311,62 +317,14 @@ def parse_request(line: bytes) -> Request:
     """
     obj = _object(line)
     try:
-        return _request(obj)
+        msg: Request = _record(_REQUESTS, obj, "request")
     except MessageError as exc:
         exc.request_id = _request_id(obj)
         raise
-
-
-def _request(obj: dict[str, object]) -> Request:
-    op = obj.get("op")
-    if op == "progress":
-        return StepReport(local_rank=_int(obj, "local_rank", 0, MAX_RANK),
-                        rank=_int(obj, "rank", 0, MAX_RANK), step=_int(obj, "step", -1, MAX_COUNT),
-                        epoch=_int(obj, "epoch", 0, MAX_COUNT, 0),
-                        samples=_int(obj, "samples", 0, MAX_COUNT, 0), loss=_loss(obj),
-                        save_every=_int(obj, "save_every", 0, MAX_COUNT, 0),
-                        save_interval_s=_seconds(obj, "save_interval_s") if "save_interval_s" in obj else 0.0,
-                        cadence=_str(obj, "cadence", ""))
-    if op == "checkpoint_io":
-        return CheckpointIo(kind=_io_kind(obj), step=_int(obj, "step", 0, MAX_COUNT),
-                            seconds=_seconds(obj), nbytes=_int(obj, "nbytes", 0, MAX_COUNT))
-    rid = _int(obj, "id", 0, MAX_COUNT, 0)
-    if op == "commit":
-        return CommitRequest(step=_int(obj, "step", 0, MAX_COUNT),
-                             manifest_url=_str(obj, "manifest_url"),
-                             world_size=_int(obj, "world_size", 1, MAX_COUNT),
-                             round=_int(obj, "round", 0, MAX_COUNT), id=rid)
-    if op == "latest":
-        return LatestRequest(id=rid)
-    if op == "ping":
-        return Ping(id=rid)
-    if op in ("live", "parked", "reformed"):
-        return _live_report(obj, op, rid)
-    if op == "await_order":
-        return AwaitOrder(after_round=_int(obj, "after_round", -1, MAX_COUNT),
-                          timeout_s=_seconds(obj, "timeout_s", MAX_AWAIT_S), id=rid)
-    known = "progress, checkpoint_io, commit, latest, ping, live, parked, reformed, await_order"
-    if op is None:
-        raise MessageError(f"no 'op' field (known ops: {known})")
-    shown = op if isinstance(op, str) and len(op) <= 64 else type(op).__name__
-    raise MessageError(f"unknown op {shown!r} (known: {known})")
-
-
-def _live_report(obj: dict[str, Any], op: str, rid: int) -> LiveReport:
-    local_rank = _int(obj, "local_rank", 0, MAX_RANK)
-    if op == "live":
-        return LiveRegistration(local_rank=local_rank, pid=_int(obj, "pid", 1, 2**32), id=rid)
-    if op == "parked":
-        raw = _str(obj, "reason")
-        try:
-            reason = LeaveReason(raw)
-        except ValueError:
-            raise MessageError(f"field 'reason' = {raw!r} is not one of "
-                               f"{[r.value for r in LeaveReason]}") from None
-        return ParkedReport(local_rank=local_rank, round=_int(obj, "round", -1, MAX_COUNT),
-                            step=_int(obj, "step", -1, MAX_COUNT), reason=reason, id=rid)
-    return ReformedReport(local_rank=local_rank, round=_int(obj, "round", 0, MAX_COUNT),
-                          step=_int(obj, "step", -1, MAX_COUNT), id=rid)
+    if isinstance(msg, StepReport) and msg.loss is not None and not math.isfinite(msg.loss):
+        # A diverged step's NaN/inf loss is dropped, not plotted as a spike (the step counts).
+        msg = dataclasses.replace(msg, loss=None)
+    return msg
 
 
 def parse_stopped(line: bytes) -> StoppedReport:
@@ -375,12 +333,8 @@ def parse_stopped(line: bytes) -> StoppedReport:
     Raises:
         MessageError: as :func:`parse_request`.
     """
-    obj = _object(line)
-    if obj.get("op") != "stopped":
-        raise MessageError("not a stopped report (op must be 'stopped')")
-    return StoppedReport(rank=_int(obj, "rank", 0, MAX_RANK), step=_int(obj, "step", -1, MAX_COUNT),
-                         round=_int(obj, "round", -1, MAX_COUNT),
-                         live_fallback=_str(obj, "live_fallback", ""))
+    msg: StoppedReport = _record({StoppedReport.op: StoppedReport}, _object(line), "stopped file")
+    return msg
 
 
 def parse_reply(line: bytes) -> Reply:
@@ -389,41 +343,8 @@ def parse_reply(line: bytes) -> Reply:
     Raises:
         MessageError: as :func:`parse_request`.
     """
-    obj = _object(line)
-    op = obj.get("op")
-    if op == "error":
-        raw_id = obj.get("id")
-        return ErrorReply(reason=_str(obj, "reason", ""),
-                          id=None if raw_id is None else _int(obj, "id", 0, MAX_COUNT))
-    rid = _int(obj, "id", 0, MAX_COUNT, 0)
-    if op == "commit_reply":
-        raw = _str(obj, "outcome")
-        try:
-            outcome = CommitOutcome(raw)
-        except ValueError:
-            raise MessageError(f"field 'outcome' = {raw!r} is not one of "
-                               f"{[o.value for o in CommitOutcome]}") from None
-        return CommitReply(outcome=outcome, reason=_str(obj, "reason", ""), id=rid)
-    if op == "latest_reply":
-        ok = obj.get("ok")
-        if not isinstance(ok, bool):
-            raise MessageError("field 'ok' must be a boolean")
-        raw_pointer = obj.get("pointer")
-        pointer = None
-        if raw_pointer is not None:
-            if not isinstance(raw_pointer, dict):
-                raise MessageError("field 'pointer' must be an object or null")
-            try:
-                pointer = CheckpointPointer.from_json(json.dumps(raw_pointer))
-            except (TypeError, ValueError, KeyError) as exc:
-                raise MessageError(f"field 'pointer' is not a checkpoint pointer: {exc}") from None
-        return LatestReply(ok=ok, pointer=pointer, reason=_str(obj, "reason", ""), id=rid)
-    if op == "pong":
-        return Pong(id=rid)
-    if op == "order_notice":
-        return OrderNotice(round=_int(obj, "round", -1, MAX_COUNT), id=rid)
-    shown = op if isinstance(op, str) and len(op) <= 64 else type(op).__name__
-    raise MessageError(f"unknown reply op {shown!r}")
+    msg: Reply = _record(_REPLIES, _object(line), "reply")
+    return msg
 
 
 def serialise(msg: Request | Reply | StoppedReport) -> bytes:
@@ -432,13 +353,7 @@ def serialise(msg: Request | Reply | StoppedReport) -> bytes:
     Raises:
         MessageError: the line would exceed ``MAX_LINE_BYTES``.
     """
-    body: dict[str, Any] = {"op": msg.op}
-    for name, value in vars(msg).items():
-        if isinstance(value, CommitOutcome | LeaveReason | CheckpointIoKind):
-            value = value.value
-        elif isinstance(value, CheckpointPointer):
-            value = json.loads(value.to_json())
-        body[name] = value
+    body: dict[str, Any] = {"op": msg.op, **codec.encode(msg)}
     if isinstance(msg, CommitReply):
         body["ok"] = msg.outcome is CommitOutcome.COMMITTED  # for readers of the old reply
     line = json.dumps(body, separators=(",", ":")).encode() + b"\n"

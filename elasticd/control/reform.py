@@ -27,9 +27,9 @@ import tempfile
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TypeVar
+from typing import Annotated, TypeVar
 
-from elasticd import boundedjson
+from elasticd import boundedjson, codec
 from elasticd.control.api import REFORM_FILE, STOPPED_PREFIX
 from elasticd.control.messages import (
     LiveRegistration,
@@ -58,43 +58,30 @@ class ReformOrder:
         ranks: global rank of each local rank of this node.
     """
 
-    round: int
-    world_size: int
-    master_addr: str
-    master_port: int
-    ranks: dict[int, int] = field(default_factory=dict)
+    round: Annotated[int, codec.Range(0, 2**62)]
+    world_size: Annotated[int, codec.Range(1, MAX_WORLD)]
+    master_addr: Annotated[str, codec.Length(255, least=1)]
+    master_port: Annotated[int, codec.Range(1, 65536)]
+    ranks: dict[Annotated[int, codec.Range(0, MAX_WORLD)], int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        bad = {local: rank for local, rank in self.ranks.items() if not 0 <= rank < self.world_size}
+        if bad:
+            raise ValueError(f"ranks {bad} are outside [0, world_size={self.world_size})")
 
     def to_json(self) -> str:
-        return json.dumps({"round": self.round, "world_size": self.world_size,
-                           "master_addr": self.master_addr, "master_port": self.master_port,
-                           "ranks": {str(k): v for k, v in self.ranks.items()}})
+        # The wire form since the first release: local ranks as decimal-string keys.
+        return json.dumps(codec.encode(self))
 
     @classmethod
     def from_json(cls, text: str | bytes) -> ReformOrder:
-        """Parse and validate an order.
+        """Parse and validate an order (elasticd.codec: the field types are the schema).
 
         Raises:
-            ValueError: not an order (a field missing, of the wrong type or out of bounds).
+            ValueError: not an order (a field missing, of the wrong type or out of bounds,
+                named).
         """
-        obj = boundedjson.loads_object(text, what="re-formation order", max_bytes=MAX_FILE_BYTES)
-
-        def whole(v: object, lo: int, hi: int, name: str) -> int:
-            if type(v) is not int or not lo <= v < hi:
-                raise ValueError(f"{name} = {v!r} is not an int in [{lo}, {hi})")
-            return v
-
-        world = whole(obj.get("world_size"), 1, MAX_WORLD, "world_size")
-        ranks_raw = obj.get("ranks")
-        if not isinstance(ranks_raw, dict):
-            raise ValueError("ranks must be an object")
-        ranks = {whole(int(k), 0, MAX_WORLD, "local rank"): whole(v, 0, world, "rank")
-                 for k, v in ranks_raw.items()}
-        addr = obj.get("master_addr")
-        if not isinstance(addr, str) or not 0 < len(addr) <= 255:
-            raise ValueError("master_addr must be a host name")
-        return cls(round=whole(obj.get("round"), 0, 2**62, "round"), world_size=world,
-                   master_addr=addr, master_port=whole(obj.get("master_port"), 1, 65536, "master_port"),
-                   ranks=ranks)
+        return codec.decode(cls, text, what="re-formation order", max_bytes=MAX_FILE_BYTES)
 
 
 def write_atomic(path: Path, text: str) -> None:

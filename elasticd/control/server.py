@@ -41,6 +41,7 @@ from elasticd.control.messages import (
     CheckpointIo,
     CommitReply,
     CommitRequest,
+    DivergenceReport,
     ErrorReply,
     LatestReply,
     LatestRequest,
@@ -134,6 +135,7 @@ class ProgressBoard:
 
 CommitHandler = Callable[[CommitRequest], tuple[CommitOutcome, str]]
 CheckpointIoHandler = Callable[[CheckpointIo], None]
+DivergenceHandler = Callable[[DivergenceReport], None]
 LatestHandler = Callable[[], CheckpointPointer | None]
 
 
@@ -168,12 +170,16 @@ class ControlChannel:
             imported torch, for its first standbys); a new one under ``base_dir`` if None.
         on_checkpoint_io: called (server thread; must not block) for each checkpoint save
             or load a worker reports (the agent's metrics); an exception is logged.
+        on_divergence: called (server thread) for each rank that reports its replica
+            fingerprint differed from the majority's (the event, the metric); an exception
+            is logged. It may block for its own etcd deadline: divergences are rare.
     """
 
     def __init__(self, on_commit: CommitHandler | None = None, base_dir: str | None = None,
                  on_latest: LatestHandler | None = None, *, max_local_ranks: int = 1024,
                  directory: Path | None = None,
-                 on_checkpoint_io: CheckpointIoHandler | None = None) -> None:
+                 on_checkpoint_io: CheckpointIoHandler | None = None,
+                 on_divergence: DivergenceHandler | None = None) -> None:
         self.dir = Path(directory) if directory is not None else Path(
             tempfile.mkdtemp(prefix="elasticd-", dir=base_dir))
         os.chmod(self.dir, 0o700)
@@ -181,6 +187,7 @@ class ControlChannel:
         self._on_commit = on_commit
         self._on_latest = on_latest
         self._on_checkpoint_io = on_checkpoint_io
+        self._on_divergence = on_divergence
         self._server: socketserver.ThreadingUnixStreamServer | None = None
         self._thread: threading.Thread | None = None
         self._connections = threading.BoundedSemaphore(MAX_CONNECTIONS)
@@ -250,7 +257,10 @@ class ControlChannel:
     def _serve(self, rfile: BufferedIOBase, wfile: BufferedIOBase) -> None:
         """Answer one connection's lines until it closes (or sends an over-long line)."""
         while True:
-            raw = rfile.readline(MAX_LINE_BYTES + 1)
+            try:
+                raw = rfile.readline(MAX_LINE_BYTES + 1)
+            except ConnectionResetError:  # the worker went away mid-line (killed, drained)
+                return
             if not raw:
                 return
             if len(raw) > MAX_LINE_BYTES and not raw.endswith(b"\n"):
@@ -276,7 +286,7 @@ class ControlChannel:
             msg = parse_request(raw)
         except MessageError as exc:
             self._reject(str(exc))
-            if b'"progress"' in raw[:256] or b'"checkpoint_io"' in raw[:256]:
+            if any(op in raw[:256] for op in (b'"progress"', b'"checkpoint_io"', b'"diverged"')):
                 return None  # fire-and-forget: the client reads no reply to it
             return ErrorReply(str(exc), exc.request_id)
         if isinstance(msg, StepReport):
@@ -289,6 +299,9 @@ class ControlChannel:
             return None
         if isinstance(msg, CheckpointIo):
             self._checkpoint_io(msg)
+            return None
+        if isinstance(msg, DivergenceReport):
+            self._divergence(msg)
             return None
         if isinstance(msg, CommitRequest):
             return self._commit(msg)
@@ -322,6 +335,16 @@ class ControlChannel:
             self._on_checkpoint_io(msg)
         except Exception as exc:  # noqa: BLE001 - a metrics bug must not stop the channel
             log.warning("checkpoint_io_not_recorded", error=repr(exc), kind=msg.kind.value)
+
+    def _divergence(self, msg: DivergenceReport) -> None:
+        log.warning("replica_divergence_reported", rank=msg.rank, step=msg.step, source=msg.source,
+                    reason=msg.reason)
+        if self._on_divergence is None:
+            return
+        try:
+            self._on_divergence(msg)
+        except Exception as exc:  # noqa: BLE001 - a recording bug must not stop the channel
+            log.warning("replica_divergence_not_recorded", error=repr(exc), rank=msg.rank)
 
     def _commit(self, msg: CommitRequest) -> CommitReply:
         if self._on_commit is None:

@@ -123,6 +123,12 @@ class ElasticStatefulLoader:
         if self._pending_main is not None:
             self.loader.dataset.load_state_dict(self._pending_main)
             self._pending_main = None
+        # StatefulDataLoader.state_dict() before any iteration (a replica or checkpoint taken
+        # at resume) builds an iterator, whose DataLoader workers prefetch at once from the
+        # sampler's position *then*; the next iter() hands that iterator back even after
+        # load_state_dict() moved the sampler (another epoch's batches, trained as this
+        # one's). Loading an empty state drops it, so this iterator starts from the position now.
+        self.loader.load_state_dict({})
         try:
             return iter(self.loader)
         finally:

@@ -82,6 +82,9 @@ _AUTH_REFUSED = re.compile(r"(?i)authentication failed|invalid user ID or passwo
 # etcd's quota error: the backend database hit --quota-backend-bytes and the NOSPACE alarm
 # is raised; every write fails until compaction + defragmentation + `alarm disarm`.
 _NOSPACE = re.compile(r"(?i)database space exceeded|NOSPACE")
+# gRPC in a process forked while the parent's gRPC was busy: sendmsg() refused a socket
+# (fds carry the fork generation they were made in), the request never left.
+_STALE_AFTER_FORK = re.compile(r"Wrong file descriptor generation")
 NOSPACE_FIX = ("etcd raised its NOSPACE alarm (database space exceeded) and refuses writes: "
                "compact and defragment etcd, then `etcdctl alarm disarm` "
                "(docs/deployment.md#etcd-space-compaction-and-nospace)")
@@ -93,6 +96,12 @@ def _grpc_detail(exc: BaseException) -> str:
         if isinstance(candidate, grpc.RpcError) and hasattr(candidate, "details"):
             return str(candidate.details() or "")
     return str(exc)
+
+
+def stale_after_fork(exc: BaseException) -> bool:
+    """True if ``exc`` is gRPC refusing a socket after a fork ("Wrong file descriptor
+    generation"): nothing was sent, and the call succeeds again on fresh channels."""
+    return bool(_STALE_AFTER_FORK.search(_grpc_detail(exc)))
 
 
 def _is_transient(exc: BaseException) -> bool:
@@ -279,7 +288,19 @@ class EtcdClient:
         try:
             raw = self.raw()
             used = raw._current_endpoint_label
-            result = fn(raw)
+            try:
+                result = fn(raw)
+            except Exception as exc:
+                if not stale_after_fork(exc):
+                    raise
+                # A process forked from one whose gRPC was busy (gRPC skipped its fork reset:
+                # a watch's polling thread is always inside it) can find its first socket
+                # refused: the request never left. Once more, on fresh channels; 11-27 % of
+                # such children failed here before (benchmarks/fork_probe.py).
+                self.drop_channels()
+                raw = self.raw()
+                used = raw._current_endpoint_label
+                result = fn(raw)
             self.last_ok_at = time.monotonic()
             return result
         except Exception as exc:
@@ -339,15 +360,20 @@ class EtcdClient:
         """The error of the latest call if it found etcd unreachable, else None."""
         return self.last_error if self.last_trouble_at > self.last_ok_at and self.last_error else None
 
-    def close(self) -> None:
+    def drop_channels(self) -> None:
+        """Close the gRPC channels (ending their streams); the next call opens new ones."""
         with self._lock:
-            self._closed = True
             raw, self._raw = self._raw, None
         if raw is not None:
             try:
                 raw.close()
             except Exception:  # closing a dead channel may raise; nothing to do
                 pass
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+        self.drop_channels()
 
     # -- KV ---------------------------------------------------------------------------
     @staticmethod

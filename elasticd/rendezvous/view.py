@@ -72,7 +72,9 @@ def _probation(rdzv: Mapping[str, KV], root: str) -> dict[str, str]:
             continue
         try:
             rec = ProbationRecord.from_json(kv.value)
-            out[node] = (f"on probation for {rec.probation_s:g}s: ejected as a straggler "
+            out[node] = (f"on probation for {rec.probation_s:g}s: quarantined, its ranks' replicas "
+                         f"diverged twice, from round {rec.round}" if rec.cause == "diverged" else
+                         f"on probation for {rec.probation_s:g}s: ejected as a straggler "
                          f"({rec.ratio:.2f}x the members' median step time) from round {rec.round}")
         except RecordError:
             out[node] = "on probation: ejected as a straggler"

@@ -10,7 +10,9 @@ checkpoint the job resumed from (``b.checkpoint_step``) to ``b.step``. Steps bey
 highest step ever reached are *new*; the others are *retrained*. Each takes the time it
 takes at the job's healthy rate at that world size (the median steps/s of the intervals at
 that size in which nothing happened), and the rest of the interval is lost, charged to
-the cause of the events inside it, in this order: a failure, a lost node, a restart or a
+the cause of the events inside it, in this order: a replica divergence (a rank's state
+differed from the majority's: its restore, or the restart from a checkpoint it caused)
+is ``integrity``; a failure, a lost node, a restart or a
 hang is ``recovery``; a drain, a notice or a leave is ``drain``; a join, a resize or a
 re-formation is ``resize``; before the first step is ``startup``; with no event at all it
 is ``stall`` (checkpoint stalls and slow steps). A gap longer than :data:`IDLE_INTERVALS`
@@ -40,7 +42,11 @@ from elasticd.records import Event, RecordError
 from elasticd.status.snapshot import read_history
 
 # The ledger's causes, in the order they are shown. "trained" is the goodput.
-CAUSES = ("trained", "retrained", "startup", "recovery", "resize", "drain", "waiting", "stall")
+CAUSES = ("trained", "retrained", "startup", "integrity", "recovery", "resize", "drain", "waiting",
+          "stall")
+# A diverged replica (elasticd.worker.fingerprint): first, since the failure and restart
+# that follow a divergence without a majority are its consequence, not a cause of their own.
+INTEGRITY_KINDS = frozenset({"diverged"})
 # "hung" and "straggler_ejected": the events of an ejection (elasticd.agent.elastic_agent).
 RECOVERY_KINDS = frozenset({"failure", "lost", "lease_lost", "restart", "hang", "hung",
                             "rollback"})
@@ -110,6 +116,8 @@ def healthy_rates(samples: Sequence[Sample], events: Sequence[Event]) -> dict[in
 
 def _cause(kinds: Iterable[str], *, started: bool) -> str:
     kinds = set(kinds)
+    if kinds & INTEGRITY_KINDS:
+        return "integrity"
     if kinds & RECOVERY_KINDS:
         return "recovery"
     if kinds & DRAIN_KINDS:

@@ -12,6 +12,8 @@ Exposed series (all prefixed ``elasticd_``)::
     straggler_ratio{node}                      a flagged straggler's own step time / the
                                                median's (set by the coordinating node)
     restarts_total{cause}                      cause in failure | membership | hang
+    replica_divergences_total                  this node's ranks whose replica fingerprint
+                                               differed from the majority's
     rendezvous_duration_seconds                histogram: join -> round final
     recovery_duration_seconds                  histogram: fault detected -> training again
     training_step, training_steps_per_second, training_samples_per_second
@@ -107,6 +109,9 @@ class AgentMetrics:
                                 ["cause"], registry=r)
         for cause in RESTART_CAUSES:
             self.restarts.labels(cause=cause)  # export zeros: rate() needs the series to exist
+        self.divergences = Counter("elasticd_replica_divergences",
+                                   "Ranks of this node whose replica fingerprint differed from "
+                                   "the majority's (elasticd.worker.fingerprint)", registry=r)
         self.rendezvous_s = Histogram("elasticd_rendezvous_duration_seconds",
                                       "Time from joining a round until it was final",
                                       buckets=DURATION_BUCKETS_S, registry=r)
@@ -181,6 +186,10 @@ class AgentMetrics:
         if cause not in RESTART_CAUSES:
             raise ValueError(f"restart cause {cause!r} is not one of {RESTART_CAUSES}")
         self.restarts.labels(cause=cause).inc()
+
+    def diverged(self) -> None:
+        """Count one rank of this node found diverged from its replicas."""
+        self.divergences.inc()
 
     def observe_rendezvous_s(self, seconds: float) -> None:
         self.rendezvous_s.observe(seconds)

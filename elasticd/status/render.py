@@ -55,7 +55,7 @@ NODE_STATE_STYLE = {
     "lost": "red",
     "left": "dim",
 }
-EVENT_STYLE = {"failure": "red", "lost": "red", "hang": "red", "lease_lost": "red",
+EVENT_STYLE = {"failure": "red", "lost": "red", "hang": "red", "lease_lost": "red", "diverged": "red",
                "drain": "yellow", "notice": "yellow", "leave": "yellow"}
 DEFAULT_MAX_ROWS = 40
 # C0/C1 controls and DEL, plus Unicode format characters that reorder or hide text

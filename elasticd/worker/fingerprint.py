@@ -13,6 +13,11 @@ Policy (pure, unit-tested): :func:`judge_replicas` (who differs, who may be a so
 Mechanism: :class:`ReplicaFingerprints`, called by ``ElasticLoop`` after each step.
 With two ranks that differ there is no majority: both are named and the worker fails with
 :class:`ReplicaDivergedError`, so the agent restarts the job from the newest checkpoint.
+
+A divergence is an event: each rank named reports itself to its agent
+(:class:`~elasticd.control.messages.DivergenceReport`), which records a ``diverged`` event
+naming the rank and the node (``elasticd status``, the goodput ledger's ``integrity``
+cause) and counts ``elasticd_replica_divergences_total``.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from __future__ import annotations
 import math
 import time
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,7 +33,9 @@ import structlog
 import torch
 import torch.distributed as dist
 
+from elasticd.control.messages import MAX_STR, DivergenceReport
 from elasticd.errors import ConfigError, ElasticdError
+from elasticd.worker.recovery_plan import NO_STATE
 
 log = structlog.get_logger(__name__)
 
@@ -76,6 +83,20 @@ def judge_replicas(prints: Sequence[int]) -> ReplicaVerdict:
     return ReplicaVerdict(tuple(range(len(prints))), None,
                           f"no majority among {len(prints)} replicas ({dict(counts.most_common())} "
                           "fingerprints): none can be trusted as a source")
+
+
+def offered_step(step: int, *, suspect: bool) -> int:
+    """The step a rank offers when a re-formation picks the source of a state transfer
+    (:func:`elasticd.worker.recovery_plan.plan_replication`): its own, or ``NO_STATE``
+    while its fingerprint was named diverged and no restore has verified it since.
+
+    Why: the source is the first rank holding the newest step, and every rank of a DDP job
+    holds the same step, so a diverged rank 0 whose restore was cut short by a peer's death
+    would otherwise send its state to every rank (a joiner included). Offering no state it
+    is planned among those behind; with every rank suspect, nobody holds a state and the
+    job loads the newest checkpoint (the next tier), instead of spreading the corruption.
+    """
+    return NO_STATE if suspect else step
 
 
 def cadence_steps(check_cost_s: float, step_time_s: float, budget: float = DEFAULT_BUDGET,
@@ -140,10 +161,13 @@ class ReplicaFingerprints:
         progress: the loop's progress dict, which travels with the state: the agreed
             cadence lives there as ``fingerprint_every``, so joiners and restarts use it.
         every: steps between checks; None: measured ("auto", <= ``budget`` of step time).
+        report: where this rank reports its own divergence (never blocks); default: its
+            agent over the control channel, when it runs under one.
     """
 
     def __init__(self, state: Mapping[str, Any], progress: dict[str, int], *,
-                 every: int | None = None, budget: float = DEFAULT_BUDGET) -> None:
+                 every: int | None = None, budget: float = DEFAULT_BUDGET,
+                 report: Callable[[DivergenceReport], None] | None = None) -> None:
         if every is not None and every < 1:
             raise ConfigError(f"fingerprint_every must be >= 1 (or 0: off, None: measured), "
                               f"got {every}")
@@ -151,9 +175,13 @@ class ReplicaFingerprints:
         self._progress = progress
         self._fixed = every
         self._budget = budget
+        self._report = report if report is not None else _report_to_agent
         self._last_step_at: float | None = None
         self._step_time_s = 0.0
         self.diverged: list[tuple[int, ...]] = []  # one entry per divergence found
+        # This rank was named diverged and no restore has verified it since: it is never a
+        # source for another rank's state (:func:`offered_step`).
+        self.suspect = False
 
     def every(self) -> int:
         if self._fixed is not None:
@@ -190,6 +218,11 @@ class ReplicaFingerprints:
         self.diverged.append(verdict.diverged)
         log.warning("replica_diverged", step=steps_done - 1, ranks=list(verdict.diverged),
                     source=verdict.source, reason=verdict.reason)
+        if dist.get_rank() in verdict.diverged:  # the event names this rank and its node
+            self.suspect = True
+            self._report(DivergenceReport(rank=dist.get_rank(), step=max(steps_done - 1, -1),
+                                          source=-1 if verdict.source is None else verdict.source,
+                                          reason=verdict.reason[:MAX_STR]))
         if verdict.source is None:
             raise ReplicaDivergedError(f"replicas diverged at step {steps_done - 1}: "
                                        f"{verdict.reason}")
@@ -205,6 +238,7 @@ class ReplicaFingerprints:
             raise ReplicaDivergedError(f"the state restored from rank {verdict.source} at step "
                                        f"{steps_done - 1} holds non-finite values (tensors {bad[:5]}): "
                                        "restarting from the newest checkpoint")
+        self.suspect = False
         log.info("replica_restored", step=steps_done - 1, ranks=list(verdict.diverged),
                  source=verdict.source)
         return verdict
@@ -216,6 +250,15 @@ class ReplicaFingerprints:
         dist.all_gather(out, local)
         rows = [row.tolist() for row in out]
         return [int(r[0]) for r in rows], [int(r[1]) for r in rows]
+
+
+def _report_to_agent(msg: DivergenceReport) -> None:
+    """Send ``msg`` to this worker's agent (fire-and-forget); nothing without an agent."""
+    from elasticd.worker.context import control_client
+
+    client = control_client()
+    if client is not None:
+        client.send(msg)
 
 
 def _group_device() -> torch.device:

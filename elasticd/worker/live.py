@@ -33,49 +33,36 @@ on another node (:mod:`elasticd.worker.peer_replica`, refreshed every ``k`` step
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import secrets
 import time
-import zlib
-from collections.abc import Callable, Iterator, Mapping, MutableMapping, Sequence
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import NoReturn, Protocol, runtime_checkable
+from typing import NoReturn
 
 import structlog
 import torch
 import torch.distributed as dist
 
 import elasticd.worker.context as wctx
-from elasticd.checkpoint import rng, shards
 from elasticd.control.api import LIVE_TIMEOUT_DEFAULT_S
-from elasticd.control.messages import (
-    LeaveReason,
-)
+from elasticd.control.messages import LeaveReason
 from elasticd.errors import ConfigError
-from elasticd.worker import peer_reshard as pmem
 from elasticd.worker.failures import is_peer_failure
+from elasticd.worker.fingerprint import offered_step
+from elasticd.worker.live_entries import (
+    LiveEntry,
+    Regroupable,
+    Stateful,
+    Synced,
+    abandon_step,
+    apply,
+    collect,
+    load_fresh,
+)
 from elasticd.worker.live_link import AgentLink
-from elasticd.worker.peer_replica import (
-    DEFAULT_EVERY_STEPS,
-    KEY_BYTES,
-    NO_HOLDER,
-    PeerReplica,
-    Snapshot,
-    fill_boxes,
-    ring_holders,
-    take_snapshot,
-)
+from elasticd.worker.live_sharded import ShardedResync
+from elasticd.worker.peer_replica import DEFAULT_EVERY_STEPS
 from elasticd.worker.recovery_plan import NO_STATE, Load, plan_replication
-from elasticd.worker.sharded import (
-    NOT_HELD,
-    RankShards,
-    ShardedModel,
-    ShardPlan,
-    optimizer_local_state,
-    plan_shard_transfer,
-    shard_coordinates,
-)
-from elasticd.worker.sockets import group_endpoints
+from elasticd.worker.sharded import ShardedModel
 from elasticd.worker.state_broadcast import broadcast_state
 
 log = structlog.get_logger(__name__)
@@ -83,23 +70,11 @@ log = structlog.get_logger(__name__)
 MAX_REFORMS_PER_STEP = 3  # the same step failing again and again is a bug, not a peer
 
 
-@runtime_checkable
-class Stateful(Protocol):
-    """An object whose state a live re-formation moves (a module, an optimizer, a sampler)."""
-
-    def state_dict(self) -> Mapping[str, object]: ...
-
-    def load_state_dict(self, state_dict: Mapping[str, object], /) -> object: ...
+def _never() -> bool:
+    return False
 
 
-class Regroupable(Protocol):
-    """What moves to the new group after a re-formation (``CheckpointManager.regroup``)."""
-
-    def regroup(self) -> None: ...
-
-
-# What LiveState keeps: objects with state_dict/load_state_dict, or plain dicts.
-LiveEntry = Stateful | MutableMapping[str, object]
+__all__ = ["LiveEntry", "LiveState", "Reformed", "Regroupable", "Stateful"]
 
 
 class Reformed(Exception):  # noqa: N818 - a signal to the loop, not an error
@@ -149,9 +124,9 @@ class LiveState:
         if peer_replica_every < 0:
             raise ConfigError(f"peer_replica_every must be >= 0 (0: no replica), not {peer_replica_every}")
         self.peer_replica_every = peer_replica_every
-        self.replica: PeerReplica | None = None
-        self._old_rank, self._old_world = -1, 0  # this rank in the world its shards are of
-        self._refreshed_at = NOT_HELD  # the step of the last replica refresh
+        # True while this rank's state is known diverged (set by ElasticLoop from its
+        # replica fingerprints): it then offers no state to a re-formation's transfer.
+        self.suspect: Callable[[], bool] = _never
         self.step = -1
         env = wctx.agent_environment()
         self.timeout_s = timeout_s if timeout_s is not None else (
@@ -169,6 +144,11 @@ class LiveState:
         self.enabled = bool(env is not None and env.live and dist.is_initialized()
                             and wctx.control_dir() is not None and wctx.control_client() is not None
                             and self._link.register(ctx.local_rank))
+        # The sharded state agreement and its peer-RAM replica (None: a replicated job).
+        self._sharded = (ShardedResync(state, sharded, checkpoint=checkpoint,
+                                       peer_replica_every=peer_replica_every, timeout_s=self.timeout_s,
+                                       enabled=self.enabled, log=self._log, fall_back=self._fall_back)
+                         if sharded is not None else None)
         if self.enabled:
             self._link.start_watch()
 
@@ -201,18 +181,14 @@ class LiveState:
         """
         self.step = step
         self._has_state = True
-        if self.replica is not None and self.replica.due(step) and self._refreshed_at != step:
-            self.refresh_replica()
+        if self._sharded is not None:
+            self._sharded.after_step(step)
         if not wctx.should_stop(step):
             return False
         if not self.enabled or wctx.every_rank_draining():
             return True  # nobody stays to hold the state: save it and exit (the caller)
-        if self.replica is not None and wctx.some_rank_draining():
-            # A drained rank's shards exist nowhere else: every rank refreshes the replica
-            # at this agreed step and waits for it, so the survivors lose no step.
-            if self._refreshed_at != step:
-                self.refresh_replica()
-            self.replica.wait()
+        if self._sharded is not None and wctx.some_rank_draining():
+            self._sharded.hold_for_drain(step)
         if wctx.stop_requested_locally():
             self._log.info("live_drained", step=step)
             wctx.fast_exit(0)  # survivors hold this state: no checkpoint to write
@@ -237,7 +213,7 @@ class LiveState:
             self._failures_at[self.step] = tries
             if tries > MAX_REFORMS_PER_STEP:
                 raise
-            self._abandon_step()
+            abandon_step(self.state)
             self._log.info("collective_failed", step=self.step + 1, error=str(exc)[:200])
             self._reform(LeaveReason.COLLECTIVE_FAILED)
             raise Reformed(f"re-formed after a failed collective: {exc}") from None
@@ -249,58 +225,10 @@ class LiveState:
         ``ElasticLoop`` calls it at every epoch's end too, so that a rollback never
         crosses an epoch boundary.
         """
-        sm, replica = self.sharded, self.replica
-        if sm is None or replica is None:
-            return
-        if replica.error is not None:
-            self._log.warning("peer_replica_refresh_failed", error=repr(replica.error)[:300])
-            replica.error = None
-        try:
-            tensors, extra = pmem.replica_state(self.state, sm.module, sm.names, sm.params, rng.capture())
-        except TypeError as exc:
-            self._log.warning("peer_replica_off", reason=str(exc)[:300])
-            self.replica = None
-            return
-        replica.refresh(self.step, tensors, extra)
-        self._refreshed_at = self.step
-
-    def _make_replica(self, sm: ShardedModel) -> None:
-        """After a group formed: the ring of replica holders over its nodes (a collective)."""
-        self.replica = None
-        self._refreshed_at = NOT_HELD
-        ctx = wctx.current_context()
-        self._old_rank, self._old_world = ctx.rank, ctx.world_size
-        if not self.peer_replica_every or sm.mesh_kind != "fsdp" or not self.enabled:
-            return
-        device = ctx.device if ctx.backend == "nccl" else torch.device("cpu")
-        # Each rank's node and 32 random bytes: the round key that seals the replica's
-        # tickets is agreed here, through the group, never through its (open) store.
-        nonce = torch.frombuffer(bytearray(secrets.token_bytes(KEY_BYTES)), dtype=torch.int64)
-        mine = torch.cat([torch.tensor([zlib.crc32(str(ctx.node).encode())], dtype=torch.int64),
-                          nonce]).to(device)
-        nodes = [torch.zeros_like(mine) for _ in range(ctx.world_size)]
-        dist.all_gather(nodes, mine)
-        holders = ring_holders([str(int(t[0].item())) for t in nodes])
-        key = hashlib.sha256(b"".join(t[1:].cpu().numpy().tobytes() for t in nodes)).digest()
-        if all(h == NO_HOLDER for h in holders):
-            return  # one node: a replica on it dies with it
-        hosts, peers = group_endpoints(wctx.group_sockets())
-        if not hosts:
-            self._log.warning("peer_replica_off", reason="this rank's address in the group is unknown")
-            return
-        self.replica = PeerReplica(ctx.rank, holders, dist.distributed_c10d._get_default_store(), hosts[0],
-                                   key=key, allowed_peers=peers, every_steps=self.peer_replica_every, timeout_s=self.timeout_s,
-                                   prefix=f"elasticd/peer/{ctx.round}")
-        if self._has_state and self.step >= 0:
-            # The new world is covered at once, not only from its first multiple of k.
-            self.refresh_replica()
+        if self._sharded is not None:
+            self._sharded.refresh(self.step)
 
     # -- re-formation ---------------------------------------------------------------------
-    def _abandon_step(self) -> None:
-        for obj in self.state.values():
-            if isinstance(obj, (torch.optim.Optimizer, torch.nn.Module)):
-                obj.zero_grad(set_to_none=True)
-
     def _reform(self, reason: LeaveReason) -> None:
         ctx = wctx.current_context()
         cdir = wctx.control_dir()
@@ -337,27 +265,33 @@ class LiveState:
                        group_s=round(formed - t0, 3), total_s=round(time.monotonic() - t0, 3))
 
     def _sync(self, load: Callable[[], int] | None) -> None:
-        """Agree on the newest completed step; its holder broadcasts to those behind."""
-        if self.sharded is not None:
-            self._sync_sharded(load, self.sharded)
-            return
+        """Agree on the newest completed step; its holder sends the state to those behind."""
+        if self._sharded is not None:
+            synced = self._sharded.sync(load, self.step, self._has_state, self._deadline)
+        else:
+            synced = self._sync_replicated(load)
+        self.step = synced.step
+        self._has_state = True
+        self.agreed_in_memory = synced.agreed_in_memory
+
+    def _sync_replicated(self, load: Callable[[], int] | None) -> Synced:
+        """The replicated (DDP) agreement: the newest step's holder broadcasts to those behind."""
         ctx = wctx.current_context()
         # On the group's own device: an NCCL group has no CPU backend (the GPU check found
         # "No backend type associated with device type cpu").
         device = ctx.device if ctx.backend == "nccl" else torch.device("cpu")
-        mine = torch.tensor([self.step if self._has_state else NO_STATE], dtype=torch.int64, device=device)
+        held = self.step if self._has_state else NO_STATE
+        mine = torch.tensor([offered_step(held, suspect=self.suspect())], dtype=torch.int64, device=device)
         steps = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(dist.get_world_size())]
         dist.all_gather(steps, mine)
         plan = plan_replication([int(t.item()) for t in steps])
         if isinstance(plan, Load):  # nobody holds a state: a fresh start or a full restart
-            self._load_fresh(load)
-            return
-        self.agreed_in_memory = True
+            return load_fresh(load)
         if not plan.behind:
-            return
+            return Synced(self.step, agreed_in_memory=True)
         t0 = time.monotonic()
         newest, src, behind = plan.step, plan.source, list(plan.behind)
-        sd = self._collect() if ctx.rank == src or ctx.rank in behind else None
+        sd = collect(self.state, self.step) if ctx.rank == src or ctx.rank in behind else None
         # Bounded by what is left of the re-formation (a source that died mid-transfer
         # raises TransferError, and _reform_inner falls back to the restart path). A rank
         # behind receives into its own tensors where they match (``into``).
@@ -366,250 +300,12 @@ class LiveState:
                                    timeout_s=max(left, 1.0), into=sd)
         if ctx.rank in behind:
             assert received is not None
-            self._apply(received)
-        self.step = newest
-        self._has_state = True
+            apply(self.state, received)
         if ctx.rank == src or ctx.rank in behind:
             self._log.info("live_state_received" if ctx.rank in behind else "live_state_sent",
                            step=newest, source=src, receivers=behind,
                            seconds=round(time.monotonic() - t0, 3))
-
-    def _load_fresh(self, load: Callable[[], int] | None) -> None:
-        """Nobody holds a state (a fresh start or a full restart): every rank loads it."""
-        if load is None:
-            raise RuntimeError("no rank holds a usable state")
-        self.step = load()
-        self._has_state = True
-        self.agreed_in_memory = False
-
-    def _sync_sharded(self, load: Callable[[], int] | None, sm: ShardedModel) -> None:
-        """The sharded form of :meth:`_sync`: survivors re-mesh their kept shards, each
-        rank behind or new receives its shard coordinate's state from an intact replica."""
-        ctx = wctx.current_context()
-        device = ctx.device if ctx.backend == "nccl" else torch.device("cpu")
-        old_size, old_coord = (sm.shard_size, sm.coordinate) if self._has_state else (0, -1)
-        mesh = sm.mesh_for_world()  # a collective on a survivor; a joiner built it at start
-        mine = torch.tensor([self.step if self._has_state else NOT_HELD, old_size, old_coord],
-                            dtype=torch.int64, device=device)
-        reports = [torch.zeros(3, dtype=torch.int64, device=device) for _ in range(dist.get_world_size())]
-        dist.all_gather(reports, mine)
-        ranks = [RankShards(*(int(x) for x in t.tolist())) for t in reports]
-        coords = shard_coordinates(mesh)
-        plan = plan_shard_transfer(ranks, int(mesh.size(-1)), coords)  # type: ignore[attr-defined]
-        if plan.step == NOT_HELD:  # nobody holds a state: a fresh start or a full restart
-            self._load_fresh(load)
-            self._make_replica(sm)
-            return
-        if plan.fallback is not None:
-            self._reshard_in_memory(sm, mesh, plan, device)
-            self._make_replica(sm)
-            return
-        self.agreed_in_memory = True
-        t0 = time.monotonic()
-        optimizers: list[torch.optim.Optimizer] = [o for o in self.state.values()
-                                                  if isinstance(o, torch.optim.Optimizer)]
-        if mesh is not sm.mesh:  # a survivor: the old mesh's group is gone
-            old = sm.module
-            new = sm.rebuild(mesh, keep=ctx.rank in plan.keepers, optimizers=optimizers)
-            state = self.state
-            assert isinstance(state, MutableMapping)
-            for key in [k for k, v in state.items() if v is old]:
-                state[key] = new
-        rebuilt = time.monotonic()
-        left = self._deadline - rebuilt if self._deadline is not None else self.timeout_s
-        for coord, src, receivers in plan.transfers:
-            behind = ctx.rank in receivers
-            sd = self._collect_sharded(sm, optimizers) if ctx.rank == src or behind else None
-            received = broadcast_state(sd if ctx.rank == src else None, src, device,
-                                       receivers=list(receivers), timeout_s=max(left, 1.0), into=sd)
-            if behind:
-                assert received is not None
-                self._apply_sharded(received, sm, optimizers)
-                self._log.info("live_shards_received", step=plan.step, source=src, coordinate=coord,
-                               seconds=round(time.monotonic() - rebuilt, 3))
-        self.step = plan.step
-        self._has_state = True
-        self._make_replica(sm)
-        self._log.info("live_shards_remeshed", step=plan.step, kept=ctx.rank in plan.keepers,
-                       shard_size=int(mesh.size(-1)), rebuild_s=round(rebuilt - t0, 3),  # type: ignore[attr-defined]
-                       transfer_s=round(time.monotonic() - rebuilt, 3))
-
-    def _reshard_in_memory(self, sm: ShardedModel, mesh: object, plan: ShardPlan, device: torch.device) -> None:
-        """The shard size changed: rebuild the old world's shards from memory onto ``mesh``
-        (:mod:`elasticd.worker.peer_reshard`), or fall back to the checkpoint saying why."""
-        t0 = time.monotonic()
-        ctx = wctx.current_context()
-        replica = self.replica if self._has_state else None
-        own, held = (replica.own, dict(replica.held)) if replica is not None else (None, {})
-        report = pmem.MemoryReport(
-            self._old_rank if self._has_state else -1, self._old_world if self._has_state else 0,
-            self.step if self._has_state else NOT_HELD, own.step if own is not None else -1,
-            tuple(sorted((o, snap.step) for o, snap in held.items())), self._committed_step())
-        mine = torch.tensor(report.encode(), dtype=torch.int64, device=device)
-        gathered = [torch.zeros(pmem.REPORT_LEN, dtype=torch.int64, device=device)
-                    for _ in range(dist.get_world_size())]
-        dist.all_gather(gathered, mine)
-        mplan = pmem.plan_memory_reshard([pmem.MemoryReport.decode(t.tolist()) for t in gathered])
-        if mplan.fallback is not None or mplan.sources is None:
-            why = mplan.fallback if self.peer_replica_every or sm.mesh_kind != "fsdp" else (
-                "no peer-RAM replica (peer_replica_every=0)")
-            self._fall_back(f"{plan.fallback}; in memory: {why}")
-        assert mplan.sources is not None
-        optimizers = [o for o in self.state.values() if isinstance(o, torch.optim.Optimizer)]
-        snaps: dict[int, Snapshot] = {}
-        if mplan.fresh and self._has_state:
-            tensors, extra = pmem.replica_state(self.state, sm.module, sm.names, sm.params, rng.capture())
-            # One copy of each box (HSDP: the replicas at replicate coordinate 0).
-            tensors = {k: t for k, t in tensors.items() if shards.writes_box(t)}
-            snaps[self._old_rank] = take_snapshot(self._old_rank, self.step, tensors, extra)
-        elif not mplan.fresh:
-            snaps = pmem.own_snapshots(own, held)
-        store = dist.distributed_c10d._get_default_store()
-        prefix = f"elasticd/reshard/{ctx.round}"
-        for old, src in mplan.sources.items():
-            if src == ctx.rank:
-                store.set(f"{prefix}/{old}", snaps[old].index().decode())
-        if mesh is not sm.mesh:  # a survivor: the old mesh's group is gone
-            old_module = sm.module
-            new = sm.rebuild(mesh, keep=False, optimizers=optimizers)
-            state = self.state
-            assert isinstance(state, MutableMapping)
-            for key in [k for k, v in state.items() if v is old_module]:
-                state[key] = new
-        chunks_of: dict[int, list] = {}
-        sizes: dict[int, int] = {}
-        extras: dict[int, dict[str, object]] = {}
-        for old in range(mplan.old_world):
-            rank, _, chunks, size, extra = pmem.parse_index(store.get(f"{prefix}/{old}"))
-            if rank != old:
-                self._fall_back(f"in-memory reshard: the index of old rank {old} names rank {rank}")
-            chunks_of[old], sizes[old], extras[old] = chunks, size, extra
-        keys = {c.key for cs in chunks_of.values() for c in cs}
-        targets = self._reshard_targets(sm, optimizers, keys)
-        need = pmem.needed_ranks(targets, chunks_of)
-        flags = torch.tensor([1 if o in need else 0 for o in range(mplan.old_world)], dtype=torch.int64,
-                             device=device)
-        all_flags = [torch.zeros_like(flags) for _ in range(dist.get_world_size())]
-        dist.all_gather(all_flags, flags)
-        data: dict[int, torch.Tensor] = {}
-        left = self._deadline - time.monotonic() if self._deadline is not None else self.timeout_s
-        moved = 0
-        for old in range(mplan.old_world):
-            src = mplan.sources[old]
-            receivers = [r for r, f in enumerate(all_flags) if int(f[old]) and r != src]
-            if ctx.rank == src and old in need:
-                data[old] = snaps[old].data
-            if not receivers:
-                continue
-            sd: dict[str, object] | None = {"data": snaps[old].data} if ctx.rank == src else None
-            got = broadcast_state(sd, src, device, receivers=receivers, timeout_s=max(left, 1.0))
-            if ctx.rank in receivers:
-                assert got is not None and isinstance(got["data"], torch.Tensor)
-                data[old] = got["data"]
-                moved += int(got["data"].numel())
-        filled = fill_boxes(targets, chunks_of, sizes, data)
-        source_rank = ctx.rank % mplan.old_world
-        rng_state = pmem.apply_replica_state(self.state, sm.module, sm.names, sm.params, filled,
-                                             extras[source_rank])
-        rng.restore([rng_state], 0)
-        lost = self.step - mplan.step if self._has_state else 0
-        self.step = mplan.step
-        self._has_state = True
-        self.agreed_in_memory = True
-        self._log.info("live_resharded_in_memory", step=mplan.step, shards_from="live shards" if mplan.fresh
-                       else "peer-RAM replicas", old_world=mplan.old_world, world_size=dist.get_world_size(),
-                       steps_rolled_back=max(lost, 0), bytes_received=moved,
-                       seconds=round(time.monotonic() - t0, 3))
-
-    def _committed_step(self) -> int:
-        """The newest committed checkpoint's step, from the checkpoint's fence (the agent's
-        pointer); -1 when there is none or nobody can tell."""
-        latest = getattr(getattr(self.checkpoint, "fence", None), "latest", None)
-        if latest is None:
-            return -1
-        try:
-            pointer = latest()
-        except Exception:  # noqa: BLE001 - a hint for the plan, never a reason to fail
-            return -1
-        step = getattr(pointer, "step", -1)
-        return step if isinstance(step, int) else -1
-
-    def _reshard_targets(self, sm: ShardedModel, optimizers: Sequence[torch.optim.Optimizer],
-                         keys: set[str]) -> dict[str, object]:
-        """Empty DTensors of the new sharding for every saved key: the module's parameters
-        and each optimizer's per-parameter state."""
-        targets: dict[str, object] = {}
-        for key, obj in self.state.items():
-            if obj is sm.module:
-                targets.update({f"{key}/{n}": p for n, p in zip(sm.names, sm.params, strict=True)})
-            elif any(obj is o for o in optimizers):
-                assert isinstance(obj, torch.optim.Optimizer)
-                flat = [p for g in obj.param_groups for p in g["params"]]
-                for k in keys:
-                    parts = k.split("/")
-                    if len(parts) == 3 and parts[0] == key and parts[1].isdigit():
-                        targets[k] = torch.empty_like(flat[int(parts[1])])
-        return targets
-
-    def _collect_sharded(self, sm: ShardedModel, optimizers: list[torch.optim.Optimizer]) -> dict[str, object]:
-        out: dict[str, object] = {"__rng__": rng.capture(), "__step__": self.step}
-        for name, obj in self.state.items():
-            if obj is sm.module:
-                out[name] = sm.local_state()
-            elif any(obj is o for o in optimizers):
-                assert isinstance(obj, torch.optim.Optimizer)
-                out[name] = optimizer_local_state(obj)
-            else:
-                out[name] = obj.state_dict() if isinstance(obj, Stateful) else dict(obj)
-        return out
-
-    def _apply_sharded(self, sd: Mapping[str, object], sm: ShardedModel,
-                       optimizers: list[torch.optim.Optimizer]) -> None:
-        rest: dict[str, object] = {}
-        for name, obj in self.state.items():
-            entry = sd[name]
-            if not isinstance(entry, dict):
-                raise TypeError(f"received state {name!r} is a {type(entry).__name__}, not a mapping")
-            if obj is sm.module:
-                sm.load_local_state(entry)
-            elif any(obj is o for o in optimizers):
-                assert isinstance(obj, torch.optim.Optimizer)
-                obj.load_state_dict(entry)
-                sm.adopt_optimizer_state(obj)
-            else:
-                rest[name] = entry
-        for name, entry in rest.items():
-            obj = self.state[name]
-            if isinstance(obj, Stateful):
-                obj.load_state_dict(entry)  # type: ignore[arg-type]
-            else:
-                obj.clear()
-                obj.update(entry)  # type: ignore[call-overload]
-        rng_state = sd["__rng__"]
-        if not isinstance(rng_state, dict):
-            raise TypeError("received RNG state is not a mapping")
-        rng.restore([rng_state], 0)
-
-    def _collect(self) -> dict[str, object]:
-        out: dict[str, object] = {"__rng__": rng.capture(), "__step__": self.step}
-        for name, obj in self.state.items():
-            out[name] = obj.state_dict() if isinstance(obj, Stateful) else dict(obj)
-        return out
-
-    def _apply(self, sd: Mapping[str, object]) -> None:
-        for name, obj in self.state.items():
-            entry = sd[name]
-            if not isinstance(entry, Mapping):
-                raise TypeError(f"received state {name!r} is a {type(entry).__name__}, not a mapping")
-            if isinstance(obj, Stateful):
-                obj.load_state_dict(entry)
-            else:
-                obj.clear()
-                obj.update(entry)
-        rng_state = sd["__rng__"]
-        if not isinstance(rng_state, dict):
-            raise TypeError("received RNG state is not a mapping")
-        rng.restore([rng_state], 0)
+        return Synced(newest, agreed_in_memory=True)
 
     def _fall_back(self, why: str) -> NoReturn:
         """In-place re-formation failed: exit 0 as stopped, so the agent restarts the group."""

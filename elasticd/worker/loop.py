@@ -36,8 +36,8 @@ checkpoint (the restart path).
 from __future__ import annotations
 
 import contextlib
+import enum
 import os
-import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, TypeVar
 
@@ -68,15 +68,13 @@ from elasticd.worker.failures import stale_group_error
 from elasticd.worker.fence import agent_fence
 from elasticd.worker.fingerprint import ReplicaFingerprints
 from elasticd.worker.live import LiveState, Reformed
+from elasticd.worker.loop_saves import LoopSaves
 from elasticd.worker.peer_replica import DEFAULT_EVERY_STEPS as DEFAULT_PEER_REPLICA_EVERY
-from elasticd.worker.save_cadence import AutoSaveCadence
 from elasticd.worker.sharded import ShardedModel
 
 log = structlog.get_logger(__name__)
 
 _RESERVED = ("sampler", "elastic_loop")
-# save_every="auto": steps between saves until a save has measured its cost.
-DEFAULT_FIRST_SAVE_EVERY = 50
 B = TypeVar("B")  # a loader's batch
 
 
@@ -233,6 +231,154 @@ def check_state(state: Mapping[str, Any]) -> str | None:
     return None
 
 
+def check_loop_args(state: Mapping[str, Any], save_every: int | str, sharded: ShardedModel | None) -> None:
+    """Refuse what :class:`ElasticLoop` cannot work with.
+
+    Raises:
+        ConfigError: a reserved state key, ``save_every`` neither ``"auto"`` nor >= 1, or
+            ``sharded``'s module not in ``state``.
+    """
+    clash = [k for k in _RESERVED if k in state]
+    if clash:
+        raise ConfigError(f"ElasticLoop state uses reserved key(s) {clash}; rename them")
+    if save_every != AUTO and (not isinstance(save_every, int) or save_every < 1):
+        raise ConfigError(f'save_every must be "auto" or a number of steps >= 1, got {save_every!r}')
+    if sharded is not None and not any(v is sharded.module for v in state.values()):
+        raise ConfigError("ElasticLoop(sharded=...): the state must hold sharded.module "
+                          '(e.g. {"model": sharded.module, "optimizer": optimizer})')
+
+
+def epoch_done(sampler: Any) -> bool:
+    """Has the sampler's epoch no untrained step left?"""
+    if hasattr(sampler, "epoch_done"):
+        return bool(sampler.epoch_done)
+    return int(sampler.steps_remaining) == 0
+
+
+def live_keeper(state: dict[str, Any], sampler: Any, manager: CheckpointManager,
+                sharded: ShardedModel | None, peer_replica_every: int) -> LiveState | None:
+    """The loop's :class:`LiveState` when live re-formation can work (None: the restart path).
+
+    Raises:
+        ConfigError: the sampler cannot reshard in place (no ``regroup()``).
+    """
+    if sharded is None and _sharded(state):
+        # Survivors of an FSDP2/HSDP job hold only their shards, and without its
+        # parallelize function elasticd cannot re-shard the model on a new mesh: such
+        # jobs take the restart path, whose checkpoint load reshards to the new mesh.
+        log.info("loop_live_reform_off", reason="sharded (DTensor) state without "
+                 "sharded=ShardedModel(...): re-formations restart the workers and "
+                 "reshard the checkpoint")
+        return None
+    if not hasattr(sampler, "regroup"):
+        raise ConfigError(f"ElasticLoop(live=True) needs a sampler that can reshard in "
+                          f"place (regroup()); {type(sampler).__name__} cannot: use "
+                          "ElasticDistributedSampler or ElasticSampler, or live=False")
+    keeper = LiveState(state, checkpoint=manager, sharded=sharded, peer_replica_every=peer_replica_every)
+    return keeper if keeper.enabled else None
+
+
+def with_tail(it: Iterator[B], loader: Iterable[B], sampler: Any) -> Iterator[B]:
+    """``it``'s batches, then the partial last batch a ``DataLoader(drop_last=True)``
+    dropped: after a resize mid-epoch the remaining samples are dealt over the new
+    ranks and a rank's share rarely fills its last batch; dropping it would leave
+    those samples untrained this epoch (a fault-free run trains them)."""
+    yield from it
+    tail = dropped_tail(sampler, loader)
+    if tail:
+        log.info("loop_tail_trained", samples_per_rank=len(tail), epoch=int(sampler.epoch))
+        dataset, collate = loader.dataset, loader.collate_fn  # type: ignore[attr-defined]
+        yield collate([dataset[i] for i in tail])
+
+
+def shutdown_loader(it: object) -> None:
+    """Stop a DataLoader iterator's worker processes now (a no-op for other iterators)."""
+    shutdown_workers = getattr(it, "_shutdown_workers", None)
+    if shutdown_workers is not None:
+        shutdown_workers()
+
+
+def replica_fingerprints(state: dict[str, Any], progress: dict[str, int], every: int | None,
+                         keeper: Any, *, sharded: bool) -> ReplicaFingerprints | None:
+    """The loop's replica fingerprints (None for sharded state or ``every`` 0); a rank they
+    name diverged offers no state to a live re-formation (``keeper.suspect``)."""
+    if sharded or every == 0:
+        return None
+    fingerprints = ReplicaFingerprints(state, progress, every=every)
+    if keeper is not None:
+        keeper.suspect = lambda: fingerprints.suspect
+    return fingerprints
+
+
+class EpochAction(enum.Enum):
+    """What ``batches()`` does after a re-formation, by the epoch the adopted state is in."""
+
+    CONTINUE = "continue"  # same epoch: go on from the first untrained batch
+    END = "end"  # a later epoch: this call's epoch is over for the whole group
+
+
+def reform_epoch_action(iterating: int, adopted: int) -> EpochAction:
+    """Whether ``batches()``, iterating epoch ``iterating``, goes on after a re-formation
+    left the sampler in epoch ``adopted``.
+
+    A rank that was frozen or behind adopts the newest rank's state, possibly epochs later;
+    going on would train that epoch under the caller's older epoch (whose loop variable,
+    checkpoint and end-of-epoch save are the old epoch's), then rewind at its next
+    ``set_epoch()``. An earlier adopted epoch (a rollback to a replica) goes on.
+    """
+    return EpochAction.END if adopted > iterating else EpochAction.CONTINUE
+
+
+# How to fix a step that used a handle from before a live re-formation (exit 78).
+STALE_HANDLE_FIX = ("after a re-formation use loop.model (sharded=) or the module loop.ddp() "
+                    "returned, never a DDP/FSDP handle or process group kept from before")
+
+
+def check_live_ddp(live_ddp: bool, ddp_made: bool) -> None:
+    """Refuse a live replicated loop whose DDP wrapper the loop did not build.
+
+    Raises:
+        ConfigError: ``live_ddp`` and no ``loop.ddp(...)`` call yet.
+    """
+    if live_ddp and not ddp_made:
+        raise ConfigError("ElasticLoop(live=True): build the DDP wrapper with "
+                          "model = loop.ddp(model, ...) instead of DDP(model, ...), so it "
+                          "can be rebuilt on the re-formed group; or pass live=False")
+
+
+class EpochCatchUp:
+    """A rank that adopted a later epoch in a live re-formation (it was frozen or behind)
+    catches up with the caller's epoch loop: the group finished the epoch being iterated
+    while this rank was away, so that epoch's loop ends (:meth:`ended`), and each skipped
+    epoch's ``set_epoch(e)``, which reset the sampler, is undone (:meth:`skip`)."""
+
+    def __init__(self) -> None:
+        self.adopted: tuple[int, dict[str, Any]] | None = None  # (epoch, sampler state)
+
+    def ended(self, epoch: int, sampler: Any) -> bool:
+        """After a re-formation: is ``epoch``'s loop over because the adopted state is later?"""
+        if reform_epoch_action(epoch, int(sampler.epoch)) is not EpochAction.END:
+            return False
+        self.adopted = (int(sampler.epoch), sampler.state_dict())
+        log.info("loop_epoch_ended_by_group", epoch=epoch, adopted_epoch=int(sampler.epoch),
+                 samples_trained=int(sampler.samples_trained))
+        return True
+
+    def skip(self, sampler: Any) -> bool:
+        """Was this epoch trained by the group before this rank rejoined? Then the adopted
+        position is restored and the epoch yields nothing."""
+        if self.adopted is None:
+            return False
+        adopted_epoch, adopted = self.adopted
+        if int(sampler.epoch) >= adopted_epoch:
+            self.adopted = None  # caught up: set_epoch(adopted) kept the position
+            return False
+        log.info("loop_epoch_skipped", epoch=int(sampler.epoch), adopted_epoch=adopted_epoch,
+                 reason="trained by the group while this rank was away")
+        sampler.load_state_dict(adopted)
+        return True
+
+
 class ElasticLoop:
     """Checkpointed, drainable, exactly-once training over an elastic sampler.
 
@@ -290,14 +436,7 @@ class ElasticLoop:
                  sharded: ShardedModel | None = None,
                  peer_replica_every: int = DEFAULT_PEER_REPLICA_EVERY,
                  fingerprint_every: int | None = None) -> None:
-        clash = [k for k in _RESERVED if k in state]
-        if clash:
-            raise ConfigError(f"ElasticLoop state uses reserved key(s) {clash}; rename them")
-        if save_every != AUTO and (not isinstance(save_every, int) or save_every < 1):
-            raise ConfigError(f'save_every must be "auto" or a number of steps >= 1, got {save_every!r}')
-        if sharded is not None and not any(v is sharded.module for v in state.values()):
-            raise ConfigError("ElasticLoop(sharded=...): the state must hold sharded.module "
-                              '(e.g. {"model": sharded.module, "optimizer": optimizer})')
+        check_loop_args(state, save_every, sharded)
         self.sharded = sharded
         ctx = current_context()  # a hot spare's worker running ahead waits for its round here
         self.ctx = ctx
@@ -306,14 +445,7 @@ class ElasticLoop:
             sampler.regroup()  # built before the round, for a world of one
         # These count global batches (one step() per optimizer step), not samples per rank.
         self._per_global_batch = isinstance(sampler, (ElasticSampler, ElasticStream))
-        # Until a save has measured its cost, "auto" saves every the script's own steps.
-        first_every = save_every if isinstance(save_every, int) else DEFAULT_FIRST_SAVE_EVERY
-        agent = agent_environment()
-        if agent is not None and agent.checkpoint_every is not None:
-            save_every = agent.checkpoint_every  # the agent's [checkpoint] every wins
-        self.save_every = first_every if save_every == AUTO else int(save_every)
         self.steps_done = 0
-        self._saved_at = 0
         # The loss of the step in progress, if the loop sets it (``loop.loss = loss.item()``):
         # reported with the step, for `elasticd status --plot` and ``--watch``.
         self.loss: float | None = None
@@ -322,35 +454,19 @@ class ElasticLoop:
         # which steps save (a collective), joiners included.
         self._progress: dict[str, int] = {"steps_done": 0, "saved_at": 0, "samples_done": 0}
         self._state = {**state, "sampler": sampler, "elastic_loop": self._progress}
-        self.cadence = (AutoSaveCadence(self._progress, self.save_every,
-                                        agent.observed_losses if agent is not None else None)
-                        if save_every == AUTO else None)
         url = checkpoint_url or ctx.checkpoint_url or "file://" + os.path.abspath("checkpoints")
         self.manager = manager or CheckpointManager(url, job=ctx.job or "local",
                                                     keep_last=keep_last, fence=agent_fence())
-        self._keeper: LiveState | None = None
-        if live and sharded is None and _sharded(state):
-            # Survivors of an FSDP2/HSDP job hold only their shards, and without its
-            # parallelize function elasticd cannot re-shard the model on a new mesh: such
-            # jobs take the restart path, whose checkpoint load reshards to the new mesh.
-            log.info("loop_live_reform_off", reason="sharded (DTensor) state without "
-                     "sharded=ShardedModel(...): re-formations restart the workers and "
-                     "reshard the checkpoint")
-            live = False
-        if live:
-            if not hasattr(sampler, "regroup"):
-                raise ConfigError(f"ElasticLoop(live=True) needs a sampler that can reshard in "
-                                  f"place (regroup()); {type(sampler).__name__} cannot: use "
-                                  "ElasticDistributedSampler or ElasticSampler, or live=False")
-            keeper = LiveState(self._state, checkpoint=self.manager, sharded=sharded,
-                               peer_replica_every=peer_replica_every)
-            self._keeper = keeper if keeper.enabled else None
-        self.fingerprints = (ReplicaFingerprints(self._state, self._progress, every=fingerprint_every)
-                             if sharded is None and not _sharded(state) and fingerprint_every != 0
-                             else None)
+        self._saves = LoopSaves(self._state, self._progress, self.manager, save_every, agent_environment())
+        self.save_every, self.cadence = self._saves.save_every, self._saves.cadence
+        self._keeper = (live_keeper(self._state, sampler, self.manager, sharded, peer_replica_every)
+                        if live else None)
+        self.fingerprints = replica_fingerprints(self._state, self._progress, fingerprint_every,
+                                                 self._keeper, sharded=sharded is not None or _sharded(state))
         self._state_checked = False
         self._ddp_made = False
         self._reformed = False  # guard() swallowed a failed step: batches() restarts on the new group
+        self._catch_up = EpochCatchUp()  # a rank moved to a later epoch by a re-formation
         self.reforms = 0
 
     @property
@@ -373,14 +489,15 @@ class ElasticLoop:
         if self._keeper is not None:
             # From a peer that holds the state (a node joining a running job), else from
             # the checkpoint on every rank.
-            if self._keeper.resume(self._load) < 0:
+            if self._keeper.resume(self._saves.load) < 0:
                 return 0
             self._adopt_progress()
         else:
-            if self.manager.load_latest(self._state) is None:
+            loaded = self._saves.load_latest()
+            if loaded is None:
                 return 0
-            self.steps_done = self._saved_at = int(self._progress["steps_done"])
-        if self._epoch_done():
+            self.steps_done = loaded
+        if epoch_done(self.sampler):
             # Saved right after an epoch's last step (a drain there): start the next one now,
             # so code that peeks at the loader before set_epoch() still finds batches.
             self.sampler.set_epoch(int(self.sampler.epoch) + 1)
@@ -395,16 +512,9 @@ class ElasticLoop:
         if warning is not None:
             log.warning("loop_state_incomplete", reason=warning)
 
-    def _load(self) -> int:
-        """Load the newest checkpoint into the state; the last completed step, -1 if none."""
-        if self.manager.load_latest(self._state) is None:
-            return -1
-        self._progress["saved_at"] = int(self._progress["steps_done"])  # it was saved there
-        return int(self._progress["steps_done"]) - 1
-
     def _adopt_progress(self) -> None:
         self.steps_done = int(self._progress["steps_done"])
-        self._saved_at = int(self._progress.get("saved_at", self.steps_done))
+        self._saves.adopt(self.steps_done)
 
     def ddp(self, module: torch.nn.Module, **kwargs: Any) -> RegroupingDDP:
         """``DistributedDataParallel(module, **kwargs)``, rebuilt on the new group after each
@@ -434,10 +544,8 @@ class ElasticLoop:
                 yield
         except (ValueError, RuntimeError) as exc:
             if self.reforms and stale_group_error(exc):
-                raise ConfigError(
-                    f"the step used a module or group from before the live re-formation ({exc}); "
-                    "after a re-formation use loop.model (sharded=) or the module loop.ddp() "
-                    "returned, never a DDP/FSDP handle or process group kept from before") from exc
+                raise ConfigError(f"the step used a module or group from before the live "
+                                  f"re-formation ({exc}); {STALE_HANDLE_FIX}") from exc
             raise
         except Reformed:
             if self._live is None:
@@ -453,19 +561,19 @@ class ElasticLoop:
         epoch and a checkpoint is committed.
         A ``break`` out of the loop leaves the current batch uncounted.
         """
-        if self._keeper is not None and not self._ddp_made and self.sharded is None:
-            raise ConfigError("ElasticLoop(live=True): build the DDP wrapper with "
-                              "model = loop.ddp(model, ...) instead of DDP(model, ...), so it "
-                              "can be rebuilt on the re-formed group; or pass live=False")
+        check_live_ddp(self._keeper is not None and self.sharded is None, self._ddp_made)
         self._check_state()
         global_batches = isinstance(self.sampler, ElasticSampler)
         if global_batches:
             check_global_batch_pipeline(self.sampler, loader, live=self._keeper is not None)
+        if self._catch_up.skip(self.sampler):
+            return
+        epoch = int(self.sampler.epoch)
         while True:
             it = iter(loader)
             self._live = it
             try:
-                for batch in self._with_tail(it, loader):
+                for batch in with_tail(it, loader, self.sampler):
                     if global_batches:
                         check_share(self.sampler, batch)
                     yield batch
@@ -483,45 +591,27 @@ class ElasticLoop:
             finally:
                 self._live = None
             self._after_reform(it)
+            if self._catch_up.ended(epoch, self.sampler):
+                return  # without the end-of-epoch save: the others are mid-epoch
         # The loader (and its tail, above) ran out: the epoch is over for this loop. Saved as
-        # "next epoch, position 0",
-        # a resume starts the next epoch, and code that peeks at the loader before
-        # set_epoch() still finds batches.
+        # "next epoch, position 0", a resume starts the next epoch, and code that peeks at
+        # the loader before set_epoch() still finds batches.
         self.sampler.set_epoch(int(self.sampler.epoch) + 1)
         if self._keeper is not None:
             self._keeper.refresh_replica()  # a rollback to the replica stays in this epoch
-        if self.steps_done > self._saved_at:
+        if self.steps_done > self._saves.saved_at:
             self.save(blocking=True)
-
-    def _with_tail(self, it: Iterator[B], loader: Iterable[B]) -> Iterator[B]:
-        """``it``'s batches, then the partial last batch a ``DataLoader(drop_last=True)``
-        dropped: after a resize mid-epoch the remaining samples are dealt over the new
-        ranks and a rank's share rarely fills its last batch; dropping it would leave
-        those samples untrained this epoch (a fault-free run trains them)."""
-        yield from it
-        tail = dropped_tail(self.sampler, loader)
-        if tail:
-            log.info("loop_tail_trained", samples_per_rank=len(tail), epoch=int(self.sampler.epoch))
-            dataset, collate = loader.dataset, loader.collate_fn  # type: ignore[attr-defined]
-            yield collate([dataset[i] for i in tail])
 
     def _after_reform(self, old: Iterator[object]) -> None:
         """Continue on the re-formed group: the newest state is in place; reshard."""
         self._reformed = False
         self.reforms += 1
-        shutdown_workers = getattr(old, "_shutdown_workers", None)
-        if shutdown_workers is not None:
-            shutdown_workers()  # the old loader's workers prefetched the old world's shares
+        shutdown_loader(old)  # the old loader's workers prefetched the old world's shares
         self._adopt_progress()
         self.sampler.regroup()
         self.ctx = current_context()
         log.info("loop_reformed", steps_done=self.steps_done, world_size=self.ctx.world_size,
                  rank=self.ctx.rank, epoch=int(self.sampler.epoch))
-
-    def _epoch_done(self) -> bool:
-        if hasattr(self.sampler, "epoch_done"):
-            return bool(self.sampler.epoch_done)
-        return int(self.sampler.steps_remaining) == 0
 
     def step_done(self, samples_per_rank: int | None = None, *, loss: float | None = None) -> None:
         """Record one optimizer step; for loops that do not iterate :meth:`batches`.
@@ -563,18 +653,10 @@ class ElasticLoop:
             self.manager.close()
             # fast_exit skips finalisers: stop the DataLoader's worker processes now rather
             # than leave them to notice (seconds later) that their parent is gone.
-            shutdown_workers = getattr(self._live, "_shutdown_workers", None)
-            if shutdown_workers is not None:
-                shutdown_workers()
+            shutdown_loader(self._live)
             fast_exit(0)
-        if self._save_due():
+        if self._saves.due(self.steps_done):
             self.save()
-
-    def _save_due(self) -> bool:
-        """Is this step a save step? The same answer on every rank (a save is a collective)."""
-        if self.cadence is not None:  # the agreed steps since the last save (both travel)
-            return self.steps_done - self._saved_at >= self.cadence.every()
-        return self.steps_done % self.save_every == 0
 
     def save(self, *, blocking: bool = False) -> None:
         """Checkpoint the state as of the last finished step (a collective).
@@ -583,14 +665,7 @@ class ElasticLoop:
         steps 0..N, as for every other elasticd checkpoint (``report_progress``, the
         agent's fence and ``elasticd status`` count steps the same way).
         """
-        if self.steps_done == self._saved_at:
-            return  # this step is saved already; a second save would be refused as not newer
-        self._progress["saved_at"] = self.steps_done
-        t0 = time.perf_counter()
-        self.manager.save(self.steps_done - 1, self._state, blocking=blocking)
-        self._saved_at = self.steps_done
-        if self.cadence is not None and not blocking:  # a blocking save's time includes the write
-            self.cadence.saved(time.perf_counter() - t0, self.manager.last_saved)
+        self._saves.save(self.steps_done, blocking=blocking)
 
     def close(self) -> None:
         """Save the last finished step if it is not saved yet, wait for the checkpoint to
@@ -600,7 +675,7 @@ class ElasticLoop:
         between ``save_every`` steps would otherwise leave its last steps unsaved: a re-run
         would retrain them, or, if the agent records the job as finished, never train them.
         """
-        if self.steps_done > self._saved_at:
+        if self.steps_done > self._saves.saved_at:
             self.save(blocking=True)
         self.manager.close()
 

@@ -308,6 +308,20 @@ def seal(snap: Snapshot) -> Snapshot:
     return snap
 
 
+def parse_snapshot_index(raw: bytes) -> tuple[int, int, list[shards.Chunk], int, dict[str, Any]]:
+    """A peer's snapshot index (untrusted JSON, :meth:`Snapshot.index`'s form): (old rank,
+    step, chunks, data size, extra).
+
+    The one parser of it: the replica exchange (:func:`parse_snapshot`) and the in-memory
+    reshard's index exchange through the round's store both read an index here.
+
+    Raises:
+        CheckpointCorruptError: malformed or oversized JSON, no rank, step or extra, or a
+            chunk table the checkpoint's index parser refuses.
+    """
+    return shards.parse_peer_index(raw, "a peer's shard index")
+
+
 def parse_snapshot(index: bytes, data: torch.Tensor, *, size: int | None = None) -> Snapshot:
     """A received replica: the index validated as a checkpoint's, its size checked (each
     chunk's bytes are checked against its CRC when a recovery reads them).
@@ -318,15 +332,7 @@ def parse_snapshot(index: bytes, data: torch.Tensor, *, size: int | None = None)
     Raises:
         CheckpointCorruptError: a malformed index, or bytes of another size.
     """
-    try:
-        body = boundedjson.loads_object(index, what="peer replica index",
-                                        max_bytes=shards.MAX_INDEX_BYTES)
-    except boundedjson.BoundedJSONError as exc:
-        raise CheckpointCorruptError(str(exc)) from None
-    rank, step, extra = body.get("rank"), body.pop("step", None), body.pop("extra", None)
-    if not isinstance(rank, int) or not isinstance(step, int) or not isinstance(extra, dict):
-        raise CheckpointCorruptError("a peer replica's index lacks rank, step or extra")
-    chunks, index_size, _ = shards.parse_index(json.dumps(body).encode(), shards.index_name(rank))
+    rank, step, chunks, index_size, extra = shards.parse_peer_index(index, "peer replica index")
     expected = int(data.numel()) if size is None else size
     if index_size != expected or any(c.start + c.length > index_size for c in chunks):
         raise CheckpointCorruptError(f"the replica of rank {rank} does not match its index")

@@ -266,22 +266,6 @@ def apply_replica_state(state: Mapping[str, Any], module: nn.Module, names: Sequ
 
 
 # -- the exchange's pure parts -------------------------------------------------------------
-def parse_index(raw: bytes) -> tuple[int, int, list[shards.Chunk], int, dict[str, Any]]:
-    """A peer's snapshot index (untrusted JSON): (old rank, step, chunks, data size, state).
-
-    Raises:
-        CheckpointCorruptError: malformed.
-    """
-    body = json.loads(raw)
-    if not isinstance(body, dict):
-        raise CheckpointCorruptError("a peer's shard index is not an object")
-    rank, step, extra = body.get("rank"), body.pop("step", None), body.pop("extra", None)
-    if not isinstance(rank, int) or not isinstance(step, int) or not isinstance(extra, dict):
-        raise CheckpointCorruptError("a peer's shard index lacks rank, step or state")
-    chunks, size, _ = shards.parse_index(json.dumps(body).encode(), shards.index_name(rank))
-    return rank, step, chunks, size, extra
-
-
 def needed_ranks(targets: Mapping[str, Any], chunks_of: Mapping[int, Sequence[shards.Chunk]]) -> set[int]:
     """The old ranks whose boxes overlap this rank's new boxes of ``targets``."""
     boxes = {key: shards.box_of(t) for key, t in targets.items()}

@@ -137,3 +137,23 @@ def test_worker_seeds_are_rederived_from_the_job_state():
         return torch.cat(list(ElasticStatefulLoader(loader, s)))
 
     assert torch.equal(draws(), draws())
+
+
+def test_a_state_taken_before_the_first_iteration_does_not_pin_the_start_position():
+    """state_dict() on a fresh adapter (a replica or checkpoint taken at resume) and then a
+    load of epoch 1's state: the next iteration yields the rest of epoch 1, not the epoch 0
+    batches torchdata's workers prefetched when state_dict() built an iterator."""
+    s, adapter = _loader(1, 0)
+    s.set_epoch(1)
+    it = iter(adapter)
+    for _ in range(2):
+        next(it)
+        s.step()
+    saved = adapter.state_dict()
+    want = [b[:, 0].tolist() for b in it]
+    del it
+    s, adapter = _loader(1, 0)
+    adapter.state_dict()
+    adapter.load_state_dict(saved)
+    assert s.epoch == 1
+    assert [b[:, 0].tolist() for b in adapter] == want

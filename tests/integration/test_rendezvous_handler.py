@@ -25,7 +25,7 @@ from torch.distributed.elastic.utils import store as store_util
 
 from elasticd.errors import ConfigError, EtcdUnavailableError
 from elasticd.etcd.client import EtcdClient
-from elasticd.etcd.embedded import EmbeddedEtcd, free_port
+from elasticd.etcd.embedded import free_port
 from elasticd.etcd.lease import LeaseKeeper
 from elasticd.keys import JobKeys
 from elasticd.records import NodeRecord
@@ -37,18 +37,6 @@ from elasticd.rendezvous.registry import create_handler
 from elasticd.rendezvous.settings import RendezvousSettings
 
 pytestmark = pytest.mark.timeout(60)
-
-
-@pytest.fixture(scope="module")
-def shared_etcd(tmp_path_factory):
-    """One etcd for the tests of this module that neither stop nor freeze it (each test
-    uses job names and store prefixes of its own)."""
-    server = EmbeddedEtcd(str(tmp_path_factory.mktemp("etcd")))
-    server.start()
-    try:
-        yield server
-    finally:
-        server.stop(remove_data=True)
 
 
 class HandlerFactory:
@@ -81,9 +69,9 @@ class HandlerFactory:
 
 
 @pytest.fixture
-def handlers(shared_etcd):
+def handlers(module_etcd):
     """Handlers on the module's etcd; all shut down (and clients closed) after the test."""
-    factory = HandlerFactory(shared_etcd.endpoint)
+    factory = HandlerFactory(module_etcd.endpoint)
     try:
         yield factory
     finally:
@@ -275,10 +263,10 @@ def test_restarted_process_with_same_node_id_does_not_inherit_its_seat(handlers)
     assert reborn.incarnation != dead.incarnation, "the old process's fencing token stays valid"
 
 
-def _foreign_record(shared_etcd, job: str, node: str, *, keep_alive: bool):
+def _foreign_record(module_etcd, job: str, node: str, *, keep_alive: bool):
     """A node record for ``node`` written by "another machine": a client, a lease (kept
     alive or not) and a record naming another host. Returns (client, keeper or None)."""
-    client = EtcdClient(shared_etcd.endpoint, timeout_s=2.0)
+    client = EtcdClient(module_etcd.endpoint, timeout_s=2.0)
     lease = client.grant_lease(2)
     record = NodeRecord(node=node, host="other-host", pid=1, version="0", started_at=time.time())
     client.put(JobKeys(job).node(node), record.to_json(), lease=lease)
@@ -286,10 +274,10 @@ def _foreign_record(shared_etcd, job: str, node: str, *, keep_alive: bool):
     return client, keeper
 
 
-def test_duplicate_node_id_on_a_live_machine_is_refused(handlers, shared_etcd):
+def test_duplicate_node_id_on_a_live_machine_is_refused(handlers, module_etcd):
     """A node id held by a live agent elsewhere (its lease kept alive past a full TTL) is
     refused with a ConfigError naming the id, the other host and the fix; the record stays."""
-    client, keeper = _foreign_record(shared_etcd, "dup", "n0", keep_alive=True)
+    client, keeper = _foreign_record(module_etcd, "dup", "n0", keep_alive=True)
     try:
         h = handlers.make("dup", "n0", min_nodes=1, max_nodes=1)
         exc, took = elapsed(h.next_rendezvous)
@@ -302,10 +290,10 @@ def test_duplicate_node_id_on_a_live_machine_is_refused(handlers, shared_etcd):
         client.close()
 
 
-def test_node_id_of_a_vanished_machine_is_taken_over_after_its_lease(handlers, shared_etcd):
+def test_node_id_of_a_vanished_machine_is_taken_over_after_its_lease(handlers, module_etcd):
     """A replacement machine that reuses the node id of one that vanished (its lease no
     longer kept alive) waits for that lease to expire, then joins normally."""
-    client, _ = _foreign_record(shared_etcd, "vanished", "n0", keep_alive=False)
+    client, _ = _foreign_record(module_etcd, "vanished", "n0", keep_alive=False)
     try:
         h = handlers.make("vanished", "n0", min_nodes=1, max_nodes=1)
         info = results(handlers.join([h]))[0]
@@ -439,10 +427,10 @@ def params(endpoint: str, job: str = "cfg", **conf) -> RendezvousParameters:
                                 max_nodes=2, local_addr="127.0.0.1", **conf)
 
 
-def test_registry_builds_a_working_handler(shared_etcd):
+def test_registry_builds_a_working_handler(module_etcd):
     """create_handler with torch's RendezvousParameters (and rdzv-conf numbers as strings)
     builds a handler that completes a round."""
-    h = create_handler(params(shared_etcd.endpoint, "reg", node_ttl="2", join_timeout="10",
+    h = create_handler(params(module_etcd.endpoint, "reg", node_ttl="2", join_timeout="10",
                               last_call_timeout="0.2", node_id="only"))
     try:
         info = h.next_rendezvous()
@@ -453,12 +441,12 @@ def test_registry_builds_a_working_handler(shared_etcd):
         h.client.close()
 
 
-def test_registry_handler_closes_its_own_client_on_shutdown(shared_etcd):
+def test_registry_handler_closes_its_own_client_on_shutdown(module_etcd):
     """Regression (issue 25 item 3): shutdown() of a handler that create_handler built
     closes the EtcdClient it owns (no channel or threads left behind), while a handler
     given a client by its caller leaves that client open."""
     before = set(threading.enumerate())
-    h = create_handler(params(shared_etcd.endpoint, "owned", node_ttl="2", join_timeout="10",
+    h = create_handler(params(module_etcd.endpoint, "owned", node_ttl="2", join_timeout="10",
                               node_id="only"))
     h.next_rendezvous()
     h.shutdown()
@@ -467,7 +455,7 @@ def test_registry_handler_closes_its_own_client_on_shutdown(shared_etcd):
     wait_until(lambda: not [t for t in threading.enumerate() if t not in before and t.is_alive()],
                10, lambda: f"the handler's threads to end: "
                f"{[t.name for t in threading.enumerate() if t not in before]}")
-    client = EtcdClient(shared_etcd.endpoint, timeout_s=2.0)
+    client = EtcdClient(module_etcd.endpoint, timeout_s=2.0)
     try:
         mine = EtcdRendezvousHandler(client, "owned2", RendezvousSettings(1, 1, node_ttl_s=2),
                                      node_id="mine")
@@ -538,7 +526,7 @@ def test_bad_endpoint_is_a_config_error():
 
 
 @pytest.fixture
-def stores(shared_etcd, request):
+def stores(module_etcd, request):
     """``stores.make(round)``: EtcdStores of this test's own job, each with a client of its
     own; all closed after the test."""
 
@@ -548,7 +536,7 @@ def stores(shared_etcd, request):
             self.keys = JobKeys(f"st-{request.node.name[:50]}".replace("[", "-").replace("]", ""))
 
         def make(self, round_: int = 0, timeout_s: float = 5.0) -> EtcdStore:
-            client = EtcdClient(shared_etcd.endpoint, timeout_s=2.0)
+            client = EtcdClient(module_etcd.endpoint, timeout_s=2.0)
             store = EtcdStore(client, self.keys.store_prefix(round_), timeout_s=timeout_s)
             self.made.append((store, client))
             return store
@@ -704,11 +692,11 @@ def test_torch_prefix_store_wraps_etcd_store(stores):
 # --- bounded key space -------------------------------------------------------------------
 
 
-def test_key_count_stays_bounded_over_50_rounds(handlers, shared_etcd):
+def test_key_count_stays_bounded_over_50_rounds(handlers, module_etcd):
     """50 re-rendezvous rounds of 2 nodes: rounds are consecutive (no spurious rounds) and the
     job's key count under /elasticd/<job>/ stays below 30 and does not grow after round 25."""
     hs = [handlers.make("soak", f"n{i}", min_nodes=2, max_nodes=2) for i in range(2)]
-    counter = EtcdClient(shared_etcd.endpoint, timeout_s=2.0)
+    counter = EtcdClient(module_etcd.endpoint, timeout_s=2.0)
     prefix = JobKeys("soak").prefix
     gate = threading.Barrier(2, timeout=20)
     counts: dict[int, int] = {}

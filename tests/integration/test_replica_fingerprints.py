@@ -84,3 +84,33 @@ def test_a_nudged_replica_is_found_within_one_interval_and_restored(tmp_path):
         assert "replica_diverged" in log1 and "ranks=[1]" in log1, log1[-2000:]
     assert _equal(results["aligned"][1][0], clean[0]), "restored state differs from fault-free"
     assert not _equal(results["late"][1][0], clean[0])  # two steps of rank 1's gradients
+
+
+def _status(endpoint: str, job: str, *flags: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "elasticd.status", "--etcd", endpoint, "--job", job,
+                           "--timeout", "3", *flags], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "COLUMNS": "200"})
+
+
+@pytest.mark.timeout(240)
+def test_a_divergence_under_an_agent_is_an_event_naming_the_rank_and_node(nodes, tmp_path):
+    """One agent, three ranks, rank 1 nudged once: the job restores it and finishes, and
+    `elasticd status` (table and --json) shows a `diverged` event naming rank 1 and the node."""
+    out = tmp_path / "out"
+    out.mkdir()
+    env = {"OUT": str(out), "CKPT": f"file://{out}/ckpt", "FP_EVERY": str(EVERY),
+           "NUDGE_RANK": "1", "NUDGE_STEP": str(2 * EVERY), "PYTHONPATH": str(ROOT)}
+    node = nodes.start("diverge", str(SCRIPT), nnodes="1:1", nproc=3, env=env, name="nodeA")
+    assert node.wait(200) == 0, node.log()[-3000:]
+    reports = [json.loads((out / f"rank{r}.json").read_text()) for r in range(3)]
+    assert all(r["diverged"] == [[1]] for r in reports), reports
+
+    doc = json.loads(_status(nodes.etcd.endpoint, "diverge", "--json").stdout)
+    diverged = [e for e in doc["events"] if e["kind"] == "diverged"]
+    assert len(diverged) == 1, doc["events"]
+    ev = diverged[0]
+    assert ev["node"] == "nodeA" and ev["detail"]["rank"] == 1 and ev["detail"]["source"] in (0, 2), ev
+    assert 2 * EVERY - 1 <= ev["detail"]["step"] < 3 * EVERY, ev
+    assert "rank 1 diverged" in ev["message"], ev
+    table = _status(nodes.etcd.endpoint, "diverge").stdout
+    assert "diverged" in table and "nodeA" in table and "rank 1 diverged" in table, table

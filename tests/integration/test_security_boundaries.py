@@ -110,6 +110,7 @@ def _log_event(log: str, event: str) -> dict:
 
 
 @pytest.mark.timeout(150)
+@pytest.mark.real_tmp  # uid 65534 must be kept out by the files' modes, not by pytest's 0700 root
 def test_standalone_etcd_and_worker_logs_are_private_to_their_owner(tmp_path):
     """`elasticd run --standalone`: uid 65534 can neither read nor write a key of its etcd
     (plaintext, TLS without a client cert, or the owner's cert files), while the owner can,
@@ -178,6 +179,8 @@ def test_standalone_etcd_and_worker_logs_are_private_to_their_owner(tmp_path):
     finally:
         node.cleanup()
         shutil.rmtree(trap, ignore_errors=True)
+        for chosen_dir in trap.parent.glob(f"elasticd-logs-{job}-*"):  # the agent keeps worker logs
+            shutil.rmtree(chosen_dir, ignore_errors=True)
 
 
 @pytest.mark.timeout(90)

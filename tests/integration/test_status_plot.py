@@ -18,6 +18,12 @@ from elasticd.status.cli import build_parser, run
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.fixture
+def etcd_server(module_etcd):
+    """This module's tests share one etcd: none stops it, each writes jobs of its own."""
+    return module_etcd
+
+
 def status(endpoint: str, *argv: str) -> tuple[int, str, str]:
     out, err = io.StringIO(), io.StringIO()
     args = build_parser().parse_args(["status", "--etcd", endpoint, "--timeout", "3", *argv])
@@ -29,10 +35,11 @@ def status(endpoint: str, *argv: str) -> tuple[int, str, str]:
 def test_plot_of_a_synthetic_job_is_a_valid_image(etcd_server, etcd_client, tmp_path, suffix):
     """A job with history, events and checkpoints is drawn into a real PNG/SVG and its path printed."""
     pytest.importorskip("matplotlib", reason="the [plot] extra (matplotlib) is not installed")
-    write_synthetic_job(etcd_client, SyntheticJob("pic", nodes=4, events=40, history=120,
+    job = f"pic-{suffix[1:]}"  # a job per parameter: the etcd is the module's
+    write_synthetic_job(etcd_client, SyntheticJob(job, nodes=4, events=40, history=120,
                                                   recent_failure=True), now=time.time())
     target = tmp_path / f"pic{suffix}"
-    code, out, err = status(etcd_server.endpoint, "--job", "pic", "--plot", str(target))
+    code, out, err = status(etcd_server.endpoint, "--job", job, "--plot", str(target))
     assert code == 0, err
     assert out.startswith(str(target)) and "120 samples" in out
     head = target.read_bytes()[:400]

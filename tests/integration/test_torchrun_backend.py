@@ -89,6 +89,12 @@ def test_node_that_finishes_first_is_a_leave_not_a_lost_member(etcd_server, tmp_
     assert no_leftovers(nodes) == []
 
 
+# Soak only: gRPC core in a child forked while the parent's watch thread sits in its poller
+# aborts now and then (SIGABRT/SIGSEGV, about 1 child in 100 after the retry on a fresh
+# channel; benchmarks/fork_probe.py), and one aborted node fails this two-node job (2 of 10
+# runs under load). The rate is pinned in make test by tests/integration/test_etcd_fork.py;
+# docs/architecture.md ("Forks and gRPC") recommends spawn/forkserver to embedders.
+@pytest.mark.soak
 @pytest.mark.timeout(150)
 def test_nodes_forked_after_a_rendezvous_finish_at_different_times(etcd_server, tmp_path):
     """Regression (issue 52): two nodes forked from a process that completed a rendezvous,

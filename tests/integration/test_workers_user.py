@@ -107,6 +107,13 @@ def _assert_uid(pid: int) -> None:
     assert uid_line.split()[1:] == [str(NOBODY)] * 4, uid_line
 
 
+
+def _remove_agent_log_dirs(job: str) -> None:
+    """The agent keeps its workers' logs in a private ``elasticd-logs-<job>-*`` dir of the
+    system temp dir (root-owned workers' logs, so not under a tmp_path): remove this job's."""
+    for path in Path(tempfile.gettempdir()).glob(f"elasticd-logs-{job}-*"):
+        shutil.rmtree(path, ignore_errors=True)
+
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("restart", [
     "none",
@@ -177,6 +184,7 @@ def test_workers_run_as_their_own_uid_and_a_drain_loses_no_step(restart):
         assert owners == {NOBODY}, f"checkpoint files owned by {owners}"
     finally:
         shutil.rmtree(shared, ignore_errors=True)
+        _remove_agent_log_dirs(f"wu-{os.getpid()}")
 
 
 @pytest.mark.timeout(60)

@@ -79,7 +79,7 @@ def test_boolean_step_is_not_an_int():
     from elasticd.checkpoint.manifest import _canonical, checksum
 
     raw["manifest_crc32"] = f"{checksum(_canonical(raw)):08x}"
-    with pytest.raises(CheckpointCorruptError, match="'step' has type bool"):
+    with pytest.raises(CheckpointCorruptError, match=r"manifest\.step: expected int, got a boolean"):
         Manifest.from_json(json.dumps(raw).encode())
 
 

@@ -64,19 +64,19 @@ def test_replies_round_trip(msg):
 
 
 @pytest.mark.parametrize("obj, fragment", [
-    ({"op": "commit", "step": True, "manifest_url": "u", "world_size": 1, "round": 0}, "'step' must be an integer"),
-    ({"op": "commit", "step": 1.5, "manifest_url": "u", "world_size": 1, "round": 0}, "'step' must be an integer"),
-    ({"op": "commit", "step": "1", "manifest_url": "u", "world_size": 1, "round": 0}, "'step' must be an integer"),
-    ({"op": "commit", "step": -1, "manifest_url": "u", "world_size": 1, "round": 0}, "'step' = -1 is outside"),
+    ({"op": "commit", "step": True, "manifest_url": "u", "world_size": 1, "round": 0}, "commit message.step: expected int, got a boolean"),
+    ({"op": "commit", "step": 1.5, "manifest_url": "u", "world_size": 1, "round": 0}, "commit message.step: expected int, got a number"),
+    ({"op": "commit", "step": "1", "manifest_url": "u", "world_size": 1, "round": 0}, "commit message.step: expected int, got a string"),
+    ({"op": "commit", "step": -1, "manifest_url": "u", "world_size": 1, "round": 0}, "commit message.step: -1 is outside [0,"),
     ({"op": "commit", "step": 2**70, "manifest_url": "u", "world_size": 1, "round": 0}, "is outside"),
     ({"op": "commit", "step": 1, "manifest_url": "u" * (MAX_STR + 1), "world_size": 1, "round": 0}, "characters long"),
-    ({"op": "commit", "step": 1, "manifest_url": 5, "world_size": 1, "round": 0}, "must be a string"),
-    ({"op": "commit", "step": 1, "manifest_url": "u", "world_size": 0, "round": 0}, "'world_size' = 0"),
-    ({"op": "commit", "step": 1, "manifest_url": "u", "world_size": 1}, "'round' must be an integer"),
-    ({"op": "progress", "local_rank": 10**9, "rank": 0, "step": 1}, "'local_rank' = 1000000000 is outside"),
-    ({"op": "progress", "local_rank": 0, "rank": -3, "step": 1}, "'rank' = -3"),
-    ({"op": "progress", "local_rank": 0, "rank": 0, "step": 1, "loss": "0.5"}, "'loss' must be a number"),
-    ({"op": "progress", "local_rank": 0, "rank": 0, "step": 1, "loss": True}, "'loss' must be a number"),
+    ({"op": "commit", "step": 1, "manifest_url": 5, "world_size": 1, "round": 0}, "commit message.manifest_url: expected str, got a number"),
+    ({"op": "commit", "step": 1, "manifest_url": "u", "world_size": 0, "round": 0}, "commit message.world_size: 0 is outside [1,"),
+    ({"op": "commit", "step": 1, "manifest_url": "u", "world_size": 1}, "commit message: field 'round' is missing"),
+    ({"op": "progress", "local_rank": 10**9, "rank": 0, "step": 1}, "progress message.local_rank: 1000000000 is outside"),
+    ({"op": "progress", "local_rank": 0, "rank": -3, "step": 1}, "progress message.rank: -3 is outside"),
+    ({"op": "progress", "local_rank": 0, "rank": 0, "step": 1, "loss": "0.5"}, "progress message.loss: expected float, got a string"),
+    ({"op": "progress", "local_rank": 0, "rank": 0, "step": 1, "loss": True}, "progress message.loss: expected float, got a boolean"),
     ({"op": "format_disk"}, "unknown op 'format_disk'"),
     ({"step": 1}, "no 'op' field"),
 ])
@@ -159,10 +159,10 @@ def test_runtime_dir_is_private():
 
 
 @pytest.mark.parametrize("obj, fragment", [
-    ({"op": "checkpoint_io", "kind": "delete", "step": 1, "seconds": 1.0, "nbytes": 1}, "'kind'"),
-    ({"op": "checkpoint_io", "kind": "save", "step": 1, "seconds": -1.0, "nbytes": 1}, "'seconds'"),
-    ({"op": "checkpoint_io", "kind": "save", "step": 1, "seconds": True, "nbytes": 1}, "'seconds'"),
-    ({"op": "checkpoint_io", "kind": "load", "step": 1, "seconds": 1.0, "nbytes": -5}, "'nbytes'"),
+    ({"op": "checkpoint_io", "kind": "delete", "step": 1, "seconds": 1.0, "nbytes": 1}, "checkpoint_io message.kind: 'delete' is not one of 'save', 'load'"),
+    ({"op": "checkpoint_io", "kind": "save", "step": 1, "seconds": -1.0, "nbytes": 1}, "checkpoint_io message.seconds: -1.0 is outside"),
+    ({"op": "checkpoint_io", "kind": "save", "step": 1, "seconds": True, "nbytes": 1}, "checkpoint_io message.seconds: expected float, got a boolean"),
+    ({"op": "checkpoint_io", "kind": "load", "step": 1, "seconds": 1.0, "nbytes": -5}, "checkpoint_io message.nbytes: -5 is outside"),
 ])
 def test_invalid_checkpoint_reports_are_rejected(obj, fragment):
     """A checkpoint report with an unknown kind, a negative or non-number duration, or negative bytes is refused."""
@@ -181,3 +181,32 @@ def test_checkpoint_reports_reach_the_handler_without_a_reply(tmp_path):
         assert seen == [report] and ch.rejected == 1
     finally:
         ch.close()
+
+
+
+@pytest.mark.timeout(30)
+def test_a_worker_gone_with_a_reply_unread_ends_its_connection_without_a_traceback(tmp_path, capsys):
+    """A worker killed after asking (its reply unread, a line half sent) resets the socket: the
+    agent's next read gets ECONNRESET, which ends that connection quietly (no socketserver
+    traceback on the agent's stderr), and the channel keeps answering others."""
+    import socket
+
+    ch = ControlChannel(base_dir=str(tmp_path)).start()
+    try:
+        for _ in range(3):
+            gone = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            gone.settimeout(10)
+            gone.connect(ch.socket_path)
+            gone.sendall(serialise(Ping(id=1)))
+            assert gone.recv(1, socket.MSG_PEEK)  # the reply arrived; it stays unread
+            gone.sendall(serialise(Ping(id=2))[:5])
+            gone.close()
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as alive:
+            alive.settimeout(10)
+            alive.connect(ch.socket_path)
+            alive.sendall(serialise(Ping(id=7)))
+            assert b"pong" in alive.makefile("rb").readline()
+    finally:
+        ch.close()
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "ConnectionResetError" not in err, err

@@ -330,3 +330,79 @@ def test_auto_cadence_saves_at_first_every_then_at_the_measured_interval(standal
     assert "MTBF" in chosen.reason and chosen.interval_s > 0
     assert cadences[0].every_steps == 50 and cadences[-1] == chosen
     loop.close()
+
+
+def test_reform_epoch_action_ends_the_epoch_only_when_the_adopted_state_is_later():
+    """An adopted state in a later epoch ends batches(); the same or an earlier one goes on."""
+    from elasticd.worker.loop import EpochAction, reform_epoch_action
+
+    assert reform_epoch_action(0, 1) is EpochAction.END
+    assert reform_epoch_action(0, 3) is EpochAction.END
+    assert reform_epoch_action(1, 1) is EpochAction.CONTINUE
+    assert reform_epoch_action(2, 1) is EpochAction.CONTINUE
+
+
+class _AdoptingKeeper:
+    """Stands in for LiveState: at step ``at`` the step's collective "fails" and the rank
+    adopts ``peer`` (a newer rank's sampler state and progress), as a thawed rank does."""
+
+    def __init__(self, loop, at: int, peer: dict, peer_steps: int) -> None:
+        self.loop, self.at, self.peer, self.peer_steps = loop, at, peer, peer_steps
+        self.agreed_in_memory = False
+
+    def step_done(self, step: int) -> bool:
+        return False
+
+    def refresh_replica(self) -> None:
+        pass
+
+    def guard(self):
+        import contextlib
+
+        from elasticd.worker.live import Reformed
+
+        @contextlib.contextmanager
+        def cm():
+            yield
+            if self.loop.steps_done == self.at and self.peer is not None:
+                self.loop.sampler.load_state_dict(self.peer)
+                self.loop._progress.update(steps_done=self.peer_steps, saved_at=self.peer_steps)
+                self.peer = None
+                raise Reformed("adopted a newer state")
+        return cm()
+
+
+@pytest.mark.parametrize("ahead", [1, 2])
+def test_a_rank_that_adopts_a_later_epoch_trains_it_under_that_epoch(standalone, ahead):
+    """A rank frozen in epoch 0 that adopts the group's state ``ahead`` epochs later ends
+    epoch 0's batches(), skips the epochs the group trained, and trains the rest of the
+    adopted epoch under that epoch number (not under its stale loop variable)."""
+    url = f"memory://loop-{uuid.uuid4().hex}"
+    ahead_loop, ahead_sampler, _ = _loop(url)
+    ahead_sampler.set_epoch(ahead)
+    ahead_sampler.samples_trained = 8  # the group is 2 batches into epoch ``ahead``
+    peer = ahead_sampler.state_dict()
+    ahead_loop.close()
+
+    loop, sampler, loader = _loop(url)
+    loop.ddp(loop._state["model"])
+    loop._keeper = _AdoptingKeeper(loop, at=2, peer=peer, peer_steps=5 * ahead + 2)
+    trained: dict[int, list[int]] = {}
+    for epoch in range(0, ahead + 2):
+        sampler.set_epoch(epoch)
+        for (xb,) in loop.batches(loader):
+            with loop.guard():
+                trained.setdefault(epoch, []).extend(int(x) for x in xb[:, 0])
+    ref, ref_sampler, _ = _loop(url)
+    order = {}
+    for e in (0, ahead):
+        ref_sampler.set_epoch(e)
+        order[e] = [int(i) for i in ref_sampler]
+    ref.close()
+    # Epoch 0: only its batches up to the failed step (whose body ran), nothing after it.
+    assert set(trained) == {0, ahead, ahead + 1}
+    assert trained[0] == order[0][:8]
+    assert trained[ahead] == order[ahead][8:]  # the adopted epoch's rest, under its own number
+    assert sorted(trained[ahead + 1]) == list(range(20))
+    loop._keeper = None
+    loop.close()

@@ -100,3 +100,19 @@ def test_non_finite_tensors_are_found():
     ok, nan, inf = torch.ones(3), torch.tensor([1.0, float("nan")]), torch.tensor([float("inf")])
     assert non_finite([ok, nan, torch.arange(3), inf]) == [1, 3]
     assert non_finite([ok]) == []
+
+
+def test_a_suspect_rank_is_never_the_source_of_a_state_transfer():
+    """A rank named diverged and not yet verified restored offers no state: a re-formation
+    takes the newest step from another rank (rank 0 would be the source by position), the
+    suspect rank is planned among those behind, and with every rank suspect nobody is a
+    source and the job loads the newest checkpoint."""
+    from elasticd.worker.fingerprint import offered_step
+    from elasticd.worker.recovery_plan import NO_STATE, Load, Replicate, plan_replication
+
+    assert offered_step(12, suspect=False) == 12 and offered_step(12, suspect=True) == NO_STATE
+    plan = plan_replication([offered_step(12, suspect=True), 12, 12])
+    assert plan == Replicate(12, 1, (0,))
+    joiner = plan_replication([offered_step(12, suspect=True), NO_STATE, 12])
+    assert joiner == Replicate(12, 2, (0, 1))  # a joiner is fed from the trusted rank
+    assert isinstance(plan_replication([offered_step(12, suspect=True)] * 2), Load)

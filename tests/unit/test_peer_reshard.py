@@ -8,11 +8,11 @@ import torch
 
 from elasticd.checkpoint.api import CheckpointCorruptError
 from elasticd.worker.peer_replica import fill_boxes as fill_targets
+from elasticd.worker.peer_replica import parse_snapshot_index
 from elasticd.worker.peer_reshard import (
     MemoryReport,
     apply_replica_state,
     needed_ranks,
-    parse_index,
     plan_memory_reshard,
     replica_state,
 )
@@ -119,7 +119,7 @@ def test_a_snapshot_s_state_fills_another_model_with_the_same_values(one_rank_me
     tensors, extra = replica_state(a, a["model"], names, params, rng.capture())
     expected_draw = torch.rand(3)
     snap = take_snapshot(0, 6, tensors, extra)
-    rank, step, chunks, size, state = parse_index(snap.index())
+    rank, step, chunks, size, state = parse_snapshot_index(snap.index())
     assert (rank, step, size) == (0, 6, snap.data.numel())
 
     b, names_b, params_b = _job(one_rank_mesh, 2)

@@ -278,3 +278,25 @@ def test_the_auto_interval_follows_the_losses_seen_and_retrains_less():
     assert a.lost["retrained"] + a.lost["checkpoint_block"] < f.lost["retrained"] + f.lost.get(
         "checkpoint_block", 0.0)
     _adds_up(a)
+
+
+def test_the_first_step_clock_starts_at_the_earliest_row_of_the_trace(tmp_path):
+    """--clock first-step: the replay's t0 is the earliest step any worker wrote, whatever
+    order the ranks appended their rows in (a torn last line is skipped)."""
+    from benchmarks.common import Cluster
+    from benchmarks.spotbench.live import first_step_time
+
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text('{"step": 0, "rank": 1, "time": 12.5}\n{"step": 0, "rank": 0, "time": 12.25}\n'
+                     '{"step": 1, "ra')
+    assert first_step_time(trace, Cluster(tmp_path), timeout_s=5.0) == 12.25
+
+
+def test_no_first_step_in_time_fails_naming_where_the_logs_are(tmp_path):
+    """A job that trains no step before the deadline fails the replay with an error that
+    points at the launchers' logs, instead of playing the trace on no job."""
+    from benchmarks.common import Cluster
+    from benchmarks.spotbench.live import first_step_time
+
+    with pytest.raises(TimeoutError, match="no step trained within 0 s.*logs"):
+        first_step_time(tmp_path / "trace.jsonl", Cluster(tmp_path), timeout_s=0.0)

@@ -152,7 +152,7 @@ def test_module_hooks_exist(module, attr):
 # imports of private modules or names, names reached through an import alias (``dist.`` ...)
 # or a getattr with a private string, and private module names in strings ("torch._dynamo").
 PRIVATE_MODULE_NAMES: dict[str, str] = {
-    # worker/live.py: the round's store, for the FSDP2 peer replica's tickets and index exchange
+    # worker/live_sharded.py: the round's store, for the FSDP2 peer replica's tickets and index exchange
     "torch.distributed.distributed_c10d:_get_default_store": "callable",
     # teardown.py: the groups a script's destroy_process_group would tear down under us
     "torch.distributed.distributed_c10d:_world": "attr:pg_map",
@@ -282,6 +282,57 @@ def test_private_module_names_exist_on_this_torch(entry):
     else:
         attr = need.removeprefix("attr:")
         assert value is not None and hasattr(value, attr), f"{entry}: gone or has no {attr}"
+
+
+# Private attributes of torch *objects* (not modules) that the worker half reads by name
+# (``getattr(obj, "_x")``): the alias walk above cannot tell their owner, so each is named
+# here with where it lives on the installed torch and what elasticd needs of it.
+WORKER_PRIVATE_ATTRIBUTES: dict[str, str] = {
+    # worker/loop.py (shutdown_loader): stop a multi-process DataLoader's workers before a
+    # fast exit or after a re-formation (their prefetched shares are the old world's)
+    "_shutdown_workers": "torch.utils.data.dataloader._MultiProcessingDataLoaderIter",
+    # worker/loop.py (_scheduled): torch's LRScheduler marks the optimizer.step it wraps
+    "_wrapped_by_lr_sched": "torch.optim.lr_scheduler.LRScheduler",
+}
+
+
+def _worker_private_attribute_strings() -> set[str]:
+    """Private names given as strings to getattr/hasattr on a non-torch-module object in
+    elasticd/worker (torch module names are PRIVATE_MODULE_NAMES' business)."""
+    found = set()
+    for path in (ROOT / "worker").rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        aliases = _aliases(tree)
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                    and node.func.id in ("getattr", "hasattr") and len(node.args) >= 2
+                    and isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str)
+                    and _private(node.args[1].value) and _dotted(node.args[0], aliases) is None):
+                found.add(node.args[1].value)
+    return found
+
+
+@pytest.mark.timeout(60)
+def test_every_private_attribute_the_worker_half_reads_by_name_is_listed():
+    """A private torch attribute read by name in elasticd/worker is in WORKER_PRIVATE_ATTRIBUTES, and nothing stale is."""
+    found = _worker_private_attribute_strings()
+    missing, stale = found - set(WORKER_PRIVATE_ATTRIBUTES), set(WORKER_PRIVATE_ATTRIBUTES) - found
+    assert not missing, f"add to WORKER_PRIVATE_ATTRIBUTES (check on every torch upgrade): {sorted(missing)}"
+    assert not stale, f"no longer used, remove from WORKER_PRIVATE_ATTRIBUTES: {sorted(stale)}"
+
+
+@pytest.mark.timeout(60)
+def test_worker_private_attributes_exist_on_this_torch():
+    """A multi-process DataLoader iterator has a callable _shutdown_workers, and an LR
+    scheduler marks the optimizer.step it wraps with _wrapped_by_lr_sched."""
+    import torch
+    from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
+
+    assert callable(getattr(_MultiProcessingDataLoaderIter, "_shutdown_workers", None))
+    optimizer = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
+    assert not getattr(optimizer.step, "_wrapped_by_lr_sched", False)
+    torch.optim.lr_scheduler.StepLR(optimizer, step_size=1)
+    assert getattr(optimizer.step, "_wrapped_by_lr_sched", False) is True
 
 
 def test_state_dicts_carry_their_module_versions_in_metadata():

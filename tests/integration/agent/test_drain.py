@@ -28,23 +28,6 @@ def _assert_resumed_at_the_next_step(out, old_world: int, new_world: int) -> Non
     assert len(set(per_rank_last.values())) == 1, f"ranks stopped at different steps: {per_rank_last}"
 
 
-def test_sigterm_drain_loses_no_step(nodes, tmp_path):
-    """SIGTERM to one of two agents: both nodes stop after the same step, the drained agent
-    exits 0, and the survivor resumes at exactly the next step at world size 1."""
-    env = _env(tmp_path)
-    out = tmp_path / "steps.jsonl"
-    a = nodes.start("d1", SCRIPT, env=env, nnodes="1:2")
-    b = nodes.start("d1", SCRIPT, env=env, nnodes="1:2")
-    wait_until(lambda: len([r for r in read_jsonl(out) if r["world"] == 2]) >= 10, 60, "world 2 steps")
-    a.signal_agent(signal.SIGTERM)
-    assert a.wait(60) == 0, a.log()[-3000:]
-    wait_until(lambda: rows_after(read_jsonl(out), 2, 1), 60, "steps at world 1 after the drain")
-    _assert_resumed_at_the_next_step(out, 2, 1)
-    assert b.alive()
-    b.signal_agent(signal.SIGTERM)
-    assert b.wait(60) == 0
-
-
 def test_worker_ignoring_stop_is_stopped_after_grace(nodes, tmp_path):
     """A worker that never checks should_stop is stopped hard once the grace period ends."""
     env = _env(tmp_path, IGNORE_STOP="1")
@@ -67,20 +50,32 @@ def test_second_sigterm_stops_hard(nodes, tmp_path):
     assert "second stop signal" in a.log()
 
 
-def test_join_drains_members_and_loses_no_step(nodes, tmp_path):
-    """A third node joins a 2-node job: the members stop after the same step and save
-    (drain-on-join), and the job resumes at world 3 at exactly the next step. Periodic
-    checkpoints are off, so a restart that killed the workers would lose every step."""
+def test_join_then_sigterm_drain_lose_no_step(nodes, tmp_path):
+    """One job, two phases. A third node joins a 2-node job: the members stop after the
+    same step and save (drain-on-join), and the job resumes at world 3 at exactly the next
+    step; periodic checkpoints are off, so a restart that killed the workers would lose
+    every step. Then SIGTERM to one agent: every node stops after the same step, the
+    drained agent exits 0, and the others resume at exactly the next step at world 2."""
     env = _env(tmp_path, CKPT_EVERY="100000")
     out = tmp_path / "steps.jsonl"
-    a = nodes.start("d4", SCRIPT, env=env, nnodes="2:3")
-    b = nodes.start("d4", SCRIPT, env=env, nnodes="2:3")
-    wait_until(lambda: len([r for r in read_jsonl(out) if r["world"] == 2]) >= 10, 60, "world 2 steps")
-    nodes.start("d4", SCRIPT, env=env, nnodes="2:3")
-    wait_until(lambda: [r for r in read_jsonl(out) if r["world"] == 3], 60, "steps at world 3")
+    a = nodes.start("d4", SCRIPT, env=env, nnodes="1:3")
+    b = nodes.start("d4", SCRIPT, env=env, nnodes="1:3")
+    # Deadlines sized for agents that start in 35 s at a load of 35 (each wait polls).
+    wait_until(lambda: len([r for r in read_jsonl(out) if r["world"] == 2]) >= 10, 120, "world 2 steps")
+    c = nodes.start("d4", SCRIPT, env=env, nnodes="1:3")
+    wait_until(lambda: len([r for r in read_jsonl(out) if r["world"] == 3]) >= 6, 120, "steps at world 3")
     _assert_resumed_at_the_next_step(out, 2, 3)
     assert "resize_started" in a.log() + b.log(), "the members never started a resize"
     assert a.alive() and b.alive()
+    a.signal_agent(signal.SIGTERM)
+    assert a.wait(60) == 0, a.log()[-3000:]
+    wait_until(lambda: rows_after(read_jsonl(out), 3, 2), 60, "steps at world 2 after the drain")
+    _assert_resumed_at_the_next_step(out, 3, 2)
+    assert b.alive() and c.alive()
+    for n in (b, c):
+        n.signal_agent(signal.SIGTERM)
+    for n in (b, c):
+        assert n.wait(60) == 0, n.log()[-3000:]
 
 
 def test_sigterm_while_waiting_for_a_round_exits_at_once(nodes, tmp_path):

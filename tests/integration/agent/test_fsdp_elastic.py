@@ -29,6 +29,7 @@ from harness import ROOT, agent_events, example_args, read_jsonl, trained_sample
 
 SCRIPT = str(ROOT / "examples" / "fsdp_train.py")
 STEPS = 24
+DRAIN_AT = 19  # the pure FSDP2 kill/join job's last phase: its joiner drained after this step
 pytestmark = pytest.mark.timeout(300)
 
 
@@ -197,13 +198,15 @@ def test_hsdp_live_kill_and_join_keeps_the_survivors_and_their_shards(nodes, tmp
     assert len(per_rank0) == len(set(per_rank0)), "a completed step was trained twice"
 
 
-def test_fsdp_live_kill_and_join_reshards_in_memory_and_trains_the_same_model(nodes, tmp_path):
+def test_fsdp_live_kill_join_and_drain_reshard_in_memory_and_train_the_same_model(nodes, tmp_path):
     """Pure FSDP2 with ``--live`` over 2 nodes x 2, peer-RAM replica every 4 steps: a node
     SIGKILLed at step 9 takes half the shards with it; the survivor's two workers (same
     PIDs) rebuild them from the replicas they hold (step 8: one step rolled back, sampler
     and LR with it) and reshard 4 -> 2 in memory; a joiner is resharded into 2 -> 4 from the
-    live shards. No checkpoint is read; the final parameters equal a fault-free run's and
-    every sample is trained once (each step's last attempt)."""
+    live shards; that joiner drained (SIGTERM to its agent) at step 19 hands its shards on:
+    every rank refreshes the replica at the agreed stop, so the survivor reshards 4 -> 2 in
+    memory at step 19 (0 rolled back). No checkpoint is read; the final parameters equal a
+    fault-free run's and every sample is trained once (each step's last attempt)."""
     ref = _start_reference(tmp_path)
     try:
         extra_b, script_b = _run(tmp_path, "b")
@@ -229,9 +232,15 @@ def test_fsdp_live_kill_and_join_reshards_in_memory_and_trains_the_same_model(no
                              script_args=script_b))
         wait_until(lambda: any((r["round"] or 0) > at_shrink and r["rank"] == 3 for r in read_jsonl(trace)),
                    90, "world 4 again after the join")
+        # Phase 4: the joiner drained, all four ranks held after step DRAIN_AT.
+        _hold_after(hold, DRAIN_AT)
+        wait_until(lambda: any((r["round"] or 0) > at_shrink and r["rank"] == 3 and r["step"] >= DRAIN_AT
+                               for r in read_jsonl(trace)), 90, f"step {DRAIN_AT} at world 4")
+        at_join = max(r["round"] or 0 for r in read_jsonl(trace))
+        b[2].signal_agent(signal.SIGTERM)
+        assert b[2].wait(60) == 0, b[2].log()[-3000:]
         _hold_after(hold, None)
-        for n in (b[0], b[2]):
-            assert n.wait(120) == 0, n.log()[-3000:]
+        assert b[0].wait(120) == 0, b[0].log()[-3000:]
         _, err = ref.communicate(timeout=120)
     finally:
         if ref.poll() is None:
@@ -242,11 +251,16 @@ def test_fsdp_live_kill_and_join_reshards_in_memory_and_trains_the_same_model(no
     rows = read_jsonl(trace)
     alone = {r["pid"] for r in rows if at_kill < (r["round"] or 0) <= at_shrink}
     assert alone == survivors, f"a survivor's worker was restarted (no live re-formation): {alone}"
+    after_drain = {r["pid"] for r in rows if (r["round"] or 0) > at_join}
+    assert after_drain == survivors, f"the drain restarted a survivor's worker: {after_drain}"
     for n in (b[0], b[2]):
         assert "checkpoint_loaded" not in n.log(), "a checkpoint was read"
     recovered = [line for line in b[0].log().splitlines() if "live_resharded_in_memory" in line
                  and "peer-RAM replicas" in line]
     assert recovered and '"steps_rolled_back": 1' in recovered[0], recovered
+    drained = [line for line in recovered if f'"step": {DRAIN_AT}' in line]
+    assert len(drained) == 2, recovered  # one line from each survivor's worker
+    assert all('"steps_rolled_back": 0' in line for line in drained), drained
     assert "live_resharded_in_memory" in b[2].log(), "the joiner was not resharded in memory"
     per_rank0 = [r["step"] for r in rows if r["rank"] == 0]
     assert len(per_rank0) - len(set(per_rank0)) <= 4, "more steps retrained than the replica's k"
@@ -271,26 +285,6 @@ def test_live_fsdp_resize_falls_back_to_the_resharding_load_and_says_why(nodes, 
     assert "no peer-RAM replica" in fell_back[0], fell_back[0]
     assert "checkpoint_loaded" in b[0].log(), "the restart path did not reshard the checkpoint"
     assert sorted({r["step"] for r in read_jsonl(trace)}) == list(range(steps))
-
-
-def test_fsdp_live_drain_hands_the_shards_on_and_loses_no_step(nodes, tmp_path):
-    """Pure FSDP2 ``--live`` over 2 nodes x 1, replica every 4 steps, one node drained
-    (SIGTERM to its agent) at step 5: at the agreed stop every rank refreshes the replica,
-    so the survivor reshards 2 -> 1 in memory at step 5 (0 rolled back), reads no
-    checkpoint, and no completed step is trained twice."""
-    steps = 12
-    b, hold, trace = _two_fsdp_nodes(nodes, tmp_path, "d", "fsdp-drain", steps=steps, replica_every=4,
-                                     hold_at=5)
-    b[1].signal_agent(signal.SIGTERM)
-    assert b[1].wait(60) == 0, b[1].log()[-3000:]
-    _hold_after(hold, None)
-    assert b[0].wait(120) == 0, b[0].log()[-3000:]
-    recovered = [line for line in b[0].log().splitlines() if "live_resharded_in_memory" in line]
-    assert len(recovered) == 1 and "peer-RAM replicas" in recovered[0], recovered
-    assert '"steps_rolled_back": 0' in recovered[0] and '"step": 5' in recovered[0], recovered[0]
-    assert "checkpoint_loaded" not in b[0].log(), "the survivor read the checkpoint"
-    per_rank0 = [r["step"] for r in read_jsonl(trace) if r["rank"] == 0]
-    assert sorted(per_rank0) == list(range(steps)), "a step was skipped or trained twice"
 
 
 def test_fsdp_live_kill_loads_a_checkpoint_newer_than_the_replicas_instead(nodes, tmp_path):

@@ -2,7 +2,9 @@
 
 Real agents, etcd and gloo workers: node b joins and is SIGKILLed again and again while
 node a's worker re-forms in place each time. Its threads and file descriptors must stay
-where the second cycle left them. The job takes the default lifecycle: under torch 2.13
+where the second cycle left them. ``make test`` runs 4 cycles (4 re-formations after the
+baseline sample: a leak of one fd or thread per re-formation exceeds the slack); the
+8-cycle run (12 after it) is under the ``soak`` marker (``make soak``). The job takes the default lifecycle: under torch 2.13
 (``make test``) rebuild; under torch 2.14+ (``make compat-reconfigure``, the CI's compat
 step) torch's reconfigure — the log line of the lifecycle chosen is checked against the
 torch in use.
@@ -21,7 +23,6 @@ from harness import ROOT, example_args, read_jsonl, wait_until
 from elasticd.worker.process_group import has_reconfigure
 
 SCRIPT = str(ROOT / "examples" / "train.py")
-CYCLES = 8  # a join and a kill each: 16 re-formations of a's worker
 SLACK = 3  # threads or fds a sample may differ by (a checkpoint or log flush in flight)
 
 
@@ -35,10 +36,11 @@ def _rows(trace: Path, pid: int, world: int, after_round: int) -> list[dict]:
 
 
 @pytest.mark.timeout(900)
-def test_sixteen_live_reformations_leave_threads_and_fds_flat(nodes, tmp_path):
-    """16 live re-formations of one worker (8 join/SIGKILL cycles of a second node): the
-    same worker process trains throughout (no fallback), and its threads and fds after
-    the 8th cycle are within 3 of where the 2nd cycle left them."""
+@pytest.mark.parametrize("cycles", [4, pytest.param(8, marks=pytest.mark.soak)])
+def test_live_reformations_leave_threads_and_fds_flat(nodes, tmp_path, cycles):
+    """2 x ``cycles`` live re-formations of one worker (join/SIGKILL cycles of a second
+    node): the same worker process trains throughout (no fallback), and its threads and
+    fds after the last cycle are within 3 of where the 2nd cycle left them."""
     trace = tmp_path / "trace-churn.jsonl"
     args = example_args(tmp_path, "churn", steps=1_000_000, dataset_size=480)
     args[args.index("--checkpoint-every") + 1] = "1000000"  # no saver thread coming and going
@@ -49,7 +51,7 @@ def test_sixteen_live_reformations_leave_threads_and_fds_flat(nodes, tmp_path):
     pid = read_jsonl(trace)[0]["pid"]
     assert pid in a.tree()
     last_round, samples = -1, []
-    for i in range(CYCLES):
+    for i in range(cycles):
         b = nodes.start("churn", SCRIPT, nnodes="1:2", name=f"b{i}", extra=ckpt, script_args=args)
         joined = wait_until(lambda after=last_round: _rows(trace, pid, 2, after), 120,
                             f"cycle {i}: a at world 2")

@@ -7,6 +7,11 @@ coordinator sees the stopped worker in that node's beat, ejects it by opening th
 round with cause ``member_hung``; the other two re-form live at world 2 within seconds,
 the ejected node's agent kills its stopped worker and rejoins cold, and every step and
 every sample is trained exactly once.
+
+The hang and the re-admission trial of a straggler are phases of one DDP job (one fault
+schedule over three agents, not a job each): a hung worker, then the same node slowed
+until it is ejected as a straggler twice; the pure FSDP2 straggler drain has a job of its
+own (another training path).
 """
 
 from __future__ import annotations
@@ -50,12 +55,38 @@ def _rounds_after(rows: list[dict], round_: int, ranks: set[int]) -> set[int]:
     return {r["rank"] for r in rows if (r["round"] or 0) > round_ and r["rank"] in ranks}
 
 
-def test_a_stopped_worker_is_ejected_and_the_others_train_on_in_seconds(nodes, tmp_path):
+def _slow_node(node, stop: threading.Event) -> None:
+    """Fault injection, not synchronisation: a node that stays slow. Every process under
+    its agent (the workers it has now, their standbys), not the agent itself, SIGSTOPped
+    and SIGCONTed 0.1 s each until ``stop``."""
+    while not stop.is_set():
+        pids = node.tree()[1:]
+        for sig in (signal.SIGSTOP, signal.SIGCONT):
+            for pid in pids:
+                try:
+                    os.kill(pid, sig)
+                except ProcessLookupError:
+                    pass
+            stop.wait(0.1)
+    for pid in node.tree()[1:]:
+        try:
+            os.kill(pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+
+
+@pytest.mark.timeout(300)
+def test_a_hung_node_then_a_straggler_on_trial_are_ejected_and_nothing_is_trained_twice(nodes, tmp_path):
     """SIGSTOP of one node's worker (agent alive): the others train again within seconds
-    at world 2 without restarting their workers, the node is named ``hung`` and rejoins,
-    0 steps lost, every sample exactly once."""
+    at world 2 without restarting their workers, the node is named ``hung`` and rejoins;
+    then the same node kept slow is ejected as a straggler, admitted again after its
+    probation, flagged on its trial window (``on trial``) and ejected again with its
+    probation doubled; 0 steps lost, every step and every sample exactly once."""
     trace, end = tmp_path / "trace-h.jsonl", tmp_path / "end-h"
-    extra = ["--checkpoint-url", f"file://{tmp_path}/ckpt-h"]  # the default hang_eject_s
+    # The default hang_eject_s (2 s): the hung worker is ejected long before a 5 s
+    # straggler window could flag it.
+    extra = ["--checkpoint-url", f"file://{tmp_path}/ckpt-h", "--straggler-window", "5",
+             "--straggler-probation", "4"]
     script = example_args(tmp_path, "h", steps=STEPS, dataset_size=DATASET) + ["--end-file", str(end)]
     ns = [nodes.start("hang", SCRIPT, nnodes="2:3", extra=extra, script_args=script)
           for _ in range(3)]
@@ -81,6 +112,27 @@ def test_a_stopped_worker_is_ejected_and_the_others_train_on_in_seconds(nodes, t
     assert victim.alive(), "the ejected node's agent exited instead of rejoining"
     wait_until(lambda: set(victim.tree()) & {r["pid"] for r in read_jsonl(trace)} - worker, 90,
                "the ejected node training again after its rejoin")
+
+    # Phase 2: the same node kept slow (every process under its agent) is a straggler.
+    def stragglers() -> list[dict]:
+        return sorted((e for n in ns for e in agent_events(n.log(), "member_ejected")
+                       if e.get("cause") == "straggler"), key=lambda e: e["round"])
+
+    stop = threading.Event()
+    injector = threading.Thread(target=_slow_node, args=(victim, stop), daemon=True)
+    injector.start()
+    try:
+        wait_until(lambda: stragglers(), 60, "the slowed node ejected")
+        first = stragglers()[0]
+        wait_until(lambda: set(victim.tree()) & {r["pid"] for r in read_jsonl(trace)
+                                                 if (r["round"] or 0) > first["round"]},
+                   60, "n2 admitted again after its probation")
+        wait_until(lambda: len(stragglers()) >= 2, 60, "the still-slow node ejected again")
+    finally:
+        stop.set()
+        injector.join(5)
+    # The job ends on the test's word with n2 on its doubled probation (a spare exits 0
+    # when the job finishes).
     steps = end_job(end, trace, epoch_steps=EPOCH)
     for n in ns:
         assert n.wait(120) == 0, n.log()[-3000:]
@@ -88,6 +140,14 @@ def test_a_stopped_worker_is_ejected_and_the_others_train_on_in_seconds(nodes, t
     logs = [n.log() for n in ns]
     ejections = [e for text in logs for e in agent_events(text, "member_ejected")]
     assert ejections and ejections[0]["ejected"] == [f"n{2}"], ejections
+    first, second = stragglers()[:2]
+    assert first["ejected"] == second["ejected"] == ["n2"], (first, second)
+    assert (first["probation_s"], second["probation_s"]) == (4, 8), (first, second)
+    flagged = [e for text in logs for e in agent_events(text, "stragglers_flagged")]
+    assert any("on trial" in e["reason"] for e in flagged), flagged
+    assert all(set(e["nodes"]) == {"n2"} for e in flagged), flagged
+    assert not any(agent_events(text, "straggler_trial_passed") for text in logs), \
+        "a node slow throughout passed its trial"
     assert agent_events(logs[2], "node_ejected"), "the ejected agent did not say so"
     assert not any("live_reform_fell_back" in text for text in logs[:2]), "a survivor restarted"
     rows = read_jsonl(trace)
@@ -99,11 +159,13 @@ def test_a_stopped_worker_is_ejected_and_the_others_train_on_in_seconds(nodes, t
     assert trained_samples(trace) == want
     # status names the node and the cause (the job's bounded event history).
     out = subprocess.run([PY, "-m", "elasticd.cli", "status", "--etcd", nodes.etcd.endpoint,
-                          "--job", "hang", "--json"], capture_output=True, text=True, timeout=30,
-                         cwd=str(ROOT))
+                          "--job", "hang", "--json", "--events", "256"], capture_output=True, text=True,
+                         timeout=30, cwd=str(ROOT))
     doc = json.loads(out.stdout)
     hung = [e for e in doc["events"] if e.get("kind") == "hung"]
     assert hung and "n2" in hung[0]["message"], doc["events"][-10:]
+    rank0 = [r["step"] for r in rows if r["rank"] == 0]
+    assert sorted(rank0) == list(range(steps)), "rank 0 trained a step twice or skipped one"
     print(f"SIGSTOP -> others train again: {back_s:.2f} s")
 
 
@@ -203,67 +265,3 @@ def test_a_straggler_is_flagged_drained_and_readmitted_after_its_probation(nodes
     back = min(r["step"] for r in rows if (r["round"] or 0) > ejected_round and r["rank"] == 2)
     print(f"slowed -> ejected (5 s window): {ejected_s:.1f} s; ejected in round {ejected_round}, "
           f"admitted again at step {back} of {steps}")
-
-
-def _slow_node(node, stop: threading.Event) -> None:
-    """Fault injection, not synchronisation: a node that stays slow. Every process under
-    its agent (the workers it has now, their standbys), not the agent itself, SIGSTOPped
-    and SIGCONTed 0.1 s each until ``stop``."""
-    while not stop.is_set():
-        pids = node.tree()[1:]
-        for sig in (signal.SIGSTOP, signal.SIGCONT):
-            for pid in pids:
-                try:
-                    os.kill(pid, sig)
-                except ProcessLookupError:
-                    pass
-            stop.wait(0.1)
-    for pid in node.tree()[1:]:
-        try:
-            os.kill(pid, signal.SIGCONT)
-        except ProcessLookupError:
-            pass
-
-
-@pytest.mark.timeout(240)
-def test_a_readmitted_straggler_still_slow_is_ejected_again_on_its_trial(nodes, tmp_path):
-    """Re-admission is a trial: a node that stays slow is ejected, admitted again after its
-    probation, flagged on the trial window (the reason says ``on trial``) and drained
-    again with its probation doubled; the others never roll back (rank 0 trains every
-    step once)."""
-    trace = tmp_path / "trace-t.jsonl"
-    extra = ["--checkpoint-url", f"file://{tmp_path}/ckpt-t", "--straggler-window", "5",
-             "--straggler-probation", "4"]
-    script = example_args(tmp_path, "t", steps=STEPS, dataset_size=DATASET)
-    ns = [nodes.start("trial", SCRIPT, nnodes="2:3", extra=extra, script_args=script)
-          for _ in range(3)]
-    wait_until(lambda: {r["rank"] for r in read_jsonl(trace) if r["step"] >= 10} >= {0, 1, 2}, 90,
-               "step 10 at world 3")
-
-    def ejections() -> list[dict]:
-        return sorted((e for n in ns for e in agent_events(n.log(), "member_ejected")),
-                      key=lambda e: e["round"])
-
-    stop = threading.Event()
-    injector = threading.Thread(target=_slow_node, args=(ns[2], stop), daemon=True)
-    injector.start()
-    try:
-        wait_until(lambda: ejections(), 60, "the slowed node ejected")
-        first = ejections()[0]
-        wait_until(lambda: set(ns[2].tree()) & {r["pid"] for r in read_jsonl(trace)
-                                                if (r["round"] or 0) > first["round"]},
-                   60, "n2 admitted again after its probation")
-        wait_until(lambda: len(ejections()) >= 2, 60, "the still-slow node ejected again")
-    finally:
-        stop.set()
-        injector.join(5)
-    first, second = ejections()[:2]
-    assert first["ejected"] == second["ejected"] == ["n2"], (first, second)
-    assert (first["probation_s"], second["probation_s"]) == (4, 8), (first, second)
-    flagged = [e for n in ns for e in agent_events(n.log(), "stragglers_flagged")]
-    assert any("on trial" in e["reason"] for e in flagged), flagged
-    assert all(set(e["nodes"]) == {"n2"} for e in flagged), flagged
-    assert not any(agent_events(n.log(), "straggler_trial_passed") for n in ns), \
-        "a node slow throughout passed its trial"
-    rank0 = [r["step"] for r in read_jsonl(trace) if r["rank"] == 0]
-    assert sorted(rank0) == list(range(max(rank0) + 1)), "rank 0 trained a step twice or skipped one"

@@ -107,7 +107,9 @@ EPOCH = 20  # steps at a global batch of 24
 
 
 @pytest.mark.parametrize("script,script_args", [
-    (TRAIN, []),
+    # make soak only: the same admission path as the FSDP2 job below, which make test runs;
+    # a killed member replaced by a DDP spare is test_spare_waits_past_join_timeout_...'s.
+    pytest.param(TRAIN, [], marks=pytest.mark.soak),
     # Pure FSDP2 over the nodes: the spare's model is built ahead, and sharded on the
     # round's mesh once admitted (ShardedModel waits for the round).
     (FSDP_TRAIN, ["--mesh", "fsdp", "--live", "--peer-replica-every", "50"]),
