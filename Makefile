@@ -7,6 +7,9 @@ STAMP  := $(VENV)/.installed
 # integrations' libraries) on top: `make demo` does not wait for them.
 TEST_STAMP := $(VENV)/.installed-test
 PYTEST_ARGS ?=
+# `make test` runs the suite on this many pytest-xdist workers (0: in one process). Two on two
+# cores: an agent test spends most of its wall time waiting on its processes.
+PYTEST_WORKERS ?= 2
 
 .PHONY: venv test lint unit integration chaos soak demo bench clean compat compat-reconfigure wheel
 
@@ -54,7 +57,7 @@ lint: $(TEST_STAMP)
 # The suite CI runs: every test but the soak-marked ones (`make soak`); benchmarks are
 # `make bench`. Behaviour a soak run checks is also pinned by a test here.
 test: $(TEST_STAMP) lint
-	$(PY) -m pytest -q --durations=20 -m "not soak" tests $(PYTEST_ARGS)
+	$(PY) -m pytest -q --durations=20 -n $(PYTEST_WORKERS) --dist worksteal -m "not soak" tests $(PYTEST_ARGS)
 
 unit: $(TEST_STAMP)
 	$(PY) -m pytest -q tests/unit $(PYTEST_ARGS)

@@ -17,13 +17,12 @@ import structlog
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 
-from cpu_accounting import CpuMeter, cpu_table  # noqa: E402
+from cpu_accounting import CpuMeter, RunCost, cpu_table  # noqa: E402
 from harness import Node, elasticd_argv  # noqa: E402
 
 from elasticd.etcd.client import EtcdClient  # noqa: E402
 from elasticd.etcd.embedded import EmbeddedEtcd  # noqa: E402
 
-_CPU_METER = pytest.StashKey[CpuMeter]()
 # (the real temp dir, the elasticd-* entries in it when the session started)
 _REAL_TMP = pytest.StashKey[tuple[Path, frozenset[str]]]()
 
@@ -36,8 +35,9 @@ def pytest_addoption(parser):
 
 
 def pytest_configure(config):
-    if config.getoption("--cpu-durations") is not None:
-        config.stash[_CPU_METER] = CpuMeter()
+    top = config.getoption("--cpu-durations")
+    if top is not None:
+        config.pluginmanager.register(_CpuDurations(top), "elasticd-cpu-durations")
     config.addinivalue_line(
         "markers", "real_tmp: the test's processes keep the real temp dir (not one under "
                    "tmp_path): it checks what another uid can reach, and pytest's temp root "
@@ -57,6 +57,8 @@ def pytest_sessionfinish(session, exitstatus):
     """Fail the run if it left ``elasticd-*`` entries in the real temp dir: agents,
     embedded etcds and logs of tests keep them under the test's tmp_path (``_test_tmpdir``),
     so one there is a leak (a SIGKILLed agent's runtime dir, a test that set no tmp)."""
+    if hasattr(session.config, "workerinput"):
+        return  # an xdist worker: the controller checks once every worker has finished
     real, before = session.config.stash[_REAL_TMP]
     if os.environ.get("ELASTICD_TMP_LEAK_CHECK") == "0":
         return
@@ -77,28 +79,44 @@ def pytest_sessionfinish(session, exitstatus):
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
-@pytest.hookimpl(wrapper=True)
-def pytest_runtest_protocol(item, nextitem):
-    """With ``--cpu-durations``: measure the test's setup, call and teardown together."""
-    meter = item.config.stash.get(_CPU_METER, None)
-    if meter is None:
-        return (yield)
-    meter.begin(item.nodeid)
-    try:
-        return (yield)
-    finally:
-        meter.end()
+class _CpuDurations:
+    """``--cpu-durations``: the process that runs a test measures it (setup, call and
+    teardown together) and puts the cost on the test's teardown report; the process that
+    prints the summary collects them from the reports. With pytest-xdist those are two
+    processes (a worker, the controller); without it, one."""
 
+    def __init__(self, top: int) -> None:
+        self.top = top
+        self.meter = CpuMeter()
+        self.costs: list[RunCost] = []
 
-def pytest_terminal_summary(terminalreporter, config):
-    meter = config.stash.get(_CPU_METER, None)
-    if meter is None or not meter.costs:
-        return
-    top = config.getoption("--cpu-durations")
-    terminalreporter.write_sep("=", f"{'all' if top == 0 else top} tests by CPU seconds "
-                                    "(their process trees' user+sys)")
-    for line in cpu_table(meter.costs, top):
-        terminalreporter.write_line(line)
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_protocol(self, item, nextitem):
+        self.meter.begin(item.nodeid)
+        return (yield)
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_teardown(self, item, nextitem):
+        try:
+            return (yield)
+        finally:
+            cost = self.meter.end()
+            item.user_properties.append(("cpu_cost", (cost.wall_s, cost.cpu_s)))
+
+    def pytest_runtest_logreport(self, report):
+        if report.when != "teardown":
+            return
+        for key, value in report.user_properties:
+            if key == "cpu_cost":
+                self.costs.append(RunCost(report.nodeid, value[0], value[1]))
+
+    def pytest_terminal_summary(self, terminalreporter):
+        if not self.costs:
+            return
+        terminalreporter.write_sep("=", f"{'all' if self.top == 0 else self.top} tests by "
+                                        "CPU seconds (their process trees' user+sys)")
+        for line in cpu_table(self.costs, self.top):
+            terminalreporter.write_line(line)
 
 
 @pytest.fixture(autouse=True, scope="session")
