@@ -35,6 +35,7 @@ import itertools
 import json
 import os
 import queue
+import re
 import socket
 import ssl
 import threading
@@ -43,6 +44,8 @@ from typing import Any
 
 import grpc
 from google.protobuf import json_format
+
+from elasticd.errors import ConfigError
 
 # gRPC method -> the gateway's path (etcd's rpc.proto ``google.api.http`` options).
 GATEWAY_PATHS = {
@@ -62,6 +65,14 @@ GATEWAY_PATHS = {
     "/etcdserverpb.Auth/Authenticate": "/v3/auth/authenticate",
 }
 _CODES = {c.value[0]: c for c in grpc.StatusCode}
+# A TLS handshake refused over a certificate fails the same way on every retry.
+_TLS_REFUSED = re.compile(r"(?i)certificate|unknown_ca|wrong_version_number")
+NO_GATEWAY = (
+    "etcd at {where} serves no HTTP/JSON gateway (etcd older than 3.4, started with "
+    "--enable-grpc-gateway=false, or elasticd's private embedded etcd, whose server certificate "
+    "cannot be a client one): this process was forked from one that used etcd over gRPC and "
+    "reaches etcd only through the gateway (docs/architecture.md#forks-and-grpc); start it "
+    "with multiprocessing's 'spawn' or 'forkserver' method, or serve etcd's gateway")
 
 _fork_child = False  # set in a child forked from a process that opened gRPC channels
 _grpc_opened = False  # this process opened a gRPC channel to etcd
@@ -135,6 +146,16 @@ class GatewayChannel:
         except TimeoutError as exc:
             conn.close()
             raise GatewayRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, f"{path}: {exc}") from exc
+        except ssl.SSLError as exc:
+            conn.close()
+            if isinstance(exc, ssl.SSLCertVerificationError) or _TLS_REFUSED.search(str(exc)):
+                raise ConfigError(
+                    f"etcd at {self.host}:{self.port}: TLS {exc}; check --etcd-ca (etcd.ca_file: "
+                    "the CA that signed etcd's server certificate) and --etcd-cert/--etcd-key "
+                    "(etcd.cert_file/key_file: a client certificate signed by a CA that etcd "
+                    "trusts)") from exc
+            raise GatewayRpcError(grpc.StatusCode.UNAVAILABLE,
+                                  f"{self.host}:{self.port}{path}: {type(exc).__name__}: {exc}") from exc
         except (OSError, http.client.HTTPException) as exc:
             conn.close()
             raise GatewayRpcError(grpc.StatusCode.UNAVAILABLE,
@@ -142,6 +163,8 @@ class GatewayChannel:
         if resp.status != 200:
             text = resp.read().decode(errors="replace")
             conn.close()
+            if resp.status == 404 and not text.lstrip().startswith("{"):  # no route, no etcd error
+                raise ConfigError(NO_GATEWAY.format(where=f"{self.host}:{self.port}"))
             raise _error_of(text, resp.status)
         return conn, resp
 
