@@ -8,17 +8,19 @@
 - ``lease.py``: ``LeaseKeeper``, the keep-alive thread of one lease.
 - ``kv.py``: the records read back (``KV``, ``WatchEvent``).
 - ``endpoints.py``: endpoint parsing and ``TLSFiles``.
+- ``gateway.py``: etcd's HTTP/JSON gateway, the transport of a process forked from a gRPC user.
 - ``embedded.py``, ``cluster.py``, ``pki.py``: the embedded etcd server(s) and their TLS.
 """
 
 # gRPC's fork support is left as grpcio ships it (on) or as the operator set it
-# (``GRPC_ENABLE_FORK_SUPPORT``): with it, a process forked from one that used etcd (torch's
-# ``elastic_launch`` in a ``multiprocessing`` child, a test harness) gets fresh gRPC state
-# and rendezvouses; with it off such a child blocks for good in its first etcd call. Its
-# cost is that a fork made while holding the GIL (``os.fork``, ``preexec_fn``) beside busy
-# gRPC traffic can hang in gRPC's fork handlers, so elasticd itself never forks that way:
-# it starts processes with ``subprocess`` and no ``preexec_fn`` (CPython uses ``vfork()``,
-# which runs no fork handlers), see ``elasticd.process.dying_with_parent``.
+# (``GRPC_ENABLE_FORK_SUPPORT``). A process forked from one that opened gRPC channels to etcd
+# (torch's ``elastic_launch`` in a ``multiprocessing`` child, a test harness) never uses gRPC:
+# gRPC skips its fork reset while a watch's thread is inside it, and the child reaches etcd
+# over etcd's HTTP/JSON gateway instead (``gateway.py``). A fork made while holding the GIL
+# (``os.fork``, ``preexec_fn``) beside busy gRPC traffic can still hang the *parent* in gRPC's
+# fork handlers, so elasticd itself never forks that way: it starts processes with
+# ``subprocess`` and no ``preexec_fn`` (CPython uses ``vfork()``, which runs no fork
+# handlers), see ``elasticd.process.dying_with_parent``.
 
 from elasticd.etcd.client import EtcdClient
 from elasticd.etcd.endpoints import TLSFiles

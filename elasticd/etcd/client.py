@@ -30,6 +30,7 @@ endpoint always means TLS, verified against gRPC's default roots when no CA is g
 
 from __future__ import annotations
 
+import os
 import queue
 import re
 import threading
@@ -45,6 +46,7 @@ import structlog
 
 from elasticd.errors import ConfigError, EtcdNoSpaceError, EtcdUnavailableError, LeaseLostError
 from elasticd.etcd.endpoints import TLSFiles, endpoints_scheme, parse_endpoints, read_tls_file
+from elasticd.etcd.gateway import gateway_endpoints, in_grpc_fork_child, note_grpc_opened
 from elasticd.etcd.kv import KV, WatchEvent, kv_map
 from elasticd.etcd.lease import LeaseKeeper
 from elasticd.etcd.txn import Compare, DeletePrefix, ModRevision, Op, Put, raw_compare, raw_op
@@ -158,11 +160,13 @@ class EtcdClient:
                 "with etcd.insecure_allow_plaintext_auth = true / --etcd-insecure-plaintext-auth"
             )
         self._user, self._password = user, password
-        self._creds = self._credentials()
+        self._tls_material = self._read_tls()
+        self._creds: grpc.ChannelCredentials | None = None  # built with the first gRPC channel
         # Reentrant: raw() translates a failed authentication while holding it, and the
         # translation drops the client under the same lock (a plain Lock deadlocked there).
         self._lock = threading.RLock()
         self._raw: etcd3.MultiEndpointEtcd3Client | None = None
+        self._raw_pid = os.getpid()  # the process that built _raw
         self._closed = False
         # monotonic time of the last sign of etcd trouble: an error, or a call slower than
         # SLOW_CALL_S (a frozen etcd answers late). Lets callers tell "etcd was away" from
@@ -195,7 +199,8 @@ class EtcdClient:
                    allow_plaintext_auth=e.insecure_allow_plaintext_auth)
 
     # -- plumbing ---------------------------------------------------------------------
-    def _credentials(self) -> grpc.ChannelCredentials | None:
+    def _read_tls(self) -> tuple[bytes | None, bytes | None, bytes | None] | None:
+        """The CA, client certificate and key (read and checked now), None without TLS."""
         if not self.secure:
             return None
         if bool(self.tls.cert_file) != bool(self.tls.key_file):
@@ -203,16 +208,30 @@ class EtcdClient:
         ca = read_tls_file(self.tls.ca_file, "CA file") if self.tls.ca_file else None
         cert = read_tls_file(self.tls.cert_file, "client certificate") if self.tls.cert_file else None
         key = read_tls_file(self.tls.key_file, "client key") if self.tls.key_file else None
-        return grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
+        return ca, cert, key
 
     def _build(self) -> etcd3.MultiEndpointEtcd3Client:
-        # gRPC refuses replies over 4 MB by default; a 5,000-node job's status read is bigger.
-        opts: Any = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
-        eps = [
-            etcd3.Endpoint(host, port, secure=self._creds is not None, creds=self._creds,
-                           time_retry=0, opts=opts)
-            for host, port in self.endpoints
-        ]
+        eps: list[Any]
+        if in_grpc_fork_child():
+            # Forked from a process whose gRPC was in use: never touch gRPC here (gateway.py).
+            eps = gateway_endpoints(self.endpoints, secure=self.secure,
+                                    ca=self._tls_material[0] if self._tls_material else None,
+                                    cert_file=self.tls.cert_file, key_file=self.tls.key_file,
+                                    timeout_s=self.timeout_s)
+        else:
+            if self._tls_material is not None and self._creds is None:
+                ca, cert, key = self._tls_material
+                self._creds = grpc.ssl_channel_credentials(root_certificates=ca, private_key=key,
+                                                           certificate_chain=cert)
+            # gRPC refuses replies over 4 MB by default; a 5,000-node job's status read is bigger.
+            opts: Any = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
+            eps = [
+                etcd3.Endpoint(host, port, secure=self._creds is not None, creds=self._creds,
+                               time_retry=0, opts=opts)
+                for host, port in self.endpoints
+            ]
+            note_grpc_opened()
+        self._raw_pid = os.getpid()
         return etcd3.MultiEndpointEtcd3Client(
             eps, timeout=self.timeout_s, user=self._user, password=self._password, failover=True
         )
@@ -222,6 +241,10 @@ class EtcdClient:
         with self._lock:
             if self._closed:
                 raise EtcdUnavailableError("etcd client is closed")
+            if self._raw is not None and self._raw_pid != os.getpid():
+                # Made before a fork: its channels belong to the parent's gRPC. Left
+                # unclosed (closing touches that gRPC state); this process builds its own.
+                self._raw = None
             if self._raw is None:
                 try:
                     self._raw = self._build()
@@ -364,7 +387,7 @@ class EtcdClient:
         """Close the gRPC channels (ending their streams); the next call opens new ones."""
         with self._lock:
             raw, self._raw = self._raw, None
-        if raw is not None:
+        if raw is not None and self._raw_pid == os.getpid():  # never a parent's channels
             try:
                 raw.close()
             except Exception:  # closing a dead channel may raise; nothing to do

@@ -17,8 +17,10 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 
 from elasticd.errors import ConfigError, EtcdUnavailableError
+from elasticd.etcd import gateway
 from elasticd.etcd.client import EtcdClient, TLSFiles
 from elasticd.etcd.embedded import EmbeddedEtcd, ServerTLS
+from elasticd.etcd.gateway import GatewayEndpoint
 from elasticd.rendezvous.registry import create_handler
 
 pytestmark = pytest.mark.timeout(60)
@@ -195,3 +197,24 @@ def test_rendezvous_without_client_certificate_is_a_config_error(tls_etcd, pki):
     finally:
         h.shutdown()
         h.client.close()
+
+
+def test_a_forked_childs_gateway_client_uses_the_same_tls_settings(tls_etcd, pki, monkeypatch):
+    """Over etcd's HTTP gateway (a forked child's transport) the client with the CA and a
+    client certificate reads, writes and keeps a lease; without the client certificate
+    etcd refuses it, and with a CA that signed nothing the server is not trusted."""
+    monkeypatch.setattr(gateway, "_fork_child", True)
+    client = EtcdClient(tls_etcd.endpoint, timeout_s=2.0,
+                        tls=TLSFiles(pki.ca, pki.client_cert, pki.client_key))
+    assert all(isinstance(ep, GatewayEndpoint) for ep in client.raw().endpoints.values())
+    client.put("/gw-tls/k", "v")
+    assert client.get("/gw-tls/k").value == b"v"
+    lease = client.grant_lease(5)
+    assert client.refresh_lease(lease) > 0
+    client.revoke_lease(lease)
+    client.close()
+    for tls in (TLSFiles(pki.ca), TLSFiles(pki.other_ca, pki.client_cert, pki.client_key)):
+        refused = EtcdClient(tls_etcd.endpoint, timeout_s=2.0, tls=tls)
+        with pytest.raises((ConfigError, EtcdUnavailableError)):
+            refused.get("/gw-tls/k")
+        refused.close()

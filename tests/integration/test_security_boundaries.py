@@ -579,3 +579,28 @@ def test_the_private_etcds_peer_certificate_does_not_open_its_client_port(tmp_pa
         assert "/k" not in peer_as_client.stdout
     finally:
         server.stop(remove_data=True)
+
+
+@pytest.mark.timeout(90)
+def test_a_forked_childs_gateway_client_keeps_the_jobs_auth(auth_etcd, monkeypatch):
+    """Over etcd's HTTP gateway (a forked child's transport) the job's user reads and writes
+    its own prefix over TLS, is refused another job's keys, and a wrong password is the same
+    config error as over gRPC."""
+    from elasticd.etcd import gateway
+
+    server, pki, _ = auth_etcd
+    monkeypatch.setattr(gateway, "_fork_child", True)
+    https = f"https://{server.endpoint}"
+    client = EtcdClient(https, timeout_s=3, tls=TLSFiles(pki.ca), user="agent-a", password="pw-a")
+    try:
+        assert all(isinstance(ep, gateway.GatewayEndpoint) for ep in client.raw().endpoints.values())
+        client.put("/elasticd/job-a/gw", b"v")
+        assert client.get("/elasticd/job-a/gw").value == b"v"
+        with pytest.raises(ConfigError, match="denied"):
+            client.put("/elasticd/job-b/checkpoint/latest", b"{}")
+    finally:
+        client.close()
+    wrong = EtcdClient(https, timeout_s=3, tls=TLSFiles(pki.ca), user="agent-a", password="nope")
+    with pytest.raises(ConfigError, match="refused the credentials"):
+        wrong.get("/elasticd/job-a/gw")
+    wrong.close()
