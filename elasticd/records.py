@@ -5,9 +5,10 @@ ignored on read so an older CLI can read a newer agent's records. Times are Unix
 seconds (float) in etcd; the status CLI renders them as RFC 3339 UTC.
 
 Every record read from etcd is untrusted input (training code or another tenant may hold
-etcd credentials): ``from_json`` checks that the value is a JSON object and that every
-known field has its declared type (``bool`` is not a number; ints are accepted for
-floats), and raises :class:`RecordError` otherwise. ``RecordError`` is a ``ValueError``, so
+etcd credentials): ``from_json`` decodes it with the one validating codec
+(:mod:`elasticd.codec`): the value is a JSON object and every known field has its
+declared type (``bool`` is not a number; ints are accepted for floats, which must be
+finite), and raises :class:`RecordError` (naming the record and the field) otherwise. ``RecordError`` is a ``ValueError``, so
 callers that skip unreadable records with ``except (ValueError, TypeError)`` keep working,
 and nothing downstream sees a list where it expects a record or a dict where it expects a
 node name.
@@ -16,11 +17,11 @@ node name.
 from __future__ import annotations
 
 import json
-import math
-from dataclasses import MISSING, asdict, dataclass, field, fields
-from typing import Any, TypeVar
+from dataclasses import asdict, dataclass, field
+from typing import Annotated, Any, TypeVar
 
-from elasticd import boundedjson
+from elasticd import boundedjson, codec
+from elasticd.codec import Finite
 
 T = TypeVar("T", bound="_Record")
 # A record is a few hundred bytes; anything much larger is not one of ours.
@@ -32,35 +33,9 @@ class RecordError(ValueError):
     the wrong type, a required field missing). The message names the field, not the value."""
 
 
-def _check(name: str, kind: str, value: Any) -> Any:
-    """Return ``value`` if it matches the annotation ``kind``; raise RecordError otherwise."""
-    optional = kind.endswith(" | None")
-    base = kind.removesuffix(" | None")
-    if value is None and optional:
-        return None
-    ok: bool
-    if base == "str":
-        ok = isinstance(value, str)
-    elif base == "int":
-        ok = isinstance(value, int) and not isinstance(value, bool)
-    elif base == "bool":
-        ok = isinstance(value, bool)
-    elif base == "float":
-        ok = (isinstance(value, (int, float)) and not isinstance(value, bool)
-              and math.isfinite(value))
-        value = float(value) if ok else value
-    elif base == "list[int]":
-        ok = isinstance(value, list) and all(
-            isinstance(v, int) and not isinstance(v, bool) for v in value)
-    elif base == "list[str]":
-        ok = isinstance(value, list) and all(isinstance(v, str) for v in value)
-    elif base == "dict[str, Any]":
-        ok = isinstance(value, dict)
-    else:  # pragma: no cover - a field type this checker does not know is a bug here
-        raise TypeError(f"no type check for {kind!r}")
-    if not ok:
-        raise RecordError(f"field {name!r} is {type(value).__name__}, expected {kind}")
-    return value
+# A float field of a record: finite (NaN and infinities are no time, rate or ratio).
+FiniteFloat = Annotated[float, Finite()]
+
 
 # Node states, as written by the agent into its node record.
 # "spare": registered and joined, waiting for room in a full job (rendezvous.protocol.is_spare).
@@ -105,16 +80,9 @@ class _Record:
         if len(data) > MAX_RECORD_BYTES:
             raise RecordError(f"{cls.__name__}: {len(data)} bytes, larger than any record")
         try:
-            raw = boundedjson.loads_object(data, what=cls.__name__, max_bytes=MAX_RECORD_BYTES)
-        except boundedjson.BoundedJSONError as exc:
+            return codec.decode(cls, data, what=cls.__name__, max_bytes=MAX_RECORD_BYTES)
+        except boundedjson.BoundedJSONError as exc:  # codec.RecordDecodeError included
             raise RecordError(str(exc)) from None
-        kwargs: dict[str, Any] = {}
-        for f in fields(cls):  # type: ignore[arg-type]
-            if f.name in raw:
-                kwargs[f.name] = _check(f.name, str(f.type), raw[f.name])
-            elif f.default is MISSING and f.default_factory is MISSING:
-                raise RecordError(f"{cls.__name__}: required field {f.name!r} missing")
-        return cls(**kwargs)
 
 
 @dataclass(frozen=True)
@@ -125,12 +93,12 @@ class NodeRecord(_Record):
     host: str
     pid: int
     version: str
-    started_at: float
+    started_at: FiniteFloat
     state: str = "joining"
     round: int = -1
     ranks: list[int] = field(default_factory=list)
     restarts: int = 0
-    heartbeat_at: float = 0.0
+    heartbeat_at: FiniteFloat = 0.0
     local_world_size: int = 0
     last_exit: str | None = None
     log_dir: str | None = None  # where this node's worker logs are (shown by status --json)
@@ -160,7 +128,7 @@ class JobFingerprint(_Record):
     checkpoint_url: str  # redacted; "" when none
     live_reform: bool
     node: str = ""  # who published it (shown)
-    published_at: float = 0.0
+    published_at: FiniteFloat = 0.0
     digest: str = ""  # of the compared fields; see :func:`make_fingerprint`
     extra: dict[str, Any] = field(default_factory=dict)  # reserved for later settings
 
@@ -181,8 +149,8 @@ class RoundState(_Record):
     members: list[str] = field(default_factory=list)  # rank order once final
     min_nodes: int = 1
     max_nodes: int = 1
-    opened_at: float = 0.0
-    completed_at: float | None = None
+    opened_at: FiniteFloat = 0.0
+    completed_at: FiniteFloat | None = None
     # Why an open round was opened (a ``MembershipChange`` value, "" = a re-rendezvous) and
     # the nodes concerned: nodes that do not watch ``nodes/`` and every join (all but the
     # coordinator, at scale) learn what changed from this one key.
@@ -205,11 +173,11 @@ class ProbationRecord(_Record):
     it is admitted again (rendezvous/stragglers.py, docs/failure-model.md "Stragglers")."""
 
     node: str
-    ratio: float  # its own step time over the members' median when it was ejected
-    probation_s: float
+    ratio: FiniteFloat  # its own step time over the members' median when it was ejected
+    probation_s: FiniteFloat
     ejections: int = 1  # how often the deciding coordinator ejected it (doubles probation)
     round: int = -1  # the round it was ejected from
-    since: float = 0.0  # wall clock at the ejection (shown, never compared)
+    since: FiniteFloat = 0.0  # wall clock at the ejection (shown, never compared)
     # Why: "straggler" (the coordinator's ejection) or "diverged" (the node's own agent
     # quarantined it: its ranks diverged from their replicas twice, agent/integrity.py).
     cause: str = "straggler"
@@ -233,13 +201,13 @@ class Progress(_Record):
     step: int
     epoch: int = 0
     samples_trained: int = 0
-    samples_per_s: float = 0.0
+    samples_per_s: FiniteFloat = 0.0
     world_size: int = 0
-    updated_at: float = 0.0
+    updated_at: FiniteFloat = 0.0
     # [checkpoint] every = "auto": the workers' agreed steps between saves, the interval in
     # seconds and why (checkpoint.cadence); 0/"": the script's fixed save_every.
     save_every: int = 0
-    save_interval_s: float = 0.0
+    save_interval_s: FiniteFloat = 0.0
     cadence: str = ""
 
 
@@ -254,7 +222,7 @@ class Beat(_Record):
     only when the node's state does.
     """
 
-    at: float  # when the agent wrote it (its clock)
+    at: FiniteFloat  # when the agent wrote it (its clock)
     round: int = -1
     step: int = -1  # the newest step its workers reported (-1: none yet)
     local_world_size: int = 0
@@ -262,10 +230,10 @@ class Beat(_Record):
     # and its recent seconds per step (0: not known): the coordinator's hang and straggler
     # facts. The beat is rewritten when they or the step change, at most once a second.
     activity: str = ""
-    step_s: float = 0.0
+    step_s: FiniteFloat = 0.0
     # The share of its recent wall time its workers worked rather than waited in a
     # collective (``rendezvous.stragglers.BusyShare``): step_s x busy_share is its own step time.
-    busy_share: float = 0.0
+    busy_share: FiniteFloat = 0.0
 
 
 @dataclass(frozen=True)
@@ -281,7 +249,7 @@ class CheckpointPointer(_Record):
     step: int
     round: int
     manifest_url: str
-    committed_at: float
+    committed_at: FiniteFloat
     world_size: int = 0
     high_water: int = -1
     run_id: str = ""
@@ -317,7 +285,7 @@ class ClosedRecord(_Record):
     removed only by ``elasticd start``. Older agents wrote ``1``: still a close, time unknown.
     """
 
-    finished_at: float
+    finished_at: FiniteFloat
     node: str = ""
     round: int = -1
 
@@ -327,7 +295,7 @@ class StopMark(_Record):
     """``/elasticd/<job>/control/stop`` and ``.../control/drain/<node>``: written by
     ``elasticd stop`` / ``elasticd drain``, obeyed by agents, cleared by ``elasticd start``."""
 
-    requested_at: float
+    requested_at: FiniteFloat
     by: str = ""  # user@host of the operator's command
     reason: str = ""
 
@@ -336,7 +304,7 @@ class StopMark(_Record):
 class Event(_Record):
     """``/elasticd/<job>/events/<seq>``: one entry of the bounded event history."""
 
-    time: float
+    time: FiniteFloat
     kind: str
     node: str
     round: int

@@ -2,7 +2,9 @@
 
 :class:`ShardedResync` is the sharded half of :class:`~elasticd.worker.live.LiveState`'s
 state agreement, a collaborator it owns when the job passes ``sharded=``. After a group
-formed it gathers every rank's shard report and either
+formed it gathers every rank's :class:`~elasticd.worker.recovery_plan.ShardReport` once,
+takes the pure :func:`~elasticd.worker.recovery_plan.plan_sharded`'s decision, and only
+executes it:
 
 - re-meshes the survivors' kept shards in place and sends each rank behind or new its shard
   coordinate's state from an intact replica (HSDP, :mod:`elasticd.worker.sharded`); or
@@ -10,7 +12,8 @@ formed it gathers every rank's shard report and either
   (pure FSDP2, :mod:`elasticd.worker.peer_reshard`): from the live shards when nobody was
   lost, else from the peer-RAM replicas (:mod:`elasticd.worker.peer_replica`) it keeps
   refreshed every ``k`` steps; or
-- loads the checkpoint when nobody holds a state.
+- loads the checkpoint when nobody holds a state; or
+- falls back to the restart path, saying why.
 
 It returns what the group agreed on (:class:`~elasticd.worker.live_entries.Synced`);
 ``LiveState`` owns the step and the agent link.
@@ -52,13 +55,19 @@ from elasticd.worker.peer_replica import (
     ring_holders,
     take_snapshot,
 )
+from elasticd.worker.recovery_plan import (
+    NO_STATE,
+    Fallback,
+    Load,
+    Remesh,
+    Reshard,
+    ShardReport,
+    plan_sharded,
+)
 from elasticd.worker.sharded import (
     NOT_HELD,
-    RankShards,
     ShardedModel,
-    ShardPlan,
     optimizer_local_state,
-    plan_shard_transfer,
     shard_coordinates,
 )
 from elasticd.worker.sockets import group_endpoints
@@ -178,22 +187,43 @@ class ShardedResync:
 
     def _agree(self, load: Callable[[], int] | None, step: int, has_state: bool,
                deadline: float | None) -> Synced:
+        """Gather every rank's :class:`ShardReport` once, plan (:func:`plan_sharded`), execute."""
         sm = self.sharded
         ctx = wctx.current_context()
         device = ctx.device if ctx.backend == "nccl" else torch.device("cpu")
         old_size, old_coord = (sm.shard_size, sm.coordinate) if has_state else (0, -1)
         mesh = sm.mesh_for_world()  # a collective on a survivor; a joiner built it at start
-        mine = torch.tensor([step if has_state else NOT_HELD, old_size, old_coord],
-                            dtype=torch.int64, device=device)
-        reports = [torch.zeros(3, dtype=torch.int64, device=device) for _ in range(dist.get_world_size())]
-        dist.all_gather(reports, mine)
-        ranks = [RankShards(*(int(x) for x in t.tolist())) for t in reports]
-        coords = shard_coordinates(mesh)
-        plan = plan_shard_transfer(ranks, int(mesh.size(-1)), coords)  # type: ignore[attr-defined]
-        if plan.step == NOT_HELD:  # nobody holds a state: a fresh start or a full restart
+        new_size = int(mesh.size(-1))  # type: ignore[attr-defined]
+        replica = self.replica if has_state else None
+        own, held = (replica.own, dict(replica.held)) if replica is not None else (None, {})
+        report = ShardReport(
+            step if has_state else NO_STATE, self._old_rank if has_state else -1,
+            self._old_world if has_state else 0, old_size, old_coord,
+            own.step if own is not None else -1, tuple(sorted((o, snap.step) for o, snap in held.items())),
+            # The committed step only matters when the shard size changes; only then ask the agent.
+            self._committed_step() if has_state and old_size != new_size else -1)
+        mine = torch.tensor(report.encode(), dtype=torch.int64, device=device)
+        gathered = [torch.zeros(ShardReport.LEN, dtype=torch.int64, device=device)
+                    for _ in range(dist.get_world_size())]
+        dist.all_gather(gathered, mine)
+        plan = plan_sharded([ShardReport.decode(t.tolist()) for t in gathered], new_size,
+                            shard_coordinates(mesh),
+                            replicas_kept=bool(self.peer_replica_every) or sm.mesh_kind != "fsdp")
+        if isinstance(plan, Load):  # nobody holds a state: a fresh start or a full restart
             return load_fresh(load)
-        if plan.fallback is not None:
-            return self._reshard_in_memory(mesh, plan, device, step, has_state, deadline)
+        if isinstance(plan, Fallback):
+            self._fall_back(plan.reason)
+        if isinstance(plan, Reshard):
+            return self._reshard_in_memory(mesh, plan, device, step, has_state, deadline,
+                                           snapshots=(own, held))
+        return self._remesh(mesh, plan, device, step, deadline)
+
+    def _remesh(self, mesh: object, plan: Remesh, device: torch.device, step: int,
+                deadline: float | None) -> Synced:
+        """The shard size holds: keepers keep their shards on ``mesh``, each rank behind or
+        new receives its coordinate's state from an intact replica."""
+        sm = self.sharded
+        ctx = wctx.current_context()
         t0 = time.monotonic()
         optimizers = optimizers_in(self.state)
         if mesh is not sm.mesh:  # a survivor: the old mesh's group is gone
@@ -224,41 +254,28 @@ class ShardedResync:
         for key in [k for k, v in state.items() if v is old]:
             state[key] = new
 
-    def _reshard_in_memory(self, mesh: object, plan: ShardPlan, device: torch.device, step: int,
-                           has_state: bool, deadline: float | None) -> Synced:
+    def _reshard_in_memory(self, mesh: object, plan: Reshard, device: torch.device, step: int,
+                           has_state: bool, deadline: float | None, *,
+                           snapshots: tuple[Snapshot | None, dict[int, Snapshot]]) -> Synced:
         """The shard size changed: rebuild the old world's shards from memory onto ``mesh``
-        (:mod:`elasticd.worker.peer_reshard`), or fall back to the checkpoint saying why."""
+        (:mod:`elasticd.worker.peer_reshard`); ``snapshots``: this rank's own replica
+        snapshot and those it holds, as it reported them."""
         sm = self.sharded
         t0 = time.monotonic()
         ctx = wctx.current_context()
-        replica = self.replica if has_state else None
-        own, held = (replica.own, dict(replica.held)) if replica is not None else (None, {})
-        report = pmem.MemoryReport(
-            self._old_rank if has_state else -1, self._old_world if has_state else 0,
-            step if has_state else NOT_HELD, own.step if own is not None else -1,
-            tuple(sorted((o, snap.step) for o, snap in held.items())), self._committed_step())
-        mine = torch.tensor(report.encode(), dtype=torch.int64, device=device)
-        gathered = [torch.zeros(pmem.REPORT_LEN, dtype=torch.int64, device=device)
-                    for _ in range(dist.get_world_size())]
-        dist.all_gather(gathered, mine)
-        mplan = pmem.plan_memory_reshard([pmem.MemoryReport.decode(t.tolist()) for t in gathered])
-        if mplan.fallback is not None or mplan.sources is None:
-            why = mplan.fallback if self.peer_replica_every or sm.mesh_kind != "fsdp" else (
-                "no peer-RAM replica (peer_replica_every=0)")
-            self._fall_back(f"{plan.fallback}; in memory: {why}")
-        assert mplan.sources is not None
+        own, held = snapshots
         optimizers = optimizers_in(self.state)
         snaps: dict[int, Snapshot] = {}
-        if mplan.fresh and has_state:
+        if plan.fresh and has_state:
             tensors, extra = pmem.replica_state(self.state, sm.module, sm.names, sm.params, rng.capture())
             # One copy of each box (HSDP: the replicas at replicate coordinate 0).
             tensors = {k: t for k, t in tensors.items() if shards.writes_box(t)}
             snaps[self._old_rank] = take_snapshot(self._old_rank, step, tensors, extra)
-        elif not mplan.fresh:
+        elif not plan.fresh:
             snaps = pmem.own_snapshots(own, held)
         store = dist.distributed_c10d._get_default_store()
         prefix = f"elasticd/reshard/{ctx.round}"
-        for old, src in mplan.sources.items():
+        for old, src in plan.sources.items():
             if src == ctx.rank:
                 store.set(f"{prefix}/{old}", snaps[old].index().decode())
         if mesh is not sm.mesh:  # a survivor: the old mesh's group is gone
@@ -266,7 +283,7 @@ class ShardedResync:
         chunks_of: dict[int, list] = {}
         sizes: dict[int, int] = {}
         extras: dict[int, dict[str, object]] = {}
-        for old in range(mplan.old_world):
+        for old in range(plan.old_world):
             rank, _, chunks, size, extra = parse_snapshot_index(store.get(f"{prefix}/{old}"))
             if rank != old:
                 self._fall_back(f"in-memory reshard: the index of old rank {old} names rank {rank}")
@@ -274,15 +291,15 @@ class ShardedResync:
         keys = {c.key for cs in chunks_of.values() for c in cs}
         targets = reshard_targets(self.state, sm, optimizers, keys)
         need = pmem.needed_ranks(targets, chunks_of)
-        flags = torch.tensor([1 if o in need else 0 for o in range(mplan.old_world)], dtype=torch.int64,
+        flags = torch.tensor([1 if o in need else 0 for o in range(plan.old_world)], dtype=torch.int64,
                              device=device)
         all_flags = [torch.zeros_like(flags) for _ in range(dist.get_world_size())]
         dist.all_gather(all_flags, flags)
         data: dict[int, torch.Tensor] = {}
         left = deadline - time.monotonic() if deadline is not None else self.timeout_s
         moved = 0
-        for old in range(mplan.old_world):
-            src = mplan.sources[old]
+        for old in range(plan.old_world):
+            src = plan.sources[old]
             receivers = [r for r, f in enumerate(all_flags) if int(f[old]) and r != src]
             if ctx.rank == src and old in need:
                 data[old] = snaps[old].data
@@ -295,16 +312,16 @@ class ShardedResync:
                 data[old] = got["data"]
                 moved += int(got["data"].numel())
         filled = fill_boxes(targets, chunks_of, sizes, data)
-        source_rank = ctx.rank % mplan.old_world
+        source_rank = ctx.rank % plan.old_world
         rng_state = pmem.apply_replica_state(self.state, sm.module, sm.names, sm.params, filled,
                                              extras[source_rank])
         rng.restore([rng_state], 0)
-        lost = step - mplan.step if has_state else 0
-        self._log.info("live_resharded_in_memory", step=mplan.step, shards_from="live shards" if mplan.fresh
-                       else "peer-RAM replicas", old_world=mplan.old_world, world_size=dist.get_world_size(),
+        lost = step - plan.step if has_state else 0
+        self._log.info("live_resharded_in_memory", step=plan.step, shards_from="live shards" if plan.fresh
+                       else "peer-RAM replicas", old_world=plan.old_world, world_size=dist.get_world_size(),
                        steps_rolled_back=max(lost, 0), bytes_received=moved,
                        seconds=round(time.monotonic() - t0, 3))
-        return Synced(mplan.step, agreed_in_memory=True)
+        return Synced(plan.step, agreed_in_memory=True)
 
     def _committed_step(self) -> int:
         """The newest committed checkpoint's step, from the checkpoint's fence (the agent's

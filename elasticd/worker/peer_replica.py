@@ -39,13 +39,9 @@ from elasticd import boundedjson
 from elasticd.checkpoint import shards
 from elasticd.checkpoint.api import CheckpointCorruptError
 from elasticd.checkpoint.manifest import checksum
-from elasticd.worker.transfer import (
-    TOKEN_BYTES,
-    TransferSource,
-    TransferTicket,
-    byte_view,
-    receive,
-)
+from elasticd.worker.transfer import TOKEN_BYTES, TransferTicket, byte_view
+from elasticd.worker.transport.api import TensorMeta
+from elasticd.worker.transport.tcp import TcpStateTransport, TcpTicket
 
 log = structlog.get_logger(__name__)
 
@@ -396,12 +392,14 @@ class PeerReplica:
     """This rank's side of the replica: its own snapshot, the held peer's, the refresh.
 
     A refresh (every ``every_steps`` steps, at the same step on every rank) takes the own
-    snapshot (the only blocking part), then a background thread serves it over the
-    authenticated TCP transport to its holder and receives the held peer's. Tickets travel
-    through the c10d store, sealed with the round key (:func:`seal_ticket`): the store
-    (open to local users) sees addresses, sizes and indexes, never a token; a ticket not
-    sealed with the key is refused and the holder waits for the real one. Tickets and
-    indexes are JSON, read with the bounded reader; nothing is pickled.
+    snapshot (the only blocking part), then a background thread serves it to its holder
+    over the :class:`~elasticd.worker.transport.api.StateTransport` seam (its TCP
+    implementation, :class:`~elasticd.worker.transport.tcp.TcpStateTransport`) and
+    receives the held peer's the same way. Tickets travel through the c10d store, sealed
+    with the round key (:func:`seal_ticket`): the store (open to local users) sees
+    addresses, sizes and indexes, never a token; a ticket not sealed with the key is
+    refused and the holder waits for the real one. Tickets and indexes are JSON, read with
+    the bounded reader; nothing is pickled.
 
     Args:
         rank: this rank.
@@ -462,12 +460,14 @@ class PeerReplica:
             holder = self.holders[self.rank]
             source = None
             if holder != NO_HOLDER:
-                source = TransferSource(self._host, [byte_view(snap.data)],
-                                        allowed_peers=self._allowed,
-                                        tokens=ticket_tokens(self._key, prefix, self.rank))
+                # The StateTransport seam's TCP implementation, its tokens derived from the
+                # round key: the sealed ticket in the (open) store carries none.
+                source = TcpStateTransport(self.rank, self._host, self._allowed,
+                                           tokens=ticket_tokens(self._key, prefix, self.rank))
+                offered = source.offer([snap.data])
                 self._store.set(f"{prefix}/{self.rank}", seal_ticket(
-                    self._key, prefix, self.rank, snap.step, source.ticket, snap.index()))
-            serving = threading.Thread(target=source.serve, args=([holder], deadline),
+                    self._key, prefix, self.rank, snap.step, offered.endpoint, snap.index()))
+            serving = threading.Thread(target=source.send, args=([holder], deadline),
                                        daemon=True) if source else None
             if serving:
                 serving.start()
@@ -509,5 +509,6 @@ class PeerReplica:
                                        f"(refused {self.refused_tickets})")
                 time.sleep(TICKET_POLL_S)
                 value = bytes(self._store.get(key))
-        receive(ticket, self.rank, [byte_view(snap.data)], deadline)
+        meta = TensorMeta((int(snap.data.numel()),), snap.data.dtype, "cpu")
+        TcpStateTransport(self.rank, None, None).receive(TcpTicket(ticket), [meta], [snap.data], deadline)
         return snap

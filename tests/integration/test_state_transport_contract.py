@@ -88,3 +88,57 @@ def test_a_stalled_source_fails_the_receiver_at_its_deadline(run):
     r = run["stall-2"]
     assert r["error"] == "TransferError" and 1.5 < r["after_s"] < 10, r
     assert run["returncodes"]["2"] == 0 and run["returncodes"]["1"] == -signal.SIGKILL
+
+
+# -- the peer-RAM replica, a user of the seam, under the same contract ----------------------
+REPLICA_SCRIPT = ROOT / "tests" / "workers" / "peer_replica_contract.py"
+
+
+@pytest.fixture(scope="module")
+def replica_run(tmp_path_factory) -> dict[str, dict]:
+    """Three ranks run the replica's three phases once (exchange, die, stall)."""
+    out = tmp_path_factory.mktemp("contract-peer-replica")
+    port = free_port()
+    procs = []
+    for rank in range(3):
+        env = {**os.environ, "RANK": str(rank), "STORE_PORT": str(port), "OUT": str(out),
+               "PYTHONPATH": str(ROOT)}
+        procs.append(subprocess.Popen([sys.executable, str(REPLICA_SCRIPT)], env=env))
+    try:
+        wait_until(lambda: (out / "stall-2.json").exists() or procs[2].poll() is not None, 120,
+                   lambda: f"rank 2's stall report; files: {sorted(p.name for p in out.iterdir())}")
+        procs[2].wait(timeout=30)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGKILL)  # SIGKILL ends a stopped process too
+            p.wait(timeout=30)
+    reports = {path.stem: json.loads(path.read_text()) for path in out.glob("*.json")}
+    reports["returncodes"] = {str(r): p.returncode for r, p in enumerate(procs)}
+    return reports
+
+
+@pytest.mark.timeout(180)
+def test_the_peer_replica_exchanges_over_the_seam_bit_for_bit(replica_run):
+    """A ring of three: each rank holds its predecessor's snapshot, bytes and JSON state equal."""
+    for rank, peer in (("0", "2"), ("1", "0"), ("2", "1")):
+        r = replica_run[f"exchange-{rank}"]
+        assert r["error"] is None and r["held"] == {peer: True}, r
+
+
+@pytest.mark.timeout(180)
+def test_a_replica_source_killed_mid_transfer_fails_its_holder_at_once(replica_run):
+    """Rank 0 SIGKILLed after 4 KiB of its snapshot: the holder's refresh fails with
+    TransferError within seconds, not at its 30 s bound, and holds no partial replica."""
+    assert replica_run["returncodes"]["0"] == -signal.SIGKILL
+    r = replica_run["die-1"]
+    assert r["error"] == "TransferError" and r["after_s"] < 15 and r["held"] == {}, r
+
+
+@pytest.mark.timeout(180)
+def test_a_stalled_replica_source_fails_its_holder_at_the_bound(replica_run):
+    """Rank 1 stops (SIGSTOP) before sending a byte: rank 2's refresh fails with
+    TransferError at its 2 s bound."""
+    r = replica_run["stall-2"]
+    assert r["error"] == "TransferError" and 1.5 < r["after_s"] < 10 and r["held"] == {}, r
+    assert replica_run["returncodes"]["2"] == 0 and replica_run["returncodes"]["1"] == -signal.SIGKILL

@@ -282,3 +282,20 @@ def test_a_malformed_manifest_is_refused_naming_the_field(edit, error):
     with pytest.raises(CheckpointCorruptError, match=error):
         Manifest.from_json(_resealed(edit))
 
+
+
+@pytest.mark.parametrize(("raw", "error"), [
+    (b'{"node":"n","host":"h","pid":true,"version":"v","started_at":1}', r"NodeRecord\.pid: expected int, got a boolean"),
+    (b'{"node":"n","host":"h","pid":1,"version":"v","started_at":Infinity}', r"NodeRecord\.started_at: inf is not a finite"),
+    (b'{"node":"n","host":"h","pid":1,"version":"v","started_at":1,"ranks":["0"]}', r"NodeRecord\.ranks\[0\]: expected int"),
+    (b'{"node":"n"}', r"NodeRecord: field 'host' is missing"),
+    (b'{"round":1,"step":2,"samples_per_s":NaN}', r"Progress\.samples_per_s: nan is not a finite"),
+])
+def test_etcd_records_decode_through_the_one_codec_naming_record_and_field(raw, error):
+    """records.py's from_json is elasticd.codec's decode: a RecordError that names the
+    record and the field (nested index included); floats must be finite."""
+    from elasticd.records import NodeRecord, Progress, RecordError
+
+    cls = Progress if raw.startswith(b'{"round"') else NodeRecord
+    with pytest.raises(RecordError, match=error):
+        cls.from_json(raw)

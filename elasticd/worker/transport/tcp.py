@@ -44,12 +44,17 @@ class TcpStateTransport:
             when unknown (a group not created through ``elasticd.worker``): no offer.
         peers: addresses a receiver may connect from (the group's peers); None admits any
             (the tokens still decide).
+        tokens: ``(recv_token, send_token)`` for the source to use instead of fresh random
+            ones (the peer-RAM replica derives them from its round key, so its sealed
+            tickets carry none); None: fresh ones.
     """
 
-    def __init__(self, rank: int, host: str | None, peers: frozenset[str] | None) -> None:
+    def __init__(self, rank: int, host: str | None, peers: frozenset[str] | None, *,
+                 tokens: tuple[bytes, bytes] | None = None) -> None:
         self._rank = rank
         self._host = host
         self._peers = peers
+        self._tokens = tokens
         self._source: TransferSource | None = None
 
     @property
@@ -64,7 +69,7 @@ class TcpStateTransport:
         except (RuntimeError, TypeError, ValueError) as exc:  # a dtype with no byte view
             raise TransportUnavailable(f"a tensor has no byte view: {exc!r}"[:200]) from exc
         try:
-            self._source = TransferSource(self._host, views, allowed_peers=self._peers)
+            self._source = TransferSource(self._host, views, allowed_peers=self._peers, tokens=self._tokens)
         except TransferError as exc:
             raise TransportUnavailable(str(exc)) from exc
         return TcpTicket(self._source.ticket)
