@@ -67,7 +67,12 @@ def make_parser() -> argparse.ArgumentParser:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    return make_parser().parse_args(argv)
+    p = make_parser()
+    # This script's own (fsdp_train.py, which shares the parser, has a --hold-file of its own).
+    p.add_argument("--pause-file", help="(tests) while this file holds a step S, wait before "
+                   "training step S or a later one: a fault the test schedules lands inside "
+                   "the job, which goes on once the test removes the file")
+    return p.parse_args(argv)
 
 
 def make_data(n: int, dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -113,6 +118,24 @@ def hold_until_asked(max_s: float = 180.0) -> None:
         time.sleep(0.05)
 
 
+def wait_while_held(path: str | None, step: int, max_s: float = 180.0) -> None:
+    """(tests) Wait before ``step`` while ``path`` names a step <= ``step`` (polling; every
+    rank reads the file before the same step, so none enters a collective the others hold
+    back)."""
+    deadline = time.monotonic() + max_s
+    while path and time.monotonic() < deadline:
+        try:
+            with open(path) as f:
+                held = int(f.read().strip() or -1)
+        except FileNotFoundError:
+            return
+        except ValueError:  # caught mid-write: read again
+            held = step
+        if step < held:
+            return
+        time.sleep(0.02)
+
+
 def end_step(args: argparse.Namespace) -> int:
     """The steps to train in total: ``--steps``, or the count the test wrote to
     ``--end-file`` (written whole by a rename; every rank reads it at each step, so every
@@ -138,6 +161,7 @@ def train_epochs(args, ctx, step, x, y, ddp, optim, sampler, plan, live, trace, 
         wholes = whole.iter_steps() if whole is not None else None
         for share in sampler.iter_steps():
             args.steps = end_step(args)  # main's loop and this one read the same count
+            wait_while_held(getattr(args, "pause_file", None), step)
             batch = next(wholes) if wholes is not None else None
             t0 = time.perf_counter()
             with live.guard():  # a failed collective (a peer died) re-forms the group

@@ -18,8 +18,10 @@ arrived during those seconds.)
 
 This module must not import torch: ``elasticd.rendezvous.session`` and
 ``elasticd.rendezvous.finished`` do not. Everything here is best effort: a failure
-(etcd slow or unreachable, an id held elsewhere) returns None and the rendezvous
-handler registers the usual way, reporting the problem properly.
+(etcd slow or unreachable, an id held elsewhere whose lease the deadline cut short)
+returns None and the rendezvous handler registers the usual way, reporting the problem
+properly. Two refusals are certain and end the agent here, before the torch import
+(exit 78): a foreign program (admission) and a node id a live agent holds.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ from elasticd.keys import JobKeys
 from elasticd.records import RecordError, RoundState
 from elasticd.rendezvous.finished import FinishedJob, finished_notice, read_finished
 from elasticd.rendezvous.protocol import early_join_round
-from elasticd.rendezvous.session import NodeSession
+from elasticd.rendezvous.session import DuplicateNodeIdError, NodeSession
 from elasticd.rendezvous.settings import RendezvousSettings, default_node_id
 from elasticd.rendezvous.view import WatchedView
 from elasticd.stopmarks import StopRequest, read_request, restart_hint
@@ -137,6 +139,7 @@ def arrive_early(cfg: AgentConfig) -> EarlyArrival | None:
 
     Raises:
         AdmissionRefusedError: a live agent of the job runs another program (exit 78).
+        DuplicateNodeIdError: a live agent holds this node id (exit 78).
     """
     e = cfg.etcd
     if e.embedded:
@@ -177,9 +180,9 @@ def arrive_early(cfg: AgentConfig) -> EarlyArrival | None:
         admit(client, keys, node_id, ours, deadline_s=_DEADLINE_S)
         session.early_join = _join_first_round(client, keys, session, cfg.job.min_nodes,
                                                cfg.job.max_nodes)
-    except AdmissionRefusedError:
+    except (AdmissionRefusedError, DuplicateNodeIdError):
         if "session" in locals():
-            session.close()  # revoke: our record goes at once
+            session.close()  # revoke: our record goes at once (a duplicate wrote none)
         client.close()
         raise  # exit 78 (elasticd.cli), before torch is imported
     except Exception as exc:  # noqa: BLE001 - best effort: the handler registers and reports

@@ -54,6 +54,12 @@ def retry_rdzv(what: str, fn: Callable[[], Any], deadline: float) -> Any:
         raise RendezvousConnectionError(f"{what}: {exc}") from exc
 
 
+class DuplicateNodeIdError(ConfigError):
+    """A live agent holds this node id: on this host (its pid is a live elasticd
+    process) or elsewhere (its lease kept alive past a full TTL). Certain, so the early
+    arrival refuses it before the agent imports torch (exit 78)."""
+
+
 class NodeSession:
     """One node's lease, node record and incarnation, and the round it last completed.
 
@@ -244,7 +250,7 @@ class NodeSession:
                "agents on one host need --node-id a / --node-id b (node.id)")
         if rec.host == socket.gethostname():
             if rec.pid != os.getpid() and _is_live_elasticd(rec.pid):
-                raise ConfigError(fix)
+                raise DuplicateNodeIdError(fix)
             return old  # our own previous process, now dead: retire it at once
         # Another machine: a vanished one's lease runs out within one TTL (and etcd's
         # expiry loop); a live duplicate keeps it.
@@ -257,7 +263,10 @@ class NodeSession:
             if cur is None or cur.create_revision != old.create_revision:
                 return cur
             time.sleep(min(left, 0.25))
-        raise ConfigError(fix)
+        # Past a full TTL the lease is kept alive: certain. Cut short by the deadline: a
+        # vanished machine's lease may still run out (the handler, later, waits it out).
+        full_ttl = until < deadline
+        raise DuplicateNodeIdError(fix) if full_ttl else ConfigError(fix)
 
     def _keeper_lost(self) -> None:
         self.lease_lost.set()

@@ -42,6 +42,7 @@ SCRIPT = str(ROOT / "examples" / "train.py")
 SOAK = os.environ.get("ELASTICD_SOAK") == "1"
 STEPS = 400 if SOAK else 120
 N_FAULTS = 12 if SOAK else 4
+PAUSE_AHEAD = 5  # the run may train this many steps past a fault's target before it lands
 FAULTS = ["kill_node", "stop_node", "drain_node", "crash_worker", "etcd_outage"]
 
 
@@ -78,12 +79,26 @@ def test_chaos_run_loses_nothing(tmp_path, etcd_server):
     def note(msg: str) -> None:
         log.append(f"{time.strftime('%H:%M:%S')} {msg}")
 
+    # Each fault lands inside the job: the run waits before step PAUSE_AHEAD past the
+    # fault's target (--pause-file) until the test, having injected it, moves the pause on
+    # (it used to run on and finish before its last faults, which the loop then skipped).
+    pause = tmp_path / "pause"
+
+    def pause_at(step: int | None) -> None:
+        if step is None:
+            pause.unlink()
+            return
+        staged = tmp_path / "pause.staged"
+        staged.write_text(str(step))
+        os.replace(staged, pause)  # whole or absent: a rank never reads half a number
+
     def add_node() -> Node:
         name = f"n{len(started)}"
         node = Node(elasticd_argv(etcd_server.endpoint, job, SCRIPT, nnodes="1:4", node_id=name,
                                   extra=["--checkpoint-url", url, "--max-restarts", "20",
                                          "--restart-backoff", "0.2", "--drain-grace", "30"],
-                                  script_args=_script_args(tmp_path, "run")),
+                                  script_args=[*_script_args(tmp_path, "run"),
+                                               "--pause-file", str(pause)]),
                     {}, tmp_path / f"{name}.log")
         started.append(node)
         note(f"started {name}")
@@ -98,17 +113,19 @@ def test_chaos_run_loses_nothing(tmp_path, etcd_server):
     def finished() -> bool:
         return not live() and last_step() >= STEPS - 1
 
+    def target(i: int) -> int:
+        return min(STEPS - 15, (i + 1) * STEPS // (N_FAULTS + 2))
+
     ref_proc = _reference(tmp_path)
     try:
+        pause_at(target(0) + PAUSE_AHEAD)
         for _ in range(3):
             add_node()
         wait_until(lambda: last_step() >= 5, 120, "first steps")
         for i in range(N_FAULTS):
-            target = min(STEPS - 15, (i + 1) * STEPS // (N_FAULTS + 2))
-            wait_until(lambda t=target: last_step() >= t or finished(), 180, f"step {target}")
+            wait_until(lambda t=target(i): last_step() >= t, 180, f"step {target(i)}")
             nodes = live()
-            if finished() or not nodes:
-                break
+            assert nodes, "no node left alive before a fault"
             fault = rng.choice(FAULTS)
             victim = rng.choice(nodes)
             note(f"fault {fault} on {victim.log_path.stem} at step {last_step()}")
@@ -130,6 +147,7 @@ def test_chaos_run_loses_nothing(tmp_path, etcd_server):
                 etcd_server.start()
             if len(live()) < 3 and rng.random() < 0.8:
                 add_node()
+            pause_at(target(i + 1) + PAUSE_AHEAD if i + 1 < N_FAULTS else None)
         wait_until(finished, 300, "the job to finish")
         note(f"finished at step {last_step()}")
 

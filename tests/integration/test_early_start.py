@@ -91,3 +91,45 @@ def test_a_stopped_job_is_refused_by_the_boot_sequence_before_anything_registers
     )
     assert _probe(code) == {
         "refused": True, "session": False, "node": False, "round": False, "hint": True, "torch": []}
+
+
+def test_a_node_id_a_live_agent_holds_is_refused_before_torch_is_imported(etcd_server, tmp_path):
+    """A second agent started with a live agent's node id (on this host) is refused by
+    `arrive_early` with DuplicateNodeIdError (exit 78) naming the id and the fix, before
+    torch is imported; the live agent's record is untouched."""
+    script = tmp_path / "x.py"
+    script.write_text("pass\n")
+    # The holder: a live process whose command line names elasticd, on this host.
+    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)", "elasticd"])
+    try:
+        code = (
+            "import os, socket, sys, json, time\n"
+            "from elasticd.config import load_config\n"
+            "from elasticd.agent.arrival import arrive_early\n"
+            "from elasticd.etcd.client import EtcdClient\n"
+            "from elasticd.keys import JobKeys\n"
+            "from elasticd.records import NodeRecord\n"
+            "from elasticd.rendezvous.session import DuplicateNodeIdError\n"
+            f"cfg = load_config(None, {{}}, {{'etcd.endpoints': {etcd_server.endpoint!r}, "
+            f"'job.name': 'dup', 'job.nnodes': '1:2', 'node.id': 'a', 'workers.command': {str(script)!r}}})\n"
+            "keys = JobKeys('dup')\n"
+            "c = EtcdClient(cfg.etcd.endpoints[0])\n"
+            "lease = c.grant_lease(30)\n"
+            f"rec = NodeRecord(node='a', host=socket.gethostname(), pid={holder.pid}, version='v',\n"
+            "                 started_at=time.time())\n"
+            "c.put(keys.node('a'), rec.to_json(), lease=lease)\n"
+            "try:\n"
+            "    arrive_early(cfg)\n"
+            "    error = ''\n"
+            "except DuplicateNodeIdError as exc:\n"
+            "    error = str(exc)\n"
+            "torch = sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.'))\n"
+            "kept = c.get(keys.node('a'))\n"
+            "print(json.dumps({'named': \"node id 'a' is already used\" in error,\n"
+            "                  'fix': '--node-id a / --node-id b' in error, 'torch': torch,\n"
+            "                  'kept': bool(kept and kept.lease == lease)}))\n"
+        )
+        assert _probe(code) == {"named": True, "fix": True, "torch": [], "kept": True}
+    finally:
+        holder.kill()
+        holder.wait()

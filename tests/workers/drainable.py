@@ -1,7 +1,8 @@
 """Minimal elasticd-aware worker: resumes from a JSON "checkpoint", stops on should_stop().
 
-Env: OUT (per-step JSON lines), CKPT (JSON file with the last saved step), STEPS,
-STEP_S, CKPT_EVERY (rank 0 saves after every N-th step, default 1; a stop always
+Env: OUT (per-step JSON lines), CKPT (JSON file with the last saved step), STEPS (default
+1,000,000: a job ends on the test's signal, drain or stop unless a test sets a count; the old
+default, 1,000 steps of 0.05 s, had to outlast joins and drains under load), STEP_S, CKPT_EVERY (rank 0 saves after every N-th step, default 1; a stop always
 saves), IGNORE_STOP=1 (calls should_stop but ignores it: tests the hard stop), HANG_AT (rank 0
 sleeps forever at that step), EXIT_CODE_AT ("step:code" on rank 0 of the first start).
 """
@@ -27,7 +28,7 @@ def save(ckpt: str, step: int) -> None:
 def main() -> int:
     ctx = worker.init()
     out, ckpt = os.environ["OUT"], os.environ["CKPT"]
-    steps, step_s = int(os.environ.get("STEPS", "1000")), float(os.environ.get("STEP_S", "0.05"))
+    steps, step_s = int(os.environ.get("STEPS", "1000000")), float(os.environ.get("STEP_S", "0.05"))
     start = 0
     if os.path.exists(ckpt):
         with open(ckpt) as fh:

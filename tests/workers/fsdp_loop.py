@@ -2,7 +2,9 @@
 ``ElasticLoop(sharded=ShardedModel(..., "fsdp"), live=True, peer_replica_every=k)``.
 
 One JSON line per step attempt and rank to ``--trace``: the loop's step index, round,
-world size, PID and the dataset indices this rank trained in it.
+world size, PID and the dataset indices this rank trained in it. ``--hold-file``: while
+that file holds a step S, every rank of a world of 2 or more waits before its step S or
+a later one (polling, at most 180 s), so a fault the test schedules lands inside the job.
 """
 
 from __future__ import annotations
@@ -29,6 +31,21 @@ def parallelize(model: nn.Module, mesh: object) -> nn.Module:
     return model
 
 
+def wait_while_held(path: str, step: int) -> None:
+    deadline = time.monotonic() + 180
+    while path and time.monotonic() < deadline:
+        try:
+            with open(path) as f:
+                held = int(f.read().strip() or -1)
+        except FileNotFoundError:
+            return
+        except ValueError:  # caught mid-write: read again
+            held = step
+        if step < held:
+            return
+        time.sleep(0.02)
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--epochs", type=int, default=3)
@@ -37,6 +54,7 @@ def main() -> int:
     p.add_argument("--step-sleep", type=float, default=0.25)
     p.add_argument("--peer-replica-every", type=int, default=4)
     p.add_argument("--trace", required=True)
+    p.add_argument("--hold-file", default="")
     args = p.parse_args()
     worker.init()
     torch.manual_seed(0)
@@ -56,6 +74,8 @@ def main() -> int:
         for epoch in range(loop.resume(), args.epochs):
             sampler.set_epoch(epoch)
             for idx, xb, yb in loop.batches(loader):
+                if worker.current_context().world_size > 1:  # a node alone never holds
+                    wait_while_held(args.hold_file, loop.steps_done)
                 with loop.guard():
                     model = loop.model
                     optim.zero_grad()

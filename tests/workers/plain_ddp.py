@@ -3,7 +3,10 @@ torchrun env, DistributedSampler, DDP, and its own snapshot file for restarts.
 
 Env: SNAPSHOT (path), OUT (per-epoch JSON lines), EPOCHS, CRASH_AT_EPOCH (rank 0, first start),
 AT_EXIT=abort|hang (rank 1: an atexit handler aborts, or never returns,
-as torch's interpreter teardown sometimes does), EPOCH_S (seconds each epoch lasts at least).
+as torch's interpreter teardown sometimes does), EPOCH_S (seconds each epoch lasts at least),
+HOLD_FILE (tests: while this file exists and holds a count N, a process that has trained N
+epochs waits before its next one, polling, at most 180 s: a fault the test schedules lands
+inside the job, whatever epoch a restart resumed at).
 """
 
 import atexit
@@ -16,6 +19,22 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+
+def wait_while_held(trained: int) -> None:
+    hold = os.environ.get("HOLD_FILE")
+    deadline = time.monotonic() + 180
+    while hold and time.monotonic() < deadline:
+        try:
+            with open(hold) as f:
+                held = int(f.read().strip() or -1)
+        except FileNotFoundError:
+            return
+        except ValueError:  # caught mid-write: read again
+            held = trained
+        if trained < held:
+            return
+        time.sleep(0.02)
 
 
 def main() -> int:
@@ -38,6 +57,7 @@ def main() -> int:
     sampler = DistributedSampler(data)
     loader = DataLoader(data, batch_size=16, sampler=sampler)
     for epoch in range(start, int(os.environ.get("EPOCHS", "6"))):
+        wait_while_held(epoch - start)
         sampler.set_epoch(epoch)
         epoch_end = time.monotonic() + float(os.environ.get("EPOCH_S", "0"))
         for x, y in loader:

@@ -42,6 +42,10 @@ def parse_args() -> argparse.Namespace:
                         "at most --hold-max-s: the join happens at a known point, never in a "
                         "race with the end of the job")
     p.add_argument("--hold-max-s", type=float, default=180.0)
+    p.add_argument("--hold-file", default="",
+                   help="while this file holds a step S, wait (polling, at most --hold-max-s) "
+                        "before training step S or a later one: the test releases the job "
+                        "(removes the file) after the fault it schedules inside it")
     p.add_argument("--trace", required=True)
     p.add_argument("--final-params", required=True)
     return p.parse_args()
@@ -90,6 +94,23 @@ def _hold_until_asked_to_stop(max_s: float) -> None:
         time.sleep(0.05)
 
 
+def _wait_while_held(path: str, step: int, max_s: float) -> None:
+    """Wait before ``step`` while ``path`` names a step <= ``step`` (every rank reads the
+    same file before the same step, so no rank enters a collective its peers hold back)."""
+    deadline = time.monotonic() + max_s
+    while path and time.monotonic() < deadline:
+        try:
+            with open(path) as f:
+                held = int(f.read().strip() or -1)
+        except FileNotFoundError:
+            return
+        except ValueError:  # caught mid-write: read again
+            held = step
+        if step < held:
+            return
+        time.sleep(0.02)
+
+
 def main() -> int:
     args = parse_args()
     ctx = worker.init()
@@ -118,6 +139,7 @@ def main() -> int:
             prefetch_factor=2 if args.num_workers else None, collate_fn=collate)
         batches = iter(loader)
         for _ in range(sampler.steps_remaining):
+            _wait_while_held(args.hold_file, step, args.hold_max_s)
             rows = []
             for sync in worker.accumulation_contexts(ddp, plan):
                 keys, xb, yb = next(batches)

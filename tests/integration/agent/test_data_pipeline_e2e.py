@@ -23,6 +23,7 @@ from harness import PY, ROOT, FaultSchedule, at_step, in_newer_round, read_jsonl
 
 SCRIPT = str(ROOT / "tests" / "workers" / "seeded_pipeline.py")
 STEPS = 48  # 12 steps per epoch: the kill and the join fall inside epochs
+HOLD_AT = 16  # the job at world size 2 waits before this step until the kill (step >= 14)
 W = "world_size"  # the trace's world-size key
 pytestmark = pytest.mark.timeout(300)  # measured: 94 s on 2 cores at a load average of 15
 
@@ -60,11 +61,20 @@ def test_kill_and_join_give_the_batches_and_augmentations_of_an_uninterrupted_ru
         # While a node is missing the job waits at a step boundary for the joiner's drain:
         # the join happens at a known point, never in a race with the end of the job (a
         # joiner still importing torch at a load of 20 used to find the job finished).
-        args = [*_args(tmp_path, "run", 0.1), "--hold-below-world", "2"]
+        # At world size 2 the job waits before step HOLD_AT until the test's kill releases
+        # it (--hold-file): the kill lands inside the job however slowly the test polls.
+        hold = tmp_path / "hold"
+        hold.write_text(str(HOLD_AT))
+        args = [*_args(tmp_path, "run", 0.1), "--hold-below-world", "2", "--hold-file", str(hold)]
         a, b = (nodes.start("pipe", SCRIPT, nnodes="1:2", name=n, script_args=args) for n in "ab")
+
+        def kill_and_release() -> None:
+            b.signal(signal.SIGKILL)
+            hold.unlink()
+
         schedule = (
             FaultSchedule(trace, timeout_s=90)
-            .when(at_step(14, world=2, world_key=W), "step 14 at world size 2").kill(b)
+            .when(at_step(14, world=2, world_key=W), "step 14 at world size 2").do(kill_and_release)
             .when(in_newer_round(world=1, world_key=W), "world size 1 after the kill")
             .start(lambda: nodes.start("pipe", SCRIPT, nnodes="1:2", name="c", script_args=args))
             .when(in_newer_round(world=2, world_key=W), "world size 2 after the join").mark())

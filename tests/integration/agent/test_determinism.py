@@ -38,8 +38,11 @@ STEPS = 100_000  # the drain test's job ends on the test's word (--end-file)
 # starting, refused as "job finished"; 320 steps only made that less likely). Held, the
 # job needs no more steps than the kill (step 17) and a few at world 3 after the rejoin;
 # the fault-free reference run beside it must train the same count, so it is fixed: three
-# epochs, the last two crossed after the kill.
+# epochs, the last two crossed after the kill. At world 3 the job waits before step
+# PAUSE_AT until the kill releases it (--pause-file): with the fixed count, the kill
+# lands inside the job however slowly the test polls.
 RESIZE_STEPS = 60
+PAUSE_AT = 20
 
 
 def _args(tmp_path, tag):
@@ -65,7 +68,10 @@ def test_resizes_match_a_run_without_failures(nodes, tmp_path):
                        script_args=ref_args) for _ in range(2)]
 
     trace_b = tmp_path / "trace-b.jsonl"
-    b_args = [*_script_args(tmp_path, "b", RESIZE_STEPS), "--hold-below-world", "3"]
+    pause = tmp_path / "pause-b"
+    pause.write_text(str(PAUSE_AT))
+    b_args = [*_script_args(tmp_path, "b", RESIZE_STEPS), "--hold-below-world", "3",
+              "--pause-file", str(pause)]
     b = [nodes.start("det-b", SCRIPT, nnodes="2:3", extra=_args(tmp_path, "b"),
                      script_args=b_args) for _ in range(3)]
     victim: set[int] = set()
@@ -73,6 +79,7 @@ def test_resizes_match_a_run_without_failures(nodes, tmp_path):
     def kill() -> None:
         victim.update(b[2].tree())
         b[2].signal(signal.SIGKILL)
+        pause.unlink()  # the survivors go on (into the failed collective: a re-formation)
 
     # All three ranks past step 17 (the first round may form with two, the third joining).
     schedule = (

@@ -13,8 +13,10 @@ pytestmark = pytest.mark.timeout(150)
 
 
 def _env(tmp_path, **extra):
+    # Every job here ends on the test's signal (a drain, a stop after the grace), never on
+    # its step count: 1,000 steps (50 s) once had to outlast a join and a drain at load 35.
     return {"OUT": str(tmp_path / "steps.jsonl"), "CKPT": str(tmp_path / "ckpt.json"),
-            "STEP_S": "0.05", **extra}
+            "STEP_S": "0.05", "STEPS": "1000000", **extra}
 
 
 def _assert_resumed_at_the_next_step(out, old_world: int, new_world: int) -> None:

@@ -17,8 +17,11 @@ pytestmark = pytest.mark.timeout(240)
 def _env(tmp_path, node: str) -> dict[str, str]:
     # One snapshot and output file per node, as on separate machines: a node that re-ran
     # the job would resume from its own stale snapshot (or from epoch 0) and write rows.
+    # While the hold file is there, a worker waits after its second epoch: the SIGKILL
+    # lands in the job, which the test then lets finish (no epoch count chosen to outlast
+    # it; a node that formed the job alone is restarted at world 2 and trains 2 more).
     return {"SNAPSHOT": str(tmp_path / f"snap-{node}.pt"), "OUT": str(tmp_path / f"{node}.jsonl"),
-            "EPOCHS": "10", "EPOCH_S": "0.4"}
+            "EPOCHS": "6", "HOLD_FILE": str(tmp_path / "hold")}
 
 
 def test_node_back_after_the_finish_exits_0_and_trains_nothing(nodes, tmp_path, capsys):
@@ -27,6 +30,7 @@ def test_node_back_after_the_finish_exits_0_and_trains_nothing(nodes, tmp_path, 
     nothing; after `elasticd start --job J` a node runs the job again."""
     job, ep = "fin", nodes.etcd.endpoint
     kw = {"nnodes": "1:2", "extra": ["--restart-backoff", "0.1"]}
+    (tmp_path / "hold").write_text("2")
     a = nodes.start(job, SCRIPT, env=_env(tmp_path, "n0"), name="n0", **kw)
     b = nodes.start(job, SCRIPT, env=_env(tmp_path, "n1"), name="n1", **kw)
     out = {n: tmp_path / f"{n}.jsonl" for n in ("n0", "n1")}
@@ -37,6 +41,7 @@ def test_node_back_after_the_finish_exits_0_and_trains_nothing(nodes, tmp_path, 
     wait_until(lambda: len(world2()) >= 2, 120, "two epochs at world 2")
     b.signal(signal.SIGKILL)
     b.wait(10)
+    (tmp_path / "hold").unlink()  # n0 finishes alone
     assert a.wait(120) == 0, a.log()[-3000:]
     # Closed as soon as its workers finished, before its exit (soak seed 777000: a close
     # written only on the way out let a coordinator reopen the job for joiners).
@@ -66,6 +71,6 @@ def test_node_back_after_the_finish_exits_0_and_trains_nothing(nodes, tmp_path, 
     # The explicit act: `elasticd start` reopens the finished job; a node then runs it.
     assert main(["start", "--job", job, "--etcd", ep]) == 0
     assert "reopened" in capsys.readouterr().out
-    again = nodes.start(job, SCRIPT, env={**_env(tmp_path, "n1"), "EPOCH_S": "0"}, name="n1", **kw)
+    again = nodes.start(job, SCRIPT, env=_env(tmp_path, "n1"), name="n1", **kw)
     assert again.wait(120) == 0, again.log()[-3000:]
     assert len(read_jsonl(out["n1"])) > rows_before, "the reopened job did not run"

@@ -322,13 +322,19 @@ def test_elastic_loop_fsdp_kill_recovers_from_the_peer_replicas_and_trains_every
     script = str(ROOT / "tests" / "workers" / "fsdp_loop.py")
     trace = tmp_path / "trace-l.jsonl"
     extra = ["--checkpoint-url", f"file://{tmp_path}/ckpt-l"]
-    args = ["--trace", str(trace), "--epochs", "3", "--dataset-size", "48", "--batch", "4"]
+    # Every rank waits before step 6 until the kill has landed (--hold-file): the kill
+    # never races the end of the 18-step job.
+    hold = tmp_path / "hold-l"
+    _hold_after(hold, 6)
+    args = ["--trace", str(trace), "--epochs", "3", "--dataset-size", "48", "--batch", "4",
+            "--hold-file", str(hold)]
     b = [nodes.start("fsdp-loop", script, nnodes="1:2", nproc=1, extra=extra, script_args=args)
          for _ in range(2)]
     wait_until(lambda: any(r["step"] >= 3 and r["world"] == 2 for r in read_jsonl(trace)), 120,
                "step 3 at world 2")
     victim = set(b[1].tree())
     b[1].signal(signal.SIGKILL)
+    _hold_after(hold, None)
     assert b[0].wait(120) == 0, b[0].log()[-3000:]
     rows = read_jsonl(trace)
     survivor = {r["pid"] for r in rows if r["world"] == 1}

@@ -19,11 +19,14 @@ def test_live_tutorial_keeps_its_workers_through_a_kill_and_a_join(nodes, tmp_pa
     """Node b is SIGKILLed mid-epoch: a's worker (same PID) re-forms in place and trains on
     alone; node c joins and gets the state from a (no checkpoint read); every sample of
     every epoch is trained, and at most the one step in flight at the kill twice."""
-    trace = tmp_path / "trace.jsonl"
+    trace, pause = tmp_path / "trace.jsonl", tmp_path / "pause"
+    # The test decides when the job goes on, never a step count: each worker waits after
+    # its 6th batch until the kill has landed (PAUSE_FILE), and a alone waits after each
+    # batch until c's arrival re-forms it (HOLD_BELOW_WORLD).
+    pause.write_text("6")
     env = {"TUTORIAL": "ddp_tutorial_live.py", "TRACE": str(trace), "WORKDIR": str(tmp_path),
-           "STEP_S": "0.05", "STEP_S_ALONE": "0.2", "EPOCHS": str(EPOCHS), "BATCH": str(BATCH), "DATASET": str(DATASET)}
-    # Alone, a trains slowly (0.2 s a step, 48 s for the whole run): c's start-up on a busy
-    # box must not outlast the job.
+           "STEP_S": "0.02", "PAUSE_FILE": str(pause), "HOLD_BELOW_WORLD": "2",
+           "EPOCHS": str(EPOCHS), "BATCH": str(BATCH), "DATASET": str(DATASET)}
     a, b = (nodes.start("live-tut", PROBE, nnodes="1:2", env=env, name=n) for n in ("a", "b"))
     wait_until(lambda: {r["rank"] for r in read_jsonl(trace) if r["world"] == 2} == {0, 1}, 120,
                "both ranks to train at world 2")
@@ -31,6 +34,7 @@ def test_live_tutorial_keeps_its_workers_through_a_kill_and_a_join(nodes, tmp_pa
     assert len(a_pids) == 1, a_pids
     b.signal(signal.SIGKILL)
     b.wait(30)
+    pause.unlink()
     killed_at = len(read_jsonl(trace))
     wait_until(lambda: any(r["world"] == 1 for r in read_jsonl(trace)[killed_at:]), 60,
                lambda: "a to train on alone: " + a.log()[-2000:])

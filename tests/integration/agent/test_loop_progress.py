@@ -26,8 +26,10 @@ def _progress(endpoint: str, job: str) -> dict | None:
 def test_elastic_loop_job_reports_samples_per_second(nodes, tmp_path):
     """Two agents train examples/ddp_tutorial_elastic.py (ElasticLoop): status --json shows
     samples_trained growing and samples_per_s > 0 while it trains."""
+    # The job trains until the test ends it (the fixture kills the nodes), not for a step
+    # count chosen to outlast status's first measured rate.
     env = {"TUTORIAL": "ddp_tutorial_elastic.py", "TRACE": str(tmp_path / "trace.jsonl"),
-           "WORKDIR": str(tmp_path), "STEP_S": "0.05", "EPOCHS": "40", "BATCH": "4",
+           "WORKDIR": str(tmp_path), "STEP_S": "0.05", "EPOCHS": "100000", "BATCH": "4",
            "DATASET": "64"}
     a, b = (nodes.start("loop-rate", PROBE, nnodes="2:2", env=env, name=n) for n in ("a", "b"))
     seen: list[dict | None] = []

@@ -30,7 +30,7 @@ def _after(out, at: int, world: int) -> list[dict]:
 def test_a_duplicate_id_is_refused_a_joiner_admitted_and_a_freeze_and_a_kill_leave_the_rest_training(
         nodes, tmp_path):
     """One job, three phases: an agent with a live node's id exits 78 naming the id and the
-    fix, while a node started beside it is admitted (world size 3, never 4) and the job
+    fix (before it imports torch), while a node started beside it is admitted (world size 3, never 4) and the job
     trains on; a node frozen (SIGSTOP) leaves and the other two train on at world size 2;
     a member SIGKILLed leaves the last one training alone; no fault spends a restart budget."""
     out = tmp_path / "steps.jsonl"
@@ -48,6 +48,8 @@ def test_a_duplicate_id_is_refused_a_joiner_admitted_and_a_freeze_and_a_kill_lea
     assert "node id 'a' is already used by a live elasticd agent" in second.log()
     assert "two agents on one host need --node-id a / --node-id b" in second.log()
     assert "HOST-PID" not in second.log()
+    # Refused before the agent imported torch (elasticd.agent.arrival): no agent started.
+    assert "agent_started" not in second.log(), second.log()[-3000:]
     at = len(read_jsonl(out))
     wait_until(lambda: len(_after(out, at, 3)) >= 6, 150, "steps at world size 3 after the join")
     assert not _steps_at(out, 4), "the refused agent's node was admitted (world size 4)"
