@@ -9,18 +9,26 @@ by ``--timeout-s`` (a hang is killed with its whole process group and counted as
 ``etcd-v3`` runs against one embedded etcd started here (127.0.0.1); ``c10d`` gets a free
 localhost port per scenario, as torch's harness does.
 
-The suite file is torch's and is not shipped: pass a local copy with ``--suite`` (the
-``test_*`` wrappers may be absent: only the scenario methods and the harness are used).
+The suite file is torch's and is not shipped. Without ``--suite`` it is taken from the
+installed torch where that is a source checkout (``<checkout>/test/...`` beside
+``<checkout>/torch``); a wheel has no tests, so otherwise pass a copy of the file from
+torch's repository at the installed version's tag, e.g.
+``https://raw.githubusercontent.com/pytorch/pytorch/v2.13.0/`` + SUITE_PATH (the ``test_*``
+wrappers may be absent: only the scenario methods and the harness are used). The suite
+imports three skip helpers from ``torch.testing._internal.common_utils``, which needs
+``expecttest``; where that is not installed a one-class stand-in goes on the scenarios'
+path (``shim_dir``).
 
 Usage::
 
     .venv/bin/python benchmarks/torch_agent_suite.py --suite /tmp/local_elastic_agent_test.py \\
-        --backends etcd-v3,c10d --timeout-s 180 --json /tmp/suite.json
+        --backends etcd-v3,c10d --timeout-s 300 --jobs 4 --json /tmp/suite.json
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import signal
@@ -28,11 +36,14 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import PY, machine_info, other_load  # noqa: E402
+
+SUITE_PATH = "test/distributed/elastic/agent/server/test/local_elastic_agent_test.py"
 
 # scenario name -> the suite's method (torch's test_* wrappers call these)
 SCENARIOS = {
@@ -87,7 +98,10 @@ class Scenario(mod.LocalElasticAgentTest):
             self._endpoint = f"localhost:{mod.acquire_available_port()}"
         else:
             self._endpoint = endpoint
-        getattr(self, method)()
+        if method == "run_with_custom_log_lines":  # torch's test_run_with_custom_log_lines
+            self.run_distributed_sum_homogeneous("[${role_name}-${local_rank}:${rank}]:")
+        else:
+            getattr(self, method)()
 
 for name in ("setUpClass", "tearDownClass"):  # torch's starts an etcd v2 server
     setattr(Scenario, name, classmethod(lambda cls: None))
@@ -97,6 +111,33 @@ sys.stderr.flush()
 # The verdict is in: at a high load the interpreter's own teardown can outlast the bound.
 os._exit(0 if result.wasSuccessful() else 1)
 """
+
+
+def installed_suite() -> Path | None:
+    """The suite file of the installed torch when it runs from a source checkout, else None."""
+    spec = importlib.util.find_spec("torch")
+    if spec is None or spec.origin is None:
+        return None
+    path = Path(spec.origin).resolve().parents[1] / SUITE_PATH
+    return path if path.is_file() else None
+
+
+# process groups of the scenarios running now (a stopped run kills them)
+RUNNING: set[int] = set()
+
+
+def shim_dir(log_dir: Path) -> list[str]:
+    """The suite imports three skip helpers from torch's test utilities, which import
+    ``expecttest`` (not a dependency of elasticd or torch's wheel). Where it is missing, a
+    stand-in with the one name those utilities need at import goes on the path of the
+    scenario and of its spawned workers (which import the suite to unpickle its functions)."""
+    if importlib.util.find_spec("expecttest") is not None:
+        return []
+    shim = log_dir / "shim"
+    shim.mkdir(exist_ok=True)
+    (shim / "expecttest.py").write_text(
+        "import unittest\n\nACCEPT = False\n\n\nclass TestCase(unittest.TestCase):\n    pass\n")
+    return [str(shim)]
 
 
 def dump_stacks(pgid: int, grace_s: float = 3.0) -> None:
@@ -129,9 +170,10 @@ def run_one(suite: Path, backend: str, endpoint: str, scenario: str, timeout_s: 
     with open(log, "w") as out:
         # The agents spawn workers that unpickle the suite's functions: they import it by name.
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-            [str(suite.parent), *filter(None, [os.environ.get("PYTHONPATH")])])}
+            [str(suite.parent), *shim_dir(log_dir), *filter(None, [os.environ.get("PYTHONPATH")])])}
         proc = subprocess.Popen([PY, "-c", CHILD, str(suite), backend, endpoint, SCENARIOS[scenario]],
                                 stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env)
+        RUNNING.add(proc.pid)
         try:
             rc = proc.wait(timeout=timeout_s)
             outcome = "pass" if rc == 0 else "fail"
@@ -144,6 +186,7 @@ def run_one(suite: Path, backend: str, endpoint: str, scenario: str, timeout_s: 
             except ProcessLookupError:
                 pass
             proc.wait()
+            RUNNING.discard(proc.pid)
     outcome = settled(outcome, log)
     return {"backend": backend, "scenario": scenario, "outcome": outcome, "rc": rc,
             "seconds": round(time.monotonic() - started, 1), "log": str(log)}
@@ -167,17 +210,25 @@ def table(rows: list[dict], backends: list[str]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--suite", required=True, type=Path, help="a local copy of torch's local_elastic_agent_test.py")
+    p.add_argument("--suite", type=Path, help="a local copy of torch's local_elastic_agent_test.py "
+                   "(default: the installed torch's, where it is a source checkout)")
     p.add_argument("--backends", default="etcd-v3,c10d", help="comma-separated: etcd-v3, c10d")
     p.add_argument("--scenarios", default=",".join(SCENARIOS), help="comma-separated subset, run in this order")
     p.add_argument("--timeout-s", type=float, default=180.0, help="bound of one scenario, s")
-    p.add_argument("--json", type=Path, help="write the results here")
+    p.add_argument("--jobs", type=int, default=1,
+                   help="scenarios run at once (each in its own session; a loaded machine gives each less)")
+    p.add_argument("--json", type=Path, help="write the results here (rewritten after every scenario)")
     args = p.parse_args(argv)
     backends = [b for b in args.backends.split(",") if b]
     scenarios = [s for s in args.scenarios.split(",") if s]
     bad = [b for b in backends if b not in ("etcd-v3", "c10d")] + [s for s in scenarios if s not in SCENARIOS]
     if bad:
         p.error(f"unknown backend/scenario {bad}")
+    if args.suite is None:
+        args.suite = installed_suite()
+        if args.suite is None:
+            p.error(f"torch's {SUITE_PATH} is not installed (a wheel has no tests): pass --suite, "
+                    "a copy from https://github.com/pytorch/pytorch at the installed version's tag")
     if not args.suite.is_file():
         p.error(f"--suite {args.suite}: no such file (a copy of torch's local_elastic_agent_test.py)")
     log_dir = Path(tempfile.mkdtemp(prefix="elasticd-agent-suite-"))
@@ -187,21 +238,37 @@ def main(argv: list[str] | None = None) -> int:
     from elasticd.etcd.embedded import EmbeddedEtcd
 
     etcd = EmbeddedEtcd(data_dir=str(log_dir / "etcd")) if "etcd-v3" in backends else None
+    # SIGTERM (a bounded caller's timeout) unwinds: every scenario's group and etcd stop.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    order = {(s, b): i for i, (s, b) in enumerate((s, b) for s in scenarios for b in backends)}
     try:
         if etcd is not None:
             etcd.start()
-        for scenario in scenarios:  # both backends per scenario: a cut-short run stays comparable
-            for backend in backends:
-                row = run_one(args.suite, backend, etcd.endpoint if etcd else "", scenario,
-                              args.timeout_s, log_dir)
-                rows.append(row)
-                print(json.dumps(row), flush=True)
+        endpoint = etcd.endpoint if etcd else ""
+        # both backends per scenario, in order: a cut-short run stays comparable
+        with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
+            futures = [pool.submit(run_one, args.suite, b, endpoint, s, args.timeout_s, log_dir)
+                       for (s, b) in order]
+            try:
+                for future in as_completed(futures):
+                    rows.append(future.result())
+                    rows.sort(key=lambda r: order[(r["scenario"], r["backend"])])
+                    print(json.dumps(future.result()), flush=True)
+                    if args.json:
+                        args.json.write_text(json.dumps(
+                            {"machine": info, "busy_at_start": busy, "argv": sys.argv[1:], "rows": rows}, indent=1))
+            except BaseException:  # stopped: nothing more starts, what runs is killed
+                for future in futures:
+                    future.cancel()
+                for pgid in list(RUNNING):
+                    try:
+                        os.killpg(pgid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+                raise
     finally:
         if etcd is not None:
             etcd.stop()
-    result = {"machine": info, "busy_at_start": busy, "argv": sys.argv[1:], "rows": rows}
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=1))
     print(table(rows, backends))
     return 0
 
