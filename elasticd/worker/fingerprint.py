@@ -120,18 +120,21 @@ def judge_groups(prints: Sequence[int], keys: Sequence[int]) -> dict[int, Replic
     return out
 
 
-def offered_step(step: int, *, suspect: bool) -> int:
+def offered_step(step: int, *, suspect: bool, finite: bool = True) -> int:
     """The step a rank offers when a re-formation picks the source of a state transfer
     (:func:`elasticd.worker.recovery_plan.plan_replication`): its own, or ``NO_STATE``
-    while its fingerprint was named diverged and no restore has verified it since.
+    while its fingerprint was named diverged and no restore has verified it since, or
+    while its state holds a NaN or an infinity (``finite`` False).
 
     Why: the source is the first rank holding the newest step, and every rank of a DDP job
     holds the same step, so a diverged rank 0 whose restore was cut short by a peer's death
     would otherwise send its state to every rank (a joiner included). Offering no state it
     is planned among those behind; with every rank suspect, nobody holds a state and the
     job loads the newest checkpoint (the next tier), instead of spreading the corruption.
+    A non-finite state is never sent either: another rank holding the step is the source,
+    and with none the checkpoint is loaded (one tier down each time, never back up).
     """
-    return NO_STATE if suspect else step
+    return NO_STATE if suspect or not finite else step
 
 
 def cadence_steps(check_cost_s: float, step_time_s: float, budget: float = DEFAULT_BUDGET,

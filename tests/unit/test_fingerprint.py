@@ -140,3 +140,22 @@ def test_a_pair_of_hsdp_replicas_that_disagree_has_no_source():
     verdicts = judge_groups([4, 6, 5, 6], [0, 1, 0, 1])
     assert verdicts[0].diverged == (0, 2) and verdicts[0].source is None
     assert verdicts[1].diverged == ()
+
+
+def test_a_non_finite_state_is_never_the_source_of_a_state_transfer():
+    """A rank whose state holds a NaN offers no state: another rank holding the step is the
+    source (the next tier), and with every holder non-finite the job loads the checkpoint
+    (the tier after); a finite rank offers its step as before."""
+    from elasticd.worker.fingerprint import offered_step
+    from elasticd.worker.recovery_plan import NO_STATE, Load, Replicate, plan_replication
+
+    model = torch.nn.Linear(4, 2)
+    finite = not non_finite(state_tensors({"model": model}))
+    assert offered_step(12, suspect=False, finite=finite) == 12
+    with torch.no_grad():
+        model.weight[0, 0] = float("nan")
+    finite = not non_finite(state_tensors({"model": model}))
+    assert offered_step(12, suspect=False, finite=finite) == NO_STATE
+    assert plan_replication([offered_step(12, suspect=False, finite=False), 12, NO_STATE]) \
+        == Replicate(12, 1, (0, 2))
+    assert isinstance(plan_replication([offered_step(12, suspect=False, finite=False)] * 3), Load)
