@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -239,7 +239,8 @@ class ReplicaFingerprints:
         self._last_step_at: float | None = None
         self._step_time_s = 0.0
         self.diverged: list[tuple[int, ...]] = []  # one entry per divergence found
-        self.check_s: list[float] = []  # each check's own time (hash + gather), for the docs
+        # The latest checks' own times (hash + gather, restore included), for measurements.
+        self.check_s: deque[float] = deque(maxlen=1000)
         # This rank was named diverged and no restore has verified it since: it is never a
         # source for another rank's state (:func:`offered_step`).
         self.suspect = False

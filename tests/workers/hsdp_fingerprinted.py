@@ -67,7 +67,7 @@ def main() -> int:
     with open(os.path.join(out, f"rank{ctx.rank}.json"), "w") as fh:
         json.dump({"diverged": [list(d) for d in loop.fingerprints.diverged], "found_at": found_at,
                    "steps_done": loop.steps_done, "shard": sharded.coordinate,
-                   "check_s": loop.fingerprints.check_s}, fh)
+                   "check_s": list(loop.fingerprints.check_s)}, fh)
     loop.close()
     dist.barrier()
     fast_exit(0)
