@@ -8,10 +8,18 @@ and peer replicas. So every N steps each rank hashes the bits of its model and o
 tensors (one int64 per rank), the hashes are all-gathered, and a rank that differs from the
 majority is restored in memory from a majority rank (never the other way round).
 
-Policy (pure, unit-tested): :func:`judge_replicas` (who differs, who may be a source) and
+HSDP: the ranks that must hold equal state are the replicas of one shard, i.e. the ranks
+of one shard coordinate (one per node, the mesh's ``replicate`` dimension). Each rank
+hashes its local shards (parameters and optimizer state), the hashes are all-gathered over
+the world, each shard coordinate's group is judged on its own, and a diverged rank is
+restored over its ``replicate`` group from a majority rank of the same shard. A pure FSDP
+mesh has no replicas (every shard is held once): nothing to compare, no fingerprints.
+
+Policy (pure, unit-tested): :func:`judge_replicas` / :func:`judge_groups` (who differs,
+who may be a source) and
 :func:`cadence_steps` (how often, from the measured cost: at most ``budget`` of step time).
 Mechanism: :class:`ReplicaFingerprints`, called by ``ElasticLoop`` after each step.
-With two ranks that differ there is no majority: both are named and the worker fails with
+With two replicas that differ there is no majority: both are named and the worker fails with
 :class:`ReplicaDivergedError`, so the agent restarts the job from the newest checkpoint.
 
 A divergence is an event: each rank named reports itself to its agent
@@ -24,7 +32,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -36,6 +44,7 @@ import torch.distributed as dist
 from elasticd.control.messages import MAX_STR, DivergenceReport
 from elasticd.errors import ConfigError, ElasticdError
 from elasticd.worker.recovery_plan import NO_STATE
+from elasticd.worker.sharded import local_of
 
 log = structlog.get_logger(__name__)
 
@@ -69,34 +78,63 @@ class ReplicaVerdict:
     reason: str
 
 
-def judge_replicas(prints: Sequence[int]) -> ReplicaVerdict:
-    """Judge one replica group's fingerprints (index = rank in the group)."""
+def judge_replicas(prints: Sequence[int], ranks: Sequence[int] | None = None) -> ReplicaVerdict:
+    """Judge one replica group's fingerprints.
+
+    Args:
+        prints: the group's fingerprints, one per member.
+        ranks: the members' global ranks (default: ``0..n-1``); the verdict names these.
+    """
+    ranks = list(range(len(prints))) if ranks is None else list(ranks)
     counts = Counter(prints)
     if len(counts) <= 1:
         return ReplicaVerdict((), None, "all replicas agree")
     value, n = counts.most_common(1)[0]
     if n * 2 > len(prints):
-        odd = tuple(r for r, p in enumerate(prints) if p != value)
-        source = prints.index(value)
+        odd = tuple(r for r, p in zip(ranks, prints, strict=True) if p != value)
+        source = ranks[prints.index(value)]
         return ReplicaVerdict(odd, source, f"rank(s) {list(odd)} differ from the majority "
                                            f"({n} of {len(prints)} agree); restored from rank {source}")
-    return ReplicaVerdict(tuple(range(len(prints))), None,
+    return ReplicaVerdict(tuple(ranks), None,
                           f"no majority among {len(prints)} replicas ({dict(counts.most_common())} "
                           "fingerprints): none can be trusted as a source")
 
 
-def offered_step(step: int, *, suspect: bool) -> int:
+def judge_groups(prints: Sequence[int], keys: Sequence[int]) -> dict[int, ReplicaVerdict]:
+    """Judge every replica group of the world at once (index = global rank).
+
+    Ranks with the same ``keys`` value must hold equal state: under DDP every rank (one
+    key), under HSDP the ranks of one shard coordinate (one per replica, i.e. per node).
+    A group of one rank has nothing to compare and is always agreed.
+
+    Returns:
+        global rank -> the verdict of its group (global ranks in it).
+    """
+    members: dict[int, list[int]] = {}
+    for rank, key in enumerate(keys):
+        members.setdefault(key, []).append(rank)
+    out: dict[int, ReplicaVerdict] = {}
+    for ranks in members.values():
+        verdict = judge_replicas([prints[r] for r in ranks], ranks)
+        out.update(dict.fromkeys(ranks, verdict))
+    return out
+
+
+def offered_step(step: int, *, suspect: bool, finite: bool = True) -> int:
     """The step a rank offers when a re-formation picks the source of a state transfer
     (:func:`elasticd.worker.recovery_plan.plan_replication`): its own, or ``NO_STATE``
-    while its fingerprint was named diverged and no restore has verified it since.
+    while its fingerprint was named diverged and no restore has verified it since, or
+    while its state holds a NaN or an infinity (``finite`` False).
 
     Why: the source is the first rank holding the newest step, and every rank of a DDP job
     holds the same step, so a diverged rank 0 whose restore was cut short by a peer's death
     would otherwise send its state to every rank (a joiner included). Offering no state it
     is planned among those behind; with every rank suspect, nobody holds a state and the
     job loads the newest checkpoint (the next tier), instead of spreading the corruption.
+    A non-finite state is never sent either: another rank holding the step is the source,
+    and with none the checkpoint is loaded (one tier down each time, never back up).
     """
-    return NO_STATE if suspect else step
+    return NO_STATE if suspect or not finite else step
 
 
 def cadence_steps(check_cost_s: float, step_time_s: float, budget: float = DEFAULT_BUDGET,
@@ -127,7 +165,9 @@ def state_tensors(state: Mapping[str, Any]) -> list[torch.Tensor]:
         elif isinstance(value, torch.optim.Optimizer):
             for _, slot in sorted(value.state_dict()["state"].items()):
                 out += [t for _, t in sorted(slot.items()) if isinstance(t, torch.Tensor)]
-    return [t.detach() for t in out]
+    # A sharded (FSDP2 / HSDP) tensor counts by its local shard: the replicas of one shard
+    # coordinate compare those, and a restore writes into them (views of the shard).
+    return [local_of(t.detach()) for t in out]
 
 
 def fingerprint(tensors: Sequence[torch.Tensor]) -> int:
@@ -153,21 +193,40 @@ def non_finite(tensors: Sequence[torch.Tensor]) -> list[int]:
             if t.is_floating_point() and not bool(torch.isfinite(t).all())]
 
 
+# This rank's replica group: (a key equal on exactly the ranks that must hold equal state,
+# the process group those ranks form; None: the default group, i.e. every rank).
+Replicas = Callable[[], tuple[int, Any]]
+
+
+def ddp_replicas() -> tuple[int, Any]:
+    """Under DDP every rank is a replica of every other: one key, the default group."""
+    return 0, None
+
+
+def hsdp_replicas(sharded: Any) -> Replicas:
+    """Under HSDP the replicas of a rank's shards are the ranks of its shard coordinate on
+    the other nodes: the mesh's ``replicate`` dimension (re-read after each re-formation)."""
+    return lambda: (int(sharded.coordinate), sharded.mesh.get_group("replicate"))
+
+
 class ReplicaFingerprints:
-    """Checks that the ranks of the default group hold equal state, every ``every`` steps.
+    """Checks that the replicas of each rank's state hold equal state, every ``every`` steps.
 
     Args:
-        state: the loop's state (modules and optimizers are fingerprinted).
+        state: the loop's state (modules and optimizers are fingerprinted; sharded ones by
+            their local shards).
         progress: the loop's progress dict, which travels with the state: the agreed
             cadence lives there as ``fingerprint_every``, so joiners and restarts use it.
         every: steps between checks; None: measured ("auto", <= ``budget`` of step time).
         report: where this rank reports its own divergence (never blocks); default: its
             agent over the control channel, when it runs under one.
+        replicas: this rank's replica group (:func:`ddp_replicas`, :func:`hsdp_replicas`).
     """
 
     def __init__(self, state: Mapping[str, Any], progress: dict[str, int], *,
                  every: int | None = None, budget: float = DEFAULT_BUDGET,
-                 report: Callable[[DivergenceReport], None] | None = None) -> None:
+                 report: Callable[[DivergenceReport], None] | None = None,
+                 replicas: Replicas = ddp_replicas) -> None:
         if every is not None and every < 1:
             raise ConfigError(f"fingerprint_every must be >= 1 (or 0: off, None: measured), "
                               f"got {every}")
@@ -176,9 +235,12 @@ class ReplicaFingerprints:
         self._fixed = every
         self._budget = budget
         self._report = report if report is not None else _report_to_agent
+        self._replicas = replicas
         self._last_step_at: float | None = None
         self._step_time_s = 0.0
         self.diverged: list[tuple[int, ...]] = []  # one entry per divergence found
+        # The latest checks' own times (hash + gather, restore included), for measurements.
+        self.check_s: deque[float] = deque(maxlen=1000)
         # This rank was named diverged and no restore has verified it since: it is never a
         # source for another rank's state (:func:`offered_step`).
         self.suspect = False
@@ -196,60 +258,68 @@ class ReplicaFingerprints:
             self._step_time_s = dt if not self._step_time_s else 0.8 * self._step_time_s + 0.2 * dt
         if dist.is_initialized() and dist.get_world_size() > 1 and steps_done % self.every() == 0:
             self.check(steps_done)
+            self.check_s.append(time.perf_counter() - now)
         self._last_step_at = time.perf_counter()  # a check's own time is not step time
 
     def check(self, steps_done: int) -> ReplicaVerdict:
-        """Compare fingerprints across the group; restore diverged ranks from the majority.
+        """Compare fingerprints within each replica group; restore diverged ranks from their
+        group's majority. Returns this rank's group's verdict.
 
         Raises:
-            ReplicaDivergedError: no majority, or a restored rank still differs.
+            ReplicaDivergedError: a group has no majority, or a restored rank still differs
+                (on every rank: each sees every group's fingerprints).
         """
         t0 = time.perf_counter()
         tensors = state_tensors(self._state)
         mine = fingerprint(tensors)
         cost_s = time.perf_counter() - t0
         proposal = cadence_steps(cost_s, self._step_time_s, self._budget)
-        prints, proposals = self._gather(mine, proposal)
+        key, group = self._replicas()
+        prints, proposals, keys = self._gather(mine, proposal, key)
         if self._fixed is None:
             self._progress["fingerprint_every"] = max(proposals)  # the same on every rank
-        verdict = judge_replicas(prints)
-        if not verdict.diverged:
+        verdicts = judge_groups(prints, keys)
+        named = tuple(sorted(r for r, v in verdicts.items() if r in v.diverged))
+        me = dist.get_rank()
+        verdict = verdicts[me]
+        if not named:
             return verdict
-        self.diverged.append(verdict.diverged)
-        log.warning("replica_diverged", step=steps_done - 1, ranks=list(verdict.diverged),
-                    source=verdict.source, reason=verdict.reason)
-        if dist.get_rank() in verdict.diverged:  # the event names this rank and its node
+        self.diverged.append(named)
+        reason = "; ".join(sorted({v.reason for v in verdicts.values() if v.diverged}))
+        log.warning("replica_diverged", step=steps_done - 1, ranks=list(named),
+                    source=verdict.source, reason=reason)
+        if me in named:  # the event names this rank and its node
             self.suspect = True
-            self._report(DivergenceReport(rank=dist.get_rank(), step=max(steps_done - 1, -1),
+            self._report(DivergenceReport(rank=me, step=max(steps_done - 1, -1),
                                           source=-1 if verdict.source is None else verdict.source,
                                           reason=verdict.reason[:MAX_STR]))
-        if verdict.source is None:
-            raise ReplicaDivergedError(f"replicas diverged at step {steps_done - 1}: "
-                                       f"{verdict.reason}")
-        device = _group_device()
-        for t in tensors:
-            _broadcast(t, verdict.source, device)
-        again, _ = self._gather(fingerprint(tensors), proposal)
-        if len(set(again)) > 1:
-            raise ReplicaDivergedError(f"rank(s) {list(verdict.diverged)} still differ after a "
-                                       f"restore from rank {verdict.source} (step {steps_done - 1})")
-        bad = non_finite(tensors)
-        if bad:  # the majority's own state is unusable: fall back to the checkpoint, once
-            raise ReplicaDivergedError(f"the state restored from rank {verdict.source} at step "
-                                       f"{steps_done - 1} holds non-finite values (tensors {bad[:5]}): "
+        if any(v.diverged and v.source is None for v in verdicts.values()):
+            raise ReplicaDivergedError(f"replicas diverged at step {steps_done - 1}: {reason}")
+        if verdict.source is not None:  # this rank's group restores from its majority
+            device = _group_device()
+            for t in tensors:
+                _broadcast(t, verdict.source, device, group)
+        again, bad, _ = self._gather(fingerprint(tensors), len(non_finite(tensors)), key)
+        still = [r for r, v in judge_groups(again, keys).items() if v.diverged]
+        if still:
+            raise ReplicaDivergedError(f"rank(s) {still} still differ after a restore from "
+                                       f"their replicas' majority (step {steps_done - 1})")
+        if any(bad):  # the majority's own state is unusable: fall back to the checkpoint, once
+            raise ReplicaDivergedError(f"the state restored at step {steps_done - 1} holds "
+                                       f"non-finite values on rank(s) {[r for r, b in enumerate(bad) if b]}: "
                                        "restarting from the newest checkpoint")
         self.suspect = False
-        log.info("replica_restored", step=steps_done - 1, ranks=list(verdict.diverged),
-                 source=verdict.source)
+        log.info("replica_restored", step=steps_done - 1, ranks=list(named), source=verdict.source)
         return verdict
 
     @staticmethod
-    def _gather(mine: int, proposal: int) -> tuple[list[int], list[int]]:
-        local = torch.tensor([mine, proposal], dtype=torch.int64, device=_group_device())
+    def _gather(*values: int) -> tuple[list[int], ...]:
+        """All-gather one row of ints per rank; returns the columns (index = global rank)."""
+        local = torch.tensor(values, dtype=torch.int64, device=_group_device())
         out = [torch.empty_like(local) for _ in range(dist.get_world_size())]
         dist.all_gather(out, local)
         rows = [row.tolist() for row in out]
-        return [int(r[0]) for r in rows], [int(r[1]) for r in rows]
+        return tuple([int(r[i]) for r in rows] for i in range(len(values)))
 
 
 def _report_to_agent(msg: DivergenceReport) -> None:
@@ -268,12 +338,12 @@ def _group_device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device())
 
 
-def _broadcast(t: torch.Tensor, src: int, device: torch.device) -> None:
-    """Broadcast ``t`` in place from ``src`` (through ``device`` if it lives elsewhere, e.g.
-    Adam's CPU step counter on an NCCL group)."""
+def _broadcast(t: torch.Tensor, src: int, device: torch.device, group: Any = None) -> None:
+    """Broadcast ``t`` in place from global rank ``src`` over ``group`` (None: the default
+    group), through ``device`` if it lives elsewhere (e.g. Adam's CPU step counter on NCCL)."""
     if t.device == device:
-        dist.broadcast(t, src)
+        dist.broadcast(t, src, group=group)
         return
     tmp = t.to(device)
-    dist.broadcast(tmp, src)
+    dist.broadcast(tmp, src, group=group)
     t.copy_(tmp)

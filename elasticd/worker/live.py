@@ -47,7 +47,7 @@ from elasticd.control.api import LIVE_TIMEOUT_DEFAULT_S
 from elasticd.control.messages import LeaveReason
 from elasticd.errors import ConfigError
 from elasticd.worker.failures import is_peer_failure
-from elasticd.worker.fingerprint import offered_step
+from elasticd.worker.fingerprint import non_finite, offered_step, state_tensors
 from elasticd.worker.live_entries import (
     LiveEntry,
     Regroupable,
@@ -281,7 +281,9 @@ class LiveState:
         # "No backend type associated with device type cpu").
         device = ctx.device if ctx.backend == "nccl" else torch.device("cpu")
         held = self.step if self._has_state else NO_STATE
-        mine = torch.tensor([offered_step(held, suspect=self.suspect())], dtype=torch.int64, device=device)
+        finite = held == NO_STATE or self._finite("live_state_not_offered")
+        mine = torch.tensor([offered_step(held, suspect=self.suspect(), finite=finite)],
+                            dtype=torch.int64, device=device)
         steps = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(dist.get_world_size())]
         dist.all_gather(steps, mine)
         plan = plan_replication([int(t.item()) for t in steps])
@@ -301,11 +303,23 @@ class LiveState:
         if ctx.rank in behind:
             assert received is not None
             apply(self.state, received)
+            if not self._finite("live_state_received_non_finite"):  # next tier: the checkpoint
+                self._fall_back(f"the state received from rank {src} at step {newest} holds "
+                                "non-finite values")
         if ctx.rank == src or ctx.rank in behind:
             self._log.info("live_state_received" if ctx.rank in behind else "live_state_sent",
                            step=newest, source=src, receivers=behind,
                            seconds=round(time.monotonic() - t0, 3))
         return Synced(newest, agreed_in_memory=True)
+
+    def _finite(self, event: str) -> bool:
+        """Does this rank's state hold only finite values? If not, log ``event`` and why."""
+        bad = non_finite(tensors := state_tensors(self.state))
+        if bad:
+            self._log.warning(event, step=self.step, tensors=len(tensors), non_finite=bad[:5],
+                              reason="NaN or infinity in the model or optimizer state: "
+                                     "not a source; the next tier is used")
+        return not bad
 
     def _fall_back(self, why: str) -> NoReturn:
         """In-place re-formation failed: exit 0 as stopped, so the agent restarts the group."""

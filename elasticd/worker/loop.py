@@ -66,7 +66,7 @@ from elasticd.worker.context import (
 )
 from elasticd.worker.failures import stale_group_error
 from elasticd.worker.fence import agent_fence
-from elasticd.worker.fingerprint import ReplicaFingerprints
+from elasticd.worker.fingerprint import ReplicaFingerprints, ddp_replicas, hsdp_replicas
 from elasticd.worker.live import LiveState, Reformed
 from elasticd.worker.loop_saves import LoopSaves
 from elasticd.worker.peer_replica import DEFAULT_EVERY_STEPS as DEFAULT_PEER_REPLICA_EVERY
@@ -299,12 +299,16 @@ def shutdown_loader(it: object) -> None:
 
 
 def replica_fingerprints(state: dict[str, Any], progress: dict[str, int], every: int | None,
-                         keeper: Any, *, sharded: bool) -> ReplicaFingerprints | None:
-    """The loop's replica fingerprints (None for sharded state or ``every`` 0); a rank they
-    name diverged offers no state to a live re-formation (``keeper.suspect``)."""
-    if sharded or every == 0:
+                         keeper: Any, *, sharded: ShardedModel | None) -> ReplicaFingerprints | None:
+    """The loop's replica fingerprints; a rank they name diverged offers no state to a live
+    re-formation (``keeper.suspect``). None with ``every`` 0, for an FSDP mesh (no
+    replicas) and for DTensor state not passed as ``sharded=`` (its mesh is unknown)."""
+    if every == 0 or (sharded is None and _sharded(state)):
         return None
-    fingerprints = ReplicaFingerprints(state, progress, every=every)
+    if sharded is not None and sharded.mesh_kind != "hsdp":
+        return None
+    replicas = ddp_replicas if sharded is None else hsdp_replicas(sharded)
+    fingerprints = ReplicaFingerprints(state, progress, every=every, replicas=replicas)
     if keeper is not None:
         keeper.suspect = lambda: fingerprints.suspect
     return fingerprints
@@ -423,7 +427,8 @@ class ElasticLoop:
         fingerprint_every: Compare the ranks' model and optimizer fingerprints every this
             many steps and restore a diverged rank from the majority
             (:mod:`elasticd.worker.fingerprint`); None: measured, <= 0.5 % of step time;
-            0: off. Not yet for a sharded model.
+            0: off. With ``sharded=`` an HSDP mesh: the replicas of each shard compare
+            their local shards; an FSDP mesh has no replicas (off).
 
     Raises:
         ConfigError: ``state`` uses a reserved key, ``save_every`` neither ``"auto"`` nor
@@ -462,7 +467,7 @@ class ElasticLoop:
         self._keeper = (live_keeper(self._state, sampler, self.manager, sharded, peer_replica_every)
                         if live else None)
         self.fingerprints = replica_fingerprints(self._state, self._progress, fingerprint_every,
-                                                 self._keeper, sharded=sharded is not None or _sharded(state))
+                                                 self._keeper, sharded=sharded)
         self._state_checked = False
         self._ddp_made = False
         self._reformed = False  # guard() swallowed a failed step: batches() restarts on the new group

@@ -204,3 +204,49 @@ def test_a_connect_flood_is_capped_and_silent_strangers_are_dropped_after_the_he
     finally:
         for s in flood:
             s.close()
+
+
+@pytest.mark.timeout(420)
+def test_a_non_finite_state_is_never_sent_and_with_none_usable_the_ranks_fall_back(tmp_path):
+    """A live re-formation where holder rank 0's weights hold a NaN: it offers no state
+    (logged with the reason), the other holder (rank 2) feeds ranks 0 and 1, and all end
+    with rank 2's finite state; a second re-formation where every rank's state is
+    non-finite sends nothing: every rank falls back to the restart path (exit 0, the
+    checkpoint tier), naming why, instead of re-forming in a loop."""
+    script = ROOT / "tests" / "workers" / "non_finite_transfer.py"
+    port, reform, reform2 = free_port(), free_port(), free_port()
+    procs, logs = [], []
+    for rank in range(3):
+        (tmp_path / f"cd{rank}").mkdir()
+        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "3", "LOCAL_RANK": "0",
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OUT": str(tmp_path),
+               "REFORM_PORT": str(reform), "REFORM_PORT2": str(reform2),
+               "ELASTICD_CONTROL_DIR": str(tmp_path / f"cd{rank}"), "PYTHONPATH": str(ROOT)}
+        for key in ("ELASTICD_CONTROL_SOCKET", "ELASTICD_ROUND", "ELASTICD_LIVE"):
+            env.pop(key, None)
+        logs.append(tmp_path / f"log{rank}")
+        with open(logs[-1], "w") as fh:
+            procs.append(subprocess.Popen([sys.executable, str(script)], env=env, stdout=fh,
+                                          stderr=subprocess.STDOUT))
+    try:
+        for p in procs:
+            p.wait(timeout=360)  # 3 torch start-ups: over 120 s at a load of 94
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    text = [log.read_text() for log in logs]
+    round1 = [t.split("live_reformed")[0] for t in text]
+    assert [p.returncode for p in procs] == [0, 0, 0], "\n".join(text)[-4000:]
+    reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(3)]
+    assert all(r["step"] == 41 and r["finite"] for r in reports), reports
+    assert len({r["print"] for r in reports}) == 1, reports
+    assert "live_state_not_offered" in round1[0] and "live_state_not_offered" not in round1[2], text
+    assert "live_state_sent" in round1[2] and "live_state_not_offered" in text[2]  # round 2
+    for r in (0, 1):
+        assert "live_state_received" in round1[r] and "source=2" in round1[r], text[r][-2000:]
+    for r in range(3):  # round 2: every rank fell back, naming why
+        stopped = [f for f in (tmp_path / f"cd{r}").iterdir() if f.name.startswith("stopped")]
+        assert stopped, f"rank {r} did not fall back: {text[r][-2000:]}"
+        assert "no rank holds a usable state" in stopped[0].read_text(), stopped[0].read_text()

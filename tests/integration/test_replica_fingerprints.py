@@ -1,6 +1,7 @@
-"""Replica fingerprints in a live 3-rank gloo DDP job (real worker processes): a weight
-nudged once on one rank is found within one fingerprint interval, the event names the rank,
-and the ranks end equal (to a fault-free run when found at the step it happened)."""
+"""Replica fingerprints in a live 3-rank gloo DDP job and a live 6-rank HSDP job (3 replicas
+of 2 shards; real worker processes): a weight nudged once on one rank is found within one
+fingerprint interval, the event names the rank, and the ranks end equal (to a fault-free
+run when found at the step it happened)."""
 
 from __future__ import annotations
 
@@ -18,15 +19,18 @@ from elasticd.etcd.embedded import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "tests" / "workers" / "fingerprinted.py"
+HSDP_SCRIPT = ROOT / "tests" / "workers" / "hsdp_fingerprinted.py"
 EVERY = 5
 
 
-def _start(out: Path, extra: dict[str, str]) -> list[subprocess.Popen]:
+def _start(out: Path, extra: dict[str, str], script: Path = SCRIPT, world: int = 3,
+           per_node: int = 1) -> list[subprocess.Popen]:
     out.mkdir()
     port = free_port()
     procs = []
-    for rank in range(3):
-        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "3", "LOCAL_RANK": "0",
+    for rank in range(world):
+        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world),
+               "LOCAL_RANK": str(rank % per_node), "LOCAL_WORLD_SIZE": str(per_node),
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OUT": str(out),
                "CKPT": f"file://{out}/ckpt", "FP_EVERY": str(EVERY), "PYTHONPATH": str(ROOT),
                "ELASTICD_CONTROL_DIR": str(out / f"cd{rank}"), **extra}
@@ -34,7 +38,7 @@ def _start(out: Path, extra: dict[str, str]) -> list[subprocess.Popen]:
         for key in ("ELASTICD_CONTROL_SOCKET", "ELASTICD_ROUND", "ELASTICD_LIVE"):
             env.pop(key, None)
         with open(out / f"log{rank}", "w") as log_file:  # the child keeps its own copy
-            procs.append(subprocess.Popen([sys.executable, str(SCRIPT)], env=env,
+            procs.append(subprocess.Popen([sys.executable, str(script)], env=env,
                                           stdout=log_file, stderr=subprocess.STDOUT))
     return procs
 
@@ -49,10 +53,10 @@ def _finish(procs: list[subprocess.Popen], out: Path,
             if p.poll() is None:
                 p.kill()
                 p.wait()
-    logs = "\n".join((out / f"log{r}").read_text() for r in range(3))
-    assert [p.returncode for p in procs] == [0, 0, 0], logs
-    return ([json.loads((out / f"rank{r}.json").read_text()) for r in range(3)],
-            [torch.load(out / f"rank{r}.pt") for r in range(3)])
+    logs = "\n".join((out / f"log{r}").read_text() for r in range(len(procs)))
+    assert [p.returncode for p in procs] == [0] * len(procs), logs
+    return ([json.loads((out / f"rank{r}.json").read_text()) for r in range(len(procs))],
+            [torch.load(out / f"rank{r}.pt") for r in range(len(procs))])
 
 
 def _equal(a: dict, b: dict) -> bool:
@@ -84,6 +88,37 @@ def test_a_nudged_replica_is_found_within_one_interval_and_restored(tmp_path):
         assert "replica_diverged" in log1 and "ranks=[1]" in log1, log1[-2000:]
     assert _equal(results["aligned"][1][0], clean[0]), "restored state differs from fault-free"
     assert not _equal(results["late"][1][0], clean[0])  # two steps of rank 1's gradients
+
+
+def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+@pytest.mark.timeout(600)
+def test_a_nudged_hsdp_replica_is_found_within_one_interval_and_restored_from_its_shard(tmp_path):
+    """HSDP, 3 replicas x 2 shards: rank 3's local shard (shard 1) nudged once is named
+    (rank 3 alone) within one interval, restored from a replica of shard 1, and every
+    rank's local shards (parameters and Adam state) end equal to a fault-free run's."""
+    nudge = 2 * EVERY
+    runs = {"clean": {}, "nudged": {"NUDGE_RANK": "3", "NUDGE_STEP": str(nudge)}}
+    procs = {name: _start(tmp_path / name, extra, HSDP_SCRIPT, world=6, per_node=2)
+             for name, extra in runs.items()}
+    deadline = time.monotonic() + 540  # imports of 12 torch processes: 440 s at a load of 37
+    results = {name: _finish(p, tmp_path / name, deadline) for name, p in procs.items()}
+
+    reports, clean = results["clean"]
+    assert all(r["diverged"] == [] and r["steps_done"] == 20 for r in reports), reports
+    assert [r["shard"] for r in reports] == [0, 1, 0, 1, 0, 1], reports
+    assert _same(clean[1], clean[3]) and _same(clean[0], clean[2]) and not _same(clean[0], clean[1])
+
+    reports, states = results["nudged"]
+    for r in reports:
+        assert r["diverged"] == [[3]], reports
+        assert nudge <= r["found_at"] < nudge + EVERY, reports
+    for rank in range(6):
+        assert _same(states[rank], clean[rank]), f"rank {rank} ended unlike the fault-free run"
+    log = (tmp_path / "nudged" / "log1").read_text()
+    assert "replica_diverged" in log and "ranks=[3]" in log and "replica_restored" in log, log[-2000:]
 
 
 def _status(endpoint: str, job: str, *flags: str) -> subprocess.CompletedProcess:

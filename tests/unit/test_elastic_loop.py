@@ -188,7 +188,7 @@ def test_sharded_must_name_a_module_the_state_holds(standalone):
         ElasticLoop({"model": torch.nn.Linear(1, 1)}, sampler, manager=mgr,
                     sharded=SimpleNamespace(module=model))  # type: ignore[arg-type]
     loop = ElasticLoop({"model": model}, sampler, manager=mgr,
-                       sharded=SimpleNamespace(module=model))  # type: ignore[arg-type]
+                       sharded=SimpleNamespace(module=model, mesh_kind="fsdp"))  # type: ignore[arg-type]
     assert loop.model is model
     loop.close()
 

@@ -11,6 +11,7 @@ from elasticd.worker.fingerprint import (
     ReplicaFingerprints,
     cadence_steps,
     fingerprint,
+    judge_groups,
     judge_replicas,
     non_finite,
     state_tensors,
@@ -116,3 +117,45 @@ def test_a_suspect_rank_is_never_the_source_of_a_state_transfer():
     joiner = plan_replication([offered_step(12, suspect=True), NO_STATE, 12])
     assert joiner == Replicate(12, 2, (0, 1))  # a joiner is fed from the trusted rank
     assert isinstance(plan_replication([offered_step(12, suspect=True)] * 2), Load)
+
+
+def test_hsdp_groups_are_judged_by_shard_coordinate():
+    """Six ranks of a (3 replicas, 2 shards) mesh: rank 3 (shard 1) differs from ranks 1
+    and 5 and is named by global rank with a source of its own shard; shard 0 agrees even
+    though its fingerprints differ from shard 1's."""
+    keys = [0, 1, 0, 1, 0, 1]
+    verdicts = judge_groups([5, 8, 5, 9, 5, 8], keys)
+    assert verdicts[3].diverged == (3,) and verdicts[3].source in (1, 5)
+    assert verdicts[1] == verdicts[3] and "[3]" in verdicts[3].reason
+    assert all(verdicts[r].diverged == () for r in (0, 2, 4))
+
+
+def test_a_group_of_one_has_nothing_to_compare():
+    """A pure FSDP mesh (every shard held once): nobody is ever named."""
+    assert all(v.diverged == () for v in judge_groups([1, 2, 3], [0, 1, 2]).values())
+
+
+def test_a_pair_of_hsdp_replicas_that_disagree_has_no_source():
+    """Two replicas (two nodes) whose shard 0 differs: both ranks of shard 0 are named, no source."""
+    verdicts = judge_groups([4, 6, 5, 6], [0, 1, 0, 1])
+    assert verdicts[0].diverged == (0, 2) and verdicts[0].source is None
+    assert verdicts[1].diverged == ()
+
+
+def test_a_non_finite_state_is_never_the_source_of_a_state_transfer():
+    """A rank whose state holds a NaN offers no state: another rank holding the step is the
+    source (the next tier), and with every holder non-finite the job loads the checkpoint
+    (the tier after); a finite rank offers its step as before."""
+    from elasticd.worker.fingerprint import offered_step
+    from elasticd.worker.recovery_plan import NO_STATE, Load, Replicate, plan_replication
+
+    model = torch.nn.Linear(4, 2)
+    finite = not non_finite(state_tensors({"model": model}))
+    assert offered_step(12, suspect=False, finite=finite) == 12
+    with torch.no_grad():
+        model.weight[0, 0] = float("nan")
+    finite = not non_finite(state_tensors({"model": model}))
+    assert offered_step(12, suspect=False, finite=finite) == NO_STATE
+    assert plan_replication([offered_step(12, suspect=False, finite=False), 12, NO_STATE]) \
+        == Replicate(12, 1, (0, 2))
+    assert isinstance(plan_replication([offered_step(12, suspect=False, finite=False)] * 3), Load)
