@@ -17,6 +17,7 @@ import time
 
 import torch
 import torch.nn.functional as F
+from hold import wait_while_held
 from torch import nn
 from torch.distributed.fsdp import fully_shard
 from torch.utils.data import DataLoader, TensorDataset
@@ -29,21 +30,6 @@ def parallelize(model: nn.Module, mesh: object) -> nn.Module:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     return model
-
-
-def wait_while_held(path: str, step: int) -> None:
-    deadline = time.monotonic() + 180
-    while path and time.monotonic() < deadline:
-        try:
-            with open(path) as f:
-                held = int(f.read().strip() or -1)
-        except FileNotFoundError:
-            return
-        except ValueError:  # caught mid-write: read again
-            held = step
-        if step < held:
-            return
-        time.sleep(0.02)
 
 
 def main() -> int:

@@ -17,24 +17,9 @@ import time
 
 import torch
 import torch.distributed as dist
+from hold import wait_while_held
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
-
-
-def wait_while_held(trained: int) -> None:
-    hold = os.environ.get("HOLD_FILE")
-    deadline = time.monotonic() + 180
-    while hold and time.monotonic() < deadline:
-        try:
-            with open(hold) as f:
-                held = int(f.read().strip() or -1)
-        except FileNotFoundError:
-            return
-        except ValueError:  # caught mid-write: read again
-            held = trained
-        if trained < held:
-            return
-        time.sleep(0.02)
 
 
 def main() -> int:
@@ -57,7 +42,7 @@ def main() -> int:
     sampler = DistributedSampler(data)
     loader = DataLoader(data, batch_size=16, sampler=sampler)
     for epoch in range(start, int(os.environ.get("EPOCHS", "6"))):
-        wait_while_held(epoch - start)
+        wait_while_held(os.environ.get("HOLD_FILE"), epoch - start)
         sampler.set_epoch(epoch)
         epoch_end = time.monotonic() + float(os.environ.get("EPOCH_S", "0"))
         for x, y in loader:

@@ -18,6 +18,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from hold import wait_while_held
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader
@@ -94,23 +95,6 @@ def _hold_until_asked_to_stop(max_s: float) -> None:
         time.sleep(0.05)
 
 
-def _wait_while_held(path: str, step: int, max_s: float) -> None:
-    """Wait before ``step`` while ``path`` names a step <= ``step`` (every rank reads the
-    same file before the same step, so no rank enters a collective its peers hold back)."""
-    deadline = time.monotonic() + max_s
-    while path and time.monotonic() < deadline:
-        try:
-            with open(path) as f:
-                held = int(f.read().strip() or -1)
-        except FileNotFoundError:
-            return
-        except ValueError:  # caught mid-write: read again
-            held = step
-        if step < held:
-            return
-        time.sleep(0.02)
-
-
 def main() -> int:
     args = parse_args()
     ctx = worker.init()
@@ -139,7 +123,7 @@ def main() -> int:
             prefetch_factor=2 if args.num_workers else None, collate_fn=collate)
         batches = iter(loader)
         for _ in range(sampler.steps_remaining):
-            _wait_while_held(args.hold_file, step, args.hold_max_s)
+            wait_while_held(args.hold_file, step, args.hold_max_s)
             rows = []
             for sync in worker.accumulation_contexts(ddp, plan):
                 keys, xb, yb = next(batches)
