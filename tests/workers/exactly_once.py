@@ -16,7 +16,9 @@ pipeline is chosen with ``--pipeline``:
   of the first run, in ``--shard-dir``), one stream item per step, constant global batch.
 
 ``--fsdp`` trains a small MLP as FSDP2 (``ShardedModel(..., "fsdp")``, ``sharded=``) instead
-of the DDP linear model; ``--model mlp`` is the same MLP unsharded (the reference run).
+of the DDP linear model; with ``--mesh hsdp`` as HSDP (a ``("replicate", "shard")`` mesh,
+shard size = processes per node: ``ShardedModel(..., "hsdp")``); ``--model mlp`` is the
+same MLP unsharded (the reference run).
 ``--stale-model`` (with ``--fsdp``) makes the user error of training the module from the
 start instead of ``loop.model`` after a live re-formation.
 
@@ -70,6 +72,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--pipeline", required=True, choices=PIPELINES)
     p.add_argument("--model", choices=["linear", "mlp"], default="linear")
     p.add_argument("--fsdp", action="store_true", help="the mlp as FSDP2 (sharded=)")
+    p.add_argument("--mesh", choices=["fsdp", "hsdp"], default="fsdp",
+                   help="--fsdp: the mesh (hsdp: replicate x shard, shard = processes per node)")
     p.add_argument("--shard-dir", default="", help="stream: where the shards are (or go)")
     p.add_argument("--stale-model", action="store_true",
                    help="--fsdp: train the module from the start, never loop.model (a user error)")
@@ -158,7 +162,7 @@ def main() -> int:
         model: nn.Module = nn.Sequential(nn.Linear(8, 4), nn.Tanh(), nn.Linear(4, 1)).double()
     else:
         model = torch.nn.Linear(8, 1).to(torch.float64)
-    sharded = worker.ShardedModel(model, parallelize, "fsdp") if args.fsdp else None
+    sharded = worker.ShardedModel(model, parallelize, args.mesh) if args.fsdp else None
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     state: dict = {"model": model, "optimizer": optimizer}
     batches = None
