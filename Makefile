@@ -7,9 +7,12 @@ STAMP  := $(VENV)/.installed
 # integrations' libraries) on top: `make demo` does not wait for them.
 TEST_STAMP := $(VENV)/.installed-test
 PYTEST_ARGS ?=
-# `make test` runs the suite on this many pytest-xdist workers (0: in one process). Two on two
-# cores: an agent test spends most of its wall time waiting on its processes.
-PYTEST_WORKERS ?= 2
+# `make test` runs the suite on this many pytest-xdist workers (0: in one process, the
+# default). PYTEST_WORKERS=2 on two cores took 19 min instead of 28 (idle), but two tests
+# side by side are not yet reliable: the embedded etcd's ports can be taken between their
+# choice and etcd's bind (EADDRINUSE), and the short live replay's ledger-vs-audit figure
+# moves with the neighbour's load (issue 48).
+PYTEST_WORKERS ?= 0
 
 .PHONY: venv test lint unit integration chaos soak demo bench clean compat compat-reconfigure wheel
 
