@@ -35,19 +35,7 @@ def run(request, tmp_path_factory) -> dict[str, dict]:
         for key in ("ELASTICD_CONTROL_SOCKET", "ELASTICD_CONTROL_DIR", "ELASTICD_ROUND", "ELASTICD_LIVE"):
             env.pop(key, None)
         procs.append(subprocess.Popen([sys.executable, str(SCRIPT)], env=env))
-    try:
-        # Rank 2 reports last (the stall); rank 1 is then stopped for good: end it.
-        wait_until(lambda: (out / "stall-2.json").exists() or procs[2].poll() is not None, 90,
-                   lambda: f"rank 2's stall report; files: {sorted(p.name for p in out.iterdir())}")
-        procs[2].wait(timeout=30)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGKILL)  # SIGKILL ends a stopped process too
-            p.wait(timeout=30)
-    reports = {path.stem: json.loads(path.read_text()) for path in out.glob("*.json")}
-    reports["returncodes"] = {str(r): p.returncode for r, p in enumerate(procs)}
-    return reports
+    return _collect(procs, out, 90)
 
 
 @pytest.mark.timeout(150)
@@ -104,14 +92,21 @@ def replica_run(tmp_path_factory) -> dict[str, dict]:
         env = {**os.environ, "RANK": str(rank), "STORE_PORT": str(port), "OUT": str(out),
                "PYTHONPATH": str(ROOT)}
         procs.append(subprocess.Popen([sys.executable, str(REPLICA_SCRIPT)], env=env))
+    return _collect(procs, out, 120)
+
+
+def _collect(procs: list[subprocess.Popen], out: Path, start_s: float) -> dict[str, dict]:
+    """Wait for rank 2's stall report (it reports last; rank 1 is then stopped for good),
+    end every rank still there (SIGKILL ends a stopped process too), read the reports."""
     try:
-        wait_until(lambda: (out / "stall-2.json").exists() or procs[2].poll() is not None, 120,
+        wait_until(lambda: (out / "stall-2.json").exists() or procs[2].poll() is not None,
+                   start_s,
                    lambda: f"rank 2's stall report; files: {sorted(p.name for p in out.iterdir())}")
         procs[2].wait(timeout=30)
     finally:
         for p in procs:
             if p.poll() is None:
-                p.send_signal(signal.SIGKILL)  # SIGKILL ends a stopped process too
+                p.send_signal(signal.SIGKILL)
             p.wait(timeout=30)
     reports = {path.stem: json.loads(path.read_text()) for path in out.glob("*.json")}
     reports["returncodes"] = {str(r): p.returncode for r, p in enumerate(procs)}
