@@ -22,6 +22,7 @@ from __future__ import annotations
 import atexit
 import collections
 import os
+import random
 import shutil
 import signal
 import socket
@@ -112,12 +113,74 @@ def make_private_dir(path: str) -> None:
 
 
 _RECENT_PORTS: collections.deque[int] = collections.deque(maxlen=256)
+_PORTS = random.Random()  # seeded from the OS: a test that seeds ``random`` gets no shared sequence
+_LOWEST_PORT = 10000
+_START_TRIES = 4  # a first start that lost its port to another process: fresh ports, again
+
+
+def _ephemeral_floor() -> int:
+    """The first port the kernel hands to outgoing connections (Linux: 32768)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def listener_owned_by(pid: int, port: int) -> bool | None:
+    """Is the socket listening on 127.0.0.1:``port`` one of ``pid``'s? None where the
+    kernel does not say (no ``/proc``). Without it, a server that lost its port to another
+    one (an etcd of a neighbouring job) would look healthy: the neighbour answers."""
+    inodes = set()
+    try:
+        with open("/proc/net/tcp") as f:
+            next(f)
+            for line in f:
+                fields = line.split()
+                local, state, inode = fields[1], fields[3], fields[9]
+                if state == "0A" and int(local.rsplit(":", 1)[1], 16) == port:  # 0A: LISTEN
+                    inodes.add(f"socket:[{inode}]")
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except FileNotFoundError:
+        return None if not os.path.exists("/proc/net/tcp") else False
+    except (OSError, StopIteration, IndexError, ValueError):
+        return None
+    for fd in fds:
+        try:
+            if os.readlink(f"/proc/{pid}/fd/{fd}") in inodes:
+                return True
+        except OSError:
+            continue
+    return False
 
 
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago, and not handed out by this
     process recently: the kernel may give the same port to two binds in a row once the
-    first socket is closed (a 3-member cluster once got ``m0`` and ``m2`` on one port)."""
+    first socket is closed (a 3-member cluster once got ``m0`` and ``m2`` on one port).
+
+    Chosen at random below the kernel's ephemeral range where there is room: a port from
+    that range (what ``bind(0)`` gives) is also what every outgoing connection on the
+    machine takes, so on a busy host (gloo's many connections) it was taken between this
+    call and the server's bind. Not a reservation: a server that loses it anyway must
+    retry with a fresh port (``EmbeddedEtcd.start`` does)."""
+    floor = _ephemeral_floor()
+    candidates: list[int] = []
+    if floor - _LOWEST_PORT >= 1000:
+        candidates = [_PORTS.randrange(_LOWEST_PORT, floor) for _ in range(64)]
+    for port in candidates:
+        if port not in _RECENT_PORTS and _bindable(port):
+            _RECENT_PORTS.append(port)
+            return port
     for _ in range(64):
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             s.bind(("127.0.0.1", 0))
@@ -182,6 +245,7 @@ class EmbeddedEtcd:
         self.client_port = free_port()
         self.peer_port = free_port()
         self.proc: subprocess.Popen[bytes] | None = None
+        self._started = False
         self._log_path = os.path.join(self.data_dir, "etcd.log")
         atexit.register(self.stop)
 
@@ -246,12 +310,43 @@ class EmbeddedEtcd:
     def start(self) -> EmbeddedEtcd:
         """Start etcd and wait until it serves requests.
 
+        A first start whose ports were taken between ``free_port`` and etcd's bind (another
+        process on a busy host) starts again on fresh ports, up to four times; a restart
+        keeps its ports (clients know them), so there a taken port is an error.
+
         Raises:
             EtcdUnavailableError: etcd exited or did not answer within ``start_timeout_s``
                 (its log is quoted).
         """
         if self.proc is not None and self.proc.poll() is None:
             return self
+        first = not self._started
+        member_dir = os.path.join(self.data_dir, "member")
+        fresh = not os.path.exists(member_dir)
+        for attempt in range(1, _START_TRIES + 1):
+            log_from = os.path.getsize(self._log_path) if os.path.exists(self._log_path) else 0
+            try:
+                self._spawn()
+                self._wait_healthy()
+                break
+            except EtcdUnavailableError:
+                if not (first and attempt < _START_TRIES and self._lost_a_port(log_from)):
+                    self.stop()
+                    raise
+                if fresh:  # the failed try's member dir names the old peer URL
+                    shutil.rmtree(member_dir, ignore_errors=True)
+                log.warning("embedded_etcd_port_taken", client_port=self.client_port,
+                            peer_port=self.peer_port, attempt=attempt,
+                            action="starting again on fresh ports")
+                self.client_port, self.peer_port = free_port(), free_port()
+        self._started = True
+        assert self.proc is not None
+        log.info("embedded_etcd_started", endpoint=self.endpoint, pid=self.proc.pid,
+                 data_dir=self.data_dir, client_cert_auth=self.pki is not None,
+                 tls_dir=self.pki.directory if self.pki else None)
+        return self
+
+    def _spawn(self) -> None:
         ppid = os.getpid()
         logf = open(self._log_path, "ab")  # noqa: SIM115 - handed to the child
         try:
@@ -261,11 +356,15 @@ class EmbeddedEtcd:
             )
         finally:
             logf.close()
-        self._wait_healthy()
-        log.info("embedded_etcd_started", endpoint=self.endpoint, pid=self.proc.pid,
-                 data_dir=self.data_dir, client_cert_auth=self.pki is not None,
-                 tls_dir=self.pki.directory if self.pki else None)
-        return self
+
+    def _lost_a_port(self, log_from: int) -> bool:
+        """Did the last try's etcd fail to bind one of its ports (its log since ``log_from``)?"""
+        try:
+            with open(self._log_path, "rb") as f:
+                f.seek(log_from)
+                return b"address already in use" in f.read()
+        except OSError:
+            return False
 
     def _wait_healthy(self) -> None:
         deadline = time.monotonic() + self.start_timeout_s
@@ -275,13 +374,13 @@ class EmbeddedEtcd:
             try:
                 with socket.create_connection(("127.0.0.1", self.client_port), timeout=0.2):
                     pass
-                if self._ready():
+                if self._ready() and listener_owned_by(self.proc.pid, self.client_port) is not False:
                     return
             except OSError:
                 pass
             time.sleep(0.05)
         tail = self.log_tail()
-        self.stop()
+        self._terminate(signal.SIGTERM, remove_data=False)
         raise EtcdUnavailableError(f"embedded etcd did not become healthy; its log ends:\n{tail}")
 
     def _ready(self) -> bool:

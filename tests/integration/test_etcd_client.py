@@ -392,3 +392,54 @@ def test_an_embedded_etcd_dies_with_the_process_that_started_it(tmp_path):
         finally:
             if pid_alive(etcd_pid):
                 os.kill(etcd_pid, signal.SIGKILL)
+
+
+def test_an_embedded_etcd_whose_port_was_taken_starts_again_on_fresh_ports(etcd_server, tmp_path):
+    """A first start whose client port another etcd took between ``free_port`` and the bind
+    (a neighbouring job on a busy host) starts again on fresh ports: it serves its own data,
+    not the neighbour's, and the neighbour's keys are untouched."""
+    from elasticd.etcd.embedded import EmbeddedEtcd, listener_owned_by
+
+    neighbour = EtcdClient(etcd_server.endpoint, timeout_s=2.0)
+    neighbour.put("/neighbour/key", b"theirs")
+    taken = int(etcd_server.endpoint.rsplit(":", 1)[1])
+    ours = EmbeddedEtcd(str(tmp_path / "ours"))
+    ours.client_port = taken  # what free_port handed out, taken since by the neighbour
+    try:
+        ours.start()
+        assert ours.client_port != taken
+        assert listener_owned_by(ours.proc.pid, ours.client_port) is True
+        client = EtcdClient(ours.endpoint, timeout_s=2.0)
+        try:
+            assert client.get("/neighbour/key") is None, "the restarted etcd is the neighbour"
+            client.put("/ours/key", b"ours")
+        finally:
+            client.close()
+        assert "address already in use" in (tmp_path / "ours" / "etcd.log").read_text()
+        assert neighbour.get("/ours/key") is None
+        assert neighbour.get("/neighbour/key").value == b"theirs"
+    finally:
+        ours.stop()
+        neighbour.close()
+
+
+def test_a_restarted_embedded_etcd_keeps_its_ports_and_says_when_one_is_taken(tmp_path):
+    """A restart keeps its ports (its clients know them): a taken port there is a clear
+    EtcdUnavailableError quoting etcd's log, not a silent move to another port."""
+    import socket
+
+    from elasticd.etcd.embedded import EmbeddedEtcd
+
+    e = EmbeddedEtcd(str(tmp_path / "e")).start()
+    port = e.client_port
+    e.kill()
+    holder = socket.socket()
+    try:
+        holder.bind(("127.0.0.1", port))
+        holder.listen()
+        with pytest.raises(EtcdUnavailableError, match="address already in use"):
+            e.start()
+        assert e.client_port == port
+    finally:
+        holder.close()
+        e.stop()
