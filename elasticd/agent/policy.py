@@ -230,6 +230,10 @@ class Decision:
 _LIVE_MAY_ACT = (Verdict.CONTINUE, Verdict.RESTART_MEMBERSHIP, Verdict.START_RESIZE,
                  Verdict.ATTRIBUTE)
 _MEMBERSHIP_VERDICTS = (Verdict.RESTART_MEMBERSHIP, Verdict.START_RESIZE)
+# The restart policy's verdicts on workers that failed during a live re-formation that
+# leave them to it (RESTART_IN_ROUND, or its FAIL); the others act first.
+_MAY_RESTART_IN_ROUND = (Verdict.RESTART_FAILURE, Verdict.RESTART_MEMBERSHIP, Verdict.ATTRIBUTE,
+                         Verdict.FAIL)
 # A second change during a re-formation that the new group cannot survive.
 _GROUP_CANNOT_FORM = (MembershipChange.MEMBER_LOST, MembershipChange.NEWER_ROUND,
                       MembershipChange.MEMBER_HUNG, MembershipChange.MEMBER_SLOW)
@@ -294,7 +298,7 @@ def _decide_live(f: Facts, live: LiveFacts, restart: Decision) -> Decision:
     reforming, parking = live.phase is LivePhase.REFORMING, live.phase is LivePhase.PARKING
     if f.group_state is not GroupState.HEALTHY:
         if reforming and f.group_state in _FAILED:
-            return _failed_while_reforming(live, restart)
+            return _failed_while_reforming(f, live, restart)
         if reforming or parking:
             return dataclasses.replace(restart, live_abandoned=(
                 f"workers ended during the re-formation ({f.group_state.value}): "
@@ -338,7 +342,7 @@ def _decide_live(f: Facts, live: LiveFacts, restart: Decision) -> Decision:
     return restart
 
 
-def _failed_while_reforming(live: LiveFacts, restart: Decision) -> Decision:
+def _failed_while_reforming(f: Facts, live: LiveFacts, restart: Decision) -> Decision:
     """Local workers failed while the job re-forms live in a round that holds this node
     (``restart``: the restart policy's verdict on that failure).
 
@@ -350,6 +354,11 @@ def _failed_while_reforming(live: LiveFacts, restart: Decision) -> Decision:
     state, as to a joiner's.
     """
     where = "starting them cold in the round being re-formed"
+    if restart.verdict not in _MAY_RESTART_IN_ROUND or EX_CONFIG in f.exit_codes:
+        # A fence, an ejection, a stop, completed workers or a configuration error act
+        # first, as everywhere else.
+        return dataclasses.replace(restart, live_abandoned=(
+            f"workers failed during the re-formation: {restart.reason}"))
     if not live.left_old_all and not live.nobody_left:
         # They failed in the round the order superseded (a zombie's commit is refused
         # there): a consequence of the membership change, which spends no budget.
@@ -362,13 +371,13 @@ def _failed_while_reforming(live: LiveFacts, restart: Decision) -> Decision:
     # every time ends the job instead of looping.
     if restart.verdict is Verdict.ATTRIBUTE:
         return restart  # the re-formation stays under way while the window runs
-    if restart.verdict in (Verdict.RESTART_FAILURE, Verdict.RESTART_MEMBERSHIP):
-        why = ("a local worker failed and no node left the job" if live.nobody_left
-               else "workers failed during the re-formation")
-        return Decision(Verdict.RESTART_IN_ROUND, f"{why} ({restart.reason}): {where}",
-                        spends_budget=restart.verdict is Verdict.RESTART_FAILURE)
-    return dataclasses.replace(restart, live_abandoned=(
-        f"workers failed during the re-formation: {restart.reason}"))
+    if restart.verdict is Verdict.FAIL:  # the budget is spent, or a failure repeats
+        return dataclasses.replace(restart, live_abandoned=(
+            f"workers failed during the re-formation: {restart.reason}"))
+    why = ("a local worker failed and no node left the job" if live.nobody_left
+           else "workers failed during the re-formation")
+    return Decision(Verdict.RESTART_IN_ROUND, f"{why} ({restart.reason}): {where}",
+                    spends_budget=restart.verdict is Verdict.RESTART_FAILURE)
 
 
 def _decide_restart(f: Facts) -> Decision:

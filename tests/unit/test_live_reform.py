@@ -95,6 +95,14 @@ def test_workers_failing_before_they_took_the_order_restart_in_the_round_without
     d = decide(_facts({"phase": REFORMING}, **failed))
     assert d.verdict is Verdict.RESTART_IN_ROUND and not d.spends_budget, d
     assert "superseded round" in d.reason and not d.live_abandoned
+    d = decide(_facts({"phase": REFORMING}, **failed, attribution=Attribution.ROOT, remaining_restarts=0))
+    assert d.verdict is Verdict.RESTART_IN_ROUND and not d.spends_budget, d
+    # A fence, a stop or a configuration error still act first, the re-formation abandoned.
+    d = decide(_facts({"phase": REFORMING}, **failed, lease_lost=True))
+    assert d.verdict is Verdict.FENCE and d.live_abandoned
+    assert _v({"phase": REFORMING}, **failed, drain_signals=1) is Verdict.START_DRAIN
+    d = decide(_facts({"phase": REFORMING}, group_state=GroupState.FAILED, exit_codes=(78,)))
+    assert d.verdict is Verdict.FAIL and d.exit_code == 78 and d.live_abandoned
 
 
 def test_workers_failing_after_they_parked_restart_in_the_round_as_the_policy_judges():
