@@ -371,7 +371,8 @@ class ElasticdAgent(LocalElasticAgent):
         """Remember how an attempt failed while none has got past start-up."""
         if facts.past_startup:
             self._past_startup, self._startup_failures = True, ()
-        elif decision.verdict is Verdict.RESTART_FAILURE and facts.failure_line:
+        elif (decision.verdict is Verdict.RESTART_FAILURE or decision.spends_budget) \
+                and facts.failure_line:
             self._startup_failures = (*self._startup_failures, facts.failure_line)
 
     def _workers_done(self, state: GroupState, now: float) -> bool:
@@ -450,6 +451,9 @@ class ElasticdAgent(LocalElasticAgent):
             self.phase = self.phase.fault(time.monotonic())
             self._restart("membership", decision.reason)
             return False
+        if v is Verdict.RESTART_IN_ROUND:
+            self._restart_in_round(decision)
+            return False
         if v is Verdict.RESTART_FAILURE:
             cause = "hang" if result.state == WorkerState.HEALTHY else "failure"
             if cause == "hang":
@@ -507,6 +511,40 @@ class ElasticdAgent(LocalElasticAgent):
         if self.metrics is not None:
             self.metrics.restart(cause)
         self._restart_workers(self._worker_group)
+
+    def _restart_in_round(self, decision: Decision) -> None:
+        """Our workers failed while the job re-forms live in the round we joined: start
+        them cold in that round, without a rendezvous (``policy._failed_while_reforming``).
+
+        The worker group already holds the round's ranks and bootstrap address (the
+        rendezvous of ``LiveReformation.reform``), so the new workers join the group the
+        peers form, and the survivors send them the state, as to a joiner's workers.
+        """
+        wg = self._worker_group
+        cause = "failure" if decision.spends_budget else "membership"
+        # Our workers still alive wait in the new round's group for the dead one: a SIGTERM
+        # they cannot act on there would cost the whole job torch's 30 s.
+        self._close_workers(signal.SIGTERM, timeout_s=self.settings.plain_stop_s)
+        if decision.spends_budget:
+            attempt = self._restarts_used() + 1
+            self._remaining_restarts -= 1
+            delay = restart_backoff_s(attempt, self.settings.restart_backoff_s,
+                                      self.settings.restart_backoff_max_s)
+            self._log.info("restart_backoff", seconds=delay, attempt=attempt, cause=cause)
+            self._sleep_interruptible(delay)
+        self.phase = self.phase.fault(time.monotonic())
+        self.live.restarted_in_round(decision.reason)
+        self._set_state("restarting")
+        self.recorder.event("restart", decision.reason, cause=cause)
+        if self.metrics is not None:
+            self.metrics.restart(cause)
+        wg.state = WorkerState.STOPPED
+        pids = self._start_workers(wg)
+        for w in wg.workers:  # torch's monitor matches workers to processes by id
+            w.id = pids.get(w.local_rank)
+        wg.state = WorkerState.HEALTHY
+        self._set_state("training", ranks=[w.global_rank for w in wg.workers],
+                        local_world_size=wg.spec.local_world_size)
 
     def _start_resize(self, reason: str) -> None:
         """Ask the workers to stop at the next step so that joiners are admitted; we stay.

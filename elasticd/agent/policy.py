@@ -44,8 +44,14 @@ in place instead of by a restart:
 - a lost or drained peer, or workers that parked, re-form live: the next round runs now
   and the workers are ordered into it;
 - the re-formation ends when every worker confirmed it, and falls back to a restart
-  (a membership change: no budget spent) past its bound, when a member it waits for is
-  lost again, or when the workers failed in the superseded round before taking the order;
+  (a membership change: no budget spent) past its bound, or when a member it waits for is
+  lost again;
+- workers that fail while it is under way are started again cold *in the round being
+  re-formed* (``RESTART_IN_ROUND``), as a joiner's are, and receive the survivors' state:
+  a newer round would make the peers re-forming for this one fall back to the checkpoint
+  (to step 0 before the first one). The budget is spent as the restart policy says (a
+  worker failure when no node left; failed in the superseded round before taking the
+  order: a membership change); a verdict that gives up (``FAIL``) abandons it;
 - workers that end otherwise mid-way abandon it: the restart policy's verdict stands.
 """
 
@@ -90,6 +96,9 @@ class Verdict(enum.Enum):
     LIVE_WAIT = "live_wait"  # a park or a re-formation is under way: nothing to do
     LIVE_DONE = "live_done"  # every worker re-formed: the node trains in the new round
     LIVE_FALLBACK = "live_fallback"  # in place failed: restart the workers (a membership change)
+    # Our workers failed while the job re-forms live in a round that holds us: start them
+    # cold in that round (no rendezvous), as a joiner's; Decision.spends_budget says how.
+    RESTART_IN_ROUND = "restart_in_round"
 
 
 class GroupState(enum.Enum):
@@ -211,6 +220,9 @@ class Decision:
     # Non-empty when a park or re-formation under way ends with this decision (the
     # workers ended mid-way): why. The agent forgets it, then carries out ``verdict``.
     live_abandoned: str = ""
+    # RESTART_IN_ROUND: a worker failure (one unit of the budget, after the backoff), not a
+    # membership change.
+    spends_budget: bool = False
 
 
 # The restart policy's verdicts that live re-formation may replace: the others (stop,
@@ -218,6 +230,10 @@ class Decision:
 _LIVE_MAY_ACT = (Verdict.CONTINUE, Verdict.RESTART_MEMBERSHIP, Verdict.START_RESIZE,
                  Verdict.ATTRIBUTE)
 _MEMBERSHIP_VERDICTS = (Verdict.RESTART_MEMBERSHIP, Verdict.START_RESIZE)
+# The restart policy's verdicts on workers that failed during a live re-formation that
+# leave them to it (RESTART_IN_ROUND, or its FAIL); the others act first.
+_MAY_RESTART_IN_ROUND = (Verdict.RESTART_FAILURE, Verdict.RESTART_MEMBERSHIP, Verdict.ATTRIBUTE,
+                         Verdict.FAIL)
 # A second change during a re-formation that the new group cannot survive.
 _GROUP_CANNOT_FORM = (MembershipChange.MEMBER_LOST, MembershipChange.NEWER_ROUND,
                       MembershipChange.MEMBER_HUNG, MembershipChange.MEMBER_SLOW)
@@ -281,19 +297,8 @@ def _decide_live(f: Facts, live: LiveFacts, restart: Decision) -> Decision:
     """Live re-formation's part of the precedence: ``restart`` is the restart policy's verdict."""
     reforming, parking = live.phase is LivePhase.REFORMING, live.phase is LivePhase.PARKING
     if f.group_state is not GroupState.HEALTHY:
-        if reforming and not live.left_old_all and f.group_state in _FAILED:
-            if live.nobody_left:
-                # Every node is still in the job: the collective that started this
-                # re-formation failed because one of our own workers died (its local peers
-                # saw the broken connection before torch's monitor saw the exit). A worker
-                # failure, not a membership change: the budget is spent, so a worker that
-                # crashes at the same step every time ends the job instead of looping.
-                return dataclasses.replace(restart, live_abandoned=(
-                    "a local worker failed and no node left the job: a worker failure"))
-            # They failed in the round the order superseded (a zombie's commit is refused
-            # there): a consequence of the membership change, which spends no budget.
-            return Decision(Verdict.LIVE_FALLBACK, "workers failed in the superseded round "
-                            "before taking the order")
+        if reforming and f.group_state in _FAILED:
+            return _failed_while_reforming(f, live, restart)
         if reforming or parking:
             return dataclasses.replace(restart, live_abandoned=(
                 f"workers ended during the re-formation ({f.group_state.value}): "
@@ -335,6 +340,44 @@ def _decide_live(f: Facts, live: LiveFacts, restart: Decision) -> Decision:
     if parking:
         return Decision(Verdict.LIVE_WAIT, "waiting for workers to park")
     return restart
+
+
+def _failed_while_reforming(f: Facts, live: LiveFacts, restart: Decision) -> Decision:
+    """Local workers failed while the job re-forms live in a round that holds this node
+    (``restart``: the restart policy's verdict on that failure).
+
+    Why: restarting through the next rendezvous opened a newer round; the peers, still
+    re-forming for this one, saw it and fell back to the checkpoint, so their workers'
+    in-memory steps were lost (before the first checkpoint: back to step 0, a worker crash
+    that raced the re-formation it caused on a loaded machine). Started in this round, our
+    workers are cold members of the group the peers form, and the survivors send them the
+    state, as to a joiner's.
+    """
+    where = "starting them cold in the round being re-formed"
+    if restart.verdict not in _MAY_RESTART_IN_ROUND or EX_CONFIG in f.exit_codes:
+        # A fence, an ejection, a stop, completed workers or a configuration error act
+        # first, as everywhere else.
+        return dataclasses.replace(restart, live_abandoned=(
+            f"workers failed during the re-formation: {restart.reason}"))
+    if not live.left_old_all and not live.nobody_left:
+        # They failed in the round the order superseded (a zombie's commit is refused
+        # there): a consequence of the membership change, which spends no budget.
+        return Decision(Verdict.RESTART_IN_ROUND, "workers failed in the superseded round "
+                        f"before taking the order: {where}")
+    # A worker failure as the restart policy judges it. With every node still in the job
+    # (nobody_left), the collective that started this re-formation failed because one of
+    # our own workers died (its local peers saw the broken connection before torch's
+    # monitor saw the exit): the budget is spent, so a worker that crashes at the same step
+    # every time ends the job instead of looping.
+    if restart.verdict is Verdict.ATTRIBUTE:
+        return restart  # the re-formation stays under way while the window runs
+    if restart.verdict is Verdict.FAIL:  # the budget is spent, or a failure repeats
+        return dataclasses.replace(restart, live_abandoned=(
+            f"workers failed during the re-formation: {restart.reason}"))
+    why = ("a local worker failed and no node left the job" if live.nobody_left
+           else "workers failed during the re-formation")
+    return Decision(Verdict.RESTART_IN_ROUND, f"{why} ({restart.reason}): {where}",
+                    spends_budget=restart.verdict is Verdict.RESTART_FAILURE)
 
 
 def _decide_restart(f: Facts) -> Decision:

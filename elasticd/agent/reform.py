@@ -10,8 +10,9 @@ When every local worker registered for live re-formation (a ``LiveRegistration``
   bootstrap address to ``reform.json`` (and tells the workers waiting on the socket);
 - waits (bounded by ``live_reform_timeout_s``) for every worker to report it re-formed;
   past the bound it falls back to today's restart, with one log line saying why. Workers
-  that fail before taking the order (still in the superseded round: a refused commit)
-  are restarted the same way, as a membership change (no restart budget spent);
+  that fail while it is under way (a crash, or a refused commit in the superseded round)
+  are started again cold in the round being re-formed, as a joiner's, never through a
+  newer round (the peers would fall back to the checkpoint);
 - keeps its node record ``re-forming`` from the order until every worker confirmed, so
   ``elasticd status`` never reports a member as training in a round its workers are not
   in yet.
@@ -195,6 +196,12 @@ class LiveReformation:
         self.recorder.event("reform", f"workers re-formed in place in round {self.handler.round}",
                             seconds=round(seconds, 3))
         self.reformer.finish()
+
+    def restarted_in_round(self, reason: str) -> None:
+        """Our workers failed during the re-formation: forget it (the agent starts new
+        workers in its round; the peers keep re-forming, and send them the state)."""
+        self._log.warning("live_reform_workers_restarted", reason=reason, round=self.handler.round)
+        self.reformer.reset_group()
 
     def fell_back(self, reason: str) -> None:
         """In place did not work: forget it all (the agent restarts the workers)."""

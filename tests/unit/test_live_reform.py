@@ -86,15 +86,42 @@ def test_a_reformation_completes_or_falls_back_after_its_bound():
     assert _v({"phase": REFORMING, "deadline_passed": True}) is Verdict.LIVE_FALLBACK
 
 
-def test_workers_failing_before_they_took_the_order_restart_without_the_budget():
+def test_workers_failing_before_they_took_the_order_restart_in_the_round_without_the_budget():
     """Workers that fail while an order is out and before they left their old group (a
-    zombie's refused commit in the superseded round) fall back to the restart path, a
-    membership change; once they parked or re-formed, a failure is the policy's again: the
-    re-formation is abandoned and the restart policy's verdict acts, with its reason."""
+    zombie's refused commit in the superseded round) start again cold in the round being
+    re-formed, a membership change (no budget): a newer round would make the peers
+    re-forming for this one fall back to the checkpoint."""
     failed = {"group_state": GroupState.FAILED, "exit_codes": (1,)}
-    assert _v({"phase": REFORMING}, **failed) is Verdict.LIVE_FALLBACK
-    d = decide(_facts({"phase": REFORMING, "left_old_all": True}, **failed))
-    assert d.verdict is Verdict.ATTRIBUTE and "FAILED" in d.live_abandoned
+    d = decide(_facts({"phase": REFORMING}, **failed))
+    assert d.verdict is Verdict.RESTART_IN_ROUND and not d.spends_budget, d
+    assert "superseded round" in d.reason and not d.live_abandoned
+    d = decide(_facts({"phase": REFORMING}, **failed, attribution=Attribution.ROOT, remaining_restarts=0))
+    assert d.verdict is Verdict.RESTART_IN_ROUND and not d.spends_budget, d
+    # A fence, a stop or a configuration error still act first, the re-formation abandoned.
+    d = decide(_facts({"phase": REFORMING}, **failed, lease_lost=True))
+    assert d.verdict is Verdict.FENCE and d.live_abandoned
+    assert _v({"phase": REFORMING}, **failed, drain_signals=1) is Verdict.START_DRAIN
+    d = decide(_facts({"phase": REFORMING}, group_state=GroupState.FAILED, exit_codes=(78,)))
+    assert d.verdict is Verdict.FAIL and d.exit_code == 78 and d.live_abandoned
+
+
+def test_workers_failing_after_they_parked_restart_in_the_round_as_the_policy_judges():
+    """Once they parked or re-formed, a failure is the restart policy's again: it waits for
+    the attribution window with the re-formation still under way, then the workers start
+    again in its round (a root failure spends the budget, a peer's does not); a verdict
+    that gives up abandons it. A park (no round of ours yet) or a completion abandons it."""
+    failed = {"group_state": GroupState.FAILED, "exit_codes": (1,)}
+    parked = {"phase": REFORMING, "left_old_all": True}
+    d = decide(_facts(parked, **failed))
+    assert d.verdict is Verdict.ATTRIBUTE and not d.live_abandoned
+    d = decide(_facts(parked, **failed, attribution=Attribution.ROOT))
+    assert d.verdict is Verdict.RESTART_IN_ROUND and d.spends_budget, d
+    d = decide(_facts(parked, **failed, attribution=Attribution.VICTIM))
+    assert d.verdict is Verdict.RESTART_IN_ROUND and not d.spends_budget, d
+    d = decide(_facts(parked, **failed, attribution=Attribution.ROOT, remaining_restarts=0))
+    assert d.verdict is Verdict.FAIL and "budget" in d.live_abandoned
+    d = decide(_facts(parked, group_state=GroupState.FAILED, exit_codes=(78,)))
+    assert d.verdict is Verdict.FAIL and d.exit_code == 78 and d.live_abandoned
     d = decide(_facts({"phase": PARKING}, **failed))
     assert d.verdict is Verdict.ATTRIBUTE and d.live_abandoned
     d = decide(_facts({"phase": REFORMING}, group_state=GroupState.SUCCEEDED))
@@ -102,19 +129,27 @@ def test_workers_failing_before_they_took_the_order_restart_without_the_budget()
     assert not decide(_facts(**failed)).live_abandoned  # nothing under way: nothing to abandon
 
 
-def test_a_local_worker_dying_with_every_node_still_in_the_job_is_a_worker_failure():
-    """A local worker SIGKILLed: its local peers' collective fails first, so the agent re-forms
-    live; when the group then fails with the order's round holding every node of the one
-    before (nobody left), the dead worker was the cause: the restart policy's verdict acts
-    (budget spent, cause failure), not a membership fallback. A fresh-clone suite saw the
-    dashboard's restart counter stay at 0 through exactly this order of events."""
+def test_a_local_worker_dying_with_every_node_still_in_the_job_restarts_in_the_round():
+    """A local worker dies while the job re-forms live with every node still in it (its
+    local peers' collective failed first, or its node joined a peer's re-formation before
+    its agent saw the death): the dead worker was the cause, so the budget is spent (a
+    fresh-clone suite saw the dashboard's restart counter stay at 0 when it was not), and
+    the workers start again cold in the round being re-formed, never through a newer round
+    (the peers then fell back to the checkpoint: step 0 before the first one, issue 45)."""
     failed = {"group_state": GroupState.FAILED, "exit_codes": (-9,)}
-    d = decide(_facts({"phase": REFORMING, "nobody_left": True}, **failed))
-    assert d.verdict is Verdict.ATTRIBUTE and "worker failure" in d.live_abandoned
+    live = {"phase": REFORMING, "nobody_left": True}
+    d = decide(_facts(live, **failed))
+    assert d.verdict is Verdict.ATTRIBUTE and not d.live_abandoned
     root = {**failed, "attribution": Attribution.ROOT}
-    assert _v({"phase": REFORMING, "nobody_left": True}, **root) is Verdict.RESTART_FAILURE
-    assert _v({"phase": REFORMING, "nobody_left": True}, **root, remaining_restarts=0) is Verdict.FAIL
-    assert _v({"phase": REFORMING, "nobody_left": False}, **failed) is Verdict.LIVE_FALLBACK
+    d = decide(_facts(live, **root))
+    assert d.verdict is Verdict.RESTART_IN_ROUND and d.spends_budget, d
+    assert "no node left" in d.reason and "round being re-formed" in d.reason
+    d = decide(_facts(live, **failed, attribution_window_passed=True))
+    assert d.verdict is Verdict.RESTART_IN_ROUND and d.spends_budget, d
+    d = decide(_facts(live, **root, remaining_restarts=0))
+    assert d.verdict is Verdict.FAIL and d.live_abandoned
+    assert _v({**live, "deadline_passed": True}, **root) is Verdict.RESTART_IN_ROUND
+    assert _v(live, **root, lease_lost=True) is Verdict.FENCE
 
 
 def test_a_member_lost_during_a_reformation_falls_back_at_once():

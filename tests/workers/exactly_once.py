@@ -27,6 +27,11 @@ and holds a number ``S``, the worker trains steps before ``S`` and then waits (a
 ``waiting`` row to ``<trace>.wait`` once per step and round) until the number grows or
 the file is removed; it trains ``--epochs`` epochs. Run without an agent (plain ``python``) it is the fault-free
 reference at world size 1.
+
+``--sever FILE``: a worker waiting there whose pid ``FILE`` names dies as its peers see a
+crash before its agent does: it shuts its process group's connections down (the peers'
+next collective fails as on its death), writes ``FILE.done`` and blocks until the test
+kills it, so the kill lands while the job re-forms, at a point the test chooses.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ import argparse
 import json
 import os
 import sys
+import threading
 import time
 
 import torch
@@ -44,9 +50,11 @@ from torch import nn
 from torch.distributed.fsdp import fully_shard
 from torch.utils.data import DataLoader, Dataset
 
+import elasticd.worker.context as wctx
 from elasticd import worker
 from elasticd.data import ElasticStatefulLoader, ElasticStream, Shard
 from elasticd.worker.context import current_round
+from elasticd.worker.sockets import shutdown_group_connections
 
 
 class Indexed(Dataset):
@@ -83,6 +91,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--live", action="store_true")
     p.add_argument("--hold", default="", help="file holding the first step not to train yet")
+    p.add_argument("--sever", default="", help="file naming the pid of a worker to sever (see above)")
     p.add_argument("--checkpoint-url", default=os.environ.get("ELASTICD_CHECKPOINT_URL"))
     p.add_argument("--save-every", type=int, default=1000)
     p.add_argument("--trace", required=True)
@@ -102,10 +111,32 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0  # it changes on a re-formation
 
 
-def wait_for_release(hold: str, status: str, step: int, epoch: int) -> None:
+def sever_if_named(sever: str) -> None:
+    """If ``sever`` names this process: close its group's connections, say so, block until
+    killed (the test's SIGKILL is the crash; its peers saw the connections close first)."""
+    try:
+        with open(sever) as f:
+            named = int(f.read().strip())
+    except (FileNotFoundError, ValueError):  # not yet, or caught mid-write: look again
+        return
+    if named != os.getpid():
+        return
+    # What its death does to the peers: the group's connections close (gloo's abort alone
+    # leaves them open), so a peer's next collective fails at once.
+    wctx.abort_groups(lambda: True)
+    shutdown_group_connections(wctx.group_sockets())
+    with open(sever + ".done.tmp", "w") as f:
+        f.write(str(os.getpid()))
+    os.replace(sever + ".done.tmp", sever + ".done")
+    threading.Event().wait()  # never set: the test kills this process
+
+
+def wait_for_release(hold: str, status: str, step: int, epoch: int, sever: str = "") -> None:
     """Wait while the hold file says ``step`` may not be trained yet; say so once."""
     said = False
     while hold:
+        if sever:
+            sever_if_named(sever)
         limit = _limit(hold)
         if limit is None or step < limit:
             return
@@ -196,7 +227,7 @@ def main() -> int:
         for epoch in range(first_epoch, args.epochs):
             sampler.set_epoch(epoch)
             for idx, x, y in loop.batches(loader):
-                wait_for_release(args.hold, args.trace + ".wait", loop.steps_done, epoch)
+                wait_for_release(args.hold, args.trace + ".wait", loop.steps_done, epoch, args.sever)
                 with loop.guard():
                     optimizer.zero_grad()
                     net = ddp if ddp is not None else model if args.stale_model else loop.model

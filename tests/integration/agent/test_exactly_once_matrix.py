@@ -354,12 +354,15 @@ def test_stale_sharded_module_after_live_reform_exits_78_naming_loop_model(nodes
 
 
 def test_worker_crash_before_any_checkpoint_keeps_the_survivors_steps(nodes, tmp_path):
-    """A live 2-node job with no checkpoint yet loses one worker (SIGKILL of the worker
-    process, its agent alive): the job goes on from the survivors' in-memory state, never
-    from step 0, and still trains every sample of every epoch exactly once."""
+    """A live 2-node job with no checkpoint yet loses one worker (its agent alive) while the
+    job re-forms for that very crash: the peers saw the worker's connections close, and its
+    own agent joined the re-formation before it saw the worker die (a race that loaded
+    machines lost, issue 45's). The node restarts its worker into the round being
+    re-formed, the job goes on from the survivors' in-memory state, never from step 0, and
+    still trains every sample of every epoch exactly once."""
     pipeline, crash_at = "batch-sampler", 3
-    hold, trace = tmp_path / "hold", tmp_path / "trace-run.jsonl"
-    args = _job_args(tmp_path, pipeline, "live", "ddp")
+    hold, trace, sever = tmp_path / "hold", tmp_path / "trace-run.jsonl", tmp_path / "sever"
+    args = [*_job_args(tmp_path, pipeline, "live", "ddp"), "--sever", str(sever)]
     _hold(hold, 0)
     # The crashed worker's replacement is a cold process (its warm standby was handed over
     # at the start): on a loaded machine its torch import alone can outlast the default
@@ -373,12 +376,21 @@ def test_worker_crash_before_any_checkpoint_keeps_the_survivors_steps(nodes, tmp
     before = _round(trace)
     pids = {r["pid"] for r in read_jsonl(trace)} & set(b.tree())
     assert len(pids) == 1, pids
-    os.kill(pids.pop(), signal.SIGKILL)
-    _hold(hold, crash_at + 1)  # a's step crash_at fails on the dead peer
+    pid = pids.pop()
+    # b's worker closes its connections and lives on: b's agent sees it healthy until the
+    # kill below, as its monitor did when the crash raced the re-formation under load.
+    _hold(sever, pid)
+    wait_until(Path(f"{sever}.done").exists, 60, "b's worker closing its connections")
+    _hold(hold, crash_at + 1)  # a's step crash_at fails on the closed connections
+    # a re-forms live; b's agent, its worker still running, joins the round and orders it in.
+    wait_until(lambda: "live_reform_ordered" in b.log(), 120, "b's agent ordering its worker "
+               "into the re-formed round")
+    os.kill(pid, signal.SIGKILL)  # the crash, during the re-formation
     _step_until_world(hold, trace, crash_at + 1, 2, before + 1)
     after = [r for r in read_jsonl(trace) if (r["round"] or 0) > before]
     assert min(r["step"] for r in after) >= crash_at, (
         f"the job went back to step {min(r['step'] for r in after)} after one worker's crash")
+    assert "live_reform_fell_back" not in a.log(), a.log()[-4000:]
     hold.unlink()
     for node in (a, b):
         assert node.wait(120) == 0, node.log()[-4000:]
