@@ -295,14 +295,28 @@ def test_forking_beside_live_grpc_runs_no_grpc_fork_handlers(etcd_server, tmp_pa
     assert hung or _FORK_HANDLER_LOG in err, "the probe did not see gRPC's fork handlers"
 
 
-def _silence_on_the_server(handle) -> None:
+def _silence_on_the_server(handle) -> threading.Event:
     """Have etcd cancel a watch while python3-etcd3 keeps waiting on it: the stream stays up,
-    the client is told nothing, and the watch delivers no more events (a silent watch)."""
+    the client is told nothing, and the watch delivers no more events (a silent watch).
+
+    Returns an event set once etcd confirmed the cancel: the request travels on the watch
+    stream's own thread, so a put made right after it could reach etcd first and be
+    delivered by the watch before it went silent (seen under load)."""
     import etcd3.etcdrpc
 
+    watcher, confirmed = handle.watcher, threading.Event()
+    handle_response = watcher._handle_response
+
+    def spy(rs):
+        if rs.canceled and rs.watch_id == handle.watch_id:
+            confirmed.set()
+        return handle_response(rs)
+
+    watcher._handle_response = spy
     rq = etcd3.etcdrpc.WatchRequest(
         cancel_request=etcd3.etcdrpc.WatchCancelRequest(watch_id=handle.watch_id))
-    handle.watcher._request_queue.put(rq)
+    watcher._request_queue.put(rq)
+    return confirmed
 
 
 @pytest.mark.timeout(120)
@@ -337,7 +351,7 @@ def test_watch_health_check_recreates_a_silent_watch_without_loss_or_repeats(etc
         wait_until(lambda: rec.saw("/w/2", b"after-restart"), bound_s, "event after the restart")
 
         handle = wait_until(lambda: watch._watch_id, bound_s, "the watch to be connected")
-        _silence_on_the_server(handle)
+        assert _silence_on_the_server(handle).wait(bound_s), "etcd did not confirm the cancel"
         client.put("/w/3", b"while-silent")
         client.delete("/w/0")
         t0 = time.monotonic()
@@ -434,6 +448,9 @@ def test_a_restarted_embedded_etcd_keeps_its_ports_and_says_when_one_is_taken(tm
     port = e.client_port
     e.kill()
     holder = socket.socket()
+    # Our own connections to the killed etcd may leave the port in TIME_WAIT; etcd binds
+    # with SO_REUSEADDR too, so only the listener below stands in its way.
+    holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         holder.bind(("127.0.0.1", port))
         holder.listen()
