@@ -7,12 +7,13 @@ STAMP  := $(VENV)/.installed
 # integrations' libraries) on top: `make demo` does not wait for them.
 TEST_STAMP := $(VENV)/.installed-test
 PYTEST_ARGS ?=
-# `make test` runs the suite on this many pytest-xdist workers (0: in one process, the
-# default). PYTEST_WORKERS=2 on two cores took 19 min instead of 28 (idle), but two tests
-# side by side are not yet reliable: the embedded etcd's ports can be taken between their
-# choice and etcd's bind (EADDRINUSE), and the short live replay's ledger-vs-audit figure
-# moves with the neighbour's load (issue 48).
-PYTEST_WORKERS ?= 0
+# `make test` runs the suite on this many pytest-xdist workers (0: in one process). Two on
+# two cores: an agent test spends much of its wall time waiting on its processes, so two
+# side by side took 19 min where one process took 28 (idle). The two hazards that kept the
+# default at 0 are fixed: the embedded etcd picks ports below the ephemeral range and
+# starts again on fresh ones if its port was taken anyway, and the live replay whose ledger
+# figure moved with a neighbour's load runs under `make soak`.
+PYTEST_WORKERS ?= 2
 
 .PHONY: venv test lint unit integration chaos soak demo bench clean compat compat-reconfigure wheel
 
