@@ -42,15 +42,14 @@ KEYS = JobKeys(JOB)
 
 
 class _FakeEtcd:
-    """The reads the boot checks make and the writes ``elasticd stop``/``drain`` make;
-    a lease grant (registration) is refused unless ``leases`` is set."""
+    """The reads the boot checks make and the writes ``elasticd stop``/``drain`` make; no
+    lease grant (no test here gets as far as registering)."""
 
     def __init__(self, fail_reads_under: str | None = None) -> None:
         self.kv: dict[str, KV] = {}
         self.rev = 0
         self.closed = False
         self.reads: list[str] = []
-        self.granted = 0
         self.fail_reads_under = fail_reads_under
 
     def _read(self, key: str) -> None:
@@ -204,7 +203,7 @@ def test_boot_sequence_that_failed_early_leaves_every_check_to_the_runner(tmp_pa
     fake = _FakeEtcd(fail_reads_under=KEYS.fingerprint)
     out = boot_before_import(_cfg(tmp_path), connect=_connect(fake))  # type: ignore[arg-type]
     assert out.verdict is BootVerdict.DEFERRED and "injected" in out.reason
-    assert fake.closed and fake.granted == 0
+    assert fake.closed
     plan = checks_after_import(out)
     assert plan.runner == (BootCheck.STOP, BootCheck.PRECHECK) and plan.admit_on_register
     assert checks_after_import(None) == plan
