@@ -44,7 +44,7 @@ one's write fails, it reads again, and sees the other's record. A refusal before
 registering (:func:`precheck`) is the common case and touches nothing; one found after
 registering (a race) leaves only this node's record, revoked as the agent exits.
 
-This module must not import torch (``elasticd.agent.arrival`` calls it first).
+This module must not import torch (``elasticd.agent.boot`` calls it first).
 """
 
 from __future__ import annotations

@@ -88,36 +88,37 @@ def start_early(cfg: AgentConfig) -> EarlyStart | None:
 
 
 def run_node_with_early_standbys(cfg: AgentConfig) -> int:
-    """Start the standbys, check for a stop, a drain or a finished job, register the node,
-    then import the agent (torch) and run the node.
+    """Start the standbys, run the boot sequence (``elasticd.agent.boot``: a stop, a drain
+    or a finished job exits 0; else the node registers), then import the agent (torch)
+    and run the node.
 
     Returns:
         ``run_node``'s exit code.
     """
     early = start_early(cfg)
-    arrival = None
+    boot = None
     try:
-        from elasticd.agent.arrival import arrive_early, log_finished, log_refused
+        from elasticd.agent.boot import BootVerdict, boot_before_import, log_finished, log_refused
         from elasticd.logs import configure_logging
 
         configure_logging(cfg.logging.format, level=cfg.logging.level)
-        # One sequence before torch is imported (elasticd.agent.arrival): `elasticd stop`/
-        # `drain` or a finished job: exit 0 at once (the standby dies); else registered, so
-        # a node started with the others holds the first round open until it joins.
-        arrival = arrive_early(cfg)
-        if arrival is not None and arrival.refused is not None:
-            log_refused(cfg, arrival.refused)
+        # The boot sequence before torch is imported: `elasticd stop`/`drain` or a finished
+        # job: exit 0 at once (the standby dies); else registered, so a node started with
+        # the others holds the first round open until it joins.
+        boot = boot_before_import(cfg)
+        if boot.verdict is BootVerdict.STOPPED and boot.refused is not None:
+            log_refused(boot.refused, cfg.node.id)
             return 0
-        if arrival is not None and arrival.finished is not None:
-            log_finished(arrival.finished)
+        if boot.verdict is BootVerdict.FINISHED and boot.finished is not None:
+            log_finished(boot.finished)
             return 0
         # torch is imported only now, while the standbys import it too.
         from elasticd.agent.runner import run_node
         from elasticd.agent.settings import node_spec
 
-        return run_node(node_spec(cfg, os.environ), early=early, arrival=arrival)
+        return run_node(node_spec(cfg, os.environ), early=early, boot=boot)
     finally:
-        if arrival is not None:
-            arrival.close()
+        if boot is not None:
+            boot.close()
         if early is not None:
             early.close()

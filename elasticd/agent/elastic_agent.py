@@ -252,7 +252,7 @@ class ElasticdAgent(LocalElasticAgent):
         self.install_signal_handlers()
         # Hold a lease before anything slow (the standbys' imports below): an open first
         # round waits for a node that holds one (the start race, issue 25). Usually done
-        # already, before torch was imported (elasticd.agent.arrival).
+        # already, before torch was imported (elasticd.agent.boot).
         self.handler.arrive()
         self.recorder.event("join", f"node {self.handler.node_id} started")
         # The first workers' standbys import torch while this node waits for its round

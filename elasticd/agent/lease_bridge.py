@@ -1,6 +1,6 @@
 """Keep a node's early lease alive while the agent imports torch, from outside its GIL.
 
-Why: the agent registers before it imports torch (``elasticd.agent.arrival``), so that a
+Why: the agent registers before it imports torch (``elasticd.agent.boot``), so that a
 node started with the others holds the first round open until it joins. Its keep-alives
 come from a thread of the agent's own process, and ``import torch`` holds the GIL in
 stretches (about 0.2 s on a quiet core, measured; the module initialisers of its C

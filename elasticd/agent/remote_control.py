@@ -1,11 +1,11 @@
 """The agent's side of ``elasticd stop`` / ``elasticd drain`` (see elasticd.stopmarks).
 
-Two hooks, nothing in the supervision loop itself (the check before torch is imported is
-part of the boot sequence in :mod:`elasticd.agent.arrival`):
+Two hooks, nothing in the supervision loop itself:
 
-- :func:`refusal_at_start`: the runner's check before joining, a stopped job or a drained node is a clean
-  exit 0 (systemd restarting the agent, or a reboot, must not bring it back), with a line
-  that says how to start again;
+- :func:`refusal_at_start`: the stop marks read with retries, the ``STOP`` check of the boot
+  sequence after the torch import (:mod:`elasticd.agent.boot` says where else it runs): a
+  stopped job or a drained node is a clean exit 0 (systemd restarting the agent, or a
+  reboot, must not bring it back), with a line that says how to start again;
 - :class:`RemoteStopWatch`: a watch on ``/elasticd/<job>/control/`` that turns a mark
   written while the agent runs into the same drain as SIGTERM (``request_drain``): all
   ranks stop after the same step, save, exit 0, and the agent leaves.

@@ -26,13 +26,19 @@ from torch.distributed.elastic.rendezvous import (
 )
 
 import elasticd
-from elasticd.agent.admission import admit, make_fingerprint, precheck, sizes_fingerprint
-from elasticd.agent.arrival import EarlyArrival, log_finished
+from elasticd.agent.admission import admit, make_fingerprint, sizes_fingerprint
+from elasticd.agent.boot import (
+    BootOutcome,
+    boot_after_import,
+    checks_after_import,
+    log_finished,
+    log_refused,
+)
 from elasticd.agent.commits import CommitRetrier, PendingCommit, read_intents, write_intent
 from elasticd.agent.elastic_agent import ElasticdAgent, SupervisionSettings
 from elasticd.agent.integrity import DivergenceObserver
 from elasticd.agent.recorder import JobRecorder
-from elasticd.agent.remote_control import RemoteStopWatch, refusal_at_start
+from elasticd.agent.remote_control import RemoteStopWatch
 from elasticd.agent.run_identity import check_resume, ensure_run_id
 from elasticd.agent.standalone_runs import (
     RUNNING,
@@ -224,15 +230,16 @@ def _straggler_observer(metrics: AgentMetrics | None,
     return observe
 
 
-def run_node(spec: NodeSpec, early: EarlyStart | None = None, arrival: EarlyArrival | None = None) -> int:
+def run_node(spec: NodeSpec, early: EarlyStart | None = None, boot: BootOutcome | None = None) -> int:
     """Run this node until the job finishes, this node drains, or it gives up.
 
     Args:
         spec: the node.
         early: an ``elasticd.agent.early.EarlyStart`` (standbys started before torch was
             imported, and the runtime directory they report to), or None.
-        arrival: the etcd client and node session registered before torch was imported
-            (``elasticd.agent.arrival``), taken over here; None: connect and register here.
+        boot: the boot sequence's outcome before torch was imported
+            (``elasticd.agent.boot``): its etcd client and node session are taken over
+            here, and only the checks it left run again; None: every check runs here.
 
     Returns:
         The process exit code: 0 finished/drained, 1 failed, 4 etcd unreachable,
@@ -288,8 +295,9 @@ def run_node(spec: NodeSpec, early: EarlyStart | None = None, arrival: EarlyArri
             # Private to this user: TLS with a generated client certificate (docs/security.md).
             embedded = EmbeddedEtcd(spec.etcd.data_dir, private=True).start()
         early_session = None
-        if arrival is not None and arrival.session is not None and not embedded:
-            client, early_session = arrival.client, arrival.session
+        if boot is not None and boot.session is not None and boot.client is not None \
+                and not embedded:
+            client, early_session = boot.client, boot.session
         elif embedded is not None:
             client = EtcdClient.from_config(spec.etcd, endpoints=embedded.endpoint,
                                             tls=embedded.client_tls)
@@ -302,25 +310,26 @@ def run_node(spec: NodeSpec, early: EarlyStart | None = None, arrival: EarlyArri
             client, spec.job, replace(spec.rendezvous, worker_log_dir=log_dir,
                                       fingerprint=fingerprint.digest),
             node_id=spec.node_id, session=early_session)
-        if arrival is not None and early_session is not None:
-            arrival.hand_over()  # the handler owns the session now (closed by its shutdown)
+        if boot is not None and early_session is not None:
+            boot.hand_over()  # the handler owns the session now (closed by its shutdown)
         # Until the agent says how it leaves (finished, drained), a shutdown is a loss: a
         # node that gives up or crashes out of run() is re-formed around, as before.
         handler.leave_kind = None
         structlog.contextvars.bind_contextvars(job=spec.job, node=handler.node_id)
-        # `elasticd stop` / `drain` (elasticd.stopmarks): a stopped job or a drained node is
-        # a clean exit, before joining: systemd restarting us must not bring the node back.
-        refused = refusal_at_start(client, handler.keys, handler.node_id,
-                                   deadline_s=spec.etcd.connect_timeout_s)
-        if refused is not None:
-            log.warning("agent_not_joining", reason=refused.reason, fix=restart_hint(refused))
-            return 0
-        # Admission: refused (exit 78) before anything of the job is touched when a live
-        # agent runs another program; decided for good once registered (the txn).
+        # The rest of the boot sequence (elasticd.agent.boot): the stop marks again (a
+        # stopped job or a drained node is a clean exit before joining, also when the mark
+        # came during the torch import), and what the early path did not do: the admission
+        # precheck here (exit 78 before anything of the job is touched), the finished-job
+        # check, registration and admission in the handler's first rendezvous.
         fingerprint = replace(fingerprint, node=handler.node_id)
-        precheck(client, handler.keys, handler.node_id, fingerprint,
-                 deadline_s=spec.etcd.connect_timeout_s)
-        handler.on_registered = lambda deadline: _admit(client, handler, fingerprint, deadline)
+        boot_plan = checks_after_import(boot if early_session is not None else None)
+        checked = boot_after_import(client, handler.keys, handler.node_id, fingerprint, boot_plan,
+                                    deadline_s=spec.etcd.connect_timeout_s)
+        if checked.refused is not None:
+            log_refused(checked.refused, handler.node_id)
+            return 0
+        if boot_plan.admit_on_register:  # decided for good once registered (the txn)
+            handler.on_registered = lambda deadline: _admit(client, handler, fingerprint, deadline)
         recorder = JobRecorder(handler.session)
         # A standalone start (a fresh private etcd) continues its job's last run, or starts
         # a new one after a finished run (elasticd.agent.standalone_runs): decided before

@@ -102,7 +102,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
         on_lease_lost: called (from the keep-alive thread) when this node's lease is found
             expired, i.e. the node was frozen or cut off longer than its TTL.
         session: a ``NodeSession`` registered before torch was imported
-            (``elasticd.agent.arrival``): adopted, with its node id, lease and incarnation,
+            (``elasticd.agent.boot``): adopted, with its node id, lease and incarnation,
             instead of registering anew. It must use ``client`` and ``settings``' TTL.
     """
 
@@ -196,7 +196,8 @@ class EtcdRendezvousHandler(RendezvousHandler):
                     )
         if not self._arrival_checked:
             # Before we register: a finished job is never reopened by a node that merely
-            # (re)started; `elasticd start` does that (issue 25).
+            # (re)started; `elasticd start` does that (issue 25). The boot sequence's
+            # FINISHED check after the torch import (elasticd.agent.boot).
             self._refuse_finished_job(deadline)
             self._arrival_checked = True
         self.session.ensure_registered(deadline)

@@ -11,7 +11,7 @@ step, how to run it again), and only ``elasticd start --job J`` reopens it.
 
 ``rdzv/closed`` holds a :class:`~elasticd.records.ClosedRecord` (written by the agent
 whose workers finished: ``EtcdRendezvousHandler.set_closed``). This module is torch-free:
-the agent checks it before importing torch (``elasticd.agent.arrival``) and
+the agent checks it before importing torch (``elasticd.agent.boot``) and
 ``elasticd start`` uses it. Pure functions decide and word; the two that take an
 ``EtcdClient`` do the I/O.
 """

@@ -313,7 +313,7 @@ def spare_reason(members: int, max_nodes: int, valid_sizes: Sequence[int] = ALL_
 
 def early_join_round(state: RoundState | None) -> int | None:
     """The round a node may join before its agent has imported torch (a node of the
-    job's start, ``agent/arrival.py``), or None: the job's first round while it is open
+    job's start, ``agent/boot.py``), or None: the job's first round while it is open
     (no previous members: nobody trains yet). Joined then, a node started with the others
     is in that round however long its torch import takes; any other round it joins the
     usual way, once its agent is ready. ``state`` None: open round 0 first. Pure.

@@ -8,7 +8,7 @@ members and the round state's mod_revision then), which the rendezvous handler s
 the agent's recorder reads: the recorder takes the session, not the whole handler.
 
 This module does not import torch: an agent registers its session before it imports
-torch (``elasticd.agent.arrival``), and its rendezvous handler adopts it (``attach``).
+torch (``elasticd.agent.boot``), and its rendezvous handler adopts it (``attach``).
 """
 
 from __future__ import annotations
@@ -102,7 +102,7 @@ class NodeSession:
         self.fingerprint = fingerprint
         self.listener: LivenessListener | None = None
         self._closed = False
-        # The round whose join key we put before the handler existed (agent.arrival).
+        # The round whose join key we put before the handler existed (agent.boot).
         self.early_join: int | None = None
         self._log = log.bind(job=keys.job, node=node_id)
 

@@ -30,21 +30,21 @@ def _probe(code: str) -> dict:
 
 
 def test_a_node_registers_before_the_agent_imports_torch(etcd_server, tmp_path):
-    """Issue 25 item 2: `arrive_early` puts the node's record on a lease kept alive, and
+    """Issue 25 item 2: `boot_before_import` puts the node's record on a lease kept alive, and
     its join of the job's first round (opened by it: no round yet), with no torch imported,
     so a node started with the others is in the first round however slow its import; the
-    arrival's close revokes both."""
-    script = tmp_path / "x.py"  # the arrival fingerprints it (elasticd.agent.admission)
+    outcome's close revokes both."""
+    script = tmp_path / "x.py"  # the boot sequence fingerprints it (elasticd.agent.admission)
     script.write_text("pass\n")
     code = (
         "import sys, json\n"
         "from elasticd.config import load_config\n"
-        "from elasticd.agent.arrival import arrive_early\n"
+        "from elasticd.agent.boot import boot_before_import\n"
         "from elasticd.etcd.client import EtcdClient\n"
         "from elasticd.keys import JobKeys\n"
         f"cfg = load_config(None, {{}}, {{'etcd.endpoints': {etcd_server.endpoint!r}, "
         f"'job.name': 'early', 'job.nnodes': '1:2', 'node.id': 'n7', 'workers.command': {str(script)!r}}})\n"
-        "a = arrive_early(cfg)\n"
+        "a = boot_before_import(cfg)\n"
         "c = EtcdClient(cfg.etcd.endpoints[0])\n"
         "rec = c.get(JobKeys('early').node('n7'))\n"
         "joined = c.get(JobKeys('early').join(0, 'n7'))\n"
@@ -61,15 +61,15 @@ def test_a_node_registers_before_the_agent_imports_torch(etcd_server, tmp_path):
 
 
 def test_a_stopped_job_is_refused_by_the_boot_sequence_before_anything_registers(etcd_server, tmp_path):
-    """The boot checks are one sequence (elasticd.agent.arrival): on a stopped job
-    `arrive_early` answers the stop (reason and restart hint) first, with no torch
+    """The boot checks are one sequence (elasticd.agent.boot): on a stopped job
+    `boot_before_import` answers the stop (reason and restart hint) first, with no torch
     imported, and registers nothing: no node record, no round, no join."""
     script = tmp_path / "x.py"
     script.write_text("pass\n")
     code = (
         "import sys, json\n"
         "from elasticd.config import load_config\n"
-        "from elasticd.agent.arrival import arrive_early\n"
+        "from elasticd.agent.boot import boot_before_import\n"
         "from elasticd.etcd.client import EtcdClient\n"
         "from elasticd.keys import JobKeys\n"
         "from elasticd.stopmarks import restart_hint, write_stop\n"
@@ -79,7 +79,7 @@ def test_a_stopped_job_is_refused_by_the_boot_sequence_before_anything_registers
         "c = EtcdClient(cfg.etcd.endpoints[0])\n"
         "c.put(keys.run_id, b'run-1')\n"
         "write_stop(c, keys, reason='maintenance', by='test')\n"
-        "a = arrive_early(cfg)\n"
+        "a = boot_before_import(cfg)\n"
         "torch = sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.'))\n"
         "refused = a is not None and a.refused is not None\n"
         "hint = restart_hint(a.refused) if refused else ''\n"
@@ -95,7 +95,7 @@ def test_a_stopped_job_is_refused_by_the_boot_sequence_before_anything_registers
 
 def test_a_node_id_a_live_agent_holds_is_refused_before_torch_is_imported(etcd_server, tmp_path):
     """A second agent started with a live agent's node id (on this host) is refused by
-    `arrive_early` with DuplicateNodeIdError (exit 78) naming the id and the fix, before
+    `boot_before_import` with DuplicateNodeIdError (exit 78) naming the id and the fix, before
     torch is imported; the live agent's record is untouched."""
     script = tmp_path / "x.py"
     script.write_text("pass\n")
@@ -105,7 +105,7 @@ def test_a_node_id_a_live_agent_holds_is_refused_before_torch_is_imported(etcd_s
         code = (
             "import os, socket, sys, json, time\n"
             "from elasticd.config import load_config\n"
-            "from elasticd.agent.arrival import arrive_early\n"
+            "from elasticd.agent.boot import boot_before_import\n"
             "from elasticd.etcd.client import EtcdClient\n"
             "from elasticd.keys import JobKeys\n"
             "from elasticd.records import NodeRecord\n"
@@ -119,7 +119,7 @@ def test_a_node_id_a_live_agent_holds_is_refused_before_torch_is_imported(etcd_s
             "                 started_at=time.time())\n"
             "c.put(keys.node('a'), rec.to_json(), lease=lease)\n"
             "try:\n"
-            "    arrive_early(cfg)\n"
+            "    boot_before_import(cfg)\n"
             "    error = ''\n"
             "except DuplicateNodeIdError as exc:\n"
             "    error = str(exc)\n"

@@ -49,7 +49,7 @@ def test_foreign_program_is_refused_and_the_job_trains_on(nodes, etcd_client, tm
     assert str(SCRIPT) in log_b and str(other) in log_b, log_b[-3000:]
     assert "script's content differs" in log_b and "--job" in log_b, log_b[-3000:]
     assert f"elasticd stop --job {job}" in log_b, log_b[-3000:]
-    # Refused before it registered (agent.arrival's precheck): nothing of the job touched.
+    # Refused before it registered (agent.boot's precheck): nothing of the job touched.
     assert "node_registered" not in log_b and "agent_started" not in log_b, log_b[-3000:]
     assert not (tmp_path / "n1.jsonl").exists()
 

@@ -65,7 +65,7 @@ def test_node_back_after_the_finish_exits_0_and_trains_nothing(nodes, tmp_path, 
     assert f"job '{job}' finished" in refusals[0] and " UTC" in refusals[0], refusals[0]
     assert f"elasticd start --job {job}" in refusals[0], refusals[0]
     assert "worker_output" not in log and "rendezvous_completed" not in log, log[-3000:]
-    # Refused before the agent imported torch (elasticd.agent.arrival): no agent started.
+    # Refused before the agent imported torch (elasticd.agent.boot): no agent started.
     assert "agent_started" not in log and "node_registered" not in log, log[-3000:]
 
     # The explicit act: `elasticd start` reopens the finished job; a node then runs it.

@@ -48,7 +48,7 @@ def test_a_duplicate_id_is_refused_a_joiner_admitted_and_a_freeze_and_a_kill_lea
     assert "node id 'a' is already used by a live elasticd agent" in second.log()
     assert "two agents on one host need --node-id a / --node-id b" in second.log()
     assert "HOST-PID" not in second.log()
-    # Refused before the agent imported torch (elasticd.agent.arrival): no agent started.
+    # Refused before the agent imported torch (elasticd.agent.boot): no agent started.
     assert "agent_started" not in second.log(), second.log()[-3000:]
     at = len(read_jsonl(out))
     wait_until(lambda: len(_after(out, at, 3)) >= 6, 150, "steps at world size 3 after the join")
