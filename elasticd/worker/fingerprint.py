@@ -193,6 +193,18 @@ def non_finite(tensors: Sequence[torch.Tensor]) -> list[int]:
             if t.is_floating_point() and not bool(torch.isfinite(t).all())]
 
 
+def state_is_finite(state: Mapping[str, Any], log: Any, event: str, step: int) -> bool:
+    """Does this rank's state (its local shards, when sharded) hold only finite values?
+    If not, log ``event`` with the offending tensors: such a state is never a source of a
+    transfer, and one just received sends the job one tier down (the checkpoint)."""
+    bad = non_finite(tensors := state_tensors(state))
+    if bad:
+        log.warning(event, step=step, tensors=len(tensors), non_finite=bad[:5],
+                    reason="NaN or infinity in the model or optimizer state: not a source; "
+                           "the next tier is used")
+    return not bad
+
+
 # This rank's replica group: (a key equal on exactly the ranks that must hold equal state,
 # the process group those ranks form; None: the default group, i.e. every rank).
 Replicas = Callable[[], tuple[int, Any]]

@@ -47,7 +47,7 @@ from elasticd.control.api import LIVE_TIMEOUT_DEFAULT_S
 from elasticd.control.messages import LeaveReason
 from elasticd.errors import ConfigError
 from elasticd.worker.failures import is_peer_failure
-from elasticd.worker.fingerprint import non_finite, offered_step, state_tensors
+from elasticd.worker.fingerprint import offered_step, state_is_finite
 from elasticd.worker.live_entries import (
     LiveEntry,
     Regroupable,
@@ -314,12 +314,7 @@ class LiveState:
 
     def _finite(self, event: str) -> bool:
         """Does this rank's state hold only finite values? If not, log ``event`` and why."""
-        bad = non_finite(tensors := state_tensors(self.state))
-        if bad:
-            self._log.warning(event, step=self.step, tensors=len(tensors), non_finite=bad[:5],
-                              reason="NaN or infinity in the model or optimizer state: "
-                                     "not a source; the next tier is used")
-        return not bad
+        return state_is_finite(self.state, self._log, event, self.step)
 
     def _fall_back(self, why: str) -> NoReturn:
         """In-place re-formation failed: exit 0 as stopped, so the agent restarts the group."""

@@ -35,6 +35,7 @@ import torch.distributed as dist
 import elasticd.worker.context as wctx
 from elasticd.checkpoint import rng, shards
 from elasticd.worker import peer_reshard as pmem
+from elasticd.worker.fingerprint import state_is_finite
 from elasticd.worker.live_entries import (
     LiveEntry,
     Regroupable,
@@ -191,6 +192,11 @@ class ShardedResync:
         sm = self.sharded
         ctx = wctx.current_context()
         device = ctx.device if ctx.backend == "nccl" else torch.device("cpu")
+        if has_state and not state_is_finite(self.state, self._log, "live_shards_not_offered", step):
+            # A NaN or an infinity in our shards: offered as no state (its replicas are not
+            # offered either), so an intact replica of our coordinate is the source, or the
+            # plan falls back to the checkpoint; never a source for a joiner or a survivor.
+            has_state = False
         old_size, old_coord = (sm.shard_size, sm.coordinate) if has_state else (0, -1)
         mesh = sm.mesh_for_world()  # a collective on a survivor; a joiner built it at start
         new_size = int(mesh.size(-1))  # type: ignore[attr-defined]
@@ -238,6 +244,8 @@ class ShardedResync:
             if behind:
                 assert received is not None
                 apply_sharded(self.state, received, sm, optimizers)
+                self._check_received(f"the shards of coordinate {coord} received from rank {src}",
+                                     plan.step)
                 self._log.info("live_shards_received", step=plan.step, source=src, coordinate=coord,
                                seconds=round(time.monotonic() - rebuilt, 3))
         self._log.info("live_shards_remeshed", step=plan.step, kept=ctx.rank in plan.keepers,
@@ -316,12 +324,19 @@ class ShardedResync:
         rng_state = pmem.apply_replica_state(self.state, sm.module, sm.names, sm.params, filled,
                                              extras[source_rank])
         rng.restore([rng_state], 0)
+        self._check_received("the shards resharded in memory", plan.step)
         lost = step - plan.step if has_state else 0
         self._log.info("live_resharded_in_memory", step=plan.step, shards_from="live shards" if plan.fresh
                        else "peer-RAM replicas", old_world=plan.old_world, world_size=dist.get_world_size(),
                        steps_rolled_back=max(lost, 0), bytes_received=moved,
                        seconds=round(time.monotonic() - t0, 3))
         return Synced(plan.step, agreed_in_memory=True)
+
+    def _check_received(self, what: str, step: int) -> None:
+        """After a transfer: a NaN or an infinity in what arrived sends the job one tier
+        down (the checkpoint), never on with it."""
+        if not state_is_finite(self.state, self._log, "live_shards_received_non_finite", step):
+            self._fall_back(f"{what} at step {step} hold non-finite values")
 
     def _committed_step(self) -> int:
         """The newest committed checkpoint's step, from the checkpoint's fence (the agent's
