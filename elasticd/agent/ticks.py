@@ -139,7 +139,7 @@ class TickWriter:
             self.recorder.progress(top.step, top.epoch, top.samples_trained,
                                    (wg.group_world_size or 0) * wg.spec.local_world_size,
                                    loss=sum(losses) / len(losses) if losses else None,
-                                   cadence=top.cadence)
+                                   cadence=top.cadence, step_s=top.step_s)
             if self.metrics is not None:
                 self.metrics.set_step(top.step, samples=top.samples_trained)
         fault_at = self.phase.fault_at
