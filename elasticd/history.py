@@ -9,7 +9,7 @@ Why one key and why it halves: etcd must stay small for a job that runs for week
 ``interval_s`` apart. When it is full, every other sample is dropped (the newest is kept)
 and ``interval_s`` doubles, so the record always covers the whole job, at a resolution
 that coarsens with its age: 512 samples are 43 minutes at 5 s, 2 weeks at 40-80 min. Its
-size is bounded (~30 KB), and writes get rarer as the job ages. A sample whose world size
+size is bounded (~35 KB), and writes get rarer as the job ages. A sample whose world size
 differs from the previous one is taken at once (a resize is what the picture is for).
 
 The record is validated on read like every record in etcd (DESIGN 12): a malformed one
@@ -26,12 +26,12 @@ from typing import Annotated, Any
 from elasticd import codec
 
 MAX_SAMPLES = 512
-# A full record is ~30 KB; anything much larger is not one this module wrote.
+# A full record is ~35 KB; anything much larger is not one this module wrote.
 MAX_RECORD_BYTES = 256 * 1024
 MIN_INTERVAL_S = 5.0
 FORMAT_VERSION = 1
-# Column order of a row in the JSON record (rows, not objects: ~60 bytes a sample).
-FIELDS = ("t", "step", "world_size", "samples_per_s", "round", "loss", "checkpoint_step")
+# Column order of a row in the JSON record (rows, not objects: ~60-70 bytes a sample).
+FIELDS = ("t", "step", "world_size", "samples_per_s", "round", "loss", "checkpoint_step", "step_s")
 
 
 @dataclass(frozen=True)
@@ -40,7 +40,11 @@ class Sample:
 
     ``t`` is Unix seconds; ``samples_per_s`` the rate the progress record published;
     ``loss`` the workers' last reported loss (None when workers report none);
-    ``checkpoint_step`` the newest committed checkpoint's step at ``t`` (None: none yet).
+    ``checkpoint_step`` the newest committed checkpoint's step at ``t`` (None: none yet);
+    ``step_s`` the workers' median seconds per step of their latest steps at the previous
+    sample's world size, the size the interval this sample closes held (None: not
+    measured; records written before it have no such column): the goodput ledger's
+    healthy step time.
     """
 
     t: float
@@ -50,11 +54,12 @@ class Sample:
     round: int = -1
     loss: float | None = None
     checkpoint_step: int | None = None
+    step_s: float | None = None
 
     def row(self) -> list[Any]:
         return [round(self.t, 3), self.step, self.world_size, round(self.samples_per_s, 3),
                 self.round, None if self.loss is None else float(f"{self.loss:.6g}"),
-                self.checkpoint_step]
+                self.checkpoint_step, None if self.step_s is None else float(f"{self.step_s:.4g}")]
 
 
 @dataclass(frozen=True)
@@ -65,8 +70,11 @@ class History:
     samples: tuple[Sample, ...] = ()
 
     def to_json(self) -> str:
+        # The step_s column only once a sample has one: a record of workers that measure
+        # no step time is written as before it existed (byte for byte).
+        n = len(FIELDS) if any(s.step_s is not None for s in self.samples) else len(FIELDS) - 1
         return json.dumps({"v": FORMAT_VERSION, "interval_s": self.interval_s,
-                           "fields": list(FIELDS), "rows": [s.row() for s in self.samples]},
+                           "fields": list(FIELDS[:n]), "rows": [s.row()[:n] for s in self.samples]},
                           separators=(",", ":"), allow_nan=False)
 
     @classmethod
@@ -113,6 +121,7 @@ class _Row:
     round: Number | None = None
     loss: Number | None = None
     checkpoint_step: Number | None = None
+    step_s: Annotated[float, codec.Range(0, math.inf), codec.Finite()] | None = None
 
 
 def _sample(row: list[Any], col: dict[str, int], n: int) -> Sample:
@@ -121,7 +130,8 @@ def _sample(row: list[Any], col: dict[str, int], n: int) -> Sample:
     return Sample(t=r.t, step=int(r.step), world_size=int(r.world_size),
                   samples_per_s=0.0 if r.samples_per_s is None else r.samples_per_s,
                   round=-1 if r.round is None else int(r.round), loss=r.loss,
-                  checkpoint_step=None if r.checkpoint_step is None else int(r.checkpoint_step))
+                  checkpoint_step=None if r.checkpoint_step is None else int(r.checkpoint_step),
+                  step_s=r.step_s or None)
 
 
 def append_sample(history: History, sample: Sample, *,

@@ -43,10 +43,17 @@ class EtcdHistoryWriter:
         self._last_t = 0.0
         self._last_world = -1
         self._interval_s = 0.0  # of the record last seen; skips I/O for samples not yet due
+        # The newest step time offered at each world size (a handful of sizes): a sample
+        # taken at a resize carries the one of the size before it, the interval it closes.
+        self._step_s: dict[int, float] = {}
 
     def append(self, t: float, step: int, world_size: int, samples_per_s: float, round_: int,
-               loss: float | None = None) -> bool:
-        """Append a sample if one is due; returns True when it was written."""
+               loss: float | None = None, *, step_s: float = 0.0) -> bool:
+        """Append a sample if one is due; returns True when it was written. ``step_s``:
+        the workers' median seconds per step lately (0: not measured); the sample carries
+        the newest one offered at the previous sample's world size (``Sample.step_s``)."""
+        if step_s > 0:
+            self._step_s[world_size] = step_s
         if t - self._last_t < self._interval_s and world_size == self._last_world:
             return False  # not due by the record we last saw: no etcd read at all
         try:
@@ -70,8 +77,9 @@ class EtcdHistoryWriter:
                     ckpt = CheckpointPointer.from_json(ptr.value).step
                 except (ValueError, TypeError):
                     ckpt = None
+            closes = history.samples[-1].world_size if history.samples else world_size
             new = append_sample(history, Sample(t, step, world_size, samples_per_s, round_, loss,
-                                                ckpt))
+                                                ckpt, self._step_s.get(closes)))
             if new is None:
                 self._remember(history)
                 return False

@@ -86,10 +86,12 @@ class JobRecorder:
             log.warning("event_prune_failed", error=str(exc))
 
     def progress(self, step: int, epoch: int, samples: int, world_size: int, *, force: bool = False,
-                 loss: float | None = None, cadence: tuple[int, float, str] | None = None) -> None:
+                 loss: float | None = None, cadence: tuple[int, float, str] | None = None,
+                 step_s: float = 0.0) -> None:
         """Publish job progress (rate-limited to one write per ``PROGRESS_INTERVAL_S``).
 
-        Each published progress is also offered to the bounded history (``history``).
+        Each published progress is also offered to the bounded history (``history``), with
+        ``step_s``, the workers' median seconds per step lately (0: not measured).
         """
         seen, self._step_seen = self._step_seen, step
         if seen is not None and step < seen:
@@ -126,7 +128,7 @@ class JobRecorder:
             self._progress_failing = False
         if ok:
             self._last_progress, self._last_progress_at = prog, now
-            self.history.append(now, step, world_size, prog.samples_per_s, rnd, loss)
+            self.history.append(now, step, world_size, prog.samples_per_s, rnd, loss, step_s=step_s)
 
     def beat(self, step: int, local_world_size: int, *, activity: str = "",
              step_s: float = 0.0, busy_share: float = 0.0) -> None:

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import structlog
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
 
-from elasticd.agent.policy import Facts, GroupState
+from elasticd.agent.policy import Facts, GroupState, LivePhase
 from elasticd.agent.recorder import JobRecorder
 from elasticd.agent.summary import first_failure
 from elasticd.agent.supervision import AgentPhase, SupervisionSettings
@@ -117,7 +117,7 @@ class TickWriter:
             self._report_failure(result)
         if facts.workers_done and self.phase.done_at is None:
             self.phase = self.phase.done(now)
-        self._heartbeat(now)
+        self._heartbeat(now, reforming=facts.live is not None and facts.live.phase is LivePhase.REFORMING)
         return self.phase
 
     def _report_failure(self, result: RunResult) -> None:
@@ -129,17 +129,22 @@ class TickWriter:
             self._log.warning("failure_report_not_written", error=str(exc))
         self.recorder.event("failure", detail, exit_code=first[2] if first else None)
 
-    def _heartbeat(self, now: float) -> None:
+    def _heartbeat(self, now: float, *, reforming: bool = False) -> None:
         board = self.control.progress
         wg = self.group
-        if wg.group_rank == 0 and board.max_step() >= 0:
+        # No progress while the workers re-form in place: the group already has the new
+        # round's size, its workers not yet, and a step of the old round reported now (the
+        # throttled report of the step they left at) would open the job's history at the
+        # new size, charging the whole re-formation pause to it (a join waiting seconds for
+        # the joiner's worker: the goodput ledger's "resize", the audit's old world).
+        if wg.group_rank == 0 and board.max_step() >= 0 and not reforming:
             snap = board.snapshot()
             top = max(snap.values(), key=lambda p: p.step)
             losses = [p.loss for p in snap.values() if p.loss is not None and p.step == top.step]
             self.recorder.progress(top.step, top.epoch, top.samples_trained,
                                    (wg.group_world_size or 0) * wg.spec.local_world_size,
                                    loss=sum(losses) / len(losses) if losses else None,
-                                   cadence=top.cadence)
+                                   cadence=top.cadence, step_s=top.step_s)
             if self.metrics is not None:
                 self.metrics.set_step(top.step, samples=top.samples_trained)
         fault_at = self.phase.fault_at

@@ -7,10 +7,13 @@ none came, which callers treat as "unknown", never as "no".
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import socket
+import statistics
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -183,6 +186,39 @@ class ControlClient:
             self._close()
 
 
+# A report's step time: the median over this many of the worker's latest steps, and none
+# until this many were seen (a start's or a re-formation's first steps are slow; the
+# median of 15 steps holds up to 7 such, or one checkpoint save among them).
+STEP_TIMES_KEPT = 15
+STEP_TIMES_LEAST = 5
+
+
+class StepTimes:
+    """The median seconds per step of a worker's latest steps, measured from when each
+    step's report was offered (every step, before the throttle: the agent, which sees one
+    report per 0.2 s, cannot). What the goodput ledger takes as the job's healthy step time
+    (``elasticd.status.goodput``): a median of single steps, so the checkpoint saves and
+    slow steps among them stay the ledger's "stall" instead of slowing the healthy rate.
+    Pure memory, bounded."""
+
+    def __init__(self, kept: int = STEP_TIMES_KEPT, least: int = STEP_TIMES_LEAST) -> None:
+        self._per_step: deque[float] = deque(maxlen=kept)
+        self.least = least
+        self._last: tuple[int, float] | None = None  # (step, when it was offered)
+
+    def observe(self, step: int, now: float) -> float:
+        """``step`` completed at ``now``; returns the median seconds per step (0.0 while
+        fewer than ``least`` steps were seen since the first, or since steps went back)."""
+        last = self._last
+        if last is not None and step > last[0] and now >= last[1]:
+            self._per_step.append((now - last[1]) / (step - last[0]))
+        elif last is not None and step < last[0]:
+            self._per_step.clear()  # resumed from an older step: a new stretch of steps
+        if last is None or step != last[0]:
+            self._last = (step, now)
+        return statistics.median(self._per_step) if len(self._per_step) >= self.least else 0.0
+
+
 class LatestReport:
     """Step reports rate-limited without ever leaving the newest one unsent.
 
@@ -191,7 +227,8 @@ class LatestReport:
     true step exactly when it matters: the step before the job stalls (a peer hung) is
     the last one ever reported, and hang detection names the node that is behind. So a
     report that comes too soon is kept (only the newest) and sent by a daemon thread once
-    the interval has passed, while the training thread is blocked in its collective.
+    the interval has passed, while the training thread is blocked in its collective. Every
+    report offered is timed (:class:`StepTimes`) and carries its ``step_s``.
 
     Args:
         send: sends one report without blocking (``ControlClient.send``).
@@ -207,6 +244,7 @@ class LatestReport:
         self._next_at = 0.0  # when the next report may go out
         self._thread: threading.Thread | None = None
         self._closed = False
+        self._times = StepTimes()
 
     def offer(self, msg: StepReport, *, force: bool = False) -> None:
         """Send ``msg`` now if the interval has passed (or ``force``), else keep it as the
@@ -215,6 +253,9 @@ class LatestReport:
             if self._closed:
                 return
             now = self._clock()
+            step_s = self._times.observe(msg.step, now)
+            if step_s > 0:
+                msg = dataclasses.replace(msg, step_s=round(step_s, 6))
             if force or now >= self._next_at:
                 self._pending = None
                 self._next_at = now + self.min_interval_s

@@ -80,6 +80,10 @@ class StepReport:
     save_every: Count = 0
     save_interval_s: Seconds = 0.0
     cadence: Text = ""
+    # The median seconds per step of the worker's latest steps (control.client.StepTimes;
+    # 0: not measured yet): the goodput ledger's healthy step time, which a report
+    # throttled to one per 0.2 s cannot show the agent.
+    step_s: Seconds = 0.0
     op = "progress"
 
 

@@ -83,6 +83,7 @@ class RankProgress:
     rank: int = -1  # global rank
     loss: float | None = None  # the newest loss the worker reported (None: never)
     cadence: tuple[int, float, str] | None = None  # the automatic save cadence, if reported
+    step_s: float = 0.0  # the worker's median seconds per step lately (0: not measured)
 
 
 @dataclass
@@ -100,7 +101,8 @@ class ProgressBoard:
     first_advance: float = 0.0  # ... and first did, in this worker group
 
     def report(self, local_rank: int, step: int, epoch: int, samples: int, rank: int = -1,
-               loss: float | None = None, cadence: tuple[int, float, str] | None = None) -> bool:
+               loss: float | None = None, cadence: tuple[int, float, str] | None = None,
+               step_s: float = 0.0) -> bool:
         """Record one report. Returns False (and records nothing) for an out-of-range rank."""
         if not 0 <= local_rank < self.max_local_ranks:
             return False
@@ -115,6 +117,7 @@ class ProgressBoard:
                 p.loss = loss
             if cadence is not None:
                 p.cadence = cadence
+            p.step_s = step_s
         return True
 
     def reset(self) -> None:
@@ -129,7 +132,7 @@ class ProgressBoard:
     def snapshot(self) -> dict[int, RankProgress]:
         with self.lock:
             return {r: RankProgress(p.step, p.epoch, p.samples_trained, p.updated_at, p.rank, p.loss,
-                                    p.cadence)
+                                    p.cadence, p.step_s)
                     for r, p in self.ranks.items()}
 
 
@@ -293,7 +296,7 @@ class ControlChannel:
             cadence = ((msg.save_every, msg.save_interval_s, msg.cadence)
                        if msg.save_every else None)
             if not self.progress.report(msg.local_rank, msg.step, msg.epoch, msg.samples, msg.rank,
-                                        msg.loss, cadence):
+                                        msg.loss, cadence, msg.step_s):
                 self._reject(f"local rank {msg.local_rank} is outside "
                              f"[0, {self.progress.max_local_ranks})")
             return None

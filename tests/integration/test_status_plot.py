@@ -67,7 +67,8 @@ def test_plot_without_history_or_loss_still_draws(etcd_server, etcd_client, tmp_
 
 @pytest.mark.timeout(60)
 def test_history_writer_appends_when_due_and_is_fenced(etcd_client):
-    """The agent's writer appends due samples with the checkpoint step, skips early ones, and a failed fence writes nothing."""
+    """The agent's writer appends due samples with the checkpoint step and the step time of the
+    interval each closes, skips early ones, and a failed fence writes nothing."""
     keys = JobKeys("hist")
     etcd_client.put(keys.checkpoint_latest, '{"step": 40, "round": 1, "manifest_url": "m", '
                                             '"committed_at": 1.0}')
@@ -75,14 +76,15 @@ def test_history_writer_appends_when_due_and_is_fenced(etcd_client):
     rev = etcd_client.get("/fence").create_revision
     live = EtcdHistoryWriter(etcd_client, keys, lambda: [CreateRevision("/fence", rev)])
     t0 = time.time()
-    assert live.append(t0, 10, 2, 100.0, 1, loss=0.5)
-    assert not live.append(t0 + 1, 11, 2, 100.0, 1)  # not due: interval 5 s
-    assert live.append(t0 + 2, 12, 1, 50.0, 2)  # a resize is due at once
+    assert live.append(t0, 10, 2, 100.0, 1, loss=0.5, step_s=0.05)
+    assert not live.append(t0 + 1, 11, 2, 100.0, 1, step_s=0.06)  # not due: interval 5 s
+    # A resize is due at once; it closes an interval at 2 workers: their newest step time.
+    assert live.append(t0 + 2, 12, 1, 50.0, 2, step_s=0.5)
     zombie = EtcdHistoryWriter(etcd_client, keys, lambda: [CreateRevision("/fence", rev + 1000)])
     assert not zombie.append(t0 + 60, 99, 2, 1.0, 3)
     h = History.from_json(etcd_client.get(keys.history).value)
-    assert [(s.step, s.world_size, s.loss, s.checkpoint_step) for s in h.samples] == [
-        (10, 2, 0.5, 40), (12, 1, None, 40)]
+    assert [(s.step, s.world_size, s.loss, s.checkpoint_step, s.step_s) for s in h.samples] == [
+        (10, 2, 0.5, 40, 0.05), (12, 1, None, 40, 0.06)]
 
 
 @pytest.mark.timeout(60)

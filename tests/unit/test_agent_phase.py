@@ -170,3 +170,42 @@ def test_agent_worker_env_drops_secrets_even_from_workers_env():
                            checkpoint_url="file:///ck")
     assert env[ENV_JOB] == "j" and env[ENV_CHECKPOINT_URL] == "file:///ck" and env["FOO"] == "1"
     assert "ELASTICD_ETCD_PASSWORD" not in env and env["PYTHONUNBUFFERED"] == "1"
+
+
+# --- progress while the workers re-form -----------------------------------------------------
+
+
+class _ProgressLog(_Recording):
+    """The recorder's progress calls, with the world size each one published."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        del self.progress  # the base's board: here the recorder's progress method
+        self.published: list[tuple[int, int]] = []  # (step, world size)
+
+    def progress(self, step: int, epoch: int, samples: int, world_size: int, **_: object) -> None:
+        self.published.append((step, world_size))
+
+
+def test_no_progress_is_published_while_the_workers_re_form_in_place():
+    """A join to 3 nodes: the group has the new round's size from the order on, while the
+    workers still wait in the re-formation; the old round's last step, reported only now,
+    is not published at the new size (the history would charge the pause to 3 workers).
+    Once they re-formed, the next tick publishes at 3."""
+    from elasticd.agent.policy import Facts, LiveFacts, LivePhase
+    from elasticd.control.server import ProgressBoard
+
+    rec = _ProgressLog()
+    control = SimpleNamespace(progress=ProgressBoard())
+    spec = SimpleNamespace(local_world_size=1)
+    group = SimpleNamespace(spec=spec, group_rank=0, group_world_size=3, state=WorkerState.HEALTHY)
+    ticks = TickWriter(SupervisionSettings(beat_interval_s=0.0), rec, control, rec, group,  # type: ignore[arg-type]
+                       metrics=None, notifier=None,
+                       log=SimpleNamespace(warning=lambda *a, **k: None))  # type: ignore[arg-type]
+    control.progress.report(0, 41, 0, 41 * 8)  # the step the workers left the old round at
+    result = RunResult(state=WorkerState.HEALTHY)
+    reforming = Facts(GroupState.HEALTHY, live=LiveFacts(phase=LivePhase.REFORMING))
+    ticks.record(reforming, result, AgentPhase(groups_started=1), 10.0)
+    assert rec.published == []
+    ticks.record(Facts(GroupState.HEALTHY, live=LiveFacts()), result, AgentPhase(groups_started=1), 12.0)
+    assert rec.published == [(41, 3)]

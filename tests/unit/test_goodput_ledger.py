@@ -89,6 +89,42 @@ def test_the_healthy_rate_ignores_intervals_with_events_and_resizes():
     assert rates == {4: pytest.approx(2.0), 2: pytest.approx(1.0)}
 
 
+def test_the_healthy_step_is_the_workers_median_single_step_not_an_intervals_average():
+    """The cause of the short live replay's -17.4..+9.4 points against the audit
+    (2026-12-06). Steps take 0.05 s, and every 5 s interval also holds a 0.5 s checkpoint
+    save (90 steps, not 100). Averaged over the interval, 0.0556 s a step looked healthy and
+    the save trained; the workers' own median step time (the samples' ``step_s``, what the
+    outside audit counts too) leaves the save in "stall": 0.9, not 1.0."""
+    s = [Sample(5.0 * i, 90 * (i + 1), 2, step_s=0.05) for i in range(7)]
+    led = compute(History(5.0, tuple(s)), [])
+    assert healthy_rates(s, []) == {2: pytest.approx(20.0)}
+    assert led.goodput == pytest.approx(0.9)
+    assert led.seconds["stall"] == pytest.approx(6 * 0.5 * 2)
+    old = [Sample(x.t, x.step, x.world_size) for x in s]  # a record without step times
+    assert compute(History(5.0, tuple(old)), []).goodput == pytest.approx(1.0)
+
+
+def test_a_size_held_only_between_two_resizes_takes_its_own_measured_step_time():
+    """World 4 held for one interval, between a join and a drain (the replay's two ticks
+    at four nodes): no two samples at that size, so its rate was drawn through sizes 2
+    and 3 (0.061 s a step) while its steps took 0.075 s (four workers on two cores), and
+    the ledger charged the drain 7.0 worker-seconds, 3 of them trained. The sample that
+    closes the interval carries the step time measured at 4: the drain's 1 s pause, 4.1."""
+    s = [*(Sample(5.0 * i, 100 * i, 2, step_s=0.05) for i in range(3)),      # 0.05 s/step
+         Sample(15.0, 300, 3, step_s=0.05), Sample(20.0, 390, 3, step_s=0.055),
+         Sample(25.0, 480, 3, step_s=0.055),                                   # 0.055 s/step
+         Sample(26.0, 485, 4, step_s=0.055),                                   # the join
+         Sample(31.0, 538, 3, step_s=0.075),                                   # 4 s at 0.075 + 1 s drain
+         Sample(36.0, 629, 3, step_s=0.055)]
+    events = [ev(25.5, "join"), ev(30.0, "drain")]
+    rates = healthy_rates(s, events)
+    assert 1 / rates[4] == pytest.approx(0.075)  # not 0.061, the line through 2 and 3
+    led = compute(History(5.0, tuple(s)), events)
+    assert led.seconds["drain"] == pytest.approx(4 * (5.0 - 53 * 0.075))  # 4.1
+    guessed = compute(History(5.0, tuple(Sample(x.t, x.step, x.world_size) for x in s)), events)
+    assert guessed.seconds["drain"] == pytest.approx(7.0, abs=0.1)
+
+
 @pytest.mark.parametrize("rates, world, expected", [
     ({3: 1 / 0.092}, 3, 1 / 0.092),                       # measured: as measured
     ({2: 1 / 0.075, 3: 1 / 0.092}, 4, 1 / 0.109),         # slower with more workers (CPUs, all-reduce)

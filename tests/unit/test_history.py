@@ -53,15 +53,17 @@ def test_json_round_trip_and_size_bound():
     """A full record round-trips through JSON and stays small (it is rewritten every few seconds)."""
     samples = tuple(Sample(t=1.8e9 + i * 5.123456, step=10_000_000 + i, world_size=512,
                            samples_per_s=123456.789, round=99, loss=0.123456789,
-                           checkpoint_step=9_999_000) for i in range(MAX_SAMPLES))
+                           checkpoint_step=9_999_000, step_s=0.0123456) for i in range(MAX_SAMPLES))
     h = History(interval_s=5.0, samples=samples)
     text = h.to_json()
-    assert len(text) < 64 * MAX_SAMPLES  # ~30 KB: far below etcd's 1.5 MB request limit
+    assert len(text) < 72 * MAX_SAMPLES  # ~35 KB: far below etcd's 1.5 MB request limit
     back = History.from_json(text)
     assert back.interval_s == 5.0 and len(back.samples) == MAX_SAMPLES
     assert back.samples[3].step == 10_000_003 and back.samples[3].loss == pytest.approx(0.123457)
+    assert back.samples[3].step_s == pytest.approx(0.01235)
     one = History.from_json(History(samples=(Sample(t=1.0, step=0, world_size=1, round=0),)).to_json())
     assert one.samples[0].loss is None and one.samples[0].round == 0 and one.samples[0].step == 0
+    assert one.samples[0].step_s is None
 
 
 @pytest.mark.parametrize("raw", [

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from elasticd.control import ControlChannel, ControlClient, StepReport
-from elasticd.control.client import LatestReport
+from elasticd.control.client import LatestReport, StepTimes
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -83,3 +83,39 @@ def test_the_agent_learns_the_last_step_of_a_fast_loop_that_then_blocks() -> Non
         rep.close()
         client.close()
         chan.close()
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_each_report_carries_the_median_time_of_the_latest_single_steps() -> None:
+    """Steps of 0.05 s with a 0.5 s checkpoint save among them: the reports say 0.05 (the
+    agent, one report per interval, would see 0.1 s a step); nothing before five steps,
+    and a step back (a resume from older state) starts the count again."""
+    msgs: list[StepReport] = []
+    clock = _Clock()
+    rep = LatestReport(msgs.append, min_interval_s=0.0, clock=clock)
+    try:
+        for step in range(10):
+            clock.now += 0.5 if step == 6 else 0.05
+            rep.offer(_report(step))
+        assert [m.step_s for m in msgs[:5]] == [0.0] * 5  # steps 0..4: four step times
+        assert msgs[5].step_s == pytest.approx(0.05)
+        assert msgs[-1].step_s == pytest.approx(0.05)  # the save is one step in nine
+        clock.now += 0.05
+        rep.offer(_report(3))
+        assert msgs[-1].step_s == 0.0
+    finally:
+        rep.close()
+
+
+def test_step_times_are_per_step_for_reports_every_few_steps() -> None:
+    """A script that reports every 10 steps of 0.1 s: 0.1 s a step, not 1 s a report."""
+    times = StepTimes()
+    got = [times.observe(step, 0.1 * step) for step in range(0, 100, 10)]
+    assert got[-1] == pytest.approx(0.1)
