@@ -59,10 +59,31 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "benchmarks/recovery.py --torchrun-script-args=--dcp. Not with --live")
     p.add_argument("--hold-file", help="tests: after each step s, wait while this file names a "
                    "step <= s (a drain or a join still stops the run there)")
+    p.add_argument("--poison-file", help="tests: while held, the rank this file names fills "
+                   "its first parameter's local shard with NaN once (a silent corruption), "
+                   "then writes FILE.done")
     return p.parse_args(argv)
 
 
-def held_until_stop(path: str, step: int, device, stop=None, timeout_s: float = 120.0) -> bool:
+def poison_once(path: str | None, rank: int, model) -> None:
+    """Tests (``--poison-file``): NaN into this rank's first local shard, once."""
+    if not path or os.path.exists(path + ".done"):
+        return
+    try:
+        with open(path) as f:
+            target = int(f.read().strip())
+    except (OSError, ValueError):
+        return
+    if target == rank:
+        with torch.no_grad():
+            param = next(model.parameters())
+            getattr(param, "_local_tensor", param).fill_(float("nan"))
+        with open(path + ".done", "w") as f:
+            f.write(str(rank))
+
+
+def held_until_stop(path: str, step: int, device, stop=None, timeout_s: float = 120.0,
+                    while_held=None) -> bool:
     """Wait after ``step`` while ``path`` names a step <= ``step`` on any rank (tests: the
     run trains up to a point and waits there for a fault or a join). True when a drain was
     asked for during the wait. A collective: every rank loops the same number of times."""
@@ -80,6 +101,8 @@ def held_until_stop(path: str, step: int, device, stop=None, timeout_s: float = 
             return False
         if (stop or worker.should_stop)(step):
             return True
+        if while_held is not None:
+            while_held()
         if time.monotonic() > deadline:
             raise SystemExit(f"held after step {step} by {path} for {timeout_s:.0f} s")
         time.sleep(0.02)
@@ -204,7 +227,8 @@ def train_epochs(args, ctx, step, x, y, model, optim, sched, sampler, plan, trac
                 stop_at = live.step_done if live is not None else worker.should_stop
                 stop = stop_at(step)
                 if not stop and args.hold_file:
-                    stop = held_until_stop(args.hold_file, step, ctx.device, stop_at)
+                    stop = held_until_stop(args.hold_file, step, ctx.device, stop_at, while_held=lambda:
+                                           poison_once(args.poison_file, ctx.rank, model))
                 if stop:  # a drain: every rank stops after this step
                     ckpt.save(step, state, blocking=True)  # commit before exiting 0
                     if ctx.rank == 0:

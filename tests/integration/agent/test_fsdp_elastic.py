@@ -201,6 +201,44 @@ def test_hsdp_live_kill_and_join_keeps_the_survivors_and_their_shards(nodes, tmp
     assert len(per_rank0) == len(set(per_rank0)), "a completed step was trained twice"
 
 
+def test_hsdp_live_survivor_with_a_nan_shard_is_never_a_source_and_the_job_loads_the_checkpoint(nodes, tmp_path):
+    """2x2 HSDP with ``--live``: a survivor's shard turned NaN while held after step 9 (a
+    silent corruption), then the other node SIGKILLed. The poisoned rank offers no state,
+    so no intact replica holds its shard: the re-formation falls back one tier, the
+    checkpoint (step 8), instead of training on with NaN; the final parameters equal a
+    fault-free run's and every sample is trained once."""
+    ref = _start_reference(tmp_path)
+    try:
+        extra_b, script_b = _run(tmp_path, "b")
+        hold, poison = tmp_path / "hold", tmp_path / "poison"
+        script_b += ["--hold-file", str(hold), "--poison-file", str(poison), "--live"]
+        trace = tmp_path / "trace-b.jsonl"
+        _hold_after(hold, 9)
+        b = [nodes.start("hsdp-nan", SCRIPT, nnodes="1:2", nproc=2, extra=extra_b,
+                         script_args=script_b) for _ in range(2)]
+        wait_until(lambda: {r["rank"] for r in read_jsonl(trace) if r["step"] >= 9} == {0, 1, 2, 3}, 120,
+                   "every rank held after step 9 at world 4")
+        victim = set(b[1].tree())
+        survivor_ranks = {r["rank"] for r in read_jsonl(trace) if r["pid"] not in victim}
+        assert len(survivor_ranks) == 2, survivor_ranks
+        poison.write_text(str(min(survivor_ranks)))
+        done = tmp_path / "poison.done"
+        wait_until(done.exists, 30, "the survivor's shard poisoned")
+        b[1].signal(signal.SIGKILL)
+        _hold_after(hold, None)
+        assert b[0].wait(180) == 0, b[0].log()[-3000:]
+        _, err = ref.communicate(timeout=120)
+    finally:
+        if ref.poll() is None:
+            ref.kill()
+            ref.wait(10)
+    assert ref.returncode == 0, err.decode()[-3000:]
+    _check(tmp_path)  # no NaN trained on: the final parameters are the fault-free run's
+    log = b[0].log()
+    assert "live_shards_not_offered" in log, log[-3000:]
+    assert "live_reform_fell_back" in log and "checkpoint_loaded" in log, log[-3000:]
+
+
 def test_fsdp_live_kill_join_and_drain_reshard_in_memory_and_train_the_same_model(nodes, tmp_path):
     """Pure FSDP2 with ``--live`` over 2 nodes x 2, peer-RAM replica every 4 steps: a node
     SIGKILLed at step 9 takes half the shards with it; the survivor's two workers (same
