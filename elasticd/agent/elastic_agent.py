@@ -459,11 +459,7 @@ class ElasticdAgent(LocalElasticAgent):
             if cause == "hang":
                 self._dump_stacks()
                 self.recorder.event("hang", f"no step for {self.settings.hang_timeout_s:.0f}s")
-            attempt = self._restarts_used() + 1
-            self._remaining_restarts -= 1
-            delay = restart_backoff_s(attempt, self.settings.restart_backoff_s,
-                                      self.settings.restart_backoff_max_s)
-            self._log.info("restart_backoff", seconds=delay, attempt=attempt, cause=cause)
+            delay = self._spend_restart(cause)
             self._stop_workers(wg)
             self._sleep_interruptible(delay)
             self.phase = self.phase.fault(time.monotonic())
@@ -512,6 +508,15 @@ class ElasticdAgent(LocalElasticAgent):
             self.metrics.restart(cause)
         self._restart_workers(self._worker_group)
 
+    def _spend_restart(self, cause: str) -> float:
+        """One unit of the restart budget; returns the backoff before the next start (logged)."""
+        attempt = self._restarts_used() + 1
+        self._remaining_restarts -= 1
+        delay = restart_backoff_s(attempt, self.settings.restart_backoff_s,
+                                  self.settings.restart_backoff_max_s)
+        self._log.info("restart_backoff", seconds=delay, attempt=attempt, cause=cause)
+        return delay
+
     def _restart_in_round(self, decision: Decision) -> None:
         """Our workers failed while the job re-forms live in the round we joined: start
         them cold in that round, without a rendezvous (``policy._failed_while_reforming``).
@@ -526,12 +531,7 @@ class ElasticdAgent(LocalElasticAgent):
         # they cannot act on there would cost the whole job torch's 30 s.
         self._close_workers(signal.SIGTERM, timeout_s=self.settings.plain_stop_s)
         if decision.spends_budget:
-            attempt = self._restarts_used() + 1
-            self._remaining_restarts -= 1
-            delay = restart_backoff_s(attempt, self.settings.restart_backoff_s,
-                                      self.settings.restart_backoff_max_s)
-            self._log.info("restart_backoff", seconds=delay, attempt=attempt, cause=cause)
-            self._sleep_interruptible(delay)
+            self._sleep_interruptible(self._spend_restart(cause))
         self.phase = self.phase.fault(time.monotonic())
         self.live.restarted_in_round(decision.reason)
         self._set_state("restarting")
