@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import subprocess
 import threading
@@ -58,7 +59,11 @@ def _rounds_after(rows: list[dict], round_: int, ranks: set[int]) -> set[int]:
 def _slow_node(node, stop: threading.Event) -> None:
     """Fault injection, not synchronisation: a node that stays slow. Every process under
     its agent (the workers it has now, their standbys), not the agent itself, SIGSTOPped
-    and SIGCONTed 0.1 s each until ``stop``."""
+    and SIGCONTed for 0.05-0.15 s each (0.1 s on average) until ``stop``. The lengths are
+    random: a fixed 0.2 s cycle could keep step with the agent's looks at its workers for
+    seconds (every look in a SIGCONT half), so the node looked healthy long enough to pass
+    its trial, and the second ejection came from the full window instead (seen once)."""
+    jitter = random.Random(0x51_0E)
     while not stop.is_set():
         pids = node.tree()[1:]
         for sig in (signal.SIGSTOP, signal.SIGCONT):
@@ -67,7 +72,7 @@ def _slow_node(node, stop: threading.Event) -> None:
                     os.kill(pid, sig)
                 except ProcessLookupError:
                     pass
-            stop.wait(0.1)
+            stop.wait(jitter.uniform(0.05, 0.15))
     for pid in node.tree()[1:]:
         try:
             os.kill(pid, signal.SIGCONT)
