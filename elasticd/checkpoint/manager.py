@@ -295,15 +295,18 @@ class CheckpointManager:
             self._log.error("checkpoint_save_failed", step=work.inflight.step, url=url,
                             error=repr(exc))
 
-    def _peer_shards(self, step: int, save_id: str) -> list[FileEntry]:
+    def _peer_shards(self, step: int, save_id: str, generation: int | None = None) -> list[FileEntry]:
         """The other ranks' shard files, once each has published its index.
 
         Polls storage (bounded by ``shard_wait_s``): the background writer must not run a
-        collective, which would interleave with the training loop's on the same group.
+        collective, which would interleave with the training loop's on the same group. A
+        save of ``generation`` stops waiting once the group re-forms (:meth:`regroup`): a
+        rank lost in that re-formation never writes its shards, and the next save, which
+        waits for this one, held the re-formed job for the whole ``shard_wait_s`` (300 s).
 
         Raises:
-            CheckpointSaveError: a rank's index did not appear in time (the save stays
-                uncommitted: no manifest).
+            CheckpointSaveError: a rank's index did not appear in time, or the group
+                re-formed first (the save stays uncommitted: no manifest).
         """
         entries: list[FileEntry] = []
         deadline = time.monotonic() + self.shard_wait_s
@@ -315,6 +318,11 @@ class CheckpointManager:
                     data = self.store.read_small(step, save_id, name, shards_mod.MAX_INDEX_BYTES)
                     break
                 except FileNotFoundError:
+                    if generation is not None and generation != self._generation:
+                        raise CheckpointSaveError(
+                            f"the group re-formed before rank {rank} wrote its shards of step "
+                            f"{step}; not committed (the state lives on in the re-formed group, "
+                            "whose next save commits it)") from None
                     if time.monotonic() > deadline:
                         raise CheckpointSaveError(
                             f"rank {rank} did not write its shards of step {step} within "
@@ -335,7 +343,7 @@ class CheckpointManager:
         try:
             sharded: list[FileEntry] = []
             if work.shards is not None:
-                sharded = self._write_shards(work) + self._peer_shards(step, save_id)
+                sharded = self._write_shards(work) + self._peer_shards(step, save_id, inflight.generation)
             if event is not None:
                 event.synchronize()  # device-to-host copies done
             entry = self.store.write_file(step, save_id, STATE_FILE,
@@ -429,12 +437,14 @@ class CheckpointManager:
             waited = time.perf_counter() - t0
             if waited > 0.01:
                 self._log.info("checkpoint_save_waited", step=inflight.step, waited_s=round(waited, 3))
-        if isinstance(inflight.error, FencedError) and inflight.generation < self._generation:
+        if (isinstance(inflight.error, (FencedError, CheckpointSaveError))
+                and inflight.generation < self._generation):
             # Taken in a round this worker has since left by a live re-formation: the round
-            # moved under the commit, but the state lives on in memory in the new group and
-            # the next save commits it. Not a zombie.
+            # moved under the commit (fenced), or a rank lost in it never wrote its shards;
+            # the state lives on in memory in the new group and the next save commits it.
+            # Not a zombie, and not this group's failure.
             self._log.info("checkpoint_commit_superseded", step=inflight.step,
-                           reason="the group re-formed while the commit was in flight")
+                           reason=f"the group re-formed while the save was in flight: {inflight.error}")
             return
         if inflight.error is not None:
             raise inflight.error

@@ -217,6 +217,37 @@ def test_refusal_of_a_save_begun_before_a_live_reformation_is_not_a_zombie(url):
     assert fence.latest().step == 5
 
 
+def test_a_sharded_save_waiting_for_a_lost_ranks_shards_stops_at_the_live_reformation(url):
+    """Rank 0's writer waits (polling storage) for every rank's shard index; a rank killed
+    mid-save never writes one. Once the group re-forms, the wait ends at once (not after
+    ``shard_wait_s``: the next save joined it and held the re-formed job 300 s), the save
+    stays uncommitted, and that is no error of the new group."""
+    from elasticd.checkpoint import manager as manager_mod
+
+    mgr = CheckpointManager(url, job="demo", rank=0, world_size=2)
+    mgr.shard_wait_s = 60.0
+    errors: list[BaseException] = []
+
+    def wait_for_rank_1() -> None:
+        try:
+            mgr._peer_shards(4, "s", generation=0)
+        except BaseException as exc:  # noqa: BLE001 - asserted below
+            errors.append(exc)
+
+    waiter = threading.Thread(target=wait_for_rank_1)
+    waiter.start()
+    mgr.regroup()  # the live re-formation without the lost rank
+    waiter.join(5)
+    assert not waiter.is_alive(), "the writer still waits for the lost rank's shards"
+    assert len(errors) == 1 and isinstance(errors[0], CheckpointSaveError), errors
+    assert "re-formed before rank 1 wrote its shards" in str(errors[0])
+    mgr._inflight = manager_mod._InFlight(step=4, save_id="s", blocked_s=0.0, generation=0,
+                                         error=errors[0])
+    with capture_logs() as cap:
+        mgr._finish_inflight()  # the next save's first act: nothing raised
+    assert any(e["event"] == "checkpoint_commit_superseded" for e in cap)
+
+
 def test_reader_trusts_pointer_over_newer_unfenced_upload(url):
     """With a pointer at step 10, a newer upload is skipped by readers but never pruned:
     its commit may still land (an UNKNOWN commit is retried)."""
