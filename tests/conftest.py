@@ -225,8 +225,22 @@ def pytest_runtest_makereport(item, call):
 
 
 # What a failed agent test prints of each node's log: the agents' own events (not the
-# workers' step lines), the last ones, each cut short.
-_DIGEST_EVENTS, _DIGEST_CHARS = 80, 300
+# workers' step lines nor the routine events below), the last ones, each cut short. CI
+# shows only the head and the tail of a failed run's output, so the nodes that logged a
+# warning or an error come first.
+_DIGEST_EVENTS, _DIGEST_CHARS = 60, 300
+_ROUTINE_EVENTS = frozenset({
+    "worker_output", "checkpoint_saved", "checkpoint_committed", "checkpoint_pruned",
+    "sampler_state_loaded", "worker_log_dir_chosen", "process_group_lifecycle_chosen",
+    "started", "heartbeat"})
+
+
+def _troubled_first(nodes: list) -> list:
+    """``nodes`` with those whose log holds a warning or an error first (stable)."""
+    def troubled(node) -> bool:
+        text = node.log()
+        return '"level": "warning"' in text or '"level": "error"' in text or "Traceback" in text
+    return sorted(nodes, key=lambda n: not troubled(n))
 
 
 def _agent_digest(text: str) -> list[str]:
@@ -237,7 +251,7 @@ def _agent_digest(text: str) -> list[str]:
         except ValueError:
             lines.append(line[:_DIGEST_CHARS])  # a traceback, a worker's plain print
             continue
-        if not isinstance(doc, dict) or doc.get("event") == "worker_output":
+        if not isinstance(doc, dict) or doc.get("event") in _ROUTINE_EVENTS:
             continue
         head = f"{doc.get('timestamp', '')[11:23]} {doc.get('event')}"
         rest = {k: v for k, v in doc.items() if k not in ("timestamp", "event", "job", "level")}
@@ -272,6 +286,6 @@ def nodes(tmp_path, etcd_server, request):
         failed = getattr(request.node, "rep_call", None)
         if failed is not None and failed.failed:
             # A CI failure is read from this output alone: say what every agent did.
-            for node in factory.started:
+            for node in _troubled_first(factory.started):
                 print(f"==== {node.log_path.name}: the agent's last events")
                 print("\n".join(_agent_digest(node.log())))

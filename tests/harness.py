@@ -153,6 +153,27 @@ def agent_events(log_text: str, event: str) -> list[dict]:
     return out
 
 
+def decisions(nodes: list[Node]) -> str:
+    """The agents' decisions (``agent_decided``) of ``nodes``, one line each, for an
+    assertion's message: CI shows a failure's head, where the nodes' digests may not fit."""
+    lines = []
+    for node in nodes:
+        for e in agent_events(node.log(), "agent_decided"):
+            lines.append(f"{e.get('timestamp', '')[11:23]} {node.log_path.stem} round "
+                         f"{e.get('round')} {e.get('verdict')}: {e.get('reason', '')[:160]}")
+    return "\n".join(sorted(lines))
+
+
+def pids_by_round(rows: list[dict]) -> str:
+    """Which worker pid trained which (round, rank, world), from its first step: one line
+    each, for an assertion's message."""
+    first: dict[tuple, int] = {}
+    for r in rows:
+        first.setdefault((r["round"], r["rank"], r["world"], r["pid"]), r["step"])
+    return "\n".join(f"round {k[0]} rank {k[1]} world {k[2]} pid {k[3]} from step {v}"
+                     for k, v in sorted(first.items(), key=lambda kv: (kv[0][0] or 0, kv[0][1])))
+
+
 def no_leftovers(nodes: list[Node]) -> list[int]:
     """PIDs of any node process still alive (should be empty after cleanup)."""
     from elasticd.process import pid_alive

@@ -20,9 +20,11 @@ from harness import (
     ROOT,
     FaultSchedule,
     at_step,
+    decisions,
     end_job,
     example_args,
     in_newer_round,
+    pids_by_round,
     read_jsonl,
     trained_samples,
     wait_until,
@@ -101,7 +103,9 @@ def test_resizes_match_a_run_without_failures(nodes, tmp_path):
     # step after the one the previous round stopped at; nothing is retrained.
     rows_b = read_jsonl(trace_b)
     after_kill = {r["pid"] for r in rows_b if (r["round"] or 0) > round_at_kill}
-    assert after_kill - joiner <= survivor_pids, "a survivor's worker was restarted (no live re-formation)"
+    assert after_kill - joiner <= survivor_pids, (
+        f"a survivor's worker was restarted (no live re-formation); survivors {survivor_pids}, "
+        f"joiner {joiner}\n{pids_by_round(rows_b)}\n{decisions(b)}")
     assert not any("live_reform_fell_back" in n.log() for n in b)
     assert "live_state_received" in b[3].log() and "checkpoint_loaded" not in b[3].log(), \
         "the joiner did not get its state from a peer"
