@@ -96,10 +96,16 @@ class Node:
 
 def elasticd_argv(etcd: str, job: str, script: str, *, nnodes: str = "1:3", nproc: int = 1,
                   node_id: str | None = None, extra: list[str] | None = None,
-                  script_args: list[str] | None = None) -> list[str]:
+                  script_args: list[str] | None = None, standby_refill: bool = False) -> list[str]:
+    """``elasticd run`` for a test node. Its standbys are not refilled once the workers
+    train (``--no-standby-refill``) unless ``standby_refill``: a refill is a torch import
+    that a short test job rarely uses (about 15 % of an agent test's CPU), and the tests
+    about restarts from standbys ask for it."""
     argv = [PY, "-m", "elasticd.cli", "run", "--etcd", etcd, "--job", job, "--nnodes", nnodes,
             "--nproc-per-node", str(nproc), "--node-ttl", "2", "--local-addr", "127.0.0.1",
             "--log-format", "json"]
+    if not standby_refill:
+        argv.append("--no-standby-refill")
     if node_id:
         argv += ["--node-id", node_id]
     return argv + (extra or []) + [script] + (script_args or [])

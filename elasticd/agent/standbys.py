@@ -58,7 +58,8 @@ class StandbyCare:
             envs: each local rank's worker environment (what a standby becomes).
             group_started_at: when the current worker group started (monotonic).
         """
-        if not self.standby.enabled or state != WorkerState.HEALTHY or draining:
+        if not self.standby.enabled or not self.settings.standby_refill \
+                or state != WorkerState.HEALTHY or draining:
             return
         if not self.standby.missing(range(local_world_size)):
             return

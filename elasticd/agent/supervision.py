@@ -35,6 +35,7 @@ class SupervisionSettings:
     checkpoint_every: str = ""  # [checkpoint] every: "auto", steps, or "" (the script's own)
     worker_env: dict[str, str] = field(default_factory=dict)
     warm_start: bool = True  # keep a standby per local rank (see elasticd.agent.warm)
+    standby_refill: bool = True  # ... also after the first workers started (StandbyCare.refill)
     spare_prebuild: bool = False  # a hot spare's standbys run the script ahead (StandbyPool.run_ahead)
     standby_delay_s: float = 2.0  # start standbys this long after the group's first step
     standby_after_s: float = 30.0  # ... or this long after the group started (plain scripts)

@@ -23,8 +23,8 @@ TOML layout (every key is documented with its default in docs/configuration.md):
                  hang_eject_s, straggler_factor, straggler_window_s,
                  straggler_probation_s
     [workers]    command, nproc_per_node, workdir, monitor_interval_s,
-                 hang_timeout_s, warm_start, spare_prebuild, live_reform,
-                 live_reform_timeout_s, user, and a [workers.env] table
+                 hang_timeout_s, warm_start, standby_refill, spare_prebuild,
+                 live_reform, live_reform_timeout_s, user, and a [workers.env] table
     [restart]    max_restarts, backoff_s, backoff_max_s
     [drain]      grace_s, resize_grace_s, plain_stop_s, done_exit_s
     [preemption] provider, base_url, poll_interval_s, drain_lead_s
@@ -54,8 +54,8 @@ Override keys (the ``overrides`` mapping, one per CLI flag) are the dotted names
     rendezvous.close_timeout_s  rendezvous.store_timeout_s
     rendezvous.valid_sizes  rendezvous.global_batch_size
     workers.command  workers.nproc_per_node  workers.workdir  workers.env
-    workers.monitor_interval_s  workers.hang_timeout_s  workers.warm_start  workers.spare_prebuild
-    workers.live_reform  workers.live_reform_timeout_s  workers.user
+    workers.monitor_interval_s  workers.hang_timeout_s  workers.warm_start  workers.standby_refill
+    workers.spare_prebuild      workers.live_reform  workers.live_reform_timeout_s  workers.user
     restart.max_restarts  restart.backoff_s  restart.backoff_max_s
     drain.grace_s  drain.resize_grace_s  drain.plain_stop_s  drain.done_exit_s
     preemption.provider  preemption.base_url  preemption.poll_interval_s  preemption.drain_lead_s

@@ -122,6 +122,9 @@ FLAGS: tuple[Flag, ...] = (
          metavar="S"),
     Flag("--no-warm-start", "workers.warm_start",
          "start every worker cold (no standby processes that have imported torch)", const="false"),
+    Flag("--no-standby-refill", "workers.standby_refill",
+         "start no new standbys once the workers run (only the first workers start warm)",
+         const="false"),
     Flag("--spare-prebuild", "workers.spare_prebuild",
          "a hot spare's workers start the script before their admission and wait in "
          "the worker API with the model built", const="true"),

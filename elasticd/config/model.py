@@ -142,6 +142,9 @@ class WorkersConfig:
     monitor_interval_s: float = 0.1
     hang_timeout_s: float = 0.0
     warm_start: bool = True
+    # Start new standbys once the workers train, for the next restart (False: only the
+    # node's first workers come from standbys; no idle torch process per local rank).
+    standby_refill: bool = True
     # A hot spare's workers run the script ahead of admission: imports done, model built
     # (docs/worker-api.md, "Hot spares build their model ahead").
     spare_prebuild: bool = False

@@ -447,6 +447,7 @@ KEYS: dict[str, Key] = {
             "monitor_interval_s = 0.1"),
         Key("workers", "hang_timeout_s", hang_timeout, 0.0, "hang_timeout_s = 1800"),
         Key("workers", "warm_start", boolean, True, "warm_start = false"),
+        Key("workers", "standby_refill", boolean, True, "standby_refill = false"),
         Key("workers", "spare_prebuild", boolean, False, "spare_prebuild = true"),
         Key("workers", "live_reform", boolean, True, "live_reform = false"),
         Key("workers", "live_reform_timeout_s", number(0, lo_open=True), 30.0,

@@ -23,7 +23,7 @@ NODE_FLAGS = ["--standalone", "--job", "--nnodes", "--checkpoint-url", "--checkp
               "--hang-eject", "--straggler-factor", "--straggler-window",
               "--straggler-probation",
               "--nproc-per-node", "--workdir", "--monitor-interval", "--hang-timeout",
-              "--no-warm-start", "--no-live-reform", "--live-reform-timeout", "--workers-user", "--spare-prebuild", "--max-restarts", "--restart-backoff", "--restart-backoff-max",
+              "--no-warm-start", "--no-standby-refill", "--no-live-reform", "--live-reform-timeout", "--workers-user", "--spare-prebuild", "--max-restarts", "--restart-backoff", "--restart-backoff-max",
               "--drain-grace", "--resize-grace", "--plain-stop", "--done-exit", "--preemption", "--preemption-url",
               "--preemption-poll", "--drain-lead", "--log-format", "--log-level", "--log-dir", "--metrics-port",
               "--metrics-addr"]

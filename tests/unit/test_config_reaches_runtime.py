@@ -110,6 +110,8 @@ def _rows(tmp_path) -> dict[str, tuple[dict[str, Any], Check, Any]]:
                                    lambda s: s.supervision.hang_timeout_s, 100.0),
         "workers.warm_start": ({"workers.warm_start": "false"},
                                lambda s: s.supervision.warm_start, False),
+        "workers.standby_refill": ({"workers.standby_refill": "false"},
+                                   lambda s: s.supervision.standby_refill, False),
         "workers.spare_prebuild": ({"workers.spare_prebuild": "true"},
                                    lambda s: s.supervision.spare_prebuild, True),
         "workers.live_reform": ({"workers.live_reform": "false"},
@@ -223,6 +225,7 @@ def test_runtime_defaults_equal_the_schema():
     assert sup["hang_timeout_s"] == d["workers.hang_timeout_s"]
     assert sup["monitor_interval_s"] == d["workers.monitor_interval_s"]
     assert sup["warm_start"] == d["workers.warm_start"]
+    assert sup["standby_refill"] == d["workers.standby_refill"]
     assert sup["live_reform"] == d["workers.live_reform"]
     assert sup["spare_prebuild"] == d["workers.spare_prebuild"]
     assert sup["live_reform_timeout_s"] == d["workers.live_reform_timeout_s"]

@@ -93,7 +93,7 @@ def test_restarted_workers_come_from_warm_standbys(nodes, tmp_path):
     new ones wait with torch imported, and after a worker is killed they become the new
     workers (their pids, the right ranks). No standby outlives the agent."""
     a = nodes.start("f7", SCRIPT, env=_env(tmp_path, STEP_S="0.05"), nnodes="1", nproc=2,
-                    extra=["--max-restarts", "2", "--restart-backoff", "0.1"])
+                    extra=["--max-restarts", "2", "--restart-backoff", "0.1"], standby_refill=True)
     wait_until(lambda: len(_events(a, "standby_started")) >= 4, 60, "first workers' and next standbys")
     handed = [e["pid"] for e in _events(a, "standby_handed_over")]
     waiting = [e["pid"] for e in _events(a, "standby_started") if e["pid"] not in handed]
