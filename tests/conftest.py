@@ -79,6 +79,13 @@ def pytest_sessionfinish(session, exitstatus):
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
+def _zygote_pids() -> list[int]:
+    import harness
+
+    zygote = harness._zygote
+    return [zygote.proc.pid] if zygote is not None and zygote.proc.poll() is None else []
+
+
 class _CpuDurations:
     """``--cpu-durations``: the process that runs a test measures it (setup, call and
     teardown together) and puts the cost on the test's teardown report; the process that
@@ -87,7 +94,7 @@ class _CpuDurations:
 
     def __init__(self, top: int) -> None:
         self.top = top
-        self.meter = CpuMeter()
+        self.meter = CpuMeter(helpers=_zygote_pids)
         self.costs: list[RunCost] = []
 
     @pytest.hookimpl(wrapper=True)

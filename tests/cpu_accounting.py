@@ -21,7 +21,7 @@ import os
 import resource
 import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 from elasticd.process import descendants
@@ -161,27 +161,42 @@ class RunCost:
 
 
 class CpuMeter:
-    """Measures each test (setup, call, teardown) in turn: ``begin`` then ``end``."""
+    """Measures each test (setup, call, teardown) in turn: ``begin`` then ``end``.
 
-    def __init__(self, interval_s: float = 0.5) -> None:
+    ``helpers`` names long-lived child processes that outlive tests and reap processes the
+    tests start (the agent zygote, tests/elasticd_zygote.py): a test is charged what each
+    used and reaped while it ran (the zygote's own CPU is charged to the test that started
+    it)."""
+
+    def __init__(self, interval_s: float = 0.5, helpers: Callable[[], list[int]] = list) -> None:
         self.interval_s = interval_s
+        self.helpers = helpers
         self.costs: list[RunCost] = []
-        self._open: tuple[str, float, float, TreeSampler] | None = None
+        self._open: tuple[str, float, float, TreeSampler, dict[int, float]] | None = None
 
     def begin(self, nodeid: str) -> None:
         sampler = TreeSampler(os.getpid(), self.interval_s)
         sampler.start()
-        self._open = (nodeid, time.monotonic(), rusage_s(), sampler)
+        self._open = (nodeid, time.monotonic(), rusage_s(), sampler, self._helper_s())
 
     def end(self) -> RunCost:
         assert self._open is not None, "end() without begin()"
-        nodeid, t0, cpu0, sampler = self._open
+        nodeid, t0, cpu0, sampler, helpers0 = self._open
         self._open = None
         tracks = sampler.stop()
+        helpers = sum(s - helpers0.get(pid, 0.0) for pid, s in self._helper_s().items())
         cost = RunCost(nodeid, time.monotonic() - t0,
-                        rusage_s() - cpu0 + unreaped_cpu_s(tracks, sampler.root_pid))
+                        rusage_s() - cpu0 + unreaped_cpu_s(tracks, sampler.root_pid) + helpers)
         self.costs.append(cost)
         return cost
+
+    def _helper_s(self) -> dict[int, float]:
+        out = {}
+        for pid in self.helpers():
+            got = read_sample(pid)
+            if got is not None:
+                out[pid] = got[1].own_s + got[1].reaped_s
+        return out
 
 
 def cpu_table(costs: Iterable[RunCost], top: int) -> list[str]:

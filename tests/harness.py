@@ -44,15 +44,127 @@ def wait_until(pred: Callable[[], object], timeout_s: float, what: str | Callabl
         time.sleep(interval_s)
 
 
+# Environment variables read at import time (by Python, torch, gRPC, the loader): a node
+# whose values differ from the zygote's starts as a fresh interpreter instead.
+_IMPORT_TIME_ENV = ("PYTHON", "LD_", "TORCH", "GRPC_", "OMP_", "MKL_", "CUDA", "NCCL_",
+                    "GLOO_", "KMP_", "TF_", "PYTORCH")
+_ELASTICD_RUN = [PY, "-m", "elasticd.cli", "run"]
+
+
+class ForkedProc:
+    """A ``subprocess.Popen``-like handle on an agent the zygote forked (its parent is the
+    zygote, which reports its exit status)."""
+
+    def __init__(self, zygote: _Zygote, pid: int) -> None:
+        self.zygote, self.pid = zygote, pid
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self.returncode = self.zygote.exit_code(self.pid, timeout_s=0)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.returncode is None:
+            code = self.zygote.exit_code(self.pid, timeout_s=timeout)
+            if code is None:
+                raise subprocess.TimeoutExpired(f"agent {self.pid}", timeout or 0)
+            self.returncode = code
+        return self.returncode
+
+
+class _Zygote:
+    """The client side of ``tests/elasticd_zygote.py`` (one per pytest process)."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.env = {k: v for k, v in os.environ.items() if not k.startswith("ELASTICD_")}
+        self.proc = subprocess.Popen([PY, str(Path(__file__).with_name("elasticd_zygote.py"))],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=self.env,
+                                     cwd=str(ROOT))
+        self._lock, self._cond = threading.Lock(), threading.Condition()
+        self._exits: dict[int, int] = {}
+        self._replies: list[dict] = []
+        threading.Thread(target=self._read, name="zygote-reader", daemon=True).start()
+        self._reply(120)  # {"ready": pid}: its imports are done
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            doc = json.loads(line)
+            with self._cond:
+                if "exit" in doc:
+                    self._exits[doc["exit"]] = doc["code"]
+                else:
+                    # A reused pid: its earlier exit is not this child's (the zygote answers
+                    # a fork before it can reap that child).
+                    self._exits.pop(doc.get("pid", -1), None)
+                    self._replies.append(doc)
+                self._cond.notify_all()
+        with self._cond:
+            self._replies.append({"error": "the zygote exited"})
+            self._cond.notify_all()
+
+    def _reply(self, timeout_s: float) -> dict:
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._replies, timeout_s):
+                raise RuntimeError("the agent zygote did not answer")
+            return self._replies.pop(0)
+
+    def usable_for(self, argv: list[str], env: dict[str, str]) -> bool:
+        return (argv[:4] == _ELASTICD_RUN and self.proc.poll() is None
+                and all(env.get(k) == self.env.get(k) for k in {*env, *self.env}
+                        if k.startswith(_IMPORT_TIME_ENV)))
+
+    def spawn(self, argv: list[str], env: dict[str, str], log_path: Path) -> ForkedProc:
+        assert self.proc.stdin is not None
+        with self._lock:
+            req = {"argv": argv[3:], "env": env, "log": str(log_path), "cwd": str(ROOT)}
+            self.proc.stdin.write((json.dumps(req) + "\n").encode())
+            self.proc.stdin.flush()
+            doc = self._reply(30)
+        if "pid" not in doc:
+            raise RuntimeError(f"the agent zygote could not fork: {doc}")
+        return ForkedProc(self, doc["pid"])
+
+    def exit_code(self, pid: int, timeout_s: float | None) -> int | None:
+        with self._cond:
+            self._cond.wait_for(lambda: pid in self._exits, timeout_s)
+            return self._exits.get(pid)
+
+
+_zygote: _Zygote | None = None
+
+
+def _agent_zygote() -> _Zygote | None:
+    """This process's zygote, started at the first agent (None: ELASTICD_TEST_ZYGOTE=0)."""
+    global _zygote
+    if os.environ.get("ELASTICD_TEST_ZYGOTE", "1") == "0":
+        return None
+    if _zygote is None or _zygote.proc.poll() is not None:
+        _zygote = _Zygote()
+    return _zygote
+
+
 class Node:
-    """One agent process (and its workers) started with ``argv`` in its own session."""
+    """One agent process (and its workers) started with ``argv`` in its own session.
+
+    ``elasticd run`` nodes are forked from the agent zygote (``tests/elasticd_zygote.py``:
+    the agent's imports are done once per pytest process) unless their environment differs
+    in what is read at import time; other commands start as given."""
 
     def __init__(self, argv: list[str], env: dict[str, str], log_path: Path) -> None:
         self.argv, self.log_path = argv, log_path
         self._log = open(log_path, "ab")  # noqa: SIM115 - closed in cleanup()
         full_env = {**os.environ, **env}
-        self.proc = subprocess.Popen(argv, env=full_env, stdout=self._log, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, start_new_session=True, cwd=str(ROOT))
+        zygote = _agent_zygote() if argv[:4] == _ELASTICD_RUN else None
+        self.proc: subprocess.Popen | ForkedProc
+        if zygote is not None and zygote.usable_for(argv, full_env):
+            self.proc = zygote.spawn(argv, full_env, log_path)
+        else:
+            self.proc = subprocess.Popen(argv, env=full_env, stdout=self._log, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL, start_new_session=True, cwd=str(ROOT))
         self.pid = self.proc.pid
 
     def tree(self) -> list[int]:

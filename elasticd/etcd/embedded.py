@@ -114,6 +114,9 @@ def make_private_dir(path: str) -> None:
 
 _RECENT_PORTS: collections.deque[int] = collections.deque(maxlen=256)
 _PORTS = random.Random()  # seeded from the OS: a test that seeds ``random`` gets no shared sequence
+# A forked child (a program that embeds the agent and forks nodes) draws its own ports, not
+# its parent's next ones (``random``'s own instance is re-seeded the same way).
+os.register_at_fork(after_in_child=_PORTS.seed)
 _LOWEST_PORT = 10000
 _START_TRIES = 4  # a first start that lost its port to another process: fresh ports, again
 
