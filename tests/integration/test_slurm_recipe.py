@@ -44,7 +44,9 @@ def _batch(tmp_path: Path, etcd, job: str, train_args: list[str]) -> tuple[list[
            # Slurm sets it in the batch shell too: the first node's name.
            "SLURMD_NODENAME": "gpu-0", "STUB_NODE_PREFIX": "gpu-",
            "SCONTROL_LOG": str(tmp_path / "scontrol.log"),
-           "ELASTICD_NODE_LOCAL_ADDR": "127.0.0.1", "ELASTICD_NODE_TTL_S": "2"}
+           "ELASTICD_NODE_LOCAL_ADDR": "127.0.0.1", "ELASTICD_NODE_TTL_S": "2",
+           # As the harness's nodes: no standby refill (a torch import a short job never uses).
+           "ELASTICD_WORKERS_STANDBY_REFILL": "false"}
     argv = ["bash", str(SCRIPT), str(ROOT / "examples" / "train.py"), *train_args]
     return argv, env
 

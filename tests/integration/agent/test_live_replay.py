@@ -40,9 +40,11 @@ COMPRESS = 50
 LEDGER_POINTS = 7.0
 
 
-def test_a_short_replay_trains_every_sample_once_and_the_ledger_matches_the_audit(tmp_path):
+def test_a_short_replay_trains_every_sample_once_and_the_ledger_matches_the_audit(tmp_path, monkeypatch):
     """Arrivals, drains and kills played on a training job lose no sample, retrain no step,
     and ``status --goodput`` reports the outside audit's held goodput within 7 points."""
+    # As the harness's nodes: no standby refill (live re-formation restarts no worker here).
+    monkeypatch.setenv("ELASTICD_WORKERS_STANDBY_REFILL", "false")
     traces = tmp_path / "traces" / "synthetic"
     traces.mkdir(parents=True)
     (traces / "four.json").write_text(json.dumps({"metadata": {"gap_seconds": 300}, "data": COUNTS}))
