@@ -213,8 +213,13 @@ def kill_join_drain(nodes, job: str, script: str, args: list[str], hold: Path, t
     _hold_at(hold, trace, join_at, one, after_round=before)  # the survivor alone
     before = _round(trace)
     c = nodes.start(job, script, nnodes="1:2", nproc=nproc, name="c", script_args=args, env=env)
-    wait_until(lambda: "rendezvous_completed" in c.log() or "live_park_requested" in a.log(), 120,
-               "the joiner registered")
+    # The survivor asks its held workers to stop at their next step for the joiner (a live
+    # park, or the restart path's resize): the hold then moves on, one step at a time. (Until
+    # 2026-12-07 the restart path's resize was not waited for: the held workers never reached
+    # a step, and the join waited out the 30 s resize grace and a 30 s SIGTERM: 60 s of the
+    # Lightning and HF jobs.)
+    wait_until(lambda: "rendezvous_completed" in c.log() or "live_park_requested" in a.log()
+               or "resize_started" in a.log(), 120, "the joiner registered")
     _step_until_world(hold, trace, join_at, two, before)
     _hold_at(hold, trace, drain_at, two)
     before = _round(trace)
