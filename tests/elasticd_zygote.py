@@ -16,13 +16,12 @@ start sets (SIGPIPE and SIGXFSZ ignored, the other signals at their defaults) an
 node's environment, so that ``tempfile`` and everything read at run time see the node's. Protocol, one JSON object per line: the harness writes ``{"argv",
 "env", "log", "cwd"}``; the zygote answers ``{"pid"}`` (or ``{"error"}``) and, whenever
 one of its children exits, ``{"exit": pid, "code": exit code}`` (negative: a signal, as
-``subprocess`` reports it). It exits when its stdin closes, or when its parent dies.
+``subprocess`` reports it). It exits when its stdin closes (pytest exited, however it ended).
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import json
 import os
 import select
@@ -30,8 +29,6 @@ import signal
 import sys
 import tempfile
 import traceback
-
-PR_SET_PDEATHSIG = 1
 
 
 def _preload() -> None:
@@ -114,8 +111,8 @@ def _reap() -> None:
 
 
 def serve() -> None:
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    # No PR_SET_PDEATHSIG: it follows the thread that started the zygote, which may be a
+    # test's helper thread. The zygote ends when its stdin closes: pytest exited, however.
     _preload()
     import atexit
     atexit._clear()  # the children run their own handlers only
