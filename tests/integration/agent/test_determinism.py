@@ -99,22 +99,9 @@ def test_resizes_match_a_run_without_failures(nodes, tmp_path):
     for n in (b[0], b[1], b[3], *ref):
         assert n.wait(180) == 0, n.log()[-3000:]
 
-    # The rejoin is a resize (drain-on-join): the round it forms resumes at exactly the
-    # step after the one the previous round stopped at; nothing is retrained.
+    # The math first (what a user loses if it breaks), then how the job got there: a
+    # failure of the second part says whether the first held.
     rows_b = read_jsonl(trace_b)
-    after_kill = {r["pid"] for r in rows_b if (r["round"] or 0) > round_at_kill}
-    assert after_kill - joiner <= survivor_pids, (
-        f"a survivor's worker was restarted (no live re-formation); survivors {survivor_pids}, "
-        f"joiner {joiner}\n{pids_by_round(rows_b)}\n{decisions(b)}")
-    assert not any("live_reform_fell_back" in n.log() for n in b)
-    assert "live_state_received" in b[3].log() and "checkpoint_loaded" not in b[3].log(), \
-        "the joiner did not get its state from a peer"
-    join_round = min(r["round"] for r in rows_b if r["rank"] == 2 and (r["round"] or 0) > round_at_kill + 1)
-    before = max(r["round"] or 0 for r in rows_b if (r["round"] or 0) < join_round)
-    last_before = max(r["step"] for r in rows_b if (r["round"] or 0) == before)
-    first_after = min(r["step"] for r in rows_b if r["round"] == join_round)
-    assert first_after == last_before + 1, f"the join lost steps: {last_before} then {first_after}"
-
     worlds = {json.loads(line).get("world_size") for n in b for line in worker_lines(n.log())
               if line.startswith('{"step"')}
     assert {2, 3} <= worlds, f"the run never changed world size: {worlds}"
@@ -123,6 +110,22 @@ def test_resizes_match_a_run_without_failures(nodes, tmp_path):
     for name, value in a_params.items():
         assert torch.allclose(value, b_params[name], rtol=1e-9, atol=1e-12), name
     assert _trained(tmp_path / "trace-a.jsonl") == _trained(trace_b)
+
+    after_kill = {r["pid"] for r in rows_b if (r["round"] or 0) > round_at_kill}
+    assert after_kill - joiner <= survivor_pids, (
+        f"a survivor's worker was restarted (no live re-formation; the final parameters and "
+        f"the samples trained matched the fault-free run); survivors {survivor_pids}, "
+        f"joiner {joiner}\n{pids_by_round(rows_b)}\n{decisions(b)}")
+    assert not any("live_reform_fell_back" in n.log() for n in b)
+    assert "live_state_received" in b[3].log() and "checkpoint_loaded" not in b[3].log(), \
+        "the joiner did not get its state from a peer"
+    # The rejoin is a resize (drain-on-join): the round it forms resumes at exactly the
+    # step after the one the previous round stopped at; nothing is retrained.
+    join_round = min(r["round"] for r in rows_b if r["rank"] == 2 and (r["round"] or 0) > round_at_kill + 1)
+    before = max(r["round"] or 0 for r in rows_b if (r["round"] or 0) < join_round)
+    last_before = max(r["step"] for r in rows_b if (r["round"] or 0) == before)
+    first_after = min(r["step"] for r in rows_b if r["round"] == join_round)
+    assert first_after == last_before + 1, f"the join lost steps: {last_before} then {first_after}"
 
 
 def test_drain_resumes_at_the_next_step_and_trains_no_sample_twice(nodes, tmp_path):
