@@ -33,16 +33,16 @@ from torch.distributed.elastic.rendezvous import RendezvousGracefulExitError
 from elasticd.agent.commits import CommitRetrier
 from elasticd.agent.policy import STARTUP_S, Decision, Facts, GroupState, Verdict, decide
 from elasticd.agent.recorder import JobRecorder
-from elasticd.agent.reform import LIVE_VERDICTS, LiveReformation, LiveReformer
+from elasticd.agent.reform import LIVE_VERDICTS, LiveReformation, LiveReformer, PlainScriptWatch
 from elasticd.agent.standbys import StandbyCare
 from elasticd.agent.summary import failure_line, failure_summary, print_summary
 from elasticd.agent.supervision import AgentPhase, Outcome, SupervisionSettings
 from elasticd.agent.ticks import TickWriter
 from elasticd.agent.wakeup import TickWaker
-from elasticd.agent.warm import StandbyPool, warm_handlers
+from elasticd.agent.warm import StandbyPool, past_imports, warm_handlers
 from elasticd.agent.worker_env import spawn_environment, supervised_worker_env
 from elasticd.agent.worker_exec import request_stacks
-from elasticd.agent.worker_group import TorchWorkerGroup
+from elasticd.agent.worker_group import TorchWorkerGroup, drop_torn_error_files
 from elasticd.control import ControlChannel
 from elasticd.control.api import ENV_ROUND
 from elasticd.errors import LeaseLostError, TransientError
@@ -88,6 +88,7 @@ class ElasticdAgent(LocalElasticAgent):
         # The first standbys may have started before torch was imported (agent.early).
         self.standby = standby if standby is not None else StandbyPool(settings.warm_start, control.dir)
         self.standbys = StandbyCare(settings, handler, control, self.standby, self._worker_pids, self._log)
+        self.plain_watch = PlainScriptWatch(past_imports)
         self.ticks = TickWriter(settings, handler, control, recorder, self._worker_group,
                                 metrics=metrics, notifier=notifier, log=self._log,
                                 worker_pids=self._worker_pids)
@@ -269,7 +270,7 @@ class ElasticdAgent(LocalElasticAgent):
         while True:
             # At most one interval; at once on a stop signal, a child's exit, a watch event.
             self.waker.wait(self.settings.monitor_interval_s)
-            result = self._monitor_workers(wg)
+            result = self._monitor(wg)
             wg.state = result.state
             now = time.monotonic()
             facts = self._facts(result, now)
@@ -320,6 +321,9 @@ class ElasticdAgent(LocalElasticAgent):
                           if state is GroupState.HEALTHY and not phase.ejecting else "")
         look_for_drainable = (nodes_waiting > 0 or bool(asked_to_drain)
                               or (self.stop_signals > 0 and not phase.draining))
+        starting = self.live.starting(now=now, group_started_at=self._group_started_at,
+                                      any_step=board.max_step() >= 0)
+        registered_after = self.live.registered_after(now=now, group_started_at=self._group_started_at)
         return Facts(
             group_state=state,
             drain_signals=self.stop_signals,
@@ -353,11 +357,14 @@ class ElasticdAgent(LocalElasticAgent):
             past_startup=(self._past_startup or board.max_step() >= 0
                           or now - self._group_started_at >= STARTUP_S),
             live=self.live.facts(now),
-            live_starting=self.live.starting(now=now, group_started_at=self._group_started_at,
-                                             any_step=board.max_step() >= 0),
+            live_starting=starting,
             group_age_s=now - self._group_started_at,
-            registered_after_s=self.live.registered_after(now=now,
-                                                          group_started_at=self._group_started_at),
+            registered_after_s=registered_after,
+            # Read only while it can matter: a first group that may still register.
+            workers_plain=(starting and registered_after is None and phase.groups_started <= 1
+                           and self.plain_watch.plain(now=now, group_started_at=self._group_started_at,
+                                                      pids=self._worker_pids().values(),
+                                                      on_api=self.control.workers_on_api())),
         )
 
     @staticmethod
@@ -423,6 +430,21 @@ class ElasticdAgent(LocalElasticAgent):
             # The round's etcd records only now, after the order: the node is "re-forming"
             # until every worker confirmed the new round (LIVE_DONE).
             self._record_round(self._worker_group, state="re-forming")
+
+    def _monitor(self, wg: WorkerGroup) -> RunResult:
+        """torch's ``_monitor_workers``, once more after dropping torn worker error files
+        (``worker_group.drop_torn_error_files``: torch parses them uncaught)."""
+        try:
+            return self._monitor_workers(wg)
+        except ValueError:  # json.JSONDecodeError, from torch's ProcessFailure
+            files = self._pcontext.error_files if self._pcontext is not None else {}
+            dropped = drop_torn_error_files(files)
+            if not dropped:
+                raise
+            self._log.warning("worker_error_file_torn", local_ranks=dropped,
+                              reason="not valid JSON (the worker stopped while writing it): "
+                                     "its failure is read from its exit status")
+            return self._monitor_workers(wg)
 
     def _worker_pids(self) -> dict[int, int]:
         return dict(self._pcontext.pids()) if self._pcontext is not None else {}

@@ -60,3 +60,32 @@ class TorchWorkerGroup:
         if rnd is None:
             raise RuntimeError("the rendezvous returned without a round: the order cannot name it")
         return int(rnd)
+
+
+def drop_torn_error_files(error_files: Mapping[int, str]) -> list[int]:
+    """Remove each worker error file that is not valid JSON; returns their local ranks.
+
+    Why: torch's ``ErrorHandler`` truncates a worker's error file, then writes it, and
+    torch's ``ProcessFailure`` parses it without catching a ``JSONDecodeError``. A worker
+    stopped in between (two workers' ``ConfigError``: the group's stop reached the second
+    while it wrote) left it empty, and the agent died with a traceback instead of exiting 78
+    (a fresh-clone run). Without the file torch reports the failure by its exit status,
+    which is what the policy reads.
+    """
+    import json
+    import os
+
+    dropped = []
+    for local_rank, path in error_files.items():
+        try:
+            with open(path) as fh:
+                json.load(fh)
+        except (OSError, UnicodeDecodeError):
+            continue  # none (a signal, no error) or unreadable: torch handles that itself
+        except ValueError:
+            try:
+                os.unlink(path)
+            except OSError:
+                continue
+            dropped.append(local_rank)
+    return dropped
