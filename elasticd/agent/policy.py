@@ -204,6 +204,9 @@ class Facts:
     # took until every local worker registered for live re-formation (None: none ever did).
     group_age_s: float = 0.0
     registered_after_s: float | None = None
+    # This group's workers run a script that does not use the worker API (past their
+    # imports without writing the API's marker: reform.PlainScriptWatch): they never register.
+    workers_plain: bool = False
 
 
 def repeats_at_startup(f: Facts) -> bool:
@@ -267,14 +270,17 @@ def may_still_register(f: Facts) -> bool:
     - Some worker group of this node registered: for ``REGISTRATION_FACTOR`` times its
       slowest registration plus ``REGISTRATION_SLACK_S`` after the start.
     - None ever did: only in the node's first worker group (a node just admitted, whose
-      workers are still importing: the spot replay's case). A later group follows one that
-      ran and ended without registering: the script does not use the worker API (a plain
-      script never registers, and a join must not wait ``live_reform_timeout_s`` for it:
-      issue 52, a restarted node of a plain script waited 30 s after every recovery).
+      workers are still importing: the spot replay's case), and not once its workers are
+      known to run a plain script (``f.workers_plain``: past their imports without the
+      worker API's marker). A later group follows one that ran and ended without
+      registering: the script does not use the worker API (a plain script never registers,
+      and a join must not wait ``live_reform_timeout_s`` for it: issue 52, a restarted node
+      of a plain script waited 30 s after every recovery, and a plain script's first group
+      deferred every join of its first 30 s).
     """
     if f.registered_after_s is not None:
         return f.group_age_s < REGISTRATION_FACTOR * f.registered_after_s + REGISTRATION_SLACK_S
-    return f.first_start
+    return f.first_start and not f.workers_plain
 
 
 def _decide_ejecting(f: Facts) -> Decision:

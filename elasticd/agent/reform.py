@@ -26,6 +26,7 @@ given (the rendezvous handler, the control channel, the recorder, the worker-gro
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Protocol
 
@@ -231,3 +232,54 @@ class LiveReformation:
 
 LIVE_VERDICTS = (Verdict.PARK, Verdict.REFORM_LIVE, Verdict.LIVE_WAIT, Verdict.LIVE_DONE,
                  Verdict.LIVE_FALLBACK)
+
+
+# A group counts as a plain script's once every worker has been past its imports this long
+# without one writing the worker API's ``api-`` marker (written before the first socket).
+PLAIN_GRACE_S = 2.0
+PLAIN_LOOK_EVERY_S = 0.5  # /proc is read at most this often, and never again once past
+
+
+class PlainScriptWatch:
+    """``Facts.workers_plain``: this worker group runs a script that does not use the worker
+    API, so it will never register for live re-formation (a join must not wait for it).
+
+    Why: a node's first worker group defers a join while its workers may still register
+    (``policy.may_still_register``); a plain script never does, so every join in its
+    first ``live_reform_timeout_s`` waited that long (test_membership's joiner: 26 s). The
+    worker API writes ``api-<local rank>`` at ``init()``, before the process group opens
+    its first socket; workers that are past their imports (``warm.past_imports``: torch
+    mapped, a socket open) for ``grace_s`` without one are a plain script's. A script that
+    opens a socket of its own before ``worker.init()`` may be taken for one during its
+    start-up: a join then restarts its group (nothing trained yet), as before the deferral.
+
+    Args:
+        past_imports: whether a pid is past its imports (``elasticd.agent.warm.past_imports``).
+        grace_s: how long past the imports without a marker makes a plain script.
+        look_every_s: how often /proc is read until every worker is past its imports.
+    """
+
+    def __init__(self, past_imports: Callable[[int], bool], grace_s: float = PLAIN_GRACE_S,
+                 look_every_s: float = PLAIN_LOOK_EVERY_S) -> None:
+        self._past_imports = past_imports
+        self.grace_s, self.look_every_s = grace_s, look_every_s
+        self._group: float | None = None
+        self._past_since: float | None = None
+        self._looked_at = float("-inf")
+
+    def plain(self, *, now: float, group_started_at: float, pids: Iterable[int], on_api: bool) -> bool:
+        """Whether the group started at ``group_started_at`` (its workers ``pids``; ``on_api``:
+        one wrote the marker) runs a plain script, as of ``now``."""
+        if self._group != group_started_at:
+            self._group, self._past_since, self._looked_at = group_started_at, None, float("-inf")
+        if on_api:
+            return False
+        if self._past_since is None:
+            if now - self._looked_at < self.look_every_s:
+                return False
+            self._looked_at = now
+            running = list(pids)
+            if running and all(self._past_imports(p) for p in running):
+                self._past_since = now
+            return False
+        return now - self._past_since >= self.grace_s

@@ -30,6 +30,7 @@ A private runtime directory (mode 0700) per agent, passed to workers as
 """
 
 from elasticd.control.api import (
+    API_PREFIX,
     DONE_PREFIX,
     DRAIN_FILE,
     DRAINABLE_PREFIX,
@@ -60,6 +61,7 @@ from elasticd.control.messages import (
 from elasticd.control.server import ControlChannel, ProgressBoard, RankProgress
 
 __all__ = [
+    "API_PREFIX",
     "DONE_PREFIX",
     "DRAINABLE_PREFIX",
     "DRAIN_FILE",

@@ -40,6 +40,10 @@ DRAIN_FILE = "drain"
 SOCKET_FILE = "control.sock"
 STOPPED_PREFIX = "stopped-"
 DRAINABLE_PREFIX = "drainable-"
+# Written by the worker API's ``init()`` (elasticd.worker), before the process group forms:
+# "this worker uses the worker API" (it may register for live re-formation). A group whose
+# workers run without one is a plain script's (docs/failure-model.md, "How a join is handled").
+API_PREFIX = "api-"
 # Written by the launcher (elasticd.agent.worker_exec) when the worker's script returned
 # with status 0, just before the process ends: "this rank completed its work", so an abort
 # or a hang in torch's teardown after it is not a failure and never re-runs the script.

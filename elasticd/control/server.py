@@ -26,6 +26,7 @@ from pathlib import Path
 import structlog
 
 from elasticd.control.api import (
+    API_PREFIX,
     DONE_PREFIX,
     DRAIN_FILE,
     DRAINABLE_PREFIX,
@@ -375,7 +376,7 @@ class ControlChannel:
         """Let the workers of ``workers.user`` (primary group ``gid``) use this channel.
 
         The directory becomes ``root:<gid>`` mode 1770: the workers' group may enter it
-        and create its markers (``done-``, ``stopped-``, ``drainable-``); the sticky bit
+        and create its markers (``done-``, ``stopped-``, ``drainable-``, ``api-``); the sticky bit
         keeps it from removing or renaming the agent's files (``drain``, ``park``,
         ``reform.json``), and the directory itself stays the agent's (no chmod, no
         rename). The agent writes only through :func:`~elasticd.control.reform.write_atomic`
@@ -391,7 +392,7 @@ class ControlChannel:
 
     def clear_round(self) -> None:
         """Forget per-round markers before starting a new worker group."""
-        for prefix in (STOPPED_PREFIX, DRAINABLE_PREFIX, DONE_PREFIX):
+        for prefix in (STOPPED_PREFIX, DRAINABLE_PREFIX, DONE_PREFIX, API_PREFIX):
             for p in self.dir.glob(prefix + "*"):
                 p.unlink(missing_ok=True)
         self.progress.reset()
@@ -406,6 +407,10 @@ class ControlChannel:
     def done_count(self) -> int:
         """How many workers of the current group wrote ``done-<rank>`` (script returned, 0)."""
         return sum(1 for _ in self.dir.glob(DONE_PREFIX + "*"))
+
+    def workers_on_api(self) -> bool:
+        """True once a worker of the current group called the worker API's ``init`` (``api-<rank>``)."""
+        return any(self.dir.glob(API_PREFIX + "*"))
 
     def workers_drainable(self) -> bool:
         """True once a worker of the current group called ``should_stop`` (``drainable-<rank>``)."""

@@ -36,6 +36,7 @@ import torch.distributed as dist
 from elasticd import teardown
 from elasticd.checkpoint.cadence import SaveCadence
 from elasticd.control import (
+    API_PREFIX,
     DRAIN_FILE,
     DRAINABLE_PREFIX,
     ENV_CONTROL_DIR,
@@ -151,6 +152,7 @@ class WorkerRuntime:
         """See :func:`init`."""
         if self._ctx is not None:
             return self._ctx
+        _announce_api()
         if os.environ.get(ENV_SPARE) == "1":
             return self._run_ahead(backend, timeout_s)
         agent = agent_environment()  # fail before any collective: a config error, not a hang
@@ -420,6 +422,19 @@ def runtime() -> WorkerRuntime:
 def _env_int(name: str, default: int) -> int:
     raw = os.environ.get(name)
     return int(raw) if raw not in (None, "") else default
+
+
+def _announce_api() -> None:
+    """Tell the agent this worker uses the worker API (``api-<local rank>`` in the control
+    dir), before the process group opens its first socket: a join then waits for this
+    group to register for live re-formation instead of restarting it, while a plain
+    script's group, which never writes one, is restarted for a join at once. Best effort."""
+    control_dir = os.environ.get(ENV_CONTROL_DIR)
+    if control_dir:
+        try:
+            (Path(control_dir) / f"{API_PREFIX}{_env_int('LOCAL_RANK', 0)}").touch()
+        except OSError:
+            pass  # the agent is gone or restarting: it starts new workers anyway
 
 
 def init(backend: str | None = None, *, timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S) -> WorkerContext:

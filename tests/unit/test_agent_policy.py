@@ -320,6 +320,11 @@ def test_a_join_into_a_plain_script_is_admitted_at_once_after_the_first_group():
     later = replace(starting, first_start=False)
     assert decide(later).verdict is Verdict.RESTART_MEMBERSHIP
     assert not may_still_register(later)
+    # The first group too, once its workers are known to run a plain script (past their
+    # imports without the worker API's marker): it deferred every join of its first 30 s.
+    plain = replace(starting, first_start=True, workers_plain=True)
+    assert decide(plain).verdict is Verdict.RESTART_MEMBERSHIP
+    assert not may_still_register(plain)
 
 
 def test_a_join_waits_for_registration_only_within_a_window_measured_from_real_ones():
