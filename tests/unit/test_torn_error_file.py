@@ -15,9 +15,9 @@ def test_torch_parses_a_worker_error_file_uncaught():
     idle, not wrong)."""
     import tempfile
 
-    with tempfile.NamedTemporaryFile("w", suffix=".json") as fh:  # empty: truncated, not written
-        with pytest.raises(ValueError):
-            ProcessFailure(local_rank=0, pid=1, exitcode=78, error_file=fh.name)
+    # Empty: truncated, not written yet.
+    with tempfile.NamedTemporaryFile("w", suffix=".json") as fh, pytest.raises(ValueError):
+        ProcessFailure(local_rank=0, pid=1, exitcode=78, error_file=fh.name)
 
 
 def test_only_files_that_are_not_json_are_dropped_and_the_failure_then_reads_its_exit_status(tmp_path):
