@@ -13,10 +13,11 @@ native thread, as in any process that forks after ``import torch``) and never op
 connection, so each fork is as clean as a fresh interpreter's state after its imports (no
 lock held by a Python thread, no gRPC channel). The child restores what the interpreter's
 start sets (SIGPIPE and SIGXFSZ ignored, the other signals at their defaults) and the
-node's environment, so that ``tempfile`` and everything read at run time see the node's. Protocol, one JSON object per line: the harness writes ``{"argv",
-"env", "log", "cwd"}``; the zygote answers ``{"pid"}`` (or ``{"error"}``) and, whenever
-one of its children exits, ``{"exit": pid, "code": exit code}`` (negative: a signal, as
-``subprocess`` reports it). It exits when its stdin closes (pytest exited, however it ended).
+node's environment, so that ``tempfile`` and everything read at run time see the node's.
+
+Protocol, one JSON object per line: the harness writes ``{"argv", "env", "log", "cwd"}``;
+the zygote answers ``{"pid"}`` (or ``{"error"}``) and, whenever one of its children exits,
+``{"exit": pid, "code": exit code}`` (negative: a signal, as ``subprocess`` reports it). It exits when its stdin closes (pytest exited, however it ended).
 """
 
 from __future__ import annotations

@@ -112,10 +112,10 @@ class _Zygote:
                 raise RuntimeError("the agent zygote did not answer")
             return self._replies.pop(0)
 
-    def usable_for(self, argv: list[str], env: dict[str, str]) -> bool:
-        return (argv[:4] == _ELASTICD_RUN and self.proc.poll() is None
-                and all(env.get(k) == self.env.get(k) for k in {*env, *self.env}
-                        if k.startswith(_IMPORT_TIME_ENV)))
+    def usable_for(self, env: dict[str, str]) -> bool:
+        """Whether a node with ``env`` may be forked: the same import-time environment."""
+        return all(env.get(k) == self.env.get(k) for k in {*env, *self.env}
+                   if k.startswith(_IMPORT_TIME_ENV))
 
     def spawn(self, argv: list[str], env: dict[str, str], log_path: Path) -> ForkedProc:
         assert self.proc.stdin is not None
@@ -160,7 +160,7 @@ class Node:
         full_env = {**os.environ, **env}
         zygote = _agent_zygote() if argv[:4] == _ELASTICD_RUN else None
         self.proc: subprocess.Popen | ForkedProc
-        if zygote is not None and zygote.usable_for(argv, full_env):
+        if zygote is not None and zygote.usable_for(full_env):
             self.proc = zygote.spawn(argv, full_env, log_path)
         else:
             self.proc = subprocess.Popen(argv, env=full_env, stdout=self._log, stderr=subprocess.STDOUT,

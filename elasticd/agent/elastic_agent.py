@@ -364,7 +364,7 @@ class ElasticdAgent(LocalElasticAgent):
             workers_plain=(starting and registered_after is None and phase.groups_started <= 1
                            and self.plain_watch.plain(now=now, group_started_at=self._group_started_at,
                                                       pids=self._worker_pids().values(),
-                                                      on_api=self.control.workers_on_api())),
+                                                      on_api=self.control.workers_on_api)),
         )
 
     @staticmethod

@@ -266,13 +266,18 @@ class PlainScriptWatch:
         self._group: float | None = None
         self._past_since: float | None = None
         self._looked_at = float("-inf")
+        self._on_api = False
 
-    def plain(self, *, now: float, group_started_at: float, pids: Iterable[int], on_api: bool) -> bool:
+    def plain(self, *, now: float, group_started_at: float, pids: Iterable[int],
+              on_api: Callable[[], bool]) -> bool:
         """Whether the group started at ``group_started_at`` (its workers ``pids``; ``on_api``:
-        one wrote the marker) runs a plain script, as of ``now``."""
+        whether one wrote the marker, asked only when it decides) runs a plain script, as of
+        ``now``. A marker, once seen, stands for the group (the agent clears them per group)."""
         if self._group != group_started_at:
             self._group, self._past_since, self._looked_at = group_started_at, None, float("-inf")
-        if on_api:
+            self._on_api = False
+        self._on_api = self._on_api or on_api()
+        if self._on_api:
             return False
         if self._past_since is None:
             if now - self._looked_at < self.look_every_s:

@@ -11,6 +11,8 @@ of the process of its local rank back: that step lives here, in one place, and
 
 from __future__ import annotations
 
+import json
+import os
 from collections.abc import Callable, Mapping
 
 from torch.distributed.elastic.agent.server.api import WorkerGroup
@@ -72,17 +74,14 @@ def drop_torn_error_files(error_files: Mapping[int, str]) -> list[int]:
     (a fresh-clone run). Without the file torch reports the failure by its exit status,
     which is what the policy reads.
     """
-    import json
-    import os
-
     dropped = []
     for local_rank, path in error_files.items():
         try:
             with open(path) as fh:
                 json.load(fh)
-        except (OSError, UnicodeDecodeError):
+        except OSError:
             continue  # none (a signal, no error) or unreadable: torch handles that itself
-        except ValueError:
+        except ValueError:  # what torch's parse raises uncaught, invalid UTF-8 included
             try:
                 os.unlink(path)
             except OSError:
