@@ -237,7 +237,7 @@ class StragglerWatch:
     flagged: frozenset[str] = frozenset()
     # Ejected stragglers: judged on ``trial_window_s`` until their own step time has been
     # under the factor for a whole window of one round. node -> since when it has been
-    # (None: no sample in this round yet).
+    # (None: no sample in this round yet; the first sets it one busy-share window ahead).
     on_trial: dict[str, float | None] = field(default_factory=dict)
 
     def put_on_trial(self, node: str) -> None:
@@ -266,12 +266,21 @@ class StragglerWatch:
         trial = trial_window_s(self.window_s)
         verdict = find_stragglers(series, now=now, factor=self.factor, window_s=self.window_s,
                                   windows={n: trial for n in self.on_trial if n in series})
-        # A look slow (or the first) restarts a trial's clock; a whole window since passes it.
+        # A slow look restarts a trial's clock; a whole window since passes it. The clock
+        # starts one busy-share window after the node's first look in the round: until
+        # then every member's busy share still averages the time before the admission (the
+        # others trained without it), so its ratio says nothing yet. With a window no
+        # longer than the busy-share window, a still-slow node passed its trial on those
+        # looks alone (seen with a 5 s window under load).
         ref = _median_at(series, now)
         for node, since in list(self.on_trial.items()):
             own = own_step_s.get(node, 0.0) if node in names else 0.0
-            if own > 0 and (since is None or (ref is not None and own / ref >= self.factor)):
-                self.on_trial[node] = now
+            if own <= 0:
+                continue
+            if since is None:
+                self.on_trial[node] = now + BUSY_WINDOW_S
+            elif ref is not None and own / ref >= self.factor:
+                self.on_trial[node] = max(now, since)
         passed = frozenset(n for n, since in self.on_trial.items()
                            if since is not None and now - since >= self.window_s
                            and n not in verdict.flagged)

@@ -163,9 +163,10 @@ def test_a_readmitted_straggler_still_slow_is_flagged_on_the_trial_window():
 
 
 def test_a_trial_passes_after_a_whole_window_at_speed_and_restarts_with_a_new_round():
-    """A re-admitted node that trains at the median for a whole window leaves the trial
-    (reported once in ``trials_passed``) and is judged on the full window after; a new
-    round before that restarts its trial, and so does one slow look."""
+    """A re-admitted node that trains at the median for a whole window, counted from one
+    busy-share window (5 s) after its first look in the round, leaves the trial (reported
+    once in ``trials_passed``) and is judged on the full window after; a new round before
+    that restarts its trial, and so does one slow look."""
     w = StragglerWatch(window_s=30.0)
     w.put_on_trial("c")
     members = ["a", "b", "c"]
@@ -174,7 +175,7 @@ def test_a_trial_passes_after_a_whole_window_at_speed_and_restarts_with_a_new_ro
         assert not w.observe(1, members, healthy, float(t)).trials_passed
     w.observe(2, members, healthy, 20.0)  # a new round: the trial starts again
     passed = [t for t in range(21, 60) if w.observe(2, members, healthy, float(t)).trials_passed]
-    assert passed == [50] and "c" not in w.on_trial
+    assert passed == [55] and "c" not in w.on_trial
     blip = StragglerWatch(window_s=30.0)
     blip.put_on_trial("c")
     looks = {t: healthy if t != 20 else {"a": 0.1, "b": 0.1, "c": 0.3} for t in range(60)}
@@ -183,6 +184,22 @@ def test_a_trial_passes_after_a_whole_window_at_speed_and_restarts_with_a_new_ro
     slow = {"a": 0.1, "b": 0.1, "c": 0.2}
     flagged = [t for t in range(60, 100) if w.observe(2, members, slow, float(t)).flagged]
     assert flagged and flagged[0] >= 60 + 24, flagged
+
+
+def test_a_trial_does_not_pass_on_the_looks_of_the_first_busy_share_window():
+    """A short window (5 s, the busy-share window's length): for the first 5 s after the
+    admission the others' busy shares still average the time they trained without the
+    node, so a still-slow node looks at speed. Those looks do not pass its trial; it is
+    flagged on trial once the looks show it slow (before this, it passed at t=5)."""
+    w = StragglerWatch(window_s=5.0)
+    w.put_on_trial("c")
+    members = ["a", "b", "c"]
+    looks = [{"a": 0.2, "b": 0.2, "c": 0.21} if t < 6 else {"a": 0.1, "b": 0.1, "c": 0.4}
+             for t in range(20)]
+    verdicts = [w.observe(1, members, looks[t], float(t)) for t in range(20)]
+    assert not any(v.trials_passed for v in verdicts)
+    flagged = [t for t, v in enumerate(verdicts) if v.flagged]
+    assert flagged and "on trial: 5s" in verdicts[flagged[0]].reason, flagged
 
 
 def test_a_flagged_node_on_trial_does_not_pass_it():
