@@ -29,6 +29,7 @@ __all__ = [
     "CheckpointReadError",
     "CheckpointReporter",
     "CheckpointSaveError",
+    "CheckpointSuspectError",
     "CheckpointUnreadableError",
     "CommitFence",
     "CommitOutcome",
@@ -67,6 +68,15 @@ class CheckpointMismatchError(CheckpointError, ConfigError):
 
 class CheckpointSaveError(CheckpointError, TransientError):
     """A background save failed; raised on the next call to the manager (or at close)."""
+
+
+class CheckpointSuspectError(CheckpointError, ConfigError):
+    """Every checkpoint that would load is marked suspect: the first loss after loading
+    each was NaN or infinite (:mod:`elasticd.worker.first_loss`).
+
+    Raised instead of starting from scratch; exits 78. The loss diverges from any saved
+    state, so the cause is the model, the data or the learning rate, not a restore.
+    """
 
 
 class CheckpointReadError(CheckpointError, TransientError):
@@ -161,6 +171,7 @@ class SkippedCheckpoint:
 
     url: str
     reason: str
+    suspect: bool = False  # marked suspect by a refused restore (its first loss not finite)
 
 
 @dataclass(frozen=True)

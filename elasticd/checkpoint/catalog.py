@@ -79,7 +79,7 @@ def check_resume(url: str, job: str, identity: RunIdentity, *,
     store = FsspecCheckpointStore(url, job, storage_options)
     foreign: Manifest | None = None
     for save in store.list_saves():  # newest first
-        if store.unreadable_reason(save):
+        if store.unreadable_reason(save) or store.suspect_reason(save):
             continue
         try:
             manifest = store.read_manifest(save.step, save.save_id)
@@ -150,7 +150,7 @@ def _inspect(store: FsspecCheckpointStore, save: ListedSave, verify: bool) -> Ch
             return None  # listed with its manifest, deleted since: pruned while we read
         return CheckpointInfo(**base, committed_at=None, world_size=0, valid=False, reason=str(exc))
     base["run_id"] = manifest.run_id
-    reason = listing_problem(manifest, save)
+    reason = listing_problem(manifest, save) or store.suspect_reason(save)
     if reason is None and manifest.job != store.job:
         reason = f"belongs to job {manifest.job!r}"
     if reason is None and verify:

@@ -41,7 +41,7 @@ import structlog
 import torch
 
 import elasticd
-from elasticd.checkpoint import reader, rng
+from elasticd.checkpoint import first_loss, reader, rng
 from elasticd.checkpoint import shards as shards_mod
 from elasticd.checkpoint.agent_defaults import AUTO_FENCE, AutoFence, agent_identity, resolve_fence
 from elasticd.checkpoint.api import (
@@ -50,6 +50,7 @@ from elasticd.checkpoint.api import (
     CheckpointReadError,
     CheckpointReporter,
     CheckpointSaveError,
+    CheckpointSuspectError,
     CommitFence,
     CommitOutcome,
     LoadedCheckpoint,
@@ -514,6 +515,15 @@ class CheckpointManager:
             loaded = self._load_once(template, skipped, targets)
             if loaded is not _RELIST:
                 if loaded is None:
+                    refused = [s for s in skipped if s.suspect]
+                    if refused:
+                        raise CheckpointSuspectError(
+                            f"every checkpoint of job {self.job!r} that would load is marked "
+                            f"suspect ({len(refused)}: the first loss after loading each was not "
+                            f"finite, newest {refused[0].url}): the loss diverges from any saved "
+                            "state, so look at the model, the data or the learning rate; delete "
+                            "the suspect.json files to load them again, or start the job afresh "
+                            "under a new --checkpoint-url")
                     for optim in fresh:  # nothing loaded: the optimizer starts as given
                         optim.state.clear()
                     self._log.info("checkpoint_not_found", url=self.store.job_url,
@@ -530,6 +540,7 @@ class CheckpointManager:
                                    skipped=len(skipped), seconds=round(seconds, 3))
                     if isinstance(self.fence, CheckpointReporter):
                         self.fence.loaded(loaded.step, seconds, loaded.nbytes)
+                    self._judge_first_loss(loaded)
                 return loaded
         raise CheckpointReadError(
             f"checkpoints under {self.store.job_url} kept disappearing while loading "
@@ -549,7 +560,8 @@ class CheckpointManager:
         if self.is_writer:
             candidates = reader.candidates(
                 self.store, self.fence.latest() if self.fence is not None else None,
-                lambda url, reason: self._skip(skipped, url, reason), self._log, self.identity)
+                lambda url, reason, **how: self._skip(skipped, url, reason, **how), self._log,
+                self.identity)
         while True:
             msg: Any = None
             if candidates is not None:
@@ -618,8 +630,26 @@ class CheckpointManager:
                                 skipped=tuple(skipped),
                                 nbytes=sum(f.size for f in manifest.files))
 
-    def _skip(self, skipped: list[SkippedCheckpoint], url: str, reason: str) -> None:
-        skipped.append(SkippedCheckpoint(url, reason))
+    def _judge_first_loss(self, loaded: LoadedCheckpoint) -> None:
+        """The next loss reported refuses this checkpoint if it is not finite: it is then
+        marked suspect and the restart loads the one before (elasticd/worker/first_loss.py)."""
+        key = self.store.parse_manifest_url(loaded.manifest_url)
+        if key is None:
+            return
+
+        def refuse(why: str, store: FsspecCheckpointStore = self.store) -> None:
+            try:
+                store.mark_suspect(key[0], key[1], why)
+            except Exception as exc:  # noqa: BLE001 - the restart must happen regardless
+                self._log.error("checkpoint_mark_suspect_failed", url=loaded.manifest_url,
+                                error=repr(exc)[:300])
+
+        first_loss.CHECK.restored(first_loss.Restore(
+            f"checkpoint step {loaded.step} ({loaded.manifest_url})", refuse))
+
+    def _skip(self, skipped: list[SkippedCheckpoint], url: str, reason: str, *,
+              suspect: bool = False) -> None:
+        skipped.append(SkippedCheckpoint(url, reason, suspect))
         if self.is_writer:
             self._log.warning("checkpoint_skipped", url=url, reason=reason)
 

@@ -37,12 +37,13 @@ OK, CORRUPT, UNREADABLE, VANISHED, FAILED, MISMATCH = 0, 1, 2, 3, 4, 5
 def candidates(
     store: FsspecCheckpointStore,
     pointer: CheckpointPointer | None,
-    skip: Callable[[str, str], None],
+    skip: Callable[..., None],
     log: Any,
     identity: RunIdentity | None = None,
 ) -> Iterator[tuple[str, str, Manifest] | tuple[str]]:
     """Yield ``("try", manifest_url, manifest)`` newest first, skipping (``skip(url,
-    reason)``) what the listing and the manifest alone show to be unusable.
+    reason)``; ``suspect=True`` for a save a refused restore marked) what the listing and
+    the manifest alone show to be unusable.
 
     With a pointer, it comes first and only older checkpoints follow: anything newer, or
     another save of its step, was never committed. A pointer that is not a checkpoint of
@@ -59,10 +60,10 @@ def candidates(
     listed = {(s.step, s.save_id): s for s in store.list_saves()}
     skipped_here = False
 
-    def skip_one(url: str, reason: str) -> None:
+    def skip_one(url: str, reason: str, **how: bool) -> None:
         nonlocal skipped_here
         skipped_here = True
-        skip(url, reason)
+        skip(url, reason, **how)
 
     order = sorted(listed, key=lambda k: (k[0], listed[k].created_at, k[1]), reverse=True)
     if pointer is not None and identity.run_id and pointer.run_id not in ("", identity.run_id):
@@ -86,6 +87,10 @@ def candidates(
         save = listed.get((step, save_id))
         if save is None:
             skip_one(url, "pointed to by the fence but missing from storage")
+            continue
+        suspect = store.suspect_reason(save)
+        if suspect:
+            skip_one(url, suspect, suspect=True)
             continue
         try:
             problem = store.unreadable_reason(save)

@@ -18,8 +18,10 @@ Checksums (CRC-32) are computed while writing and checked while reading, in one 
 from __future__ import annotations
 
 import errno
+import json
 import os
 import threading
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -56,6 +58,11 @@ REFUSED_ERRNOS = frozenset({errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOSPC
 # Errors that name a problem with one path, not with the storage as a whole: retrying does
 # not help, so readers skip that save (path named) instead of failing the whole load.
 _PATH_ERRORS = (PermissionError, IsADirectoryError, NotADirectoryError)
+
+
+# Beside a save's manifest: the first loss after a restore from it was not finite
+# (elasticd/worker/first_loss.py). Readers skip the save; retention treats it as any other.
+SUSPECT_NAME = "suspect.json"
 
 
 class CheckpointVanishedError(CheckpointCorruptError):
@@ -525,6 +532,19 @@ class FsspecCheckpointStore:
         name = sorted(save.dirs)[0]
         return (f"{self.save_url(save.step, save.save_id)}/{name} is a directory where a file "
                 "belongs: skipped and never pruned; remove or rename it")
+
+    def suspect_reason(self, save: ListedSave) -> str | None:
+        """Why ``save`` is not loaded when a refused restore marked it suspect, else None."""
+        if SUSPECT_NAME not in save.files:
+            return None
+        return (f"marked suspect: the first loss after loading it was not finite (see "
+                f"{self.save_url(save.step, save.save_id)}/{SUSPECT_NAME}); delete that file "
+                "to load it again")
+
+    def mark_suspect(self, step: int, save_id: str, reason: str) -> None:
+        """Mark a save suspect (``suspect.json`` with ``reason``): no reader loads it again."""
+        data = json.dumps({"reason": reason[:2000], "at": time.time()}).encode()
+        self.publish_file(step, save_id, SUSPECT_NAME, data)
 
     def _unreadable(self, path: str, exc: OSError) -> CheckpointUnreadableError:
         return CheckpointUnreadableError(

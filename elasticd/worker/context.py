@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from elasticd import teardown
+from elasticd.checkpoint import first_loss
 from elasticd.checkpoint.cadence import SaveCadence
 from elasticd.control import (
     API_PREFIX,
@@ -655,7 +656,14 @@ def report_progress(step: int, *, epoch: int = 0, samples: int = 0, loss: float 
     0.2 s unless ``force``); a report that comes sooner is sent once the interval has
     passed, so the agent always learns the newest step. A no-op without an agent.
     ``cadence`` (``[checkpoint] every = "auto"``) is shown by ``elasticd status``.
+
+    The first ``loss`` after a restore is checked (:mod:`elasticd.worker.first_loss`): a NaN
+    or an infinity refuses the restored state. Without a ``LiveState`` this raises
+    :class:`~elasticd.worker.first_loss.RestoreRefusedError` (the agent restarts the group
+    and the checkpoint before is loaded); with one, ``LiveState.step_done`` settles it on
+    every rank, so report the loss before calling it.
     """
+    first_loss.CHECK.saw_loss(step, None if loss is None else float(loss))
     _RUNTIME.report_progress(
         lambda ctx: StepReport(local_rank=ctx.local_rank, rank=ctx.rank, step=max(step, -1),
                                epoch=max(epoch, 0), samples=max(samples, 0),

@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 
 import elasticd.worker.context as wctx
+from elasticd.checkpoint import first_loss
 from elasticd.control.api import LIVE_TIMEOUT_DEFAULT_S
 from elasticd.control.messages import LeaveReason
 from elasticd.errors import ConfigError
@@ -151,6 +152,7 @@ class LiveState:
                          if sharded is not None else None)
         if self.enabled:
             self._link.start_watch()
+        first_loss.CHECK.agreed_by_live = True  # step_done settles the first loss, every rank
 
     # -- the loop's three calls ---------------------------------------------------------
     def resume(self, load: Callable[[], int]) -> int:
@@ -181,6 +183,11 @@ class LiveState:
         """
         self.step = step
         self._has_state = True
+        # The first step after a restore: did any rank's loss come out NaN or infinite?
+        # Then nothing of this state may be kept (a replica refreshed, a drain saved): every
+        # rank leaves for the next tier at this same step.
+        if first_loss.CHECK.pending is not None:
+            self._judge_first_loss(step)
         if self._sharded is not None:
             self._sharded.after_step(step)
         if not wctx.should_stop(step):
@@ -194,6 +201,16 @@ class LiveState:
             wctx.fast_exit(0)  # survivors hold this state: no checkpoint to write
         self._reform(LeaveReason.ORDERED if wctx.reform_ordered() else LeaveReason.AGREED_STOP)
         raise Reformed(f"re-formed at the agreed step {step}")
+
+    def _judge_first_loss(self, step: int) -> None:
+        """Every rank, at the first step after a restore: leave for the next tier if any
+        rank's loss was NaN or infinite (:mod:`elasticd.checkpoint.first_loss`)."""
+        ctx = wctx.current_context()
+        refused = first_loss.CHECK.agree(step, ctx.device if ctx.backend == "nccl" else None)
+        if refused:
+            if self.enabled:
+                self._fall_back(refused)
+            raise first_loss.RestoreRefusedError(refused)
 
     @contextlib.contextmanager
     def guard(self) -> Iterator[None]:
@@ -273,6 +290,10 @@ class LiveState:
         self.step = synced.step
         self._has_state = True
         self.agreed_in_memory = synced.agreed_in_memory
+        if synced.transferred:
+            first_loss.CHECK.restored(first_loss.Restore(synced.transferred))
+        elif synced.agreed_in_memory:
+            first_loss.CHECK.forget()  # the same on every rank (a load sets it on every rank)
 
     def _sync_replicated(self, load: Callable[[], int] | None) -> Synced:
         """The replicated (DDP) agreement: the newest step's holder broadcasts to those behind."""
@@ -310,7 +331,8 @@ class LiveState:
             self._log.info("live_state_received" if ctx.rank in behind else "live_state_sent",
                            step=newest, source=src, receivers=behind,
                            seconds=round(time.monotonic() - t0, 3))
-        return Synced(newest, agreed_in_memory=True)
+        return Synced(newest, agreed_in_memory=True,
+                      transferred=f"the state rank {src} sent at step {newest}")
 
     def _finite(self, event: str) -> bool:
         """Does this rank's state hold only finite values? If not, log ``event`` and why."""

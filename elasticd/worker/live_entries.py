@@ -45,10 +45,14 @@ class Synced:
         step: the last completed step the group agreed on (-1: none).
         agreed_in_memory: True when the ranks agreed on a state in memory (every rank
             holds the same one); False when each loaded it (a DDP wrapper must sync).
+        transferred: what was sent to the ranks behind, for the first-loss check
+            (:mod:`elasticd.checkpoint.first_loss`); "" when nothing was. The same on every
+            rank (it follows from the plan every rank computed).
     """
 
     step: int
     agreed_in_memory: bool
+    transferred: str = ""
 
 
 def load_fresh(load: Callable[[], int] | None) -> Synced:

@@ -251,7 +251,8 @@ class ShardedResync:
         self._log.info("live_shards_remeshed", step=plan.step, kept=ctx.rank in plan.keepers,
                        shard_size=int(mesh.size(-1)), rebuild_s=round(rebuilt - t0, 3),  # type: ignore[attr-defined]
                        transfer_s=round(time.monotonic() - rebuilt, 3))
-        return Synced(plan.step, agreed_in_memory=True)
+        return Synced(plan.step, agreed_in_memory=True,
+                      transferred=f"the shards sent at step {plan.step}" if plan.transfers else "")
 
     def _rebuild(self, mesh: object, *, keep: bool, optimizers: list[torch.optim.Optimizer]) -> None:
         """Re-apply the job's parallelize on ``mesh``; the state's module entry becomes the new module."""
@@ -330,7 +331,8 @@ class ShardedResync:
                        else "peer-RAM replicas", old_world=plan.old_world, world_size=dist.get_world_size(),
                        steps_rolled_back=max(lost, 0), bytes_received=moved,
                        seconds=round(time.monotonic() - t0, 3))
-        return Synced(plan.step, agreed_in_memory=True)
+        return Synced(plan.step, agreed_in_memory=True,
+                      transferred=f"the shards resharded in memory at step {plan.step}")
 
     def _check_received(self, what: str, step: int) -> None:
         """After a transfer: a NaN or an infinity in what arrived sends the job one tier

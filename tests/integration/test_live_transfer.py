@@ -212,7 +212,8 @@ def test_a_non_finite_state_is_never_sent_and_with_none_usable_the_ranks_fall_ba
     (logged with the reason), the other holder (rank 2) feeds ranks 0 and 1, and all end
     with rank 2's finite state; a second re-formation where every rank's state is
     non-finite sends nothing: every rank falls back to the restart path (exit 0, the
-    checkpoint tier), naming why, instead of re-forming in a loop."""
+    checkpoint tier), naming why, instead of re-forming in a loop. Between the two, one
+    rank's NaN first loss after the transfer refuses it on every rank at the same step."""
     script = ROOT / "tests" / "workers" / "non_finite_transfer.py"
     port, reform, reform2 = free_port(), free_port(), free_port()
     procs, logs = [], []
@@ -246,6 +247,11 @@ def test_a_non_finite_state_is_never_sent_and_with_none_usable_the_ranks_fall_ba
     assert "live_state_sent" in round1[2] and "live_state_not_offered" in text[2]  # round 2
     for r in (0, 1):
         assert "live_state_received" in round1[r] and "source=2" in round1[r], text[r][-2000:]
+    refused = [(tmp_path / f"refused{r}.txt").read_text() for r in range(3)]
+    assert "was nan at step 42" in refused[1], refused  # the rank that saw it
+    assert all("first loss after restoring the state rank 2 sent at step 41" in t
+               or "another rank's first loss after restoring the state rank 2 sent" in t
+               for t in refused), refused
     for r in range(3):  # round 2: every rank fell back, naming why
         stopped = [f for f in (tmp_path / f"cd{r}").iterdir() if f.name.startswith("stopped")]
         assert stopped, f"rank {r} did not fall back: {text[r][-2000:]}"

@@ -2,7 +2,9 @@
 
 Round 1 (``REFORM_PORT``): ranks 0 and 2 hold step 41, rank 0's weights hold a NaN, rank
 1 holds nothing; rank 2 must be the source of both. Writes rank<r>.json (step, whether the
-state is finite, its fingerprint). Round 2 (``REFORM_PORT2``): every rank's weights hold a
+state is finite, its fingerprint). Then rank 1 reports a NaN first loss after that
+transfer: every rank's ``step_done`` refuses the transferred state (refused<r>.txt: why;
+no agent, so it raises rather than falling back). Round 2 (``REFORM_PORT2``): every rank's weights hold a
 NaN; nobody may be a source, so every rank falls back to the restart path (exit 0, its
 ``stopped`` marker names why). Env: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT,
 ELASTICD_CONTROL_DIR, OUT.
@@ -21,10 +23,11 @@ import torch
 def main() -> int:
     import torch.distributed as dist
 
+    from elasticd.checkpoint.first_loss import RestoreRefusedError
     from elasticd.control.messages import LeaveReason
     from elasticd.control.reform import ReformOrder, write_order
     from elasticd.worker import LiveState
-    from elasticd.worker.context import control_dir, init
+    from elasticd.worker.context import control_dir, init, report_progress
     from elasticd.worker.fingerprint import fingerprint, non_finite, state_tensors
 
     init("gloo", timeout_s=60)
@@ -49,6 +52,14 @@ def main() -> int:
         tensors = state_tensors(state)
         (out / f"rank{rank}.json").write_text(json.dumps(
             {"step": live.step, "finite": not non_finite(tensors), "print": fingerprint(tensors)}))
+        if round_ == 1:  # the first loss after the transfer: NaN on rank 1 alone
+            report_progress(42, loss=float("nan") if rank == 1 else 0.5)
+            try:
+                live.step_done(42)
+                refused = ""
+            except RestoreRefusedError as exc:  # every rank, at the same step
+                refused = str(exc)
+            (out / f"refused{rank}.txt").write_text(refused)
         with torch.no_grad():
             model.weight[0, 0] = float("inf")  # for round 2: nobody holds a usable state
     return 1  # not reached
