@@ -268,6 +268,10 @@ class AgentMetrics:
 
         class _Server(ThreadingHTTPServer):
             daemon_threads = True
+            # socketserver's default backlog is 5: a burst of connections (scrapers, a
+            # dashboard's panels) beyond it waited on SYN retransmits (1, 2, 4 s...) before
+            # this loop even saw them. The cap below closes the excess at once instead.
+            request_queue_size = 128
             address_family = socket.AF_INET6 if ":" in addr else socket.AF_INET
 
             def process_request(self, request, client_address):  # type: ignore[no-untyped-def]
