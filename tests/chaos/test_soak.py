@@ -186,8 +186,9 @@ def _one_run(run_dir: Path, seed: int, reference: list[dict], ref_params: dict) 
         retrained = retrained_steps(rows)
         fell_back = [json.loads(line) for node in started for line in node.log().splitlines()
                      if '"live_reform_fell_back"' in line and line.startswith("{")]
+        rejoined = sum(node.log().count('"lease_not_resurrected"') for node in started)
         starts = worker_starts(rows, nodes_started=len(started), nodes_frozen=len(frozen),
-                               fallbacks=len(fell_back))
+                               fallbacks=len(fell_back), rejoins=rejoined)
         unexplained = unexplained_retrained(retrained, checkpoint_every=CHECKPOINT_EVERY,
                                             fallback_rounds=len({f.get("round") for f in fell_back}))
         if unexplained:

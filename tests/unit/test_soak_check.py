@@ -65,3 +65,12 @@ def test_a_fallback_to_a_restart_explains_one_start_and_the_steps_since_the_chec
     assert unexplained_retrained([114], fallback_rounds=0, checkpoint_every=5) == [114]
     six = list(range(110, 116))
     assert unexplained_retrained(six, fallback_rounds=1, checkpoint_every=5) == six
+
+
+def test_a_node_not_resurrected_after_an_etcd_outage_explains_one_start():
+    """Soak seed 71211: etcd killed while a frozen node rejoined; another node's lease was
+    gone when etcd came back and the round state had moved, so it rejoined as a new member
+    (``lease_not_resurrected``) with new workers: explained, once per such rejoin."""
+    rows = [_row(0, 1, 0, [], [], pid=p) for p in (10, 11, 12)]
+    assert worker_starts(rows, nodes_started=2, nodes_frozen=0, rejoins=1).unexplained == 0
+    assert worker_starts(rows, nodes_started=2, nodes_frozen=0, rejoins=0).unexplained == 1
