@@ -264,7 +264,8 @@ class RoundCoordinator:
         if self.hang_eject_s <= 0:
             return None, None
         verdict = self._hangs.verdict(state.round, state.members, now=now, floor_s=self.hang_eject_s,
-                                      min_nodes=self.min_nodes)
+                                      min_nodes=self.min_nodes,
+                                      blind_until=self.client.last_trouble_at)
         if verdict.reason != self._last_hang_reason:
             self._log.debug("hang_looked", node=verdict.node, reason=verdict.reason)
             self._last_hang_reason = verdict.reason

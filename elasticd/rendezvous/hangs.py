@@ -70,7 +70,8 @@ class HangVerdict:
 
 
 def find_hung(progress: Mapping[str, NodeProgress], *, now: float, stall_s: float,
-              min_nodes: int = 1, busy_stall_s: float | None = None) -> HangVerdict:
+              min_nodes: int = 1, busy_stall_s: float | None = None,
+              blind_until: float = float("-inf")) -> HangVerdict:
     """Name the node that hangs the job, if the facts name exactly one. Pure.
 
     Args:
@@ -83,6 +84,12 @@ def find_hung(progress: Mapping[str, NodeProgress], *, now: float, stall_s: floa
             loop, or legitimate work on one rank such as an evaluation) must stall the
             job before it is named (default: ``stall_s``); a stopped worker or a node
             behind that waits is named after ``stall_s``.
+        blind_until: until when (same clock) the coordinator could not see progress: the
+            latest etcd trouble it saw. Progress reaches it through etcd, so a stall counts
+            from then at the earliest. Soak seed 72005: after a 4.9 s etcd freeze the
+            coordinator read the beats at once, before its own node's report was written
+            again, took the freeze for 5 s without progress and ejected its own node; both
+            members restarted and 9 steps were retrained from the checkpoint.
 
     Returns:
         The node and the reason; ``node`` is None when the job progresses, when it has
@@ -91,7 +98,7 @@ def find_hung(progress: Mapping[str, NodeProgress], *, now: float, stall_s: floa
     """
     if len(progress) < 2:
         return HangVerdict(None, "fewer than two members: nobody to tell apart")
-    latest = max(p.advanced_at for p in progress.values())
+    latest = max(max(p.advanced_at for p in progress.values()), blind_until)
     if now - latest < stall_s:
         return HangVerdict(None, "the job makes progress")
     stalled = now - latest
@@ -250,12 +257,13 @@ class HangWatch:
             node in self.seen and self.seen[node].step >= 0 for node in members)
 
     def verdict(self, round_: int, members: Iterable[str], *, now: float, floor_s: float,
-                min_nodes: int) -> HangVerdict:
+                min_nodes: int, blind_until: float = float("-inf")) -> HangVerdict:
         """``find_hung`` over the members of ``round_``, with ``stall_threshold``; None
-        until armed."""
+        until armed. ``blind_until``: as for ``find_hung`` (the latest etcd trouble)."""
         names = list(members)
         if not self.armed(round_, names):
             return HangVerdict(None, "not every member reported a step in this round yet")
         stall = stall_threshold(floor_s, (self.step_s.get(n, 0.0) for n in names))
         return find_hung({n: self.seen[n] for n in names}, now=now, stall_s=stall,
-                         min_nodes=min_nodes, busy_stall_s=BUSY_STALL_FACTOR * stall)
+                         min_nodes=min_nodes, busy_stall_s=BUSY_STALL_FACTOR * stall,
+                         blind_until=blind_until)

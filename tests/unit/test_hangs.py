@@ -34,6 +34,18 @@ def test_the_one_node_behind_a_stalled_job_is_named() -> None:
     assert v.node == "b" and "behind at step 9" in v.reason
 
 
+def test_a_stall_counts_from_the_latest_etcd_trouble_the_coordinator_saw() -> None:
+    """Soak seed 72005: progress reaches the coordinator through etcd, so an etcd freeze
+    looks like a stall. Read the moment etcd is back (its own node's report not yet written
+    again), the job seemed stalled 5 s with that node behind; counted from the end of the
+    trouble it has not stalled, and nobody is named until it truly does."""
+    progress = {"n4": _p(87, 95.0), "n5": _p(85, 94.0)}
+    assert find_hung(progress, now=100.0, stall_s=5).node == "n5"  # before the fix
+    v = find_hung(progress, now=100.0, stall_s=5, blind_until=99.9)
+    assert v.node is None and "progress" in v.reason
+    assert find_hung(progress, now=105.0, stall_s=5, blind_until=99.9).node == "n5"
+
+
 def test_equal_steps_name_the_stopped_or_busy_node_only_if_the_others_wait() -> None:
     """Same step everywhere: the node whose workers are stopped (or busy) while every
     other waits is named; unknown activity or two odd nodes name nobody."""
