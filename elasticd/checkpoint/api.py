@@ -72,7 +72,7 @@ class CheckpointSaveError(CheckpointError, TransientError):
 
 class CheckpointSuspectError(CheckpointError, ConfigError):
     """Every checkpoint that would load is marked suspect: the first loss after loading
-    each was NaN or infinite (:mod:`elasticd.worker.first_loss`).
+    each was NaN or infinite (:mod:`elasticd.checkpoint.first_loss`).
 
     Raised instead of starting from scratch; exits 78. The loss diverges from any saved
     state, so the cause is the model, the data or the learning rate, not a restore.

@@ -632,14 +632,10 @@ class CheckpointManager:
 
     def _judge_first_loss(self, loaded: LoadedCheckpoint) -> None:
         """The next loss reported refuses this checkpoint if it is not finite: it is then
-        marked suspect and the restart loads the one before (elasticd/worker/first_loss.py)."""
-        key = self.store.parse_manifest_url(loaded.manifest_url)
-        if key is None:
-            return
-
-        def refuse(why: str, store: FsspecCheckpointStore = self.store) -> None:
+        marked suspect and the restart loads the one before (elasticd/checkpoint/first_loss.py)."""
+        def refuse(why: str) -> None:
             try:
-                store.mark_suspect(key[0], key[1], why)
+                self.store.mark_suspect(loaded.step, loaded.save_id, why)
             except Exception as exc:  # noqa: BLE001 - the restart must happen regardless
                 self._log.error("checkpoint_mark_suspect_failed", url=loaded.manifest_url,
                                 error=repr(exc)[:300])

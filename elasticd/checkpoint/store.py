@@ -61,7 +61,7 @@ _PATH_ERRORS = (PermissionError, IsADirectoryError, NotADirectoryError)
 
 
 # Beside a save's manifest: the first loss after a restore from it was not finite
-# (elasticd/worker/first_loss.py). Readers skip the save; retention treats it as any other.
+# (elasticd/checkpoint/first_loss.py). Readers skip the save; retention treats it as any other.
 SUSPECT_NAME = "suspect.json"
 
 

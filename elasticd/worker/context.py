@@ -657,9 +657,9 @@ def report_progress(step: int, *, epoch: int = 0, samples: int = 0, loss: float 
     passed, so the agent always learns the newest step. A no-op without an agent.
     ``cadence`` (``[checkpoint] every = "auto"``) is shown by ``elasticd status``.
 
-    The first ``loss`` after a restore is checked (:mod:`elasticd.worker.first_loss`): a NaN
+    The first ``loss`` after a restore is checked (:mod:`elasticd.checkpoint.first_loss`): a NaN
     or an infinity refuses the restored state. Without a ``LiveState`` this raises
-    :class:`~elasticd.worker.first_loss.RestoreRefusedError` (the agent restarts the group
+    :class:`~elasticd.checkpoint.first_loss.RestoreRefusedError` (the agent restarts the group
     and the checkpoint before is loaded); with one, ``LiveState.step_done`` settles it on
     every rank, so report the loss before calling it.
     """
