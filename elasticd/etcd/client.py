@@ -50,7 +50,13 @@ from elasticd.etcd.gateway import gateway_endpoints, in_grpc_fork_child, note_gr
 from elasticd.etcd.kv import KV, WatchEvent, kv_map
 from elasticd.etcd.lease import LeaseKeeper
 from elasticd.etcd.txn import Compare, DeletePrefix, ModRevision, Op, Put, raw_compare, raw_op
-from elasticd.etcd.watch import WATCH_HEALTH_INTERVAL_S, PrefixWatch, WatchHandle, cancel_on
+from elasticd.etcd.watch import (
+    WATCH_HEALTH_INTERVAL_S,
+    PrefixWatch,
+    StreamClosedError,
+    WatchHandle,
+    cancel_on,
+)
 
 if TYPE_CHECKING:
     from elasticd.config.model import EtcdConfig
@@ -87,6 +93,8 @@ _NOSPACE = re.compile(r"(?i)database space exceeded|NOSPACE")
 # gRPC in a process forked while the parent's gRPC was busy: sendmsg() refused a socket
 # (fds carry the fork generation they were made in), the request never left.
 _STALE_AFTER_FORK = re.compile(r"Wrong file descriptor generation")
+# A watch create finds its stream closed (replaced) at most this many times in a row.
+_WATCH_CREATE_TRIES = 3
 NOSPACE_FIX = ("etcd raised its NOSPACE alarm (database space exceeded) and refuses writes: "
                "compact and defragment etcd, then `etcdctl alarm disarm` "
                "(docs/deployment.md#etcd-space-compaction-and-nospace)")
@@ -550,16 +558,21 @@ class EtcdClient:
         ``cancel_watch``, on that stream: see ``WatchHandle``)."""
 
         def add(c: etcd3.MultiEndpointEtcd3Client) -> WatchHandle:
-            watcher = c.watcher  # the stream this watch is created on, held with its id
-            try:
-                wid = watcher.add_callback(prefix, callback, range_end=_range_end(prefix, range_end),
-                                           start_revision=start_revision)
-            except grpc.RpcError as exc:
-                c._manage_grpc_errors(exc)  # as add_watch_callback: fail the endpoint, re-raise
-                raise
-            except queue.Empty as exc:
-                raise etcd3.exceptions.WatchTimedOut() from exc
-            return WatchHandle(watcher, int(wid))
+            for _ in range(_WATCH_CREATE_TRIES):
+                watcher = c.watcher  # the stream this watch is created on, held with its id
+                try:
+                    wid = watcher.add_callback(prefix, callback,
+                                               range_end=_range_end(prefix, range_end),
+                                               start_revision=start_revision)
+                except StreamClosedError:
+                    continue  # the client replaced that stream meanwhile: on the current one
+                except grpc.RpcError as exc:
+                    c._manage_grpc_errors(exc)  # as add_watch_callback: fail the endpoint, re-raise
+                    raise
+                except queue.Empty as exc:
+                    raise etcd3.exceptions.WatchTimedOut() from exc
+                return WatchHandle(watcher, int(wid))
+            raise etcd3.exceptions.WatchTimedOut()  # streams replaced faster than one answers
 
         return self.call(add)
 

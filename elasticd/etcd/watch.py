@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import queue
 import threading
+import time
 import types
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -41,6 +42,16 @@ if not hasattr(etcd3.watch, "six"):
     etcd3.watch.six = types.SimpleNamespace(itervalues=lambda d: iter(list(d.values())))  # type: ignore[attr-defined]
 
 
+class StreamClosedError(Exception):
+    """A watch create was waiting on a stream the client has since closed and replaced (it
+    does so on every failed call: ``_clear_old_stubs``). Nothing would ever send the create:
+    it used to wait out the whole call timeout, and the creates queued behind it on that
+    stream each waited out one more, so after an etcd restart a node's last watch came back
+    seconds after etcd did (soak seeds 73010, 73020: a coordinator's ``joins`` watch was
+    deaf for 6 s and 9 s). ``EtcdClient.add_watch`` retries at once on the current stream.
+    """
+
+
 # Work-around: python3-etcd3 (0.13) pairs a watch's "created" answer with whichever create
 # is pending when it arrives. A create that timed out (etcd slow or restarting) still gets
 # its answer later, and if another create is pending by then, that one is handed the
@@ -65,20 +76,27 @@ def _add_callback(self: Any, key: Any, callback: Any, range_end: Any = None,
             self._callback_thread = threading.Thread(name=f"etcd3_watch_{id(self):x}",
                                                      target=self._run, daemon=True)
             self._callback_thread.start()
-        while self._new_watch:
+        while self._new_watch and not _closed(self):
             self._new_watch_cond.wait()
+        if _closed(self):
+            raise StreamClosedError()
         new_watch = etcd3.watch._NewWatch(callback)
         queue = self._request_queue
         queue.put(rq)
         self._new_watch = new_watch
         try:
-            self._new_watch_cond.wait(timeout=self.timeout)
+            deadline = time.monotonic() + self.timeout
+            while new_watch.id is None and new_watch.err is None and not _closed(self):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._new_watch_cond.wait(timeout=left)
             if new_watch.id is None and new_watch.err is None:
                 # Its answer may still come, on this stream: it is a ghost's.
                 if getattr(self, "_ghost_queue", None) is not queue:
                     self._ghost_queue, self._ghosts = queue, 0
                 self._ghosts += 1
-                raise etcd3.exceptions.WatchTimedOut()
+                raise StreamClosedError() if _closed(self) else etcd3.exceptions.WatchTimedOut()
             if new_watch.err:
                 raise new_watch.err
         finally:
@@ -104,10 +122,18 @@ _original_close = etcd3.watch.Watcher.close
 
 
 def _close(self: Any) -> None:
-    # Remember which request queue was closed: nobody reads it any more (see cancel_on).
+    # Remember which request queue was closed: nobody reads it any more (see cancel_on and
+    # StreamClosedError). Creates waiting on this stream give up at once.
     with self._lock:
         self._closed_queue = self._request_queue
+        self._new_watch_cond.notify_all()
     _original_close(self)
+
+
+def _closed(watcher: Any) -> bool:
+    """The client closed ``watcher``'s request side (it replaced the stream): a create put
+    there now is never sent (under the watcher's lock)."""
+    return getattr(watcher, "_closed_queue", None) is watcher._request_queue
 
 
 if not getattr(etcd3.watch.Watcher, "_elasticd_patched", False):
@@ -211,6 +237,10 @@ class PrefixWatch:
             self._client.cancel_watch(wid)
         if threading.current_thread() is not self._thread:
             self._thread.join(timeout=5)
+
+    @property
+    def name(self) -> str:
+        return self._name
 
     @property
     def revision(self) -> int:
