@@ -31,7 +31,15 @@ from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElas
 from torch.distributed.elastic.rendezvous import RendezvousGracefulExitError
 
 from elasticd.agent.commits import CommitRetrier
-from elasticd.agent.policy import STARTUP_S, Decision, Facts, GroupState, Verdict, decide
+from elasticd.agent.policy import (
+    REFORM_TIMED_OUT,
+    STARTUP_S,
+    Decision,
+    Facts,
+    GroupState,
+    Verdict,
+    decide,
+)
 from elasticd.agent.recorder import JobRecorder
 from elasticd.agent.reform import LIVE_VERDICTS, LiveReformation, LiveReformer, PlainScriptWatch
 from elasticd.agent.standbys import StandbyCare
@@ -415,6 +423,8 @@ class ElasticdAgent(LocalElasticAgent):
             self._set_state("training")  # the record said re-forming since the order
         elif v is Verdict.LIVE_FALLBACK:
             self.live.fell_back(decision.reason)
+            if decision.reason == REFORM_TIMED_OUT:
+                self._dump_stacks()  # where they hung, in the log (worker_output lines)
             self.phase = self.phase.fault(now)
             # The workers already had live_reform_timeout_s and are stuck (frozen, or in a
             # collective with a dead peer): torch's stop would give them 30 s more for a

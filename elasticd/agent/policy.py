@@ -73,6 +73,11 @@ REGISTRATION_FACTOR = 2.0
 REGISTRATION_SLACK_S = 10.0
 
 
+# Why a live re-formation fell back when its workers were still at it when the bound passed
+# (the agent asks them for their stacks first: where they hung is in the log).
+REFORM_TIMED_OUT = "workers did not re-form within the bound"
+
+
 class Verdict(enum.Enum):
     CONTINUE = "continue"  # keep monitoring
     START_DRAIN = "start_drain"  # ask workers to stop at the next step
@@ -322,7 +327,7 @@ def _decide_live(f: Facts, live: LiveFacts, restart: Decision) -> Decision:
             return Decision(Verdict.LIVE_FALLBACK, "membership changed again during the "
                             f"re-formation ({f.membership.value})")
         if live.deadline_passed:
-            return Decision(Verdict.LIVE_FALLBACK, "workers did not re-form within the bound")
+            return Decision(Verdict.LIVE_FALLBACK, REFORM_TIMED_OUT)
         return Decision(Verdict.LIVE_WAIT, "waiting for workers to re-form")
     if live.parked_any_failure:
         return Decision(Verdict.REFORM_LIVE, "a collective failed (a peer is gone): "
