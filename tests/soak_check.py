@@ -92,7 +92,8 @@ def worker_starts(rows: Iterable[Mapping], *, nodes_started: int, nodes_frozen: 
     lease etcd dropped in an outage while the round state moved (another node opened or
     joined a round) rejoins as a new member and restarts its workers, by design
     (docs/failure-model.md); soak seed 71211 was that case (an etcd kill while a frozen
-    node rejoined)."""
+    node rejoined), and 74008 (its view already showed the round a peer opened the moment
+    etcd came back: it said nothing until the event was logged on that path too)."""
     return WorkerStarts(seen=len({r["pid"] for r in rows}),
                         allowed=(nodes_started + nodes_frozen + fallbacks + rejoins) * nproc)
 

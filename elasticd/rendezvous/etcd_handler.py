@@ -659,10 +659,15 @@ class EtcdRendezvousHandler(RendezvousHandler):
             True if this node re-registered in its round (its workers may go on).
         """
         my_round = self.session.round
+        trouble = self._etcd_trouble()
         allowed, reason = may_resurrect(self._view.snapshot()[0].state, my_round, self.node_id,
-                                        lease_lost=self.lease_lost.is_set(),
-                                        etcd_trouble=self._etcd_trouble())
+                                        lease_lost=self.lease_lost.is_set(), etcd_trouble=trouble)
         if not allowed:
+            if trouble and my_round is not None and self.lease_lost.is_set():
+                # Lost to etcd's outage, but a round was opened meanwhile (soak seed 74008:
+                # a node that saw its peer die opened one the moment etcd was back): we
+                # rejoin as a new member, as when the re-registration's compare fails.
+                self._log.warning("lease_not_resurrected", round=my_round, reason=reason)
             return False
         # Fenced by the round state: our view may be stale (etcd just came back), and a
         # node that saw the loss may have opened the next round meanwhile; re-registering

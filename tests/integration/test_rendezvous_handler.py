@@ -773,6 +773,46 @@ def test_resurrection_is_fenced_by_the_round_state(handlers):
     assert now is not None and kept is not None
     assert (now.create_revision, now.lease) == (kept.create_revision, kept.lease), \
         "a fenced-out re-registration wrote the node record"
+@pytest.mark.timeout(60)
+def test_a_lease_lost_to_an_outage_after_the_round_moved_says_it_is_not_resurrected(own_handlers,
+                                                                                     etcd_server):
+    """A node whose lease expired while the job opened the next round (soak seed 74008: a
+    peer opened it the moment etcd came back) is not re-registered in its old round; after
+    etcd trouble it says so (``lease_not_resurrected``, the event docs/failure-model.md
+    names) and rejoins as a new member. A node whose lease went while etcd was fine (it
+    was frozen itself) says nothing of the kind."""
+    from structlog.testing import capture_logs
+
+    from elasticd.records import RoundState
+
+    h = own_handlers.make("moved", "n0", etcd_timeout_s=0.5)
+    results(own_handlers.join([h]))
+    other = EtcdClient(etcd_server.endpoint, timeout_s=2.0)
+    try:
+        moved = RoundState(1, "open", ["n0"], 1, 4, opened_at=time.time(), cause="member_lost",
+                           changed=["n0"])
+        assert other.put_if(h.keys.rdzv_state, moved.to_json(), mod_revision=h.session.state_rev)
+        wait_until(lambda: h.view().state is not None and h.view().state.round == 1, 10,
+                   "the handler's watch to see round 1")
+        other.revoke_lease(h.lease_id)
+        wait_until(h.lease_lost.is_set, 10, "the keep-alive to find the lease gone")
+        with capture_logs() as frozen:
+            assert h.try_resurrect() is False
+        assert not [e for e in frozen if e["event"] == "lease_not_resurrected"], frozen
+        etcd_server.pause()  # etcd trouble, as this node sees it: a call times out
+        try:
+            with pytest.raises(EtcdUnavailableError):
+                h.client.get(h.keys.rdzv_state)
+        finally:
+            etcd_server.resume()
+        with capture_logs() as outage:
+            assert h.try_resurrect() is False
+        (said,) = [e for e in outage if e["event"] == "lease_not_resurrected"]
+        assert said["round"] == 0 and "moved on" in said["reason"], said
+    finally:
+        other.close()
+
+
 @pytest.mark.timeout(30)
 def test_rendezvous_store_bounds_what_it_accepts(etcd_client):
     """elasticd's etcd-backed c10d store refuses a value over 64 KiB (nothing is written)
