@@ -90,6 +90,8 @@ class RoundCoordinator:
         finalize: writes FINALIZE (CAS of the state key); returns True if it won.
         open_next: writes OPEN_NEXT with its cause (CAS, then the opener's bookkeeping).
         defer_lost_until: when lost members must not be acted on yet (etcd trouble), or None.
+        hold_previous_until: until when an open round's last call waits for members of the
+            previous round (etcd trouble), or None.
         prober: probes the stragglers of a last call (liveness.py); None: never probe.
         holder_probes: probes the holder of ``rdzv/coordinator`` while we wait in an open
             round it should close (reads its record from etcd); None: never probe.
@@ -108,6 +110,7 @@ class RoundCoordinator:
                  finalize: Callable[[Action, RendezvousView, int], bool],
                  open_next: Callable[..., bool],
                  defer_lost_until: Callable[[RendezvousView], float | None],
+                 hold_previous_until: Callable[[], float | None] = lambda: None,
                  prober: PeerProber | None = None,
                  holder_probes: MemberProbes | None = None,
                  finishing: threading.Event | None = None, hang_eject_s: float = 0.0,
@@ -125,6 +128,7 @@ class RoundCoordinator:
         self._finalize = finalize
         self._open_next = open_next
         self._defer_lost_until = defer_lost_until
+        self._hold_previous_until = hold_previous_until
         self.prober = prober
         self.holder_probes = holder_probes
         self.finishing = finishing if finishing is not None else threading.Event()
@@ -232,6 +236,7 @@ class RoundCoordinator:
                                      last_call_timeout_s=self.last_call_timeout_s,
                                      now=time.monotonic(),
                                      defer_lost_until=self._defer_lost_until(view),
+                                     hold_previous_until=self._hold_previous_until(),
                                      proven_dead=proven, start_settle_s=self.start_settle_s,
                                      finishing=self.finishing.is_set(), hung=hung, slow=slow)
         if action.reason != self._last_reason:

@@ -214,7 +214,8 @@ class EtcdRendezvousHandler(RendezvousHandler):
                 finalize=lambda a, v, rev: self._finalize(a, v, rev, time.monotonic() + 10.0),
                 open_next=lambda a, v, rev, extra=(): self._open_next(
                     a, v, rev, time.monotonic() + 10.0, extra_ops=extra),
-                defer_lost_until=self._defer_lost_until, prober=self.prober,
+                defer_lost_until=self._defer_lost_until,
+                hold_previous_until=self._hold_previous_until, prober=self.prober,
                 holder_probes=MemberProbes(self.prober, self._member_targets),
                 finishing=self._finishing, hang_eject_s=s.hang_eject_s,
                 stragglers=(StragglerWatch(s.straggler_factor, s.straggler_window_s)
@@ -366,7 +367,9 @@ class EtcdRendezvousHandler(RendezvousHandler):
                                  now=time.monotonic(), proven_dead=proven,
                                  start_settle_s=self.settings.start_settle_s,
                                  defer_lost_until=self._defer_lost_until(view)
-                                 if view.full and view.state is not None else None)
+                                 if view.full and view.state is not None else None,
+                                 hold_previous_until=self._hold_previous_until()
+                                 if view.full else None)
             if action.probe and self.prober is not None:
                 due = self.prober.request(self._view.probe_targets(action.probe))
                 if due is not None and action.until is not None:
@@ -593,6 +596,14 @@ class EtcdRendezvousHandler(RendezvousHandler):
         if not grace.hold or grace.loss_seen_at is None:
             return None
         return max(grace.loss_seen_at, trouble_at) + self.settings.node_ttl_s + 2.0
+
+    def _hold_previous_until(self) -> float | None:
+        """For the coordinator: until when an open round's last call waits for members of
+        the previous round, after etcd trouble seen here (``protocol._close_open_round``):
+        they may still be reconnecting, as the lost ones may still re-register."""
+        if not self._etcd_trouble():
+            return None
+        return self.client.last_trouble_at + self.settings.node_ttl_s + 2.0
 
     def num_nodes_waiting(self) -> int:
         """Answered from the watch cache: no etcd request. See ``membership``."""

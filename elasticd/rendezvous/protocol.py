@@ -204,7 +204,8 @@ def decide_join(view: RendezvousView, progress: JoinProgress, *, min_nodes: int,
                 last_call_timeout_s: float, now: float,
                 proven_dead: frozenset[str] = frozenset(), start_settle_s: float = 0.0,
                 defer_lost_until: float | None = None,
-                valid_sizes: Sequence[int] = ALL_SIZES) -> Action:
+                valid_sizes: Sequence[int] = ALL_SIZES,
+                hold_previous_until: float | None = None) -> Action:
     """Decide this node's next step towards being in a final round. Pure; see module doc.
 
     ``valid_sizes``: the node counts a round may form at (``rendezvous.sizes``; empty: all).
@@ -276,7 +277,8 @@ def decide_join(view: RendezvousView, progress: JoinProgress, *, min_nodes: int,
     return _close_open_round(view, state, progress.min_reached_at, min_nodes=min_nodes,
                              max_nodes=max_nodes, last_call_timeout_s=last_call_timeout_s, now=now,
                              deadline=progress.deadline, proven_dead=proven_dead,
-                             start_settle_s=start_settle_s, valid_sizes=valid_sizes)
+                             start_settle_s=start_settle_s, valid_sizes=valid_sizes,
+                             hold_previous_until=hold_previous_until)
 
 
 def is_spare(state: RoundState | None, me: str, max_nodes: int,
@@ -328,8 +330,15 @@ def early_join_round(state: RoundState | None) -> int | None:
 def _close_open_round(view: RendezvousView, state: RoundState, min_reached_at: dict[int, float], *,
                       min_nodes: int, max_nodes: int, last_call_timeout_s: float, now: float,
                       deadline: float, proven_dead: frozenset[str] = frozenset(),
-                      start_settle_s: float = 0.0, valid_sizes: Sequence[int] = ALL_SIZES) -> Action:
+                      start_settle_s: float = 0.0, valid_sizes: Sequence[int] = ALL_SIZES,
+                      hold_previous_until: float | None = None) -> Action:
     """FINALIZE the open round ``state`` if it may close now, else WAIT (full view only).
+
+    ``hold_previous_until``: after etcd trouble, a straggler that was a member of the
+    previous final round holds the last call until then, not only ``last_call_timeout``: it
+    holds the newest state, and it may still be reconnecting to etcd (soak seed 74018: a
+    node that joined during the outage coordinated, closed the round a second after etcd
+    came back without the member that had trained on, and trained from an older checkpoint).
 
     A straggler (a live lease, not joined) in ``proven_dead`` holds nothing open: its
     agent is gone (a probe was refused), only its lease has not expired yet. Only the
@@ -379,13 +388,18 @@ def _close_open_round(view: RendezvousView, state: RoundState, min_reached_at: d
             return Action(ActionKind.FINALIZE, f"round {r}: all {len(joined)} live nodes joined{why}",
                           round=r, members=members)
         last_call = max(first + last_call_timeout_s, settled)
+        held = [n for n in stragglers if n in state.members]
+        why = ""
+        if held and hold_previous_until is not None and hold_previous_until > last_call:
+            last_call = hold_previous_until
+            why = f" (members of the previous round after etcd trouble: {','.join(held)})"
         if now >= last_call:
             members = admit(joined)
             return Action(ActionKind.FINALIZE,
                           f"round {r}: last call passed with {len(joined)} nodes "
                           f"(not joined: {','.join(stragglers)})", round=r, members=members)
         return Action(ActionKind.WAIT, f"round {r}: {len(joined)} joined, last call for "
-                      f"{','.join(stragglers)}", round=r, until=min(last_call, deadline),
+                      f"{','.join(stragglers)}{why}", round=r, until=min(last_call, deadline),
                       probe=tuple(stragglers))
     return Action(ActionKind.WAIT, f"round {r}: {len(joined)}/{min_nodes} nodes joined", round=r,
                   until=deadline)
@@ -501,7 +515,8 @@ def decide_coordination(view: RendezvousView, memory: CoordinatorMemory, *, me: 
                         start_settle_s: float = 0.0, finishing: bool = False,
                         valid_sizes: Sequence[int] = ALL_SIZES,
                         hung: tuple[str, str] | None = None,
-                        slow: tuple[str, str] | None = None) -> Action:
+                        slow: tuple[str, str] | None = None,
+                        hold_previous_until: float | None = None) -> Action:
     """The coordinator's duty, run whenever its full view changes. Pure.
 
     Closes an open round exactly when a joined node of the old protocol would (max
@@ -529,6 +544,8 @@ def decide_coordination(view: RendezvousView, memory: CoordinatorMemory, *, me: 
             cause ``member_hung`` naming it (it is ejected: ``ejected``).
         slow: (node, reason) when the straggler policy (``rendezvous.stragglers``) ejects a
             member: as ``hung`` (a hang goes first), with cause ``member_slow``.
+        hold_previous_until: after etcd trouble, an open round's last call waits until then
+            for members of the previous final round (see ``_close_open_round``).
 
     Returns:
         FINALIZE, OPEN_NEXT (with ``cause``/``changed``), ANNOUNCE (``members`` = the
@@ -551,7 +568,8 @@ def decide_coordination(view: RendezvousView, memory: CoordinatorMemory, *, me: 
         return _close_open_round(view, state, memory.min_reached_at, min_nodes=min_nodes,
                                  max_nodes=max_nodes, last_call_timeout_s=last_call_timeout_s,
                                  now=now, deadline=float("inf"), proven_dead=proven_dead,
-                                 start_settle_s=start_settle_s, valid_sizes=valid_sizes)
+                                 start_settle_s=start_settle_s, valid_sizes=valid_sizes,
+                                 hold_previous_until=hold_previous_until)
     r = state.round
     reporters = tuple(view.failures.get(r, ()))
     if reporters and view.attributed != r and all(m in reporters for m in state.members):

@@ -83,6 +83,7 @@ def _one_run(run_dir: Path, seed: int, reference: list[dict], ref_params: dict) 
     started: list[Node] = []
     frozen: list[str] = []  # one entry a freeze: each may restart that node's workers once
     leaving: set[str] = set()  # killed or drained: may still be alive for a moment
+    frozen_in: dict[str, int] = {}  # node -> the newest round when it was last frozen
     trace = run_dir / "trace-run.jsonl"
     url = f"file://{run_dir}/ckpt"
     etcd = EmbeddedEtcd(str(run_dir / "etcd"))
@@ -108,12 +109,20 @@ def _one_run(run_dir: Path, seed: int, reference: list[dict], ref_params: dict) 
     def staying() -> list[Node]:
         return [n for n in live() if n.log_path.stem not in leaving]
 
+    def newest_round() -> int:
+        return max((r["round"] or 0 for r in read_jsonl(trace)), default=0)
+
     def trainers() -> list[Node]:
-        """Staying nodes whose workers wrote a row in the newest round (they hold the state)."""
+        """Staying nodes whose workers wrote a row in the newest round (they hold the state).
+        A node frozen past its TTL holds nothing until it trained in a later round: its
+        agent kills those workers when it wakes (fenced), so it is no holder to keep (seed
+        74020: n1 was killed right after n0 woke from a freeze in the same round, and the
+        job went back to its checkpoint, by design)."""
         rows = read_jsonl(trace)
         newest = max((r["round"] or 0 for r in rows), default=0)
         pids = {r["pid"] for r in rows if (r["round"] or 0) == newest}
-        return [n for n in staying() if pids & set(n.tree())]
+        return [n for n in staying() if pids & set(n.tree())
+                and frozen_in.get(n.log_path.stem, -1) < newest]
 
     def last_step() -> int:
         return max((r["step"] for r in read_jsonl(trace)), default=-1)
@@ -157,6 +166,7 @@ def _one_run(run_dir: Path, seed: int, reference: list[dict], ref_params: dict) 
                 time.sleep(4.0)  # the fault itself: frozen longer than the TTL
                 victim.signal(signal.SIGCONT)
                 frozen.append(name)
+                frozen_in[name] = newest_round()
             elif fault == "drain_node":
                 note(f"drain_node {name} (SIGTERM)")
                 leaving.add(name)

@@ -726,11 +726,41 @@ def partial(state, joins=None, *, left=None, coordinator="c") -> RendezvousView:
 
 def coordinate(v: RendezvousView, me: str = "c", *, memory=None, min_nodes=1, max_nodes=4,
                last_call=5.0, now=NOW, defer_until=None, start_settle_s=0.0,
-               finishing=False) -> Action:
+               finishing=False, hold_until=None) -> Action:
     return decide_coordination(v, memory or CoordinatorMemory(), me=me, min_nodes=min_nodes,
                                max_nodes=max_nodes, last_call_timeout_s=last_call, now=now,
                                defer_lost_until=defer_until, start_settle_s=start_settle_s,
-                               finishing=finishing)
+                               finishing=finishing, hold_previous_until=hold_until)
+
+
+def test_after_etcd_trouble_the_last_call_waits_for_previous_members():
+    """Soak seed 74018: a node that joined during an etcd outage coordinated and closed the
+    open round a second after etcd came back, without the member of the previous round
+    that had trained on (it was still reconnecting); it trained alone from an older
+    checkpoint. After etcd trouble (``hold_until``) a previous member holds the last call
+    until then; a newcomer straggler does not; without trouble the last call is as before."""
+    v = replace(view(open_(8, ["n3", "n4"]), {"n3", "n7", "n9"}, {8: ["n7"]}), coordinator="n7")
+    mem = CoordinatorMemory()
+    held = coordinate(v, "n7", memory=mem, last_call=1.0, hold_until=NOW + 4.0)
+    assert held.kind is ActionKind.WAIT and held.until == NOW + 4.0
+    assert "previous round after etcd trouble: n3" in held.reason and "n3" in held.probe
+    still = coordinate(v, "n7", memory=mem, last_call=1.0, now=NOW + 2.0, hold_until=NOW + 4.0)
+    assert still.kind is ActionKind.WAIT
+    done = coordinate(v, "n7", memory=mem, last_call=1.0, now=NOW + 4.0, hold_until=NOW + 4.0)
+    assert done.kind is ActionKind.FINALIZE and done.members == ("n7",)
+    # No trouble: the last call alone, as before.
+    plain = coordinate(v, "n7", memory=CoordinatorMemory(), last_call=1.0, now=NOW)
+    assert plain.kind is ActionKind.WAIT and plain.until == NOW + 1.0
+    # Only newcomers missing (n9, not a member of round 7): the hold does not apply.
+    joiners = replace(view(open_(8, ["n3", "n4"]), {"n3", "n7", "n9"}, {8: ["n7", "n3"]}),
+                      coordinator="n7")
+    quick = coordinate(joiners, "n7", memory=CoordinatorMemory(), last_call=1.0,
+                       hold_until=NOW + 4.0)
+    assert quick.kind is ActionKind.WAIT and quick.until == NOW + 1.0
+    # The coordinator's own join path decides the same (decide_join with the full view).
+    own = decide_join(v, JoinProgress("n7", None, FAR), min_nodes=1, max_nodes=4,
+                      last_call_timeout_s=1.0, now=NOW + 2.0, hold_previous_until=NOW + 4.0)
+    assert own.kind is ActionKind.WAIT and own.until == NOW + 4.0
 
 
 def test_partial_view_never_closes_a_round_itself():
