@@ -377,18 +377,29 @@ def _close_open_round(view: RendezvousView, state: RoundState, min_reached_at: d
         first = min_reached_at.setdefault(r, now)
         settled = first + (start_settle_s if not state.members else 0.0)
         stragglers = sorted(view.alive - set(joined) - proven_dead - out - set(view.probation))
+        # After etcd trouble, the previous round's members hold the round, alive or not: a
+        # lease may have expired with the outage (it is re-registered within a TTL) and a
+        # live one may still be reconnecting. Those that left that round cleanly do not.
+        left = view.left.get(r - 1, {})
+        held = ([n for n in state.members if n not in joined and n not in proven_dead
+                 and n not in out and n not in view.probation and n not in left]
+                if hold_previous_until is not None and now < hold_previous_until else [])
         if not stragglers:
             if now < settled:
                 return Action(ActionKind.WAIT, f"round {r}: {len(joined)} joined, first round "
                               f"settling {start_settle_s:g}s for nodes started together",
                               round=r, until=min(settled, deadline))
+            if held:
+                assert hold_previous_until is not None
+                return Action(ActionKind.WAIT, f"round {r}: {len(joined)} joined; etcd was in "
+                              f"trouble, waiting for {','.join(held)} of the previous round",
+                              round=r, until=min(hold_previous_until, deadline))
             dead = sorted((view.alive - set(joined)) & proven_dead)
             members = admit(joined)
             why = f"; {','.join(dead)} proven dead (probe refused)" if dead else ""
             return Action(ActionKind.FINALIZE, f"round {r}: all {len(joined)} live nodes joined{why}",
                           round=r, members=members)
         last_call = max(first + last_call_timeout_s, settled)
-        held = [n for n in stragglers if n in state.members]
         why = ""
         if held and hold_previous_until is not None and hold_previous_until > last_call:
             last_call = hold_previous_until

@@ -752,11 +752,22 @@ def test_after_etcd_trouble_the_last_call_waits_for_previous_members():
     plain = coordinate(v, "n7", memory=CoordinatorMemory(), last_call=1.0, now=NOW)
     assert plain.kind is ActionKind.WAIT and plain.until == NOW + 1.0
     # Only newcomers missing (n9, not a member of round 7): the hold does not apply.
-    joiners = replace(view(open_(8, ["n3", "n4"]), {"n3", "n7", "n9"}, {8: ["n7", "n3"]}),
+    joiners = replace(view(open_(8, ["n3"]), {"n3", "n7", "n9"}, {8: ["n7", "n3"]}),
                       coordinator="n7")
     quick = coordinate(joiners, "n7", memory=CoordinatorMemory(), last_call=1.0,
                        hold_until=NOW + 4.0)
     assert quick.kind is ActionKind.WAIT and quick.until == NOW + 1.0
+    # Seed 74023: the previous members' leases expired with the outage (not alive): all
+    # the live nodes joined, yet the round waits for them; one that left cleanly does not hold.
+    lost = replace(view(open_(6, ["n1", "n3", "n0"]), {"n4"}, {6: ["n4"]},
+                        left={5: {"n1": LEFT_DRAINED}}), coordinator="n4")
+    wait = coordinate(lost, "n4", memory=CoordinatorMemory(), last_call=1.0, hold_until=NOW + 4.0)
+    assert wait.kind is ActionKind.WAIT and wait.until == NOW + 4.0
+    assert "waiting for n3,n0 of the previous round" in wait.reason
+    after = coordinate(lost, "n4", memory=CoordinatorMemory(), last_call=1.0, now=NOW + 4.0,
+                       hold_until=NOW + 4.0)
+    assert after.kind is ActionKind.FINALIZE and after.members == ("n4",)
+    assert coordinate(lost, "n4", memory=CoordinatorMemory(), last_call=1.0).kind is ActionKind.FINALIZE
     # The coordinator's own join path decides the same (decide_join with the full view).
     own = decide_join(v, JoinProgress("n7", None, FAR), min_nodes=1, max_nodes=4,
                       last_call_timeout_s=1.0, now=NOW + 2.0, hold_previous_until=NOW + 4.0)
