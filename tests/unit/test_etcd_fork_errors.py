@@ -43,3 +43,28 @@ def test_a_refused_socket_after_a_fork_is_stale():
 def test_other_failures_are_not_stale(details):
     """An unreachable or slow etcd is not mistaken for a stale socket (no extra attempt)."""
     assert not stale_after_fork(_RpcError(grpc.StatusCode.UNAVAILABLE, details))
+
+
+def test_grpc_reconnects_at_least_every_second(monkeypatch):
+    """gRPC's reconnect backoff is capped at 1 s (its default grows to 120 s: a client whose
+    etcd was refused for 25 s stayed deaf 18 s after etcd answered again, and a member deaf
+    after etcd's return was left out of the next round, soak seeds 74014 and 74018). The
+    options are read where the client opens its channel."""
+    from elasticd.etcd.client import RECONNECT_BACKOFF_MS, EtcdClient
+
+    opened: list[dict] = []
+    real = grpc.insecure_channel
+
+    def recording(target, options=None, *args, **kwargs):
+        opened.append(dict(options or []))
+        return real(target, options, *args, **kwargs)
+
+    monkeypatch.setattr(grpc, "insecure_channel", recording)
+    client = EtcdClient("127.0.0.1:2379")
+    try:
+        client.raw()
+    finally:
+        client.close()
+    (opts,) = opened
+    assert opts["grpc.max_reconnect_backoff_ms"] == RECONNECT_BACKOFF_MS[1] <= 1000
+    assert opts["grpc.initial_reconnect_backoff_ms"] == RECONNECT_BACKOFF_MS[0] <= 1000
