@@ -240,8 +240,10 @@ class RoundCoordinator:
                                      proven_dead=proven, start_settle_s=self.start_settle_s,
                                      finishing=self.finishing.is_set(), hung=hung, slow=slow)
         if action.reason != self._last_reason:
-            # A round closed or opened is a state change (info, with why); waits are chatter.
-            level = "info" if action.kind in (ActionKind.FINALIZE, ActionKind.OPEN_NEXT) else "debug"
+            # A round opened is a state change (info, with why); waits are chatter. A round
+            # closed is logged by the write that closed it (``finalize``): the coordinator's
+            # own join may close it first (the handler's path, with the same full view).
+            level = "info" if action.kind is ActionKind.OPEN_NEXT else "debug"
             getattr(self._log, level)("coordinator_step", action=action.kind.value,
                                       reason=action.reason)
             self._last_reason = action.reason

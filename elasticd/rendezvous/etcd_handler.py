@@ -490,6 +490,11 @@ class EtcdRendezvousHandler(RendezvousHandler):
                         completed_at=time.time())
         won = bool(retry_rdzv("finalize round", lambda: self.client.put_if(
             self.keys.rdzv_state, state.to_json(), mod_revision=state_rev), deadline))
+        if won:
+            # One line per round closed, by whichever of the coordinator's two paths closed
+            # it (its thread, or its own join with the full view): a loaded soak's fresh run
+            # closed round 0 on the join path and the log had no line for it.
+            self._log.info("coordinator_step", action=ActionKind.FINALIZE.value, reason=action.reason)
         dropped = dropped_members(view, view.state, action.members) if won else ()
         if dropped and self.on_members_lost is not None:
             self.on_members_lost(list(dropped), view.state.round - 1)
