@@ -676,7 +676,8 @@ class EtcdRendezvousHandler(RendezvousHandler):
         """
         my_round = self.session.round
         trouble = self._etcd_trouble()
-        allowed, reason = may_resurrect(self._view.snapshot()[0].state, my_round, self.node_id,
+        view, state_rev = self._view.snapshot()
+        allowed, reason = may_resurrect(view.state, my_round, self.node_id,
                                         lease_lost=self.lease_lost.is_set(), etcd_trouble=trouble)
         if not allowed:
             if trouble and my_round is not None and self.lease_lost.is_set():
@@ -685,11 +686,12 @@ class EtcdRendezvousHandler(RendezvousHandler):
                 # rejoin as a new member, as when the re-registration's compare fails.
                 self._log.warning("lease_not_resurrected", round=my_round, reason=reason)
             return False
-        # Fenced by the round state: our view may be stale (etcd just came back), and a
-        # node that saw the loss may have opened the next round meanwhile; re-registering
-        # in the old round then let our workers train on beside the new one (the soak).
+        # Fenced by the round state we decided on: our view may be stale (etcd just came
+        # back), and a node that saw the loss may have opened or closed the next round
+        # meanwhile; re-registering in the old round then let our workers train on beside
+        # the new one (the soak).
         if not self.session.register(time.monotonic() + self.settings.join_timeout_s,
-                                     round_rev=self.session.state_rev):
+                                     round_rev=state_rev):
             return False
         self.session.lease_loss = None
         self._log.warning("lease_resurrected", round=my_round, reason=reason)

@@ -92,9 +92,12 @@ def may_resurrect(state: RoundState | None, my_round: int | None, me: str, *,
     """Whether this node may re-register in its own round after its lease expired. Pure.
 
     Allowed only if etcd failed or stalled recently as seen from here (``etcd_trouble``),
-    and the job is still in our final round with us as a member: then nobody moved on,
-    and a new lease (a new incarnation) simply replaces the old one. Otherwise we were
-    the ones away (frozen, partitioned) and must rejoin as a new member.
+    and no round formed without us: the job is still in our final round with us as a
+    member, or the next round is open with us among its previous members (a peer whose
+    lease came back first opened it; soak seed 74015). Then a new lease (a new
+    incarnation) simply replaces the old one, and in the second case the agent re-forms
+    into the open round with its workers and their state kept. Otherwise we were the ones
+    away (frozen, partitioned) and must rejoin as a new member.
 
     Returns:
         (allowed, reason).
@@ -103,6 +106,10 @@ def may_resurrect(state: RoundState | None, my_round: int | None, me: str, *,
         return False, "our lease is alive, or we were never in a round"
     if not etcd_trouble:
         return False, "etcd was fine: this node was away (frozen or cut off)"
-    if state is None or state.round != my_round or state.phase != "final" or me not in state.members:
+    if state is None or me not in state.members:
         return False, f"the job moved on from round {my_round}"
-    return True, "lease expired during an etcd outage; same round"
+    if state.round == my_round and state.phase == "final":
+        return True, "lease expired during an etcd outage; same round"
+    if state.round == my_round + 1 and state.phase == "open":
+        return True, f"lease expired during an etcd outage; round {state.round} is open with us"
+    return False, f"the job moved on from round {my_round}"

@@ -773,14 +773,25 @@ def test_resurrection_is_fenced_by_the_round_state(handlers):
     assert now is not None and kept is not None
     assert (now.create_revision, now.lease) == (kept.create_revision, kept.lease), \
         "a fenced-out re-registration wrote the node record"
+
+def _etcd_trouble_seen(h: EtcdRendezvousHandler, etcd_server) -> None:
+    """etcd trouble as ``h`` sees it: one of its calls times out."""
+    etcd_server.pause()
+    try:
+        with pytest.raises(EtcdUnavailableError):
+            h.client.get(h.keys.rdzv_state)
+    finally:
+        etcd_server.resume()
+
+
 @pytest.mark.timeout(60)
 def test_a_lease_lost_to_an_outage_after_the_round_moved_says_it_is_not_resurrected(own_handlers,
                                                                                      etcd_server):
-    """A node whose lease expired while the job opened the next round (soak seed 74008: a
-    peer opened it the moment etcd came back) is not re-registered in its old round; after
-    etcd trouble it says so (``lease_not_resurrected``, the event docs/failure-model.md
-    names) and rejoins as a new member. A node whose lease went while etcd was fine (it
-    was frozen itself) says nothing of the kind."""
+    """A node whose lease expired while the job formed a round without it (soak seed 74008:
+    a peer opened the next round the moment etcd came back, and it closed) is not
+    re-registered in its old round; after etcd trouble it says so (``lease_not_resurrected``,
+    the event docs/failure-model.md names) and rejoins as a new member. A node whose lease
+    went while etcd was fine (it was frozen itself) says nothing of the kind."""
     from structlog.testing import capture_logs
 
     from elasticd.records import RoundState
@@ -789,8 +800,8 @@ def test_a_lease_lost_to_an_outage_after_the_round_moved_says_it_is_not_resurrec
     results(own_handlers.join([h]))
     other = EtcdClient(etcd_server.endpoint, timeout_s=2.0)
     try:
-        moved = RoundState(1, "open", ["n0"], 1, 4, opened_at=time.time(), cause="member_lost",
-                           changed=["n0"])
+        moved = RoundState(1, "final", ["n1"], 1, 4, opened_at=time.time(), completed_at=time.time(),
+                           cause="member_lost", changed=["n0"])
         assert other.put_if(h.keys.rdzv_state, moved.to_json(), mod_revision=h.session.state_rev)
         wait_until(lambda: h.view().state is not None and h.view().state.round == 1, 10,
                    "the handler's watch to see round 1")
@@ -799,16 +810,57 @@ def test_a_lease_lost_to_an_outage_after_the_round_moved_says_it_is_not_resurrec
         with capture_logs() as frozen:
             assert h.try_resurrect() is False
         assert not [e for e in frozen if e["event"] == "lease_not_resurrected"], frozen
-        etcd_server.pause()  # etcd trouble, as this node sees it: a call times out
-        try:
-            with pytest.raises(EtcdUnavailableError):
-                h.client.get(h.keys.rdzv_state)
-        finally:
-            etcd_server.resume()
+        _etcd_trouble_seen(h, etcd_server)
         with capture_logs() as outage:
             assert h.try_resurrect() is False
         (said,) = [e for e in outage if e["event"] == "lease_not_resurrected"]
         assert said["round"] == 0 and "moved on" in said["reason"], said
+    finally:
+        other.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_lease_lost_to_an_outage_while_the_next_round_is_open_with_us_is_resurrected(own_handlers,
+                                                                                        etcd_server):
+    """Soak seed 74015: etcd froze, every lease expired, and the peer whose lease came back
+    first opened the next round with us among its previous members. Nobody formed a round
+    without us, so we re-register (a new lease), our workers and their newest state are
+    kept, and the handler reports the open round as a newer round to re-form into. The
+    re-registration is fenced by the open state's revision (not our old round's: that one
+    would refuse it), as ``test_resurrection_is_fenced_by_the_round_state`` shows."""
+    from structlog.testing import capture_logs
+
+    from elasticd.records import RoundState
+    from elasticd.rendezvous.protocol import MembershipChange
+
+    h = own_handlers.make("reopened", "n0", etcd_timeout_s=0.5)
+    results(own_handlers.join([h]))
+    key = h.keys.node("n0")
+    other = EtcdClient(etcd_server.endpoint, timeout_s=2.0)
+    try:
+        opened = RoundState(1, "open", ["n0"], 1, 4, opened_at=time.time(), cause="member_lost",
+                            changed=["n0"])
+        assert other.put_if(h.keys.rdzv_state, opened.to_json(), mod_revision=h.session.state_rev)
+        wait_until(lambda: h.view().state is not None and h.view().state.round == 1, 10,
+                   "the handler's watch to see round 1 open")
+        lost = h.lease_id
+        other.revoke_lease(lost)
+        wait_until(h.lease_lost.is_set, 10, "the keep-alive to find the lease gone")
+        with capture_logs() as frozen:  # etcd was fine: we were away, a new member
+            assert h.try_resurrect() is False
+        assert not [e for e in frozen if e["event"] == "lease_resurrected"], frozen
+        _etcd_trouble_seen(h, etcd_server)
+        with capture_logs() as outage:
+            assert h.try_resurrect() is True
+        (said,) = [e for e in outage if e["event"] == "lease_resurrected"]
+        assert "round 1 is open" in said["reason"], said
+        record = other.get(key)
+        assert record is not None and record.lease == h.lease_id != lost
+        assert not h.lease_lost.is_set()
+        assert h.round == 0
+        change = h.membership()  # the open round (its cause: our loss) is one to re-form into
+        assert change.count >= 1 and change.kind is not MembershipChange.LEASE_LOST, change
+
     finally:
         other.close()
 

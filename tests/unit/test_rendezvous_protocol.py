@@ -430,15 +430,20 @@ def test_outage_window_is_ttl_plus_five():
     assert outage_window_s(5) == 10.0
 
 
-def test_resurrect_only_after_etcd_trouble_in_our_final_round():
-    """A node re-registers in its round only if etcd was away and the round is still its final one."""
+def test_resurrect_only_after_etcd_trouble_while_no_round_formed_without_us():
+    """A node re-registers only if etcd was away and the job is still in its final round,
+    or the next round is open with it among the previous members (soak seed 74015)."""
     state = final(3, ["a", "b"])
     assert may_resurrect(state, 3, "a", lease_lost=True, etcd_trouble=True)[0]
     assert not may_resurrect(state, 3, "a", lease_lost=True, etcd_trouble=False)[0]  # we were away
     assert not may_resurrect(state, 3, "a", lease_lost=False, etcd_trouble=True)[0]  # lease alive
     assert not may_resurrect(state, None, "a", lease_lost=True, etcd_trouble=True)[0]  # no round yet
     assert not may_resurrect(final(4, ["a", "b"]), 3, "a", lease_lost=True, etcd_trouble=True)[0]
-    assert not may_resurrect(open_(4, ["a", "b"]), 3, "a", lease_lost=True, etcd_trouble=True)[0]
+    assert may_resurrect(open_(4, ["a", "b"]), 3, "a", lease_lost=True, etcd_trouble=True)[0]
+    assert not may_resurrect(open_(4, ["a", "b"]), 3, "a", lease_lost=True, etcd_trouble=False)[0]
+    assert not may_resurrect(open_(4, ["b"]), 3, "a", lease_lost=True, etcd_trouble=True)[0]
+    assert not may_resurrect(open_(5, ["a", "b"]), 3, "a", lease_lost=True, etcd_trouble=True)[0]
+    assert not may_resurrect(open_(3, ["a", "b"]), 3, "a", lease_lost=True, etcd_trouble=True)[0]
     assert not may_resurrect(final(3, ["b"]), 3, "a", lease_lost=True, etcd_trouble=True)[0]
     assert not may_resurrect(None, 3, "a", lease_lost=True, etcd_trouble=True)[0]
 
