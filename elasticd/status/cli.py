@@ -259,7 +259,8 @@ def _run_goodput(client: EtcdClient, opts: StatusOptions, io: _Io, *, window_s: 
     if snap is None:
         return io.fail(EXIT_UNKNOWN_JOB, unknown_job_message(opts), job=opts.job)
     report = goodput.read_report(client, opts.job, [e.event for e in snap.events],
-                                 window_s=window_s)
+                                 window_s=window_s, progress=snap.progress, closed=snap.closed,
+                                 now=time.time())
     if io.json:
         print(jsondoc.dumps(report.to_dict(), pretty=True), file=io.out, flush=True)
     else:

@@ -35,12 +35,12 @@ from __future__ import annotations
 import itertools
 import statistics
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from elasticd.etcd.client import EtcdClient
 from elasticd.history import History, Sample
 from elasticd.keys import JobKeys
-from elasticd.records import Event, RecordError
+from elasticd.records import Event, Progress, RecordError
 from elasticd.status.snapshot import read_history
 
 # The ledger's causes, in the order they are shown. "trained" is the goodput.
@@ -258,6 +258,36 @@ def compute(history: History, events: Sequence[Event], *, since: float | None = 
     return Ledger(lo, hi, seconds)
 
 
+def with_open_tail(history: History, progress: Progress | None, *, now: float,
+                   closed: bool) -> History:
+    """The history with the time since its newest sample: samples are written only as
+    workers report steps, so a job that is not training now (a restart or re-formation
+    still under way) was charged nothing for it until it trained again (the suite's live
+    replay under load: its ledger covered 15.6 s of a 36 s run, 91.6 % against the
+    audit's 50.4 %). Pure.
+
+    Added: the newest progress record, if newer than the newest sample (steps reported
+    since), and, for a job that is not closed and has reported no step for longer than a
+    gap (``IDLE_INTERVALS`` sample intervals), a sample at ``now`` with no new step, at the
+    last world size. ``compute`` charges that span as any quiet one: to the events in it,
+    else ``waiting``. A job still training is left as it is: its last seconds are charged
+    when the next sample comes, as trained time.
+    """
+    samples = list(monotonic(history.samples))
+    if not samples:
+        return history
+    last = samples[-1]
+    if progress is not None and progress.updated_at > last.t and progress.step >= 0 \
+            and progress.world_size > 0:
+        last = Sample(progress.updated_at, progress.step, progress.world_size,
+                      progress.samples_per_s, progress.round, last.loss, last.checkpoint_step, None)
+        samples.append(last)
+    if not closed and now - last.t > IDLE_INTERVALS * history.interval_s:
+        samples.append(Sample(now, last.step, last.world_size, 0.0, last.round, last.loss,
+                              last.checkpoint_step, None))
+    return replace(history, samples=tuple(samples))
+
+
 def life_and_window(history: History, events: Sequence[Event], *,
                     window_s: float = DEFAULT_WINDOW_S) -> tuple[Ledger, Ledger]:
     """The whole-life ledger and the one of the last ``window_s`` seconds of history."""
@@ -298,13 +328,17 @@ def read_events(client: EtcdClient, keys: JobKeys) -> list[Event]:
 
 
 def read_report(client: EtcdClient, job: str, events: Sequence[Event], *,
-                window_s: float) -> GoodputReport:
-    """Read a job's history from etcd and compute its goodput report over ``events``.
+                window_s: float, progress: Progress | None = None, closed: bool = True,
+                now: float | None = None) -> GoodputReport:
+    """Read a job's history from etcd and compute its goodput report over ``events``,
+    up to ``now`` for a job that is not ``closed`` (``with_open_tail``).
 
     Raises:
         EtcdUnavailableError: etcd did not answer.
     """
     history, note = read_history(client, job)
+    if now is not None:
+        history = with_open_tail(history, progress, now=now, closed=closed)
     life, window = life_and_window(history, events, window_s=window_s)
     return GoodputReport(job, life, window, history.interval_s, window_s, note)
 

@@ -14,6 +14,7 @@ from elasticd.status.goodput import (
     rate_for,
     render,
     rollback_losses,
+    with_open_tail,
 )
 
 
@@ -212,3 +213,28 @@ def test_losses_count_rollback_events_and_unreported_step_backs_once():
                       detail={"steps": 8}), ev(12.0, "failure")]
     assert rollback_losses(History(5.0, tuple(s)), reported) == (2, 35.0)
     assert rollback_losses(History(5.0, ()), []) == (0, 0.0)
+
+
+def test_a_stop_still_under_way_is_charged_up_to_now():
+    """Samples come only with progress: a job that stopped training at t=57 (its newest
+    progress, after the last sample at t=50) and restarts its workers still at t=90 is
+    charged up to now, to the failure in the span (recovery) after its quiet part, not
+    left at the last sample (the live replay under load: 15.6 s of 36 s). A closed job,
+    or one that reported a step within the gap, gets no such tail."""
+    from elasticd.records import Progress
+
+    history = History(5.0, tuple(steady(0, 0, 11)))  # step 100 at t=50, 4 workers
+    progress = Progress(round=1, step=114, world_size=4, updated_at=57.0)
+    tail = with_open_tail(history, progress, now=90.0, closed=False)
+    assert [(s.t, s.step) for s in tail.samples[-2:]] == [(57.0, 114), (90.0, 114)]
+    led = compute(tail, [ev(58.0, "failure")])
+    assert led.until == 90.0 and led.total_s == pytest.approx(90 * 4)
+    assert led.seconds["trained"] == pytest.approx(57 * 4)
+    assert led.seconds["waiting"] == pytest.approx(1 * 4)  # 57..58, before the failure
+    assert led.seconds["recovery"] == pytest.approx(32 * 4)  # 58..90
+    closed = with_open_tail(history, progress, now=90.0, closed=True)
+    assert closed.samples[-1].t == 57.0
+    training = with_open_tail(history, Progress(round=1, step=116, world_size=4, updated_at=58.0),
+                              now=60.0, closed=False)
+    assert training.samples[-1].t == 58.0  # reported 2 s ago: still training, no tail
+    assert with_open_tail(History(5.0, ()), progress, now=90.0, closed=False).samples == ()
