@@ -774,6 +774,18 @@ def test_resurrection_is_fenced_by_the_round_state(handlers):
     assert (now.create_revision, now.lease) == (kept.create_revision, kept.lease), \
         "a fenced-out re-registration wrote the node record"
 
+def _lease_lost_after(h: EtcdRendezvousHandler, other: EtcdClient, state) -> int:
+    """Put ``state`` as the round state, wait for ``h`` to see it, revoke ``h``'s lease and
+    wait for it to notice; returns the revoked lease."""
+    assert other.put_if(h.keys.rdzv_state, state.to_json(), mod_revision=h.session.state_rev)
+    wait_until(lambda: h.view().state is not None and h.view().state.round == state.round, 10,
+               f"the handler's watch to see round {state.round}")
+    lost = h.lease_id
+    other.revoke_lease(lost)
+    wait_until(h.lease_lost.is_set, 10, "the keep-alive to find the lease gone")
+    return lost
+
+
 def _etcd_trouble_seen(h: EtcdRendezvousHandler, etcd_server) -> None:
     """etcd trouble as ``h`` sees it: one of its calls times out."""
     etcd_server.pause()
@@ -802,11 +814,7 @@ def test_a_lease_lost_to_an_outage_after_the_round_moved_says_it_is_not_resurrec
     try:
         moved = RoundState(1, "final", ["n1"], 1, 4, opened_at=time.time(), completed_at=time.time(),
                            cause="member_lost", changed=["n0"])
-        assert other.put_if(h.keys.rdzv_state, moved.to_json(), mod_revision=h.session.state_rev)
-        wait_until(lambda: h.view().state is not None and h.view().state.round == 1, 10,
-                   "the handler's watch to see round 1")
-        other.revoke_lease(h.lease_id)
-        wait_until(h.lease_lost.is_set, 10, "the keep-alive to find the lease gone")
+        _lease_lost_after(h, other, moved)
         with capture_logs() as frozen:
             assert h.try_resurrect() is False
         assert not [e for e in frozen if e["event"] == "lease_not_resurrected"], frozen
@@ -840,12 +848,7 @@ def test_a_lease_lost_to_an_outage_while_the_next_round_is_open_with_us_is_resur
     try:
         opened = RoundState(1, "open", ["n0"], 1, 4, opened_at=time.time(), cause="member_lost",
                             changed=["n0"])
-        assert other.put_if(h.keys.rdzv_state, opened.to_json(), mod_revision=h.session.state_rev)
-        wait_until(lambda: h.view().state is not None and h.view().state.round == 1, 10,
-                   "the handler's watch to see round 1 open")
-        lost = h.lease_id
-        other.revoke_lease(lost)
-        wait_until(h.lease_lost.is_set, 10, "the keep-alive to find the lease gone")
+        lost = _lease_lost_after(h, other, opened)
         with capture_logs() as frozen:  # etcd was fine: we were away, a new member
             assert h.try_resurrect() is False
         assert not [e for e in frozen if e["event"] == "lease_resurrected"], frozen
