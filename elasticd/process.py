@@ -10,7 +10,6 @@ survives ``exec`` and is set in the child just before it.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import os
 import signal
 import sys
@@ -24,7 +23,10 @@ _libc = None
 def _prctl():
     global _libc
     if _libc is None:
-        _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        # The interpreter's own symbols, libc's among them. ``ctypes.util.find_library``
+        # forks ``ldconfig -p`` (or a compiler) every time a process first asks: a fork of
+        # an interpreter with torch mapped, on every worker's and standby's start.
+        _libc = ctypes.CDLL(None, use_errno=True)
     return _libc.prctl
 
 

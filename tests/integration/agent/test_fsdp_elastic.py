@@ -18,6 +18,7 @@ at world 4 and the joiner's agent is admitted before the survivor finishes alone
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -40,14 +41,24 @@ def _run(tmp_path, tag: str) -> tuple[list[str], list[str]]:
     return ["--checkpoint-url", f"file://{tmp_path}/ckpt-{tag}"], script
 
 
-def _start_reference(tmp_path) -> subprocess.Popen:
-    """(a), the fault-free run at world 1, started alongside (b): the suite's time is the
-    agents' and workers' start-ups."""
-    extra, script = _run(tmp_path, "a")
+@pytest.fixture(scope="module")
+def reference_dir(tmp_path_factory) -> Path:
+    """(a), the fault-free run at world 1, once for the module: every test here compares its
+    (b) with the same run (the same arguments, a function of the global batch only)."""
+    where = tmp_path_factory.mktemp("fsdp-reference")
+    extra, script = _run(where, "a")
     script[script.index("--checkpoint-every") + 1] = str(STEPS)  # saves do not change the math
-    return subprocess.Popen([sys.executable, SCRIPT, *script, *extra], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, cwd=tmp_path,
-                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    run = subprocess.run([sys.executable, SCRIPT, *script, *extra], capture_output=True,
+                         cwd=where, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=240,
+                         check=False)
+    assert run.returncode == 0, run.stderr.decode()[-3000:]
+    return where
+
+
+def _reference(reference_dir: Path, tmp_path: Path) -> None:
+    """(a)'s trace and final parameters where ``_check`` reads them."""
+    for name in ("trace-a.jsonl", "final-a.pt"):
+        shutil.copy(reference_dir / name, tmp_path / name)
 
 
 def _hold_after(path, step: int | None) -> None:
@@ -86,18 +97,11 @@ def _last_attempts(rows: list[dict]) -> dict[int, dict]:
     return last
 
 
-def test_hsdp_kill_and_join_trains_the_same_model_as_no_faults(nodes, tmp_path):
+def test_hsdp_kill_and_join_trains_the_same_model_as_no_faults(nodes, tmp_path, reference_dir):
     """2x2 HSDP, SIGKILL of one node, 1x2, a join, 2x2: final parameters equal a fault-free
     run's, every sample trained once, LR schedule and accumulation carried over."""
-    ref = _start_reference(tmp_path)
-    try:
-        _run_b(nodes, tmp_path)
-        _, err = ref.communicate(timeout=180)
-    finally:
-        if ref.poll() is None:
-            ref.kill()
-            ref.wait(10)
-    assert ref.returncode == 0, err.decode()[-3000:]
+    _run_b(nodes, tmp_path)
+    _reference(reference_dir, tmp_path)
     _check(tmp_path)
 
 
@@ -147,47 +151,40 @@ def _check(tmp_path) -> None:
     assert accumulation == {4: 1, 2: 2}, accumulation
 
 
-def test_hsdp_live_kill_and_join_keeps_the_survivors_and_their_shards(nodes, tmp_path):
+def test_hsdp_live_kill_and_join_keeps_the_survivors_and_their_shards(nodes, tmp_path, reference_dir):
     """2x2 HSDP with ``--live``: a node SIGKILLed, the survivor's two workers re-form 1x2 in
     place (same PIDs, their own shards), a joiner gets its shards from a peer (no
     checkpoint read), 2x2 again: final parameters equal a fault-free run's, every sample
     once, no completed step trained twice, LR schedule and accumulation carried over."""
-    ref = _start_reference(tmp_path)
-    try:
-        extra_b, script_b = _run(tmp_path, "b")
-        hold = tmp_path / "hold"
-        script_b += ["--hold-file", str(hold), "--live"]
-        trace = tmp_path / "trace-b.jsonl"
-        _hold_after(hold, 9)
-        b = [nodes.start("hsdp-live", SCRIPT, nnodes="1:2", nproc=2, extra=extra_b,
-                         script_args=script_b) for _ in range(2)]
-        # Every rank held after step 9, not only rank 3: a kill while a survivor is still
-        # inside step 9's collectives leaves the survivors a step apart (a torn replica),
-        # which rightly falls back to the checkpoint instead of re-forming in place.
-        wait_until(lambda: {r["rank"] for r in read_jsonl(trace) if r["step"] >= 9} == {0, 1, 2, 3}, 120,
-                   "every rank held after step 9 at world 4")
-        victim = set(b[1].tree())
-        survivors = {r["pid"] for r in read_jsonl(trace)} - victim
-        assert len(survivors) == 2, survivors
-        b[1].signal(signal.SIGKILL)
-        at_kill = max(r["round"] or 0 for r in read_jsonl(trace))
-        _hold_after(hold, 14)
-        wait_until(lambda: any((r["round"] or 0) > at_kill and r["rank"] == 1 for r in read_jsonl(trace)),
-                   60, "training at world 2 after the kill")
-        at_shrink = max(r["round"] or 0 for r in read_jsonl(trace))
-        b.append(nodes.start("hsdp-live", SCRIPT, nnodes="1:2", nproc=2, extra=extra_b,
-                             script_args=script_b))
-        wait_until(lambda: any((r["round"] or 0) > at_shrink and r["rank"] == 3 for r in read_jsonl(trace)),
-                   90, "world 4 again after the join")
-        _hold_after(hold, None)
-        for n in (b[0], b[2]):
-            assert n.wait(120) == 0, n.log()[-3000:]
-        _, err = ref.communicate(timeout=120)
-    finally:
-        if ref.poll() is None:
-            ref.kill()
-            ref.wait(10)
-    assert ref.returncode == 0, err.decode()[-3000:]
+    extra_b, script_b = _run(tmp_path, "b")
+    hold = tmp_path / "hold"
+    script_b += ["--hold-file", str(hold), "--live"]
+    trace = tmp_path / "trace-b.jsonl"
+    _hold_after(hold, 9)
+    b = [nodes.start("hsdp-live", SCRIPT, nnodes="1:2", nproc=2, extra=extra_b,
+                     script_args=script_b) for _ in range(2)]
+    # Every rank held after step 9, not only rank 3: a kill while a survivor is still
+    # inside step 9's collectives leaves the survivors a step apart (a torn replica),
+    # which rightly falls back to the checkpoint instead of re-forming in place.
+    wait_until(lambda: {r["rank"] for r in read_jsonl(trace) if r["step"] >= 9} == {0, 1, 2, 3}, 120,
+               "every rank held after step 9 at world 4")
+    victim = set(b[1].tree())
+    survivors = {r["pid"] for r in read_jsonl(trace)} - victim
+    assert len(survivors) == 2, survivors
+    b[1].signal(signal.SIGKILL)
+    at_kill = max(r["round"] or 0 for r in read_jsonl(trace))
+    _hold_after(hold, 14)
+    wait_until(lambda: any((r["round"] or 0) > at_kill and r["rank"] == 1 for r in read_jsonl(trace)),
+               60, "training at world 2 after the kill")
+    at_shrink = max(r["round"] or 0 for r in read_jsonl(trace))
+    b.append(nodes.start("hsdp-live", SCRIPT, nnodes="1:2", nproc=2, extra=extra_b,
+                         script_args=script_b))
+    wait_until(lambda: any((r["round"] or 0) > at_shrink and r["rank"] == 3 for r in read_jsonl(trace)),
+               90, "world 4 again after the join")
+    _hold_after(hold, None)
+    for n in (b[0], b[2]):
+        assert n.wait(120) == 0, n.log()[-3000:]
+    _reference(reference_dir, tmp_path)
     _check(tmp_path)
     rows = read_jsonl(trace)
     alone = {r["pid"] for r in rows if at_kill < (r["round"] or 0) <= at_shrink}
@@ -201,45 +198,39 @@ def test_hsdp_live_kill_and_join_keeps_the_survivors_and_their_shards(nodes, tmp
     assert len(per_rank0) == len(set(per_rank0)), "a completed step was trained twice"
 
 
-def test_hsdp_live_survivor_with_a_nan_shard_is_never_a_source_and_the_job_loads_the_checkpoint(nodes, tmp_path):
+def test_hsdp_live_survivor_with_a_nan_shard_is_never_a_source_and_the_job_loads_the_checkpoint(nodes, tmp_path, reference_dir):
     """2x2 HSDP with ``--live``: a survivor's shard turned NaN while held after step 9 (a
     silent corruption), then the other node SIGKILLed. The poisoned rank offers no state,
     so no intact replica holds its shard: the re-formation falls back one tier, the
     checkpoint (step 8), instead of training on with NaN; the final parameters equal a
     fault-free run's and every sample is trained once."""
-    ref = _start_reference(tmp_path)
-    try:
-        extra_b, script_b = _run(tmp_path, "b")
-        hold, poison = tmp_path / "hold", tmp_path / "poison"
-        script_b += ["--hold-file", str(hold), "--poison-file", str(poison), "--live"]
-        trace = tmp_path / "trace-b.jsonl"
-        _hold_after(hold, 9)
-        b = [nodes.start("hsdp-nan", SCRIPT, nnodes="1:2", nproc=2, extra=extra_b,
-                         script_args=script_b) for _ in range(2)]
-        wait_until(lambda: {r["rank"] for r in read_jsonl(trace) if r["step"] >= 9} == {0, 1, 2, 3}, 120,
-                   "every rank held after step 9 at world 4")
-        victim = set(b[1].tree())
-        survivor_ranks = {r["rank"] for r in read_jsonl(trace) if r["pid"] not in victim}
-        assert len(survivor_ranks) == 2, survivor_ranks
-        poison.write_text(str(min(survivor_ranks)))
-        done = tmp_path / "poison.done"
-        wait_until(done.exists, 30, "the survivor's shard poisoned")
-        b[1].signal(signal.SIGKILL)
-        _hold_after(hold, None)
-        assert b[0].wait(180) == 0, b[0].log()[-3000:]
-        _, err = ref.communicate(timeout=120)
-    finally:
-        if ref.poll() is None:
-            ref.kill()
-            ref.wait(10)
-    assert ref.returncode == 0, err.decode()[-3000:]
+    extra_b, script_b = _run(tmp_path, "b")
+    hold, poison = tmp_path / "hold", tmp_path / "poison"
+    script_b += ["--hold-file", str(hold), "--poison-file", str(poison), "--live"]
+    trace = tmp_path / "trace-b.jsonl"
+    _hold_after(hold, 9)
+    b = [nodes.start("hsdp-nan", SCRIPT, nnodes="1:2", nproc=2, extra=extra_b,
+                     script_args=script_b) for _ in range(2)]
+    wait_until(lambda: {r["rank"] for r in read_jsonl(trace) if r["step"] >= 9} == {0, 1, 2, 3}, 120,
+               "every rank held after step 9 at world 4")
+    victim = set(b[1].tree())
+    survivor_ranks = {r["rank"] for r in read_jsonl(trace) if r["pid"] not in victim}
+    assert len(survivor_ranks) == 2, survivor_ranks
+    poison.write_text(str(min(survivor_ranks)))
+    done = tmp_path / "poison.done"
+    wait_until(done.exists, 30, "the survivor's shard poisoned")
+    b[1].signal(signal.SIGKILL)
+    _hold_after(hold, None)
+    assert b[0].wait(180) == 0, b[0].log()[-3000:]
+    _reference(reference_dir, tmp_path)
     _check(tmp_path)  # no NaN trained on: the final parameters are the fault-free run's
     log = b[0].log()
     assert "live_shards_not_offered" in log, log[-3000:]
     assert "live_reform_fell_back" in log and "checkpoint_loaded" in log, log[-3000:]
 
 
-def test_fsdp_live_kill_join_and_drain_reshard_in_memory_and_train_the_same_model(nodes, tmp_path):
+def test_fsdp_live_kill_join_and_drain_reshard_in_memory_and_train_the_same_model(nodes, tmp_path,
+                                                                                   reference_dir):
     """Pure FSDP2 with ``--live`` over 2 nodes x 2, peer-RAM replica every 4 steps: a node
     SIGKILLed at step 9 takes half the shards with it; the survivor's two workers (same
     PIDs) rebuild them from the replicas they hold (step 8: one step rolled back, sampler
@@ -248,46 +239,39 @@ def test_fsdp_live_kill_join_and_drain_reshard_in_memory_and_train_the_same_mode
     every rank refreshes the replica at the agreed stop, so the survivor reshards 4 -> 2 in
     memory at step 19 (0 rolled back). No checkpoint is read; the final parameters equal a
     fault-free run's and every sample is trained once (each step's last attempt)."""
-    ref = _start_reference(tmp_path)
-    try:
-        extra_b, script_b = _run(tmp_path, "b")
-        script_b[script_b.index("--mesh") + 1] = "fsdp"
-        hold = tmp_path / "hold"
-        script_b += ["--hold-file", str(hold), "--live", "--peer-replica-every", "4"]
-        trace = tmp_path / "trace-b.jsonl"
-        _hold_after(hold, 9)
-        b = [nodes.start("fsdp-live", SCRIPT, nnodes="1:2", nproc=2, extra=extra_b,
-                         script_args=script_b) for _ in range(2)]
-        wait_until(lambda: any(r["step"] >= 9 and r["rank"] == 3 for r in read_jsonl(trace)), 120,
-                   "step 9 at world 4")
-        victim = set(b[1].tree())
-        survivors = {r["pid"] for r in read_jsonl(trace)} - victim
-        assert len(survivors) == 2, survivors
-        b[1].signal(signal.SIGKILL)
-        at_kill = max(r["round"] or 0 for r in read_jsonl(trace))
-        _hold_after(hold, 14)
-        wait_until(lambda: any((r["round"] or 0) > at_kill and r["rank"] == 1 for r in read_jsonl(trace)),
-                   60, "training at world 2 after the kill")
-        at_shrink = max(r["round"] or 0 for r in read_jsonl(trace))
-        b.append(nodes.start("fsdp-live", SCRIPT, nnodes="1:2", nproc=2, extra=extra_b,
-                             script_args=script_b))
-        wait_until(lambda: any((r["round"] or 0) > at_shrink and r["rank"] == 3 for r in read_jsonl(trace)),
-                   90, "world 4 again after the join")
-        # Phase 4: the joiner drained, all four ranks held after step DRAIN_AT.
-        _hold_after(hold, DRAIN_AT)
-        wait_until(lambda: any((r["round"] or 0) > at_shrink and r["rank"] == 3 and r["step"] >= DRAIN_AT
-                               for r in read_jsonl(trace)), 90, f"step {DRAIN_AT} at world 4")
-        at_join = max(r["round"] or 0 for r in read_jsonl(trace))
-        b[2].signal_agent(signal.SIGTERM)
-        assert b[2].wait(60) == 0, b[2].log()[-3000:]
-        _hold_after(hold, None)
-        assert b[0].wait(120) == 0, b[0].log()[-3000:]
-        _, err = ref.communicate(timeout=120)
-    finally:
-        if ref.poll() is None:
-            ref.kill()
-            ref.wait(10)
-    assert ref.returncode == 0, err.decode()[-3000:]
+    extra_b, script_b = _run(tmp_path, "b")
+    script_b[script_b.index("--mesh") + 1] = "fsdp"
+    hold = tmp_path / "hold"
+    script_b += ["--hold-file", str(hold), "--live", "--peer-replica-every", "4"]
+    trace = tmp_path / "trace-b.jsonl"
+    _hold_after(hold, 9)
+    b = [nodes.start("fsdp-live", SCRIPT, nnodes="1:2", nproc=2, extra=extra_b,
+                     script_args=script_b) for _ in range(2)]
+    wait_until(lambda: any(r["step"] >= 9 and r["rank"] == 3 for r in read_jsonl(trace)), 120,
+               "step 9 at world 4")
+    victim = set(b[1].tree())
+    survivors = {r["pid"] for r in read_jsonl(trace)} - victim
+    assert len(survivors) == 2, survivors
+    b[1].signal(signal.SIGKILL)
+    at_kill = max(r["round"] or 0 for r in read_jsonl(trace))
+    _hold_after(hold, 14)
+    wait_until(lambda: any((r["round"] or 0) > at_kill and r["rank"] == 1 for r in read_jsonl(trace)),
+               60, "training at world 2 after the kill")
+    at_shrink = max(r["round"] or 0 for r in read_jsonl(trace))
+    b.append(nodes.start("fsdp-live", SCRIPT, nnodes="1:2", nproc=2, extra=extra_b,
+                         script_args=script_b))
+    wait_until(lambda: any((r["round"] or 0) > at_shrink and r["rank"] == 3 for r in read_jsonl(trace)),
+               90, "world 4 again after the join")
+    # Phase 4: the joiner drained, all four ranks held after step DRAIN_AT.
+    _hold_after(hold, DRAIN_AT)
+    wait_until(lambda: any((r["round"] or 0) > at_shrink and r["rank"] == 3 and r["step"] >= DRAIN_AT
+                           for r in read_jsonl(trace)), 90, f"step {DRAIN_AT} at world 4")
+    at_join = max(r["round"] or 0 for r in read_jsonl(trace))
+    b[2].signal_agent(signal.SIGTERM)
+    assert b[2].wait(60) == 0, b[2].log()[-3000:]
+    _hold_after(hold, None)
+    assert b[0].wait(120) == 0, b[0].log()[-3000:]
+    _reference(reference_dir, tmp_path)
     _check(tmp_path)
     rows = read_jsonl(trace)
     alone = {r["pid"] for r in rows if at_kill < (r["round"] or 0) <= at_shrink}
