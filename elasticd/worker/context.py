@@ -162,6 +162,7 @@ class WorkerRuntime:
         local_rank = _env_int("LOCAL_RANK", 0)
         device, backend = _device(backend, local_rank)
         if (world > 1 or "MASTER_ADDR" in os.environ) and not dist.is_initialized():
+            _record_sockets_of_new_groups(self)
             choice = _choose_lifecycle(backend, live=agent is not None and agent.live)
             self._lifecycle = pgl.make_lifecycle(choice, backend, timeout_s, device)
             spec = None
@@ -273,6 +274,11 @@ class WorkerRuntime:
     def group_sockets(self) -> frozenset[str]:
         """The "socket:[inode]" links our process groups opened (see the field)."""
         return self._group_sockets
+
+    def note_group_sockets(self, links: frozenset[str]) -> None:
+        """Sockets a process group created after ``init()`` opened (a DeviceMesh's subgroups,
+        a script's own ``new_group``): live re-formation may shut them down too."""
+        self._group_sockets |= links
 
     def group_generation(self) -> int:
         return self._generation
@@ -413,6 +419,39 @@ class WorkerRuntime:
 
 
 _RUNTIME = WorkerRuntime()
+
+
+def _record_sockets_of_new_groups(owner: WorkerRuntime) -> None:
+    """Make every process group this process creates from now on record the sockets it
+    opened with ``owner`` (once per process).
+
+    The world group's and the stop flag's sockets were the only ones known, so a collective
+    of a group the script or torch made later (HSDP's shard and replicate groups from
+    ``init_device_mesh``, an example's own group for its asynchronous saves) that waited on a
+    *surviving* peer could not be woken: that peer had left the old round's collectives for
+    the re-formation, the wait went on until the live bound (30 s) and the workers were
+    restarted from the checkpoint (the suite: an HSDP survivor's rank 0, with every world
+    socket shut down, still waited). torch creates every group through
+    ``distributed_c10d._new_process_group_helper``; it is wrapped to take the sockets that
+    appeared meanwhile, as ``init()`` does for the world group. Groups connect their peers
+    when they are created (a gloo group under ``TORCH_GLOO_LAZY_INIT`` connects at its first
+    collective, and its sockets stay unknown).
+    """
+    from torch.distributed import distributed_c10d as c10d
+
+    original = c10d._new_process_group_helper
+    if getattr(original, "_elasticd_records_sockets", False):
+        return
+
+    def recorded(*args: Any, **kwargs: Any) -> Any:
+        before = socket_links()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            owner.note_group_sockets(frozenset(socket_links() - before))
+
+    recorded._elasticd_records_sockets = True  # type: ignore[attr-defined]
+    c10d._new_process_group_helper = recorded  # type: ignore[assignment]
 
 
 def runtime() -> WorkerRuntime:
