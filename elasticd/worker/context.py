@@ -132,19 +132,16 @@ class WorkerRuntime:
         self._stop = StopAgreement()
         self._old_sigterm: Any = None
         self._guards_installed = False  # teardown guards (once per process)
-        # The sockets our process groups opened ("socket:[inode]" links in /proc/self/fd): the
-        # only ones live re-formation may shut down to wake a wait on a frozen peer.
+        # Our groups' sockets ("socket:[inode]"): all live re-formation may shut down.
         self._group_sockets: frozenset[str] = frozenset()
-        # The newest round the agent ordered this node's live workers into (``reform.json``, as
-        # LiveState's watcher saw it; -1: none). A worker still in an older round leaves its
-        # group at the next agreed step (``should_stop``), as for a park.
+        # The newest round the agent ordered this node's live workers into (``reform.json``; -1:
+        # none). A worker in an older round leaves at the next agreed step, as for a park.
         self._ordered_round = -1
         # A hot spare's worker before its round (ELASTICD_SPARE=1): what init() was asked for
         # and the context it returned (no group); None once admitted, or when not a spare.
         self._ahead: tuple[str | None, float, WorkerContext, int] | None = None  # ..., and our pid
         self._ran_ahead = False  # this worker ran ahead as a spare's, then joined its round
-        # Who forms, leaves and re-forms this worker's process group (one owner: no other
-        # code creates or destroys it); None until init() formed one.
+        # The one owner that forms, leaves and re-forms the group; None until init() formed one.
         self._lifecycle: pgl.GroupLifecycle | None = None
         self._generation = 0  # groups formed so far: a wrapper built on an older one is stale
 
@@ -276,8 +273,7 @@ class WorkerRuntime:
         return self._group_sockets
 
     def note_group_sockets(self, links: frozenset[str]) -> None:
-        """Sockets a process group created after ``init()`` opened (a DeviceMesh's subgroups,
-        a script's own ``new_group``): live re-formation may shut them down too."""
+        """Add a later group's sockets (:func:`_record_sockets_of_new_groups`)."""
         self._group_sockets |= links
 
     def group_generation(self) -> int:
@@ -294,9 +290,8 @@ class WorkerRuntime:
         self._sigterm = True
 
     def _install_teardown_guards(self) -> None:
-        # torch's gloo destructor race (see elasticd.teardown): destroyed groups stay
-        # referenced, our own pending all-reduce is settled before any group goes and at
-        # exit, and a ConfigError ends the process with 78 (also under plain torchrun).
+        # torch's gloo destructor race (elasticd.teardown): destroyed groups stay referenced, our
+        # pending all-reduce settles first, and a ConfigError exits 78 (plain torchrun too).
         if self._guards_installed:
             return
         self._guards_installed = True
@@ -419,6 +414,7 @@ class WorkerRuntime:
 
 
 _RUNTIME = WorkerRuntime()
+_NEW_GROUPS_RECORDED = False  # torch's group helper wrapped (once per process)
 
 
 def _record_sockets_of_new_groups(owner: WorkerRuntime) -> None:
@@ -437,10 +433,11 @@ def _record_sockets_of_new_groups(owner: WorkerRuntime) -> None:
     when they are created (a gloo group under ``TORCH_GLOO_LAZY_INIT`` connects at its first
     collective, and its sockets stay unknown).
     """
+    global _NEW_GROUPS_RECORDED
     from torch.distributed import distributed_c10d as c10d
 
-    original = c10d._new_process_group_helper
-    if getattr(original, "_elasticd_records_sockets", False):
+    original = getattr(c10d, "_new_process_group_helper", None)
+    if _NEW_GROUPS_RECORDED or original is None:  # a torch without it: as before, world only
         return
 
     def recorded(*args: Any, **kwargs: Any) -> Any:
@@ -450,8 +447,8 @@ def _record_sockets_of_new_groups(owner: WorkerRuntime) -> None:
         finally:
             owner.note_group_sockets(frozenset(socket_links() - before))
 
-    recorded._elasticd_records_sockets = True  # type: ignore[attr-defined]
-    c10d._new_process_group_helper = recorded  # type: ignore[assignment]
+    c10d._new_process_group_helper = recorded
+    _NEW_GROUPS_RECORDED = True
 
 
 def runtime() -> WorkerRuntime:

@@ -168,6 +168,8 @@ PRIVATE_MODULE_NAMES: dict[str, str] = {
     "torch.utils._pytree:keystr": "callable",
     # agent/warm.py, teardown.py: imported ahead of the script (DDP's first use imports it)
     "torch:_dynamo": "module",
+    # worker/context.py: every group torch creates, wrapped to record the sockets it opens
+    "torch.distributed.distributed_c10d:_new_process_group_helper": "callable",
     # worker/process_group.py: the default group a reconfigure re-forms in place
     "torch.distributed.distributed_c10d:_get_default_group": "callable",
     # worker/process_group.py: torch 2.14's c10d reconfigure (ReconfigureLifecycle; older
