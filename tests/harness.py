@@ -267,20 +267,15 @@ def read_jsonl(path: Path) -> list[dict]:
         with open(path, "rb") as fh:
             inode = os.fstat(fh.fileno()).st_ino
             seen = _PARSED.get(key)
+            data = b""
             if seen is not None and seen.inode == inode:
-                start = seen.offset - len(seen.check)
-                fh.seek(start)
+                fh.seek(seen.offset - len(seen.check))
                 data = fh.read()
-                if not data.startswith(seen.check):
-                    seen = None
-                else:
-                    data = data[len(seen.check):]
-            else:
-                seen = None
-            if seen is None:
+            if seen is None or seen.inode != inode or not data.startswith(seen.check):
                 fh.seek(0)
                 data = fh.read()
                 seen = _PARSED[key] = _Parsed(inode, 0, b"", [])
+            data = data[len(seen.check):]
     except FileNotFoundError:
         _PARSED.pop(key, None)
         return []

@@ -22,6 +22,7 @@ import shutil
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -151,23 +152,16 @@ def _check(tmp_path) -> None:
     assert accumulation == {4: 1, 2: 2}, accumulation
 
 
-def test_hsdp_live_kill_and_join_keeps_the_survivors_and_their_shards(nodes, tmp_path, reference_dir):
-    """2x2 HSDP with ``--live``: a node SIGKILLed, the survivor's two workers re-form 1x2 in
-    place (same PIDs, their own shards), a joiner gets its shards from a peer (no
-    checkpoint read), 2x2 again: final parameters equal a fault-free run's, every sample
-    once, no completed step trained twice, LR schedule and accumulation carried over."""
-    extra_b, script_b = _run(tmp_path, "b")
-    hold = tmp_path / "hold"
-    script_b += ["--hold-file", str(hold), "--live"]
-    trace = tmp_path / "trace-b.jsonl"
+def _live_kill_then_join(nodes, job: str, extra: list[str], script: list[str], hold: Path,
+                         trace: Path, held: Callable[[list[dict]], bool], what: str
+                         ) -> tuple[list, set[int], int, int]:
+    """2 x 2 ``--live`` held after step 9 (until ``held(rows)``), one node SIGKILLed, the
+    survivors on alone up to step 14, a joiner, world 4 again. Returns the nodes, the
+    survivors' worker PIDs and the rounds at the kill and after the shrink."""
     _hold_after(hold, 9)
-    b = [nodes.start("hsdp-live", SCRIPT, nnodes="1:2", nproc=2, extra=extra_b,
-                     script_args=script_b) for _ in range(2)]
-    # Every rank held after step 9, not only rank 3: a kill while a survivor is still
-    # inside step 9's collectives leaves the survivors a step apart (a torn replica),
-    # which rightly falls back to the checkpoint instead of re-forming in place.
-    wait_until(lambda: {r["rank"] for r in read_jsonl(trace) if r["step"] >= 9} == {0, 1, 2, 3}, 120,
-               "every rank held after step 9 at world 4")
+    b = [nodes.start(job, SCRIPT, nnodes="1:2", nproc=2, extra=extra, script_args=script)
+         for _ in range(2)]
+    wait_until(lambda: held(read_jsonl(trace)), 120, f"{what} at world 4")
     victim = set(b[1].tree())
     survivors = {r["pid"] for r in read_jsonl(trace)} - victim
     assert len(survivors) == 2, survivors
@@ -177,10 +171,27 @@ def test_hsdp_live_kill_and_join_keeps_the_survivors_and_their_shards(nodes, tmp
     wait_until(lambda: any((r["round"] or 0) > at_kill and r["rank"] == 1 for r in read_jsonl(trace)),
                60, "training at world 2 after the kill")
     at_shrink = max(r["round"] or 0 for r in read_jsonl(trace))
-    b.append(nodes.start("hsdp-live", SCRIPT, nnodes="1:2", nproc=2, extra=extra_b,
-                         script_args=script_b))
+    b.append(nodes.start(job, SCRIPT, nnodes="1:2", nproc=2, extra=extra, script_args=script))
     wait_until(lambda: any((r["round"] or 0) > at_shrink and r["rank"] == 3 for r in read_jsonl(trace)),
                90, "world 4 again after the join")
+    return b, survivors, at_kill, at_shrink
+
+
+def test_hsdp_live_kill_and_join_keeps_the_survivors_and_their_shards(nodes, tmp_path, reference_dir):
+    """2x2 HSDP with ``--live``: a node SIGKILLed, the survivor's two workers re-form 1x2 in
+    place (same PIDs, their own shards), a joiner gets its shards from a peer (no
+    checkpoint read), 2x2 again: final parameters equal a fault-free run's, every sample
+    once, no completed step trained twice, LR schedule and accumulation carried over."""
+    extra_b, script_b = _run(tmp_path, "b")
+    hold = tmp_path / "hold"
+    script_b += ["--hold-file", str(hold), "--live"]
+    trace = tmp_path / "trace-b.jsonl"
+    # Every rank held after step 9, not only rank 3: a kill while a survivor is still
+    # inside step 9's collectives leaves the survivors a step apart (a torn replica),
+    # which rightly falls back to the checkpoint instead of re-forming in place.
+    b, survivors, at_kill, at_shrink = _live_kill_then_join(
+        nodes, "hsdp-live", extra_b, script_b, hold, trace, lambda rows: {
+            r["rank"] for r in rows if r["step"] >= 9} == {0, 1, 2, 3}, "every rank held after step 9")
     _hold_after(hold, None)
     for n in (b[0], b[2]):
         assert n.wait(120) == 0, n.log()[-3000:]
@@ -244,24 +255,9 @@ def test_fsdp_live_kill_join_and_drain_reshard_in_memory_and_train_the_same_mode
     hold = tmp_path / "hold"
     script_b += ["--hold-file", str(hold), "--live", "--peer-replica-every", "4"]
     trace = tmp_path / "trace-b.jsonl"
-    _hold_after(hold, 9)
-    b = [nodes.start("fsdp-live", SCRIPT, nnodes="1:2", nproc=2, extra=extra_b,
-                     script_args=script_b) for _ in range(2)]
-    wait_until(lambda: any(r["step"] >= 9 and r["rank"] == 3 for r in read_jsonl(trace)), 120,
-               "step 9 at world 4")
-    victim = set(b[1].tree())
-    survivors = {r["pid"] for r in read_jsonl(trace)} - victim
-    assert len(survivors) == 2, survivors
-    b[1].signal(signal.SIGKILL)
-    at_kill = max(r["round"] or 0 for r in read_jsonl(trace))
-    _hold_after(hold, 14)
-    wait_until(lambda: any((r["round"] or 0) > at_kill and r["rank"] == 1 for r in read_jsonl(trace)),
-               60, "training at world 2 after the kill")
-    at_shrink = max(r["round"] or 0 for r in read_jsonl(trace))
-    b.append(nodes.start("fsdp-live", SCRIPT, nnodes="1:2", nproc=2, extra=extra_b,
-                         script_args=script_b))
-    wait_until(lambda: any((r["round"] or 0) > at_shrink and r["rank"] == 3 for r in read_jsonl(trace)),
-               90, "world 4 again after the join")
+    b, survivors, at_kill, at_shrink = _live_kill_then_join(
+        nodes, "fsdp-live", extra_b, script_b, hold, trace,
+        lambda rows: any(r["step"] >= 9 and r["rank"] == 3 for r in rows), "step 9")
     # Phase 4: the joiner drained, all four ranks held after step DRAIN_AT.
     _hold_after(hold, DRAIN_AT)
     wait_until(lambda: any((r["round"] or 0) > at_shrink and r["rank"] == 3 and r["step"] >= DRAIN_AT
