@@ -119,6 +119,7 @@ _PORTS = random.Random()  # seeded from the OS: a test that seeds ``random`` get
 os.register_at_fork(after_in_child=_PORTS.seed)
 _LOWEST_PORT = 10000
 _START_TRIES = 4  # a first start that lost its port to another process: fresh ports, again
+SINGLE_MEMBER_HEARTBEAT_MS = 10  # raft timing of a lone member (the election timeout is 10x)
 
 
 def _ephemeral_floor() -> int:
@@ -286,6 +287,12 @@ class EmbeddedEtcd:
             "--initial-cluster", f"elasticd={peer_url}",
             "--initial-cluster-state", "new",
             "--log-level", "error",
+            # One member elects itself when its election timer first fires: etcd's default
+            # (1,000 ms, randomised up to twice that, less the tick advance) cost 0.4-1.1 s at
+            # every start and restart. With no peer there is no heartbeat to miss, so a short
+            # timer costs nothing (a cluster's members set their own: ClusterMember).
+            "--heartbeat-interval", str(SINGLE_MEMBER_HEARTBEAT_MS),
+            "--election-timeout", str(10 * SINGLE_MEMBER_HEARTBEAT_MS),
             # Keep history small: elasticd's keys churn every round.
             "--auto-compaction-mode", "revision",
             "--auto-compaction-retention", "10000",
