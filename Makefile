@@ -12,11 +12,8 @@ PYTEST_ARGS ?=
 # side by side took 19 min where one process took 28 (idle). The two hazards that kept the
 # default at 0 are fixed: the embedded etcd picks ports below the ephemeral range and
 # starts again on fresh ones if its port was taken anyway, and the live replay whose ledger
-# figure moved with a neighbour's load runs under `make soak`. Three on two cores: with two,
-# the cores still sat idle for part of the run (tests waiting on etcd outages, TTLs, step
-# sleeps); docs/benchmarks.md ("The test suite") has the figures. The suite is checked
-# beside two busy loops as well, a harder contention than a third worker.
-PYTEST_WORKERS ?= 3
+# figure moved with a neighbour's load runs under `make soak`.
+PYTEST_WORKERS ?= 2
 
 .PHONY: venv test lint unit integration chaos soak demo bench clean compat compat-reconfigure wheel
 
