@@ -338,6 +338,12 @@ def test_freeze_thaw_stop_start_train_every_sample_once(nodes, tmp_path, pipelin
     # A join on the restart path acts at a step boundary, so a node alone in the first
     # round (its peer's agent slow to register under load) trains on until the join acts,
     # and with few steps left it may finish the job first: then the audit still applies.
+    # The hold moves on only once both nodes are in (one round), or the one alone has been
+    # asked to make room for the other: the suite with three workers once spent all of
+    # _step_until_world's steps while a2's agent was still starting its standbys (5 s).
+    wait_until(lambda: all("rendezvous_completed" in n.log() for n in (a, b))
+               or any(e in n.log() for n in (a, b) for e in ("resize_started", "live_park_requested"))
+               or not (a.alive() or b.alive()), 120, "both started nodes in the job")
     if _step_until_world(hold, trace, stopped + 1, two, before + 1,
                          ended=lambda: not (a.alive() or b.alive())) < 0:
         print("after the start one node finished the job before the other joined")
