@@ -16,6 +16,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 
 from elasticd.process import descendants
@@ -302,6 +303,11 @@ def worker_lines(log_text: str, *, local_rank: int = 0) -> list[str]:
                 and obj.get("local_rank") == local_rank:
             out.append(obj["line"])
     return out
+
+
+def event_time(event: dict) -> float:
+    """An agent event's ``timestamp`` (ISO 8601, UTC, ``...Z``) as Unix seconds."""
+    return datetime.fromisoformat(event["timestamp"].replace("Z", "+00:00")).timestamp()
 
 
 def agent_events(log_text: str, event: str) -> list[dict]:

@@ -14,10 +14,9 @@ from __future__ import annotations
 
 import os
 import time
-from datetime import datetime
 
 import pytest
-from harness import ROOT, agent_events, read_jsonl
+from harness import ROOT, agent_events, event_time, read_jsonl
 
 SCRIPT = str(ROOT / "tests" / "workers" / "once.py")
 SOAK = os.environ.get("ELASTICD_SOAK") == "1"
@@ -25,10 +24,10 @@ STARTS = 20 if SOAK else 3
 pytestmark = pytest.mark.timeout(60 + 60 * STARTS)
 
 
-def _first(node, event: str) -> datetime | None:
+def _first(node, event: str) -> float | None:
     """When ``node``'s agent first logged ``event`` (its JSON log's timestamp), or None."""
     found = agent_events(node.log(), event)
-    return datetime.fromisoformat(found[0]["timestamp"]) if found else None
+    return event_time(found[0]) if found else None
 
 
 def test_two_nodes_started_apart_run_a_short_script_once(nodes, tmp_path):

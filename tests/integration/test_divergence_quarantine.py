@@ -6,19 +6,14 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from datetime import datetime
 
 import pytest
-from harness import ROOT, agent_events, wait_until
+from harness import ROOT, agent_events, event_time, wait_until
 
 from elasticd.cli import main
 
 SCRIPT = str(ROOT / "tests" / "workers" / "diverging.py")
 PROBATION_S = 6
-
-
-def _at(event: dict) -> float:
-    return datetime.fromisoformat(event["timestamp"].replace("Z", "+00:00")).timestamp()
 
 
 def _events(endpoint: str, job: str) -> list[dict]:
@@ -59,18 +54,18 @@ def test_a_node_that_diverges_twice_is_quarantined_and_readmitted(nodes, tmp_pat
 
     # Drained (not killed), then admitted again no earlier than its probation's end (its
     # standby slow to import under load may ask to join only after that: no spare wait then).
-    quarantined_at = _at(agent_events(ns[2].log(), "node_quarantined")[0])
+    quarantined_at = event_time(agent_events(ns[2].log(), "node_quarantined")[0])
 
     def back() -> dict | None:
         log = ns[2].log()
         if not agent_events(log, "straggler_drain_started"):
             return None
         return next((e for e in agent_events(log, "rendezvous_completed")
-                     if _at(e) > quarantined_at and e["round"] > q["round"]), None)
+                     if event_time(e) > quarantined_at and e["round"] > q["round"]), None)
 
     again = wait_until(back, 120, lambda: f"n2 drained and admitted again; n2 log: "
                                           f"{ns[2].log()[-3000:]}")
-    assert _at(again) >= quarantined_at + PROBATION_S, "admitted again while on probation"
+    assert event_time(again) >= quarantined_at + PROBATION_S, "admitted again while on probation"
     assert main(["stop", "--job", "quar", "--etcd", ep, "--wait", "0"]) == 0
     for n in ns:
         assert n.wait(120) == 0, n.log()[-3000:]

@@ -24,7 +24,6 @@ import subprocess
 import threading
 import time
 from collections import Counter
-from datetime import datetime
 
 import pytest
 from harness import (
@@ -32,6 +31,7 @@ from harness import (
     ROOT,
     agent_events,
     end_job,
+    event_time,
     example_args,
     read_jsonl,
     trained_samples,
@@ -48,12 +48,13 @@ DATASET = 480
 EPOCH = 20  # steps an epoch at a global batch of 24
 
 
-def _at(event: dict) -> float:
-    return datetime.fromisoformat(event["timestamp"].replace("Z", "+00:00")).timestamp()
-
-
 def _rounds_after(rows: list[dict], round_: int, ranks: set[int]) -> set[int]:
     return {r["rank"] for r in rows if (r["round"] or 0) > round_ and r["rank"] in ranks}
+
+
+def _trained_twice_by_a_worker(rows: list[dict]) -> list[tuple[int, int]]:
+    """(pid, step) of every step one worker process wrote more than once."""
+    return sorted(k for k, c in Counter((r["pid"], r["step"]) for r in rows).items() if c > 1)
 
 
 def _slow_node(node, stop: threading.Event) -> None:
@@ -173,8 +174,8 @@ def test_a_hung_node_then_a_straggler_on_trial_are_ejected_and_nothing_is_traine
     # one round (a restart would retrain the steps since the last checkpoint in a later
     # round). Not "rank 0 wrote every step": the stopped worker may be rank 0, and the step
     # the survivors completed as it stopped has no row of its (its update went with it).
-    per_worker = Counter((r["pid"], r["step"]) for r in rows)
-    assert max(per_worker.values()) == 1, [k for k, v in per_worker.items() if v > 1]
+    twice = _trained_twice_by_a_worker(rows)
+    assert not twice, f"(pid, step) trained twice: {twice}"
     rounds: dict[int, set[int]] = {}
     for r in rows:
         if r["pid"] not in worker:
@@ -256,8 +257,9 @@ def test_a_straggler_is_flagged_drained_and_readmitted_after_its_probation(nodes
     spare = [e for e in agent_events(logs[2], "spare_waiting") if "probation" in e["reason"]]
     # Its probation held: it waited as a spare on probation, or (its agent's standby slow to
     # import under load: 26 s at a load of 30) it asked to join only once that had ended.
-    back = [_at(e) for e in agent_events(logs[2], "rendezvous_completed") if _at(e) > _at(ejection)]
-    assert spare or (back and back[0] >= _at(ejection) + 6), \
+    ejected_at = event_time(ejection)
+    back = [t for t in map(event_time, agent_events(logs[2], "rendezvous_completed")) if t > ejected_at]
+    assert spare or (back and back[0] >= ejected_at + 6), \
         "the ejected node was admitted again while on probation"
     assert not any("live_reform_fell_back" in text for text in logs[:2]), "a survivor restarted"
     rows = read_jsonl(trace)
@@ -269,7 +271,7 @@ def test_a_straggler_is_flagged_drained_and_readmitted_after_its_probation(nodes
     # Nothing rolled back: no worker trained a step twice (a survivor rolled back to a
     # replica would retrain the steps since it; which node is rank 0 is the rendezvous's
     # choice, so the straggler may be).
-    twice = sorted(s for (_, s), c in Counter((r["pid"], r["step"]) for r in rows).items() if c > 1)
+    twice = _trained_twice_by_a_worker(rows)
     assert not twice, f"steps trained twice: {twice}"
     want = Counter((e, i) for e in range(steps // EPOCH) for i in range(DATASET))
     assert trained_samples(trace) == want

@@ -11,10 +11,9 @@ from __future__ import annotations
 
 import os
 import signal
-from datetime import datetime
 
 import pytest
-from harness import ROOT, agent_events, end_job, example_args, read_jsonl, wait_until
+from harness import ROOT, agent_events, end_job, event_time, example_args, read_jsonl, wait_until
 
 SCRIPT = str(ROOT / "examples" / "train.py")
 pytestmark = pytest.mark.timeout(240)
@@ -22,10 +21,6 @@ pytestmark = pytest.mark.timeout(240)
 
 def _args(tmp_path, tag, *extra):
     return ["--checkpoint-url", f"file://{tmp_path}/ckpt-{tag}", *extra]
-
-
-def _at(event):
-    return datetime.fromisoformat(event["timestamp"].replace("Z", "+00:00")).timestamp()
 
 
 def _steps(trace_path):
@@ -58,8 +53,8 @@ def test_a_failed_reformation_falls_back_to_the_restart_path_and_says_why(nodes,
     assert b[0].wait(150) == 0, b[0].log()[-3000:]
     log = b[0].log()
     assert "live_reform_fell_back" in log and "did not re-form within the bound" in log
-    fell_back = _at(agent_events(log, "live_reform_fell_back")[0])
-    next_round = min(t for t in map(_at, agent_events(log, "rendezvous_completed")) if t > fell_back)
+    fell_back = event_time(agent_events(log, "live_reform_fell_back")[0])
+    next_round = min(t for t in map(event_time, agent_events(log, "rendezvous_completed")) if t > fell_back)
     assert next_round - fell_back < 15, f"the stuck worker was stopped {next_round - fell_back:.1f}s after the fallback"
     rows = read_jsonl(trace)
     assert sorted({r["step"] for r in rows}) == list(range(steps))

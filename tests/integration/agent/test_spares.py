@@ -10,7 +10,6 @@ import subprocess
 import sys
 import time
 from collections import Counter
-from datetime import datetime
 from pathlib import Path
 
 import pytest
@@ -18,6 +17,7 @@ from harness import (
     ROOT,
     agent_events,
     end_job,
+    event_time,
     example_args,
     read_jsonl,
     trained_samples,
@@ -45,7 +45,7 @@ def _spare_waiting_since(log: str) -> float:
     """Wall-clock time of the agent's first ``spare_waiting`` event."""
     events = agent_events(log, "spare_waiting")
     assert events, f"no spare_waiting event in the spare's log:\n{log[-3000:]}"
-    return datetime.fromisoformat(events[0]["timestamp"].replace("Z", "+00:00")).timestamp()
+    return event_time(events[0])
 
 
 def test_spare_waits_past_join_timeout_and_replaces_a_killed_member(nodes, etcd_client, tmp_path):
